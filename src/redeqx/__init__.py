@@ -1,0 +1,17 @@
+"""redeqx: distributed training and inference of Equinox models from three
+small functions (``collate_fn``, ``loss_fn``, ``pred_fn``) and one number
+(``n_model_shards``)."""
+
+from ._data import batches as batches, evaluate as evaluate, predict as predict
+from ._mesh import make_mesh as make_mesh
+from ._rules import explain as explain, sharding_rules as sharding_rules
+from ._schedules import lr_schedule as lr_schedule
+from ._state import TrainState as TrainState, init_state as init_state, shard as shard
+from ._steps import (
+    make_eval_step as make_eval_step,
+    make_predict_step as make_predict_step,
+    make_step as make_step,
+    make_train_step as make_train_step,
+)
+
+__version__ = "0.1.0"

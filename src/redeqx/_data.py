@@ -1,0 +1,281 @@
+"""Host-side data: examples -> collated NumPy -> global sharded batches, and
+the `evaluate` / `predict` loops over them."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from tqdm.auto import tqdm
+
+from ._mesh import DATA
+from ._steps import EvalStep, _check_positive_int
+
+
+def _fn_name(fn) -> str:
+    return getattr(fn, "__name__", repr(fn))
+
+
+def collate(collate_fn: Callable, examples: list, n_rows: int):
+    """Runs ``collate_fn`` and checks it gave a tree of numeric arrays with
+    ``n_rows`` rows each."""
+    out = collate_fn(examples)
+    leaves_with_path = jax.tree_util.tree_flatten_with_path(out)[0]
+    if not leaves_with_path:
+        raise ValueError(f"collate_fn {_fn_name(collate_fn)!r} returned no arrays (got {out!r}).")
+    checked = []
+    for kp, leaf in leaves_with_path:
+        where = f"collate_fn {_fn_name(collate_fn)!r} output{jax.tree_util.keystr(kp)}"
+        try:
+            arr = np.asarray(leaf)
+        except ValueError as e:  # ragged nested lists
+            raise ValueError(
+                f"{where} is ragged (rows of different lengths): {e}. Pad every row to one length in collate_fn "
+                "and return NumPy arrays."
+            ) from None
+        if arr.dtype == object or not (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_):
+            raise TypeError(
+                f"{where} has dtype {arr.dtype} ({type(leaf).__name__}); collate_fn must return numeric NumPy "
+                "arrays (pad ragged rows, map strings to ids)."
+            )
+        if arr.ndim == 0 or arr.shape[0] != n_rows:
+            raise ValueError(
+                f"{where} has shape {arr.shape}, but collate_fn got {n_rows} examples: every array needs one row "
+                "per example as its leading dim."
+            )
+        checked.append(arr)
+    return jax.tree.unflatten(jax.tree.structure(out), checked)
+
+
+def local_rows(mesh: Mesh, global_batch: int) -> tuple[int, int]:
+    """The contiguous range of a global batch's rows that this process's
+    devices hold when the batch is split over ``data``."""
+    n_data = mesh.shape[DATA]
+    per = global_batch // n_data
+    me = jax.process_index()
+    mine = [i for i in range(n_data) if any(d.process_index == me for d in mesh.devices[i].flat)]
+    lo, hi = min(mine), max(mine) + 1
+    if hi - lo != len(mine):
+        raise ValueError("this process's devices are not contiguous on the mesh's data axis; build it with make_mesh.")
+    return lo * per, hi * per
+
+
+def to_global(local_batch, mesh: Mesh, global_batch: int):
+    """This process's rows -> global arrays split over ``data``."""
+
+    def one(x):
+        sharding = NamedSharding(mesh, P(DATA, *([None] * (x.ndim - 1))))
+        return jax.make_array_from_process_local_data(sharding, x, (global_batch, *x.shape[1:]))
+
+    return jax.tree.map(one, local_batch)
+
+
+def _global_batch_size(per_device_batch_size, mesh) -> int:
+    per_device_batch_size = _check_positive_int("per_device_batch_size", per_device_batch_size)
+    return per_device_batch_size * mesh.shape[DATA]
+
+
+def _order(n: int, shuffle: bool, key) -> np.ndarray:
+    if not shuffle:
+        return np.arange(n)
+    if key is None:
+        raise ValueError("shuffle=True needs key=: pass e.g. key=jax.random.fold_in(key, epoch) for a new order each epoch.")
+    return np.asarray(jax.random.permutation(key, n))
+
+
+def _padded_batches(examples, collate_fn, per_device_batch_size, mesh, order, start, desc, drop_last, wrap):
+    """Yields ``(global_batch, n_real)``; a short last batch is padded to full
+    size (with the following examples, wrapping around, or with copies of its
+    own last example) so every step sees one shape."""
+    n = len(order)
+    size = _global_batch_size(per_device_batch_size, mesh)
+    n_batches = n // size if drop_last else math.ceil(n / size)
+    lo, hi = local_rows(mesh, size)
+    bar = tqdm(total=n_batches, initial=min(start, n_batches), desc=desc, disable=desc is None or jax.process_index() != 0,
+               leave=False, dynamic_ncols=True)
+    try:
+        for b in range(start, n_batches):
+            rows = order[b * size:(b + 1) * size]
+            n_real = len(rows)
+            if n_real < size:
+                fill = order[: size - n_real] if wrap else np.full(size - n_real, rows[-1])
+                rows = np.concatenate([rows, fill])
+            local = [examples[int(i)] for i in rows[lo:hi]]
+            yield to_global(collate(collate_fn, local, hi - lo), mesh, size), n_real
+            bar.update(1)
+    finally:
+        bar.close()
+
+
+def _check_examples(examples, name="examples"):
+    if not isinstance(examples, Sequence) and not hasattr(examples, "__getitem__"):
+        raise TypeError(f"{name} must be a sequence (list, array) of examples, got {type(examples).__name__}.")
+    if len(examples) == 0:
+        raise ValueError(f"{name} is empty.")
+
+
+def batches(
+    examples: Sequence,
+    collate_fn: Callable[[list], Any],
+    per_device_batch_size: int,
+    mesh: Mesh,
+    *,
+    shuffle: bool = False,
+    key=None,
+    drop_last: bool | None = None,
+    start: int = 0,
+    desc: str | None = None,
+) -> Iterator[Any]:
+    """Global batches of ``per_device_batch_size * data`` rows, split over the
+    mesh's ``data`` axis and replicated over ``model``.
+
+    Each process collates only the rows its own devices hold (``collate_fn``
+    gets a list of examples and returns a dict of NumPy arrays, one row per
+    example) and the rows become one global ``jax.Array`` per entry.
+
+    - ``shuffle=True`` orders examples by ``jax.random.permutation(key, n)``;
+      the same ``key`` gives the same order on every process and every run.
+    - ``drop_last`` (default: ``shuffle``) drops a short last batch;
+      otherwise it is filled up to full size with examples from the start of
+      the order (as distributed samplers do), with a warning.
+    - ``start=i`` skips the first ``i`` batches without collating them, to
+      resume mid-epoch.
+    - ``desc`` shows a progress bar with that title.
+
+    **Example:**
+
+    ```python
+    for epoch in range(n_epochs):
+        for batch in redeqx.batches(train, collate_fn, 32, mesh, shuffle=True,
+                                    key=jax.random.fold_in(key, epoch), desc=f"epoch {epoch}"):
+            state, metrics = train_step(state, batch)
+    ```
+    """
+    _check_examples(examples)
+    if not callable(collate_fn):
+        raise TypeError(f"collate_fn must be a function list[example] -> dict of arrays, got {collate_fn!r}.")
+    size = _global_batch_size(per_device_batch_size, mesh)
+    if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or start < 0:
+        raise ValueError(f"start must be a batch index >= 0, got {start!r}.")
+    if drop_last is None:
+        drop_last = shuffle
+    n = len(examples)
+    if drop_last and n < size:
+        raise ValueError(
+            f"examples has {n} examples, fewer than one global batch of {size} (per_device_batch_size="
+            f"{per_device_batch_size} x data={mesh.shape[DATA]}), so drop_last=True leaves no batch. "
+            "Lower per_device_batch_size or pass drop_last=False."
+        )
+    if not drop_last and n % size:
+        warnings.warn(
+            f"redeqx.batches: the last batch has {n % size} of {size} examples; it is filled up with "
+            f"{size - n % size} examples from the start of the order. Pass drop_last=True to drop it instead.",
+            stacklevel=2,
+        )
+    order = _order(n, shuffle, key)
+    for batch, _ in _padded_batches(examples, collate_fn, per_device_batch_size, mesh, order, start, desc, drop_last, True):
+        yield batch
+
+
+def evaluate(
+    eval_step: EvalStep,
+    model,
+    examples: Sequence,
+    collate_fn: Callable,
+    per_device_batch_size: int,
+    mesh: Mesh,
+    *,
+    key,
+    desc: str | None = None,
+) -> dict[str, float]:
+    """The example-weighted mean of ``eval_step``'s metrics over every example
+    (the last batch is padded and the padding gets weight 0).
+
+    **Example:**
+
+    ```python
+    metrics = redeqx.evaluate(eval_step, state.model, test, collate_fn, 64, mesh, key=key)
+    print(metrics["loss"])
+    ```
+    """
+    if not isinstance(eval_step, EvalStep):
+        raise TypeError(f"eval_step must come from redeqx.make_eval_step, got {type(eval_step).__name__}.")
+    _check_examples(examples)
+    size = _global_batch_size(per_device_batch_size, mesh)
+    totals = None
+    for i, (batch, n_real) in enumerate(
+        _padded_batches(examples, collate_fn, per_device_batch_size, mesh, np.arange(len(examples)), 0, desc, False, False)
+    ):
+        weights = np.zeros(size, np.float32)
+        weights[:n_real] = 1.0
+        weights = to_global(weights[slice(*local_rows(mesh, size))], mesh, size)
+        sums = eval_step.sums(model, batch, jax.random.fold_in(key, i), weights)
+        totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+    return {k: float(v) / len(examples) for k, v in jax.device_get(totals).items()}
+
+
+def to_host(tree):
+    """Device arrays -> NumPy on every process (gathering across processes)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        return multihost_utils.process_allgather(tree, tiled=True)
+    return jax.device_get(tree)
+
+
+def predict(
+    predict_step: Callable,
+    model,
+    examples: Sequence,
+    collate_fn: Callable,
+    per_device_batch_size: int,
+    mesh: Mesh,
+    *,
+    key,
+    output_fn: Callable | None = None,
+    desc: str | None = None,
+) -> list:
+    """One output per example, in the order of ``examples``, on every process.
+
+    The last batch is padded up to full size and the padding's outputs are
+    dropped. Without ``output_fn`` each output is the example's row of every
+    array ``pred_fn`` returned (NumPy); with it, ``output_fn(preds)`` turns a
+    batch of NumPy predictions into a list of per-example outputs (e.g.
+    decoded text).
+
+    **Example:**
+
+    ```python
+    labels = redeqx.predict(predict_step, state.model, test, collate_fn, 64, mesh, key=key)
+    ```
+    """
+    _check_examples(examples)
+    outputs: list = []
+
+    def drain(pending):
+        preds, n_real = pending
+        preds = jax.tree.map(lambda x: np.asarray(x)[:n_real], to_host(preds))
+        if output_fn is not None:
+            got = list(output_fn(preds))
+            if len(got) != n_real:
+                raise ValueError(f"output_fn {_fn_name(output_fn)!r} returned {len(got)} outputs for {n_real} examples.")
+            outputs.extend(got)
+        else:
+            outputs.extend(jax.tree.map(lambda x: x[j], preds) for j in range(n_real))
+
+    pending = None
+    for i, (batch, n_real) in enumerate(
+        _padded_batches(examples, collate_fn, per_device_batch_size, mesh, np.arange(len(examples)), 0, desc, False, False)
+    ):
+        preds = predict_step(model, batch, jax.random.fold_in(key, i))
+        if pending is not None:
+            drain(pending)  # fetch the previous batch while this one computes
+        pending = (preds, n_real)
+    drain(pending)
+    return outputs

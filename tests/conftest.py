@@ -1,0 +1,30 @@
+"""Every test runs on 8 simulated CPU devices; the flag must be set before jax is imported."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+@pytest.fixture
+def getkey():
+    """A fresh PRNG key each call: ``getkey()``."""
+    counter = iter(range(10**9))
+
+    def get():
+        return jax.random.key(next(counter))
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def devices():
+    assert len(jax.devices()) == 8, "tests need 8 simulated CPU devices; was jax imported before conftest?"
+    return jax.devices()
