@@ -3,6 +3,7 @@ small functions (``collate_fn``, ``loss_fn``, ``pred_fn``) and one number
 (``n_model_shards``)."""
 
 from ._data import batches as batches, evaluate as evaluate, predict as predict
+from ._hlo import collective_summary as collective_summary
 from ._mesh import make_mesh as make_mesh
 from ._rules import explain as explain, sharding_rules as sharding_rules
 from ._schedules import lr_schedule as lr_schedule

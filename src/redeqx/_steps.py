@@ -66,7 +66,7 @@ class _CompiledStep:
             donate_argnums=(0,) if self.donate else (),
         )
 
-    def __call__(self, state, *args):
+    def _prepare(self, state):
         leaves, treedef = jax.tree.flatten(state)
         mask = tuple(isinstance(x, (jax.Array, np.ndarray)) for x in leaves)
         dyn = [x for x, m in zip(leaves, mask) if m]
@@ -80,9 +80,18 @@ class _CompiledStep:
             x if isinstance(x, jax.Array) and x.sharding == s else jax.device_put(x, s)
             for x, s in zip(dyn, shardings)
         ]
+        return fn, dyn, treedef, mask, static_leaves
+
+    def __call__(self, state, *args):
+        fn, dyn, treedef, mask, static_leaves = self._prepare(state)
         new_dyn, out = fn(dyn, args)
         it = iter(new_dyn)
         return jax.tree.unflatten(treedef, [next(it) if m else s for m, s in zip(mask, static_leaves)]), out
+
+    def lower(self, state, *args):
+        """``jax.jit(...).lower`` for these arguments (for inspecting the compiled step)."""
+        fn, dyn, *_ = self._prepare(state)
+        return fn.lower(dyn, args)
 
 
 def make_step(step_fn: Callable, mesh: Mesh, *, donate: bool = True) -> Callable:
