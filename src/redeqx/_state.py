@@ -24,8 +24,13 @@ def named_shardings(specs, mesh: Mesh):
     return jax.tree.map(lambda s: None if s is None else NamedSharding(mesh, s), specs, is_leaf=_is_spec)
 
 
+def _is_none(x) -> bool:
+    return x is None
+
+
 def _check_specs_match(tree, specs, what: str) -> None:
-    tree_def = jax.tree.structure(tree)
+    # None fields (e.g. a Linear's missing bias) are leaves on both sides here
+    tree_def = jax.tree.structure(tree, is_leaf=_is_none)
     spec_def = jax.tree.structure(specs, is_leaf=_is_spec)
     if tree_def.num_leaves != spec_def.num_leaves:
         raise ValueError(
@@ -47,7 +52,7 @@ def shard(tree: PyTree, specs: PyTree, mesh: Mesh) -> PyTree:
     ```
     """
     _check_specs_match(tree, specs, "tree")
-    leaves, treedef = jax.tree.flatten(tree)
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_none)
     spec_leaves = jax.tree.leaves(specs, is_leaf=_is_spec)
     out = []
     for leaf, spec in zip(leaves, spec_leaves):
@@ -63,7 +68,7 @@ def _mirror_specs(abstract_state, model, specs):
     parameter's path and has its shape takes that parameter's spec (Adam's mu
     and nu); everything else (counts, scalars) is replicated."""
     by_path: dict[tuple[str, ...], tuple[tuple[int, ...], P]] = {}
-    m_leaves = jax.tree_util.tree_flatten_with_path(model)[0]
+    m_leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_none)[0]
     s_leaves = jax.tree.leaves(specs, is_leaf=_is_spec)
     for (kp, leaf), spec in zip(m_leaves, s_leaves, strict=True):
         if eqx.is_array(leaf):
@@ -93,16 +98,6 @@ class TrainState(eqx.Module):
     opt_state: optax.OptState
     step: Int[Array, ""]
     key: PRNGKeyArray
-
-
-def array_specs(model, specs):
-    """Specs restricted to the array leaves of ``model`` (``None`` elsewhere)."""
-    return jax.tree.map(
-        lambda leaf, spec: spec if eqx.is_array(leaf) else None,
-        model,
-        specs,
-        is_leaf=lambda x: x is None,
-    )
 
 
 def opt_state_specs(optimizer: optax.GradientTransformation, model, specs, trainable=None):
