@@ -2,6 +2,12 @@
 small functions (``collate_fn``, ``loss_fn``, ``pred_fn``) and one number
 (``n_model_shards``)."""
 
+from ._checkpoint import (
+    CheckpointError as CheckpointError,
+    read_metadata as read_metadata,
+    restore_checkpoint as restore_checkpoint,
+    save_checkpoint as save_checkpoint,
+)
 from ._data import batches as batches, evaluate as evaluate, predict as predict
 from ._hlo import collective_summary as collective_summary
 from ._mesh import make_mesh as make_mesh

@@ -209,7 +209,7 @@ def plan(model, mesh: Mesh, overrides: Sequence[tuple[str, P]] = (), fsdp: bool 
     # Pass 1: weights (ndim >= 2).
     biases = []
     for i, (kp, leaf) in enumerate(leaves_with_path):
-        if not eqx.is_array(leaf):
+        if not (eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)):  # abstract models too
             continue
         parts = path_parts(kp)
         path = ".".join(parts)

@@ -71,7 +71,7 @@ def _mirror_specs(abstract_state, model, specs):
     m_leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_none)[0]
     s_leaves = jax.tree.leaves(specs, is_leaf=_is_spec)
     for (kp, leaf), spec in zip(m_leaves, s_leaves, strict=True):
-        if eqx.is_array(leaf):
+        if eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct):  # abstract models too
             by_path[tuple(path_parts(kp))] = (tuple(leaf.shape), spec)
 
     def spec_for(kp, leaf):

@@ -1,0 +1,473 @@
+"""Checkpoints on orbax: `save_checkpoint` / `restore_checkpoint` for one
+checkpoint, `CheckpointManager` for a run's directory of them.
+
+A checkpoint is a directory written by orbax in one atomic commit (orbax
+writes into ``<path>.orbax-checkpoint-tmp-*`` and renames it when every
+process is done), holding three items:
+
+- ``model/``: the model's arrays as a nested dict keyed by the model's
+  attribute path (``layers / 0 / weight``), each device writing its own shards;
+- ``train/``: ``opt_state`` (same naming), ``step``, and ``key`` (the PRNG key's
+  raw ``uint32`` data) when a `TrainState` was saved;
+- ``metadata/metadata``: JSON with ``step``, the caller's fields (``epoch``,
+  ``batch``, ``metrics``, ...), and a ``redeqx`` section: version, each leaf's
+  shape, dtype and checksum.
+
+Reading one without redeqx (plain orbax and NumPy)::
+
+    import orbax.checkpoint as ocp, numpy as np, json, jax
+    params = ocp.PyTreeCheckpointer().restore(
+        f"{path}/model",
+        restore_args=jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
+                                  ocp.PyTreeCheckpointer().metadata(f"{path}/model").item_metadata.tree))
+    params["layers"]["0"]["weight"]            # a NumPy array
+    json.load(open(f"{path}/metadata/metadata"))
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import math
+import os
+import re
+import shutil
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jaxtyping import PyTree
+
+from ._rules import path_parts
+from ._state import TrainState, _check_specs_match, _is_none, _is_spec, _mirror_specs
+
+FORMAT = "redeqx-checkpoint"
+FORMAT_VERSION = 1
+_TMP_MARKER = ".orbax-checkpoint-tmp"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read: the message names its path and the cause."""
+
+
+# ----------------------------------------------------------------------------- trees
+
+
+def _is_arraylike(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
+
+
+def _array_leaves(tree) -> list[tuple[tuple[str, ...], Any]]:
+    """``(attribute path parts, leaf)`` for every array (or abstract array) leaf."""
+    return [(tuple(path_parts(kp)), x) for kp, x in jax.tree_util.tree_flatten_with_path(tree)[0] if _is_arraylike(x)]
+
+
+def _nest(pairs) -> dict:
+    """``[(("layers", "0", "weight"), x), ...]`` -> ``{"layers": {"0": {"weight": x}}}``."""
+    out: dict = {}
+    for parts, x in pairs:
+        node = out
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = x
+    return out
+
+
+def _get(nested: dict, parts: tuple[str, ...]):
+    for p in parts:
+        nested = nested[p]
+    return nested
+
+
+def _is_key(x) -> bool:
+    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _items(state) -> dict[str, list[tuple[tuple[str, ...], Any]]]:
+    """The arrays to save, per orbax item, with the names they get on disk."""
+    if isinstance(state, TrainState):
+        train = [(("opt_state", *parts), x) for parts, x in _array_leaves(state.opt_state)]
+        train.append((("step",), state.step))
+        train.append((("key",), jax.random.key_data(state.key)))
+        return {"model": _array_leaves(state.model), "train": train}
+    if _is_key(state):
+        raise TypeError("state must be a redeqx.TrainState or a model, got a PRNG key.")
+    return {"model": _array_leaves(state)}
+
+
+@jax.jit
+def _checksums(leaves: list) -> jax.Array:
+    """One ``uint32`` per leaf: a position-weighted sum of its bits, wrapping
+    mod 2**32. Integer sums are exact, so a sharded array gives the same value
+    as the same array on one device."""
+
+    def one(x):
+        if x.dtype == jnp.bool_:
+            x = x.astype(jnp.uint8)
+        bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}"))
+        bits = bits.astype(jnp.uint32).reshape(-1)
+        weights = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
+        return jnp.sum(bits * weights, dtype=jnp.uint32)
+
+    return jnp.stack([one(x) for x in leaves]) if leaves else jnp.zeros((0,), jnp.uint32)
+
+
+def _cast(x, dtype):
+    if dtype is None or not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == dtype:
+        return x
+    return x.astype(dtype)
+
+
+# ----------------------------------------------------------------------------- metadata
+
+
+def _to_json(value, where: str):
+    """Metadata values -> JSON; PRNG keys become ``{"prng_key": impl, "data": [...]}``."""
+    if _is_key(value):
+        return {"prng_key": str(jax.random.key_impl(value)), "data": np.asarray(jax.random.key_data(value)).tolist()}
+    if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+        return np.asarray(value).tolist()
+    if isinstance(value, Mapping):
+        return {str(k): _to_json(v, f"{where}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_json(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(
+        f"{where} = {value!r} ({type(value).__name__}) cannot be stored as JSON; pass numbers, strings, lists, "
+        "dicts, arrays or PRNG keys."
+    )
+
+
+def _from_json(value):
+    if isinstance(value, dict):
+        if set(value) == {"prng_key", "data"}:
+            return jax.random.wrap_key_data(np.asarray(value["data"], np.uint32), impl=value["prng_key"])
+        return {k: _from_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_from_json(v) for v in value]
+    return value
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def _metadata_file(path: Path) -> Path:
+    return path / "metadata" / "metadata"
+
+
+def _raw_metadata(path: Path) -> dict:
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"no checkpoint at {path}: the directory does not exist.")
+    if path.name.find(_TMP_MARKER) != -1:
+        raise CheckpointError(f"{path} is an unfinished save (orbax temporary directory), not a checkpoint.")
+    try:
+        meta = json.loads(_metadata_file(path).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(
+            f"checkpoint at {path} is incomplete or corrupted: cannot read {_metadata_file(path)} "
+            f"({type(e).__name__}: {e})."
+        ) from None
+    if not isinstance(meta, dict) or meta.get("redeqx", {}).get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a redeqx checkpoint (its metadata has no redeqx format marker).")
+    return meta
+
+
+def read_metadata(path: str | os.PathLike) -> dict:
+    """The JSON metadata of the checkpoint at ``path``: ``step``, whatever
+    ``metadata=`` was saved (PRNG keys come back as keys), and a ``redeqx``
+    section (version, leaf shapes, dtypes, checksums).
+
+    **Example:**
+
+    ```python
+    meta = redeqx.read_metadata("run/checkpoints/step_000001000")
+    print(meta["step"], meta["metrics"])
+    ```
+    """
+    return _from_json(_raw_metadata(Path(path)))
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def _check_dtype(dtype):
+    if dtype is None:
+        return None
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or not jnp.issubdtype(dt, jnp.floating):
+        raise TypeError(f"dtype must be a floating dtype such as jnp.bfloat16 or None, got {dtype!r}.")
+    return dt
+
+
+def _prepare(state, metadata, dtype):
+    """-> (orbax Composite args, metadata dict). Blocks only for the checksums."""
+    if isinstance(state, TrainState) and not _is_key(state.key):
+        raise TypeError("state.key must be a typed PRNG key (jax.random.key(seed)).")
+    dtype = _check_dtype(dtype)
+    items = {name: [(parts, _cast(x, dtype)) for parts, x in pairs] for name, pairs in _items(state).items()}
+    for name, pairs in items.items():
+        for parts, x in pairs:
+            if not isinstance(x, jax.Array):
+                raise TypeError(
+                    f"state leaf {'.'.join(parts)} is a {type(x).__name__}; save concrete arrays (an abstract "
+                    "tree from eqx.filter_eval_shape has nothing to save)."
+                )
+    if not items["model"]:
+        raise ValueError("state has no arrays to save: pass a redeqx.TrainState or an Equinox model.")
+    user = _to_json(dict(metadata or {}), "metadata")
+    step = int(state.step) if isinstance(state, TrainState) else user.get("step", 0)
+    if "redeqx" in user or ("step" in user and isinstance(state, TrainState) and user["step"] != step):
+        raise ValueError(
+            f"metadata may not set 'redeqx' or a 'step' other than state.step ({step}); got keys {sorted(user)}."
+        )
+    leaves = [x for pairs in items.values() for _, x in pairs]
+    sums = np.asarray(jax.device_get(_checksums(leaves))).tolist()
+    sums_it = iter(sums)
+    info = {
+        name: {
+            ".".join(parts): {"shape": list(x.shape), "dtype": str(x.dtype), "checksum": next(sums_it)}
+            for parts, x in pairs
+        }
+        for name, pairs in items.items()
+    }
+    meta = {
+        **user,
+        "step": step,
+        "redeqx": {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "version": _version(),
+            "kind": "train_state" if isinstance(state, TrainState) else "model",
+            "key_impl": str(jax.random.key_impl(state.key)) if isinstance(state, TrainState) else None,
+            "leaves": info,
+        },
+    }
+    args = {name: ocp.args.StandardSave(_nest(pairs)) for name, pairs in items.items()}
+    args["metadata"] = ocp.args.JsonSave(meta)
+    return ocp.args.Composite(**args), meta
+
+
+def _write(checkpointer, path: Path, args) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        checkpointer.save(path, args=args)
+    except Exception as e:
+        _remove_partial(path)
+        raise CheckpointError(
+            f"could not write the checkpoint to {path} ({type(e).__name__}: {e}). Earlier checkpoints are "
+            "untouched; check that the directory is writable and the disk has room."
+        ) from e
+
+
+def _remove_partial(path: Path) -> None:
+    """Deletes what a failed save left in orbax's temporary directory. Its
+    writer threads may still be finishing, so look again until it stays gone."""
+    if jax.process_index() != 0 or not path.parent.is_dir():
+        return
+    for _ in range(50):
+        leftovers = [p for p in path.parent.iterdir() if p.name.startswith(path.name + _TMP_MARKER)]
+        if not leftovers:
+            return
+        for p in leftovers:
+            shutil.rmtree(p, ignore_errors=True)
+        time.sleep(0.05)
+
+
+def save_checkpoint(
+    path: str | os.PathLike,
+    state: PyTree,
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    dtype=None,
+) -> Path:
+    """Save ``state`` (a `TrainState`, or a bare model) to the new directory
+    ``path`` with orbax, and return the path.
+
+    Each device writes its own shards (nothing is gathered on one host), and
+    the directory appears only once everything is written (orbax writes to a
+    temporary directory and renames it), so a save killed midway leaves no
+    ``path`` behind. The model's arrays are stored under their attribute paths
+    (``layers/0/weight``); the optimizer state, ``step`` and the PRNG key (as its
+    raw ``uint32`` data) under ``train/``.
+
+    - ``metadata``: JSON-able fields to keep with it (``epoch``, ``batch``,
+      ``metrics``...; arrays become lists and PRNG keys are kept as keys), read
+      back with `read_metadata`. ``step`` is added from ``state.step``.
+    - ``dtype=jnp.bfloat16`` casts every floating leaf before writing (half
+      the bytes); `restore_checkpoint` casts back to the dtypes of ``like``.
+
+    **Example:**
+
+    ```python
+    redeqx.save_checkpoint("run/ckpt_100", state, metadata={"epoch": 1, "batch": 0})
+    ```
+    """
+    path = Path(path)
+    if path.exists():
+        raise CheckpointError(f"{path} already exists; save to a new path or delete the old checkpoint first.")
+    args, _ = _prepare(state, metadata, dtype)
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        _write(checkpointer, path, args)
+    return path
+
+
+# ----------------------------------------------------------------------------- restore
+
+
+def _targets(like, mesh: Mesh, specs) -> dict[str, list[tuple[tuple[str, ...], Any, NamedSharding]]]:
+    """Per orbax item: ``(name parts, like leaf, sharding)`` for every array to read."""
+    model = like.model if isinstance(like, TrainState) else like
+    _check_specs_match(model, specs, "model")
+    m_leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_none)[0]
+    s_leaves = jax.tree.leaves(specs, is_leaf=_is_spec)
+    out = {"model": []}
+    for (kp, x), spec in zip(m_leaves, s_leaves, strict=True):
+        if _is_arraylike(x):
+            out["model"].append((tuple(path_parts(kp)), x, NamedSharding(mesh, P() if spec is None else spec)))
+    if isinstance(like, TrainState):
+        os_specs = _mirror_specs(like.opt_state, model, specs)
+        os_leaves = jax.tree.leaves(os_specs, is_leaf=_is_spec)
+        train = []
+        for (kp, x), spec in zip(jax.tree_util.tree_flatten_with_path(like.opt_state, is_leaf=_is_none)[0], os_leaves,
+                                 strict=True):
+            if _is_arraylike(x):
+                train.append((("opt_state", *path_parts(kp)), x, NamedSharding(mesh, spec)))
+        replicated = NamedSharding(mesh, P())
+        train.append((("step",), like.step, replicated))
+        train.append((("key",), jax.eval_shape(jax.random.key_data, like.key), replicated))
+        out["train"] = train
+    return out
+
+
+def _check_match(path: Path, meta: dict, targets) -> None:
+    problems = []
+    for item, wanted in targets.items():
+        saved = meta["redeqx"]["leaves"].get(item)
+        if saved is None:
+            problems.append(f"  the checkpoint has no '{item}' (it holds a {meta['redeqx']['kind']}); "
+                            "restore params only with like=state.model")
+            continue
+        names = set()
+        for parts, x, _ in wanted:
+            name = ".".join(parts)
+            names.add(name)
+            if name not in saved:
+                problems.append(f"  {item}/{name}: in like {tuple(x.shape)}, missing from the checkpoint")
+            elif tuple(saved[name]["shape"]) != tuple(x.shape):
+                problems.append(f"  {item}/{name}: checkpoint {tuple(saved[name]['shape'])}, like {tuple(x.shape)}")
+        problems += [f"  {item}/{name}: in the checkpoint {tuple(saved[name]['shape'])}, not in like"
+                     for name in saved if name not in names]
+    if problems:
+        raise ValueError(
+            f"checkpoint at {path} does not match like:\n" + "\n".join(problems) + "\nBuild like from the same model "
+            "code and config the checkpoint was saved with (e.g. eqx.filter_eval_shape(make_model, key))."
+        )
+
+
+@eqx.filter_jit
+def _cast_to(tree, dtypes):
+    return jax.tree.map(lambda x, d: x.astype(d), tree, dtypes)
+
+
+def restore_checkpoint(path: str | os.PathLike, like: PyTree, mesh: Mesh, specs: PyTree) -> PyTree:
+    """Read the checkpoint at ``path`` into the structure of ``like``, placed
+    on ``mesh`` by ``specs``.
+
+    ``like`` gives structure, shapes and dtypes; it may be abstract, as made
+    by ``eqx.filter_eval_shape``, so the full model is never built in host
+    memory: each device reads only its own shards straight from disk. ``mesh``
+    and ``specs`` (the model's, from `sharding_rules`) need not be those of the
+    run that saved it: a checkpoint saved with ``n_model_shards=1`` restores
+    onto ``n_model_shards=4``. The optimizer state is sharded like the
+    parameters it mirrors, as in `init_state`.
+
+    - ``like`` a `TrainState` restores everything; ``like`` a model restores
+      the parameters only (to fine-tune or predict).
+    - Arrays come back with ``like``'s dtypes (a checkpoint saved with
+      ``dtype=jnp.bfloat16`` is cast back up).
+    - Shapes that differ, or a checkpoint whose checksums don't match its
+      arrays, raise an error naming the paths.
+
+    **Example:**
+
+    ```python
+    like = eqx.filter_eval_shape(redeqx.init_state, model, optimizer, mesh, specs, key=jax.random.key(0))
+    state = redeqx.restore_checkpoint("run/ckpt_100", like, mesh, specs)
+    model = redeqx.restore_checkpoint("run/ckpt_100", model, mesh, specs)   # params only
+    ```
+    """
+    path = Path(path)
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh from redeqx.make_mesh, got {type(mesh).__name__}.")
+    meta = _raw_metadata(path)
+    targets = _targets(like, mesh, specs)
+    _check_match(path, meta, targets)
+    saved = meta["redeqx"]["leaves"]
+    args = {}
+    for item, wanted in targets.items():
+        abstract = [
+            (parts, jax.ShapeDtypeStruct(x.shape, jnp.dtype(saved[item][".".join(parts)]["dtype"]), sharding=sh))
+            for parts, x, sh in wanted
+        ]
+        args[item] = ocp.args.StandardRestore(_nest(abstract))
+    try:
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+            restored = checkpointer.restore(path, args=ocp.args.Composite(**args))
+    except Exception as e:
+        raise CheckpointError(
+            f"checkpoint at {path} is truncated or corrupted: orbax could not read it ({type(e).__name__}: {e})."
+        ) from e
+    arrays = {item: [_get(restored[item], parts) for parts, _, _ in wanted] for item, wanted in targets.items()}
+    sums = np.asarray(jax.device_get(_checksums([x for xs in arrays.values() for x in xs]))).tolist()
+    sums_it = iter(sums)
+    bad = [
+        f"{item}/{'.'.join(parts)}"
+        for item, wanted in targets.items()
+        for parts, _, _ in wanted
+        if next(sums_it) != saved[item][".".join(parts)]["checksum"]
+    ]
+    if bad:
+        raise CheckpointError(
+            f"checkpoint at {path} is corrupted: the data of {', '.join(bad[:10])}{' ...' if len(bad) > 10 else ''} "
+            "does not match the checksum written with it. Restore an earlier checkpoint."
+        )
+    for item, wanted in targets.items():
+        dtypes = [jnp.dtype(like_leaf.dtype) if parts != ("key",) else None for parts, like_leaf, _ in wanted]
+        keep = [i for i, (a, d) in enumerate(zip(arrays[item], dtypes)) if d is not None and a.dtype != d]
+        if keep:
+            cast = _cast_to([arrays[item][i] for i in keep], [dtypes[i] for i in keep])
+            for i, a in zip(keep, cast):
+                arrays[item][i] = a
+    return _rebuild(like, arrays, meta)
+
+
+def _rebuild(like, arrays: dict[str, list], meta: dict):
+    def fill(tree, values):
+        it = iter(values)
+        leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_none)
+        return jax.tree.unflatten(treedef, [next(it) if _is_arraylike(x) else x for x in leaves])
+
+    if not isinstance(like, TrainState):
+        return fill(like, arrays["model"])
+    train = arrays["train"]
+    key = jax.random.wrap_key_data(train[-1], impl=meta["redeqx"]["key_impl"])
+    return TrainState(model=fill(like.model, arrays["model"]), opt_state=fill(like.opt_state, train[:-2]),
+                      step=train[-2], key=key)

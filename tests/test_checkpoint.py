@@ -1,0 +1,218 @@
+"""save_checkpoint / restore_checkpoint: round trips, re-sharding, params-only,
+dtype casts, reading without redeqx, and faults (shape mismatch, corruption,
+unwritable paths)."""
+
+import json
+import resource
+import signal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+import redeqx
+
+
+def make_model(key):
+    return eqx.nn.MLP(8, 4, 16, depth=2, key=key)
+
+
+OPT = optax.adamw(1e-2)
+
+
+def arrays(tree):
+    """Every array leaf as NumPy (PRNG keys as their raw data)."""
+    leaves = jax.tree.leaves(eqx.filter(tree, eqx.is_array))
+    return [np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x) for x in leaves]
+
+
+def assert_same(a, b):
+    xs, ys = arrays(a), arrays(b)
+    assert len(xs) == len(ys)
+    for x, y in zip(xs, ys):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(x, y)
+
+
+def trained_state(mesh, key=0):
+    model = make_model(jax.random.key(key))
+    specs = redeqx.sharding_rules(model, mesh)
+    state = redeqx.init_state(model, OPT, mesh, specs, key=jax.random.key(1))
+
+    def loss_fn(model, batch, key):
+        return jnp.mean((jax.vmap(model)(batch["x"]) - batch["y"]) ** 2)
+
+    step = redeqx.make_train_step(loss_fn, OPT, mesh, specs)
+    batch = {"x": jnp.ones((8, 8)), "y": jnp.zeros((8, 4))}
+    state, _ = step(state, batch)  # non-trivial Adam moments and a split key
+    return state, specs
+
+
+def abstract_like(mesh):
+    model = eqx.filter_eval_shape(make_model, jax.random.key(0))
+    specs = redeqx.sharding_rules(model, mesh)
+    return eqx.filter_eval_shape(redeqx.init_state, model, OPT, mesh, specs, key=jax.random.key(0)), specs
+
+
+def test_round_trip_same_mesh(tmp_path):
+    mesh = redeqx.make_mesh(2)
+    state, specs = trained_state(mesh)
+    key = jax.random.key(7)
+    redeqx.save_checkpoint(tmp_path / "c", state, metadata={"epoch": 3, "batch": 5, "data_key": key,
+                                                           "metrics": {"acc": np.float32(0.25)}})
+    restored = redeqx.restore_checkpoint(tmp_path / "c", state, mesh, specs)
+    assert_same(state, restored)
+    assert int(restored.step) == 1
+    meta = redeqx.read_metadata(tmp_path / "c")
+    assert meta["step"] == 1 and meta["epoch"] == 3 and meta["batch"] == 5 and meta["metrics"] == {"acc": 0.25}
+    assert meta["redeqx"]["version"] == redeqx.__version__
+    np.testing.assert_array_equal(jax.random.key_data(meta["data_key"]), jax.random.key_data(key))
+
+
+@pytest.mark.parametrize("saved, restored", [(1, 4), (4, 2)])
+def test_restore_onto_another_mesh_from_abstract(tmp_path, saved, restored):
+    state, _ = trained_state(redeqx.make_mesh(saved))
+    redeqx.save_checkpoint(tmp_path / "c", state)
+    mesh = redeqx.make_mesh(restored)
+    like, specs = abstract_like(mesh)
+    out = redeqx.restore_checkpoint(tmp_path / "c", like, mesh, specs)
+    assert_same(state, out)
+    w = out.model.layers[0].weight
+    assert w.sharding.mesh.shape["model"] == restored and w.sharding.spec == specs.layers[0].weight
+    # Adam's moments are split like the weight they belong to, as init_state does
+    assert out.opt_state[0].mu.layers[0].weight.sharding.spec == specs.layers[0].weight
+
+
+def test_params_only(tmp_path):
+    mesh = redeqx.make_mesh(2)
+    state, specs = trained_state(mesh)
+    redeqx.save_checkpoint(tmp_path / "train", state)
+    model = redeqx.restore_checkpoint(tmp_path / "train", make_model(jax.random.key(9)), mesh, specs)
+    assert_same(state.model, model)
+    # a bare model saves and restores too, but cannot fill a TrainState
+    redeqx.save_checkpoint(tmp_path / "model", state.model)
+    assert_same(state.model, redeqx.restore_checkpoint(tmp_path / "model", state.model, mesh, specs))
+    with pytest.raises(ValueError, match="like=state.model"):
+        redeqx.restore_checkpoint(tmp_path / "model", state, mesh, specs)
+
+
+def test_dtype_cast_on_save(tmp_path):
+    mesh = redeqx.make_mesh(2)
+    state, specs = trained_state(mesh)
+    redeqx.save_checkpoint(tmp_path / "bf16", state.model, dtype=jnp.bfloat16)
+    meta = redeqx.read_metadata(tmp_path / "bf16")
+    assert {v["dtype"] for v in meta["redeqx"]["leaves"]["model"].values()} == {"bfloat16"}
+    out = redeqx.restore_checkpoint(tmp_path / "bf16", state.model, mesh, specs)
+    for x, y in zip(arrays(state.model), arrays(out)):
+        assert y.dtype == np.float32
+        np.testing.assert_array_equal(x.astype(jnp.bfloat16).astype(np.float32), y)
+    with pytest.raises(TypeError, match="dtype"):
+        redeqx.save_checkpoint(tmp_path / "int", state.model, dtype=jnp.int8)
+
+
+def test_read_without_redeqx(tmp_path):
+    """The recipe in redeqx._checkpoint's docstring: plain orbax + NumPy, names = attribute paths."""
+    state, _ = trained_state(redeqx.make_mesh(2))
+    redeqx.save_checkpoint(tmp_path / "c", state)
+    path = tmp_path / "c"
+    tree = ocp.PyTreeCheckpointer().metadata(path / "model").item_metadata.tree
+    params = ocp.PyTreeCheckpointer().restore(
+        path / "model", restore_args=jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    )
+    assert isinstance(params["layers"]["0"]["weight"], np.ndarray)
+    np.testing.assert_array_equal(params["layers"]["0"]["weight"], state.model.layers[0].weight)
+    assert json.loads((path / "metadata" / "metadata").read_text())["step"] == 1
+
+
+def test_sharding_rules_of_abstract_model_match_concrete():
+    mesh = redeqx.make_mesh(4)
+    concrete = redeqx.sharding_rules(make_model(jax.random.key(0)), mesh)
+    abstract = redeqx.sharding_rules(eqx.filter_eval_shape(make_model, jax.random.key(0)), mesh)
+    assert jax.tree.leaves(concrete) == jax.tree.leaves(abstract)
+
+
+def test_shape_mismatch_names_paths(tmp_path):
+    mesh = redeqx.make_mesh(2)
+    state, _ = trained_state(mesh)
+    redeqx.save_checkpoint(tmp_path / "c", state.model)
+    other = eqx.nn.MLP(8, 4, 32, depth=2, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"layers\.0\.weight: checkpoint \(16, 8\), like \(32, 8\)") as e:
+        redeqx.restore_checkpoint(tmp_path / "c", other, mesh, redeqx.sharding_rules(other, mesh))
+    assert str(tmp_path / "c") in str(e.value) and "layers.1.weight" in str(e.value)
+
+
+def _data_files(path):
+    return sorted((p for p in (path / "model").rglob("*") if p.is_file() and p.parent.name == "d"),
+                  key=lambda p: p.stat().st_size)
+
+
+def test_truncated_checkpoint_names_path(tmp_path):
+    mesh = redeqx.make_mesh(2)
+    state, specs = trained_state(mesh)
+    redeqx.save_checkpoint(tmp_path / "c", state)
+    biggest = _data_files(tmp_path / "c")[-1]
+    biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
+    with pytest.raises(redeqx.CheckpointError, match=str(tmp_path / "c")):
+        redeqx.restore_checkpoint(tmp_path / "c", state, mesh, specs)
+
+
+def test_flipped_bytes_are_caught(tmp_path):
+    mesh = redeqx.make_mesh(2)
+    state, specs = trained_state(mesh)
+    redeqx.save_checkpoint(tmp_path / "c", state.model)
+    biggest = _data_files(tmp_path / "c")[-1]
+    data = bytearray(biggest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    biggest.write_bytes(bytes(data))
+    with pytest.raises(redeqx.CheckpointError, match=str(tmp_path / "c")):
+        redeqx.restore_checkpoint(tmp_path / "c", state.model, mesh, specs)
+
+
+def test_missing_or_broken_metadata(tmp_path):
+    mesh = redeqx.make_mesh(2)
+    state, specs = trained_state(mesh)
+    with pytest.raises(redeqx.CheckpointError, match="does not exist"):
+        redeqx.restore_checkpoint(tmp_path / "nope", state, mesh, specs)
+    redeqx.save_checkpoint(tmp_path / "c", state)
+    (tmp_path / "c" / "metadata" / "metadata").write_text('{"step": ')
+    with pytest.raises(redeqx.CheckpointError, match="incomplete or corrupted"):
+        redeqx.restore_checkpoint(tmp_path / "c", state, mesh, specs)
+
+
+def test_bad_save_input(tmp_path):
+    state, _ = trained_state(redeqx.make_mesh(2))
+    with pytest.raises(TypeError, match=r"metadata\['when'\]"):
+        redeqx.save_checkpoint(tmp_path / "a", state, metadata={"when": object()})
+    redeqx.save_checkpoint(tmp_path / "b", state)
+    with pytest.raises(redeqx.CheckpointError, match="already exists"):
+        redeqx.save_checkpoint(tmp_path / "b", state)
+
+
+def test_unwritable_path(tmp_path):
+    state, _ = trained_state(redeqx.make_mesh(2))
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(redeqx.CheckpointError, match="could not write"):
+        redeqx.save_checkpoint(tmp_path / "file" / "c", state)
+
+
+def test_full_disk_leaves_earlier_checkpoints(tmp_path):
+    """A write that fails midway (here: a file-size limit, as a full disk
+    would) raises, leaves no checkpoint behind, and the earlier one restores."""
+    mesh = redeqx.make_mesh(2)
+    state, specs = trained_state(mesh)
+    redeqx.save_checkpoint(tmp_path / "old", state)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (256, hard))
+    try:
+        with pytest.raises(redeqx.CheckpointError, match="could not write"):
+            redeqx.save_checkpoint(tmp_path / "new", state)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]
+    assert_same(state, redeqx.restore_checkpoint(tmp_path / "old", state, mesh, specs))
