@@ -10,6 +10,7 @@ from ._checkpoint import (
 )
 from ._data import batches as batches, evaluate as evaluate, predict as predict
 from ._hlo import collective_summary as collective_summary
+from ._logging import Logger as Logger
 from ._mesh import make_mesh as make_mesh
 from ._rules import explain as explain, sharding_rules as sharding_rules
 from ._schedules import lr_schedule as lr_schedule

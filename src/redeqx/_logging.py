@@ -1,0 +1,211 @@
+"""`Logger`: metrics to TensorBoard and JSONL, messages to the console and a
+log file, predictions to JSON, optionally wandb; process 0 only.
+
+Files under ``workdir``::
+
+    tensorboard/events.out.tfevents.*   scalars, for `tensorboard --logdir workdir`
+    metrics.jsonl                       one {"step": ..., **metrics} line per `log`
+    log.txt                             every `info` message, timestamped
+    outputs/<name>_step<step>.json      every `save_outputs`
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import math
+import os
+import sys
+import time
+import weakref
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+
+def _jsonable(x):
+    if isinstance(x, Mapping):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        return np.asarray(x).tolist()
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    raise TypeError(f"cannot write {type(x).__name__} {x!r} as JSON; give numbers, strings, lists, dicts or arrays.")
+
+
+def _check_count(name: str, value) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0):
+        raise ValueError(f"{name} must be a count >= 0 of items since the previous log call, got {value!r}.")
+
+
+class Logger:
+    """Where a run's numbers and messages go. Only process 0 writes; on other
+    processes every method does nothing, so call them unconditionally.
+
+    - ``log(metrics, step, *, examples=None, tokens=None)`` writes the scalars
+      in ``metrics`` (device arrays are fetched) to TensorBoard and every value
+      to ``metrics.jsonl``. ``examples`` / ``tokens`` are how many examples and
+      tokens were processed since the previous ``log``; the logger adds
+      ``examples_per_s`` / ``tokens_per_s`` over that interval, and on the
+      first call ``time_to_first_step_s``, the wall time since the logger was
+      made (so: make it just before the loop; it includes the compile).
+    - ``info(msg)`` prints ``msg`` and appends it to ``log.txt``.
+    - ``save_outputs(outputs, name, step)`` writes predictions as JSON.
+    - ``bar(iterable, ...)`` wraps an iterable in a tqdm bar that ``log``
+      annotates with the latest ``loss`` and ``learning_rate``.
+    - ``wandb=dict(project=..., ...)`` also sends metrics to Weights & Biases
+      (``wandb.init(**wandb)``); wandb is imported only then and is never
+      required otherwise.
+
+    ``step`` is the optimizer step count (``state.step``), the x axis of every
+    plot.
+
+    **Example:**
+
+    ```python
+    logger = redeqx.Logger("runs/mnist")
+    for batch in logger.bar(redeqx.batches(train, collate_fn, 32, mesh), desc="train"):
+        state, metrics = train_step(state, batch)
+        logger.log(metrics, int(state.step), examples=len(batch["x"]))
+    logger.close()
+    ```
+    """
+
+    def __init__(self, workdir: str | os.PathLike, *, tensorboard: bool = True, wandb: Mapping[str, Any] | None = None):
+        self.workdir = Path(workdir)
+        self.active = jax.process_index() == 0
+        self._t_start = self._t_last = time.perf_counter()
+        self._first = True
+        self._bar = None
+        self._tb = None
+        self._wandb = None
+        if wandb is not None and not isinstance(wandb, Mapping):
+            raise TypeError(f"wandb must be a dict of wandb.init keyword arguments or None, got {wandb!r}.")
+        if not self.active:
+            return
+        try:
+            self.workdir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OSError(f"Logger cannot create workdir {self.workdir}: {e}. Pass a writable directory.") from e
+        self._jsonl = open(self.workdir / "metrics.jsonl", "a")
+        self._log = logging.getLogger(f"redeqx.{self.workdir.resolve()}")
+        self._log.setLevel(logging.INFO)
+        self._log.propagate = False
+        self._log.handlers.clear()
+        fmt = logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%d %H:%M:%S")
+        self._file = logging.FileHandler(self.workdir / "log.txt")
+        self._console = logging.StreamHandler(sys.stdout)
+        for handler in (self._file, self._console):
+            handler.setFormatter(fmt)
+            self._log.addHandler(handler)
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(logdir=str(self.workdir / "tensorboard"))
+        ref = weakref.ref(self)
+        atexit.register(lambda: ref() is not None and ref().close())
+        if wandb is not None:
+            try:
+                import wandb as wandb_module
+            except ImportError:
+                raise ImportError("Logger(wandb=...) needs wandb: pip install wandb, or pass wandb=None.") from None
+            self._wandb = wandb_module.init(**dict(wandb))
+
+    def log(self, metrics: Mapping[str, Any], step: int, *, examples: int | None = None, tokens: int | None = None) -> dict:
+        """Write ``metrics`` at ``step``; returns what was written (with throughput)."""
+        if not isinstance(metrics, Mapping):
+            raise TypeError(f"metrics must be a dict of name -> value, got {type(metrics).__name__}.")
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+            raise TypeError(f"step must be an int (e.g. int(state.step)), got {step!r}.")
+        _check_count("examples", examples)
+        _check_count("tokens", tokens)
+        values = _jsonable(jax.device_get(dict(metrics)))  # one fetch for all; waits for the step
+        now = time.perf_counter()
+        elapsed = max(now - self._t_last, 1e-9)
+        if self._first:
+            values["time_to_first_step_s"] = now - self._t_start
+            self._first = False
+        if examples is not None:
+            values["examples_per_s"] = examples / elapsed
+        if tokens is not None:
+            values["tokens_per_s"] = tokens / elapsed
+        self._t_last = now
+        if not self.active:
+            return values
+        self._jsonl.write(json.dumps({"step": int(step), **values}) + "\n")
+        self._jsonl.flush()
+        scalars = {k: float(v) for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, int(step))
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(values, step=int(step))
+        if self._bar is not None:
+            shown = {k: f"{scalars[k]:.4g}" for k in ("loss", "learning_rate", "lr") if k in scalars and math.isfinite(scalars[k])}
+            self._bar.set_postfix(shown, refresh=False)
+        return values
+
+    def info(self, msg: str) -> None:
+        """Print ``msg`` (above any progress bar) and append it to ``log.txt``."""
+        if not self.active:
+            return
+        if self._bar is None:
+            self._log.info(str(msg))
+            return
+        self._file.handle(self._log.makeRecord(self._log.name, logging.INFO, __file__, 0, str(msg), None, None))
+        tqdm.write(str(msg))  # keeps the bar intact
+
+    def save_outputs(self, outputs: Any, name: str, step: int) -> Path | None:
+        """Write ``outputs`` (e.g. `predict`'s list) to ``outputs/<name>_step<step>.json``."""
+        if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
+            raise ValueError(f"name must be a plain file name such as 'test_preds', got {name!r}.")
+        if not self.active:
+            return None
+        path = self.workdir / "outputs" / f"{name}_step{int(step)}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(_jsonable(outputs), indent=1))
+        os.replace(tmp, path)
+        return path
+
+    def bar(self, iterable: Iterable, *, total: int | None = None, desc: str | None = None) -> Iterable:
+        """``iterable`` with a progress bar (process 0) that `log` annotates with loss and learning rate."""
+        if not self.active:
+            yield from iterable
+            return
+        self._bar = tqdm(iterable, total=total, desc=desc, leave=False, dynamic_ncols=True)
+        try:
+            yield from self._bar
+        finally:
+            self._bar.close()
+            self._bar = None
+
+    def close(self) -> None:
+        """Flush and close every file (also done at interpreter exit)."""
+        if not self.active:
+            return
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+        if not self._jsonl.closed:
+            self._jsonl.close()
+        for handler in list(self._log.handlers):
+            handler.close()
+            self._log.removeHandler(handler)
+
+    def __enter__(self) -> Logger:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
