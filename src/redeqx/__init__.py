@@ -8,6 +8,7 @@ from ._checkpoint import (
     restore_checkpoint as restore_checkpoint,
     save_checkpoint as save_checkpoint,
 )
+from ._constrain import constrain as constrain
 from ._data import batches as batches, evaluate as evaluate, predict as predict
 from ._hlo import collective_summary as collective_summary
 from ._logging import Logger as Logger

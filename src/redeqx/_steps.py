@@ -84,14 +84,16 @@ class _CompiledStep:
 
     def __call__(self, state, *args):
         fn, dyn, treedef, mask, static_leaves = self._prepare(state)
-        new_dyn, out = fn(dyn, args)
+        with jax.set_mesh(self.mesh):  # so redeqx.constrain inside step_fn sees the mesh
+            new_dyn, out = fn(dyn, args)
         it = iter(new_dyn)
         return jax.tree.unflatten(treedef, [next(it) if m else s for m, s in zip(mask, static_leaves)]), out
 
     def lower(self, state, *args):
         """``jax.jit(...).lower`` for these arguments (for inspecting the compiled step)."""
         fn, dyn, *_ = self._prepare(state)
-        return fn.lower(dyn, args)
+        with jax.set_mesh(self.mesh):
+            return fn.lower(dyn, args)
 
 
 def make_step(step_fn: Callable, mesh: Mesh, *, donate: bool = True) -> Callable:
@@ -339,10 +341,12 @@ class EvalStep:
         self.mesh = mesh
 
     def __call__(self, model, batch, key):
-        return self._means(model, batch, key)
+        with jax.set_mesh(self.mesh):
+            return self._means(model, batch, key)
 
     def sums(self, model, batch, key, weights):
-        return self._sums(model, batch, key, weights)
+        with jax.set_mesh(self.mesh):
+            return self._sums(model, batch, key, weights)
 
 
 def make_eval_step(loss_fn: Callable, mesh: Mesh, specs, *, compute_dtype=None) -> EvalStep:
@@ -396,4 +400,11 @@ def make_predict_step(pred_fn: Callable, mesh: Mesh, specs) -> Callable:
                 )
         return out
 
-    return eqx.filter_jit(predict_step)
+    jitted = eqx.filter_jit(predict_step)
+
+    @functools.wraps(pred_fn)
+    def run(model, batch, key):
+        with jax.set_mesh(mesh):  # so redeqx.constrain inside pred_fn sees the mesh
+            return jitted(model, batch, key)
+
+    return run

@@ -1,0 +1,5 @@
+"""Equinox models that load and save Hugging Face checkpoints, laid out so
+that `redeqx.sharding_rules` gives the Megatron-LM plan with no overrides."""
+
+from ._hf import from_pretrained as from_pretrained, save_pretrained as save_pretrained
+from ._llama import LlamaConfig as LlamaConfig, LlamaForCausalLM as LlamaForCausalLM

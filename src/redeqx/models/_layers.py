@@ -1,0 +1,176 @@
+"""Small layers shared by the model families: one unbatched example at a time
+(batch with ``jax.vmap``), weights in PyTorch's ``(out, in)`` layout so that
+Hugging Face tensors load without a transpose and the sharding rules read
+them as Equinox ``Linear`` weights."""
+
+from __future__ import annotations
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+
+from .._constrain import constrain
+from .._mesh import MODEL
+
+INIT_STD = 0.02  # the initializer_range of the Hugging Face configs
+
+
+def _last(v: Array, ndim: int) -> Array:
+    """A ``(dim,)`` vector shaped to broadcast against the last axis of a rank-``ndim`` array."""
+    return v.reshape((1,) * (ndim - 1) + v.shape)
+
+
+class Linear(eqx.Module):
+    """``y = x @ weight.T + bias`` with ``weight`` of shape ``(out, in)``."""
+
+    weight: Float[Array, "out in"]
+    bias: Float[Array, " out"] | None
+
+    def __init__(self, n_in: int, n_out: int, *, bias: bool, key: PRNGKeyArray, dtype=jnp.float32):
+        self.weight = INIT_STD * jax.random.normal(key, (n_out, n_in), dtype)
+        self.bias = jnp.zeros((n_out,), dtype) if bias else None
+
+    def __call__(self, x: Float[Array, "*batch in"]) -> Float[Array, "*batch out"]:
+        y = x @ self.weight.T.astype(x.dtype)
+        return y if self.bias is None else y + _last(self.bias.astype(x.dtype), y.ndim)
+
+
+class Embedding(eqx.Module):
+    """A ``(vocab, dim)`` table; ``__call__`` looks rows up, `attend` is the tied LM head."""
+
+    weight: Float[Array, "vocab dim"]
+
+    def __init__(self, vocab: int, dim: int, *, key: PRNGKeyArray, dtype=jnp.float32):
+        self.weight = INIT_STD * jax.random.normal(key, (vocab, dim), dtype)
+
+    def __call__(self, ids: Int[Array, " seq"]) -> Float[Array, "seq dim"]:
+        return jnp.take(self.weight, ids, axis=0)
+
+    def attend(self, x: Float[Array, "seq dim"]) -> Float[Array, "seq vocab"]:
+        return x @ self.weight.T.astype(x.dtype)
+
+
+class RMSNorm(eqx.Module):
+    weight: Float[Array, " dim"]
+    eps: float = eqx.field(static=True)
+
+    def __init__(self, dim: int, eps: float, dtype=jnp.float32):
+        self.weight = jnp.ones((dim,), dtype)
+        self.eps = eps
+
+    def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
+        x32 = x.astype(jnp.float32)  # statistics in float32, also under bf16 compute
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + self.eps)
+        return _last(self.weight.astype(x.dtype), x.ndim) * x32.astype(x.dtype)
+
+
+class LayerNorm(eqx.Module):
+    weight: Float[Array, " dim"]
+    bias: Float[Array, " dim"]
+    eps: float = eqx.field(static=True)
+
+    def __init__(self, dim: int, eps: float, dtype=jnp.float32):
+        self.weight = jnp.ones((dim,), dtype)
+        self.bias = jnp.zeros((dim,), dtype)
+        self.eps = eps
+
+    def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, -1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), -1, keepdims=True)
+        y = ((x32 - mean) * jax.lax.rsqrt(var + self.eps)).astype(x.dtype)
+        return y * _last(self.weight.astype(x.dtype), y.ndim) + _last(self.bias.astype(x.dtype), y.ndim)
+
+
+class KVCache(eqx.Module):
+    """Keys and values of one attention layer for ``max_len`` slots."""
+
+    k: Float[Array, "max_len kv_heads head_dim"]
+    v: Float[Array, "max_len kv_heads head_dim"]
+
+    @staticmethod
+    def empty(max_len: int, kv_heads: int, head_dim: int, dtype) -> "KVCache":
+        z = constrain(jnp.zeros((max_len, kv_heads, head_dim), dtype), P(None, MODEL, None))
+        return KVCache(z, z)
+
+
+class Cache(eqx.Module):
+    """The decoding state of a decoder-only model for one sequence.
+
+    ``index`` is the next free slot, ``position`` the next token's position
+    (they differ by the number of padding slots), ``valid[s]`` whether slot
+    ``s`` holds a real token.
+    """
+
+    layers: list[KVCache]
+    valid: Bool[Array, " max_len"]
+    index: Int[Array, ""]
+    position: Int[Array, ""]
+
+
+def heads(x: Float[Array, "seq features"], n: int) -> Float[Array, "seq heads head_dim"]:
+    """Split projected features into heads, the heads split over ``model``."""
+    return constrain(x.reshape(x.shape[0], n, -1), P(None, MODEL, None))
+
+
+def attention(
+    q: Float[Array, "q_seq q_heads head_dim"],
+    k: Float[Array, "kv_seq kv_heads head_dim"],
+    v: Float[Array, "kv_seq kv_heads head_dim"],
+    mask: Bool[Array, "q_seq kv_seq"],
+    *,
+    scale: float,
+    bias: Float[Array, "q_heads q_seq kv_seq"] | None = None,
+) -> Float[Array, "q_seq q_heads head_dim"]:
+    """Softmax attention with grouped query heads (``q_heads`` a multiple of
+    ``kv_heads``; query head ``h`` reads KV head ``h // (q_heads / kv_heads)``).
+    Scores and softmax in float32."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(t, hkv, hq // hkv, d)  # (T, Hkv, G, D)
+    scores = jnp.einsum("tkgd,skd->kgts", qg, k, preferred_element_type=jnp.float32) * scale
+    if bias is not None:
+        scores = scores + bias.reshape(hkv, hq // hkv, *bias.shape[1:]).astype(jnp.float32)
+    scores = jnp.where(mask[None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("kgts,skd->tkgd", probs, v)
+    return out.reshape(t, hq, d)
+
+
+def update_cache(layer: KVCache, k, v, index) -> KVCache:
+    """Write ``k``/``v`` of the new tokens into slots ``index, index + 1, ...``."""
+    k = jax.lax.dynamic_update_slice_in_dim(layer.k, k.astype(layer.k.dtype), index, axis=0)
+    v = jax.lax.dynamic_update_slice_in_dim(layer.v, v.astype(layer.v.dtype), index, axis=0)
+    return KVCache(k, v)
+
+
+def causal_mask(valid_keys: Bool[Array, " kv_seq"], first_slot, n_queries: int) -> Bool[Array, "q_seq kv_seq"]:
+    """Query ``t`` (in slot ``first_slot + t``) sees valid keys in slots up to its own."""
+    q_slot = first_slot + jnp.arange(n_queries)[:, None]
+    k_slot = jnp.arange(valid_keys.shape[0])[None, :]
+    return (k_slot <= q_slot) & valid_keys[None, :]
+
+
+def write_valid(cache: Cache, valid_new: Bool[Array, " seq"]) -> Bool[Array, " max_len"]:
+    return jax.lax.dynamic_update_slice_in_dim(cache.valid, valid_new, cache.index, axis=0)
+
+
+def check_fits(name: str, n: int, max_len: int) -> None:
+    if n > max_len:
+        raise ValueError(f"{name}: {n} tokens do not fit a cache of max_len={max_len}; pass a larger max_len.")
+
+
+def default_head_dim(hidden: int, n_heads: int) -> int:
+    if hidden % n_heads:
+        raise ValueError(
+            f"hidden_size={hidden} is not a multiple of num_attention_heads={n_heads}; set head_dim explicitly."
+        )
+    return hidden // n_heads
+
+
+def inv_sqrt(d: int) -> float:
+    return 1.0 / math.sqrt(d)

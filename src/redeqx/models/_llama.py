@@ -1,0 +1,389 @@
+"""LLaMA-family decoder (LLaMA 2/3, Mistral, Qwen2): RoPE with optional
+llama3/linear scaling, RMSNorm, SwiGLU, grouped-query attention, optional
+attention biases, tied or untied embeddings.
+
+Attribute paths are the Hugging Face tensor names
+(``model.layers.0.self_attn.q_proj.weight``), so checkpoints load by name and
+`redeqx.sharding_rules` gives the Megatron-LM plan with no overrides: Q/K/V,
+gate and up split on output features, ``o_proj`` and ``down_proj`` on input
+features, embeddings and ``lm_head`` on the vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+
+from .._constrain import constrain
+from .._mesh import MODEL
+from ._layers import (
+    Cache,
+    Embedding,
+    KVCache,
+    Linear,
+    RMSNorm,
+    attention,
+    causal_mask,
+    check_fits,
+    default_head_dim,
+    heads,
+    inv_sqrt,
+    update_cache,
+    write_valid,
+)
+
+_MODEL_TYPES = ("llama", "mistral", "qwen2")
+_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Sizes and options of a LLaMA-family model; names follow Hugging Face's ``config.json``.
+
+    ``rope_scaling`` is ``None`` or a tuple of ``(key, value)`` pairs such as
+    ``(("rope_type", "llama3"), ("factor", 8.0), ...)`` (a tuple, so the config
+    is hashable and can be a static field).
+    """
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None  # None: as many as query heads (no GQA)
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False  # LLaMA 3.2 1B/3B and small Qwen2 tie
+    attention_bias: bool = False  # bias on q, k, v and o projections (HF LlamaConfig)
+    qkv_bias: bool = False  # bias on q, k, v only (Qwen2)
+    mlp_bias: bool = False
+    model_type: str = "llama"  # written back to config.json by save_pretrained
+    bos_token_id: int | None = 1
+    eos_token_id: int | tuple[int, ...] | None = 2
+    pad_token_id: int | None = None
+    sliding_window: int | None = None  # kept for saving; attention here is always full
+    remat: bool = False  # recompute each block's activations in the backward pass
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"LlamaConfig.{name} must be a positive int, got {v!r}.")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"LlamaConfig: num_attention_heads={self.n_heads} must be a multiple of "
+                f"num_key_value_heads={self.n_kv_heads} (grouped-query attention)."
+            )
+        if self.dim_head % 2:
+            raise ValueError(f"LlamaConfig: head_dim={self.dim_head} must be even for rotary embeddings.")
+        if self.model_type not in _MODEL_TYPES:
+            raise ValueError(f"LlamaConfig.model_type must be one of {_MODEL_TYPES}, got {self.model_type!r}.")
+        rope_type = dict(self.rope_scaling or ()).get("rope_type", "default")
+        if rope_type not in _ROPE_TYPES:
+            raise ValueError(
+                f"LlamaConfig.rope_scaling has rope_type={rope_type!r}; supported: {_ROPE_TYPES}."
+            )
+
+    @property
+    def n_heads(self) -> int:
+        return self.num_attention_heads
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def dim_head(self) -> int:
+        return self.head_dim or default_head_dim(self.hidden_size, self.num_attention_heads)
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "LlamaConfig":
+        """From a Hugging Face ``config.json`` dict (Transformers 4 or 5 layout)."""
+        model_type = d.get("model_type", "llama")
+        rope = d.get("rope_parameters")
+        if rope is not None:  # Transformers 5
+            theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+            scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        else:
+            theta = d.get("rope_theta", 10000.0)
+            scaling = dict(d.get("rope_scaling") or {})
+        if "type" in scaling and "rope_type" not in scaling:
+            scaling["rope_type"] = scaling.pop("type")
+        if scaling.get("rope_type", "default") == "default":
+            scaling = {}
+        window = d.get("sliding_window")
+        if window is not None and (model_type == "mistral" or d.get("use_sliding_window")):
+            warnings.warn(
+                f"{model_type} config has sliding_window={window}: redeqx attends over the whole sequence, "
+                f"which matches this checkpoint only for sequences of at most {window} tokens.",
+                stacklevel=3,
+            )
+        eos = d.get("eos_token_id", 2)
+        attention_bias = bool(d.get("attention_bias", False))
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=d["num_attention_heads"],
+            num_key_value_heads=d.get("num_key_value_heads"),
+            head_dim=d.get("head_dim"),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=tuple(sorted(scaling.items())) or None,
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            qkv_bias=model_type == "qwen2",
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            model_type=model_type,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+            pad_token_id=d.get("pad_token_id"),
+            sliding_window=window,
+        )
+
+    def to_hf(self) -> dict:
+        """A Hugging Face ``config.json`` dict that Transformers loads as is."""
+        arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+        rope = {"rope_theta": self.rope_theta, "rope_type": "default", **dict(self.rope_scaling or ())}
+        d = {
+            "architectures": [arch[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "head_dim": self.dim_head,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": rope,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+        }
+        if self.model_type == "llama":
+            d["attention_bias"] = self.attention_bias
+            d["mlp_bias"] = self.mlp_bias
+        if self.model_type in ("mistral", "qwen2"):
+            d["sliding_window"] = self.sliding_window
+        return d
+
+
+def rope_frequencies(config: LlamaConfig) -> np.ndarray:
+    """Inverse frequencies ``(head_dim / 2,)`` of the rotary embedding, with
+    the configured scaling. ``llama3`` divides low frequencies (wavelengths
+    above ``original_max_position_embeddings / low_freq_factor``) by
+    ``factor``, keeps high ones, and interpolates linearly in between."""
+    d = config.dim_head
+    inv = 1.0 / config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+    s = dict(config.rope_scaling or ())
+    kind = s.get("rope_type", "default")
+    if kind == "linear":
+        inv = inv / s["factor"]
+    elif kind == "llama3":
+        factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)  # 0 at the low edge, 1 at the high edge
+        mid = (wavelen >= old / hi) & (wavelen <= old / lo)
+        inv = np.where(mid, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+    return inv.astype(np.float32)
+
+
+def apply_rope(x: Float[Array, "seq heads head_dim"], positions: Int[Array, " seq"], inv_freq) -> Float[Array, "seq heads head_dim"]:
+    """Rotate the two halves of each head by ``position * inv_freq`` (the
+    Hugging Face "rotate_half" layout, not interleaved pairs)."""
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # (T, D/2)
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]  # (T, 1, D/2)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class LlamaAttention(eqx.Module):
+    q_proj: Linear
+    k_proj: Linear
+    v_proj: Linear
+    o_proj: Linear
+    config: LlamaConfig = eqx.field(static=True)
+
+    def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray):
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        c, d = config, config.dim_head
+        qkv_bias = c.attention_bias or c.qkv_bias
+        self.q_proj = Linear(c.hidden_size, c.n_heads * d, bias=qkv_bias, key=kq)
+        self.k_proj = Linear(c.hidden_size, c.n_kv_heads * d, bias=qkv_bias, key=kk)
+        self.v_proj = Linear(c.hidden_size, c.n_kv_heads * d, bias=qkv_bias, key=kv)
+        self.o_proj = Linear(c.n_heads * d, c.hidden_size, bias=c.attention_bias, key=ko)
+        self.config = config
+
+    def __call__(self, x, positions, mask, inv_freq, cache: KVCache | None, index):
+        c = self.config
+        q = apply_rope(heads(self.q_proj(x), c.n_heads), positions, inv_freq)  # (T, Hq, D)
+        k = apply_rope(heads(self.k_proj(x), c.n_kv_heads), positions, inv_freq)  # (T, Hkv, D)
+        v = heads(self.v_proj(x), c.n_kv_heads)
+        if cache is not None:
+            cache = update_cache(cache, k, v, index)
+            k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
+        out = attention(q, k, v, mask, scale=inv_sqrt(c.dim_head))  # (T, Hq, D)
+        out = constrain(out.reshape(out.shape[0], -1), P(None, MODEL))
+        return constrain(self.o_proj(out), P()), cache  # row parallel: one all-reduce
+
+
+class LlamaMLP(eqx.Module):
+    gate_proj: Linear
+    up_proj: Linear
+    down_proj: Linear
+
+    def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray):
+        kg, ku, kd = jax.random.split(key, 3)
+        h, i, b = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = Linear(h, i, bias=b, key=kg)
+        self.up_proj = Linear(h, i, bias=b, key=ku)
+        self.down_proj = Linear(i, h, bias=b, key=kd)
+
+    def __call__(self, x: Float[Array, "seq hidden"]) -> Float[Array, "seq hidden"]:
+        gate = constrain(self.gate_proj(x), P(None, MODEL))  # column parallel
+        up = constrain(self.up_proj(x), P(None, MODEL))
+        return constrain(self.down_proj(jax.nn.silu(gate) * up), P())  # row parallel: one all-reduce
+
+
+class LlamaDecoderLayer(eqx.Module):
+    self_attn: LlamaAttention
+    mlp: LlamaMLP
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+
+    def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray):
+        ka, km = jax.random.split(key)
+        self.self_attn = LlamaAttention(config, key=ka)
+        self.mlp = LlamaMLP(config, key=km)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def __call__(self, x, positions, mask, inv_freq, cache, index):
+        a, cache = self.self_attn(self.input_layernorm(x), positions, mask, inv_freq, cache, index)
+        x = x + a
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, cache
+
+
+class LlamaModel(eqx.Module):
+    embed_tokens: Embedding
+    layers: list[LlamaDecoderLayer]
+    norm: RMSNorm
+
+    def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray):
+        ke, *kl = jax.random.split(key, config.num_hidden_layers + 1)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, key=ke)
+        self.layers = [LlamaDecoderLayer(config, key=k) for k in kl]
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(eqx.Module):
+    """A LLaMA-family causal LM for one sequence (batch with ``jax.vmap``).
+
+    **Example:**
+
+    ```python
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(config, key=jax.random.key(0))
+    logits = jax.vmap(model)(tokens)              # (batch, seq) -> (batch, seq, vocab)
+    ```
+    """
+
+    model: LlamaModel
+    lm_head: Linear | None
+    config: LlamaConfig = eqx.field(static=True)
+
+    # Checkpoint tensors that carry nothing new: a tied head saved anyway, old rotary buffers.
+    hf_ignore = (r"lm_head\.weight", r".*rotary_emb\.inv_freq")
+
+    def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray):
+        if not isinstance(config, LlamaConfig):
+            raise TypeError(f"config must be a redeqx.models.LlamaConfig, got {type(config).__name__}.")
+        km, kh = jax.random.split(key)
+        self.model = LlamaModel(config, key=km)
+        self.lm_head = None if config.tie_word_embeddings else Linear(
+            config.hidden_size, config.vocab_size, bias=False, key=kh
+        )
+        self.config = config
+
+    def _run(self, ids, positions, mask, cache: Cache | None):
+        c = self.config
+        inv_freq = rope_frequencies(c)
+        x = constrain(self.model.embed_tokens(ids), P())
+        new_layers = []
+        for i, layer in enumerate(self.model.layers):
+            fn = eqx.filter_checkpoint(layer) if c.remat else layer
+            x, lc = fn(x, positions, mask, inv_freq, None if cache is None else cache.layers[i],
+                       None if cache is None else cache.index)
+            new_layers.append(lc)
+        x = self.model.norm(x)
+        logits = self.model.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
+        return constrain(logits, P(None, MODEL)), new_layers  # vocab parallel
+
+    def __call__(
+        self,
+        input_ids: Int[Array, " seq"],
+        *,
+        attention_mask: Bool[Array, " seq"] | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> Float[Array, "seq vocab"]:
+        """Logits for every position. ``attention_mask`` marks real tokens
+        (``False`` for padding; positions count real tokens only, as Hugging
+        Face does for left padding). ``key`` is unused (no dropout)."""
+        del key
+        t = input_ids.shape[0]
+        valid = jnp.ones((t,), bool) if attention_mask is None else attention_mask.astype(bool)
+        positions = jnp.maximum(jnp.cumsum(valid) - 1, 0)
+        logits, _ = self._run(input_ids, positions, causal_mask(valid, 0, t), None)
+        return logits
+
+    def init_cache(self, max_len: int, dtype=None) -> Cache:
+        """An empty decoding cache with ``max_len`` slots (prompt + new tokens)."""
+        c = self.config
+        dtype = dtype or self.model.embed_tokens.weight.dtype
+        return Cache(
+            layers=[KVCache.empty(max_len, c.n_kv_heads, c.dim_head, dtype) for _ in range(c.num_hidden_layers)],
+            valid=jnp.zeros((max_len,), bool),
+            index=jnp.zeros((), jnp.int32),
+            position=jnp.zeros((), jnp.int32),
+        )
+
+    def decode(
+        self,
+        input_ids: Int[Array, " seq"],
+        cache: Cache,
+        *,
+        attention_mask: Bool[Array, " seq"] | None = None,
+    ) -> tuple[Float[Array, "seq vocab"], Cache]:
+        """Run ``input_ids`` after what ``cache`` holds: their logits and the
+        cache with them appended (a prompt at once, then one token a step)."""
+        t = input_ids.shape[0]
+        check_fits("LlamaForCausalLM.decode", t, cache.valid.shape[0])
+        valid_new = jnp.ones((t,), bool) if attention_mask is None else attention_mask.astype(bool)
+        positions = cache.position + jnp.maximum(jnp.cumsum(valid_new) - 1, 0)
+        valid = write_valid(cache, valid_new)
+        logits, layers = self._run(input_ids, positions, causal_mask(valid, cache.index, t), cache)
+        new = Cache(layers, valid, cache.index + t, cache.position + jnp.sum(valid_new).astype(jnp.int32))
+        return logits, new

@@ -1,0 +1,259 @@
+"""LLaMA-family models against Transformers' PyTorch reference (tiny random
+configs built here, saved to a temp dir: no download)."""
+
+import json
+import re
+import struct
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import redeqx
+from redeqx.models import LlamaConfig, LlamaForCausalLM, from_pretrained, save_pretrained
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 64
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+
+
+def _hf_config(kind):
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=128)
+    if kind == "gqa":  # grouped-query attention, untied head, llama3 rope scaling, attention biases
+        return transformers.LlamaConfig(**common, num_key_value_heads=2, rope_scaling=LLAMA3_ROPE,
+                                        attention_bias=True, tie_word_embeddings=False)
+    if kind == "tied":
+        return transformers.LlamaConfig(**common, num_key_value_heads=4, tie_word_embeddings=True)
+    if kind == "qwen2":  # q/k/v biases, no o_proj bias
+        return transformers.Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=False)
+    raise ValueError(kind)
+
+
+def _hf_model(kind):
+    torch.manual_seed(0)
+    cls = transformers.Qwen2ForCausalLM if kind == "qwen2" else transformers.LlamaForCausalLM
+    model = cls(_hf_config(kind)).eval()
+    with torch.no_grad():  # non-trivial biases and norms, so a wrong mapping shows
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    out = {}
+    for kind in ("gqa", "tied", "qwen2"):
+        d = tmp_path_factory.mktemp(kind)
+        model = _hf_model(kind)
+        model.save_pretrained(d)
+        out[kind] = (d, model)
+    return out
+
+
+def _ids(batch=2, seq=12, seed=0):
+    return np.random.RandomState(seed).randint(0, VOCAB, (batch, seq))
+
+
+def _torch_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor(ids)).logits.numpy()
+
+
+def _logits(model, ids):
+    return np.asarray(jax.jit(jax.vmap(model))(jnp.asarray(ids)))
+
+
+@pytest.mark.parametrize("kind", ["gqa", "tied", "qwen2"])
+def test_logits_match_transformers(checkpoints, kind):
+    d, hf = checkpoints[kind]
+    model = from_pretrained(d, redeqx.make_mesh(1, devices=jax.devices()[:1]))
+    ids = _ids()
+    np.testing.assert_allclose(_logits(model, ids), _torch_logits(hf, ids), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["gqa", "tied"])
+def test_save_pretrained_round_trip(checkpoints, kind, tmp_path):
+    d, hf = checkpoints[kind]
+    model = from_pretrained(d, redeqx.make_mesh(2))
+    save_pretrained(model, tmp_path)
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = _ids(seed=1)
+    np.testing.assert_allclose(_torch_logits(again, ids), _torch_logits(hf, ids), atol=1e-5, rtol=0)
+    assert type(again) is type(hf)
+
+
+def test_forward_agrees_across_model_shards(checkpoints):
+    d, _ = checkpoints["gqa"]
+    ids = _ids(batch=8)
+    outs = {n: _logits(from_pretrained(d, redeqx.make_mesh(n)), ids) for n in (1, 2, 4)}
+    np.testing.assert_allclose(outs[2], outs[1], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(outs[4], outs[1], atol=1e-5, rtol=0)
+
+
+def test_loaded_arrays_are_sharded_by_the_rules(checkpoints):
+    d, _ = checkpoints["gqa"]
+    mesh = redeqx.make_mesh(2)
+    model = from_pretrained(d, mesh)
+    q = model.model.layers[0].self_attn.q_proj.weight
+    assert q.sharding.spec == P("model", None)
+    assert q.addressable_shards[0].data.shape == (16, 32)
+
+
+def test_explain_shows_the_megatron_plan():
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, attention_bias=True)
+    model = LlamaForCausalLM(config, key=jax.random.key(0))
+    mesh = redeqx.make_mesh(2)
+    specs = redeqx.sharding_rules(model, mesh)
+    table = redeqx.explain(model, specs, mesh)
+    want = {
+        r"embed_tokens\.weight": "P('model', None)",
+        r"(q|k|v)_proj\.weight": "P('model', None)",
+        r"(q|k|v)_proj\.bias": "P('model',)",
+        r"o_proj\.weight": "P(None, 'model')",
+        r"o_proj\.bias": "P()",
+        r"(gate|up)_proj\.weight": "P('model', None)",
+        r"down_proj\.weight": "P(None, 'model')",
+        r"norm\.weight": "P()",
+        r"lm_head\.weight": "P('model', None)",
+    }
+    rows = [line for line in table.splitlines()[2:] if line.startswith(("model.", "lm_head"))]
+    assert len(rows) == len(jax.tree.leaves(model))
+    for row in rows:
+        path, spec = row.split()[0], re.search(r"P\([^)]*\)", row).group(0)
+        (expected,) = [v for k, v in want.items() if re.search(k, path)]
+        assert spec == expected, (path, spec, expected)
+
+
+def _rewrite(src, dst, edit):
+    """Copy a one-file checkpoint, editing its tensor dict (name -> np array)."""
+    raw = (src / "model.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    header.pop("__metadata__", None)
+    tensors = {k: np.frombuffer(raw[8 + n + v["data_offsets"][0]: 8 + n + v["data_offsets"][1]], np.float32)
+               .reshape(v["shape"]) for k, v in header.items()}
+    edit(tensors)
+    new, off, body = {}, 0, b""
+    for k, a in tensors.items():
+        new[k] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [off, off + a.nbytes]}
+        off += a.nbytes
+        body += a.tobytes()
+    h = json.dumps(new).encode()
+    dst.mkdir()
+    (dst / "model.safetensors").write_bytes(struct.pack("<Q", len(h)) + h + body)
+    (dst / "config.json").write_text((src / "config.json").read_text())
+
+
+def test_mismatched_checkpoint_lists_every_problem(checkpoints, tmp_path):
+    d, _ = checkpoints["gqa"]
+
+    def edit(t):
+        del t["model.layers.1.mlp.up_proj.weight"]
+        t["model.layers.0.extra.weight"] = np.zeros((2,), np.float32)
+        t["model.norm.weight"] = np.zeros((31,), np.float32)
+
+    _rewrite(d, tmp_path / "bad", edit)
+    with pytest.raises(ValueError) as err:
+        from_pretrained(tmp_path / "bad", redeqx.make_mesh(1))
+    msg = str(err.value)
+    assert "missing (1): model.layers.1.mlp.up_proj.weight" in msg
+    assert "unexpected (1): model.layers.0.extra.weight" in msg
+    assert "model.norm.weight" in msg and "(31,)" in msg
+
+
+def test_sharded_checkpoint_with_index(checkpoints, tmp_path):
+    d, hf = checkpoints["gqa"]
+    hf.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    model = from_pretrained(tmp_path, redeqx.make_mesh(2))
+    ids = _ids()
+    np.testing.assert_allclose(_logits(model, ids), _torch_logits(hf, ids), atol=1e-4, rtol=0)
+    # and our writer's sharded layout reads back in Transformers
+    save_pretrained(model, tmp_path / "ours", max_shard_bytes=20_000)
+    assert (tmp_path / "ours" / "model.safetensors.index.json").exists()
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    np.testing.assert_allclose(_torch_logits(again, ids), _torch_logits(hf, ids), atol=1e-5, rtol=0)
+
+
+def test_bf16_load_and_compute(checkpoints):
+    d, hf = checkpoints["gqa"]
+    model = from_pretrained(d, redeqx.make_mesh(2), dtype=jnp.bfloat16)
+    assert model.model.layers[0].mlp.up_proj.weight.dtype == jnp.bfloat16
+    ids = _ids()
+    out = _logits(model, ids)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(out.astype(np.float32), _torch_logits(hf, ids), atol=0.1, rtol=0)
+
+
+def test_decode_with_cache_equals_full_forward(getkey):
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(config, key=getkey())
+    ids = jnp.asarray(_ids(batch=1, seq=10)[0])
+    cache = model.init_cache(16)
+    first, cache = model.decode(ids[:6], cache)
+    rest = []
+    for t in range(6, 10):
+        logits, cache = model.decode(ids[t:t + 1], cache)
+        rest.append(logits)
+    np.testing.assert_allclose(jnp.concatenate([first, *rest]), model(ids), atol=1e-5, rtol=0)
+
+
+def test_remat_gives_the_same_gradients(getkey):
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4)
+    key = getkey()
+    plain = LlamaForCausalLM(config, key=key)
+    remat = LlamaForCausalLM(LlamaConfig(**{**config.__dict__, "remat": True}), key=key)
+    ids = jnp.asarray(_ids())
+
+    def loss(m):
+        logits = jax.vmap(m)(ids[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+
+    g1 = jax.grad(loss)(plain)
+    g2 = jax.grad(loss)(remat)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_constrain_is_a_no_op_without_a_mesh_and_pins_with_one():
+    x = jnp.ones((4, 8))
+    assert redeqx.constrain(x, P(None, "model")) is x
+    mesh = redeqx.make_mesh(4)
+    y = jax.jit(lambda a: redeqx.constrain(a * 2, P(None, "model"), mesh=mesh))(x)
+    assert y.sharding.spec == P(None, "model")
+    with jax.set_mesh(mesh):
+        z = jax.jit(lambda a: jax.vmap(lambda r: redeqx.constrain(r, P("model")))(a))(x)
+    assert z.sharding.spec[1] == "model"
+    # an axis that does not divide the dim leaves it replicated
+    w = jax.jit(lambda a: redeqx.constrain(a, P("model", None), mesh=mesh))(jnp.ones((3, 8)))
+    assert w.sharding.spec in (P(), P(None, None), P(None))
+
+
+def test_constrain_rejects_bad_specs():
+    mesh = redeqx.make_mesh(2)
+    with pytest.raises(ValueError, match="axis 'tensor'"):
+        redeqx.constrain(jnp.ones((4, 4)), P(None, "tensor"), mesh=mesh)
+    with pytest.raises(ValueError, match="3 entries"):
+        redeqx.constrain(jnp.ones((4, 4)), P(None, None, "model"), mesh=mesh)
+    with pytest.raises(TypeError, match="PartitionSpec"):
+        redeqx.constrain(jnp.ones((4, 4)), ("model",), mesh=mesh)
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="num_key_value_heads=3"):
+        LlamaConfig(num_attention_heads=4, hidden_size=32, num_key_value_heads=3)
+    with pytest.raises(ValueError, match="rope_type='yarn'"):
+        LlamaConfig(rope_scaling=(("rope_type", "yarn"),))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        from_pretrained("/nonexistent-dir", redeqx.make_mesh(1))
