@@ -216,3 +216,109 @@ def test_full_disk_leaves_earlier_checkpoints(tmp_path):
         signal.signal(signal.SIGXFSZ, old_handler)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]
     assert_same(state, redeqx.restore_checkpoint(tmp_path / "old", state, mesh, specs))
+
+
+# ----------------------------------------------------------------------------- CheckpointManager
+
+
+def at_step(state, step):
+    return eqx.tree_at(lambda s: s.step, state, jnp.int32(step))
+
+
+def test_manager_keeps_last_and_best(tmp_path):
+    mesh = redeqx.make_mesh(2)
+    state, specs = trained_state(mesh)
+    acc = [0.1, 0.9, 0.2, 0.3, 0.1, 0.2, 0.4, 0.3, 0.2]
+    loss = [5.0, 4.0, 3.0, 2.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    with redeqx.CheckpointManager(tmp_path / "new" / "run", keep_last=2, every=3,
+                                  best={"acc": "max", "loss": "min"}) as manager:
+        saved = [s for s in range(1, 10)
+                 if manager.save(at_step(state, s), metrics={"acc": acc[s - 1], "loss": jnp.float32(loss[s - 1])})]
+    assert saved == [1, 2, 3, 4, 5, 6, 9]  # multiples of 3, and every new best
+    manager = redeqx.CheckpointManager(tmp_path / "new" / "run", best={"acc": "max", "loss": "min"})
+    assert manager.steps() == [2, 5, 6, 9]
+    assert manager.latest == manager.path(9)
+    assert manager.best("acc") == manager.path(2) and manager.best("loss") == manager.path(5)
+    restored, meta = manager.restore(state, mesh, specs, best="loss")
+    assert int(restored.step) == 5 and meta["metrics"] == {"acc": 0.1, "loss": 1.0}
+    assert_same(at_step(state, 5), restored)
+    manager.close()
+
+
+def test_manager_every_k_epochs_and_data_position(tmp_path):
+    mesh = redeqx.make_mesh(2)
+    state, specs = trained_state(mesh)
+    manager = redeqx.CheckpointManager(tmp_path, unit="epoch", every=2, keep_last=5, async_save=False)
+    assert manager.restore(state, mesh, specs) is None
+    key = jax.random.key(3)
+    for epoch in range(1, 5):
+        manager.save(at_step(state, 10 * epoch), epoch=epoch, batch=0, data_key=key)
+    assert manager.steps() == [20, 40]
+    _, meta = manager.restore(state, mesh, specs)
+    assert (meta["step"], meta["epoch"], meta["batch"]) == (40, 4, 0)
+    np.testing.assert_array_equal(jax.random.key_data(meta["data_key"]), jax.random.key_data(key))
+    manager.close()
+
+
+def test_manager_falls_back_past_corrupted_and_unfinished(tmp_path):
+    mesh = redeqx.make_mesh(2)
+    state, specs = trained_state(mesh)
+    manager = redeqx.CheckpointManager(tmp_path, keep_last=3)
+    for s in (1, 2, 3):
+        manager.save(at_step(state, s))
+    manager.wait()
+    # step 3: truncated data; step 2: metadata never written
+    biggest = _data_files(manager.path(3))[-1]
+    biggest.write_bytes(biggest.read_bytes()[:10])
+    (manager.path(2) / "metadata" / "metadata").unlink()
+    # what a SIGKILLed save leaves behind: orbax's temporary directory
+    (tmp_path / "checkpoints" / "step_000000004.orbax-checkpoint-tmp-1").mkdir()
+    assert manager.latest == manager.path(3)
+    with pytest.warns(UserWarning, match=str(manager.path(3))):
+        restored, meta = manager.restore(state, mesh, specs)
+    assert meta["step"] == 1 and int(restored.step) == 1
+    manager.close()
+    # a new manager clears the unfinished save
+    redeqx.CheckpointManager(tmp_path).close()
+    assert not list((tmp_path / "checkpoints").glob("*tmp*"))
+    (manager.path(1) / "metadata" / "metadata").unlink()
+    with pytest.raises(redeqx.CheckpointError, match="no readable checkpoint"), pytest.warns(UserWarning):
+        redeqx.CheckpointManager(tmp_path, keep_last=3).restore(state, mesh, specs)
+
+
+def test_manager_full_disk_keeps_earlier(tmp_path):
+    mesh = redeqx.make_mesh(2)
+    state, specs = trained_state(mesh)
+    manager = redeqx.CheckpointManager(tmp_path, keep_last=1)
+    manager.save(at_step(state, 1))
+    manager.wait()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (256, hard))
+    try:
+        with pytest.raises(redeqx.CheckpointError, match="could not write"):
+            manager.save(at_step(state, 2))
+            manager.wait()  # an async save reports its failure here
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert manager.steps() == [1]
+    assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name != "step_000000001"]
+    restored, _ = manager.restore(state, mesh, specs)
+    assert_same(at_step(state, 1), restored)
+    manager.close()
+
+
+def test_manager_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="'max' or 'min'"):
+        redeqx.CheckpointManager(tmp_path, best={"acc": "maximum"})
+    with pytest.raises(ValueError, match="keep_last"):
+        redeqx.CheckpointManager(tmp_path, keep_last=0)
+    with pytest.raises(ValueError, match="unit"):
+        redeqx.CheckpointManager(tmp_path, unit="epochs")
+    manager = redeqx.CheckpointManager(tmp_path)
+    with pytest.raises(ValueError, match="needs step="):
+        manager.save(make_model(jax.random.key(0)))
+    with pytest.raises(ValueError, match="not tracked"):
+        manager.best("acc")
+    manager.close()

@@ -20,7 +20,8 @@ class Attention(eqx.Module):
     def __init__(self, dim, n_heads, *, key):
         kq, kk, kv, ko = jax.random.split(key, 4)
         self.wq = eqx.nn.Linear(dim, dim, key=kq)
-        self.wk = eqx.nn.Linear(dim, dim, key=kk)
+        # no key bias: softmax ignores it, so its gradient is pure rounding noise that Adam amplifies
+        self.wk = eqx.nn.Linear(dim, dim, use_bias=False, key=kk)
         self.wv = eqx.nn.Linear(dim, dim, key=kv)
         self.wo = eqx.nn.Linear(dim, dim, key=ko)
         self.n_heads = n_heads

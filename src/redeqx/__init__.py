@@ -4,12 +4,14 @@ small functions (``collate_fn``, ``loss_fn``, ``pred_fn``) and one number
 
 from ._checkpoint import (
     CheckpointError as CheckpointError,
+    CheckpointManager as CheckpointManager,
     read_metadata as read_metadata,
     restore_checkpoint as restore_checkpoint,
     save_checkpoint as save_checkpoint,
 )
 from ._constrain import constrain as constrain
 from ._data import batches as batches, evaluate as evaluate, predict as predict
+from ._distributed import initialize as initialize, preflight as preflight
 from ._hlo import collective_summary as collective_summary
 from ._logging import Logger as Logger
 from ._mesh import make_mesh as make_mesh

@@ -471,3 +471,288 @@ def _rebuild(like, arrays: dict[str, list], meta: dict):
     key = jax.random.wrap_key_data(train[-1], impl=meta["redeqx"]["key_impl"])
     return TrainState(model=fill(like.model, arrays["model"]), opt_state=fill(like.opt_state, train[:-2]),
                       step=train[-2], key=key)
+
+
+# ----------------------------------------------------------------------------- manager
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def _check_count(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
+    return int(value)
+
+
+class CheckpointManager:
+    """A run's checkpoints in ``workdir/checkpoints/step_<step>/``: which to
+    write, which to keep, and which to restore.
+
+    - ``every=k``, ``unit="step"``: `save` writes when ``state.step`` is a
+      multiple of ``k``; ``unit="epoch"``: when ``epoch`` (the epoch to resume
+      at, so ``epoch + 1`` after finishing epoch ``epoch``) is. A save whose
+      metrics beat a tracked best, or with ``force=True``, always writes.
+    - ``keep_last=n`` keeps the ``n`` newest; ``best={"accuracy": "max",
+      "loss": "min"}`` also keeps the best checkpoint by each metric (read
+      from the ``metrics`` given to `save`). Others are deleted after a newer
+      save has completed.
+    - ``async_save=True`` (default): `save` returns once the arrays are copied
+      off the devices and writes them in a background thread, overlapping the
+      next training steps. The next `save`, `restore`, `close` or interpreter
+      exit waits for it.
+    - Atomic: a checkpoint directory appears only when complete (orbax writes
+      to a temporary directory and renames it), so a run killed at any moment,
+      even with SIGKILL, never leaves a half checkpoint that `latest` or
+      `best` would pick; leftovers are removed when the next manager starts.
+      `restore` skips a checkpoint that is unreadable (truncated, corrupted)
+      with a warning naming it, and falls back to the previous one.
+
+    `save` keeps the data position for an exact resume: ``epoch`` and
+    ``batch`` (the next batch to run, as ``batches(..., start=batch)``) and
+    ``data_key`` (the key the epoch's shuffle order came from).
+
+    **Example:**
+
+    ```python
+    manager = redeqx.CheckpointManager("runs/mnist", keep_last=1, best={"accuracy": "max"})
+    found = manager.restore(state, mesh, specs)          # None on a fresh run
+    if found is not None:
+        state, meta = found                              # meta["epoch"], meta["batch"], ...
+    ...
+    manager.save(state, epoch=epoch + 1, metrics={"accuracy": acc})
+    manager.close()
+    ```
+    """
+
+    def __init__(
+        self,
+        workdir: str | os.PathLike,
+        *,
+        keep_last: int = 1,
+        every: int = 1,
+        unit: Literal["step", "epoch"] = "step",
+        best: Mapping[str, Literal["max", "min"]] | None = None,
+        async_save: bool = True,
+        dtype=None,
+    ):
+        self.keep_last = _check_count("keep_last", keep_last, 1)
+        self.every = _check_count("every", every, 1)
+        if unit not in ("step", "epoch"):
+            raise ValueError(f"unit must be 'step' or 'epoch', got {unit!r}.")
+        self.unit = unit
+        best = dict(best or {})
+        for name, mode in best.items():
+            if mode not in ("max", "min"):
+                raise ValueError(f"best[{name!r}] must be 'max' or 'min', got {mode!r}: e.g. best={{'accuracy': 'max'}}.")
+        self.best_modes = best
+        self.dtype = _check_dtype(dtype)
+        self.directory = Path(workdir) / "checkpoints"
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"cannot create the checkpoint directory {self.directory}: {e}.") from e
+        handler = ocp.CompositeCheckpointHandler()
+        self._checkpointer = ocp.AsyncCheckpointer(handler) if async_save else ocp.Checkpointer(handler)
+        self._pending: Path | None = None
+        self._meta: dict[str, dict | None] = {}
+        self._lock = threading.Lock()
+        self._clean_leftovers()
+        ref = weakref.ref(self)
+        atexit.register(lambda: ref() is not None and ref().close())
+
+    # -- what is on disk
+
+    def _clean_leftovers(self) -> None:
+        """Removes unfinished saves and half-deleted checkpoints of earlier runs."""
+        if jax.process_index() != 0:
+            return
+        for p in self.directory.iterdir():
+            if _TMP_MARKER in p.name or p.name.endswith(".deleting"):
+                shutil.rmtree(p, ignore_errors=True)
+
+    def steps(self) -> list[int]:
+        """Steps of the complete checkpoints on disk, oldest first."""
+        found = (_STEP_DIR.match(p.name) for p in self.directory.iterdir() if p.is_dir())
+        return sorted(int(m.group(1)) for m in found if m)
+
+    def path(self, step: int) -> Path:
+        return self.directory / f"step_{int(step):09d}"
+
+    @property
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint, or None."""
+        steps = self.steps()
+        return self.path(steps[-1]) if steps else None
+
+    def _metadata(self, path: Path) -> dict | None:
+        if path.name not in self._meta:
+            try:
+                self._meta[path.name] = _raw_metadata(path)
+            except CheckpointError:
+                return None  # not cached: it may be a save still in flight
+        return self._meta[path.name]
+
+    def _metric(self, path: Path, name: str) -> float | None:
+        meta = self._metadata(path)
+        value = (meta or {}).get("metrics", {}).get(name) if isinstance((meta or {}).get("metrics"), dict) else None
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+        return None
+
+    def _ranked(self, name: str, paths: list[Path]) -> list[Path]:
+        scored = [(v, p) for p in paths if (v := self._metric(p, name)) is not None]
+        scored.sort(key=lambda vp: vp[0], reverse=self.best_modes.get(name, "max") == "max")
+        return [p for _, p in scored]
+
+    def best(self, metric: str) -> Path | None:
+        """The complete checkpoint with the best ``metric`` (per ``best=``), or None."""
+        if metric not in self.best_modes:
+            raise ValueError(f"metric {metric!r} is not tracked; this manager tracks best={self.best_modes}.")
+        ranked = self._ranked(metric, [self.path(s) for s in self.steps()])
+        return ranked[0] if ranked else None
+
+    # -- writing
+
+    def _improves(self, metrics: Mapping[str, Any]) -> bool:
+        paths = [self.path(s) for s in self.steps()] + ([self._pending] if self._pending else [])
+        for name, mode in self.best_modes.items():
+            value = metrics.get(name)
+            if value is None:
+                continue
+            value = float(np.asarray(jax.device_get(value)))
+            if not math.isfinite(value):
+                continue
+            ranked = self._ranked(name, paths)
+            if not ranked:
+                return True
+            top = self._metric(ranked[0], name)
+            if (value > top) if mode == "max" else (value < top):
+                return True
+        return False
+
+    def save(
+        self,
+        state: PyTree,
+        *,
+        epoch: int = 0,
+        batch: int = 0,
+        data_key=None,
+        metrics: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        step: int | None = None,
+        force: bool = False,
+    ) -> bool:
+        """Save ``state`` if due (see the class docstring); returns whether it did.
+
+        ``epoch``/``batch``/``data_key`` are where to resume the data (the next
+        batch to run), ``metrics`` what to rank by, ``metadata`` anything else
+        JSON-able. ``step`` defaults to ``state.step`` (give it for a bare model).
+        """
+        if step is None:
+            if not isinstance(state, TrainState):
+                raise ValueError("save(model) needs step=: only a TrainState carries its own step.")
+            step = int(state.step)
+        step = _check_count("step", step, 0)
+        epoch = _check_count("epoch", epoch, 0)
+        batch = _check_count("batch", batch, 0)
+        metrics = dict(metrics or {})
+        counter = step if self.unit == "step" else epoch
+        if not (force or counter % self.every == 0 or self._improves(metrics)):
+            return False
+        self._finish()
+        path = self.path(step)
+        if path.exists():
+            return False  # this step is already saved (e.g. just restored from it)
+        meta = {**dict(metadata or {}), "epoch": epoch, "batch": batch, "metrics": metrics}
+        if data_key is not None:
+            meta["data_key"] = data_key
+        args, full = _prepare(state, meta, self.dtype)
+        with self._lock:
+            _write(self._checkpointer, path, args)
+            self._meta[path.name] = full
+            self._pending = path
+        if not isinstance(self._checkpointer, ocp.AsyncCheckpointer):
+            self._finish()
+        return True
+
+    def _finish(self) -> None:
+        """Waits for the save in flight, then deletes what is no longer kept."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+            if pending is not None:
+                try:
+                    if isinstance(self._checkpointer, ocp.AsyncCheckpointer):
+                        self._checkpointer.wait_until_finished()
+                except Exception as e:
+                    self._meta.pop(pending.name, None)
+                    _remove_partial(pending)
+                    raise CheckpointError(
+                        f"could not write the checkpoint to {pending} ({type(e).__name__}: {e}). Earlier "
+                        "checkpoints are untouched; check that the directory is writable and the disk has room."
+                    ) from e
+                self._prune()  # only after a save of ours is complete
+
+    def _prune(self) -> None:
+        if jax.process_index() != 0:
+            return
+        # checkpoints whose metadata cannot be read are neither counted nor deleted
+        paths = [p for p in (self.path(s) for s in self.steps()) if self._metadata(p) is not None]
+        keep = set(paths[-self.keep_last:])
+        for name in self.best_modes:
+            keep.update(self._ranked(name, paths)[:1])
+        for p in paths:
+            if p not in keep:
+                # rename first: a half-deleted checkpoint must never look complete
+                doomed = p.with_name(p.name + ".deleting")
+                os.rename(p, doomed)
+                shutil.rmtree(doomed, ignore_errors=True)
+                self._meta.pop(p.name, None)
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is on disk."""
+        self._finish()
+
+    def close(self) -> None:
+        """Wait for the save in flight and release the writer (also run at exit)."""
+        if self._checkpointer is None:
+            return
+        try:
+            self._finish()
+        finally:
+            self._checkpointer.close()
+            self._checkpointer = None
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- reading
+
+    def restore(self, like: PyTree, mesh: Mesh, specs: PyTree, *, best: str | None = None):
+        """``(state, metadata)`` from the latest complete checkpoint (or the
+        best by metric ``best``), or None if there is none yet. A checkpoint
+        that cannot be read is skipped with a warning naming it and the next
+        one (older, or next best) is tried. ``like``/``mesh``/``specs`` are as
+        in `restore_checkpoint` (a model as ``like`` restores parameters only).
+        """
+        if self._checkpointer is not None:
+            self._finish()
+        if best is None:
+            candidates = [self.path(s) for s in reversed(self.steps())]
+        else:
+            if best not in self.best_modes:
+                raise ValueError(f"best={best!r} is not tracked; this manager tracks best={self.best_modes}.")
+            candidates = self._ranked(best, [self.path(s) for s in self.steps()])
+        failures = []
+        for path in candidates:
+            try:
+                state = restore_checkpoint(path, like, mesh, specs)
+                return state, read_metadata(path)
+            except CheckpointError as e:
+                failures.append(str(e))
+                warnings.warn(f"redeqx.CheckpointManager: skipping {path}: {e}", stacklevel=2)
+        if failures:
+            raise CheckpointError(f"no readable checkpoint in {self.directory}:\n" + "\n".join(failures))
+        return None

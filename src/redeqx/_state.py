@@ -56,7 +56,7 @@ def shard(tree: PyTree, specs: PyTree, mesh: Mesh) -> PyTree:
     spec_leaves = jax.tree.leaves(specs, is_leaf=_is_spec)
     out = []
     for leaf, spec in zip(leaves, spec_leaves):
-        if isinstance(leaf, (jax.Array, np.ndarray)):
+        if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
             spec = P() if spec is None else spec
             leaf = jax.device_put(leaf, NamedSharding(mesh, spec))
         out.append(leaf)
@@ -158,5 +158,9 @@ def init_state(
         model=model,
         opt_state=opt_state,
         step=jax.device_put(jnp.zeros((), jnp.int32), replicated),
-        key=jax.device_put(key, replicated),
+        # Placed through its raw data: device_put refuses a typed key for a
+        # sharding that spans other processes' devices.
+        key=jax.random.wrap_key_data(
+            jax.device_put(jax.random.key_data(key), replicated), impl=jax.random.key_impl(key)
+        ),
     )

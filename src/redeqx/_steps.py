@@ -18,6 +18,9 @@ from ._mesh import DATA
 from ._state import TrainState, _trainable_params
 
 
+ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
+
+
 def _placement(x, mesh: Mesh):
     """Where a state leaf lives: its own NamedSharding on ``mesh``, else replicated."""
     sh = getattr(x, "sharding", None)
@@ -57,6 +60,13 @@ class _CompiledStep:
                     f"from its input:\n  in:  {treedef}\n  out: {new_def}\n"
                     "A step must return a state of the same structure (same fields, same array leaves)."
                 )
+            for x, m, old in zip(new_leaves, mask, static_leaves):
+                if not m and isinstance(x, jax.Array):
+                    raise TypeError(
+                        f"step_fn returned an array where its input state held the constant {old!r}; a state "
+                        "leaf that changes from step to step must be an array in the input too "
+                        "(e.g. jnp.asarray(0) instead of 0)."
+                    )
             new_dyn = [x for x, m in zip(new_leaves, mask) if m]
             return new_dyn, out
 
@@ -68,7 +78,7 @@ class _CompiledStep:
 
     def _prepare(self, state):
         leaves, treedef = jax.tree.flatten(state)
-        mask = tuple(isinstance(x, (jax.Array, np.ndarray)) for x in leaves)
+        mask = tuple(isinstance(x, ARRAY_TYPES) for x in leaves)
         dyn = [x for x, m in zip(leaves, mask) if m]
         shardings = tuple(_placement(x, self.mesh) for x in dyn)
         static_leaves = tuple(None if m else x for x, m in zip(leaves, mask))
@@ -280,7 +290,7 @@ def make_train_step(
             loss, aux, grads = jax.tree.map(lambda x: x / accumulate, total)
         updates, opt_state = optimizer.update(grads, state.opt_state, diff)
         model = eqx.combine(optax.apply_updates(diff, updates), static)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), **aux}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
         return TrainState(model=model, opt_state=opt_state, step=state.step + 1, key=key), metrics
 
     return make_step(train_step, mesh, donate=True)

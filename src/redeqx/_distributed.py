@@ -1,0 +1,393 @@
+"""Many processes, one program: start-up of JAX's multi-controller runtime
+(`jax.distributed`) and a preflight check that every process agrees.
+
+Configuration comes from, in order: the arguments of `initialize`, these
+environment variables, then whatever cluster `jax.distributed` detects by
+itself (SLURM, Open MPI, Kubernetes, Cloud TPU):
+
+    REDEQX_HOST0_ADDRESS      address of process 0 ("10.0.0.1" or "10.0.0.1:1234")
+    REDEQX_HOST0_PORT         port process 0 listens on (default 12321)
+    REDEQX_N_PROCESSES        number of processes
+    REDEQX_PROCESS_ID         this process's index, 0 .. n_processes - 1
+    REDEQX_LOCAL_DEVICE_IDS   devices this process uses, e.g. "0,1,2,3"
+    REDEQX_INIT_TIMEOUT       seconds to wait for every process to connect (default 60)
+    REDEQX_HEARTBEAT_TIMEOUT  seconds of silence after which a process counts as dead (default 100)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import zlib
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+DEFAULT_PORT = 12321
+DEFAULT_TIMEOUT = 60
+DEFAULT_HEARTBEAT_TIMEOUT = 100
+
+ENV = {
+    "host0_address": "REDEQX_HOST0_ADDRESS",
+    "host0_port": "REDEQX_HOST0_PORT",
+    "n_processes": "REDEQX_N_PROCESSES",
+    "process_id": "REDEQX_PROCESS_ID",
+    "local_device_ids": "REDEQX_LOCAL_DEVICE_IDS",
+    "timeout": "REDEQX_INIT_TIMEOUT",
+    "heartbeat_timeout": "REDEQX_HEARTBEAT_TIMEOUT",
+}
+
+
+@dataclass(frozen=True)
+class _Config:
+    host0_address: str | None
+    host0_port: int | None
+    n_processes: int | None
+    process_id: int | None
+    local_device_ids: tuple[int, ...] | None
+    timeout: int
+    heartbeat_timeout: int
+
+
+# Who started the runtime in this process: None (nobody yet), "user" (a call to
+# `initialize`) or "launcher" (`python -m redeqx.launch`, before the script ran).
+_started_by: str | None = None
+_started_with: _Config | None = None
+
+_BACKEND_STARTED = """\
+redeqx.initialize() must run before anything starts JAX's backend, but JAX is
+already running here (something called jax.devices(), created an array, or
+compiled a function). Call it first thing in the script:
+
+    import jax, redeqx
+    redeqx.initialize()          # before any other jax / redeqx call
+    mesh = redeqx.make_mesh(...)
+"""
+
+
+def _int_setting(name: str, value, *, minimum: int) -> int | None:
+    """An int setting from an argument, else from its environment variable."""
+    where = f"{name}"
+    if value is None and os.environ.get(ENV[name], "").strip():
+        value, where = os.environ[ENV[name]].strip(), f"{ENV[name]} (environment variable)"
+        try:
+            value = int(value)
+        except ValueError:
+            raise ValueError(f"{where} must be an integer, got {value!r}.") from None
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{where} must be an int, got {value!r} ({type(value).__name__}).")
+    if value < minimum:
+        raise ValueError(f"{where} must be >= {minimum}, got {value}.")
+    return int(value)
+
+
+def _split_address(address: str) -> tuple[str, int | None]:
+    """"host", "host:port", "[v6]:port" or a bare IPv6 address -> (host, port)."""
+    if address.startswith("["):
+        host, _, rest = address[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else None
+        return f"[{host}]", int(port) if port else None
+    if address.count(":") == 1:
+        host, port = address.split(":")
+        if not port.isdigit():
+            raise ValueError(f"host0_address={address!r} has a port that is not a number; write 'host:1234'.")
+        return host, int(port)
+    if address.count(":") > 1:  # bare IPv6
+        return f"[{address}]", None
+    return address, None
+
+
+def _resolve(host0_address, host0_port, n_processes, process_id, local_device_ids, timeout, heartbeat_timeout) -> _Config:
+    if host0_address is None:
+        host0_address = os.environ.get(ENV["host0_address"], "").strip() or None
+    if host0_address is not None and (not isinstance(host0_address, str) or not host0_address.strip()):
+        raise TypeError(f"host0_address must be a host name or IP address string, got {host0_address!r}.")
+    port = _int_setting("host0_port", host0_port, minimum=1)
+    if host0_address is not None:
+        host0_address, address_port = _split_address(host0_address.strip())
+        if address_port is not None and port is not None and address_port != port:
+            raise ValueError(
+                f"host0_address gives port {address_port} but host0_port={port}: give the port once."
+            )
+        port = address_port if address_port is not None else port
+    if port is not None and port > 65535:
+        raise ValueError(f"host0_port must be a TCP port 1..65535, got {port}.")
+    n_processes = _int_setting("n_processes", n_processes, minimum=1)
+    process_id = _int_setting("process_id", process_id, minimum=0)
+    if n_processes is not None and process_id is not None and process_id >= n_processes:
+        raise ValueError(
+            f"process_id={process_id} is not below n_processes={n_processes}: number the processes "
+            f"0 .. {n_processes - 1}."
+        )
+    if local_device_ids is None and os.environ.get(ENV["local_device_ids"], "").strip():
+        raw = os.environ[ENV["local_device_ids"]]
+        try:
+            local_device_ids = [int(x) for x in raw.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"{ENV['local_device_ids']} must be a comma-separated list of ints, got {raw!r}.") from None
+    if local_device_ids is not None:
+        if isinstance(local_device_ids, (int, np.integer)) and not isinstance(local_device_ids, bool):
+            local_device_ids = [local_device_ids]
+        if not isinstance(local_device_ids, Sequence) or not all(
+            isinstance(i, (int, np.integer)) and not isinstance(i, bool) and i >= 0 for i in local_device_ids
+        ):
+            raise TypeError(f"local_device_ids must be an int or a list of ints >= 0, got {local_device_ids!r}.")
+        local_device_ids = tuple(int(i) for i in local_device_ids)
+    timeout = _int_setting("timeout", timeout, minimum=1)
+    heartbeat_timeout = _int_setting("heartbeat_timeout", heartbeat_timeout, minimum=1)
+    return _Config(
+        host0_address=host0_address,
+        host0_port=port,
+        n_processes=n_processes,
+        process_id=process_id,
+        local_device_ids=local_device_ids,
+        timeout=DEFAULT_TIMEOUT if timeout is None else timeout,
+        heartbeat_timeout=DEFAULT_HEARTBEAT_TIMEOUT if heartbeat_timeout is None else heartbeat_timeout,
+    )
+
+
+def initialize(
+    host0_address: str | None = None,
+    host0_port: int | None = None,
+    n_processes: int | None = None,
+    process_id: int | None = None,
+    local_device_ids: int | Sequence[int] | None = None,
+    *,
+    timeout: int | None = None,
+    heartbeat_timeout: int | None = None,
+) -> None:
+    """Join this process to a multi-process (multi-host) run; a no-op on one host.
+
+    Call it once, first thing in the script, before any other JAX call. Every
+    process runs the same script; afterwards ``jax.devices()`` (and so
+    `make_mesh`) spans the devices of all processes, and every redeqx function
+    works on the global mesh.
+
+    Settings come from the arguments, else from the environment variables
+    ``REDEQX_HOST0_ADDRESS``, ``REDEQX_HOST0_PORT``, ``REDEQX_N_PROCESSES``,
+    ``REDEQX_PROCESS_ID``, ``REDEQX_LOCAL_DEVICE_IDS``, ``REDEQX_INIT_TIMEOUT``
+    and ``REDEQX_HEARTBEAT_TIMEOUT``, else from the cluster `jax.distributed`
+    detects (SLURM, Open MPI, Kubernetes, Cloud TPU). With none of these, or
+    with ``n_processes=1``, it does nothing: the script runs on this host's
+    devices alone.
+
+    - ``host0_address``: where process 0 runs; ``"10.0.0.1"`` or
+      ``"10.0.0.1:1234"``. ``host0_port`` defaults to 12321.
+    - ``local_device_ids``: the accelerators this process uses (one process per
+      GPU: ``local_device_ids=[local_rank]``).
+    - ``timeout``: seconds to wait for all processes to connect (default 60),
+      so a wrong address fails in a minute, not JAX's five.
+    - ``heartbeat_timeout``: seconds after which a silent process counts as
+      dead; the others then stop with an error naming it (default 100).
+
+    Once started, a preflight check runs: every process must see the same
+    devices, device kind and library versions, and a one-number all-reduce
+    over every device must give the device count; otherwise every process
+    raises an error saying which process differed and how. In a run with
+    several processes, an uncaught exception ends its process at once (after
+    printing the traceback) so that the others notice within
+    ``heartbeat_timeout`` instead of waiting for it at shutdown.
+
+    **Example** (two hosts by hand; run the same script on both):
+
+    ```python
+    import redeqx
+    redeqx.initialize("10.0.0.1", n_processes=2, process_id=0)   # process_id=1 on the other host
+    mesh = redeqx.make_mesh(n_model_shards=2)                    # spans both hosts' devices
+    ```
+    """
+    config = _resolve(host0_address, host0_port, n_processes, process_id, local_device_ids, timeout, heartbeat_timeout)
+    _start(config, by="user", explicit=(host0_address, host0_port, n_processes, process_id, local_device_ids))
+
+
+def _start(config: _Config, *, by: str, explicit=()) -> None:
+    global _started_by, _started_with
+    if _started_by == "launcher" and by == "user":
+        if any(v is not None for v in explicit) and config != _started_with:
+            raise RuntimeError(
+                "redeqx.initialize: this script runs under `python -m redeqx.launch`, which already started "
+                f"the processes with {_describe(_started_with)}; the arguments given here ask for "
+                f"{_describe(config)}. Drop the arguments (the launcher's settings apply), or run the script "
+                "without redeqx.launch."
+            )
+        return  # the launcher did it; a bare call in the script is fine
+    if _started_by is not None:
+        raise RuntimeError(
+            "redeqx.initialize was already called in this process; call it once, at the start of the script."
+        )
+    if jax.distributed.is_initialized():
+        raise RuntimeError(
+            "jax.distributed.initialize was already called in this process; use either it or "
+            "redeqx.initialize, once."
+        )
+    if config.n_processes == 1:
+        _started_by, _started_with = by, config
+        return
+    address = None
+    if config.host0_address is not None:
+        address = f"{config.host0_address}:{config.host0_port or DEFAULT_PORT}"
+    nothing_given = address is None and config.n_processes is None and config.process_id is None
+    _use_cpu_collectives()
+    try:
+        jax.distributed.initialize(
+            coordinator_address=address,
+            num_processes=config.n_processes,
+            process_id=config.process_id,
+            local_device_ids=None if config.local_device_ids is None else list(config.local_device_ids),
+            initialization_timeout=config.timeout,
+            heartbeat_timeout_seconds=config.heartbeat_timeout,
+        )
+    except RuntimeError as e:
+        if "backend" in str(e):
+            raise RuntimeError(_BACKEND_STARTED) from None
+        raise
+    except ValueError as e:
+        if nothing_given:  # no settings and no cluster detected: one host
+            _started_by, _started_with = by, config
+            return
+        missing = [ENV[k].replace("REDEQX_", "").lower() for k in ("host0_address", "n_processes", "process_id")
+                   if getattr(config, k) is None]
+        raise ValueError(
+            f"redeqx.initialize could not start a multi-process run with {_describe(config)}: {e} "
+            f"Give {', '.join(missing) or 'every setting'} (as arguments or as the REDEQX_* environment variables), "
+            "or run under a cluster manager JAX detects (SLURM, Open MPI, Kubernetes, Cloud TPU)."
+        ) from None
+    except Exception as e:  # connection timeouts and the like, from XLA
+        raise RuntimeError(
+            f"redeqx.initialize: process {config.process_id} could not join the run at {address} within "
+            f"timeout={config.timeout}s ({type(e).__name__}: {e}). Check that process 0 runs and that "
+            f"host0_address / host0_port point at it, that every process got the same n_processes, and that "
+            "the port is open between the hosts."
+        ) from None
+    _started_by, _started_with = by, config
+    if jax.process_count() > 1:
+        _fail_fast_on_uncaught_exceptions()
+    preflight()
+
+
+def _describe(config: _Config | None) -> str:
+    if config is None:
+        return "no settings"
+    shown = {k: v for k, v in asdict(config).items() if v is not None}
+    return ", ".join(f"{k}={v!r}" for k, v in shown.items())
+
+
+def _use_cpu_collectives() -> None:
+    """CPU devices of several processes talk through gloo; without it their
+    collectives fail. It changes nothing for GPUs and TPUs."""
+    if not jax.config.jax_cpu_collectives_implementation:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+
+def _fail_fast_on_uncaught_exceptions() -> None:
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        previous(kind, value, tb)
+        print(
+            f"redeqx: process {jax.process_index()} stops on this uncaught {kind.__name__}; "
+            "the other processes will stop too.",
+            file=sys.stderr,
+        )
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Skip JAX's shutdown barrier, which would wait for the other processes
+        # (busy or blocked on this one) for minutes.
+        os._exit(1)
+
+    sys.excepthook = hook
+
+
+def _facts() -> dict:
+    """What every process must agree on, as this process sees it."""
+    import jaxlib
+
+    from . import __version__
+
+    devices = jax.devices()
+    mine = jax.local_devices()
+    layout = ";".join(f"{d.id}@{d.process_index}" for d in devices)
+    return {
+        "local devices": len(mine),
+        "global devices": len(devices),
+        "processes": jax.process_count(),
+        "platform": mine[0].platform,
+        "device kind": mine[0].device_kind,
+        "device order (crc32)": zlib.crc32(layout.encode()),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "redeqx": __version__,
+        "prng": f"{jax.config.jax_default_prng_impl}, partitionable={jax.config.jax_threefry_partitionable}",
+        "x64": bool(jax.config.jax_enable_x64),
+    }
+
+
+_FACT_BYTES = 1024
+
+
+def preflight() -> None:
+    """Checks that every process sees the same devices, device kind and
+    library versions, and that an all-reduce over every device works.
+    `initialize` runs it once after start-up; it is safe to call again (it
+    is itself a collective: every process must call it).
+
+    **Example:**
+
+    ```python
+    redeqx.preflight()   # raises, naming the odd process, if processes disagree
+    ```
+    """
+    facts = _facts()
+    counts = Counter(d.process_index for d in jax.devices())
+    if len(set(counts.values())) > 1:
+        usual = Counter(counts.values()).most_common(1)[0][0]
+        odd = sorted(p for p, c in counts.items() if c != usual)
+        raise RuntimeError(
+            "redeqx preflight: processes have different numbers of devices: "
+            + ", ".join(f"process {p} has {counts[p]}" for p in odd)
+            + f", the others {usual}. Give every process the same number of devices "
+            "(local_device_ids=, CUDA_VISIBLE_DEVICES, or the cluster's per-task GPU count)."
+        )
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        raw = json.dumps(facts, sort_keys=True).encode()[:_FACT_BYTES]
+        mine = np.zeros(_FACT_BYTES, np.uint8)
+        mine[: len(raw)] = np.frombuffer(raw, np.uint8)
+        everyone = np.asarray(multihost_utils.process_allgather(mine))  # (n_processes, bytes)
+        seen = [json.loads(bytes(row).rstrip(b"\0").decode()) for row in everyone]
+        problems = []
+        for name in seen[0]:
+            values = [s.get(name) for s in seen]
+            if len(set(map(repr, values))) > 1:
+                problems.append(f"{name}: " + ", ".join(f"process {p} has {v!r}" for p, v in enumerate(values)))
+        if problems:
+            raise RuntimeError(
+                "redeqx preflight: the processes of this run disagree (they must run the same software on "
+                "the same kind of devices):\n  " + "\n  ".join(problems)
+            )
+    mesh = Mesh(np.asarray(jax.devices()), ("all",))
+    n = len(jax.devices())
+    ones = jax.make_array_from_callback((n,), NamedSharding(mesh, P("all")), lambda idx: np.ones(n, np.int32)[idx])
+    total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(ones)
+    got = int(np.asarray(total.addressable_data(0)))
+    if got != n:
+        raise RuntimeError(
+            f"redeqx preflight: an all-reduce of one 1 per device over {n} devices gave {got} on process "
+            f"{jax.process_index()}: the collectives between processes are broken. On CPU, set "
+            "JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo; on GPU, check NCCL (NCCL_DEBUG=INFO)."
+        )
+
+
+def launcher_start() -> None:
+    """Used by `python -m redeqx.launch` in each child before the script runs."""
+    config = _resolve(None, None, None, None, None, None, None)
+    _start(config, by="launcher")

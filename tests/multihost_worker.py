@@ -1,0 +1,90 @@
+"""The computation `test_multihost.py` runs as several processes (under
+``python -m redeqx.launch``) and, for reference, in one process:
+
+    python -m redeqx.launch -n 2 tests/multihost_worker.py OUT_DIR
+
+Trains a tiny MLP for 5 steps with ``n_model_shards=2``, then runs `predict`
+over 13 examples (not a multiple of the global batch of 8) and `evaluate`;
+each process writes what it saw to ``OUT_DIR/process_<i>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import redeqx
+
+N_STEPS = 5
+PER_DEVICE = 2  # 4 data shards -> global batch 8
+
+
+def make_data(n: int, seed: int):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 8)).astype(np.float32)
+    y = (x[:, :4] * 2.0 - x[:, 4:]).astype(np.float32)
+    return [{"x": x[i], "y": y[i]} for i in range(n)]
+
+
+def collate_fn(examples):
+    return {"x": np.stack([e["x"] for e in examples]), "y": np.stack([e["y"] for e in examples])}
+
+
+def loss_fn(model, batch, key):
+    pred = jax.vmap(model)(batch["x"])
+    return jnp.mean((pred - batch["y"]) ** 2)
+
+
+def pred_fn(model, batch, key):
+    return jax.vmap(model)(batch["x"])
+
+
+def run() -> dict:
+    """The whole computation on whatever devices this run has."""
+    mesh = redeqx.make_mesh(n_model_shards=2)
+    model = eqx.nn.MLP(8, 4, width_size=16, depth=2, key=jax.random.key(0))
+    specs = redeqx.sharding_rules(model, mesh)
+    optimizer = optax.adam(1e-2)
+    state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
+    train_step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs)
+    train = make_data(8 * N_STEPS, seed=0)
+    losses = []
+    for batch in redeqx.batches(train, collate_fn, PER_DEVICE, mesh, shuffle=True, key=jax.random.key(2)):
+        state, metrics = train_step(state, batch)
+        losses.append(float(metrics["loss"]))
+    test = make_data(13, seed=1)
+    preds = redeqx.predict(redeqx.make_predict_step(pred_fn, mesh, specs), state.model, test, collate_fn,
+                           PER_DEVICE, mesh, key=jax.random.key(3))
+    metrics = redeqx.evaluate(redeqx.make_eval_step(loss_fn, mesh, specs), state.model, test, collate_fn,
+                              PER_DEVICE, mesh, key=jax.random.key(4))
+    return {
+        "losses": losses,
+        "preds": np.stack([np.asarray(p) for p in preds]).tolist(),
+        "eval_loss": metrics["loss"],
+        "n_devices": len(jax.devices()),
+        "n_processes": jax.process_count(),
+    }
+
+
+def main(out_dir: str) -> None:
+    redeqx.initialize()  # a no-op under redeqx.launch, which already started the run
+    try:
+        redeqx.initialize("127.0.0.1", n_processes=3, process_id=0)
+        second_call = "no error"
+    except RuntimeError as e:
+        second_call = str(e)
+    result = run()
+    result["second_call"] = second_call
+    with open(os.path.join(out_dir, f"process_{jax.process_index()}.json"), "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

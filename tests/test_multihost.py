@@ -1,0 +1,242 @@
+"""Several real OS processes on 127.0.0.1 (4 simulated CPU devices each),
+checked against this pytest process's single-process run on 8 devices."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import multihost_worker
+import redeqx
+from redeqx import _distributed, launch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROCESS_TIMEOUT = 240  # a generous cap so a bug fails the test instead of hanging it
+
+
+def run_launcher(*args, timeout=PROCESS_TIMEOUT):
+    cmd = [sys.executable, "-m", "redeqx.launch", *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def write_script(tmp_path, body: str) -> str:
+    path = tmp_path / "script.py"
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def wait_for_files(paths, procs, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not all(os.path.exists(p) for p in paths):
+        for p in procs:
+            if p.poll() is not None:
+                raise AssertionError(f"a process exited early with status {p.returncode}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"processes did not get ready in {timeout}s")
+        time.sleep(0.1)
+
+
+# --- training, predict, evaluate: 2 processes x 4 devices == 1 process x 8 devices
+
+
+def test_two_processes_compute_what_one_process_computes(tmp_path, devices):
+    done = run_launcher("-n", 2, "--devices", 8, os.path.join(HERE, "multihost_worker.py"), tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reference = multihost_worker.run()
+    assert reference["n_processes"] == 1 and reference["n_devices"] == 8
+    for i in range(2):
+        got = json.loads((tmp_path / f"process_{i}.json").read_text())
+        assert got["n_processes"] == 2 and got["n_devices"] == 8
+        assert len(got["losses"]) == multihost_worker.N_STEPS
+        np.testing.assert_allclose(got["losses"], reference["losses"], rtol=1e-5)
+        # 13 examples, global batch 8: every output once, in order, on every process
+        np.testing.assert_allclose(got["preds"], reference["preds"], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got["eval_loss"], reference["eval_loss"], rtol=1e-5)
+        # the script's own initialize() was a no-op; different settings were refused
+        assert "already started" in got["second_call"]
+
+
+# --- failures end the run, fast and loudly
+
+RUN_UNTIL_KILLED = """
+    import os, sys, time
+    import jax, jax.numpy as jnp, numpy as np
+    import redeqx
+    redeqx.initialize()
+    mesh = redeqx.make_mesh()
+    x = jax.make_array_from_callback((8,), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")),
+                                     lambda idx: np.ones(8, np.float32)[idx])
+    total = jax.jit(jnp.sum)
+    total(x).block_until_ready()
+    open(os.path.join(sys.argv[1], f"ready_{jax.process_index()}"), "w").write(str(os.getpid()))
+    while True:  # a training loop: collectives with host work in between
+        total(x).block_until_ready()
+        time.sleep(0.1)
+"""
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_killed_process_stops_the_other_naming_it(tmp_path, victim):
+    """No launcher here: JAX's coordination service alone must notice the
+    lost peer (within the heartbeat timeout) and stop the survivor."""
+    script = write_script(tmp_path, RUN_UNTIL_KILLED)
+    port = launch.free_port()
+    procs, logs = [], []
+    for i in range(2):
+        env = launch.child_env(i, 2, port, 4, heartbeat_timeout=5)
+        log = open(tmp_path / f"stderr_{i}.txt", "w")
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, script, str(tmp_path)], env=env, stdout=log, stderr=log))
+    try:
+        wait_for_files([tmp_path / "ready_0", tmp_path / "ready_1"], procs)
+        procs[victim].kill()
+        start = time.monotonic()
+        survivor = procs[1 - victim]
+        rc = survivor.wait(timeout=60)
+        elapsed = time.monotonic() - start
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for log in logs:
+            log.close()
+    message = (tmp_path / f"stderr_{1 - victim}.txt").read_text()
+    assert rc != 0
+    assert elapsed < 30, f"the survivor took {elapsed:.0f}s to stop"
+    if victim == 1:  # the coordination service (in process 0) names the silent task
+        assert "stopped sending heartbeats" in message and "\n1\n" in message, message[-2000:]
+    else:  # process 0 hosts the coordination service: the survivor reports losing it
+        assert "leader task" in message or "coordination service" in message, message[-2000:]
+
+
+def test_launcher_stops_the_others_when_one_fails(tmp_path):
+    script = write_script(
+        tmp_path,
+        """
+        import time, jax, redeqx
+        redeqx.initialize()
+        if jax.process_index() == 1:
+            raise RuntimeError("boom in process 1")
+        time.sleep(600)
+        """,
+    )
+    start = time.monotonic()
+    done = run_launcher("-n", 2, "--devices", 2, script)
+    assert done.returncode == 1
+    assert time.monotonic() - start < 60
+    assert "boom in process 1" in done.stderr
+    assert "process 1" in done.stderr and "stopping the other 1 process" in done.stderr
+
+
+def test_launcher_forwards_sigterm(tmp_path):
+    script = write_script(
+        tmp_path,
+        """
+        import os, sys, time, jax, redeqx
+        redeqx.initialize()
+        open(os.path.join(sys.argv[1], f"ready_{jax.process_index()}"), "w").write(str(os.getpid()))
+        time.sleep(600)
+        """,
+    )
+    proc = subprocess.Popen([sys.executable, "-m", "redeqx.launch", "-n", "2", "--devices", "2", script, str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_files([tmp_path / "ready_0", tmp_path / "ready_1"], [proc])
+        pids = [int((tmp_path / f"ready_{i}").read_text()) for i in range(2)]
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 128 + signal.SIGTERM
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_preflight_names_the_process_that_differs(tmp_path):
+    script = write_script(
+        tmp_path,
+        """
+        import redeqx
+        redeqx.initialize()
+        print("preflight passed")
+        """,
+    )
+    port = launch.free_port()
+    procs = [
+        subprocess.Popen([sys.executable, script], env=launch.child_env(i, 2, port, n, heartbeat_timeout=5),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i, n in enumerate([4, 3])
+    ]
+    try:
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, out in zip(procs, outputs):
+        assert p.returncode != 0
+        assert "preflight passed" not in out
+    assert "process 1 has 3" in outputs[0], outputs[0][-2000:]
+
+
+# --- errors that need no second process
+
+
+@pytest.fixture
+def fresh_runtime_state(monkeypatch):
+    monkeypatch.setattr(_distributed, "_started_by", None)
+    monkeypatch.setattr(_distributed, "_started_with", None)
+    for name in _distributed.ENV.values():
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(host0_address="10.0.0.1", n_processes=0, process_id=0), "n_processes must be >= 1"),
+        (dict(host0_address="10.0.0.1", n_processes=2, process_id=2), "process_id=2 is not below n_processes=2"),
+        (dict(host0_address="10.0.0.1:x", n_processes=2, process_id=0), "port that is not a number"),
+        (dict(host0_address="10.0.0.1:1234", host0_port=99, n_processes=2, process_id=0), "give the port once"),
+        (dict(host0_address="10.0.0.1", host0_port=70000, n_processes=2, process_id=0), "1..65535"),
+        (dict(host0_address="10.0.0.1", n_processes=2, process_id=0, timeout=0), "timeout must be >= 1"),
+        (dict(host0_address="10.0.0.1", n_processes=2, process_id=0, local_device_ids="0,1"), "local_device_ids"),
+    ],
+)
+def test_initialize_rejects_bad_settings(fresh_runtime_state, kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        redeqx.initialize(**kwargs)
+
+
+def test_initialize_rejects_bad_environment(fresh_runtime_state, monkeypatch):
+    monkeypatch.setenv("REDEQX_N_PROCESSES", "two")
+    with pytest.raises(ValueError, match="REDEQX_N_PROCESSES .* must be an integer, got 'two'"):
+        redeqx.initialize()
+
+
+def test_initialize_after_jax_started_says_to_call_it_first(fresh_runtime_state, devices):
+    jax.devices()
+    with pytest.raises(RuntimeError, match="must run before anything starts JAX"):
+        redeqx.initialize("127.0.0.1", n_processes=2, process_id=0)
+
+
+def test_one_process_is_a_no_op_and_a_second_call_is_an_error(fresh_runtime_state):
+    redeqx.initialize(n_processes=1)
+    assert jax.process_count() == 1
+    with pytest.raises(RuntimeError, match="already called"):
+        redeqx.initialize(n_processes=1)
+
+
+def test_launcher_rejects_an_uneven_device_split(tmp_path, capsys):
+    script = write_script(tmp_path, "print('hi')\n")
+    with pytest.raises(SystemExit):
+        launch.main(["-n", "3", "--devices", "8", script])
+    assert "--devices=8 cannot be split evenly over -n 3" in capsys.readouterr().err
