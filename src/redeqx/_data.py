@@ -26,7 +26,9 @@ def collate(collate_fn: Callable, examples: list, n_rows: int):
     """Runs ``collate_fn`` and checks it gave a tree of numeric arrays with
     ``n_rows`` rows each."""
     out = collate_fn(examples)
-    leaves_with_path = jax.tree_util.tree_flatten_with_path(out)[0]
+    # a list is one (maybe ragged) array's rows, not a container
+    is_leaf = lambda x: isinstance(x, list)  # noqa: E731
+    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(out, is_leaf=is_leaf)
     if not leaves_with_path:
         raise ValueError(f"collate_fn {_fn_name(collate_fn)!r} returned no arrays (got {out!r}).")
     checked = []
@@ -50,7 +52,7 @@ def collate(collate_fn: Callable, examples: list, n_rows: int):
                 "per example as its leading dim."
             )
         checked.append(arr)
-    return jax.tree.unflatten(jax.tree.structure(out), checked)
+    return jax.tree.unflatten(treedef, checked)
 
 
 def local_rows(mesh: Mesh, global_batch: int) -> tuple[int, int]:
