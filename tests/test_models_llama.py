@@ -257,3 +257,62 @@ def test_config_errors_name_the_field():
         LlamaConfig(rope_scaling=(("rope_type", "yarn"),))
     with pytest.raises(FileNotFoundError, match="config.json"):
         from_pretrained("/nonexistent-dir", redeqx.make_mesh(1))
+
+
+def _megatron_bytes(config: LlamaConfig, local_batch: int, seq: int, grad_bytes: int) -> int:
+    """Per-device bytes of the collectives of one Megatron-LM training step (float32).
+
+    With hidden size H, an activation is ``local_batch * seq * H`` floats, and:
+    - forward: the vocab-split embedding lookup is summed over ``model`` (1
+      all-reduce), and each layer all-reduces the outputs of its two
+      row-parallel matmuls, ``o_proj`` and ``down_proj`` (2 per layer);
+    - backward: each layer all-reduces the input gradients of its two
+      column-parallel groups, Q/K/V and gate/up (2 per layer), and the
+      vocab-split LM head all-reduces its input gradient (1);
+    - the cross-entropy over vocab-split logits reduces a max, a sum of
+      exponentials and the target logit, ``local_batch * seq`` floats each (3);
+    - data parallelism all-reduces each device's shard of the gradients
+      (``grad_bytes``: the parameter bytes one device holds).
+    """
+    act = local_batch * seq * config.hidden_size * 4
+    forward = (1 + 2 * config.num_hidden_layers) * act
+    backward = (2 * config.num_hidden_layers + 1) * act
+    loss = 3 * local_batch * seq * 4
+    return forward + backward + loss + grad_bytes
+
+
+def test_train_step_communication_is_megatron_and_matches_one_device(getkey):
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4)
+    model = LlamaForCausalLM(config, key=getkey())
+    optimizer = optax.sgd(0.1)
+    ids = np.random.RandomState(0).randint(0, 256, (8, 17))
+
+    def loss_fn(m, batch, key):
+        logits = jax.vmap(m)(batch["ids"][:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:]).mean()
+
+    def run(n_model, devices):
+        mesh = redeqx.make_mesh(n_model, devices=devices)
+        specs = redeqx.sharding_rules(model, mesh)
+        # a copy: the donated step may reuse buffers that init_state shares with `model`
+        fresh = jax.tree.map(lambda x: jnp.array(x, copy=True), model)
+        state = redeqx.init_state(fresh, optimizer, mesh, specs, key=jax.random.key(0))
+        batch = jax.device_put({"ids": jnp.asarray(ids)}, jax.sharding.NamedSharding(mesh, P("data")))
+        step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs)
+        summary = redeqx.collective_summary(step, state, batch)
+        state, metrics = step(state, batch)
+        return mesh, state, metrics, summary
+
+    mesh, state4, metrics4, summary = run(4, None)
+    _, state1, metrics1, _ = run(1, jax.devices()[:1])
+    np.testing.assert_allclose(metrics4["loss"], metrics1["loss"], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(state4.model), jax.tree.leaves(state1.model)):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+    grad_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state4.model))
+    local_batch = ids.shape[0] // mesh.shape["data"]
+    analytic = _megatron_bytes(config, local_batch, ids.shape[1] - 1, grad_bytes)
+    moved = sum(v["bytes"] for v in summary.values())
+    assert set(summary) == {"all-reduce"}, summary  # no activation gathers
+    assert moved <= 1.15 * analytic, (moved, analytic, summary)

@@ -35,6 +35,7 @@ from ._layers import (
     causal_mask,
     check_fits,
     default_head_dim,
+    fused_linears,
     heads,
     inv_sqrt,
     update_cache,
@@ -237,9 +238,10 @@ class LlamaAttention(eqx.Module):
 
     def __call__(self, x, positions, mask, inv_freq, cache: KVCache | None, index):
         c = self.config
-        q = apply_rope(heads(self.q_proj(x), c.n_heads), positions, inv_freq)  # (T, Hq, D)
-        k = apply_rope(heads(self.k_proj(x), c.n_kv_heads), positions, inv_freq)  # (T, Hkv, D)
-        v = heads(self.v_proj(x), c.n_kv_heads)
+        q, k, v = fused_linears(x, [self.q_proj, self.k_proj, self.v_proj])
+        q = apply_rope(heads(q, c.n_heads), positions, inv_freq)  # (T, Hq, D)
+        k = apply_rope(heads(k, c.n_kv_heads), positions, inv_freq)  # (T, Hkv, D)
+        v = heads(v, c.n_kv_heads)
         if cache is not None:
             cache = update_cache(cache, k, v, index)
             k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
@@ -261,8 +263,7 @@ class LlamaMLP(eqx.Module):
         self.down_proj = Linear(i, h, bias=b, key=kd)
 
     def __call__(self, x: Float[Array, "seq hidden"]) -> Float[Array, "seq hidden"]:
-        gate = constrain(self.gate_proj(x), P(None, MODEL))  # column parallel
-        up = constrain(self.up_proj(x), P(None, MODEL))
+        gate, up = fused_linears(x, [self.gate_proj, self.up_proj])  # column parallel
         return constrain(self.down_proj(jax.nn.silu(gate) * up), P())  # row parallel: one all-reduce
 
 
