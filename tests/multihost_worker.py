@@ -1,11 +1,13 @@
 """The computation `test_multihost.py` runs as several processes (under
 ``python -m redeqx.launch``) and, for reference, in one process:
 
-    python -m redeqx.launch -n 2 tests/multihost_worker.py OUT_DIR
+    python -m redeqx.launch -n 2 tests/multihost_worker.py OUT_DIR SAVE_TO RESTORE_FROM
 
-Trains a tiny MLP for 5 steps with ``n_model_shards=2``, then runs `predict`
-over 13 examples (not a multiple of the global batch of 8) and `evaluate`;
-each process writes what it saw to ``OUT_DIR/process_<i>.json``.
+Trains a tiny MLP for 5 steps with ``n_model_shards=2`` and saves the state
+to SAVE_TO, runs `predict` over 13 examples (not a multiple of the global
+batch of 8) and `evaluate`, then restores the checkpoint RESTORE_FROM (saved
+by a run with another process count) and trains 3 more steps. Each process
+writes what it saw to ``OUT_DIR/process_<i>.json``.
 """
 
 from __future__ import annotations
@@ -46,45 +48,67 @@ def pred_fn(model, batch, key):
     return jax.vmap(model)(batch["x"])
 
 
-def run() -> dict:
-    """The whole computation on whatever devices this run has."""
+def setup():
     mesh = redeqx.make_mesh(n_model_shards=2)
     model = eqx.nn.MLP(8, 4, width_size=16, depth=2, key=jax.random.key(0))
     specs = redeqx.sharding_rules(model, mesh)
     optimizer = optax.adam(1e-2)
-    state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
+    return mesh, model, specs, optimizer
+
+
+def train(state, examples, mesh, specs, optimizer, key):
     train_step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs)
-    train = make_data(8 * N_STEPS, seed=0)
     losses = []
-    for batch in redeqx.batches(train, collate_fn, PER_DEVICE, mesh, shuffle=True, key=jax.random.key(2)):
+    for batch in redeqx.batches(examples, collate_fn, PER_DEVICE, mesh, shuffle=True, key=key):
         state, metrics = train_step(state, batch)
         losses.append(float(metrics["loss"]))
+    return state, losses
+
+
+def continue_from(path, mesh, model, specs, optimizer):
+    """Restores the `TrainState` at ``path`` and trains 3 more steps."""
+    like = eqx.filter_eval_shape(redeqx.init_state, model, optimizer, mesh, specs, key=jax.random.key(1))
+    state = redeqx.restore_checkpoint(path, like, mesh, specs)
+    return train(state, make_data(8 * 3, seed=5), mesh, specs, optimizer, jax.random.key(6))
+
+
+def run(save_to=None, restore_from=None):
+    """The whole computation on whatever devices this run has; returns
+    (JSON-able results, the trained state)."""
+    mesh, model, specs, optimizer = setup()
+    state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
+    state, losses = train(state, make_data(8 * N_STEPS, seed=0), mesh, specs, optimizer, jax.random.key(2))
+    if save_to is not None:
+        redeqx.save_checkpoint(save_to, state)
     test = make_data(13, seed=1)
     preds = redeqx.predict(redeqx.make_predict_step(pred_fn, mesh, specs), state.model, test, collate_fn,
                            PER_DEVICE, mesh, key=jax.random.key(3))
     metrics = redeqx.evaluate(redeqx.make_eval_step(loss_fn, mesh, specs), state.model, test, collate_fn,
                               PER_DEVICE, mesh, key=jax.random.key(4))
-    return {
+    result = {
         "losses": losses,
         "preds": np.stack([np.asarray(p) for p in preds]).tolist(),
         "eval_loss": metrics["loss"],
         "n_devices": len(jax.devices()),
         "n_processes": jax.process_count(),
     }
+    if restore_from is not None:
+        result["continued_losses"] = continue_from(restore_from, mesh, model, specs, optimizer)[1]
+    return result, state
 
 
-def main(out_dir: str) -> None:
+def main(out_dir: str, save_to: str, restore_from: str) -> None:
     redeqx.initialize()  # a no-op under redeqx.launch, which already started the run
     try:
         redeqx.initialize("127.0.0.1", n_processes=3, process_id=0)
         second_call = "no error"
     except RuntimeError as e:
         second_call = str(e)
-    result = run()
+    result, _ = run(save_to, restore_from)
     result["second_call"] = second_call
     with open(os.path.join(out_dir, f"process_{jax.process_index()}.json"), "w") as f:
         json.dump(result, f)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:4])

@@ -9,6 +9,7 @@ import sys
 import textwrap
 import time
 
+import equinox as eqx
 import jax
 import numpy as np
 import pytest
@@ -43,24 +44,55 @@ def wait_for_files(paths, procs, timeout=120):
         time.sleep(0.1)
 
 
-# --- training, predict, evaluate: 2 processes x 4 devices == 1 process x 8 devices
+# --- 2 processes x 4 devices compute what 1 process x 8 devices computes
 
 
-def test_two_processes_compute_what_one_process_computes(tmp_path, devices):
-    done = run_launcher("-n", 2, "--devices", 8, os.path.join(HERE, "multihost_worker.py"), tmp_path)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One 2-process run of `multihost_worker` and the same computation in this
+    process, each saving a checkpoint the other restores."""
+    assert len(jax.devices()) == 8 and jax.process_count() == 1
+    tmp = tmp_path_factory.mktemp("multihost")
+    reference, state = multihost_worker.run(save_to=tmp / "saved_by_1")
+    params = [np.asarray(x) for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_array))]
+    key_data = np.asarray(jax.random.key_data(state.key))
+    mesh, model, specs, optimizer = multihost_worker.setup()
+    reference["continued_losses"] = multihost_worker.continue_from(tmp / "saved_by_1", mesh, model, specs, optimizer)[1]
+    done = run_launcher("-n", 2, "--devices", 8, os.path.join(HERE, "multihost_worker.py"), tmp, tmp / "saved_by_2",
+                        tmp / "saved_by_1")
     assert done.returncode == 0, done.stderr[-3000:]
-    reference = multihost_worker.run()
+    got = [json.loads((tmp / f"process_{i}.json").read_text()) for i in range(2)]
+    return dict(reference=reference, got=got, params=params, key_data=key_data, tmp=tmp)
+
+
+def test_two_processes_train_predict_and_evaluate_like_one(runs):
+    reference = runs["reference"]
     assert reference["n_processes"] == 1 and reference["n_devices"] == 8
-    for i in range(2):
-        got = json.loads((tmp_path / f"process_{i}.json").read_text())
+    for got in runs["got"]:
         assert got["n_processes"] == 2 and got["n_devices"] == 8
         assert len(got["losses"]) == multihost_worker.N_STEPS
         np.testing.assert_allclose(got["losses"], reference["losses"], rtol=1e-5)
         # 13 examples, global batch 8: every output once, in order, on every process
+        assert len(got["preds"]) == 13
         np.testing.assert_allclose(got["preds"], reference["preds"], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(got["eval_loss"], reference["eval_loss"], rtol=1e-5)
         # the script's own initialize() was a no-op; different settings were refused
         assert "already started" in got["second_call"]
+
+
+def test_checkpoints_move_between_process_counts(runs):
+    # saved by 1 process, restored by 2: training goes on as in the 1-process run
+    for got in runs["got"]:
+        np.testing.assert_allclose(got["continued_losses"], runs["reference"]["continued_losses"], rtol=1e-5)
+    # saved by 2 processes, restored by 1: the same parameters, step and key
+    mesh, model, specs, optimizer = multihost_worker.setup()
+    like = eqx.filter_eval_shape(redeqx.init_state, model, optimizer, mesh, specs, key=jax.random.key(1))
+    state = redeqx.restore_checkpoint(runs["tmp"] / "saved_by_2", like, mesh, specs)
+    restored = [np.asarray(x) for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_array))]
+    for a, b in zip(restored, runs["params"], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert int(state.step) == multihost_worker.N_STEPS
+    np.testing.assert_array_equal(np.asarray(jax.random.key_data(state.key)), runs["key_data"])
 
 
 # --- failures end the run, fast and loudly
