@@ -132,6 +132,10 @@ def init_state(
     ``trainable`` is the same Equinox filter spec given to `make_train_step`:
     frozen leaves get no optimizer state.
 
+    Arrays of ``model`` that already sit where ``specs`` puts them are used
+    as they are, not copied (a large model is never held twice); the first
+    train step donates them, so keep using ``state.model``, not ``model``.
+
     **Example:**
 
     ```python

@@ -80,16 +80,21 @@ class _CompiledStep:
         leaves, treedef = jax.tree.flatten(state)
         mask = tuple(isinstance(x, ARRAY_TYPES) for x in leaves)
         dyn = [x for x, m in zip(leaves, mask) if m]
-        shardings = tuple(_placement(x, self.mesh) for x in dyn)
         static_leaves = tuple(None if m else x for x, m in zip(leaves, mask))
-        cache_key = (treedef, mask, static_leaves, shardings)
-        fn = self._jitted.get(cache_key)
-        if fn is None:
-            fn = self._jitted[cache_key] = self._build(treedef, static_leaves, mask, shardings)
-        dyn = [
-            x if isinstance(x, jax.Array) and x.sharding == s else jax.device_put(x, s)
-            for x, s in zip(dyn, shardings)
-        ]
+        # the arrays' own shardings key the cache: after the first step they are the
+        # very objects the compiled step put on its outputs, so the lookup is cheap
+        current = tuple(x.sharding if isinstance(x, jax.Array) else None for x in dyn)
+        cache_key = (treedef, mask, static_leaves, current)
+        hit = self._jitted.get(cache_key)
+        if hit is None:
+            shardings = tuple(_placement(x, self.mesh) for x in dyn)
+            fn = self._jitted.get((treedef, mask, static_leaves, shardings))
+            if fn is None:
+                fn = self._build(treedef, static_leaves, mask, shardings)
+                self._jitted[(treedef, mask, static_leaves, shardings)] = (fn, shardings)
+            hit = self._jitted[cache_key] = (fn, shardings)
+        fn, shardings = hit
+        dyn = [x if cur == s else jax.device_put(x, s) for x, cur, s in zip(dyn, current, shardings)]
         return fn, dyn, treedef, mask, static_leaves
 
     def __call__(self, state, *args):

@@ -1,0 +1,126 @@
+"""Step-time overhead of redeqx.make_train_step vs a hand-written jax.jit + optax step.
+
+    python benchmarks/overhead.py            # writes the numbers to benchmarks/RESULTS.md
+
+The same small transformer, the same batch, the same placement, on 1 device and
+on 8 simulated CPU devices (n_model_shards=2); the two steps alternate in
+rounds so both see the same machine noise. Prints the median step-time ratio
+(target <= 1.03).
+"""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import equinox as eqx  # noqa: E402
+import jax  # noqa: E402
+import optax  # noqa: E402
+
+import redeqx  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from tiny_transformer import TinyLM, collate_tokens, lm_loss, token_examples  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _results import write_section  # noqa: E402
+
+
+def hand_written_step(optimizer, static):
+    def step(params, opt_state, batch, key):
+        key, sub = jax.random.split(key)
+
+        def loss(p):
+            return lm_loss(eqx.combine(p, static), batch, sub)
+
+        (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        metrics = {"loss": value, "grad_norm": optax.tree.norm(grads), **aux}
+        return optax.apply_updates(params, updates), opt_state, key, metrics
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def timed(fn, n):
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def measure(devices, n_model_shards, args):
+    mesh = redeqx.make_mesh(n_model_shards, devices=devices)
+    model = TinyLM(vocab=args.vocab, dim=args.dim, n_heads=8, hidden=4 * args.dim, n_layers=args.layers,
+                   key=jax.random.key(0))
+    specs = redeqx.sharding_rules(model, mesh)
+    optimizer = optax.adamw(1e-3)
+    batch = next(redeqx.batches(token_examples(args.batch, seq_len=args.seq, vocab=args.vocab), collate_tokens,
+                                args.batch // mesh.shape["data"], mesh))
+
+    state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
+    ours = redeqx.make_train_step(lm_loss, optimizer, mesh, specs)
+
+    params, static = eqx.partition(redeqx.shard(model, specs, mesh), eqx.is_array)
+    params = jax.tree.map(lambda x: x.copy(), params)  # own buffers: both steps donate theirs
+    hand = hand_written_step(optimizer, static)
+    other = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
+    hand_state = [params, other.opt_state, other.key]
+
+    def run_ours():
+        nonlocal state
+        state, metrics = ours(state, batch)
+        return metrics
+
+    def run_hand():
+        p, o, k, metrics = hand(hand_state[0], hand_state[1], batch, hand_state[2])
+        hand_state[:] = [p, o, k]
+        return metrics
+
+    timed(run_ours, 3), timed(run_hand, 3)  # compile and warm up
+    ours_t, hand_t = [], []
+    for _ in range(args.rounds):
+        ours_t += timed(run_ours, args.steps)
+        hand_t += timed(run_hand, args.steps)
+    return statistics.median(ours_t), statistics.median(hand_t)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+
+    rows = []
+    for name, devices, k in [("1 device", jax.devices()[:1], 1), ("8 devices, n_model_shards=2", jax.devices(), 2)]:
+        ours, hand = measure(devices, k, args)
+        rows.append((name, ours, hand, ours / hand))
+        print(f"{name}: redeqx {ours * 1e3:.2f} ms, hand-written {hand * 1e3:.2f} ms, ratio {ours / hand:.3f}")
+
+    lines = [
+        f"TinyLM dim={args.dim} layers={args.layers} vocab={args.vocab}, batch {args.batch} x {args.seq} tokens, "
+        f"AdamW; median of {args.rounds} alternating rounds x {args.steps} steps ({jax.devices()[0].platform}).",
+        "",
+        "| setting | redeqx step | hand-written jax.jit + optax | ratio (target <= 1.03) |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| {n} | {o * 1e3:.2f} ms | {h * 1e3:.2f} ms | {r:.3f} |" for n, o, h, r in rows]
+    if not args.no_write:
+        write_section("Step overhead (benchmarks/overhead.py)", "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
