@@ -1,0 +1,223 @@
+"""Text generation with a KV cache: greedy, sampling, beam search.
+
+Everything here is a traceable JAX function of a fixed shape (a
+``lax.scan`` over new tokens), so it runs under ``jax.jit`` and as a
+``pred_fn`` of `redeqx.make_predict_step`, sharded like the model it drives.
+A model drives generation through two methods, for one sequence:
+``init_cache(max_len)`` and ``decode(input_ids, cache, attention_mask=...)
+-> (logits, cache)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+
+Sampler = Callable[[Float[Array, "batch vocab"], PRNGKeyArray], Int[Array, " batch"]]
+
+
+def greedy() -> Sampler:
+    """The most likely next token (what Transformers' ``do_sample=False`` does)."""
+
+    def pick(logits, key):
+        del key
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    pick.needs_key = False
+    return pick
+
+
+def sample(temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None) -> Sampler:
+    """Draw the next token from ``softmax(logits / temperature)``, keeping only
+    the ``top_k`` most likely tokens and/or the smallest set whose probability
+    reaches ``top_p`` (nucleus sampling).
+
+    **Example:**
+
+    ```python
+    tokens = generate(model, prompts, max_new_tokens=64, sampler=sample(0.7, top_p=0.9), key=key)
+    ```
+    """
+    if not temperature > 0:
+        raise ValueError(f"sample: temperature must be > 0, got {temperature!r}; use greedy() for temperature 0.")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"sample: top_k must be a positive int or None, got {top_k!r}.")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"sample: top_p must be in (0, 1] or None, got {top_p!r}.")
+
+    def pick(logits, key):
+        logits = logits.astype(jnp.float32) / temperature
+        neg = jnp.finfo(jnp.float32).min
+        if top_k is not None and top_k < logits.shape[-1]:
+            kth = jax.lax.top_k(logits, top_k)[0][:, -1:]  # (B, 1)
+            logits = jnp.where(logits < kth, neg, logits)
+        if top_p is not None and top_p < 1:
+            order = jnp.argsort(-logits, axis=-1)
+            sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+            probs = jax.nn.softmax(sorted_logits, axis=-1)
+            before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
+            keep_sorted = before < top_p  # the most likely token always stays
+            keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
+            logits = jnp.where(keep, logits, neg)
+        return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+    pick.needs_key = True
+    return pick
+
+
+def _check(model, input_ids, max_new_tokens, attention_mask):
+    if not (hasattr(model, "init_cache") and hasattr(model, "decode")):
+        raise TypeError(
+            f"model must be a redeqx.models model with init_cache and decode, got {type(model).__name__}."
+        )
+    if jnp.ndim(input_ids) != 2:
+        raise ValueError(
+            f"input_ids must be (batch, prompt_len) token ids, got shape {jnp.shape(input_ids)}; "
+            "for one prompt write input_ids[None]."
+        )
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}.")
+    if attention_mask is not None and jnp.shape(attention_mask) != jnp.shape(input_ids):
+        raise ValueError(
+            f"attention_mask has shape {jnp.shape(attention_mask)} but input_ids has {jnp.shape(input_ids)}; "
+            "give one flag per prompt token (False for left padding)."
+        )
+    b, p = input_ids.shape
+    mask = jnp.ones((b, p), bool) if attention_mask is None else jnp.asarray(attention_mask).astype(bool)
+    return b, p, mask
+
+
+def _eos_hit(tokens, eos_token_id):
+    if eos_token_id is None:
+        return jnp.zeros(tokens.shape, bool)
+    ids = jnp.asarray(eos_token_id, jnp.int32).reshape(-1)
+    return jnp.any(tokens[..., None] == ids.reshape((1,) * tokens.ndim + (-1,)), axis=-1)
+
+
+def _prefill(model, input_ids, mask, max_len):
+    cache = jax.vmap(lambda _: model.init_cache(max_len))(jnp.arange(input_ids.shape[0]))
+    logits, cache = jax.vmap(lambda i, c, m: model.decode(i, c, attention_mask=m))(input_ids, cache, mask)
+    return logits[:, -1], cache  # prompts are left-padded: the last slot is a real token
+
+
+def _step(model, tokens, cache):
+    logits, cache = jax.vmap(lambda t, c: model.decode(t[None], c))(tokens, cache)
+    return logits[:, 0], cache
+
+
+def generate(
+    model,
+    input_ids: Int[Array, "batch prompt"],
+    *,
+    max_new_tokens: int,
+    attention_mask: Bool[Array, "batch prompt"] | None = None,
+    sampler: Sampler | None = None,
+    key: PRNGKeyArray | None = None,
+    eos_token_id: int | tuple[int, ...] | None = None,
+    pad_token_id: int = 0,
+) -> Int[Array, "batch max_new_tokens"]:
+    """The ``max_new_tokens`` tokens that follow each prompt, one cached
+    decoding step per token.
+
+    Prompts of different lengths are left-padded, with ``attention_mask``
+    ``False`` on the padding. ``sampler`` picks each token (default
+    `greedy`; `sample` for temperature/top-k/top-p, which needs ``key``).
+    After a sequence emits ``eos_token_id`` its remaining tokens are
+    ``pad_token_id``.
+
+    **Example** (as a ``pred_fn``, sharded with the model):
+
+    ```python
+    def pred_fn(model, batch, key):
+        return generate(model, batch["input_ids"], attention_mask=batch["attention_mask"],
+                        max_new_tokens=32, eos_token_id=2)
+
+    predict_step = redeqx.make_predict_step(pred_fn, mesh, specs)
+    ```
+    """
+    b, p, mask = _check(model, input_ids, max_new_tokens, attention_mask)
+    sampler = greedy() if sampler is None else sampler
+    if key is None:
+        if getattr(sampler, "needs_key", True):
+            raise ValueError("generate: this sampler draws random tokens; pass key=jax.random.key(...).")
+        key = jax.random.key(0)
+    last, cache = _prefill(model, input_ids, mask, p + max_new_tokens)
+
+    def body(carry, step_key):
+        last, cache, done = carry
+        token = jnp.where(done, pad_token_id, sampler(last, step_key)).astype(jnp.int32)
+        done = done | _eos_hit(token, eos_token_id)
+        last, cache = _step(model, token, cache)
+        return (last, cache, done), token
+
+    keys = jax.random.split(key, max_new_tokens)
+    _, tokens = jax.lax.scan(body, (last, cache, jnp.zeros((b,), bool)), keys)
+    return tokens.T  # (batch, max_new_tokens)
+
+
+def beam_search(
+    model,
+    input_ids: Int[Array, "batch prompt"],
+    *,
+    max_new_tokens: int,
+    num_beams: int,
+    attention_mask: Bool[Array, "batch prompt"] | None = None,
+    length_penalty: float = 1.0,
+    eos_token_id: int | tuple[int, ...] | None = None,
+    pad_token_id: int = 0,
+) -> Int[Array, "batch max_new_tokens"]:
+    """The best of ``num_beams`` hypotheses kept by total log-probability.
+
+    Each step extends every live beam by every token and keeps the
+    ``num_beams`` best; a beam that emitted ``eos_token_id`` is finished and
+    carries its score unchanged (padded with ``pad_token_id``). The winner
+    maximises ``log p / length ** length_penalty``.
+
+    **Example:**
+
+    ```python
+    tokens = beam_search(model, prompts, max_new_tokens=32, num_beams=4, eos_token_id=2)
+    ```
+    """
+    b, p, mask = _check(model, input_ids, max_new_tokens, attention_mask)
+    if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
+        raise ValueError(f"num_beams must be a positive int, got {num_beams!r}.")
+    k = num_beams
+    rep = lambda x: jnp.repeat(x, k, axis=0)  # (B, ...) -> (B*K, ...), beams of a row adjacent
+    last, cache = _prefill(model, rep(input_ids), rep(mask), p + max_new_tokens)
+    neg = jnp.finfo(jnp.float32).min
+    scores = jnp.tile(jnp.asarray([0.0] + [neg] * (k - 1), jnp.float32), (b, 1))  # only beam 0 starts live
+
+    def reorder(x, beam):  # x: (B*K, ...) ; beam: (B, K) source beam of each new beam
+        x = x.reshape(b, k, *x.shape[1:])
+        x = jnp.take_along_axis(x, beam.reshape(b, k, *([1] * (x.ndim - 2))), axis=1)
+        return x.reshape(b * k, *x.shape[2:])
+
+    def body(carry, i):
+        last, cache, scores, done, lengths, history = carry
+        logp = jax.nn.log_softmax(last.astype(jnp.float32), axis=-1).reshape(b, k, -1)  # (B, K, V)
+        v = logp.shape[-1]
+        pad_only = jnp.full((v,), neg).at[pad_token_id].set(0.0)
+        logp = jnp.where(done.reshape(b, k, 1), pad_only.reshape(1, 1, v), logp)  # finished beams only extend with pad, for free
+        cand = (scores[:, :, None] + logp).reshape(b, k * v)  # (B, K*V)
+        scores, idx = jax.lax.top_k(cand, k)  # (B, K)
+        beam, token = idx // v, (idx % v).astype(jnp.int32)
+        flat = lambda x: x.reshape(b * k)
+        was_done = flat(jnp.take_along_axis(done.reshape(b, k), beam, axis=1))
+        token_flat = jnp.where(was_done, pad_token_id, flat(token))
+        lengths = jnp.where(was_done, reorder(lengths, beam), reorder(lengths, beam) + 1)
+        done = was_done | _eos_hit(token_flat, eos_token_id)
+        history = reorder(history, beam).at[:, i].set(token_flat)
+        cache = jax.tree.map(lambda x: reorder(x, beam), cache)
+        last, cache = _step(model, token_flat, cache)
+        return (last, cache, scores, done, lengths, history), None
+
+    init = (last, cache, scores, jnp.zeros((b * k,), bool), jnp.zeros((b * k,), jnp.int32),
+            jnp.full((b * k, max_new_tokens), pad_token_id, jnp.int32))
+    (_, _, scores, _, lengths, history), _ = jax.lax.scan(body, init, jnp.arange(max_new_tokens))
+    normed = scores / jnp.maximum(lengths.reshape(b, k), 1).astype(jnp.float32) ** length_penalty
+    best = jnp.argmax(normed, axis=1)
+    return jnp.take_along_axis(history.reshape(b, k, -1), best[:, None, None], axis=1)[:, 0]

@@ -1,0 +1,124 @@
+"""Generation with a KV cache against Transformers' ``generate`` (tiny random
+LLaMA built and saved here: no download)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import redeqx
+from redeqx.models import beam_search, from_pretrained, generate, greedy, sample
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+VOCAB, PROMPT = 64, 7
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    d = tmp_path_factory.mktemp("llama")
+    hf.save_pretrained(d)
+    return d, hf
+
+
+def _prompts(batch=2, seed=0):
+    return np.random.RandomState(seed).randint(3, VOCAB, (batch, PROMPT))
+
+
+def _hf_generate(hf, ids, mask=None, **kw):
+    kw = {"do_sample": False, "pad_token_id": 0, "eos_token_id": None, **kw}
+    with torch.no_grad():
+        out = hf.generate(torch.tensor(ids), attention_mask=None if mask is None else torch.tensor(mask), **kw)
+    return out.numpy()[:, ids.shape[1]:]
+
+
+def test_greedy_matches_transformers_sharded_as_pred_fn(llama):
+    d, hf = llama
+    ids = _prompts()
+    ref = _hf_generate(hf, ids, max_new_tokens=10)
+    mesh = redeqx.make_mesh(2)
+    model = from_pretrained(d, mesh)
+    specs = redeqx.sharding_rules(model, mesh)
+
+    def pred_fn(model, batch, key):
+        return generate(model, batch["input_ids"], max_new_tokens=10)
+
+    predict_step = redeqx.make_predict_step(pred_fn, mesh, specs)
+    batch = {"input_ids": jnp.asarray(np.concatenate([ids] * 4))}  # 8 rows: 2 per data shard
+    out = np.asarray(predict_step(model, batch, jax.random.key(0)))
+    np.testing.assert_array_equal(out[:2], ref)
+    np.testing.assert_array_equal(out[2:4], ref)
+
+
+def test_greedy_stops_at_eos_and_pads(llama):
+    d, hf = llama
+    ids = _prompts()
+    eos = int(_hf_generate(hf, ids, max_new_tokens=10)[0, 3])
+    ref = _hf_generate(hf, ids, max_new_tokens=10, eos_token_id=eos)
+    model = from_pretrained(d, redeqx.make_mesh(1, devices=jax.devices()[:1]))
+    out = np.asarray(jax.jit(lambda m, i: generate(m, i, max_new_tokens=10, eos_token_id=eos))(model, ids))
+    np.testing.assert_array_equal(out[:, :ref.shape[1]], ref)
+    assert out[0, 3] == eos and (out[0, 4:] == 0).all()
+
+
+def test_left_padded_prompts_match_transformers(llama):
+    d, hf = llama
+    ids = _prompts()
+    mask = np.ones_like(ids)
+    mask[1, :3] = 0  # the second prompt is 4 tokens, left-padded
+    ids[1, :3] = 0
+    ref = _hf_generate(hf, ids, mask, max_new_tokens=8)
+    model = from_pretrained(d, redeqx.make_mesh(1, devices=jax.devices()[:1]))
+    out = jax.jit(lambda m, i, a: generate(m, i, attention_mask=a, max_new_tokens=8))(model, ids, mask.astype(bool))
+    np.testing.assert_array_equal(np.asarray(out), ref)
+
+
+def test_beam_search_matches_transformers(llama):
+    d, hf = llama
+    ids = _prompts()
+    ref = _hf_generate(hf, ids, max_new_tokens=6, num_beams=3, length_penalty=1.0, early_stopping=False)
+    model = from_pretrained(d, redeqx.make_mesh(2))
+    out = jax.jit(lambda m, i: beam_search(m, i, max_new_tokens=6, num_beams=3))(model, jnp.asarray(ids))
+    np.testing.assert_array_equal(np.asarray(out), ref)
+    one = jax.jit(lambda m, i: beam_search(m, i, max_new_tokens=6, num_beams=1))(model, jnp.asarray(ids))
+    np.testing.assert_array_equal(np.asarray(one), np.asarray(generate(model, jnp.asarray(ids), max_new_tokens=6)))
+
+
+def test_sampling_respects_top_k_top_p_and_key(llama):
+    d, _ = llama
+    model = from_pretrained(d, redeqx.make_mesh(1, devices=jax.devices()[:1]))
+    ids = jnp.asarray(_prompts(batch=4))
+    run = jax.jit(lambda m, k, s: generate(m, ids, max_new_tokens=8, sampler=s, key=k), static_argnums=2)
+    greedy_out = generate(model, ids, max_new_tokens=8, sampler=greedy())
+    np.testing.assert_array_equal(run(model, jax.random.key(0), sample(top_k=1)), greedy_out)
+    np.testing.assert_array_equal(run(model, jax.random.key(0), sample(top_p=1e-6)), greedy_out)
+    s = sample(temperature=1.5, top_k=5, top_p=0.9)
+    a, b, c = (run(model, jax.random.key(i), s) for i in (1, 1, 2))
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+    # every sampled token is among the 5 most likely given its prefix
+    full = jnp.concatenate([ids, a], axis=1)
+    logits = jax.vmap(model)(full)[:, PROMPT - 1:-1]
+    top5 = jax.lax.top_k(logits, 5)[1]
+    assert bool(jnp.all(jnp.any(top5 == a[..., None], axis=-1)))
+
+
+def test_generation_errors_name_the_argument(llama):
+    d, _ = llama
+    model = from_pretrained(d, redeqx.make_mesh(1, devices=jax.devices()[:1]))
+    ids = jnp.asarray(_prompts())
+    with pytest.raises(ValueError, match="pass key="):
+        generate(model, ids, max_new_tokens=2, sampler=sample())
+    with pytest.raises(ValueError, match="input_ids must be"):
+        generate(model, ids[0], max_new_tokens=2)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(model, ids, max_new_tokens=0)
+    with pytest.raises(ValueError, match="temperature"):
+        sample(temperature=0.0)
+    with pytest.raises(ValueError, match="top_p"):
+        sample(top_p=1.5)
