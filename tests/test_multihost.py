@@ -260,6 +260,26 @@ def test_initialize_after_jax_started_says_to_call_it_first(fresh_runtime_state,
         redeqx.initialize("127.0.0.1", n_processes=2, process_id=0)
 
 
+CLUSTER_MARKERS = ["JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "SLURM_NTASKS", "OMPI_MCA_orte_hnp_uri",
+                   "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES", "CLOUD_TPU_TASK_ID", "KUBERNETES_SERVICE_HOST"]
+
+
+def test_without_settings_or_cluster_a_late_call_is_a_no_op(fresh_runtime_state, monkeypatch, devices):
+    for name in CLUSTER_MARKERS:
+        monkeypatch.delenv(name, raising=False)
+    redeqx.initialize()
+    assert jax.process_count() == 1
+
+
+def test_on_a_cluster_a_late_call_is_an_error(fresh_runtime_state, monkeypatch, devices):
+    for name in CLUSTER_MARKERS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    with pytest.raises(RuntimeError, match="must run before anything starts JAX"):
+        redeqx.initialize()
+
+
 def test_one_process_is_a_no_op_and_a_second_call_is_an_error(fresh_runtime_state):
     redeqx.initialize(n_processes=1)
     assert jax.process_count() == 1

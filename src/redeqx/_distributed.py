@@ -177,7 +177,8 @@ def initialize(
     and ``REDEQX_HEARTBEAT_TIMEOUT``, else from the cluster `jax.distributed`
     detects (SLURM, Open MPI, Kubernetes, Cloud TPU). With none of these, or
     with ``n_processes=1``, it does nothing: the script runs on this host's
-    devices alone.
+    devices alone (then a call after JAX started is harmless too; with
+    settings or a cluster it is an error, since JAX can no longer join).
 
     - ``host0_address``: where process 0 runs; ``"10.0.0.1"`` or
       ``"10.0.0.1:1234"``. ``host0_port`` defaults to 12321.
@@ -246,9 +247,12 @@ def _start(config: _Config, *, by: str, explicit=()) -> None:
             heartbeat_timeout_seconds=config.heartbeat_timeout,
         )
     except RuntimeError as e:
-        if "backend" in str(e):
-            raise RuntimeError(_BACKEND_STARTED) from None
-        raise
+        if "backend" not in str(e):
+            raise
+        if nothing_given and _cluster_hint() is None:  # one host: there was nothing to start anyway
+            _started_by, _started_with = by, config
+            return
+        raise RuntimeError(_BACKEND_STARTED) from None
     except ValueError as e:
         if nothing_given:  # no settings and no cluster detected: one host
             _started_by, _started_with = by, config
@@ -271,6 +275,29 @@ def _start(config: _Config, *, by: str, explicit=()) -> None:
     if jax.process_count() > 1:
         _fail_fast_on_uncaught_exceptions()
     preflight()
+
+
+def _cluster_hint() -> str | None:
+    """The cluster manager whose environment variables are set, if any (the
+    ones `jax.distributed` detects); only used to decide whether a late call
+    may be a one-host no-op."""
+    env = os.environ
+
+    def count(name: str) -> int:
+        value = env.get(name, "1").strip()
+        return int(value) if value.isdigit() else 1
+
+    if env.get("JAX_COORDINATOR_ADDRESS"):
+        return "JAX_COORDINATOR_ADDRESS"
+    if "SLURM_JOB_ID" in env and count("SLURM_NTASKS") > 1:
+        return "SLURM"
+    if "OMPI_MCA_orte_hnp_uri" in env or count("OMPI_COMM_WORLD_SIZE") > 1:
+        return "Open MPI"
+    if "TPU_WORKER_HOSTNAMES" in env or "CLOUD_TPU_TASK_ID" in env:
+        return "Cloud TPU"
+    if "KUBERNETES_SERVICE_HOST" in env:
+        return "Kubernetes"
+    return None
 
 
 def _describe(config: _Config | None) -> str:
