@@ -36,6 +36,8 @@ def test_make_mesh_bad_n_model_shards(devices):
         redeqx.make_mesh(3)
     with pytest.raises(ValueError, match="n_model_shards must be >= 1"):
         redeqx.make_mesh(0)
+    with pytest.raises(TypeError, match=r"(?s)parameter 'n_model_shards'.*Actual value: '2'"):
+        redeqx.make_mesh("2")  # checked against the annotations at run time
 
 
 def test_mlp_alternates(getkey):

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from ._mesh import DATA
 from ._steps import EvalStep, _check_positive_int
+from ._typing import typechecked
 
 
 def _fn_name(fn) -> str:
@@ -122,6 +123,7 @@ def _check_examples(examples, name="examples"):
         raise ValueError(f"{name} is empty.")
 
 
+@typechecked
 def batches(
     examples: Sequence,
     collate_fn: Callable[[list], Any],
@@ -185,6 +187,7 @@ def batches(
         yield batch
 
 
+@typechecked
 def evaluate(
     eval_step: EvalStep,
     model,
@@ -231,6 +234,7 @@ def to_host(tree):
     return jax.device_get(tree)
 
 
+@typechecked
 def predict(
     predict_step: Callable,
     model,

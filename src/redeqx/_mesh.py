@@ -8,10 +8,13 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from ._typing import typechecked
+
 DATA = "data"
 MODEL = "model"
 
 
+@typechecked
 def make_mesh(n_model_shards: int = 1, *, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """Arrange devices in a ``("data", "model")`` mesh.
 

@@ -30,6 +30,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from ._mesh import DATA, MODEL
+from ._typing import typechecked
 
 QKV_NAMES = {"query_proj", "key_proj", "value_proj", "q_proj", "k_proj", "v_proj",
              "wq", "wk", "wv", "q", "k", "v", "qkv", "c_attn", "query", "key", "value", "qkv_proj"}
@@ -253,7 +254,8 @@ def plan(model, mesh: Mesh, overrides: Sequence[tuple[str, P]] = (), fsdp: bool 
     return treedef, plans, fallbacks
 
 
-def sharding_rules(model, mesh: Mesh, *, overrides: Sequence[tuple[str, P]] = (), fsdp: bool = False):
+@typechecked
+def sharding_rules(model, mesh: Mesh, *, overrides: Sequence = (), fsdp: bool = False):
     """PartitionSpecs for every array in ``model``, from the two rules.
 
     Returns a tree with ``model``'s structure: a ``PartitionSpec`` at each array
@@ -301,6 +303,7 @@ def _human(n: float) -> str:
     return str(n)
 
 
+@typechecked
 def explain(model, specs, mesh: Mesh) -> str:
     """A table of where each array of ``model`` lives under ``specs``.
 

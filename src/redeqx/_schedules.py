@@ -9,8 +9,10 @@ from jax.sharding import Mesh
 
 from ._mesh import DATA
 from ._steps import _check_positive_int
+from ._typing import typechecked
 
 
+@typechecked
 def lr_schedule(
     train_size: int,
     per_device_batch_size: int,

@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from ._rules import path_parts
+from ._typing import typechecked
 
 
 def _is_spec(x) -> bool:
@@ -39,6 +40,7 @@ def _check_specs_match(tree, specs, what: str) -> None:
         )
 
 
+@typechecked
 def shard(tree: PyTree, specs: PyTree, mesh: Mesh) -> PyTree:
     """Places every array leaf of ``tree`` with ``NamedSharding(mesh, spec)``.
 
@@ -114,6 +116,7 @@ def _trainable_params(model, trainable):
     return eqx.filter(params, trainable)
 
 
+@typechecked
 def init_state(
     model: PyTree,
     optimizer: optax.GradientTransformation,

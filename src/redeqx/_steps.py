@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ._mesh import DATA
 from ._state import TrainState, _trainable_params
+from ._typing import typechecked
 
 
 ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
@@ -111,6 +112,7 @@ class _CompiledStep:
             return fn.lower(dyn, args)
 
 
+@typechecked
 def make_step(step_fn: Callable, mesh: Mesh, *, donate: bool = True) -> Callable:
     """Compile a pure step ``step_fn(state, *args) -> (new_state, outputs)``.
 
@@ -209,6 +211,7 @@ def _micro_batches(batch, accumulate: int, mesh: Mesh):
     return jax.tree.map(split, batch)
 
 
+@typechecked
 def make_train_step(
     loss_fn: Callable,
     optimizer: optax.GradientTransformation,
@@ -364,6 +367,7 @@ class EvalStep:
             return self._sums(model, batch, key, weights)
 
 
+@typechecked
 def make_eval_step(loss_fn: Callable, mesh: Mesh, specs, *, compute_dtype=None) -> EvalStep:
     """Compiled evaluation: ``(model, batch, key) -> metrics``, the example
     mean of ``loss`` and ``loss_fn``'s aux, with the model in inference mode
@@ -385,6 +389,7 @@ def make_eval_step(loss_fn: Callable, mesh: Mesh, specs, *, compute_dtype=None) 
     return EvalStep(loss_fn, mesh, compute_dtype)
 
 
+@typechecked
 def make_predict_step(pred_fn: Callable, mesh: Mesh, specs) -> Callable:
     """Compiled prediction: ``(model, batch, key) -> preds``, with the model in
     inference mode. Every array in ``preds`` must have the batch as its
