@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import redeqx
+from megatron_count import megatron_bytes
 from redeqx.models import LlamaConfig, LlamaForCausalLM, from_pretrained, save_pretrained
 
 torch = pytest.importorskip("torch")
@@ -259,28 +260,6 @@ def test_config_errors_name_the_field():
         from_pretrained("/nonexistent-dir", redeqx.make_mesh(1))
 
 
-def _megatron_bytes(config: LlamaConfig, local_batch: int, seq: int, grad_bytes: int) -> int:
-    """Per-device bytes of the collectives of one Megatron-LM training step (float32).
-
-    With hidden size H, an activation is ``local_batch * seq * H`` floats, and:
-    - forward: the vocab-split embedding lookup is summed over ``model`` (1
-      all-reduce), and each layer all-reduces the outputs of its two
-      row-parallel matmuls, ``o_proj`` and ``down_proj`` (2 per layer);
-    - backward: each layer all-reduces the input gradients of its two
-      column-parallel groups, Q/K/V and gate/up (2 per layer), and the
-      vocab-split LM head all-reduces its input gradient (1);
-    - the cross-entropy over vocab-split logits reduces a max, a sum of
-      exponentials and the target logit, ``local_batch * seq`` floats each (3);
-    - data parallelism all-reduces each device's shard of the gradients
-      (``grad_bytes``: the parameter bytes one device holds).
-    """
-    act = local_batch * seq * config.hidden_size * 4
-    forward = (1 + 2 * config.num_hidden_layers) * act
-    backward = (2 * config.num_hidden_layers + 1) * act
-    loss = 3 * local_batch * seq * 4
-    return forward + backward + loss + grad_bytes
-
-
 def test_train_step_communication_is_megatron_and_matches_one_device(getkey):
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=4)
@@ -312,7 +291,7 @@ def test_train_step_communication_is_megatron_and_matches_one_device(getkey):
 
     grad_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state4.model))
     local_batch = ids.shape[0] // mesh.shape["data"]
-    analytic = _megatron_bytes(config, local_batch, ids.shape[1] - 1, grad_bytes)
+    analytic = megatron_bytes(config.hidden_size, config.num_hidden_layers, local_batch, ids.shape[1] - 1, grad_bytes)
     moved = sum(v["bytes"] for v in summary.values())
     assert set(summary) == {"all-reduce"}, summary  # no activation gathers
     assert moved <= 1.15 * analytic, (moved, analytic, summary)

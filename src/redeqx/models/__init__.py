@@ -4,3 +4,4 @@ that `redeqx.sharding_rules` gives the Megatron-LM plan with no overrides."""
 from ._hf import from_pretrained as from_pretrained, save_pretrained as save_pretrained
 from ._llama import LlamaConfig as LlamaConfig, LlamaForCausalLM as LlamaForCausalLM
 from ._generate import beam_search as beam_search, generate as generate, greedy as greedy, sample as sample
+from ._gpt2 import GPT2Config as GPT2Config, GPT2LMHeadModel as GPT2LMHeadModel

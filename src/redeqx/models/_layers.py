@@ -213,3 +213,64 @@ def default_head_dim(hidden: int, n_heads: int) -> int:
 
 def inv_sqrt(d: int) -> float:
     return 1.0 / math.sqrt(d)
+
+
+class CausalLM(eqx.Module):
+    """What every decoder-only family shares: the full forward, the cache and
+    cached decoding, built on the family's ``_run(ids, positions, mask, cache)
+    -> (logits, new_layer_caches)`` and ``_kv_shape() -> (layers, kv_heads, head_dim)``."""
+
+    def _run(self, ids, positions, mask, cache):
+        raise NotImplementedError
+
+    def _kv_shape(self) -> tuple[int, int, int]:
+        raise NotImplementedError
+
+    def _dtype(self):
+        return jax.tree.leaves(self)[0].dtype
+
+    def __call__(
+        self,
+        input_ids: Int[Array, " seq"],
+        *,
+        attention_mask: Bool[Array, " seq"] | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> Float[Array, "seq vocab"]:
+        """Logits for every position. ``attention_mask`` marks real tokens
+        (``False`` for padding; positions count real tokens only, as Hugging
+        Face does for left padding). ``key`` is unused (no dropout)."""
+        del key
+        t = input_ids.shape[0]
+        valid = jnp.ones((t,), bool) if attention_mask is None else attention_mask.astype(bool)
+        positions = jnp.maximum(jnp.cumsum(valid) - 1, 0)
+        logits, _ = self._run(input_ids, positions, causal_mask(valid, 0, t), None)
+        return logits
+
+    def init_cache(self, max_len: int, dtype=None) -> Cache:
+        """An empty decoding cache with ``max_len`` slots (prompt + new tokens)."""
+        n_layers, kv_heads, head_dim = self._kv_shape()
+        dtype = dtype or self._dtype()
+        return Cache(
+            layers=[KVCache.empty(max_len, kv_heads, head_dim, dtype) for _ in range(n_layers)],
+            valid=jnp.zeros((max_len,), bool),
+            index=jnp.zeros((), jnp.int32),
+            position=jnp.zeros((), jnp.int32),
+        )
+
+    def decode(
+        self,
+        input_ids: Int[Array, " seq"],
+        cache: Cache,
+        *,
+        attention_mask: Bool[Array, " seq"] | None = None,
+    ) -> tuple[Float[Array, "seq vocab"], Cache]:
+        """Run ``input_ids`` after what ``cache`` holds: their logits and the
+        cache with them appended (a prompt at once, then one token a step)."""
+        t = input_ids.shape[0]
+        check_fits(f"{type(self).__name__}.decode", t, cache.valid.shape[0])
+        valid_new = jnp.ones((t,), bool) if attention_mask is None else attention_mask.astype(bool)
+        positions = cache.position + jnp.maximum(jnp.cumsum(valid_new) - 1, 0)
+        valid = write_valid(cache, valid_new)
+        logits, layers = self._run(input_ids, positions, causal_mask(valid, cache.index, t), cache)
+        new = Cache(layers, valid, cache.index + t, cache.position + jnp.sum(valid_new).astype(jnp.int32))
+        return logits, new

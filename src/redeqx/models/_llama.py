@@ -21,25 +21,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._constrain import constrain
 from .._mesh import MODEL
 from ._layers import (
     Cache,
+    CausalLM,
     Embedding,
     KVCache,
     Linear,
     RMSNorm,
     attention,
-    causal_mask,
-    check_fits,
     default_head_dim,
     fused_linears,
     heads,
     inv_sqrt,
     update_cache,
-    write_valid,
 )
 
 _MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -299,7 +297,7 @@ class LlamaModel(eqx.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class LlamaForCausalLM(eqx.Module):
+class LlamaForCausalLM(CausalLM):
     """A LLaMA-family causal LM for one sequence (batch with ``jax.vmap``).
 
     **Example:**
@@ -343,48 +341,6 @@ class LlamaForCausalLM(eqx.Module):
         logits = self.model.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
         return constrain(logits, P(None, MODEL)), new_layers  # vocab parallel
 
-    def __call__(
-        self,
-        input_ids: Int[Array, " seq"],
-        *,
-        attention_mask: Bool[Array, " seq"] | None = None,
-        key: PRNGKeyArray | None = None,
-    ) -> Float[Array, "seq vocab"]:
-        """Logits for every position. ``attention_mask`` marks real tokens
-        (``False`` for padding; positions count real tokens only, as Hugging
-        Face does for left padding). ``key`` is unused (no dropout)."""
-        del key
-        t = input_ids.shape[0]
-        valid = jnp.ones((t,), bool) if attention_mask is None else attention_mask.astype(bool)
-        positions = jnp.maximum(jnp.cumsum(valid) - 1, 0)
-        logits, _ = self._run(input_ids, positions, causal_mask(valid, 0, t), None)
-        return logits
-
-    def init_cache(self, max_len: int, dtype=None) -> Cache:
-        """An empty decoding cache with ``max_len`` slots (prompt + new tokens)."""
+    def _kv_shape(self):
         c = self.config
-        dtype = dtype or self.model.embed_tokens.weight.dtype
-        return Cache(
-            layers=[KVCache.empty(max_len, c.n_kv_heads, c.dim_head, dtype) for _ in range(c.num_hidden_layers)],
-            valid=jnp.zeros((max_len,), bool),
-            index=jnp.zeros((), jnp.int32),
-            position=jnp.zeros((), jnp.int32),
-        )
-
-    def decode(
-        self,
-        input_ids: Int[Array, " seq"],
-        cache: Cache,
-        *,
-        attention_mask: Bool[Array, " seq"] | None = None,
-    ) -> tuple[Float[Array, "seq vocab"], Cache]:
-        """Run ``input_ids`` after what ``cache`` holds: their logits and the
-        cache with them appended (a prompt at once, then one token a step)."""
-        t = input_ids.shape[0]
-        check_fits("LlamaForCausalLM.decode", t, cache.valid.shape[0])
-        valid_new = jnp.ones((t,), bool) if attention_mask is None else attention_mask.astype(bool)
-        positions = cache.position + jnp.maximum(jnp.cumsum(valid_new) - 1, 0)
-        valid = write_valid(cache, valid_new)
-        logits, layers = self._run(input_ids, positions, causal_mask(valid, cache.index, t), cache)
-        new = Cache(layers, valid, cache.index + t, cache.position + jnp.sum(valid_new).astype(jnp.int32))
-        return logits, new
+        return c.num_hidden_layers, c.n_kv_heads, c.dim_head

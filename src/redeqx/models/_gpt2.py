@@ -1,0 +1,232 @@
+"""GPT-2: learned positions, pre-LayerNorm blocks, GELU (tanh form), tied
+embeddings.
+
+Hugging Face stores GPT-2's projections as ``Conv1D`` weights, input-major
+``(in, out)``, and Q/K/V fused in one ``c_attn``. Here every projection is an
+ordinary ``(out, in)`` `Linear` and Q/K/V are separate (``q_proj``, ``k_proj``,
+``v_proj``), so the sharding rules see a plain attention block and give the
+Megatron-LM plan; `hf_tensors` splits and transposes on load and fuses back
+on save.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+from jaxtyping import PRNGKeyArray
+
+from .._constrain import constrain
+from .._mesh import MODEL
+from ._hf import HFTensor
+from ._layers import (
+    Cache,
+    CausalLM,
+    Embedding,
+    KVCache,
+    LayerNorm,
+    Linear,
+    attention,
+    fused_linears,
+    heads,
+    inv_sqrt,
+    update_cache,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class GPT2Config:
+    """Sizes of a GPT-2 model; names follow Hugging Face's ``config.json``."""
+
+    vocab_size: int = 50257
+    n_positions: int = 1024
+    n_embd: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    n_inner: int | None = None  # None: 4 * n_embd
+    layer_norm_epsilon: float = 1e-5
+    bos_token_id: int | None = 50256
+    eos_token_id: int | None = 50256
+    remat: bool = False  # recompute each block's activations in the backward pass
+
+    def __post_init__(self):
+        for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"GPT2Config.{name} must be a positive int, got {v!r}.")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"GPT2Config: n_embd={self.n_embd} must be a multiple of n_head={self.n_head}.")
+
+    @property
+    def inner(self) -> int:
+        return self.n_inner or 4 * self.n_embd
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "GPT2Config":
+        unsupported = {
+            "activation_function": ("gelu_new", "gelu_pytorch_tanh"),
+            "scale_attn_weights": (True,),
+            "scale_attn_by_inverse_layer_idx": (False,),
+            "reorder_and_upcast_attn": (False,),
+            "add_cross_attention": (False,),
+        }
+        for k, ok in unsupported.items():
+            if k in d and d[k] not in ok:
+                raise ValueError(f"GPT-2 config.json has {k}={d[k]!r}; redeqx supports only {ok}.")
+        return cls(
+            vocab_size=d["vocab_size"], n_positions=d.get("n_positions", 1024), n_embd=d["n_embd"],
+            n_layer=d["n_layer"], n_head=d["n_head"], n_inner=d.get("n_inner"),
+            layer_norm_epsilon=d.get("layer_norm_epsilon", 1e-5),
+            bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"),
+        )
+
+    def to_hf(self) -> dict:
+        return {
+            "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": self.vocab_size,
+            "n_positions": self.n_positions, "n_embd": self.n_embd, "n_layer": self.n_layer,
+            "n_head": self.n_head, "n_inner": self.n_inner, "layer_norm_epsilon": self.layer_norm_epsilon,
+            "activation_function": "gelu_new", "tie_word_embeddings": True,
+            "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
+        }
+
+
+class GPT2Attention(eqx.Module):
+    q_proj: Linear
+    k_proj: Linear
+    v_proj: Linear
+    c_proj: Linear
+    n_head: int = eqx.field(static=True)
+
+    def __init__(self, config: GPT2Config, *, key: PRNGKeyArray):
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        h = config.n_embd
+        self.q_proj, self.k_proj, self.v_proj = (Linear(h, h, bias=True, key=k) for k in (kq, kk, kv))
+        self.c_proj = Linear(h, h, bias=True, key=ko)
+        self.n_head = config.n_head
+
+    def __call__(self, x, mask, cache: KVCache | None, index):
+        q, k, v = (heads(y, self.n_head) for y in fused_linears(x, [self.q_proj, self.k_proj, self.v_proj]))
+        if cache is not None:
+            cache = update_cache(cache, k, v, index)
+            k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
+        out = attention(q, k, v, mask, scale=inv_sqrt(q.shape[-1]))
+        out = constrain(out.reshape(out.shape[0], -1), P(None, MODEL))
+        return constrain(self.c_proj(out), P()), cache
+
+
+class GPT2MLP(eqx.Module):
+    c_fc: Linear
+    c_proj: Linear
+
+    def __init__(self, config: GPT2Config, *, key: PRNGKeyArray):
+        k1, k2 = jax.random.split(key)
+        self.c_fc = Linear(config.n_embd, config.inner, bias=True, key=k1)
+        self.c_proj = Linear(config.inner, config.n_embd, bias=True, key=k2)
+
+    def __call__(self, x):
+        h = constrain(jax.nn.gelu(self.c_fc(x), approximate=True), P(None, MODEL))  # column parallel
+        return constrain(self.c_proj(h), P())  # row parallel: one all-reduce
+
+
+class GPT2Block(eqx.Module):
+    ln_1: LayerNorm
+    attn: GPT2Attention
+    ln_2: LayerNorm
+    mlp: GPT2MLP
+
+    def __init__(self, config: GPT2Config, *, key: PRNGKeyArray):
+        ka, km = jax.random.split(key)
+        self.ln_1 = LayerNorm(config.n_embd, config.layer_norm_epsilon)
+        self.attn = GPT2Attention(config, key=ka)
+        self.ln_2 = LayerNorm(config.n_embd, config.layer_norm_epsilon)
+        self.mlp = GPT2MLP(config, key=km)
+
+    def __call__(self, x, mask, cache, index):
+        a, cache = self.attn(self.ln_1(x), mask, cache, index)
+        x = x + a
+        return x + self.mlp(self.ln_2(x)), cache
+
+
+class GPT2Model(eqx.Module):
+    # Hugging Face's wte/wpe, named so the sharding rules read them: the token
+    # table splits on the vocabulary, the position table is replicated.
+    token_embedding: Embedding
+    position_embedding: Embedding
+    h: list[GPT2Block]
+    ln_f: LayerNorm
+
+    def __init__(self, config: GPT2Config, *, key: PRNGKeyArray):
+        kt, kp, *kh = jax.random.split(key, config.n_layer + 2)
+        self.token_embedding = Embedding(config.vocab_size, config.n_embd, key=kt)
+        self.position_embedding = Embedding(config.n_positions, config.n_embd, key=kp)
+        self.h = [GPT2Block(config, key=k) for k in kh]
+        self.ln_f = LayerNorm(config.n_embd, config.layer_norm_epsilon)
+
+
+class GPT2LMHeadModel(CausalLM):
+    """GPT-2 for one sequence (batch with ``jax.vmap``); the LM head is the
+    token embedding (tied).
+
+    **Example:**
+
+    ```python
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4), key=jax.random.key(0))
+    logits = jax.vmap(model)(tokens)
+    ```
+    """
+
+    transformer: GPT2Model
+    config: GPT2Config = eqx.field(static=True)
+
+    # Old checkpoints carry the causal mask as buffers; newer ones may save the tied head.
+    hf_ignore = (r".*attn\.bias", r".*attn\.masked_bias", r"lm_head\.weight")
+
+    def __init__(self, config: GPT2Config, *, key: PRNGKeyArray):
+        if not isinstance(config, GPT2Config):
+            raise TypeError(f"config must be a redeqx.models.GPT2Config, got {type(config).__name__}.")
+        self.transformer = GPT2Model(config, key=key)
+        self.config = config
+
+    def _kv_shape(self):
+        c = self.config
+        return c.n_layer, c.n_head, c.n_embd // c.n_head
+
+    def _run(self, ids, positions, mask, cache: Cache | None):
+        t = self.transformer
+        x = constrain(t.token_embedding(ids) + t.position_embedding(positions), P())
+        new_layers = []
+        for i, block in enumerate(t.h):
+            fn = eqx.filter_checkpoint(block) if self.config.remat else block
+            x, lc = fn(x, mask, None if cache is None else cache.layers[i], None if cache is None else cache.index)
+            new_layers.append(lc)
+        return constrain(t.token_embedding.attend(t.ln_f(x)), P(None, MODEL)), new_layers
+
+    def hf_tensors(self) -> list[HFTensor]:
+        """Checkpoint tensors: ``c_attn`` (input-major, Q|K|V side by side) is
+        split into ``q_proj``/``k_proj``/``v_proj`` and transposed; other
+        ``Conv1D`` weights are transposed."""
+        h = self.config.n_embd
+        out = [HFTensor("transformer.wte.weight", ("transformer.token_embedding.weight",)),
+               HFTensor("transformer.wpe.weight", ("transformer.position_embedding.weight",))]
+        out += [HFTensor(f"transformer.ln_f.{n}", (f"transformer.ln_f.{n}",)) for n in ("weight", "bias")]
+        transpose = dict(split=lambda a: (a.T,), join=lambda w: w.T)
+        for i in range(self.config.n_layer):
+            p = f"transformer.h.{i}"
+            qkv = tuple(f"{p}.attn.{n}_proj" for n in "qkv")
+            out += [
+                HFTensor(f"{p}.attn.c_attn.weight", tuple(f"{q}.weight" for q in qkv),
+                         split=lambda a: (a[:, :h].T, a[:, h:2 * h].T, a[:, 2 * h:].T),
+                         join=lambda q, k, v: jnp.concatenate([q, k, v], axis=0).T),
+                HFTensor(f"{p}.attn.c_attn.bias", tuple(f"{q}.bias" for q in qkv),
+                         split=lambda a: (a[:h], a[h:2 * h], a[2 * h:]),
+                         join=lambda q, k, v: jnp.concatenate([q, k, v])),
+            ]
+            for layer in ("attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
+                out += [HFTensor(f"{p}.{layer}.weight", (f"{p}.{layer}.weight",), **transpose),
+                        HFTensor(f"{p}.{layer}.bias", (f"{p}.{layer}.bias",))]
+            for ln in ("ln_1", "ln_2"):
+                out += [HFTensor(f"{p}.{ln}.{w}", (f"{p}.{ln}.{w}",)) for w in ("weight", "bias")]
+        return out
