@@ -318,8 +318,12 @@ def test_manager_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="unit"):
         redeqx.CheckpointManager(tmp_path, unit="epochs")
     manager = redeqx.CheckpointManager(tmp_path)
+    model = make_model(jax.random.key(0))
     with pytest.raises(ValueError, match="needs step="):
-        manager.save(make_model(jax.random.key(0)))
+        manager.save(model)
+    assert manager.save(model, step=4) and manager.save(model, step=8)
+    manager.wait()
+    assert manager.steps() == [8] and redeqx.read_metadata(manager.latest)["step"] == 8
     with pytest.raises(ValueError, match="not tracked"):
         manager.best("acc")
     manager.close()

@@ -663,7 +663,7 @@ class CheckpointManager:
         path = self.path(step)
         if path.exists():
             return False  # this step is already saved (e.g. just restored from it)
-        meta = {**dict(metadata or {}), "epoch": epoch, "batch": batch, "metrics": metrics}
+        meta = {**dict(metadata or {}), "step": step, "epoch": epoch, "batch": batch, "metrics": metrics}
         if data_key is not None:
             meta["data_key"] = data_key
         args, full = _prepare(state, meta, self.dtype)

@@ -1,0 +1,165 @@
+"""Checkpoint save/restore time and size, synchronous vs asynchronous, and the
+training time an asynchronous save costs.
+
+    python benchmarks/checkpoint.py                 # 25M parameters; writes benchmarks/RESULTS.md
+    python benchmarks/checkpoint.py --width 4096    # 100M parameters: needs ~20 GB of host memory
+
+At n_model_shards=1 every one of the 8 simulated devices holds a full copy of
+the parameters and both Adam moments, all in host memory, so 100M parameters
+take ~10 GB before orbax's host copies; the default is the largest size that
+fits beside other work on a 23 GB, 2-core machine.
+
+A TrainState (MLP of ``depth + 1`` square ``width`` layers, adamw: parameters
++ two moments) on 8 simulated CPU devices at n_model_shards 1 and 4:
+
+- sync save: `save_checkpoint` wall time, and the bytes on disk;
+- restore: `restore_checkpoint` into an abstract target (nothing built first);
+- async save: how long `CheckpointManager.save` blocks the loop (copying the
+  arrays off the devices), and how long until the write is on disk;
+- steps while the async write runs, against steps with no save in flight, as
+  a ratio; and the whole cost of one async save in step-times
+  (blocking + extra step time) against the sync save's.
+"""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import argparse  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import equinox as eqx  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+import redeqx  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import write_section  # noqa: E402
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def loss_fn(model, batch, key):
+    return jnp.mean(jax.vmap(model)(batch["x"]) ** 2)
+
+
+def timed_steps(train_step, state, batch, n):
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        state, metrics = train_step(state, batch)
+        jax.block_until_ready((state, metrics))
+        times.append(time.perf_counter() - t)
+    return state, times
+
+
+def bench(n_model_shards, width, depth, n_steps, root: Path):
+    mesh = redeqx.make_mesh(n_model_shards)
+    make = lambda key: eqx.nn.MLP(width, width, width, depth=depth, use_bias=False, key=key)  # noqa: E731
+    model = make(jax.random.key(0))
+    n_params = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+    specs = redeqx.sharding_rules(model, mesh)
+    optimizer = optax.adamw(1e-4)
+    state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
+    del model
+    train_step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs)
+    rows = mesh.shape["data"]
+    batch = next(redeqx.batches([{"x": jnp.ones(width)}] * rows, lambda es: {"x": jnp.stack([e["x"] for e in es])},
+                                1, mesh))
+    state, _ = timed_steps(train_step, state, batch, 2)  # compile, warm up
+
+    # sync save and restore (a first save compiles the checksums and warms orbax up)
+    redeqx.save_checkpoint(root / "warmup", state)
+    shutil.rmtree(root / "warmup")
+    t = time.perf_counter()
+    redeqx.save_checkpoint(root / "sync", state)
+    t_sync = time.perf_counter() - t
+    size = dir_bytes(root / "sync")
+    like = eqx.filter_eval_shape(redeqx.init_state, eqx.filter_eval_shape(make, jax.random.key(0)), optimizer, mesh,
+                                 specs, key=jax.random.key(1))
+    t = time.perf_counter()
+    restored = redeqx.restore_checkpoint(root / "sync", like, mesh, specs)
+    jax.block_until_ready(restored)
+    t_restore = time.perf_counter() - t
+    del restored
+    shutil.rmtree(root / "sync")
+
+    # steps with no save, and steps while an async save is written, interleaved
+    manager = redeqx.CheckpointManager(root / "async", keep_last=1)
+    state, plain = timed_steps(train_step, state, batch, n_steps)
+    t = time.perf_counter()
+    manager.save(state)
+    t_block = time.perf_counter() - t
+    state, during = timed_steps(train_step, state, batch, n_steps)
+    t = time.perf_counter()
+    manager.wait()
+    t_tail = time.perf_counter() - t  # write still running after the steps
+    t_async_total = t_block + sum(during) + t_tail
+    state, plain2 = timed_steps(train_step, state, batch, n_steps)
+    manager.close()
+    shutil.rmtree(root / "async")
+    base = statistics.median(plain + plain2)
+    lost = t_block + sum(during) - n_steps * base
+    return {
+        "n_model_shards": n_model_shards, "params": n_params, "state_bytes": 3 * 4 * n_params, "disk_bytes": size,
+        "sync_save_s": t_sync, "restore_s": t_restore, "async_block_s": t_block,
+        "async_until_on_disk_s": t_async_total, "step_s": base, "step_during_async_s": statistics.mean(during),
+        "step_ratio": statistics.mean(during) / base, "async_lost_s": lost,
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--depth", type=int, default=5, help="hidden layers; depth + 1 square linear layers")
+    parser.add_argument("--steps", type=int, default=4, help="steps timed with and without a save in flight")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in (1, 4):
+            r = bench(n, args.width, args.depth, args.steps, Path(tmp) / f"m{n}")
+            print(r, flush=True)
+            rows.append(r)
+    mb = lambda b: f"{b / 2**20:,.0f} MiB"  # noqa: E731
+    lines = [
+        f"TrainState of an MLP with {args.depth + 1} linear layers {args.width}x{args.width} "
+        f"({rows[0]['params'] / 1e6:.1f}M parameters, adamw: {mb(rows[0]['state_bytes'])} of float32), "
+        f"{len(jax.devices())} simulated CPU devices on {os.cpu_count()} cores shared with other work; "
+        f"{args.steps} steps timed with and without an async save in flight.",
+        "",
+        "| n_model_shards | bytes on disk | sync save | restore (abstract target) | async save blocks | async on disk after "
+        "| step | step during async write | ratio | time lost to one async save / sync save |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['n_model_shards']} | {mb(r['disk_bytes'])} | {r['sync_save_s']:.2f} s | {r['restore_s']:.2f} s | "
+            f"{r['async_block_s']:.2f} s | {r['async_until_on_disk_s']:.2f} s | {r['step_s']:.3f} s | "
+            f"{r['step_during_async_s']:.3f} s | {r['step_ratio']:.2f}x | "
+            f"{r['async_lost_s']:.2f} s / {r['sync_save_s']:.2f} s = {r['async_lost_s'] / r['sync_save_s']:.2f} |"
+        )
+    lines += [
+        "",
+        "\"ratio\" is the mean step time while the async write runs over the median step time with none. "
+        "\"time lost\" is the blocking part of the async save plus the extra step time while it is written. On "
+        "CPU the background writer competes with the steps for the same two cores, so the ratio here is an upper "
+        "bound; on a GPU the steps run on the device and overlap better.",
+    ]
+    body = "\n".join(lines)
+    print(body)
+    if not args.no_write:
+        write_section("Checkpoints (benchmarks/checkpoint.py)", body)
+
+
+if __name__ == "__main__":
+    main()
