@@ -3,6 +3,9 @@ with an Equinox MLP, trained on every device with redeqx.
 
     python examples/mnist/main.py                       # 8 simulated CPU devices
     python examples/mnist/main.py --n_model_shards 4 --per_device_batch_size 8
+    python examples/mnist/main.py --workdir runs/mnist            # + checkpoints and TensorBoard logs
+    python examples/mnist/main.py --workdir runs/mnist --resume   # continue where it stopped
+    tensorboard --logdir runs/mnist
 
 The loop is yours: train one epoch, evaluate, repeat; predict at the end.
 """
@@ -72,7 +75,11 @@ def main():
     parser.add_argument("--learning_rate", type=float, default=3e-3)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workdir", help="keep the last and the most accurate checkpoint, and logs, here")
+    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --workdir")
     args = parser.parse_args()
+    if args.resume and not args.workdir:
+        parser.error("--resume needs --workdir")
 
     key = jax.random.key(args.seed)
     model_key, state_key, data_key = jax.random.split(key, 3)
@@ -92,7 +99,16 @@ def main():
     eval_step = redeqx.make_eval_step(loss_fn, mesh, specs)
     predict_step = redeqx.make_predict_step(pred_fn, mesh, specs)
 
-    for epoch in range(args.n_epochs):
+    start_epoch, manager, logger = 0, None, None
+    if args.workdir:
+        manager = redeqx.CheckpointManager(args.workdir, keep_last=1, unit="epoch", best={"accuracy": "max"})
+        logger = redeqx.Logger(args.workdir)  # TensorBoard event files + metrics.jsonl + log.txt
+        if args.resume and (found := manager.restore(state, mesh, specs)) is not None:
+            state, meta = found
+            start_epoch = meta["epoch"]  # the epoch to run next
+            print(f"resumed from step {meta['step']}, epoch {start_epoch}")
+
+    for epoch in range(start_epoch, args.n_epochs):
         epoch_key = jax.random.fold_in(data_key, epoch)
         for batch in redeqx.batches(train, collate_fn, args.per_device_batch_size, mesh,
                                     shuffle=True, key=epoch_key, desc=f"epoch {epoch}"):
@@ -101,6 +117,15 @@ def main():
                                   key=epoch_key)
         print(f"epoch {epoch}: step {int(state.step)}, train loss {float(metrics['loss']):.4f}, "
               f"test loss {results['loss']:.4f}, test accuracy {results['accuracy']:.4f}")
+        if manager is not None:
+            logger.log({"train_loss": metrics["loss"], "learning_rate": schedule(state.step),
+                        **{f"test_{k}": v for k, v in results.items()}}, int(state.step), examples=len(train))
+            manager.save(state, epoch=epoch + 1, metrics=results)  # in the background
+
+    if manager is not None:  # predict with the most accurate checkpoint (parameters only)
+        state = eqx.tree_at(lambda s: s.model, state, manager.restore(state.model, mesh, specs, best="accuracy")[0])
+        manager.close()
+        logger.close()
 
     preds = redeqx.predict(predict_step, state.model, test, collate_fn, args.per_device_batch_size, mesh,
                            key=data_key)
