@@ -184,3 +184,22 @@ def test_explain_table(getkey):
     assert re.search(r"total .* per device", table)
     edited = eqx.tree_at(lambda s: s.ln_f.weight, redeqx.sharding_rules(lm, mesh), P("model"))
     assert "given" in redeqx.explain(lm, edited, mesh)
+
+
+class GPT2Embeddings(eqx.Module):
+    wte: jax.Array  # (vocab, dim)
+    wpe: jax.Array  # (positions, dim)
+    pos_embedding: eqx.nn.Embedding
+
+    def __init__(self, key):
+        k = jax.random.split(key, 3)
+        self.wte = jax.random.normal(k[0], (64, 16))
+        self.wpe = jax.random.normal(k[1], (32, 16))
+        self.pos_embedding = eqx.nn.Embedding(32, 16, key=k[2])
+
+
+def test_position_embeddings_are_replicated(getkey):
+    mesh = redeqx.make_mesh(2)
+    specs = redeqx.sharding_rules(GPT2Embeddings(getkey()), mesh)
+    assert model_dim(specs.wte) == 0
+    assert specs.wpe == P() and specs.pos_embedding.weight == P()

@@ -38,7 +38,7 @@ ATTN_OUT_NAMES = {"output_proj", "o_proj", "out_proj", "wo", "o", "c_proj", "den
 UP_NAMES = {"up", "gate", "fc1", "w1", "w3", "wi", "wi_0", "wi_1", "c_fc", "up_proj", "gate_proj", "fc_in"}
 DOWN_NAMES = {"down", "fc2", "w2", "wo", "c_proj", "down_proj", "fc_out"}
 EMBED_WORDS = ("embed", "wte", "tok_embeddings", "word_embeddings", "embedding")
-POSITION_WORDS = ("wpe", "pos", "position")
+POSITION_WORDS = ("pos", "position", "positional")
 HEAD_NAMES = {"lm_head", "head", "unembed", "output", "out_head", "classifier_head"}
 WEIGHT_NAMES = {"weight", "kernel", "w"}
 
@@ -115,9 +115,10 @@ def _classify_weight(parts: list[str], chain: list, leaf) -> tuple[int | None, s
     in_attention = any(isinstance(o, eqx.nn.MultiheadAttention) for o in chain) or any(
         "attn" in p.lower() or "attention" in p.lower() for p in parts[:-1]
     )
-    if isinstance(module, eqx.nn.Embedding) or any(w in lname for w in EMBED_WORDS):
-        if any(w in lname for w in POSITION_WORDS):
-            return -1, "position embedding: replicated"
+    is_embedding = isinstance(module, eqx.nn.Embedding) or any(w in lname for w in EMBED_WORDS)
+    if lname == "wpe" or (is_embedding and any(t in POSITION_WORDS for t in toks)):
+        return -1, "position embedding: replicated"
+    if is_embedding:
         return 0, "embedding: dim 0 (vocab)"
     if lname in HEAD_NAMES or "head" in toks:
         return 0, "LM head: dim 0 (vocab)"
