@@ -5,7 +5,6 @@ small functions (``collate_fn``, ``loss_fn``, ``pred_fn``) and one number
 from ._checkpoint import (
     CheckpointError as CheckpointError,
     CheckpointManager as CheckpointManager,
-    CheckpointManager as CheckpointManager,
     read_metadata as read_metadata,
     restore_checkpoint as restore_checkpoint,
     save_checkpoint as save_checkpoint,
