@@ -21,3 +21,32 @@ def megatron_bytes(hidden: int, n_layers: int, local_batch: int, seq: int, grad_
     backward = (2 * n_layers + 1) * act
     loss = 3 * local_batch * seq * 4
     return forward + backward + loss + grad_bytes
+
+
+def megatron_bytes_encoder_decoder(
+    hidden: int, n_encoder: int, n_decoder: int, local_batch: int, src: int, tgt: int, grad_bytes: int
+) -> int:
+    """The same count for a T5-style encoder-decoder with a vocab-split embedding
+    shared by both stacks and the (tied or untied) vocab-split LM head.
+
+    With ``enc = local_batch * src * hidden * 4`` and ``dec = local_batch * tgt * hidden * 4``
+    bytes per activation, Megatron-LM's encoder-decoder plan all-reduces:
+    - forward: each stack's embedding lookup (1 ``enc`` + 1 ``dec``); per encoder
+      block the self-attention output and the FF output (2 ``enc``); per decoder
+      block the self-attention, cross-attention and FF outputs (3 ``dec``);
+    - backward: per encoder block the input gradients of Q/K/V and of the FF's
+      first projection(s) (2 ``enc``); per decoder block those of the self Q/K/V,
+      the cross-attention Q and the FF (3 ``dec``) plus the cross-attention K/V
+      projection of the encoder output, whose input gradient is a partial sum
+      over ``model`` (1 ``enc`` per decoder block); the LM head's input gradient (1 ``dec``);
+    - the vocab-split cross-entropy: 3 reductions of ``local_batch * tgt`` floats;
+    - the data-parallel gradient all-reduce (``grad_bytes``).
+    The relative position bias table is split on its heads, as the scores are,
+    so it adds nothing.
+    """
+    enc = local_batch * src * hidden * 4
+    dec = local_batch * tgt * hidden * 4
+    forward = (1 + 2 * n_encoder) * enc + (1 + 3 * n_decoder) * dec
+    backward = (2 * n_encoder + n_decoder) * enc + (3 * n_decoder + 1) * dec
+    loss = 3 * local_batch * tgt * 4
+    return forward + backward + loss + grad_bytes

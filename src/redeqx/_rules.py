@@ -115,7 +115,14 @@ def _classify_weight(parts: list[str], chain: list, leaf) -> tuple[int | None, s
     in_attention = any(isinstance(o, eqx.nn.MultiheadAttention) for o in chain) or any(
         "attn" in p.lower() or "attention" in p.lower() for p in parts[:-1]
     )
-    is_embedding = isinstance(module, eqx.nn.Embedding) or any(w in lname for w in EMBED_WORDS)
+    if "relative" in toks and "bias" in toks and leaf.ndim == 2:
+        # T5's relative_attention_bias (buckets, heads), Swin's relative_position_bias_table
+        # (positions, heads): a lookup table per head, split like the heads it feeds.
+        return 1, "relative position bias: dim 1 (heads)"
+    # an embedding: by type (eqx.nn.Embedding or any module class named *Embedding,
+    # such as T5's 'shared' table) or by name
+    is_embedding = (isinstance(module, eqx.nn.Embedding) or type(module).__name__.endswith("Embedding")
+                    or any(w in lname for w in EMBED_WORDS))
     if lname == "wpe" or (is_embedding and any(t in POSITION_WORDS for t in toks)):
         return -1, "position embedding: replicated"
     if is_embedding:

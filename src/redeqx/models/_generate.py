@@ -4,8 +4,10 @@ Everything here is a traceable JAX function of a fixed shape (a
 ``lax.scan`` over new tokens), so it runs under ``jax.jit`` and as a
 ``pred_fn`` of `redeqx.make_predict_step`, sharded like the model it drives.
 A model drives generation through two methods, for one sequence:
-``init_cache(max_len)`` and ``decode(input_ids, cache, attention_mask=...)
--> (logits, cache)``.
+``prefill(input_ids, attention_mask, max_new_tokens) -> (next_logits, cache)``
+reads the prompt (a decoder-only model decodes it into its KV cache; an
+encoder-decoder model encodes it once and decodes its start token), and
+``decode(input_ids, cache) -> (logits, cache)`` runs the new tokens.
 """
 
 from __future__ import annotations
@@ -69,9 +71,9 @@ def sample(temperature: float = 1.0, top_k: int | None = None, top_p: float | No
 
 
 def _check(model, input_ids, max_new_tokens, attention_mask):
-    if not (hasattr(model, "init_cache") and hasattr(model, "decode")):
+    if not (hasattr(model, "prefill") and hasattr(model, "decode")):
         raise TypeError(
-            f"model must be a redeqx.models model with init_cache and decode, got {type(model).__name__}."
+            f"model must be a redeqx.models model with prefill and decode, got {type(model).__name__}."
         )
     if jnp.ndim(input_ids) != 2:
         raise ValueError(
@@ -97,10 +99,8 @@ def _eos_hit(tokens, eos_token_id):
     return jnp.any(tokens[..., None] == ids.reshape((1,) * tokens.ndim + (-1,)), axis=-1)
 
 
-def _prefill(model, input_ids, mask, max_len):
-    cache = jax.vmap(lambda _: model.init_cache(max_len))(jnp.arange(input_ids.shape[0]))
-    logits, cache = jax.vmap(lambda i, c, m: model.decode(i, c, attention_mask=m))(input_ids, cache, mask)
-    return logits[:, -1], cache  # prompts are left-padded: the last slot is a real token
+def _prefill(model, input_ids, mask, max_new_tokens):
+    return jax.vmap(lambda i, m: model.prefill(i, m, max_new_tokens))(input_ids, mask)
 
 
 def _step(model, tokens, cache):
@@ -138,13 +138,13 @@ def generate(
     predict_step = redeqx.make_predict_step(pred_fn, mesh, specs)
     ```
     """
-    b, p, mask = _check(model, input_ids, max_new_tokens, attention_mask)
+    b, _, mask = _check(model, input_ids, max_new_tokens, attention_mask)
     sampler = greedy() if sampler is None else sampler
     if key is None:
         if getattr(sampler, "needs_key", True):
             raise ValueError("generate: this sampler draws random tokens; pass key=jax.random.key(...).")
         key = jax.random.key(0)
-    last, cache = _prefill(model, input_ids, mask, p + max_new_tokens)
+    last, cache = _prefill(model, input_ids, mask, max_new_tokens)
 
     def body(carry, step_key):
         last, cache, done = carry
@@ -182,12 +182,12 @@ def beam_search(
     tokens = beam_search(model, prompts, max_new_tokens=32, num_beams=4, eos_token_id=2)
     ```
     """
-    b, p, mask = _check(model, input_ids, max_new_tokens, attention_mask)
+    b, _, mask = _check(model, input_ids, max_new_tokens, attention_mask)
     if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
         raise ValueError(f"num_beams must be a positive int, got {num_beams!r}.")
     k = num_beams
     rep = lambda x: jnp.repeat(x, k, axis=0)  # (B, ...) -> (B*K, ...), beams of a row adjacent
-    last, cache = _prefill(model, rep(input_ids), rep(mask), p + max_new_tokens)
+    last, cache = _prefill(model, rep(input_ids), rep(mask), max_new_tokens)
     neg = jnp.finfo(jnp.float32).min
     scores = jnp.tile(jnp.asarray([0.0] + [neg] * (k - 1), jnp.float32), (b, 1))  # only beam 0 starts live
 

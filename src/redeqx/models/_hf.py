@@ -116,6 +116,12 @@ def _families() -> dict[str, Any]:
         families["gpt2"] = (GPT2Config, GPT2LMHeadModel)
     except ImportError:
         pass
+    try:
+        from ._t5 import T5Config, T5ForConditionalGeneration
+
+        families["t5"] = (T5Config, T5ForConditionalGeneration)
+    except ImportError:
+        pass
     return families
 
 
@@ -148,7 +154,7 @@ def from_pretrained(local_dir: str | os.PathLike, mesh: Mesh, specs=None, *, dty
     default each keeps the checkpoint's dtype. Missing, unexpected or
     mis-shaped tensors raise an error listing them.
 
-    Supported ``model_type``: ``llama``, ``mistral``, ``qwen2``, ``gpt2``.
+    Supported ``model_type``: ``llama``, ``mistral``, ``qwen2``, ``gpt2``, ``t5``.
 
     **Example:**
 
@@ -173,14 +179,16 @@ def from_pretrained(local_dir: str | os.PathLike, mesh: Mesh, specs=None, *, dty
             f"{sorted(families)}."
         )
     config_cls, model_cls = families[model_type]
-    config = config_cls.from_hf(hf_config)
-    skeleton = _skeleton(model_cls, config, dtype)
-    if specs is None:
-        specs = sharding_rules(skeleton, mesh)
-
     entries: dict[str, _Entry] = {}
     for f in _checkpoint_files(local_dir):
         entries.update(_read_header(f)[0])
+    # A family whose config.json does not say everything (T5 under Transformers 5
+    # marks every head tied) also reads which tensors the checkpoint holds.
+    from_checkpoint = getattr(config_cls, "from_hf_checkpoint", None)
+    config = config_cls.from_hf(hf_config) if from_checkpoint is None else from_checkpoint(hf_config, frozenset(entries))
+    skeleton = _skeleton(model_cls, config, dtype)
+    if specs is None:
+        specs = sharding_rules(skeleton, mesh)
     tensors = hf_tensors(skeleton)
     # None fields (a Linear without bias) are leaves on both sides, as in redeqx.shard
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(skeleton, is_leaf=lambda x: x is None)

@@ -257,6 +257,16 @@ class CausalLM(eqx.Module):
             position=jnp.zeros((), jnp.int32),
         )
 
+    def prefill(
+        self, input_ids: Int[Array, " seq"], attention_mask: Bool[Array, " seq"], max_new_tokens: int
+    ) -> tuple[Float[Array, " vocab"], Cache]:
+        """Decode a (left-padded) prompt into a cache with room for
+        ``max_new_tokens`` more: the next token's logits and the cache (what
+        `redeqx.models.generate` starts from)."""
+        cache = self.init_cache(input_ids.shape[0] + max_new_tokens)
+        logits, cache = self.decode(input_ids, cache, attention_mask=attention_mask)
+        return logits[-1], cache  # left padding: the last slot is a real token
+
     def decode(
         self,
         input_ids: Int[Array, " seq"],

@@ -1,0 +1,528 @@
+"""T5 (v1.0 and v1.1 / Flan-T5): an encoder-decoder with relative position
+buckets, RMS-style layer norms and no biases.
+
+Attribute paths are the Hugging Face tensor names
+(``encoder.block.0.layer.0.SelfAttention.q.weight``,
+``decoder.block.0.layer.2.DenseReluDense.wi_0.weight``), so checkpoints load by
+name and `redeqx.sharding_rules` gives the Megatron-LM plan with no overrides:
+``q``/``k``/``v`` and ``wi``/``wi_0``/``wi_1`` split on output features, ``o``
+and ``wo`` on input features, ``shared`` and ``lm_head`` on the vocabulary,
+the relative position bias table ``(buckets, heads)`` on its heads.
+
+T5 details that differ from a decoder-only model:
+
+- attention scores are not scaled by ``1 / sqrt(head_dim)``; a learned bias
+  per head and relative-position bucket is added instead, computed by the
+  first block of each stack and shared by every block of that stack
+  (bidirectional buckets in the encoder, causal ones in the decoder);
+- each decoder block attends to the encoder output ("cross attention");
+- v1.0 ties the LM head to the embedding and scales the decoder output by
+  ``1 / sqrt(d_model)`` first; v1.1 has its own head and no scaling, and a
+  gated GELU feed-forward (``wi_0``, ``wi_1``) instead of ReLU (``wi``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+
+from .._constrain import constrain
+from .._mesh import MODEL
+from ._layers import (
+    Embedding,
+    KVCache,
+    Linear,
+    RMSNorm,
+    attention,
+    causal_mask,
+    check_fits,
+    fused_linears,
+    heads,
+    update_cache,
+)
+
+_ACTIVATIONS = {
+    "relu": jax.nn.relu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),  # the tanh form
+    "silu": jax.nn.silu,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class T5Config:
+    """Sizes and options of a T5 model; names follow Hugging Face's ``config.json``.
+
+    ``feed_forward_proj`` is ``"relu"`` (T5 v1.0), ``"gated-gelu"`` (v1.1,
+    Flan-T5: ``gelu(wi_0 x) * wi_1 x``, GELU in its tanh form), or another
+    ``[gated-]relu|gelu|gelu_new|silu``.
+    """
+
+    vocab_size: int = 32128
+    d_model: int = 512
+    d_kv: int = 64  # size of one attention head
+    d_ff: int = 2048
+    num_layers: int = 6  # encoder blocks
+    num_decoder_layers: int | None = None  # None: as many as the encoder
+    num_heads: int = 8
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
+    layer_norm_epsilon: float = 1e-6
+    feed_forward_proj: str = "relu"
+    tie_word_embeddings: bool = True  # v1.0 ties the LM head to `shared`; v1.1 does not
+    scale_decoder_outputs: bool | None = None  # None: scale by 1/sqrt(d_model) exactly when tied
+    pad_token_id: int = 0
+    eos_token_id: int | tuple[int, ...] | None = 1
+    decoder_start_token_id: int = 0  # T5 starts decoding from the pad token
+    remat: bool = False  # recompute each block's activations in the backward pass
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_heads",
+                     "relative_attention_num_buckets", "relative_attention_max_distance"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"T5Config.{name} must be a positive int, got {v!r}.")
+        if self.num_decoder_layers is not None and (
+            isinstance(self.num_decoder_layers, bool) or not isinstance(self.num_decoder_layers, int)
+            or self.num_decoder_layers < 1
+        ):
+            raise ValueError(f"T5Config.num_decoder_layers must be a positive int or None, got {self.num_decoder_layers!r}.")
+        if self.relative_attention_num_buckets < 4:
+            raise ValueError(
+                f"T5Config.relative_attention_num_buckets must be at least 4 (half exact, half "
+                f"logarithmic, each direction), got {self.relative_attention_num_buckets}."
+            )
+        parts = self.feed_forward_proj.split("-")
+        if not (len(parts) == 1 or (len(parts) == 2 and parts[0] == "gated")) or parts[-1] not in _ACTIVATIONS:
+            raise ValueError(
+                f"T5Config.feed_forward_proj={self.feed_forward_proj!r} is not supported; use 'relu' (T5), "
+                f"'gated-gelu' (T5 v1.1), or '[gated-]<act>' with <act> in {sorted(_ACTIVATIONS)}."
+            )
+
+    @property
+    def n_decoder_layers(self) -> int:
+        return self.num_decoder_layers or self.num_layers
+
+    @property
+    def gated(self) -> bool:
+        return self.feed_forward_proj.startswith("gated-")
+
+    @property
+    def activation(self) -> str:
+        act = self.feed_forward_proj.split("-")[-1]
+        return "gelu_new" if self.feed_forward_proj == "gated-gelu" else act  # as Transformers does
+
+    @property
+    def scale_head(self) -> bool:
+        return self.tie_word_embeddings if self.scale_decoder_outputs is None else self.scale_decoder_outputs
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "T5Config":
+        """From a Hugging Face ``config.json`` dict (Transformers 4 or 5 layout)."""
+        return cls.from_hf_checkpoint(d, None)
+
+    @classmethod
+    def from_hf_checkpoint(cls, d: dict, tensor_names) -> "T5Config":
+        """From ``config.json`` and the names of the checkpoint's tensors.
+
+        Transformers 5 writes ``tie_word_embeddings: true`` for every T5 and
+        keeps the head untied when the checkpoint holds an ``lm_head.weight``
+        of its own, so its presence decides; ``scale_decoder_outputs`` (or,
+        in older files, ``tie_word_embeddings``) decides the scaling.
+        """
+        tied = bool(d.get("tie_word_embeddings", True))
+        scale = bool(d.get("scale_decoder_outputs", tied))
+        if tensor_names is not None:
+            tied = "lm_head.weight" not in tensor_names
+        eos = d.get("eos_token_id", 1)
+        return cls(
+            vocab_size=d["vocab_size"], d_model=d["d_model"], d_kv=d["d_kv"], d_ff=d["d_ff"],
+            num_layers=d["num_layers"], num_decoder_layers=d.get("num_decoder_layers"),
+            num_heads=d["num_heads"],
+            relative_attention_num_buckets=d.get("relative_attention_num_buckets", 32),
+            relative_attention_max_distance=d.get("relative_attention_max_distance", 128),
+            layer_norm_epsilon=d.get("layer_norm_epsilon", 1e-6),
+            feed_forward_proj=d.get("feed_forward_proj", "relu"),
+            tie_word_embeddings=tied,
+            scale_decoder_outputs=None if scale == tied else scale,
+            pad_token_id=d.get("pad_token_id", 0),
+            eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+            decoder_start_token_id=d.get("decoder_start_token_id", d.get("pad_token_id", 0)),
+        )
+
+    def to_hf(self) -> dict:
+        """A Hugging Face ``config.json`` dict that Transformers 4 and 5 load as is."""
+        return {
+            "architectures": ["T5ForConditionalGeneration"],
+            "model_type": "t5",
+            "is_encoder_decoder": True,
+            "vocab_size": self.vocab_size,
+            "d_model": self.d_model,
+            "d_kv": self.d_kv,
+            "d_ff": self.d_ff,
+            "num_layers": self.num_layers,
+            "num_decoder_layers": self.n_decoder_layers,
+            "num_heads": self.num_heads,
+            "relative_attention_num_buckets": self.relative_attention_num_buckets,
+            "relative_attention_max_distance": self.relative_attention_max_distance,
+            "layer_norm_epsilon": self.layer_norm_epsilon,
+            "feed_forward_proj": self.feed_forward_proj,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "scale_decoder_outputs": self.scale_head,
+            "pad_token_id": self.pad_token_id,
+            "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
+            "decoder_start_token_id": self.decoder_start_token_id,
+        }
+
+
+def relative_position_buckets(
+    relative: Int[Array, "q k"], *, bidirectional: bool, num_buckets: int, max_distance: int
+) -> Int[Array, "q k"]:
+    """T5's bucket of each ``key_position - query_position``.
+
+    Bidirectional (encoder): half the buckets for keys before the query, half
+    for keys after. Causal (decoder): only keys at or before the query count.
+    Within a direction, the first half of the buckets are exact distances
+    ``0, 1, ...``; the rest cover distances up to ``max_distance`` on a log
+    scale, and farther keys share the last bucket.
+    """
+    n = num_buckets
+    if bidirectional:
+        n //= 2
+        offset = jnp.where(relative > 0, n, 0)
+        distance = jnp.abs(relative)
+    else:
+        offset = 0
+        distance = jnp.maximum(-relative, 0)
+    exact = n // 2
+    # float32 steps in the order Transformers takes them, so boundaries agree
+    log_ratio = jnp.log(jnp.maximum(distance, 1).astype(jnp.float32) / exact)
+    far = exact + (log_ratio / math.log(max_distance / exact) * (n - exact)).astype(jnp.int32)
+    far = jnp.minimum(far, n - 1)
+    return offset + jnp.where(distance < exact, distance, far)
+
+
+class T5Attention(eqx.Module):
+    q: Linear
+    k: Linear
+    v: Linear
+    o: Linear
+    relative_attention_bias: Embedding | None  # (buckets, heads), first block of a stack only
+    config: T5Config = eqx.field(static=True)
+
+    def __init__(self, config: T5Config, *, has_bias: bool, key: PRNGKeyArray):
+        kq, kk, kv, ko, kb = jax.random.split(key, 5)
+        c, inner = config, config.num_heads * config.d_kv
+        self.q = Linear(c.d_model, inner, bias=False, key=kq)
+        self.k = Linear(c.d_model, inner, bias=False, key=kk)
+        self.v = Linear(c.d_model, inner, bias=False, key=kv)
+        self.o = Linear(inner, c.d_model, bias=False, key=ko)
+        self.relative_attention_bias = (
+            Embedding(c.relative_attention_num_buckets, c.num_heads, key=kb) if has_bias else None
+        )
+        self.config = config
+
+    def position_bias(self, q_pos: Int[Array, " q"], k_pos: Int[Array, " k"], *, bidirectional: bool
+                      ) -> Float[Array, "heads q k"]:
+        c = self.config
+        buckets = relative_position_buckets(
+            k_pos[None, :] - q_pos[:, None], bidirectional=bidirectional,
+            num_buckets=c.relative_attention_num_buckets, max_distance=c.relative_attention_max_distance,
+        )
+        bias = jnp.moveaxis(self.relative_attention_bias(buckets.reshape(-1)).reshape(*buckets.shape, -1), -1, 0)
+        return constrain(bias, P(MODEL, None, None))  # heads split, as the scores are
+
+    def __call__(self, x, mask, bias, *, source=None, cache: KVCache | None = None, index=None, cached_kv=None):
+        """Self-attention over ``x`` (``source=None``; writes ``cache`` at
+        ``index`` when given), or cross attention to ``source`` (the encoder
+        output) or to keys/values already projected (``cached_kv``)."""
+        h = self.config.num_heads
+        if cached_kv is not None:
+            q = heads(fused_linears(x, [self.q])[0], h)
+            k, v = cached_kv.k.astype(q.dtype), cached_kv.v.astype(q.dtype)
+        elif source is not None:
+            q = heads(fused_linears(x, [self.q])[0], h)
+            k, v = (heads(y, h) for y in fused_linears(source, [self.k, self.v]))
+        else:
+            q, k, v = (heads(y, h) for y in fused_linears(x, [self.q, self.k, self.v]))
+            if cache is not None:
+                cache = update_cache(cache, k, v, index)
+                k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
+        out = attention(q, k, v, mask, scale=1.0, bias=bias)  # T5 does not scale the scores
+        out = constrain(out.reshape(out.shape[0], -1), P(None, MODEL))
+        return constrain(self.o(out), P()), cache  # row parallel: one all-reduce
+
+    def project_kv(self, source: Float[Array, "src d_model"]) -> KVCache:
+        k, v = (heads(y, self.config.num_heads) for y in fused_linears(source, [self.k, self.v]))
+        return KVCache(k, v)
+
+
+class T5LayerSelfAttention(eqx.Module):
+    SelfAttention: T5Attention
+    layer_norm: RMSNorm
+
+    def __init__(self, config: T5Config, *, has_bias: bool, key: PRNGKeyArray):
+        self.SelfAttention = T5Attention(config, has_bias=has_bias, key=key)
+        self.layer_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
+
+
+class T5LayerCrossAttention(eqx.Module):
+    EncDecAttention: T5Attention
+    layer_norm: RMSNorm
+
+    def __init__(self, config: T5Config, *, key: PRNGKeyArray):
+        self.EncDecAttention = T5Attention(config, has_bias=False, key=key)
+        self.layer_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
+
+
+class T5DenseActDense(eqx.Module):
+    """``wo(act(wi x))`` (v1.0), or ``wo(act(wi_0 x) * wi_1 x)`` when gated (v1.1)."""
+
+    wi: Linear | None
+    wi_0: Linear | None
+    wi_1: Linear | None
+    wo: Linear
+    activation: str = eqx.field(static=True)
+
+    def __init__(self, config: T5Config, *, key: PRNGKeyArray):
+        k0, k1, ko = jax.random.split(key, 3)
+        d, f = config.d_model, config.d_ff
+        if config.gated:
+            self.wi, self.wi_0, self.wi_1 = None, Linear(d, f, bias=False, key=k0), Linear(d, f, bias=False, key=k1)
+        else:
+            self.wi, self.wi_0, self.wi_1 = Linear(d, f, bias=False, key=k0), None, None
+        self.wo = Linear(f, d, bias=False, key=ko)
+        self.activation = config.activation
+
+    def __call__(self, x: Float[Array, "seq d_model"]) -> Float[Array, "seq d_model"]:
+        act = _ACTIVATIONS[self.activation]
+        if self.wi is not None:
+            (h,) = fused_linears(x, [self.wi])  # column parallel
+            h = act(h)
+        else:
+            gate, up = fused_linears(x, [self.wi_0, self.wi_1])
+            h = act(gate) * up
+        return constrain(self.wo(h), P())  # row parallel: one all-reduce
+
+
+class T5LayerFF(eqx.Module):
+    DenseReluDense: T5DenseActDense
+    layer_norm: RMSNorm
+
+    def __init__(self, config: T5Config, *, key: PRNGKeyArray):
+        self.DenseReluDense = T5DenseActDense(config, key=key)
+        self.layer_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
+
+    def __call__(self, x):
+        return x + self.DenseReluDense(self.layer_norm(x))
+
+
+class T5Block(eqx.Module):
+    """Encoder block: ``layer = [self-attention, FF]``; decoder block:
+    ``layer = [self-attention, cross attention, FF]`` (Hugging Face's order)."""
+
+    layer: list
+
+    def __init__(self, config: T5Config, *, decoder: bool, has_bias: bool, key: PRNGKeyArray):
+        ks, kc, kf = jax.random.split(key, 3)
+        layers: list = [T5LayerSelfAttention(config, has_bias=has_bias, key=ks)]
+        if decoder:
+            layers.append(T5LayerCrossAttention(config, key=kc))
+        layers.append(T5LayerFF(config, key=kf))
+        self.layer = layers
+
+    def __call__(self, x, mask, bias, cross=None, cache=None, index=None):
+        """``cross``: ``(source_or_None, cached_kv_or_None, source_mask)`` in a decoder block."""
+        sa = self.layer[0]
+        a, cache = sa.SelfAttention(sa.layer_norm(x), mask, bias, cache=cache, index=index)
+        x = x + a
+        if cross is not None:
+            source, cached_kv, source_mask = cross
+            ca = self.layer[1]
+            mask_x = jnp.broadcast_to(source_mask[None, :], (x.shape[0], source_mask.shape[0]))
+            a, _ = ca.EncDecAttention(ca.layer_norm(x), mask_x, None, source=source, cached_kv=cached_kv)
+            x = x + a
+        return self.layer[-1](x), cache
+
+
+class T5Stack(eqx.Module):
+    block: list[T5Block]
+    final_layer_norm: RMSNorm
+
+    def __init__(self, config: T5Config, *, decoder: bool, key: PRNGKeyArray):
+        n = config.n_decoder_layers if decoder else config.num_layers
+        keys = jax.random.split(key, n)
+        self.block = [T5Block(config, decoder=decoder, has_bias=i == 0, key=k) for i, k in enumerate(keys)]
+        self.final_layer_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
+
+    def bias(self, q_pos, k_pos, *, bidirectional: bool):
+        return self.block[0].layer[0].SelfAttention.position_bias(q_pos, k_pos, bidirectional=bidirectional)
+
+
+class T5Cache(eqx.Module):
+    """The decoding state of one sequence: decoder self-attention keys/values
+    (``max_len`` slots, ``index`` the next free one), the cross-attention
+    keys/values of the encoder output per decoder block, and which encoder
+    positions are real tokens."""
+
+    self_attention: list[KVCache]
+    cross_attention: list[KVCache]
+    source_valid: Bool[Array, " src"]
+    index: Int[Array, ""]
+
+
+class T5ForConditionalGeneration(eqx.Module):
+    """T5 for one sequence pair (batch with ``jax.vmap``).
+
+    **Example** (teacher-forced training logits and generation):
+
+    ```python
+    config = T5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                      num_heads=4, feed_forward_proj="gated-gelu", tie_word_embeddings=False)
+    model = T5ForConditionalGeneration(config, key=jax.random.key(0))
+    logits = jax.vmap(model)(inputs, decoder_inputs)   # (batch, tgt_len, vocab)
+    tokens = redeqx.models.generate(model, inputs, attention_mask=mask, max_new_tokens=32, eos_token_id=1)
+    ```
+
+    ``decoder_input_ids`` are the labels shifted right behind
+    ``config.decoder_start_token_id``, as in Transformers (`shift_right`).
+    """
+
+    shared: Embedding
+    encoder: T5Stack
+    decoder: T5Stack
+    lm_head: Linear | None
+    config: T5Config = eqx.field(static=True)
+
+    # Copies of `shared` that some checkpoints carry, and a bias table old checkpoints have but never use.
+    hf_ignore = (r"(encoder|decoder)\.embed_tokens\.weight",
+                 r"decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.weight")
+
+    def __init__(self, config: T5Config, *, key: PRNGKeyArray):
+        if not isinstance(config, T5Config):
+            raise TypeError(f"config must be a redeqx.models.T5Config, got {type(config).__name__}.")
+        ks, ke, kd, kh = jax.random.split(key, 4)
+        self.shared = Embedding(config.vocab_size, config.d_model, key=ks)
+        self.encoder = T5Stack(config, decoder=False, key=ke)
+        self.decoder = T5Stack(config, decoder=True, key=kd)
+        self.lm_head = None if config.tie_word_embeddings else Linear(
+            config.d_model, config.vocab_size, bias=False, key=kh
+        )
+        self.config = config
+
+    def _dtype(self):
+        return self.shared.weight.dtype
+
+    def encode(
+        self, input_ids: Int[Array, " src"], attention_mask: Bool[Array, " src"] | None = None
+    ) -> Float[Array, "src d_model"]:
+        """The encoder output (after its final norm). ``attention_mask`` is
+        ``False`` on padding, which no position attends to."""
+        s = input_ids.shape[0]
+        valid = jnp.ones((s,), bool) if attention_mask is None else attention_mask.astype(bool)
+        x = constrain(self.shared(input_ids), P())
+        pos = jnp.arange(s)
+        bias = self.encoder.bias(pos, pos, bidirectional=True)
+        mask = jnp.broadcast_to(valid[None, :], (s, s))
+        for block in self.encoder.block:
+            fn = eqx.filter_checkpoint(block) if self.config.remat else block
+            x, _ = fn(x, mask, bias)
+        return self.encoder.final_layer_norm(x)
+
+    def _logits(self, x):
+        x = self.decoder.final_layer_norm(x)
+        if self.config.scale_head:
+            x = x * (self.config.d_model ** -0.5)
+        logits = self.shared.attend(x) if self.lm_head is None else self.lm_head(x)
+        return constrain(logits, P(None, MODEL))  # vocab parallel
+
+    def __call__(
+        self,
+        input_ids: Int[Array, " src"],
+        decoder_input_ids: Int[Array, " tgt"],
+        *,
+        attention_mask: Bool[Array, " src"] | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> Float[Array, "tgt vocab"]:
+        """Logits for every decoder position (teacher forcing).
+        ``attention_mask`` marks real encoder tokens. ``key`` is unused (no dropout)."""
+        del key
+        s, t = input_ids.shape[0], decoder_input_ids.shape[0]
+        valid = jnp.ones((s,), bool) if attention_mask is None else attention_mask.astype(bool)
+        source = self.encode(input_ids, valid)
+        x = constrain(self.shared(decoder_input_ids), P())
+        pos = jnp.arange(t)
+        bias = self.decoder.bias(pos, pos, bidirectional=False)
+        mask = causal_mask(jnp.ones((t,), bool), 0, t)
+        for block in self.decoder.block:
+            fn = eqx.filter_checkpoint(block) if self.config.remat else block
+            x, _ = fn(x, mask, bias, (source, None, valid))
+        return self._logits(x)
+
+    def init_cache(
+        self, encoder_output: Float[Array, "src d_model"], attention_mask: Bool[Array, " src"], max_len: int
+    ) -> T5Cache:
+        """A decoding cache: the encoder output projected to every decoder
+        block's cross-attention keys/values (once), and ``max_len`` empty
+        slots for the decoder's own tokens."""
+        c = self.config
+        dtype = self._dtype()
+        return T5Cache(
+            self_attention=[KVCache.empty(max_len, c.num_heads, c.d_kv, dtype) for _ in self.decoder.block],
+            cross_attention=[jax.tree.map(lambda a: a.astype(dtype), b.layer[1].EncDecAttention.project_kv(encoder_output))
+                             for b in self.decoder.block],
+            source_valid=attention_mask.astype(bool),
+            index=jnp.zeros((), jnp.int32),
+        )
+
+    def decode(
+        self, decoder_input_ids: Int[Array, " seq"], cache: T5Cache, *, attention_mask=None
+    ) -> tuple[Float[Array, "seq vocab"], T5Cache]:
+        """Run decoder tokens after what ``cache`` holds: their logits and the
+        cache with them appended. ``attention_mask`` must be ``None`` (the
+        decoder side has no padding)."""
+        if attention_mask is not None:
+            raise ValueError(
+                "T5ForConditionalGeneration.decode: attention_mask is for the encoder input; pass it to "
+                "init_cache (or prefill) and leave it None here."
+            )
+        t = decoder_input_ids.shape[0]
+        max_len = cache.self_attention[0].k.shape[0]
+        check_fits("T5ForConditionalGeneration.decode", t, max_len)
+        q_pos = cache.index + jnp.arange(t)
+        slots = jnp.arange(max_len)
+        bias = self.decoder.bias(q_pos, slots, bidirectional=False)  # (heads, t, max_len)
+        mask = causal_mask(slots < cache.index + t, cache.index, t)
+        x = constrain(self.shared(decoder_input_ids), P())
+        new = []
+        for block, sc, cc in zip(self.decoder.block, cache.self_attention, cache.cross_attention):
+            x, sc = block(x, mask, bias, (None, cc, cache.source_valid), sc, cache.index)
+            new.append(sc)
+        cache = T5Cache(new, cache.cross_attention, cache.source_valid, cache.index + t)
+        return self._logits(x), cache
+
+    def prefill(
+        self, input_ids: Int[Array, " src"], attention_mask: Bool[Array, " src"], max_new_tokens: int
+    ) -> tuple[Float[Array, " vocab"], T5Cache]:
+        """Encode the prompt once and decode the start token: the first new
+        token's logits and a cache with room for ``max_new_tokens`` more (what
+        `redeqx.models.generate` and `beam_search` start from)."""
+        source = self.encode(input_ids, attention_mask)
+        cache = self.init_cache(source, attention_mask, max_new_tokens + 1)
+        start = jnp.full((1,), self.config.decoder_start_token_id, jnp.int32)
+        logits, cache = self.decode(start, cache)
+        return logits[-1], cache
+
+
+def shift_right(labels: Int[Array, "*batch tgt"], config: T5Config) -> Int[Array, "*batch tgt"]:
+    """Decoder inputs for teacher forcing: ``decoder_start_token_id`` then the
+    labels but the last, with ignored labels (``-100``) read as padding."""
+    labels = jnp.where(labels == -100, config.pad_token_id, labels)
+    start = jnp.full(labels.shape[:-1] + (1,), config.decoder_start_token_id, labels.dtype)
+    return jnp.concatenate([start, labels[..., :-1]], axis=-1)

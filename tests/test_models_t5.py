@@ -1,0 +1,276 @@
+"""T5 against Transformers' PyTorch reference (tiny random v1.0- and
+v1.1-style configs built and saved here: no download)."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+from megatron_count import megatron_bytes_encoder_decoder
+
+import redeqx
+from redeqx.models import (
+    T5Config,
+    T5ForConditionalGeneration,
+    beam_search,
+    from_pretrained,
+    generate,
+    save_pretrained,
+    shift_right,
+)
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 64
+# 8 buckets up to distance 20: sequences of 12+ tokens reach the log-spaced and the last buckets
+SIZES = dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=3, num_heads=4,
+             relative_attention_num_buckets=8, relative_attention_max_distance=20)
+
+
+def _hf_model(kind):
+    torch.manual_seed(0)
+    if kind == "v1":  # ReLU FF, LM head tied to `shared` and scaled by 1/sqrt(d_model)
+        config = transformers.T5Config(**SIZES, feed_forward_proj="relu", decoder_start_token_id=0)
+    else:  # v1.1: gated GELU, its own LM head, no scaling
+        config = transformers.T5Config(**SIZES, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+                                       decoder_start_token_id=0)
+    hf = transformers.T5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        if kind == "v11":  # Transformers 5 ties the head in memory; give it weights of its own
+            hf.lm_head.weight = torch.nn.Parameter(torch.randn(VOCAB, SIZES["d_model"]))
+        for name, p in hf.named_parameters():  # non-trivial norms, so a wrong mapping shows
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return hf
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    out = {}
+    for kind in ("v1", "v11"):
+        d = tmp_path_factory.mktemp(kind)
+        hf = _hf_model(kind)
+        hf.save_pretrained(d)
+        out[kind] = (d, hf)
+    return out
+
+
+def _inputs(batch=2, src=16, tgt=13, seed=0):
+    rs = np.random.RandomState(seed)
+    ids = rs.randint(2, VOCAB, (batch, src))
+    mask = np.ones_like(ids)
+    mask[1, src - 5:] = 0  # the second input is right-padded
+    ids[1, src - 5:] = 0
+    return ids, mask, rs.randint(2, VOCAB, (batch, tgt))
+
+
+def _torch_logits(hf, ids, mask, dec):
+    with torch.no_grad():
+        return hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                  decoder_input_ids=torch.tensor(dec)).logits.numpy()
+
+
+@jax.jit
+def _logits(model, ids, mask, dec):
+    return jax.vmap(lambda i, a, d: model(i, d, attention_mask=a))(ids, mask.astype(bool), dec)
+
+
+def _one_device():
+    return redeqx.make_mesh(1, devices=jax.devices()[:1])
+
+
+@pytest.mark.parametrize("kind", ["v1", "v11"])
+def test_logits_match_transformers(checkpoints, kind):
+    d, hf = checkpoints[kind]
+    model = from_pretrained(d, _one_device())
+    assert model.config.tie_word_embeddings == (kind == "v1")
+    assert model.config.gated == (kind == "v11")
+    ids, mask, dec = _inputs()
+    np.testing.assert_allclose(_logits(model, ids, mask, dec), _torch_logits(hf, ids, mask, dec), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["v1", "v11"])
+def test_save_pretrained_round_trip(checkpoints, kind, tmp_path):
+    d, hf = checkpoints[kind]
+    save_pretrained(from_pretrained(d, redeqx.make_mesh(2)), tmp_path)
+    again = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path).eval()
+    ids, mask, dec = _inputs(seed=1)
+    np.testing.assert_allclose(_torch_logits(again, ids, mask, dec), _torch_logits(hf, ids, mask, dec),
+                               atol=1e-5, rtol=0)
+
+
+def test_forward_agrees_across_model_shards(checkpoints):
+    d, _ = checkpoints["v11"]
+    ids, mask, dec = _inputs(batch=8)
+    outs = {n: np.asarray(_logits(from_pretrained(d, redeqx.make_mesh(n)), ids, mask, dec)) for n in (1, 2, 4)}
+    # the untied head's logits reach ~15: float32 sums in another order differ by a few 1e-6 of that
+    np.testing.assert_allclose(outs[2], outs[1], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(outs[4], outs[1], atol=1e-5, rtol=1e-5)
+
+
+def test_explain_shows_the_megatron_plan():
+    for ff, tied in (("relu", True), ("gated-gelu", False)):
+        config = T5Config(**{**SIZES, "num_layers": 1, "num_decoder_layers": 1}, feed_forward_proj=ff,
+                          tie_word_embeddings=tied)
+        model = T5ForConditionalGeneration(config, key=jax.random.key(0))
+        mesh = redeqx.make_mesh(2)
+        table = redeqx.explain(model, redeqx.sharding_rules(model, mesh), mesh)
+        want = {
+            r"^shared\.weight": "P('model', None)",
+            r"^lm_head\.weight": "P('model', None)",
+            r"Attention\.(q|k|v)\.weight": "P('model', None)",
+            r"Attention\.o\.weight": "P(None, 'model')",
+            r"relative_attention_bias\.weight": "P(None, 'model')",  # heads, never buckets
+            r"DenseReluDense\.(wi|wi_0|wi_1)\.weight": "P('model', None)",
+            r"DenseReluDense\.wo\.weight": "P(None, 'model')",
+            r"layer_norm\.weight": "P()",
+        }
+        rows = [line for line in table.splitlines()[2:] if line.startswith(("shared", "encoder", "decoder", "lm_head"))]
+        assert len(rows) == len(jax.tree.leaves(model))
+        for row in rows:
+            path, spec = row.split()[0], re.search(r"P\([^)]*\)", row).group(0)
+            (expected,) = [v for k, v in want.items() if re.search(k, path)]
+            assert spec == expected, (path, spec, expected)
+
+
+def _hf_generate(hf, ids, mask, **kw):
+    # use_cache=False: Transformers 5 sizes T5's decoding cache by the encoder's
+    # layer count and fails when the decoder has more layers, as here
+    kw = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0, "use_cache": False, **kw}
+    with torch.no_grad():
+        out = hf.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), **kw).numpy()
+    return out[:, 1:]  # drop the decoder start token
+
+
+def test_greedy_generation_matches_transformers_sharded_as_pred_fn(checkpoints):
+    d, hf = checkpoints["v11"]
+    ids, mask, _ = _inputs()
+    ref = _hf_generate(hf, ids, mask, max_new_tokens=10)
+    mesh = redeqx.make_mesh(2)
+    model = from_pretrained(d, mesh)
+
+    def pred_fn(model, batch, key):
+        return generate(model, batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=10)
+
+    step = redeqx.make_predict_step(pred_fn, mesh, redeqx.sharding_rules(model, mesh))
+    batch = {"input_ids": jnp.asarray(np.concatenate([ids] * 4)),
+             "attention_mask": jnp.asarray(np.concatenate([mask] * 4).astype(bool))}  # 2 rows per data shard
+    out = np.asarray(step(model, batch, jax.random.key(0)))
+    np.testing.assert_array_equal(out[:2], ref)
+    np.testing.assert_array_equal(out[6:], ref)
+
+
+def test_beam_search_and_eos_match_transformers(checkpoints):
+    d, hf = checkpoints["v1"]
+    ids, mask, _ = _inputs()
+    model = from_pretrained(d, _one_device())
+    ref = _hf_generate(hf, ids, mask, max_new_tokens=6, num_beams=3, length_penalty=1.0, early_stopping=False)
+    out = jax.jit(lambda m, i, a: beam_search(m, i, attention_mask=a, max_new_tokens=6, num_beams=3))(
+        model, ids, mask.astype(bool))
+    np.testing.assert_array_equal(np.asarray(out), ref)
+    greedy = _hf_generate(hf, ids, mask, max_new_tokens=8)
+    eos = int(greedy[0, 2])
+    first = int(np.argmax(greedy[0] == eos))  # where row 0 first emits it
+    ref = _hf_generate(hf, ids, mask, max_new_tokens=8, eos_token_id=eos)
+    out = np.asarray(jax.jit(lambda m, i, a: generate(m, i, attention_mask=a, max_new_tokens=8, eos_token_id=eos))(
+        model, ids, mask.astype(bool)))
+    np.testing.assert_array_equal(out[:, :ref.shape[1]], ref)
+    assert out[0, first] == eos and (out[0, first + 1:] == 0).all()
+
+
+def test_decode_with_cache_equals_full_forward(getkey):
+    model = T5ForConditionalGeneration(T5Config(**SIZES, feed_forward_proj="gated-gelu"), key=getkey())
+    ids, mask, dec = (jnp.asarray(a[1]) for a in _inputs())
+    mask = mask.astype(bool)
+    full = jax.jit(lambda m: m(ids, dec, attention_mask=mask))(model)
+    cache = jax.jit(lambda m: m.init_cache(m.encode(ids, mask), mask, 16))(model)
+    decode = jax.jit(lambda m, i, c: m.decode(i, c))
+    first, cache = decode(model, dec[:5], cache)
+    rest = []
+    for t in range(5, dec.shape[0]):
+        logits, cache = decode(model, dec[t:t + 1], cache)
+        rest.append(logits)
+    np.testing.assert_allclose(jnp.concatenate([first, *rest]), full, atol=1e-5, rtol=0)
+
+
+def test_remat_and_bf16(checkpoints, getkey):
+    config = T5Config(**SIZES)
+    key = getkey()
+    plain = T5ForConditionalGeneration(config, key=key)
+    remat = T5ForConditionalGeneration(T5Config(**SIZES, remat=True), key=key)
+    ids, mask, dec = (jnp.asarray(a) for a in _inputs())
+
+    def loss(m):
+        logits = jax.vmap(lambda i, a, d: m(i, shift_right(d, config), attention_mask=a))(ids, mask.astype(bool), dec)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, dec).mean()
+
+    grad = jax.jit(jax.grad(loss))
+    for a, b in zip(jax.tree.leaves(grad(plain)), jax.tree.leaves(grad(remat))):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+    d, hf = checkpoints["v11"]
+    model = from_pretrained(d, redeqx.make_mesh(2), dtype=jnp.bfloat16)
+    assert model.decoder.block[0].layer[2].DenseReluDense.wi_0.weight.dtype == jnp.bfloat16
+    ids, mask, dec = _inputs()
+    out = _logits(model, ids, mask, dec)
+    assert out.dtype == jnp.bfloat16
+    ref = _torch_logits(hf, ids, mask, dec)
+    assert np.abs(np.asarray(out, np.float32) - ref).max() < 0.05 * np.abs(ref).max()
+
+
+def test_shift_right_and_config_errors():
+    config = T5Config(**SIZES)
+    np.testing.assert_array_equal(shift_right(jnp.asarray([[5, 6, -100]]), config), [[0, 5, 6]])
+    with pytest.raises(ValueError, match="feed_forward_proj='gated-swish'"):
+        T5Config(feed_forward_proj="gated-swish")
+    with pytest.raises(ValueError, match="d_kv must be a positive int"):
+        T5Config(d_kv=0)
+    model = T5ForConditionalGeneration(T5Config(**SIZES), key=jax.random.key(0))
+    cache = model.init_cache(jnp.zeros((4, SIZES["d_model"])), jnp.ones((4,), bool), 2)
+    with pytest.raises(ValueError, match="max_len=2"):
+        model.decode(jnp.zeros((3,), jnp.int32), cache)
+    with pytest.raises(ValueError, match="attention_mask is for the encoder"):
+        model.decode(jnp.zeros((1,), jnp.int32), cache, attention_mask=jnp.ones((1,), bool))
+
+
+def test_train_step_communication_is_megatron_and_matches_one_device(getkey):
+    config = T5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
+                      num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=20,
+                      feed_forward_proj="gated-gelu", tie_word_embeddings=True)
+    model = T5ForConditionalGeneration(config, key=getkey())
+    optimizer = optax.sgd(0.1)
+    rs = np.random.RandomState(0)
+    src, tgt = rs.randint(2, 256, (8, 16)), rs.randint(2, 256, (8, 12))
+
+    def loss_fn(m, batch, key):
+        logits = jax.vmap(lambda s, d: m(s, shift_right(d, config)))(batch["src"], batch["tgt"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tgt"]).mean()
+
+    def run(n_model, devices):
+        mesh = redeqx.make_mesh(n_model, devices=devices)
+        specs = redeqx.sharding_rules(model, mesh)
+        fresh = jax.tree.map(lambda x: jnp.array(x, copy=True), model)  # the step donates its input
+        state = redeqx.init_state(fresh, optimizer, mesh, specs, key=jax.random.key(0))
+        batch = jax.device_put({"src": jnp.asarray(src), "tgt": jnp.asarray(tgt)}, NamedSharding(mesh, P("data")))
+        step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs)
+        summary = redeqx.collective_summary(step, state, batch)
+        state, metrics = step(state, batch)
+        return mesh, state, metrics, summary
+
+    mesh, state4, metrics4, summary = run(4, None)
+    _, state1, metrics1, _ = run(1, jax.devices()[:1])
+    np.testing.assert_allclose(metrics4["loss"], metrics1["loss"], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(state4.model), jax.tree.leaves(state1.model)):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+    grad_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state4.model))
+    analytic = megatron_bytes_encoder_decoder(config.d_model, config.num_layers, config.n_decoder_layers,
+                                              8 // mesh.shape["data"], src.shape[1], tgt.shape[1], grad_bytes)
+    moved = sum(v["bytes"] for v in summary.values())
+    assert set(summary) == {"all-reduce"}, summary  # no activation gathers
+    assert moved <= 1.15 * analytic, (moved, analytic, summary)
+    print(f"T5 train step at n_model_shards=4: {moved} bytes moved, {moved / analytic:.3f}x Megatron's {analytic}")
