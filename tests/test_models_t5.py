@@ -272,5 +272,8 @@ def test_train_step_communication_is_megatron_and_matches_one_device(getkey):
                                               8 // mesh.shape["data"], src.shape[1], tgt.shape[1], grad_bytes)
     moved = sum(v["bytes"] for v in summary.values())
     assert set(summary) == {"all-reduce"}, summary  # no activation gathers
+    # Measured 1.06x: the activation all-reduces are Megatron's exactly; the data-parallel
+    # gradient reduction also carries `shared`'s gradient three times (two lookups and the
+    # tied head, reduced before XLA adds them) and the per-position relative bias gradients.
     assert moved <= 1.15 * analytic, (moved, analytic, summary)
     print(f"T5 train step at n_model_shards=4: {moved} bytes moved, {moved / analytic:.3f}x Megatron's {analytic}")
