@@ -18,6 +18,7 @@ from redeqx.models import (
     beam_search,
     from_pretrained,
     generate,
+    sample,
     save_pretrained,
     shift_right,
 )
@@ -180,6 +181,10 @@ def test_beam_search_and_eos_match_transformers(checkpoints):
         model, ids, mask.astype(bool)))
     np.testing.assert_array_equal(out[:, :ref.shape[1]], ref)
     assert out[0, first] == eos and (out[0, first + 1:] == 0).all()
+    # sampling goes through the same prefill/decode; top_k=1 is greedy
+    top1 = jax.jit(lambda m, i, a, k: generate(m, i, attention_mask=a, max_new_tokens=8, sampler=sample(top_k=1), key=k))(
+        model, ids, mask.astype(bool), jax.random.key(3))
+    np.testing.assert_array_equal(np.asarray(top1), greedy)
 
 
 def test_decode_with_cache_equals_full_forward(getkey):
@@ -225,6 +230,14 @@ def test_remat_and_bf16(checkpoints, getkey):
 def test_shift_right_and_config_errors():
     config = T5Config(**SIZES)
     np.testing.assert_array_equal(shift_right(jnp.asarray([[5, 6, -100]]), config), [[0, 5, 6]])
+    # a Transformers 4 config.json says untied (and so unscaled) outright; Transformers 5's
+    # always says tied, and the checkpoint's own lm_head.weight is what unties it
+    hf4 = T5Config.from_hf({**SIZES, "tie_word_embeddings": False, "feed_forward_proj": "gated-gelu"})
+    assert not hf4.tie_word_embeddings and not hf4.scale_head and hf4.activation == "gelu_new"
+    hf5 = T5Config.from_hf_checkpoint({**SIZES, "tie_word_embeddings": True, "scale_decoder_outputs": False},
+                                      {"shared.weight", "lm_head.weight"})
+    assert not hf5.tie_word_embeddings and not hf5.scale_head
+    assert T5Config.from_hf({**SIZES}).scale_head
     with pytest.raises(ValueError, match="feed_forward_proj='gated-swish'"):
         T5Config(feed_forward_proj="gated-swish")
     with pytest.raises(ValueError, match="d_kv must be a positive int"):
