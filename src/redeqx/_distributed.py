@@ -16,6 +16,7 @@ itself (SLURM, Open MPI, Kubernetes, Cloud TPU):
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -412,6 +413,24 @@ def preflight() -> None:
             f"{jax.process_index()}: the collectives between processes are broken. On CPU, set "
             "JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo; on GPU, check NCCL (NCCL_DEBUG=INFO)."
         )
+
+
+@functools.cache
+def _one_program_at_a_time() -> bool:
+    # XLA:CPU's gloo collectives (jax 0.10) can deadlock when a process drives
+    # several devices and two compiled programs overlap: a gloo all-reduce then
+    # waits forever on a receive. Seen in about 1 of 3 runs of 2 processes x 4
+    # CPU devices with async dispatch, in none of 9 runs waiting for each step.
+    return jax.process_count() > 1 and jax.local_device_count() > 1 and jax.devices()[0].platform == "cpu"
+
+
+def settle(tree):
+    """Returns ``tree`` once it is computed, on CPU runs of several processes
+    with several devices each (see `_one_program_at_a_time`); elsewhere at
+    once, keeping JAX's asynchronous dispatch. Steps call it on their outputs."""
+    if _one_program_at_a_time():
+        jax.block_until_ready(tree)
+    return tree
 
 
 def launcher_start() -> None:

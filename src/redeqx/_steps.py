@@ -14,6 +14,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ._distributed import settle
 from ._mesh import DATA
 from ._state import TrainState, _trainable_params
 from ._typing import typechecked
@@ -101,7 +102,7 @@ class _CompiledStep:
     def __call__(self, state, *args):
         fn, dyn, treedef, mask, static_leaves = self._prepare(state)
         with jax.set_mesh(self.mesh):  # so redeqx.constrain inside step_fn sees the mesh
-            new_dyn, out = fn(dyn, args)
+            new_dyn, out = settle(fn(dyn, args))
         it = iter(new_dyn)
         return jax.tree.unflatten(treedef, [next(it) if m else s for m, s in zip(mask, static_leaves)]), out
 
@@ -360,11 +361,11 @@ class EvalStep:
 
     def __call__(self, model, batch, key):
         with jax.set_mesh(self.mesh):
-            return self._means(model, batch, key)
+            return settle(self._means(model, batch, key))
 
     def sums(self, model, batch, key, weights):
         with jax.set_mesh(self.mesh):
-            return self._sums(model, batch, key, weights)
+            return settle(self._sums(model, batch, key, weights))
 
 
 @typechecked
@@ -425,6 +426,6 @@ def make_predict_step(pred_fn: Callable, mesh: Mesh, specs) -> Callable:
     @functools.wraps(pred_fn)
     def run(model, batch, key):
         with jax.set_mesh(mesh):  # so redeqx.constrain inside pred_fn sees the mesh
-            return jitted(model, batch, key)
+            return settle(jitted(model, batch, key))
 
     return run
