@@ -280,6 +280,14 @@ def test_on_a_cluster_a_late_call_is_an_error(fresh_runtime_state, monkeypatch, 
         redeqx.initialize()
 
 
+def test_an_unreachable_host0_fails_within_the_timeout(fresh_runtime_state):
+    port = launch.free_port()  # nothing listens there
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=f"could not reach process 0 at 127.0.0.1:{port} within timeout=2s"):
+        redeqx.initialize("127.0.0.1", port, n_processes=2, process_id=1, timeout=2)
+    assert time.monotonic() - start < 10
+
+
 def test_one_process_is_a_no_op_and_a_second_call_is_an_error(fresh_runtime_state):
     redeqx.initialize(n_processes=1)
     assert jax.process_count() == 1

@@ -19,7 +19,9 @@ from __future__ import annotations
 import functools
 import json
 import os
+import socket
 import sys
+import time
 import zlib
 from collections import Counter
 from collections.abc import Sequence
@@ -237,6 +239,8 @@ def _start(config: _Config, *, by: str, explicit=()) -> None:
     if config.host0_address is not None:
         address = f"{config.host0_address}:{config.host0_port or DEFAULT_PORT}"
     nothing_given = address is None and config.n_processes is None and config.process_id is None
+    if address is not None and config.process_id not in (None, 0):
+        _wait_for_host0(config)
     _use_cpu_collectives()
     try:
         jax.distributed.initialize(
@@ -276,6 +280,26 @@ def _start(config: _Config, *, by: str, explicit=()) -> None:
     if jax.process_count() > 1:
         _fail_fast_on_uncaught_exceptions()
     preflight()
+
+
+def _wait_for_host0(config: _Config) -> None:
+    """Waits until process 0's port accepts connections, so that a wrong
+    address fails with an error here rather than with JAX's fatal abort."""
+    host, port = config.host0_address.strip("[]"), config.host0_port or DEFAULT_PORT
+    deadline = time.monotonic() + config.timeout
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=2).close()
+            return
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"redeqx.initialize: process {config.process_id} could not reach process 0 at "
+                    f"{host}:{port} within timeout={config.timeout}s ({e}). Check host0_address and host0_port "
+                    f"(or {ENV['host0_address']} / {ENV['host0_port']}), that process 0 runs, and that the port "
+                    "is open between the hosts; raise timeout= if the hosts start far apart."
+                ) from None
+            time.sleep(0.5)
 
 
 def _cluster_hint() -> str | None:
