@@ -261,7 +261,7 @@ def test_initialize_after_jax_started_says_to_call_it_first(fresh_runtime_state,
 
 
 CLUSTER_MARKERS = ["JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "SLURM_NTASKS", "OMPI_MCA_orte_hnp_uri",
-                   "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES", "CLOUD_TPU_TASK_ID", "KUBERNETES_SERVICE_HOST"]
+                   "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES", "CLOUD_TPU_TASK_ID"]
 
 
 def test_without_settings_or_cluster_a_late_call_is_a_no_op(fresh_runtime_state, monkeypatch, devices):

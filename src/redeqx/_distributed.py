@@ -259,7 +259,7 @@ def _start(config: _Config, *, by: str, explicit=()) -> None:
             return
         raise RuntimeError(_BACKEND_STARTED) from None
     except ValueError as e:
-        if nothing_given:  # no settings and no cluster detected: one host
+        if nothing_given:  # no settings, and JAX detected no cluster: one host
             _started_by, _started_with = by, config
             return
         missing = [ENV[k].replace("REDEQX_", "").lower() for k in ("host0_address", "n_processes", "process_id")
@@ -320,9 +320,7 @@ def _cluster_hint() -> str | None:
         return "Open MPI"
     if "TPU_WORKER_HOSTNAMES" in env or "CLOUD_TPU_TASK_ID" in env:
         return "Cloud TPU"
-    if "KUBERNETES_SERVICE_HOST" in env:
-        return "Kubernetes"
-    return None
+    return None  # (not Kubernetes: every pod has its variables, single-host ones too)
 
 
 def _describe(config: _Config | None) -> str:
