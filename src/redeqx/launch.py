@@ -69,7 +69,7 @@ def child_env(
     env[ENV["host0_port"]] = str(port)
     env[ENV["n_processes"]] = str(n_processes)
     env[ENV["process_id"]] = str(process_id)
-    env.setdefault(ENV["heartbeat_timeout"], str(heartbeat_timeout))
+    env[ENV["heartbeat_timeout"]] = str(heartbeat_timeout)
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
