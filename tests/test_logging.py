@@ -99,3 +99,18 @@ def test_bad_input(tmp_path):
     with pytest.raises(TypeError, match="wandb must be a dict"):
         redeqx.Logger(tmp_path, wandb="my-project")
     logger.close()
+
+
+def test_batches_progress_bar_shows_loss_and_learning_rate(tmp_path):
+    mesh = redeqx.make_mesh(2)
+    examples = [{"x": np.full(3, i, np.float32)} for i in range(16)]
+    collate = lambda es: {"x": np.stack([e["x"] for e in es])}  # noqa: E731
+    logger = redeqx.Logger(tmp_path, tensorboard=False)
+    shown = []
+    for i, batch in enumerate(redeqx.batches(examples, collate, 1, mesh, desc="epoch 0")):
+        logger.log({"loss": 1.0 / (i + 1), "learning_rate": 1e-3}, i)
+        bar = redeqx._data.ACTIVE_BARS[-1]
+        shown.append(bar.postfix)
+    assert not redeqx._data.ACTIVE_BARS  # the bar is gone with its loop
+    assert "loss=0.5" in shown[1] and "learning_rate=0.001" in shown[1]
+    logger.close()

@@ -19,6 +19,11 @@ from ._steps import EvalStep, _check_positive_int
 from ._typing import typechecked
 
 
+# progress bars of the `batches` loops now running, innermost last: `Logger.log`
+# shows the loss and learning rate on the innermost one
+ACTIVE_BARS: list = []
+
+
 def _fn_name(fn) -> str:
     return getattr(fn, "__name__", repr(fn))
 
@@ -102,6 +107,8 @@ def _padded_batches(examples, collate_fn, per_device_batch_size, mesh, order, st
     lo, hi = local_rows(mesh, size)
     bar = tqdm(total=n_batches, initial=min(start, n_batches), desc=desc, disable=desc is None or jax.process_index() != 0,
                leave=False, dynamic_ncols=True)
+    if not bar.disable:
+        ACTIVE_BARS.append(bar)
     try:
         for b in range(start, n_batches):
             rows = order[b * size:(b + 1) * size]
@@ -113,6 +120,8 @@ def _padded_batches(examples, collate_fn, per_device_batch_size, mesh, order, st
             yield to_global(collate(collate_fn, local, hi - lo), mesh, size), n_real
             bar.update(1)
     finally:
+        if bar in ACTIVE_BARS:
+            ACTIVE_BARS.remove(bar)
         bar.close()
 
 

@@ -27,6 +27,8 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from ._data import ACTIVE_BARS
+
 
 def _jsonable(x):
     if isinstance(x, Mapping):
@@ -148,9 +150,10 @@ class Logger:
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log(values, step=int(step))
-        if self._bar is not None:
+        bar = self._bar if self._bar is not None else (ACTIVE_BARS[-1] if ACTIVE_BARS else None)
+        if bar is not None:  # Logger.bar's, else the innermost redeqx.batches(..., desc=...) bar
             shown = {k: f"{scalars[k]:.4g}" for k in ("loss", "learning_rate", "lr") if k in scalars and math.isfinite(scalars[k])}
-            self._bar.set_postfix(shown, refresh=False)
+            bar.set_postfix(shown, refresh=False)
         return values
 
     def info(self, msg: str) -> None:
