@@ -3,6 +3,7 @@ with an Equinox MLP, trained on every device with redeqx.
 
     python examples/mnist/main.py                       # 8 simulated CPU devices
     python examples/mnist/main.py --n_model_shards 4 --per_device_batch_size 8
+    python -m redeqx.launch -n 2 examples/mnist/main.py           # 2 processes x 4 devices, as on 2 hosts
     python examples/mnist/main.py --workdir runs/mnist            # + checkpoints and TensorBoard logs
     python examples/mnist/main.py --workdir runs/mnist --resume   # continue where it stopped
     tensorboard --logdir runs/mnist
@@ -67,6 +68,11 @@ class Classifier(eqx.Module):
         return self.mlp(self.dropout(x, key=key))
 
 
+def log(*args):
+    if jax.process_index() == 0:  # every process runs this script; one of them speaks
+        print(*args, flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n_model_shards", type=int, default=2)
@@ -88,8 +94,8 @@ def main():
     mesh = redeqx.make_mesh(args.n_model_shards)
     model = Classifier(args.hidden, key=model_key)
     specs = redeqx.sharding_rules(model, mesh)
-    print(f"{len(jax.devices())} devices, mesh {dict(mesh.shape)}; {len(train)} train / {len(test)} test examples")
-    print(redeqx.explain(model, specs, mesh))
+    log(f"{len(jax.devices())} devices, mesh {dict(mesh.shape)}; {len(train)} train / {len(test)} test examples")
+    log(redeqx.explain(model, specs, mesh))
 
     schedule = redeqx.lr_schedule(len(train), args.per_device_batch_size, args.n_epochs, args.learning_rate, mesh,
                                   schedule_type="cosine", warmup_ratio=0.05)
@@ -106,7 +112,7 @@ def main():
         if args.resume and (found := manager.restore(state, mesh, specs)) is not None:
             state, meta = found
             start_epoch = meta["epoch"]  # the epoch to run next
-            print(f"resumed from step {meta['step']}, epoch {start_epoch}")
+            log(f"resumed from step {meta['step']}, epoch {start_epoch}")
 
     for epoch in range(start_epoch, args.n_epochs):
         epoch_key = jax.random.fold_in(data_key, epoch)
@@ -115,7 +121,7 @@ def main():
             state, metrics = train_step(state, batch)
         results = redeqx.evaluate(eval_step, state.model, test, collate_fn, args.per_device_batch_size, mesh,
                                   key=epoch_key)
-        print(f"epoch {epoch}: step {int(state.step)}, train loss {float(metrics['loss']):.4f}, "
+        log(f"epoch {epoch}: step {int(state.step)}, train loss {float(metrics['loss']):.4f}, "
               f"test loss {results['loss']:.4f}, test accuracy {results['accuracy']:.4f}")
         if manager is not None:
             logger.log({"train_loss": metrics["loss"], "learning_rate": schedule(state.step),
@@ -130,9 +136,10 @@ def main():
     preds = redeqx.predict(predict_step, state.model, test, collate_fn, args.per_device_batch_size, mesh,
                            key=data_key)
     accuracy = np.mean([int(p) == e["label"] for p, e in zip(preds, test)])
-    print(f"final test accuracy from predict: {accuracy:.4f} ({len(preds)} predictions)")
+    log(f"final test accuracy from predict: {accuracy:.4f} ({len(preds)} predictions)")
     return accuracy
 
 
 if __name__ == "__main__":
+    redeqx.initialize()  # joins the other hosts' processes (SLURM, env vars, launcher); no-op on one host
     main()
