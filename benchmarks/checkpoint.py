@@ -41,7 +41,7 @@ import optax  # noqa: E402
 import redeqx  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import write_section  # noqa: E402
+from _common import write_section  # noqa: E402
 
 
 def dir_bytes(path: Path) -> int:

@@ -20,6 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import add_tiny_lm_args, write_section  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -69,14 +72,7 @@ def launch(n_processes: int, args, out: Path) -> dict:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--no-write", action="store_true")
+    add_tiny_lm_args(parser, rounds=3)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -110,9 +106,6 @@ def main():
         "share this machine's cores; the ratio measures that overhead, not what NCCL between GPU hosts costs.",
     ])
     if not args.no_write:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-        from _results import write_section
-
         write_section("Multi-host step time (benchmarks/multihost.py)", body)
 
 

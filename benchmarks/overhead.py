@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from tiny_transformer import TinyLM, collate_tokens, lm_loss, token_examples  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _results import write_section  # noqa: E402
+from _common import add_tiny_lm_args, write_section  # noqa: E402
 
 
 def hand_written_step(optimizer, static):
@@ -97,14 +97,7 @@ def measure(devices, n_model_shards, args):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--no-write", action="store_true")
+    add_tiny_lm_args(parser, rounds=5)
     args = parser.parse_args()
 
     rows = []

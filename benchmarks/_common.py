@@ -1,4 +1,5 @@
-"""Write one benchmark's section of benchmarks/RESULTS.md, keeping the others."""
+"""Shared by the benchmarks: the small transformer's size flags, and writing
+one benchmark's section of benchmarks/RESULTS.md while keeping the others."""
 
 import datetime
 import platform
@@ -20,3 +21,15 @@ def write_section(title: str, body: str) -> None:
         text = text.rstrip() + "\n\n" + section
     RESULTS.write_text(text.rstrip() + "\n")
     print(f"wrote section '{title}' of {RESULTS}")
+
+
+def add_tiny_lm_args(parser, *, steps: int = 20, rounds: int = 5) -> None:
+    """Size of the TinyLM (tests/tiny_transformer.py) and of the timing loop."""
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
