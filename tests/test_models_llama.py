@@ -295,3 +295,36 @@ def test_train_step_communication_is_megatron_and_matches_one_device(getkey):
     moved = sum(v["bytes"] for v in summary.values())
     assert set(summary) == {"all-reduce"}, summary  # no activation gathers
     assert moved <= 1.15 * analytic, (moved, analytic, summary)
+
+
+def test_mistral_sliding_window_matches_transformers(tmp_path):
+    """A window shorter than the sequence: full forward and cached greedy decoding
+    both attend only to the last `sliding_window` tokens, as Transformers' Mistral."""
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                        sliding_window=4, tie_word_embeddings=False)
+    config._attn_implementation = "eager"
+    hf = transformers.MistralForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path)
+    model = from_pretrained(tmp_path, redeqx.make_mesh(1, devices=jax.devices()[:1]))
+    assert model.config.use_sliding_window and model.config.sliding_window == 4
+    ids = _ids(seq=12)
+    np.testing.assert_allclose(_logits(model, ids), _torch_logits(hf, ids), atol=1e-4, rtol=0)
+    hf.config.sliding_window = None  # the same weights with full attention: the window really matters
+    hf.save_pretrained(tmp_path / "full")
+    no_window = from_pretrained(tmp_path / "full", redeqx.make_mesh(1, devices=jax.devices()[:1]))
+    assert no_window._window() is None
+    assert np.abs(_logits(no_window, ids) - _logits(model, ids)).max() > 1e-3
+    hf.config.sliding_window = 4
+
+    from redeqx.models import generate
+
+    prompt = _ids(batch=1, seq=5, seed=3)
+    ours = np.asarray(jax.jit(lambda m, p: generate(m, p, max_new_tokens=8))(model, jnp.asarray(prompt)))
+    hf.generation_config.eos_token_id = None  # 8 tokens on both sides, EOS or not
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor(prompt), max_new_tokens=8, do_sample=False, pad_token_id=0)
+    np.testing.assert_array_equal(ours, theirs[:, 5:].numpy())
+    save_pretrained(model, tmp_path / "again")
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["sliding_window"] == 4

@@ -187,11 +187,18 @@ def update_cache(layer: KVCache, k, v, index) -> KVCache:
     return KVCache(k, v)
 
 
-def causal_mask(valid_keys: Bool[Array, " kv_seq"], first_slot, n_queries: int) -> Bool[Array, "q_seq kv_seq"]:
-    """Query ``t`` (in slot ``first_slot + t``) sees valid keys in slots up to its own."""
+def causal_mask(
+    valid_keys: Bool[Array, " kv_seq"], first_slot, n_queries: int, window: int | None = None
+) -> Bool[Array, "q_seq kv_seq"]:
+    """Query ``t`` (in slot ``first_slot + t``) sees valid keys in slots up to
+    its own, and with a sliding ``window`` only the last ``window`` of them
+    (itself included), as Mistral does."""
     q_slot = first_slot + jnp.arange(n_queries)[:, None]
     k_slot = jnp.arange(valid_keys.shape[0])[None, :]
-    return (k_slot <= q_slot) & valid_keys[None, :]
+    mask = (k_slot <= q_slot) & valid_keys[None, :]
+    if window is not None:
+        mask = mask & (q_slot - k_slot < window)
+    return mask
 
 
 def write_valid(cache: Cache, valid_new: Bool[Array, " seq"]) -> Bool[Array, " max_len"]:
@@ -226,6 +233,10 @@ class CausalLM(eqx.Module):
     def _kv_shape(self) -> tuple[int, int, int]:
         raise NotImplementedError
 
+    def _window(self) -> int | None:
+        """Sliding-window attention span, or None for full causal attention."""
+        return None
+
     def _dtype(self):
         return jax.tree.leaves(self)[0].dtype
 
@@ -243,7 +254,7 @@ class CausalLM(eqx.Module):
         t = input_ids.shape[0]
         valid = jnp.ones((t,), bool) if attention_mask is None else attention_mask.astype(bool)
         positions = jnp.maximum(jnp.cumsum(valid) - 1, 0)
-        logits, _ = self._run(input_ids, positions, causal_mask(valid, 0, t), None)
+        logits, _ = self._run(input_ids, positions, causal_mask(valid, 0, t, self._window()), None)
         return logits
 
     def init_cache(self, max_len: int, dtype=None) -> Cache:
@@ -281,6 +292,6 @@ class CausalLM(eqx.Module):
         valid_new = jnp.ones((t,), bool) if attention_mask is None else attention_mask.astype(bool)
         positions = cache.position + jnp.maximum(jnp.cumsum(valid_new) - 1, 0)
         valid = write_valid(cache, valid_new)
-        logits, layers = self._run(input_ids, positions, causal_mask(valid, cache.index, t), cache)
+        logits, layers = self._run(input_ids, positions, causal_mask(valid, cache.index, t, self._window()), cache)
         new = Cache(layers, valid, cache.index + t, cache.position + jnp.sum(valid_new).astype(jnp.int32))
         return logits, new

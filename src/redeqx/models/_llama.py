@@ -72,7 +72,8 @@ class LlamaConfig:
     bos_token_id: int | None = 1
     eos_token_id: int | tuple[int, ...] | None = 2
     pad_token_id: int | None = None
-    sliding_window: int | None = None  # kept for saving; attention here is always full
+    sliding_window: int | None = None  # attention span when use_sliding_window (Mistral)
+    use_sliding_window: bool = False
     remat: bool = False  # recompute each block's activations in the backward pass
 
     def __post_init__(self):
@@ -87,6 +88,12 @@ class LlamaConfig:
             )
         if self.dim_head % 2:
             raise ValueError(f"LlamaConfig: head_dim={self.dim_head} must be even for rotary embeddings.")
+        if self.use_sliding_window and (
+            isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int) or self.sliding_window < 1
+        ):
+            raise ValueError(
+                f"LlamaConfig.use_sliding_window needs sliding_window to be a positive int, got {self.sliding_window!r}."
+            )
         if self.model_type not in _MODEL_TYPES:
             raise ValueError(f"LlamaConfig.model_type must be one of {_MODEL_TYPES}, got {self.model_type!r}.")
         rope_type = dict(self.rope_scaling or ()).get("rope_type", "default")
@@ -123,10 +130,13 @@ class LlamaConfig:
         if scaling.get("rope_type", "default") == "default":
             scaling = {}
         window = d.get("sliding_window")
-        if window is not None and (model_type == "mistral" or d.get("use_sliding_window")):
+        # Mistral slides its window in every layer; Qwen2 only in layers past max_window_layers,
+        # which this model does not do, so such a Qwen2 checkpoint attends over everything
+        use_window = window is not None and model_type == "mistral"
+        if window is not None and model_type == "qwen2" and d.get("use_sliding_window"):
             warnings.warn(
-                f"{model_type} config has sliding_window={window}: redeqx attends over the whole sequence, "
-                f"which matches this checkpoint only for sequences of at most {window} tokens.",
+                f"qwen2 config has use_sliding_window with sliding_window={window}: redeqx attends over the "
+                f"whole sequence, which matches this checkpoint only for sequences of at most {window} tokens.",
                 stacklevel=3,
             )
         eos = d.get("eos_token_id", 2)
@@ -152,6 +162,7 @@ class LlamaConfig:
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
             pad_token_id=d.get("pad_token_id"),
             sliding_window=window,
+            use_sliding_window=use_window,
         )
 
     def to_hf(self) -> dict:
@@ -180,7 +191,9 @@ class LlamaConfig:
         if self.model_type == "llama":
             d["attention_bias"] = self.attention_bias
             d["mlp_bias"] = self.mlp_bias
-        if self.model_type in ("mistral", "qwen2"):
+        if self.model_type == "mistral":  # Mistral applies whatever window config.json names
+            d["sliding_window"] = self.sliding_window if self.use_sliding_window else None
+        if self.model_type == "qwen2":
             d["sliding_window"] = self.sliding_window
         return d
 
@@ -340,6 +353,10 @@ class LlamaForCausalLM(CausalLM):
         x = self.model.norm(x)
         logits = self.model.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
         return constrain(logits, P(None, MODEL)), new_layers  # vocab parallel
+
+    def _window(self):
+        c = self.config
+        return c.sliding_window if c.use_sliding_window else None
 
     def _kv_shape(self):
         c = self.config
