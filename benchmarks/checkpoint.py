@@ -137,7 +137,7 @@ def main():
     lines = [
         f"TrainState of an MLP with {args.depth + 1} linear layers {args.width}x{args.width} "
         f"({rows[0]['params'] / 1e6:.1f}M parameters, adamw: {mb(rows[0]['state_bytes'])} of float32), "
-        f"{len(jax.devices())} simulated CPU devices on {os.cpu_count()} cores shared with other work; "
+        f"{len(jax.devices())} simulated CPU devices on {os.cpu_count()} CPU cores; "
         f"{args.steps} steps timed with and without an async save in flight.",
         "",
         "| n_model_shards | bytes on disk | sync save | restore (abstract target) | async save blocks | async on disk after "

@@ -109,7 +109,7 @@ def main():
     lines = [
         f"TinyLM dim={args.dim} layers={args.layers} vocab={args.vocab}, batch {args.batch} x {args.seq} tokens, "
         f"AdamW; medians over {args.rounds} rounds x {args.steps} strictly alternating steps "
-        f"({jax.devices()[0].platform}; the machine was shared with other work, so single timings are noisy).",
+        f"({jax.devices()[0].platform}).",
         "",
         "| setting | redeqx step | hand-written jax.jit + optax | ratio (target <= 1.03) |",
         "|---|---|---|---|",
