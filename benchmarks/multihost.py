@@ -12,7 +12,6 @@ memory copies). Both run under ``python -m redeqx.launch`` (``-n 1`` and
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys

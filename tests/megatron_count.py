@@ -1,4 +1,35 @@
-"""The Megatron-LM plan's analytic collective bytes for one training step."""
+"""The Megatron-LM plan's analytic collective bytes for one training step,
+and a train step at n_model_shards=4 checked against one device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import redeqx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+def step_at_4_shards_vs_one_device(model, optimizer, loss_fn, batch):
+    """One train step at n_model_shards=4 and on one device: checks they give
+    the same loss and parameters, and returns ``(mesh, sharded state,
+    collective summary of the sharded step)``."""
+
+    def run(n_model, devices):
+        mesh = redeqx.make_mesh(n_model, devices=devices)
+        specs = redeqx.sharding_rules(model, mesh)
+        fresh = jax.tree.map(lambda x: jnp.array(x, copy=True), model)  # the step donates its input
+        state = redeqx.init_state(fresh, optimizer, mesh, specs, key=jax.random.key(0))
+        placed = jax.device_put({k: jnp.asarray(v) for k, v in batch.items()}, NamedSharding(mesh, P("data")))
+        step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs)
+        summary = redeqx.collective_summary(step, state, placed)
+        state, metrics = step(state, placed)
+        return mesh, state, metrics, summary
+
+    mesh, state4, metrics4, summary = run(4, None)
+    _, state1, metrics1, _ = run(1, jax.devices()[:1])
+    np.testing.assert_allclose(metrics4["loss"], metrics1["loss"], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(state4.model), jax.tree.leaves(state1.model)):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    return mesh, state4, summary
 
 
 def megatron_bytes(hidden: int, n_layers: int, local_batch: int, seq: int, grad_bytes: int) -> int:

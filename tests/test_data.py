@@ -1,6 +1,5 @@
 """batches, evaluate, predict and lr_schedule."""
 
-import warnings
 
 import equinox as eqx
 import jax

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import redeqx
-from megatron_count import megatron_bytes
+from megatron_count import megatron_bytes, step_at_4_shards_vs_one_device
 from redeqx.models import LlamaConfig, LlamaForCausalLM, from_pretrained, save_pretrained
 
 torch = pytest.importorskip("torch")
@@ -271,23 +271,7 @@ def test_train_step_communication_is_megatron_and_matches_one_device(getkey):
         logits = jax.vmap(m)(batch["ids"][:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:]).mean()
 
-    def run(n_model, devices):
-        mesh = redeqx.make_mesh(n_model, devices=devices)
-        specs = redeqx.sharding_rules(model, mesh)
-        # a copy: the donated step may reuse buffers that init_state shares with `model`
-        fresh = jax.tree.map(lambda x: jnp.array(x, copy=True), model)
-        state = redeqx.init_state(fresh, optimizer, mesh, specs, key=jax.random.key(0))
-        batch = jax.device_put({"ids": jnp.asarray(ids)}, jax.sharding.NamedSharding(mesh, P("data")))
-        step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs)
-        summary = redeqx.collective_summary(step, state, batch)
-        state, metrics = step(state, batch)
-        return mesh, state, metrics, summary
-
-    mesh, state4, metrics4, summary = run(4, None)
-    _, state1, metrics1, _ = run(1, jax.devices()[:1])
-    np.testing.assert_allclose(metrics4["loss"], metrics1["loss"], rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(state4.model), jax.tree.leaves(state1.model)):
-        np.testing.assert_allclose(a, b, atol=1e-5)
+    mesh, state4, summary = step_at_4_shards_vs_one_device(model, optimizer, loss_fn, {"ids": ids})
 
     grad_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state4.model))
     local_batch = ids.shape[0] // mesh.shape["data"]

@@ -8,8 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
-from megatron_count import megatron_bytes_encoder_decoder
+from megatron_count import megatron_bytes_encoder_decoder, step_at_4_shards_vs_one_device
 
 import redeqx
 from redeqx.models import (
@@ -263,22 +262,7 @@ def test_train_step_communication_is_megatron_and_matches_one_device(getkey):
         logits = jax.vmap(lambda s, d: m(s, shift_right(d, config)))(batch["src"], batch["tgt"])
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tgt"]).mean()
 
-    def run(n_model, devices):
-        mesh = redeqx.make_mesh(n_model, devices=devices)
-        specs = redeqx.sharding_rules(model, mesh)
-        fresh = jax.tree.map(lambda x: jnp.array(x, copy=True), model)  # the step donates its input
-        state = redeqx.init_state(fresh, optimizer, mesh, specs, key=jax.random.key(0))
-        batch = jax.device_put({"src": jnp.asarray(src), "tgt": jnp.asarray(tgt)}, NamedSharding(mesh, P("data")))
-        step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs)
-        summary = redeqx.collective_summary(step, state, batch)
-        state, metrics = step(state, batch)
-        return mesh, state, metrics, summary
-
-    mesh, state4, metrics4, summary = run(4, None)
-    _, state1, metrics1, _ = run(1, jax.devices()[:1])
-    np.testing.assert_allclose(metrics4["loss"], metrics1["loss"], rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(state4.model), jax.tree.leaves(state1.model)):
-        np.testing.assert_allclose(a, b, atol=1e-5)
+    mesh, state4, summary = step_at_4_shards_vs_one_device(model, optimizer, loss_fn, {"src": src, "tgt": tgt})
 
     grad_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state4.model))
     analytic = megatron_bytes_encoder_decoder(config.d_model, config.num_layers, config.n_decoder_layers,

@@ -3,7 +3,6 @@ import warnings
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 

@@ -23,6 +23,7 @@ from .._constrain import constrain
 from .._mesh import MODEL
 from ._hf import HFTensor
 from ._layers import (
+    check_positive_ints,
     Cache,
     CausalLM,
     Embedding,
@@ -53,10 +54,7 @@ class GPT2Config:
     remat: bool = False  # recompute each block's activations in the backward pass
 
     def __post_init__(self):
-        for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"GPT2Config.{name} must be a positive int, got {v!r}.")
+        check_positive_ints(self, ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"))
         if self.n_embd % self.n_head:
             raise ValueError(f"GPT2Config: n_embd={self.n_embd} must be a multiple of n_head={self.n_head}.")
 

@@ -210,6 +210,14 @@ def check_fits(name: str, n: int, max_len: int) -> None:
         raise ValueError(f"{name}: {n} tokens do not fit a cache of max_len={max_len}; pass a larger max_len.")
 
 
+def check_positive_ints(config, names: tuple[str, ...]) -> None:
+    """A clear error for the first of ``config``'s fields ``names`` that is not a positive int."""
+    for name in names:
+        v = getattr(config, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{type(config).__name__}.{name} must be a positive int, got {v!r}.")
+
+
 def default_head_dim(hidden: int, n_heads: int) -> int:
     if hidden % n_heads:
         raise ValueError(

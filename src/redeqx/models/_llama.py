@@ -26,6 +26,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from .._constrain import constrain
 from .._mesh import MODEL
 from ._layers import (
+    check_positive_ints,
     Cache,
     CausalLM,
     Embedding,
@@ -77,10 +78,9 @@ class LlamaConfig:
     remat: bool = False  # recompute each block's activations in the backward pass
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"LlamaConfig.{name} must be a positive int, got {v!r}.")
+        check_positive_ints(
+            self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        )
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"LlamaConfig: num_attention_heads={self.n_heads} must be a multiple of "

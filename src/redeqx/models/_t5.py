@@ -35,6 +35,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from .._constrain import constrain
 from .._mesh import MODEL
 from ._layers import (
+    check_positive_ints,
     Embedding,
     KVCache,
     Linear,
@@ -83,11 +84,8 @@ class T5Config:
     remat: bool = False  # recompute each block's activations in the backward pass
 
     def __post_init__(self):
-        for name in ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_heads",
-                     "relative_attention_num_buckets", "relative_attention_max_distance"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"T5Config.{name} must be a positive int, got {v!r}.")
+        check_positive_ints(self, ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_heads",
+                                   "relative_attention_num_buckets", "relative_attention_max_distance"))
         if self.num_decoder_layers is not None and (
             isinstance(self.num_decoder_layers, bool) or not isinstance(self.num_decoder_layers, int)
             or self.num_decoder_layers < 1
