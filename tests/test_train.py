@@ -14,10 +14,10 @@ N_STEPS = 5
 GLOBAL_BATCH = 16
 
 
-def train(n_model_shards, devices, *, accumulate=1, compute_dtype=None, n_steps=N_STEPS):
+def train(n_model_shards, devices, *, accumulate=1, compute_dtype=None, n_steps=N_STEPS, fsdp=False):
     mesh = redeqx.make_mesh(n_model_shards, devices=devices)
     model = TinyLM(vocab=56, dim=48, n_heads=4, hidden=80, key=jax.random.key(0))
-    specs = redeqx.sharding_rules(model, mesh)
+    specs = redeqx.sharding_rules(model, mesh, fsdp=fsdp)
     optimizer = optax.adamw(3e-3, weight_decay=0.1)
     state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
     step = redeqx.make_train_step(lm_loss, optimizer, mesh, specs, accumulate=accumulate,
@@ -48,6 +48,17 @@ def test_matches_single_device(reference, n_model_shards, accumulate, devices):
     assert int(state.step) == N_STEPS
 
 
+def test_fsdp_matches_single_device(reference, devices, monkeypatch):
+    monkeypatch.setattr(redeqx._rules, "FSDP_MIN_SIZE", 1)  # this tiny model's leaves count as large
+    ref_losses, ref_state = reference[1]
+    losses, state = train(2, devices, fsdp=True)
+    assert state.model.blocks[0].mlp.fc1.weight.sharding.spec == jax.sharding.PartitionSpec("model", "data")
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5, atol=2e-6)
+    for a, b in zip(jax.tree.leaves(eqx.filter(state.model, eqx.is_array)),
+                    jax.tree.leaves(eqx.filter(ref_state.model, eqx.is_array))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
 def test_accumulate_equals_big_batch(reference):
     np.testing.assert_allclose(reference[2][0], reference[1][0], rtol=2e-5, atol=2e-6)
 
@@ -63,11 +74,14 @@ def test_parameters_and_optimizer_state_stay_sharded(devices):
     assert adam.count.sharding.spec == jax.sharding.PartitionSpec()
 
 
-@pytest.mark.parametrize("k", [2, 4, 8])
-def test_memory_per_device_is_total_over_k(k, devices):
+@pytest.mark.parametrize("k,fsdp", [(2, False), (4, False), (8, False), (2, True)])
+def test_memory_per_device_is_total_over_k(k, fsdp, devices):
+    """Parameters + Adam state per device: total / n_model_shards, or total /
+    n_devices with fsdp=True (large leaves also split over data)."""
     mesh = redeqx.make_mesh(k)
     model = TinyLM(vocab=256, dim=128, n_heads=8, hidden=512, n_layers=2, key=jax.random.key(0))
-    specs = redeqx.sharding_rules(model, mesh)
+    specs = redeqx.sharding_rules(model, mesh, fsdp=fsdp)
+    k = len(devices) if fsdp else k
     state = redeqx.init_state(model, optax.adam(1e-3), mesh, specs, key=jax.random.key(0))
     arrays = [x for x in jax.tree.leaves((state.model, state.opt_state)) if isinstance(x, jax.Array)]
     total = sum(x.nbytes for x in arrays)
