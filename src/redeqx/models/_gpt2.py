@@ -106,7 +106,7 @@ class GPT2Attention(eqx.Module):
         self.n_head = config.n_head
 
     def __call__(self, x, mask, cache: KVCache | None, index):
-        q, k, v = (heads(y, self.n_head) for y in fused_linears(x, [self.q_proj, self.k_proj, self.v_proj]))
+        q, k, v = (heads(y, self.n_head) for y in fused_linears(x, [self.q_proj, self.k_proj, self.v_proj], [self.n_head] * 3))
         if cache is not None:
             cache = update_cache(cache, k, v, index)
             k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)

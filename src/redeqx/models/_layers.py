@@ -44,9 +44,12 @@ def _model_shards() -> int:
     return 1 if mesh.empty or MODEL not in mesh.shape else mesh.shape[MODEL]
 
 
-def fused_linears(x: Float[Array, "seq in"], layers: list[Linear]) -> list[Float[Array, "seq _"]]:
-    """``[layer(x) for layer in layers]`` as one matmul, for column-parallel
-    layers that read the same input (Q/K/V; gate/up).
+def fused_linears(
+    x: Float[Array, "seq in"], layers: list, units: list[int] | None = None
+) -> list[Float[Array, "seq _"]]:
+    """``[layer(x) for layer in layers]``, as one matmul when every layer is a
+    plain `Linear`, for column-parallel layers that read the same input
+    (Q/K/V; gate/up).
 
     Why: the backward pass sums the input gradients of these layers, each a
     partial sum over the ``model`` shards. Done as separate matmuls, XLA
@@ -56,9 +59,20 @@ def fused_linears(x: Float[Array, "seq in"], layers: list[Linear]) -> list[Float
     ``(out, in)`` is viewed as ``(n_shards, out / n_shards, in)`` and the
     views joined on the middle axis, which every device does on its own
     rows, so nothing moves.
+
+    ``units[i]`` is how many whole pieces (attention heads) layer ``i``'s
+    outputs form; the shard-by-shard view is used only when ``n_shards``
+    divides every layer's units, as the sharding rules split them.
+
+    Any other module in ``layers`` (a LoRA adapter, a quantised layer, a
+    user's own) is called as it is: the fast path reads ``weight`` and
+    ``bias`` directly and would silently skip whatever else the module does.
     """
+    if not all(type(layer) is Linear for layer in layers):
+        return [layer(x) for layer in layers]
     n = _model_shards()
-    if any(layer.weight.shape[0] % n for layer in layers):
+    units = [layer.weight.shape[0] for layer in layers] if units is None else units
+    if any(u % n for u in units):
         n = 1
     local = [layer.weight.shape[0] // n for layer in layers]
     w = jnp.concatenate([layer.weight.reshape(n, k, -1) for layer, k in zip(layers, local)], axis=1)

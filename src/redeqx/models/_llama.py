@@ -249,7 +249,7 @@ class LlamaAttention(eqx.Module):
 
     def __call__(self, x, positions, mask, inv_freq, cache: KVCache | None, index):
         c = self.config
-        q, k, v = fused_linears(x, [self.q_proj, self.k_proj, self.v_proj])
+        q, k, v = fused_linears(x, [self.q_proj, self.k_proj, self.v_proj], [c.n_heads, c.n_kv_heads, c.n_kv_heads])
         q = apply_rope(heads(q, c.n_heads), positions, inv_freq)  # (T, Hq, D)
         k = apply_rope(heads(k, c.n_kv_heads), positions, inv_freq)  # (T, Hkv, D)
         v = heads(v, c.n_kv_heads)

@@ -242,13 +242,13 @@ class T5Attention(eqx.Module):
         output) or to keys/values already projected (``cached_kv``)."""
         h = self.config.num_heads
         if cached_kv is not None:
-            q = heads(fused_linears(x, [self.q])[0], h)
+            q = heads(fused_linears(x, [self.q], [h])[0], h)
             k, v = cached_kv.k.astype(q.dtype), cached_kv.v.astype(q.dtype)
         elif source is not None:
-            q = heads(fused_linears(x, [self.q])[0], h)
-            k, v = (heads(y, h) for y in fused_linears(source, [self.k, self.v]))
+            q = heads(fused_linears(x, [self.q], [h])[0], h)
+            k, v = (heads(y, h) for y in fused_linears(source, [self.k, self.v], [h, h]))
         else:
-            q, k, v = (heads(y, h) for y in fused_linears(x, [self.q, self.k, self.v]))
+            q, k, v = (heads(y, h) for y in fused_linears(x, [self.q, self.k, self.v], [h] * 3))
             if cache is not None:
                 cache = update_cache(cache, k, v, index)
                 k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
@@ -257,7 +257,8 @@ class T5Attention(eqx.Module):
         return constrain(self.o(out), P()), cache  # row parallel: one all-reduce
 
     def project_kv(self, source: Float[Array, "src d_model"]) -> KVCache:
-        k, v = (heads(y, self.config.num_heads) for y in fused_linears(source, [self.k, self.v]))
+        h = self.config.num_heads
+        k, v = (heads(y, h) for y in fused_linears(source, [self.k, self.v], [h, h]))
         return KVCache(k, v)
 
 
