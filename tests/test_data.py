@@ -1,4 +1,4 @@
-"""batches, evaluate, predict and lr_schedule."""
+"""batches, evaluate and predict: the host-side data pipeline."""
 
 
 import equinox as eqx
@@ -131,25 +131,3 @@ def test_eval_step_uses_inference_mode(devices):
     a = step(model, batch, jax.random.key(0))["loss"]
     b = step(model, batch, jax.random.key(1))["loss"]
     assert float(a) == float(b)  # dropout is off
-
-
-def test_lr_schedule_shapes(devices):
-    mesh = redeqx.make_mesh(2)  # data = 4
-    # 1000 examples, 8 per device * 4 = 32 per step -> 31 steps per epoch, 2 epochs -> 62 steps
-    lin = redeqx.lr_schedule(1000, 8, 2, 1e-3, mesh, warmup_steps=10, init_learning_rate=1e-5, end_learning_rate=0.0)
-    lrs = np.asarray([lin(i) for i in range(63)])
-    assert lrs[0] == pytest.approx(1e-5, rel=1e-4)
-    assert lrs[10] == pytest.approx(1e-3, rel=1e-5)
-    assert np.all(np.diff(lrs[:11]) > 0) and np.all(np.diff(lrs[10:]) < 0)
-    assert lrs[62] == pytest.approx(0.0, abs=1e-9)
-    assert lrs[36] == pytest.approx(1e-3 * (62 - 36) / 52, rel=1e-4)  # linear decay
-    cos = redeqx.lr_schedule(1000, 8, 2, 1e-3, mesh, schedule_type="cosine", warmup_ratio=0.1)
-    assert cos(6) == pytest.approx(1e-3, rel=1e-5)  # int(0.1 * 62) = 6 warm-up steps
-    assert cos(6 + 28) == pytest.approx(0.5e-3, rel=1e-3)  # half way through the cosine
-    assert cos(62) == pytest.approx(0.0, abs=1e-9)
-    acc = redeqx.lr_schedule(1000, 4, 1, 1e-3, mesh, accumulate=2)  # 4 * 2 * 4 = 32 per step -> 31 steps
-    assert acc(31) == pytest.approx(0.0, abs=1e-9) and acc(30) > 0
-    with pytest.raises(TypeError, match=r"(?s)parameter 'schedule_type'.*'step'.*Literal\['linear', 'cosine'\]"):
-        redeqx.lr_schedule(1000, 8, 2, 1e-3, mesh, schedule_type="step")
-    with pytest.raises(ValueError, match="smaller than one step's 32 examples"):
-        redeqx.lr_schedule(10, 8, 2, 1e-3, mesh)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import optax
@@ -26,15 +27,28 @@ def lr_schedule(
     init_learning_rate: float = 0.0,
     end_learning_rate: float = 0.0,
     accumulate: int = 1,
+    drop_last: bool = True,
 ) -> optax.Schedule:
     """Warm-up from ``init_learning_rate`` to ``learning_rate``, then linear or
-    cosine decay to ``end_learning_rate`` at the last step.
+    cosine decay to ``end_learning_rate``, over exactly the optimizer steps of
+    a training loop over `batches`.
 
-    The number of optimizer steps is ``n_epochs * (train_size // rows per
-    step)``, where one step takes ``per_device_batch_size * accumulate * data``
-    examples (the short last batch of an epoch is dropped, as `batches` does
-    when shuffling). Warm-up lasts ``warmup_steps``, or ``warmup_ratio`` of
-    all steps.
+    Give it the numbers you give `batches`: one step per batch, and a batch is
+    ``per_device_batch_size * data`` examples (``data`` = the mesh's data axis
+    size), so an epoch is ``train_size // (per_device_batch_size * data)``
+    steps with ``drop_last=True`` (what `batches` does with
+    ``shuffle=True``), or that rounded up with ``drop_last=False`` (the
+    default of `batches` without shuffling), and the schedule lasts
+    ``n_epochs`` of them. ``accumulate`` changes nothing here:
+    ``make_train_step(..., accumulate=k)`` splits each batch into ``k``
+    micro-batches inside one step. Pass it to have the batch size checked
+    (``per_device_batch_size`` must be a multiple of it).
+
+    Warm-up is part of those steps: it lasts ``warmup_steps``, or
+    ``warmup_ratio`` of all steps. Like ``state.step``, the schedule counts
+    updates done: ``schedule(k)`` is the rate of the update after ``k``
+    updates, so it is ``learning_rate`` once warm-up is done and
+    ``end_learning_rate`` once the last batch's step is done.
 
     **Example:**
 
@@ -49,12 +63,21 @@ def lr_schedule(
         _check_positive_int(name, v)
     if schedule_type not in ("linear", "cosine"):
         raise ValueError(f"schedule_type must be 'linear' or 'cosine', got {schedule_type!r}.")
-    per_step = per_device_batch_size * accumulate * mesh.shape[DATA]
-    steps_per_epoch = train_size // per_step
+    if per_device_batch_size % accumulate:
+        raise ValueError(
+            f"per_device_batch_size={per_device_batch_size} is not a multiple of accumulate={accumulate}: "
+            f"make_train_step(..., accumulate={accumulate}) splits each data shard's {per_device_batch_size} rows "
+            f"into {accumulate} micro-batches. per_device_batch_size is the rows of a whole step (what batches "
+            f"yields), so use a multiple of {accumulate}, e.g. {per_device_batch_size * accumulate}."
+        )
+    n_data = mesh.shape[DATA]
+    per_step = per_device_batch_size * n_data
+    steps_per_epoch = train_size // per_step if drop_last else math.ceil(train_size / per_step)
     if steps_per_epoch == 0:
         raise ValueError(
             f"train_size={train_size} is smaller than one step's {per_step} examples (per_device_batch_size="
-            f"{per_device_batch_size} x accumulate={accumulate} x data={mesh.shape[DATA]}); no step would run."
+            f"{per_device_batch_size} x data={n_data}), so with drop_last=True no step would run. Lower "
+            "per_device_batch_size, or pass drop_last=False here and to batches."
         )
     total = n_epochs * steps_per_epoch
     if warmup_steps is None:
