@@ -1,5 +1,10 @@
 """batches, evaluate and predict: the host-side data pipeline."""
 
+import collections
+import gc
+import threading
+import time
+import warnings
 
 import equinox as eqx
 import jax
@@ -131,3 +136,239 @@ def test_eval_step_uses_inference_mode(devices):
     a = step(model, batch, jax.random.key(0))["loss"]
     b = step(model, batch, jax.random.key(1))["loss"]
     assert float(a) == float(b)  # dropout is off
+
+
+# -- prefetch
+
+
+def ids(it):
+    return [np.asarray(b["id"]).tolist() for b in it]
+
+
+def prefetch_threads():
+    return [t for t in threading.enumerate() if t.name == "redeqx-prefetch"]
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_prefetch_gives_the_same_batches_and_resumes(shuffle, devices):
+    mesh = redeqx.make_mesh(2)
+    ex, key = examples(44), jax.random.key(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # in order, the last batch is filled up with a warning
+        plain = ids(redeqx.batches(ex, collate, 2, mesh, shuffle=shuffle, key=key, prefetch=0))
+        for prefetch in (1, 2, 7):
+            assert ids(redeqx.batches(ex, collate, 2, mesh, shuffle=shuffle, key=key, prefetch=prefetch)) == plain
+            assert ids(redeqx.batches(ex, collate, 2, mesh, shuffle=shuffle, key=key, start=3, prefetch=prefetch)) == plain[3:]
+    with pytest.raises(ValueError, match="prefetch must be an int >= 0.*got -1"):
+        redeqx.batches(ex, collate, 2, mesh, prefetch=-1)
+
+
+def test_prefetch_collates_ahead_in_a_thread_and_at_most_prefetch_batches(devices):
+    mesh = redeqx.make_mesh(2)
+    made = []
+
+    def recording(es):
+        made.append((threading.current_thread() is threading.main_thread(), int(es[0]["id"])))
+        return collate(es)
+
+    def settle():  # lets the thread run as far ahead as it may
+        for _ in range(100):
+            n = len(made)
+            time.sleep(0.02)
+            if len(made) == n and n:
+                return
+
+    it = redeqx.batches(examples(64), recording, 2, mesh, prefetch=2)  # 8 batches
+    assert made == [] and not prefetch_threads()  # nothing runs before the loop asks
+    first = next(it)
+    settle()
+    assert np.asarray(first["id"]).tolist() == list(range(8))
+    assert [i for _, i in made] == [0, 8, 16] and not any(main for main, _ in made)  # 2 ahead, not more
+    next(it)
+    settle()
+    assert [i for _, i in made] == [0, 8, 16, 24]
+    it.close()
+    made.clear()
+    it = redeqx.batches(examples(64), recording, 2, mesh, prefetch=0)
+    next(it)
+    settle()
+    assert made == [(True, 0)]  # in the loop's thread, only when asked
+
+
+class CollateFailed(Exception):
+    pass
+
+
+def test_a_collate_error_is_raised_at_its_batch_with_its_traceback(devices):
+    mesh = redeqx.make_mesh(2)
+    raised = []
+
+    def breaks_at_batch_3(es):
+        if es[0]["id"] == 24:
+            raised.append(CollateFailed("bad example 24"))
+            raise raised[-1]
+        return collate(es)
+
+    for prefetch in (0, 2):
+        got = []
+        with pytest.raises(CollateFailed, match="bad example 24") as info:
+            for b in redeqx.batches(examples(64), breaks_at_batch_3, 2, mesh, prefetch=prefetch):
+                got.append(np.asarray(b["id"])[0])
+        assert got == [0, 8, 16]  # the batches before it first
+        assert info.value is raised[-1]  # the very exception collate_fn raised ...
+        frames = [tb.tb_frame.f_code.co_name for tb in _walk(info.value.__traceback__)]
+        assert frames[-1] == "breaks_at_batch_3"  # ... with the traceback to where it was raised
+        assert "test_a_collate_error_is_raised_at_its_batch_with_its_traceback" in frames  # and through this loop
+        assert not prefetch_threads()
+
+
+def _walk(tb):
+    while tb is not None:
+        yield tb
+        tb = tb.tb_next
+
+
+def test_leaving_the_loop_early_stops_the_thread(devices):
+    mesh = redeqx.make_mesh(2)
+    before = threading.active_count()
+    for epoch in range(5):  # break, every epoch
+        for i, _ in enumerate(redeqx.batches(examples(64), collate, 2, mesh, shuffle=True, key=jax.random.key(epoch))):
+            assert len(prefetch_threads()) == 1
+            if i == 2:
+                break
+        assert not prefetch_threads() and threading.active_count() <= before
+    with pytest.raises(RuntimeError, match="step failed"):  # an exception in the loop
+        for _ in redeqx.batches(examples(64), collate, 2, mesh):
+            raise RuntimeError("step failed")
+    assert not prefetch_threads()
+    it = redeqx.batches(examples(64), collate, 2, mesh)  # closed by hand
+    next(it)
+    it.close()
+    assert not prefetch_threads()
+    it = redeqx.batches(examples(64), collate, 2, mesh)  # dropped and garbage-collected
+    next(it)
+    del it
+    gc.collect()
+    assert not prefetch_threads()
+    list(redeqx.batches(examples(64), collate, 2, mesh))  # run to the end
+    assert not prefetch_threads() and threading.active_count() <= before
+
+
+def test_evaluate_and_predict_prefetch_too(devices):
+    mesh = redeqx.make_mesh(2)
+    model, loss_fn, pred_fn = _model_and_fns()
+    specs = redeqx.sharding_rules(model, mesh)
+    model = redeqx.shard(model, specs, mesh)
+    threads = set()
+
+    def recording(es):
+        threads.add(threading.current_thread().name)
+        return collate(es)
+
+    ex, key = examples(37), jax.random.key(0)
+    eval_step, predict_step = redeqx.make_eval_step(loss_fn, mesh, specs), redeqx.make_predict_step(pred_fn, mesh, specs)
+    assert redeqx.evaluate(eval_step, model, ex, recording, 2, mesh, key=key) == \
+        redeqx.evaluate(eval_step, model, ex, collate, 2, mesh, key=key, prefetch=0)
+    assert threads == {"redeqx-prefetch"}
+    got = redeqx.predict(predict_step, model, ex, recording, 2, mesh, key=key)
+    want = redeqx.predict(predict_step, model, ex, collate, 2, mesh, key=key, prefetch=0)
+    assert [int(p["id"]) for p in got] == list(range(37))
+    assert [int(p["label"]) for p in got] == [int(p["label"]) for p in want]
+
+    calls = []
+
+    def fails_at_batch_2(m, batch, k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("predict_step failed")
+        return predict_step(m, batch, k)
+
+    with pytest.raises(RuntimeError, match="predict_step failed"):
+        redeqx.predict(fails_at_batch_2, model, ex, collate, 2, mesh, key=key)
+    assert not prefetch_threads()
+
+
+# -- what examples can be
+
+
+class DatasetLike:
+    """What a Hugging Face datasets.Dataset offers batches: len() and [int] -> a dict."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        if not isinstance(i, int):
+            raise TypeError("an int index")
+        return dict(self.rows[i])
+
+
+def test_examples_can_be_anything_with_len_and_getitem(devices):
+    mesh = redeqx.make_mesh(2)
+    ex = examples(16)
+    want = ids(redeqx.batches(ex, collate, 2, mesh))
+    for kind in (tuple(ex), DatasetLike(ex), collections.UserList(ex)):
+        assert ids(redeqx.batches(kind, collate, 2, mesh)) == want, type(kind)
+    rows = np.stack([np.r_[e["x"], e["id"]] for e in ex])  # a NumPy array: a row per example
+    stack = lambda rs: {"x": np.stack(rs)[:, :4], "id": np.stack(rs)[:, 4].astype(np.int32)}  # noqa: E731
+    assert ids(redeqx.batches(rows, stack, 2, mesh)) == want
+    model, loss_fn, pred_fn = _model_and_fns()
+    specs = redeqx.sharding_rules(model, mesh)
+    model = redeqx.shard(model, specs, mesh)
+    step = redeqx.make_predict_step(pred_fn, mesh, specs)
+    preds = redeqx.predict(step, model, DatasetLike(ex), collate, 2, mesh, key=jax.random.key(0))
+    assert [int(p["id"]) for p in preds] == list(range(16))
+    metrics = redeqx.evaluate(redeqx.make_eval_step(loss_fn, mesh, specs), model, tuple(ex), collate, 2, mesh,
+                              key=jax.random.key(0))
+    assert set(metrics) == {"loss", "accuracy"}
+
+
+def test_examples_that_cannot_be_batched_are_named_with_the_fix(devices):
+    mesh = redeqx.make_mesh(2)
+    columns = {"x": np.zeros((16, 4), np.float32), "id": np.arange(16)}
+    with pytest.raises(TypeError, match=r"examples is a dict \(keys \['x', 'id'\]\).*"
+                                        r"\[dict\(zip\(d, row\)\) for row in zip\(\*d\.values\(\)\)\]"):
+        redeqx.batches(columns, collate, 2, mesh)
+    d = columns  # the fix the message gives works
+    fixed = [dict(zip(d, row)) for row in zip(*d.values())]
+    assert ids(redeqx.batches(fixed, lambda es: {"id": np.array([e["id"] for e in es])}, 2, mesh)) == [
+        list(range(8)), list(range(8, 16))]
+    with pytest.raises(TypeError, match=r"examples is a generator with no length.*examples = list\(examples\)"):
+        redeqx.batches((e for e in examples(16)), collate, 2, mesh)
+    with pytest.raises(TypeError, match=r"examples is a list_iterator with no length.*list\(examples\)"):
+        redeqx.batches(iter(examples(16)), collate, 2, mesh)
+    with pytest.raises(TypeError, match=r"examples is a set, which cannot be indexed.*list\(examples\)"):
+        redeqx.batches({1, 2, 3}, collate, 2, mesh)
+    with pytest.raises(TypeError, match=r"examples must be a sequence of examples.*got a int"):
+        redeqx.batches(16, collate, 2, mesh)
+    with pytest.raises(TypeError, match="examples is a str"):
+        redeqx.batches("abcdefgh", collate, 2, mesh)
+    for empty in ([], (), np.zeros((0, 4)), DatasetLike([])):
+        with pytest.raises(ValueError, match=f"examples is empty \\(a {type(empty).__name__} of length 0\\)"):
+            redeqx.batches(empty, collate, 2, mesh)
+    model, loss_fn, pred_fn = _model_and_fns()
+    specs = redeqx.sharding_rules(model, mesh)
+    with pytest.raises(TypeError, match=r"examples is a dict .*dict\(zip\(d, row\)\)"):
+        redeqx.evaluate(redeqx.make_eval_step(loss_fn, mesh, specs), model, columns, collate, 2, mesh, key=jax.random.key(0))
+    with pytest.raises(TypeError, match="examples is a generator with no length"):
+        redeqx.predict(redeqx.make_predict_step(pred_fn, mesh, specs), model, (e for e in examples(16)), collate, 2,
+                       mesh, key=jax.random.key(0))
+
+
+# -- the progress bar
+
+
+def test_progress_bar_shows_the_global_batch_and_the_data_axis(devices, capsys):
+    list(redeqx.batches(examples(32), collate, 2, redeqx.make_mesh(2), desc="epoch 0"))
+    assert "epoch 0 [global batch 8 = 2 x data 4]" in capsys.readouterr().err
+    list(redeqx.batches(examples(32), collate, 2, redeqx.make_mesh(8), desc="epoch 1"))
+    assert "epoch 1 [global batch 2 = 2 x data 1]" in capsys.readouterr().err
+    mesh = redeqx.make_mesh(1)
+    model, loss_fn, _ = _model_and_fns()
+    specs = redeqx.sharding_rules(model, mesh)
+    redeqx.evaluate(redeqx.make_eval_step(loss_fn, mesh, specs), redeqx.shard(model, specs, mesh), examples(32),
+                    collate, 2, mesh, key=jax.random.key(0), desc="eval")
+    assert "eval [global batch 16 = 2 x data 8]" in capsys.readouterr().err
