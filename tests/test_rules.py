@@ -35,8 +35,8 @@ def test_make_mesh_bad_n_model_shards(devices):
         redeqx.make_mesh(3)
     with pytest.raises(ValueError, match="n_model_shards must be >= 1"):
         redeqx.make_mesh(0)
-    with pytest.raises(TypeError, match=r"(?s)parameter 'n_model_shards'.*Actual value: '2'"):
-        redeqx.make_mesh("2")  # checked against the annotations at run time
+    with pytest.raises(TypeError, match=r"^make_mesh\(\): argument n_model_shards='2' is a str, expected int.$"):
+        redeqx.make_mesh("2")  # checked against the annotations at run time, in one line
 
 
 def test_mlp_alternates(getkey):
@@ -140,7 +140,7 @@ def test_indivisible_dims_replicated_with_one_warning(getkey):
     assert "layers.0.weight" in str(ours[0].message) and "layers.1.weight" in str(ours[0].message)
     assert all(s.weight == P() for s in specs.layers)
     table = redeqx.explain(model, specs, mesh)
-    assert "not divisible by 4" in table
+    assert "not divisible by n_model_shards=4" in table
 
 
 def test_overrides_win(getkey):
@@ -152,8 +152,9 @@ def test_overrides_win(getkey):
     assert specs.embed.weight == P()
     assert specs.lm_head.weight == P("model", None)
     rows = {line.split()[0]: line for line in redeqx.explain(lm, specs, mesh).splitlines() if line}
-    assert rows["blocks.0.attn.wo.weight"].endswith("given")  # differs from what the rules alone say
-    assert not rows["blocks.0.attn.wq.weight"].endswith("given")
+    # explain names the override and what the rules alone would have said
+    assert rows["blocks.0.attn.wo.weight"].endswith(r"override 'attn\.wo\.weight$' (rules: attention output: dim 1)")
+    assert rows["blocks.0.attn.wq.weight"].endswith("attention Q/K/V: dim 0")
 
 
 def test_bad_overrides(getkey):
@@ -181,8 +182,9 @@ def test_explain_table(getkey):
     table = redeqx.explain(lm, redeqx.sharding_rules(lm, mesh), mesh)
     assert "blocks.0.attn.wq.weight" in table and "attention Q/K/V: dim 0" in table
     assert re.search(r"total .* per device", table)
+    assert "global batch is per_device_batch_size x 4 (data) rows" in table
     edited = eqx.tree_at(lambda s: s.ln_f.weight, redeqx.sharding_rules(lm, mesh), P("model"))
-    assert "given" in redeqx.explain(lm, edited, mesh)
+    assert f"given (rules: {P()}, replicated)" in redeqx.explain(lm, edited, mesh)
 
 
 class GPT2Embeddings(eqx.Module):
@@ -202,3 +204,106 @@ def test_position_embeddings_are_replicated(getkey):
     specs = redeqx.sharding_rules(GPT2Embeddings(getkey()), mesh)
     assert model_dim(specs.wte) == 0
     assert specs.wpe == P() and specs.pos_embedding.weight == P()
+
+
+# ----------------------------------------------------------------------------- the rules on users' models
+
+
+def rules_warnings(model, mesh, **kw):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        specs = redeqx.sharding_rules(model, mesh, **kw)
+    return specs, [w for w in caught if "redeqx.sharding_rules" in str(w.message)]
+
+
+def test_attention_heads_are_never_split_mid_head(getkey):
+    """3 heads over 2 shards: 3 * 16 output features divide by 2, but a head would be cut in half."""
+    mesh = redeqx.make_mesh(2)
+    model = eqx.nn.MultiheadAttention(num_heads=3, query_size=48, key=getkey())
+    specs, caught = rules_warnings(model, mesh)
+    for proj in (specs.query_proj, specs.key_proj, specs.value_proj, specs.output_proj):
+        assert proj.weight == P()
+    assert len(caught) == 1 and "3 heads not divisible by n_model_shards=2" in str(caught[0].message)
+    assert caught[0].filename == __file__  # points at the caller's line, not a wrapper
+    assert "3 heads not divisible" in redeqx.explain(model, specs, mesh)
+    specs = redeqx.sharding_rules(eqx.nn.MultiheadAttention(num_heads=4, query_size=48, key=getkey()), mesh)
+    assert specs.query_proj.weight == P("model", None) and specs.output_proj.weight == P(None, "model")
+
+
+def test_zoo_grouped_query_heads_follow_their_own_count(getkey):
+    from redeqx.models import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    model = eqx.filter_eval_shape(LlamaForCausalLM, config, key=getkey())
+    specs, caught = rules_warnings(model, redeqx.make_mesh(4))
+    attn = specs.model.layers[0].self_attn
+    assert attn.q_proj.weight == P("model", None) and attn.o_proj.weight == P(None, "model")
+    assert attn.k_proj.weight == P() and attn.v_proj.weight == P()  # 2 KV heads over 4 shards
+    assert any("2 heads not divisible" in str(w.message) for w in caught)
+
+
+def test_conv_bias_follows_its_conv(getkey):
+    mesh = redeqx.make_mesh(2)
+    model = eqx.nn.Sequential([eqx.nn.Conv2d(2, 8, 3, key=getkey()), eqx.nn.Conv2d(8, 4, 3, key=getkey()),
+                               eqx.nn.Conv2d(4, 6, 1, key=getkey())])
+    specs = redeqx.sharding_rules(model, mesh)
+    assert [model_dim(layer.weight) for layer in specs.layers] == [0, 1, 0]  # biases do not alternate
+    assert specs.layers[0].bias == P("model", None, None)  # (C, 1, 1), split with its dim-0 conv
+    assert specs.layers[1].bias == P()
+    assert specs.layers[2].bias == P("model", None, None)
+
+
+class ViT(eqx.Module):
+    cls_token: jax.Array
+    pos_table: jax.Array
+    blocks: list
+    value_head: eqx.nn.Linear
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k = jax.random.split(key, 5)
+        self.cls_token = jax.random.normal(k[0], (1, 32))
+        self.pos_table = jax.random.normal(k[1], (17, 32))
+        self.blocks = [eqx.nn.Linear(32, 64, key=k[2]), eqx.nn.Linear(64, 32, key=k[3])]
+        self.value_head = eqx.nn.Linear(32, 1, key=k[4])
+        self.head = eqx.nn.Linear(32, 10, key=k[4])
+
+
+def test_bare_parameters_and_small_heads_make_no_noise(getkey):
+    mesh = redeqx.make_mesh(2)
+    model = ViT(getkey())
+    specs, caught = rules_warnings(model, mesh)
+    assert caught == []
+    assert specs.cls_token == P() and specs.pos_table == P()
+    assert [model_dim(b.weight) for b in specs.blocks] == [0, 1]  # bare arrays took no part in the alternation
+    table = redeqx.explain(model, specs, mesh)
+    rows = {line.split()[0]: line for line in table.splitlines() if line}
+    assert rows["cls_token"].endswith("parameter array (not a layer): replicated")
+    assert "LM head" not in table and "classifier head" in rows["head.weight"]
+    assert specs.value_head.weight == P()  # (1, 32): one output, nothing to split, and no warning about it
+
+
+def test_lm_head_is_said_of_vocabulary_sized_heads_only(getkey):
+    lm = TinyLM(vocab=64, key=getkey())
+    table = redeqx.explain(lm, redeqx.sharding_rules(lm, redeqx.make_mesh(2)), redeqx.make_mesh(2))
+    assert "LM head: dim 0 (vocab)" in [line for line in table.splitlines() if line.startswith("lm_head")][0]
+
+
+def test_overrides_are_final_and_checked(getkey):
+    mesh = redeqx.make_mesh(2)
+    model = eqx.nn.MLP(256, 256, 256, depth=1, key=getkey())
+    specs = redeqx.sharding_rules(model, mesh, overrides=[(r"layers\.0\.weight", P("model", None))], fsdp=True)
+    assert specs.layers[0].weight == P("model", None)  # fsdp did not re-split it
+    assert specs.layers[1].weight == P("data", "model")
+    table = redeqx.explain(model, specs, mesh)
+    assert "+ fsdp over data" in table and "override 'layers\\.0\\.weight'" in table and "given" not in table
+    with pytest.raises(ValueError, match=re.escape("override 'layer\\.0\\.weight' matches no array path") + ".*layers.0.weight"):
+        redeqx.sharding_rules(model, mesh, overrides=[(r"layer\.0\.weight", P())])
+
+
+def test_name_prefixes_paths_in_warnings(getkey):
+    model = eqx.nn.MLP(6, 3, 10, depth=1, key=getkey())
+    _, caught = rules_warnings(model, redeqx.make_mesh(4), name="critic")
+    assert "sharding_rules(name='critic')" in str(caught[0].message)
+    assert "critic.layers.0.weight" in str(caught[0].message)

@@ -49,7 +49,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import PyTree
 
 from ._rules import path_parts
-from ._state import TrainState, _check_specs_match, _is_none, _is_spec, _mirror_specs
+from ._state import TrainState, _is_none, _is_spec, _mirror_specs, check_specs_match as _check_specs_match
 
 FORMAT = "redeqx-checkpoint"
 FORMAT_VERSION = 1

@@ -56,3 +56,39 @@ def make_mesh(n_model_shards: int = 1, *, devices: Sequence[jax.Device] | None =
     n_data = len(devices) // n_model_shards
     grid = np.asarray(devices, dtype=object).reshape(n_data, int(n_model_shards))
     return Mesh(grid, (DATA, MODEL), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+_MESH_FIX = (
+    "build it with redeqx.make_mesh(n_model_shards), or name your own mesh's axes "
+    "jax.make_mesh((n_data, n_model), ('data', 'model'), axis_types=(AxisType.Auto, AxisType.Auto))"
+)
+
+
+def check_mesh(mesh, name: str = "mesh") -> Mesh:
+    """The mesh redeqx works with: ``mesh`` itself when it has ``Auto`` axes
+    ``("data", "model")``; the same devices and axes with ``Auto`` types when
+    it has ``Explicit`` ones (``jax.make_mesh``'s default in this JAX); an
+    error naming the axes and the fix for anything else."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"{name} must be a jax.sharding.Mesh, got {type(mesh).__name__}; {_MESH_FIX}.")
+    if set(mesh.axis_names) != {DATA, MODEL} or len(mesh.axis_names) != 2:
+        raise ValueError(f"{name} has axes {tuple(mesh.axis_names)}, but redeqx needs exactly ('data', 'model'); {_MESH_FIX}.")
+    types = tuple(getattr(mesh, "axis_types", ()) or ())
+    if types and any(t != AxisType.Auto for t in types):
+        # Explicit (or Manual) axes put shardings into array types, which users' loss
+        # functions would then have to spell out; redeqx's rules rely on GSPMD (Auto).
+        return _auto(mesh)
+    return mesh
+
+
+_AUTO_CACHE: dict = {}
+
+
+def _auto(mesh: Mesh) -> Mesh:
+    # one Auto twin per mesh, so compiled steps keyed by the mesh are reused
+    key = (mesh.axis_names, mesh.devices.shape, tuple(d.id for d in mesh.devices.flat))
+    twin = _AUTO_CACHE.get(key)
+    if twin is None:
+        twin = _AUTO_CACHE[key] = Mesh(mesh.devices, mesh.axis_names,
+                                       axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+    return twin

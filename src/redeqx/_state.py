@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import equinox as eqx
@@ -12,12 +13,17 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
+from ._mesh import check_mesh
 from ._rules import path_parts
-from ._typing import typechecked
+from ._typing import short_repr, typechecked
 
 
 def _is_spec(x) -> bool:
     return isinstance(x, P) or x is None
+
+
+def _is_none(x) -> bool:
+    return x is None
 
 
 def named_shardings(specs, mesh: Mesh):
@@ -25,19 +31,100 @@ def named_shardings(specs, mesh: Mesh):
     return jax.tree.map(lambda s: None if s is None else NamedSharding(mesh, s), specs, is_leaf=_is_spec)
 
 
-def _is_none(x) -> bool:
-    return x is None
+def _paths(tree, is_leaf) -> list[str]:
+    return [".".join(path_parts(kp)) for kp, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]]
 
 
-def _check_specs_match(tree, specs, what: str) -> None:
-    # None fields (e.g. a Linear's missing bias) are leaves on both sides here
-    tree_def = jax.tree.structure(tree, is_leaf=_is_none)
-    spec_def = jax.tree.structure(specs, is_leaf=_is_spec)
-    if tree_def.num_leaves != spec_def.num_leaves:
-        raise ValueError(
-            f"specs do not match {what}: {spec_def.num_leaves} spec leaves for {tree_def.num_leaves} leaves. "
-            f"Build specs from this {what} with redeqx.sharding_rules({what}, mesh)."
+def check_specs(specs, mesh: Mesh, name: str = "specs") -> None:
+    """``specs`` is a tree of PartitionSpecs (``None`` where there is no array)
+    naming only this mesh's axes; an error saying what to pass otherwise."""
+    fix = "pass the tree made by redeqx.sharding_rules(model, mesh)"
+    if specs is None or isinstance(specs, (str, bytes, int, float)):
+        raise TypeError(f"{name}={short_repr(specs)} is not a tree of PartitionSpecs: {fix}.")
+    leaves = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[0]
+    bad = [(".".join(path_parts(kp)), x) for kp, x in leaves if not _is_spec(x)]
+    if bad:
+        where, x = bad[0]
+        raise TypeError(
+            f"{name} holds {short_repr(x)} ({type(x).__name__}) at '{where or '<root>'}', where a PartitionSpec "
+            f"or None belongs: {fix}."
         )
+    if not any(isinstance(x, P) for _, x in leaves):
+        raise ValueError(f"{name} holds no PartitionSpec at all ({short_repr(specs)}): {fix}.")
+    for kp, spec in leaves:
+        for entry in spec or ():
+            for axis in entry if isinstance(entry, tuple) else (entry,):
+                if axis is not None and axis not in mesh.shape:
+                    raise ValueError(
+                        f"{name} at '{'.'.join(path_parts(kp))}' is {spec}, naming axis {axis!r}; the mesh has axes "
+                        f"{tuple(mesh.shape)}."
+                    )
+
+
+def check_specs_match(tree, specs, what: str) -> None:
+    """``specs`` has the structure of ``tree`` (same attribute paths), else an
+    error listing where they differ."""
+    # None fields (a Linear's missing bias) are leaves on both sides here
+    tree_paths, spec_paths = _paths(tree, _is_none), _paths(specs, _is_spec)
+    if tree_paths == spec_paths:
+        return
+    only_tree = [p for p in tree_paths if p not in set(spec_paths)]
+    only_specs = [p for p in spec_paths if p not in set(tree_paths)]
+    detail = []
+    if only_tree:
+        detail.append(f"in the {what}, not in specs: {', '.join(only_tree[:5])}{' ...' if len(only_tree) > 5 else ''}")
+    if only_specs:
+        detail.append(f"in specs, not in the {what}: {', '.join(only_specs[:5])}{' ...' if len(only_specs) > 5 else ''}")
+    if not detail:
+        detail.append("the same paths in another order")
+    raise ValueError(
+        f"specs do not match the {what} ({len(spec_paths)} spec leaves for {len(tree_paths)} leaves; "
+        + "; ".join(detail) + f"). Build specs from this {what}: redeqx.sharding_rules({what}, mesh)."
+    )
+
+
+# ----------------------------------------------------------------------------- placing arrays
+
+
+def _buffers(x) -> set | None:
+    """The memory ``x`` lives in, as buffer addresses (None: cannot tell)."""
+    if isinstance(x, np.ndarray):
+        return {x.__array_interface__["data"][0]}
+    if isinstance(x, jax.Array):
+        try:
+            return {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
+        except Exception:
+            return None
+    return set()
+
+
+@functools.lru_cache(maxsize=None)
+def _copier(sharding):
+    return jax.jit(jnp.copy, out_shardings=sharding)
+
+
+def place(x, sharding: NamedSharding, *, copy: bool):
+    """``x`` laid out by ``sharding``. With ``copy=True`` the result never
+    shares memory with ``x``: ``jax.device_put`` hands back ``x`` itself, or
+    an array whose shard on ``x``'s device is ``x``'s buffer (a replicated
+    placement), and a donating step would then delete the caller's array."""
+    y = jax.device_put(x, sharding)
+    if copy:
+        before, after = _buffers(x), _buffers(y)
+        if y is x or before is None or after is None or before & after:
+            y = _copier(sharding)(y)
+    return y
+
+
+def _check_leaf(path: str, x, what: str):
+    """Arrays of other libraries (a torch tensor) would pass as constants."""
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)) or x is None:
+        return
+    if hasattr(x, "__array__") or (hasattr(x, "shape") and hasattr(x, "dtype")):
+        hint = (" an abstract array: build the real model first (or plan with redeqx.plan)"
+                if isinstance(x, jax.ShapeDtypeStruct) else
+                "; redeqx places JAX and NumPy arrays only: convert it with jnp.asarray(...)")
+        raise TypeError(f"{what} leaf '{path}' is a {type(x).__module__}.{type(x).__qualname__}{hint}.")
 
 
 @typechecked
@@ -45,7 +132,9 @@ def shard(tree: PyTree, specs: PyTree, mesh: Mesh) -> PyTree:
     """Places every array leaf of ``tree`` with ``NamedSharding(mesh, spec)``.
 
     ``specs`` has ``tree``'s structure (as made by `sharding_rules`); non-array
-    leaves pass through unchanged.
+    leaves pass through unchanged. The result never shares memory with
+    ``tree`` (an array already in place is copied), so a donating step can
+    consume it while ``tree`` stays usable.
 
     **Example:**
 
@@ -53,16 +142,25 @@ def shard(tree: PyTree, specs: PyTree, mesh: Mesh) -> PyTree:
     model = redeqx.shard(model, redeqx.sharding_rules(model, mesh), mesh)
     ```
     """
-    _check_specs_match(tree, specs, "tree")
-    leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_none)
+    mesh = check_mesh(mesh)
+    check_specs(specs, mesh)
+    return _place_tree(tree, specs, mesh, copy=True, what="tree")
+
+
+def _place_tree(tree, specs, mesh: Mesh, *, copy: bool, what: str):
+    check_specs_match(tree, specs, what)
+    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_none)
     spec_leaves = jax.tree.leaves(specs, is_leaf=_is_spec)
     out = []
-    for leaf, spec in zip(leaves, spec_leaves):
+    for (kp, leaf), spec in zip(leaves_with_path, spec_leaves):
+        _check_leaf(".".join(path_parts(kp)), leaf, what)
         if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
-            spec = P() if spec is None else spec
-            leaf = jax.device_put(leaf, NamedSharding(mesh, spec))
+            leaf = place(leaf, NamedSharding(mesh, P() if spec is None else spec), copy=copy)
         out.append(leaf)
     return jax.tree.unflatten(treedef, out)
+
+
+# ----------------------------------------------------------------------------- optimizer state
 
 
 def _mirror_specs(abstract_state, model, specs):
@@ -87,19 +185,11 @@ def _mirror_specs(abstract_state, model, specs):
     return jax.tree_util.tree_map_with_path(spec_for, abstract_state)
 
 
-class TrainState(eqx.Module):
-    """Everything a training step reads and returns, as one immutable value.
-
-    ``step`` counts optimizer updates done so far (0 before the first).
-    ``key`` is split once per step for the step's randomness (dropout...).
-    Replace fields with ``eqx.tree_at`` or ``dataclasses.replace``; steps
-    return a new state and never change the old one.
-    """
-
-    model: PyTree
-    opt_state: optax.OptState
-    step: Int[Array, ""]
-    key: PRNGKeyArray
+def _trainable_params(model, trainable):
+    params = eqx.filter(model, eqx.is_inexact_array)
+    if trainable is None:
+        return params
+    return eqx.filter(params, trainable)
 
 
 def opt_state_specs(optimizer: optax.GradientTransformation, model, specs, trainable=None):
@@ -109,11 +199,80 @@ def opt_state_specs(optimizer: optax.GradientTransformation, model, specs, train
     return _mirror_specs(abstract, model, specs)
 
 
-def _trainable_params(model, trainable):
-    params = eqx.filter(model, eqx.is_inexact_array)
-    if trainable is None:
-        return params
-    return eqx.filter(params, trainable)
+def _check_optimizer(optimizer) -> None:
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise TypeError(
+            f"optimizer must be an optax.GradientTransformation (e.g. optax.adamw(1e-3)), got {type(optimizer).__name__}."
+        )
+
+
+@typechecked
+def init_opt_state(
+    optimizer: optax.GradientTransformation,
+    model: PyTree,
+    mesh: Mesh,
+    specs: PyTree,
+    *,
+    trainable: Any = None,
+) -> PyTree:
+    """The optimizer state of ``model``'s trainable parameters, each leaf
+    sharded like the parameter it mirrors (Adam's moments of a weight split on
+    ``model`` are split the same way). It is created by a compiled function
+    that writes each shard where it lives: nothing is gathered.
+
+    For steps you write yourself with `make_step` over several models and
+    optimizers; `init_state` uses it for one model.
+
+    **Example:**
+
+    ```python
+    actor_opt = redeqx.init_opt_state(optax.adam(3e-4), actor, mesh, actor_specs)
+    ```
+    """
+    _check_optimizer(optimizer)
+    mesh = check_mesh(mesh)
+    check_specs(specs, mesh)
+    check_specs_match(model, specs, "model")
+    os_specs = opt_state_specs(optimizer, model, specs, trainable)
+    # on the mesh first (a no-op for a placed model): the compiled init takes its inputs where they are
+    params = _trainable_params(_place_tree(model, specs, mesh, copy=False, what="model"), trainable)
+    return jax.jit(optimizer.init, out_shardings=named_shardings(os_specs, mesh))(params)
+
+
+# ----------------------------------------------------------------------------- the train state
+
+
+class TrainState(eqx.Module):
+    """Everything a training step reads and returns, as one immutable value.
+
+    ``step`` counts optimizer updates done so far (0 before the first).
+    ``key`` is split once per step for the step's randomness (dropout...).
+    ``model_state`` holds a model's non-trained state (``eqx.nn.State``:
+    BatchNorm statistics), or None. Replace fields with ``eqx.tree_at`` or
+    ``dataclasses.replace``; steps return a new state and never change the
+    old one.
+    """
+
+    model: PyTree
+    opt_state: optax.OptState
+    step: Int[Array, ""]
+    key: PRNGKeyArray
+    model_state: PyTree = None
+
+
+def _check_key(key) -> None:
+    if not (isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)):
+        raise TypeError(
+            f"key must be a typed PRNG key from jax.random.key(seed), got {type(key).__name__} "
+            f"{getattr(key, 'dtype', '')}; write key=jax.random.key(0)."
+        )
+
+
+def replicate_key(key, mesh: Mesh):
+    # Placed through its raw data: device_put refuses a typed key for a
+    # sharding that spans other processes' devices.
+    data = place(jax.random.key_data(key), NamedSharding(mesh, P()), copy=True)
+    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(key))
 
 
 @typechecked
@@ -125,19 +284,22 @@ def init_state(
     *,
     key: PRNGKeyArray,
     trainable: Any = None,
+    model_state: PyTree = None,
+    donate_model: bool = False,
 ) -> TrainState:
     """A sharded `TrainState`: the model placed by ``specs`` and the optimizer
-    state sharded like the parameters it mirrors (Adam's moments of a weight
-    split on ``model`` are split the same way). Nothing is gathered: the
-    optimizer state is created by a compiled function that writes each shard
-    where it lives.
+    state sharded like the parameters it mirrors (see `init_opt_state`).
 
-    ``trainable`` is the same Equinox filter spec given to `make_train_step`:
-    frozen leaves get no optimizer state.
-
-    Arrays of ``model`` that already sit where ``specs`` puts them are used
-    as they are, not copied (a large model is never held twice); the first
-    train step donates them, so keep using ``state.model``, not ``model``.
+    - ``trainable`` is the same Equinox filter spec given to
+      `make_train_step`: frozen leaves get no optimizer state.
+    - ``model_state`` is the model's ``eqx.nn.State`` (BatchNorm statistics),
+      if it has one: kept replicated in ``state.model_state`` and passed to
+      ``loss_fn`` as its fourth argument (see `make_train_step`).
+    - ``donate_model=False`` (default): the state holds copies, so ``model``
+      stays alive and usable after the first (donating) train step.
+      ``donate_model=True`` moves the arrays instead, for a model too large to
+      hold twice: ``model`` must not be used afterwards (its arrays may be
+      deleted by the first step).
 
     **Example:**
 
@@ -145,29 +307,20 @@ def init_state(
     state = redeqx.init_state(model, optax.adamw(1e-3), mesh, specs, key=jax.random.key(0))
     ```
     """
-    if not isinstance(optimizer, optax.GradientTransformation):
-        raise TypeError(
-            f"optimizer must be an optax.GradientTransformation (e.g. optax.adamw(1e-3)), got {type(optimizer).__name__}."
-        )
-    if not (isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)):
-        raise TypeError(
-            f"key must be a typed PRNG key from jax.random.key(seed), got {type(key).__name__} "
-            f"{getattr(key, 'dtype', '')}; write key=jax.random.key(0)."
-        )
-    _check_specs_match(model, specs, "model")
-    model = shard(model, specs, mesh)
-    params = _trainable_params(model, trainable)
-    os_specs = opt_state_specs(optimizer, model, specs, trainable)
-    init = jax.jit(optimizer.init, out_shardings=named_shardings(os_specs, mesh))
-    opt_state = init(params)
+    _check_optimizer(optimizer)
+    _check_key(key)
+    mesh = check_mesh(mesh)
+    check_specs(specs, mesh)
+    model = _place_tree(model, specs, mesh, copy=not donate_model, what="model")
+    opt_state = init_opt_state(optimizer, model, mesh, specs, trainable=trainable)
+    if model_state is not None:
+        model_state = _place_tree(model_state, jax.tree.map(lambda _: P(), model_state), mesh,
+                                  copy=True, what="model_state")
     replicated = NamedSharding(mesh, P())
     return TrainState(
         model=model,
         opt_state=opt_state,
-        step=jax.device_put(jnp.zeros((), jnp.int32), replicated),
-        # Placed through its raw data: device_put refuses a typed key for a
-        # sharding that spans other processes' devices.
-        key=jax.random.wrap_key_data(
-            jax.device_put(jax.random.key_data(key), replicated), impl=jax.random.key_impl(key)
-        ),
+        step=place(jnp.zeros((), jnp.int32), replicated, copy=False),
+        key=replicate_key(key, mesh),
+        model_state=model_state,
     )

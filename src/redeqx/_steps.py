@@ -1,9 +1,19 @@
 """Compiled, sharded step functions: the general `make_step` and the train,
-eval and predict steps built on it."""
+eval and predict steps built on it.
+
+Every step is one ``jax.jit`` over the array leaves of its first argument
+(the state, or the model), compiled once per structure. Where those leaves
+must live is decided before the call: by ``specs`` for the train, eval and
+predict steps (the contract: a model laid out otherwise is moved to its
+specs, with a warning naming the leaves), and by the leaves' own shardings
+for `make_step`. Outputs of a state-returning step leave with the same
+shardings they came in with, so a loop of steps never re-lays anything out.
+"""
 
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -15,138 +25,334 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ._distributed import settle
-from ._mesh import DATA
-from ._state import TrainState, _trainable_params
-from ._typing import typechecked
-
+from ._mesh import DATA, check_mesh
+from ._rules import path_parts
+from ._state import (
+    TrainState,
+    _check_leaf,
+    _check_optimizer,
+    _is_none,
+    _is_spec,
+    _mirror_specs,
+    _trainable_params,
+    check_specs,
+    check_specs_match,
+    place,
+)
+from ._typing import short_repr, typechecked, warn_user
 
 ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
 
 
-def _placement(x, mesh: Mesh):
-    """Where a state leaf lives: its own NamedSharding on ``mesh``, else replicated."""
+def _fn_name(fn) -> str:
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _mesh_text(mesh) -> str:
+    return "{" + ", ".join(f"{k}: {v}" for k, v in mesh.shape.items()) + "}"
+
+
+# ----------------------------------------------------------------------------- where leaves live
+
+
+def _own_placement(path: str, x, mesh: Mesh) -> NamedSharding:
+    """`make_step`'s rule: a leaf stays where it is on ``mesh``; a leaf not yet
+    on a mesh (NumPy, a fresh single-device array) is replicated; a leaf on
+    another mesh is an error, since nothing says how to lay it out here."""
     sh = getattr(x, "sharding", None)
-    if isinstance(sh, NamedSharding) and (sh.mesh is mesh or sh.mesh == mesh):
+    if not isinstance(sh, NamedSharding):
+        return NamedSharding(mesh, P())
+    if sh.mesh == mesh:
         return sh
-    return NamedSharding(mesh, P())
+    if sh.mesh.axis_names == mesh.axis_names and sh.mesh.devices.shape == mesh.devices.shape and np.array_equal(
+        np.vectorize(lambda d: d.id)(sh.mesh.devices), np.vectorize(lambda d: d.id)(mesh.devices)
+    ):
+        return NamedSharding(mesh, sh.spec)  # the same devices and axes (e.g. Explicit vs Auto types)
+    raise ValueError(
+        f"state leaf '{path}' lives on the mesh {_mesh_text(sh.mesh)}, but this step was made for the mesh "
+        f"{_mesh_text(mesh)}. Lay the state out on this mesh first (redeqx.shard(tree, specs, mesh)), or make "
+        "the step with the mesh the state lives on."
+    )
 
 
-class _CompiledStep:
-    """Holds one ``jax.jit`` per (state structure, state shardings); see `make_step`."""
+def _spec_leaves(tree, spec_tree) -> list:
+    """The spec of each array leaf of ``tree`` (in flatten order) from a spec
+    tree of the same structure (``None`` where there is no array)."""
+    t_leaves = jax.tree.leaves(tree, is_leaf=_is_none)
+    s_leaves = jax.tree.leaves(spec_tree, is_leaf=_is_spec)
+    if len(t_leaves) != len(s_leaves):
+        raise ValueError(f"specs have {len(s_leaves)} leaves for {len(t_leaves)} leaves.")
+    return [P() if s is None else s for x, s in zip(t_leaves, s_leaves) if isinstance(x, ARRAY_TYPES)]
 
-    def __init__(self, step_fn: Callable, mesh: Mesh, donate: bool):
-        self.step_fn = step_fn
+
+def _sharding_text(x) -> str:
+    sh = getattr(x, "sharding", None)
+    if isinstance(sh, NamedSharding):
+        return f"{sh.spec} on {_mesh_text(sh.mesh)}"
+    return type(sh).__name__ if sh is not None else type(x).__name__
+
+
+def _is_committed(x) -> bool:
+    return isinstance(x, jax.Array) and getattr(x, "committed", True)
+
+
+class _Compiled:
+    """One ``jax.jit`` of ``fn(tree, *args)`` per structure of ``tree``: its
+    array leaves are the dynamic inputs (placed by ``targets``), its other
+    leaves (activation functions, Python numbers) compile-time constants.
+
+    ``returns_state=True``: ``fn`` returns ``(new_tree, out)``, ``new_tree``
+    has ``tree``'s structure and its leaves leave with the input shardings
+    (donated when ``donate``). ``targets(tree, paths, leaves)`` gives each
+    dynamic leaf's sharding; a committed leaf placed elsewhere is moved there,
+    with a warning when ``warn_moves``.
+    """
+
+    def __init__(self, fn, mesh: Mesh, *, donate: bool, returns_state: bool, targets, what: str,
+                 batch_args: tuple[int, ...] = ()):
+        self.fn = fn
         self.mesh = mesh
         self.donate = donate
-        self._jitted: dict[Any, Callable] = {}
-        functools.update_wrapper(self, step_fn)
+        self.returns_state = returns_state
+        self.targets = targets
+        self.what = what
+        self.batch_args = batch_args
+        self._entries: dict[Any, tuple] = {}
+        self._fast: dict[Any, tuple] = {}
 
-    def _build(self, treedef, static_leaves, mask, shardings):
-        step_fn = self.step_fn
+    # -- compile
+
+    def _build(self, treedef, static_leaves, mask, shardings, paths):
+        fn, what, returns_state = self.fn, self.what, self.returns_state
 
         def inner(dyn_leaves, args):
             it = iter(dyn_leaves)
-            leaves = [next(it) if m else s for m, s in zip(mask, static_leaves)]
-            state = jax.tree.unflatten(treedef, leaves)
-            result = step_fn(state, *args)
+            tree = jax.tree.unflatten(treedef, [next(it) if m else s for m, s in zip(mask, static_leaves)])
+            result = fn(tree, *args)
+            if not returns_state:
+                return result
             if not (isinstance(result, tuple) and len(result) == 2):
                 raise TypeError(
-                    f"step_fn {getattr(step_fn, '__name__', step_fn)!r} must return (new_state, outputs), "
-                    f"got {type(result).__name__}."
+                    f"step_fn {_fn_name(fn)!r} must return (new_state, outputs), got {type(result).__name__}."
                 )
-            new_state, out = result
-            new_leaves, new_def = jax.tree.flatten(new_state)
+            new_tree, out = result
+            new_leaves, new_def = jax.tree.flatten(new_tree)
             if new_def != treedef:
                 raise ValueError(
-                    f"step_fn {getattr(step_fn, '__name__', step_fn)!r} returned a state whose structure differs "
-                    f"from its input:\n  in:  {treedef}\n  out: {new_def}\n"
-                    "A step must return a state of the same structure (same fields, same array leaves)."
+                    f"step_fn {_fn_name(fn)!r} returned a {what} whose structure differs from its input:\n"
+                    f"  in:  {treedef}\n  out: {new_def}\n"
+                    f"A step must return a {what} of the same structure (same fields, same array leaves)."
                 )
-            for x, m, old in zip(new_leaves, mask, static_leaves):
-                if not m and isinstance(x, jax.Array):
+            for path, x, m, old in zip(paths, new_leaves, mask, static_leaves):
+                if m:
+                    continue
+                if isinstance(x, (jax.Array, np.ndarray)) or not _same_constant(x, old):
                     raise TypeError(
-                        f"step_fn returned an array where its input state held the constant {old!r}; a state "
-                        "leaf that changes from step to step must be an array in the input too "
-                        "(e.g. jnp.asarray(0) instead of 0)."
+                        f"step_fn {_fn_name(fn)!r} changed the {what} leaf '{path}' from {short_repr(old)} to "
+                        f"{short_repr(x)}, but that leaf is not an array, so it is a compile-time constant and "
+                        f"the change would be lost. Make it an array in the {what} you pass in (e.g. "
+                        "jnp.asarray(0) instead of 0)."
                     )
-            new_dyn = [x for x, m in zip(new_leaves, mask) if m]
-            return new_dyn, out
+            return [x for x, m in zip(new_leaves, mask) if m], out
 
-        return jax.jit(
-            inner,
-            out_shardings=(list(shardings), None),
-            donate_argnums=(0,) if self.donate else (),
-        )
+        if returns_state:
+            return jax.jit(inner, out_shardings=(list(shardings), None), donate_argnums=(0,) if self.donate else ())
+        return jax.jit(inner)
 
-    def _prepare(self, state):
-        leaves, treedef = jax.tree.flatten(state)
-        mask = tuple(isinstance(x, ARRAY_TYPES) for x in leaves)
+    # -- place and look up
+
+    def _prepare(self, tree, *, abstract: bool = False):
+        flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        paths = tuple(".".join(path_parts(kp)) for kp, _ in flat)
+        leaves = [x for _, x in flat]
+        dynamic = ARRAY_TYPES + ((jax.ShapeDtypeStruct,) if abstract else ())
+        for path, x in zip(paths, leaves):
+            if not isinstance(x, dynamic):
+                _check_leaf(path, x, self.what)
+        mask = tuple(isinstance(x, dynamic) for x in leaves)
         dyn = [x for x, m in zip(leaves, mask) if m]
         static_leaves = tuple(None if m else x for x, m in zip(leaves, mask))
-        # the arrays' own shardings key the cache: after the first step they are the
-        # very objects the compiled step put on its outputs, so the lookup is cheap
         current = tuple(x.sharding if isinstance(x, jax.Array) else None for x in dyn)
-        cache_key = (treedef, mask, static_leaves, current)
-        hit = self._jitted.get(cache_key)
+        try:
+            fast_key = (treedef, mask, static_leaves, current)
+            hit = self._fast.get(fast_key)
+        except TypeError:  # an unhashable constant: look up by identity instead
+            fast_key = (treedef, mask, tuple(map(id, static_leaves)), current)
+            hit = self._fast.get(fast_key)
         if hit is None:
-            shardings = tuple(_placement(x, self.mesh) for x in dyn)
-            fn = self._jitted.get((treedef, mask, static_leaves, shardings))
-            if fn is None:
-                fn = self._build(treedef, static_leaves, mask, shardings)
-                self._jitted[(treedef, mask, static_leaves, shardings)] = (fn, shardings)
-            hit = self._jitted[cache_key] = (fn, shardings)
-        fn, shardings = hit
-        dyn = [x if cur == s else jax.device_put(x, s) for x, cur, s in zip(dyn, current, shardings)]
-        return fn, dyn, treedef, mask, static_leaves
+            key = fast_key[:3]
+            entry = self._entries.get(key)
+            if entry is None:
+                dyn_paths = [p for p, m in zip(paths, mask) if m]
+                shardings = tuple(self.targets(tree, dyn_paths, dyn))
+                fn = self._build(treedef, static_leaves, mask, shardings, paths)
+                entry = self._entries[key] = (fn, shardings, dyn_paths)
+            hit = self._fast[fast_key] = entry
+        fn, shardings, dyn_paths = hit
+        if abstract:
+            dyn = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) if isinstance(x, jax.ShapeDtypeStruct) else x
+                   for x, s in zip(dyn, shardings)]
+            return fn, dyn, treedef, mask, static_leaves
+        moved = []
+        out = []
+        for x, cur, s, path in zip(dyn, current, shardings, dyn_paths):
+            if cur is not s and cur != s:
+                if _is_committed(x) and isinstance(cur, NamedSharding):
+                    moved.append(f"{path}: {_sharding_text(x)} -> {s.spec}")
+                x = place(x, s, copy=self.donate)  # a moved leaf never shares the caller's memory
+            out.append(x)
+        if moved and self.returns_state is not None:
+            warn_user(
+                f"redeqx: {len(moved)} {self.what} leaves were not laid out as this step's specs say and were moved "
+                f"(each call that passes them so pays for the move): " + "; ".join(moved[:8])
+                + (" ..." if len(moved) > 8 else "") + ". Use the state this step returns, or place the "
+                f"{self.what} with redeqx.shard(tree, specs, mesh) / redeqx.init_state."
+            )
+        return fn, out, treedef, mask, static_leaves
 
-    def __call__(self, state, *args):
-        fn, dyn, treedef, mask, static_leaves = self._prepare(state)
-        with jax.set_mesh(self.mesh):  # so redeqx.constrain inside step_fn sees the mesh
-            new_dyn, out = settle(fn(dyn, args))
+    def _args(self, args):
+        if not self.batch_args:
+            return args
+        args = list(args)
+        for i in self.batch_args:
+            if i < len(args):
+                args[i] = _place_batch(args[i], self.mesh)
+        return tuple(args)
+
+    def __call__(self, tree, *args):
+        fn, dyn, treedef, mask, static_leaves = self._prepare(tree)
+        with jax.set_mesh(self.mesh):  # so redeqx.constrain inside user code sees the mesh
+            result = settle(fn(dyn, self._args(args)))
+        if not self.returns_state:
+            return result
+        new_dyn, out = result
         it = iter(new_dyn)
         return jax.tree.unflatten(treedef, [next(it) if m else s for m, s in zip(mask, static_leaves)]), out
 
-    def lower(self, state, *args):
-        """``jax.jit(...).lower`` for these arguments (for inspecting the compiled step)."""
-        fn, dyn, *_ = self._prepare(state)
+    def lower(self, tree, *args):
+        """``jax.jit(...).lower`` for these arguments, which may be abstract
+        (``jax.ShapeDtypeStruct`` leaves, e.g. from ``eqx.filter_eval_shape``):
+        nothing is allocated or run."""
+        fn, dyn, *_ = self._prepare(tree, abstract=True)
         with jax.set_mesh(self.mesh):
             return fn.lower(dyn, args)
+
+
+def _same_constant(a, b) -> bool:
+    if a is b:
+        return True
+    try:
+        return bool(a == b) and type(a) is type(b)
+    except Exception:
+        return False
+
+
+def _place_batch(batch, mesh: Mesh):
+    """Batch arrays onto ``mesh``: arrays on it stay; arrays on the same
+    devices under another mesh object (an ``Explicit`` twin) keep their
+    layout; NumPy or single-device arrays are split over ``data`` (one
+    process: such an array is the whole global batch)."""
+    n_data = mesh.shape[DATA]
+    one_process = jax.process_count() == 1
+
+    def one(x):
+        sh = getattr(x, "sharding", None)
+        if isinstance(sh, NamedSharding):
+            if sh.mesh == mesh or sh.mesh.axis_names != mesh.axis_names or sh.mesh.devices.shape != mesh.devices.shape:
+                return x
+            return jax.device_put(x, NamedSharding(mesh, sh.spec))
+        if one_process and isinstance(x, (np.ndarray, jax.Array)) and x.ndim >= 1 and x.shape[0] % n_data == 0:
+            return jax.device_put(x, NamedSharding(mesh, P(DATA, *([None] * (x.ndim - 1)))))
+        return x
+
+    return jax.tree.map(one, batch)
+
+
+# ----------------------------------------------------------------------------- make_step
 
 
 @typechecked
 def make_step(step_fn: Callable, mesh: Mesh, *, donate: bool = True) -> Callable:
     """Compile a pure step ``step_fn(state, *args) -> (new_state, outputs)``.
 
-    ``state`` is any pytree (one model or several, optimizer states, a replay
-    buffer...). Every array leaf of the new state keeps the sharding of the
-    same leaf in the input state (leaves not yet on ``mesh`` are replicated),
-    so the step can be called in a loop with no re-layout and no retrace; with
+    ``state`` is any pytree (one model or several, `TrainState`\\ s, optimizer
+    states, a replay buffer...). Every array leaf of the new state keeps the
+    sharding of the same leaf in the input state (leaves not yet on a mesh,
+    such as NumPy arrays, are replicated; a leaf on another mesh is an error),
+    so the step can be called in a loop with no re-layout and no retrace. With
     ``donate=True`` the old state's buffers are reused for the new one, so
-    memory is not doubled (do not use the old state after the call). Non-array
-    leaves (activation functions, Python numbers) are compile-time constants
-    and must come back unchanged. ``outputs`` are laid out as the compiler
-    chooses and stay on the device.
+    memory is not doubled: do not use the old state after the call (build it
+    with `init_state` / `init_opt_state` / `shard`, which copy, so the arrays
+    you built it from stay yours). Non-array leaves (activation functions,
+    Python numbers) are compile-time constants and must come back unchanged:
+    a step that changes one is an error (make it an array). ``outputs`` are
+    laid out as the compiler chooses and stay on the device.
 
-    **Example** (DP-SGD style: per-example clipped gradients):
+    **Example** (two models and two optimizers, as in a GAN or actor-critic):
 
     ```python
-    def dp_step(state, batch):
-        model, opt_state = state
-        def per_example(x, y):
-            return eqx.filter_grad(lambda m: loss(m, x[None], y[None]))(model)
-        grads = jax.vmap(per_example)(batch["x"], batch["y"])
-        grads = jax.vmap(lambda g: clip(g, 1.0))(grads)
-        grads = jax.tree.map(lambda g: g.mean(0), grads)
-        updates, opt_state = optimizer.update(grads, opt_state, model)
-        return (eqx.apply_updates(model, updates), opt_state), {}
+    state = {"g": redeqx.init_state(gen, opt_g, mesh, g_specs, key=k1),
+             "d": redeqx.init_state(disc, opt_d, mesh, d_specs, key=k2)}
 
-    step = redeqx.make_step(dp_step, mesh)
-    state, out = step(state, batch)
+    def gan_step(state, batch):
+        ...  # gradients of each model, optimizer.update for each
+        return {"g": new_g, "d": new_d}, {"g_loss": g_loss, "d_loss": d_loss}
+
+    step = redeqx.make_step(gan_step, mesh)
+    state, losses = step(state, batch)
     ```
     """
     if not callable(step_fn):
-        raise TypeError(f"step_fn must be a function (state, *args) -> (state, outputs), got {step_fn!r}.")
-    return _CompiledStep(step_fn, mesh, donate)
+        raise TypeError(f"step_fn must be a function (state, *args) -> (state, outputs), got {short_repr(step_fn)}.")
+    mesh = check_mesh(mesh)
+
+    def targets(tree, paths, leaves):
+        return [_own_placement(p, x, mesh) for p, x in zip(paths, leaves)]
+
+    step = _Compiled(step_fn, mesh, donate=donate, returns_state=True, targets=targets, what="state")
+    return functools.wraps(step_fn)(_StepFunction(step))
+
+
+class _StepFunction:
+    """The callable a ``make_*_step`` returns: ``__call__`` runs it, ``lower``
+    compiles it for (possibly abstract) arguments."""
+
+    def __init__(self, compiled: _Compiled):
+        self._compiled = compiled
+        self.mesh = compiled.mesh
+
+    def __call__(self, *args):
+        return self._compiled(*args)
+
+    def lower(self, *args):
+        """``jax.jit(...).lower`` of this step for these arguments; leaves may
+        be ``jax.ShapeDtypeStruct``\\ s (nothing is allocated)."""
+        return self._compiled.lower(*args)
+
+
+# ----------------------------------------------------------------------------- user functions
+
+
+def _check_signature(fn, role: str, n: int, call: str, example: str) -> None:
+    """``fn`` can be called with ``n`` positional arguments, else an error
+    naming the function and what it must look like."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins, some C callables: find out when called
+        return
+    try:
+        sig.bind(*([None] * n))
+    except TypeError:
+        raise TypeError(
+            f"{role} {_fn_name(fn)!r} has the signature {sig}, but redeqx calls it as {role}{call}. "
+            f"Write it as `{example}` (an argument it does not need may go unused)."
+        ) from None
+
+
+_LOSS_CALL = "(model, batch, key)"
+_LOSS_EXAMPLE = "def loss_fn(model, batch, key): ..."
+_STATEFUL_CALL = "(model, batch, key, model_state)"
+_STATEFUL_EXAMPLE = "def loss_fn(model, batch, key, model_state): ...; return loss, new_model_state"
 
 
 def _cast_floats(tree, dtype):
@@ -158,26 +364,78 @@ def _cast_floats(tree, dtype):
     )
 
 
-def _call_loss(loss_fn, model, batch, key):
-    out = loss_fn(model, batch, key)
-    if isinstance(out, tuple):
-        if len(out) != 2 or not isinstance(out[1], dict):
-            raise TypeError(
-                f"loss_fn {getattr(loss_fn, '__name__', loss_fn)!r} must return a scalar loss or "
-                f"(loss, aux_dict), got a tuple of {len(out)} items ({', '.join(type(o).__name__ for o in out)})."
-            )
-        loss, aux = out
+def _scalar_metric(fn, key: str, value):
+    where = f"loss_fn {_fn_name(fn)!r} aux[{key!r}]"
+    try:
+        v = jnp.asarray(value)
+    except TypeError:
+        raise TypeError(f"{where} is a {type(value).__name__}; aux values must be numbers (scalar arrays).") from None
+    if not (jnp.issubdtype(v.dtype, jnp.number) or v.dtype == jnp.bool_):
+        raise TypeError(f"{where} has dtype {v.dtype}; aux values must be numbers (scalar arrays).")
+    if v.shape != ():
+        raise ValueError(
+            f"{where} has shape {v.shape}, but aux values must be scalars (they are logged, and averaged over "
+            f"examples by redeqx.evaluate). Reduce it, e.g. jnp.mean({key}); return per-example outputs from "
+            "pred_fn instead."
+        )
+    return v.astype(jnp.float32) if jnp.issubdtype(v.dtype, jnp.floating) or v.dtype == jnp.bool_ else v
+
+
+_NO_STATE = object()
+
+
+def _call_loss(loss_fn, model, batch, key, model_state=_NO_STATE):
+    """Runs ``loss_fn`` and checks what it returned: ``(float32 loss, aux of
+    scalars, new model_state or _NO_STATE)``."""
+    name = _fn_name(loss_fn)
+    if model_state is _NO_STATE:
+        out = loss_fn(model, batch, key)
+        if isinstance(out, tuple):
+            if len(out) != 2 or not isinstance(out[1], dict):
+                raise TypeError(
+                    f"loss_fn {name!r} must return a scalar loss or (loss, aux_dict), got a tuple of {len(out)} items "
+                    f"({', '.join(type(o).__name__ for o in out)})."
+                )
+            loss, aux = out
+        else:
+            loss, aux = out, {}
+        new_state = _NO_STATE
     else:
-        loss, aux = out, {}
-    loss = jnp.asarray(loss)
+        _check_signature(loss_fn, "loss_fn", 4, _STATEFUL_CALL, _STATEFUL_EXAMPLE)
+        out = loss_fn(model, batch, key, model_state)
+        if not (isinstance(out, tuple) and len(out) in (2, 3)):
+            raise TypeError(
+                f"loss_fn {name!r} gets a model_state, so it must return (loss, new_model_state) or "
+                f"(loss, aux_dict, new_model_state), got {type(out).__name__}."
+            )
+        loss, aux, new_state = (out[0], {}, out[1]) if len(out) == 2 else out
+        if not isinstance(aux, dict):
+            raise TypeError(f"loss_fn {name!r} returned aux of type {type(aux).__name__}; aux must be a dict.")
+    if isinstance(loss, dict):
+        raise TypeError(
+            f"loss_fn {name!r} returned a dict as its loss; return the scalar to minimise, with any metrics "
+            "as aux: `return loss, {'accuracy': acc}`."
+        )
+    try:
+        loss = jnp.asarray(loss)
+    except TypeError:
+        raise TypeError(f"loss_fn {name!r} returned a {type(loss).__name__} as its loss; return a scalar array.") from None
+    if not jnp.issubdtype(loss.dtype, jnp.floating):
+        raise TypeError(
+            f"loss_fn {name!r} returned a loss of dtype {loss.dtype}: the gradient of an integer is zero, so "
+            "nothing would train. Return a differentiable float loss (e.g. a cross-entropy); counts such as an "
+            "error rate belong in the aux dict."
+        )
     if loss.shape != ():
         raise ValueError(
-            f"loss_fn {getattr(loss_fn, '__name__', loss_fn)!r} must return a scalar loss, got shape {loss.shape}. "
+            f"loss_fn {name!r} must return a scalar loss, got shape {loss.shape}. "
             "Reduce it over the batch, e.g. `return jnp.mean(per_example_loss)`."
         )
-    aux = {k: jnp.asarray(v).astype(jnp.float32) if jnp.issubdtype(jnp.asarray(v).dtype, jnp.floating) else v
-           for k, v in aux.items()}
-    return loss.astype(jnp.float32), aux
+    clash = sorted(set(aux) & {"loss", "grad_norm"})
+    if clash:
+        raise ValueError(f"loss_fn {name!r} returned aux keys {clash}, which redeqx's metrics use; rename them.")
+    aux = {k: _scalar_metric(loss_fn, k, v) for k, v in aux.items()}
+    return loss.astype(jnp.float32), aux, new_state
 
 
 def _check_positive_int(name: str, value) -> int:
@@ -187,7 +445,13 @@ def _check_positive_int(name: str, value) -> int:
 
 
 def _check_dtype(compute_dtype):
-    if compute_dtype is not None and not jnp.issubdtype(jnp.dtype(compute_dtype), jnp.floating):
+    if compute_dtype is None:
+        return
+    try:
+        ok = jnp.issubdtype(jnp.dtype(compute_dtype), jnp.floating)
+    except TypeError:
+        ok = False
+    if not ok:
         raise ValueError(f"compute_dtype must be a floating dtype such as jnp.bfloat16, or None; got {compute_dtype!r}.")
 
 
@@ -212,35 +476,74 @@ def _micro_batches(batch, accumulate: int, mesh: Mesh):
     return jax.tree.map(split, batch)
 
 
+def _check_callable(fn, role: str, call: str, example: str) -> None:
+    if not callable(fn):
+        raise TypeError(f"{role} must be a function {call} -> ..., got {short_repr(fn)}.")
+    _check_signature(fn, role, 3, call, example)
+
+
+def _model_targets(mesh: Mesh, specs):
+    """Placement of a model (the eval and predict steps' first argument) by ``specs``."""
+
+    def targets(model, paths, leaves):
+        check_specs_match(model, specs, "model")
+        return [NamedSharding(mesh, s) for s in _spec_leaves(model, specs)]
+
+    return targets
+
+
+def _model_state_specs(model_state, mesh: Mesh):
+    if model_state is None:
+        return None
+    return jax.tree.map(lambda x: _own_placement("model_state", x, mesh).spec if isinstance(x, ARRAY_TYPES) else None,
+                        model_state)
+
+
+# ----------------------------------------------------------------------------- train
+
+
 @typechecked
 def make_train_step(
     loss_fn: Callable,
     optimizer: optax.GradientTransformation,
     mesh: Mesh,
-    specs,
+    specs: Any,
     *,
     accumulate: int = 1,
-    compute_dtype=None,
-    trainable=None,
-) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
+    compute_dtype: Any = None,
+    trainable: Any = None,
+) -> Callable[..., tuple[TrainState, dict]]:
     """The training step: ``(state, batch) -> (new_state, metrics)``.
 
     One compiled, sharded, donated step: gradients of ``loss_fn(model, batch,
     key)``, an ``optimizer`` update, ``step + 1``. ``metrics`` holds ``loss``,
     ``grad_norm`` (global L2 norm of the gradients) and whatever dict
-    ``loss_fn`` returns as aux, all still on the device (no host sync).
+    ``loss_fn`` returns as aux (scalars), all still on the device (no host sync).
+
+    ``specs`` (from `sharding_rules`) is where the model lives: the step takes
+    ``state.model`` in that layout and returns it in that layout, with the
+    optimizer state laid out like the parameters it mirrors and ``step`` /
+    ``key`` replicated. A state laid out otherwise (restored onto another
+    ``n_model_shards``, built by hand) is moved to ``specs`` before the step,
+    with a warning naming the leaves; it is never silently replicated.
 
     - ``accumulate=k`` splits the batch into ``k`` micro-batches run one after
-      another inside the step (a ``lax.scan``) and averages their gradients: the
-      same update as the whole batch at once, with the activation memory of
-      one micro-batch. The batch still has ``per_device_batch_size * data``
-      rows; ``per_device_batch_size`` must be a multiple of ``k``.
+      another inside the step (a ``lax.scan``) and averages their gradients:
+      the same update as the whole batch at once, with the activation memory
+      of one micro-batch. The batch is still what `batches` yields,
+      ``per_device_batch_size * data`` rows, so ``per_device_batch_size`` must
+      be a multiple of ``k``; nothing else changes (not the schedule's length).
     - ``compute_dtype=jnp.bfloat16`` runs forward and backward with floating
       parameters and batch arrays cast to it; stored parameters, gradients and
       the optimizer state keep their own dtype.
     - ``trainable`` (an Equinox filter spec, e.g. a tree of bools from
       ``eqx.tree_at``) freezes the rest: frozen leaves get no gradient and come
       out bit-identical. Pass the same ``trainable`` to `init_state`.
+    - A model with state (``eqx.nn.State``, e.g. BatchNorm; give it to
+      `init_state` as ``model_state``): ``loss_fn(model, batch, key,
+      model_state)`` returns ``(loss, new_model_state)`` or ``(loss, aux,
+      new_model_state)``, and the step keeps the new state in
+      ``state.model_state``.
 
     **Example:**
 
@@ -255,24 +558,21 @@ def make_train_step(
     """
     accumulate = _check_positive_int("accumulate", accumulate)
     _check_dtype(compute_dtype)
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be a function (model, batch, key) -> loss, got {loss_fn!r}.")
-    if not isinstance(optimizer, optax.GradientTransformation):
-        raise TypeError(
-            f"optimizer must be an optax.GradientTransformation (e.g. optax.adamw(1e-3)), got {type(optimizer).__name__}."
-        )
+    _check_callable(loss_fn, "loss_fn", _LOSS_CALL, _LOSS_EXAMPLE)
+    _check_optimizer(optimizer)
+    mesh = check_mesh(mesh)
+    check_specs(specs, mesh)
 
-    def grads_of(diff, static, batch, key):
+    def grads_of(diff, static, batch, key, model_state):
         def compute(diff):
             model = _cast_floats(eqx.combine(diff, static), compute_dtype)
-            return _call_loss(loss_fn, model, _cast_floats(batch, compute_dtype), key)
+            loss, aux, new_ms = _call_loss(loss_fn, model, _cast_floats(batch, compute_dtype), key, model_state)
+            return loss, (aux, new_ms)
 
-        (loss, aux), grads = jax.value_and_grad(compute, has_aux=True)(diff)
-        return loss, aux, grads
+        (loss, (aux, new_ms)), grads = jax.value_and_grad(compute, has_aux=True)(diff)
+        return loss, aux, grads, new_ms
 
     def train_step(state: TrainState, batch):
-        if not isinstance(state, TrainState):
-            raise TypeError(f"state must be a redeqx.TrainState from redeqx.init_state, got {type(state).__name__}.")
         key, step_key = jax.random.split(state.key)
         _check_batch(batch, mesh)
         diff, static = split_trainable(state.model, trainable)
@@ -281,28 +581,59 @@ def make_train_step(
                 "state.opt_state does not match the trainable parameters of this step: pass the same "
                 "optimizer and trainable= to redeqx.init_state and redeqx.make_train_step."
             )
+        ms = _NO_STATE if state.model_state is None else state.model_state
         if accumulate == 1:
-            loss, aux, grads = grads_of(diff, static, batch, step_key)
+            loss, aux, grads, ms = grads_of(diff, static, batch, step_key, ms)
         else:
             micro = _micro_batches(batch, accumulate, mesh)
             keys = jax.random.split(step_key, accumulate)
             first = jax.tree.map(lambda x: x[0], micro)
-            shapes = jax.eval_shape(lambda: grads_of(diff, static, first, keys[0]))
+            shapes = jax.eval_shape(lambda: grads_of(diff, static, first, keys[0], ms)[:3])
             zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
             def body(carry, xs):
+                total, ms = carry
                 mb, k = xs
-                out = grads_of(diff, static, mb, k)
-                return jax.tree.map(jnp.add, carry, out), None
+                *out, ms = grads_of(diff, static, mb, k, ms)
+                return (jax.tree.map(jnp.add, total, tuple(out)), ms), None
 
-            total, _ = jax.lax.scan(body, zeros, (micro, keys))
+            if ms is _NO_STATE:
+                def body(total, xs):  # noqa: F811 - no model state to thread
+                    mb, k = xs
+                    out = grads_of(diff, static, mb, k, _NO_STATE)[:3]
+                    return jax.tree.map(jnp.add, total, out), None
+
+                total, _ = jax.lax.scan(body, zeros, (micro, keys))
+            else:
+                (total, ms), _ = jax.lax.scan(body, (zeros, ms), (micro, keys))
             loss, aux, grads = jax.tree.map(lambda x: x / accumulate, total)
         updates, opt_state = optimizer.update(grads, state.opt_state, diff)
         model = eqx.combine(optax.apply_updates(diff, updates), static)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
-        return TrainState(model=model, opt_state=opt_state, step=state.step + 1, key=key), metrics
+        new = TrainState(model=model, opt_state=opt_state, step=state.step + 1, key=key,
+                         model_state=None if ms is _NO_STATE else ms)
+        return new, metrics
 
-    return make_step(train_step, mesh, donate=True)
+    def targets(state, paths, leaves):
+        if not isinstance(state, TrainState):
+            raise TypeError(
+                f"state must be a redeqx.TrainState from redeqx.init_state, got {type(state).__name__}; for a "
+                "step over another kind of state, write it with redeqx.make_step."
+            )
+        check_specs_match(state.model, specs, "model")
+        replicated = P()
+        spec_state = TrainState(
+            model=specs,
+            opt_state=_mirror_specs(state.opt_state, state.model, specs),
+            step=replicated,
+            key=replicated,
+            model_state=_model_state_specs(state.model_state, mesh),
+        )
+        return [NamedSharding(mesh, s) for s in _spec_leaves(state, spec_state)]
+
+    step = _Compiled(train_step, mesh, donate=True, returns_state=True, targets=targets, what="state",
+                     batch_args=(0,))
+    return functools.wraps(loss_fn)(_StepFunction(step))
 
 
 def split_trainable(model, trainable):
@@ -330,52 +661,69 @@ def _check_batch(batch, mesh: Mesh) -> None:
         )
 
 
-class EvalStep:
-    """Compiled evaluation: ``eval_step(model, batch, key) -> metrics``
-    (example means). `evaluate` also uses ``eval_step.sums`` to weight
-    examples exactly across a padded last batch."""
+# ----------------------------------------------------------------------------- eval and predict
 
-    def __init__(self, loss_fn, mesh, compute_dtype):
-        def per_example(model, batch, key):
+
+def _inference(model, compute_dtype):
+    return _cast_floats(eqx.nn.inference_mode(model, True), compute_dtype)
+
+
+class EvalStep:
+    """Compiled evaluation: ``eval_step(model, batch, key, *, model_state=None)
+    -> metrics`` (example means). `evaluate` also uses ``eval_step.sums`` to
+    weight examples exactly across a padded last batch."""
+
+    def __init__(self, loss_fn, mesh, specs, compute_dtype):
+        def per_example(model, batch, key, model_state):
             _check_batch(batch, mesh)
-            model = _cast_floats(eqx.nn.inference_mode(model, True), compute_dtype)
+            model = _inference(model, compute_dtype)
             batch = _cast_floats(batch, compute_dtype)
             keys = jax.random.split(key, _batch_size(batch))
 
             def one(example, k):
-                loss, aux = _call_loss(loss_fn, model, jax.tree.map(lambda x: x[None], example), k)
+                ms = _NO_STATE if model_state is None else model_state
+                loss, aux, _ = _call_loss(loss_fn, model, jax.tree.map(lambda x: x[None], example), k, ms)
                 return {"loss": loss, **aux}
 
             return jax.vmap(one)(batch, keys)
 
-        def means(model, batch, key):
-            return jax.tree.map(lambda v: v.mean(0), per_example(model, batch, key))
+        def means(model, batch, key, model_state):
+            return jax.tree.map(lambda v: v.mean(0), per_example(model, batch, key, model_state))
 
-        def sums(model, batch, key, weights):
-            values = per_example(model, batch, key)
+        def sums(model, batch, key, weights, model_state):
+            values = per_example(model, batch, key, model_state)
             return jax.tree.map(lambda v: jnp.tensordot(weights, v, axes=1), values)
 
-        self._means = eqx.filter_jit(means)
-        self._sums = eqx.filter_jit(sums)
+        targets = _model_targets(mesh, specs)
+        self._means = _Compiled(means, mesh, donate=False, returns_state=False, targets=targets, what="model",
+                                batch_args=(0,))
+        self._sums = _Compiled(sums, mesh, donate=False, returns_state=False, targets=targets, what="model",
+                               batch_args=(0, 2))
         self.mesh = mesh
+        self.specs = specs
 
-    def __call__(self, model, batch, key):
-        with jax.set_mesh(self.mesh):
-            return settle(self._means(model, batch, key))
+    def __call__(self, model, batch, key, *, model_state=None):
+        return self._means(model, batch, key, model_state)
 
-    def sums(self, model, batch, key, weights):
-        with jax.set_mesh(self.mesh):
-            return settle(self._sums(model, batch, key, weights))
+    def sums(self, model, batch, key, weights, *, model_state=None):
+        return self._sums(model, batch, key, weights, model_state)
+
+    def lower(self, model, batch, key, *, model_state=None):
+        return self._means.lower(model, batch, key, model_state)
 
 
 @typechecked
-def make_eval_step(loss_fn: Callable, mesh: Mesh, specs, *, compute_dtype=None) -> EvalStep:
+def make_eval_step(loss_fn: Callable, mesh: Mesh, specs: Any, *, compute_dtype: Any = None) -> EvalStep:
     """Compiled evaluation: ``(model, batch, key) -> metrics``, the example
     mean of ``loss`` and ``loss_fn``'s aux, with the model in inference mode
     (``eqx.nn.inference_mode``: dropout off). Each example's loss is computed
     on its own (``loss_fn`` on a batch of one, vmapped), so means are exact
     however the batch was padded; ``loss_fn`` must therefore treat rows
-    independently (no batch statistics).
+    independently (no batch statistics; BatchNorm in inference mode reads its
+    running statistics from ``model_state=``, passed to the call).
+
+    The model is taken in the layout ``specs`` gives (a model laid out
+    otherwise is moved there, with a warning naming the leaves).
 
     **Example:**
 
@@ -385,16 +733,59 @@ def make_eval_step(loss_fn: Callable, mesh: Mesh, specs, *, compute_dtype=None) 
     ```
     """
     _check_dtype(compute_dtype)
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be a function (model, batch, key) -> loss, got {loss_fn!r}.")
-    return EvalStep(loss_fn, mesh, compute_dtype)
+    _check_callable(loss_fn, "loss_fn", _LOSS_CALL, _LOSS_EXAMPLE)
+    mesh = check_mesh(mesh)
+    check_specs(specs, mesh)
+    return EvalStep(loss_fn, mesh, specs, compute_dtype)
+
+
+class PredictStep:
+    """Compiled prediction: ``predict_step(model, batch, key, *,
+    model_state=None) -> preds``."""
+
+    def __init__(self, pred_fn, mesh, specs, compute_dtype):
+        name = _fn_name(pred_fn)
+
+        def predict_step(model, batch, key, model_state):
+            _check_batch(batch, mesh)
+            model = _inference(model, compute_dtype)
+            batch = _cast_floats(batch, compute_dtype)
+            if model_state is None:
+                out = pred_fn(model, batch, key)
+            else:
+                _check_signature(pred_fn, "pred_fn", 4, "(model, batch, key, model_state)",
+                                 "def pred_fn(model, batch, key, model_state): ...")
+                out = pred_fn(model, batch, key, model_state)
+            b = _batch_size(batch)
+            for x in jax.tree.leaves(out):
+                if jnp.ndim(x) == 0 or jnp.shape(x)[0] != b:
+                    raise ValueError(
+                        f"pred_fn {name!r} must return arrays with the batch ({b} rows) as leading dim, got shape "
+                        f"{jnp.shape(x)}."
+                    )
+            return out
+
+        self._step = _Compiled(predict_step, mesh, donate=False, returns_state=False,
+                               targets=_model_targets(mesh, specs), what="model", batch_args=(0,))
+        self.mesh = mesh
+        self.specs = specs
+        functools.update_wrapper(self, pred_fn, updated=())
+
+    def __call__(self, model, batch, key, *, model_state=None):
+        return self._step(model, batch, key, model_state)
+
+    def lower(self, model, batch, key, *, model_state=None):
+        return self._step.lower(model, batch, key, model_state)
 
 
 @typechecked
-def make_predict_step(pred_fn: Callable, mesh: Mesh, specs) -> Callable:
+def make_predict_step(pred_fn: Callable, mesh: Mesh, specs: Any, *, compute_dtype: Any = None) -> PredictStep:
     """Compiled prediction: ``(model, batch, key) -> preds``, with the model in
-    inference mode. Every array in ``preds`` must have the batch as its
-    leading dim (one row per example), which `predict` relies on.
+    inference mode and laid out as ``specs`` says (a model laid out otherwise
+    is moved there, with a warning). Every array in ``preds`` must have the
+    batch as its leading dim (one row per example), which `predict` relies
+    on. ``compute_dtype=jnp.bfloat16`` casts floating parameters and batch
+    arrays for the computation, as in `make_eval_step`.
 
     **Example:**
 
@@ -406,26 +797,8 @@ def make_predict_step(pred_fn: Callable, mesh: Mesh, specs) -> Callable:
     preds = redeqx.predict(predict_step, state.model, test, collate_fn, 64, mesh, key=key)
     ```
     """
-    if not callable(pred_fn):
-        raise TypeError(f"pred_fn must be a function (model, batch, key) -> predictions, got {pred_fn!r}.")
-
-    def predict_step(model, batch, key):
-        _check_batch(batch, mesh)
-        out = pred_fn(eqx.nn.inference_mode(model, True), batch, key)
-        b = _batch_size(batch)
-        for x in jax.tree.leaves(out):
-            if jnp.ndim(x) == 0 or jnp.shape(x)[0] != b:
-                raise ValueError(
-                    f"pred_fn {getattr(pred_fn, '__name__', pred_fn)!r} must return arrays with the batch "
-                    f"({b} rows) as leading dim, got shape {jnp.shape(x)}."
-                )
-        return out
-
-    jitted = eqx.filter_jit(predict_step)
-
-    @functools.wraps(pred_fn)
-    def run(model, batch, key):
-        with jax.set_mesh(mesh):  # so redeqx.constrain inside pred_fn sees the mesh
-            return settle(jitted(model, batch, key))
-
-    return run
+    _check_dtype(compute_dtype)
+    _check_callable(pred_fn, "pred_fn", "(model, batch, key)", "def pred_fn(model, batch, key): ...")
+    mesh = check_mesh(mesh)
+    check_specs(specs, mesh)
+    return PredictStep(pred_fn, mesh, specs, compute_dtype)

@@ -1,12 +1,118 @@
-"""Runtime type checks for the public API: jaxtyping shapes checked by beartype."""
+"""Runtime type checks for the public API: jaxtyping shapes checked by beartype,
+with short messages that name the argument instead of dumping every value."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import reprlib
+import sys
+import typing
+import warnings
 
 from beartype import BeartypeConf, beartype
-from jaxtyping import jaxtyped
+from beartype.door import is_bearable
+from beartype.roar import BeartypeCallHintParamViolation
+from jaxtyping import TypeCheckError, jaxtyped
 
 # int where float is asked for is fine (PEP 484's numeric tower)
-_beartype = beartype(conf=BeartypeConf(is_pep484_tower=True))
+_CONF = BeartypeConf(is_pep484_tower=True)
+_beartype = beartype(conf=_CONF)
+
+_short = reprlib.Repr()
+_short.maxstring = 60
+_short.maxother = 60
+_short.maxlist = _short.maxtuple = _short.maxdict = _short.maxset = 3
+_short.maxlevel = 2
+
+
+def short_repr(value) -> str:
+    """A repr of at most a line or so, whatever the value (a dataset, a model)."""
+    try:
+        text = _short.repr(value)
+    except Exception:  # a repr that fails is no reason to hide the real error
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _hint_name(hint) -> str:
+    if isinstance(hint, type):
+        return hint.__qualname__
+    return str(hint).replace("typing.", "").replace("collections.abc.", "").replace("jaxtyping.", "")
+
+
+class ArgumentTypeError(TypeCheckError):
+    """A public function got an argument of the wrong type; the message names
+    it, what it was and what is expected (a ``TypeError``)."""
+
+
+def _bad_argument(fn, sig: inspect.Signature, hints: dict, args, kwargs) -> ArgumentTypeError | None:
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError:
+        return None
+    for name, value in bound.arguments.items():
+        hint = hints.get(name)
+        if hint is None:
+            continue
+        kind = sig.parameters[name].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            hint = tuple[hint, ...]
+        elif kind is inspect.Parameter.VAR_KEYWORD:
+            hint = dict[str, hint]
+        try:
+            ok = is_bearable(value, hint, conf=_CONF)
+        except Exception:
+            continue
+        if not ok:
+            return ArgumentTypeError(
+                f"{fn.__qualname__}(): argument {name}={short_repr(value)} is a {type(value).__qualname__}, "
+                f"expected {_hint_name(hint)}."
+            )
+    return None
 
 
 def typechecked(fn):
-    """Check ``fn``'s annotated arguments (and jaxtyping shapes) on every call."""
-    return jaxtyped(typechecker=_beartype)(fn)
+    """Check ``fn``'s annotated arguments (and jaxtyping shapes) on every call.
+
+    A wrong argument raises `ArgumentTypeError` (a ``TypeError``) whose message
+    names the argument, a short repr of its value and the expected type; the
+    checker's own message would print every argument in full (a dataset of
+    5,000 examples made one of 175,000 characters).
+    """
+    checked = jaxtyped(typechecker=_beartype)(fn)
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return checked(*args, **kwargs)
+        except (TypeCheckError, BeartypeCallHintParamViolation) as e:
+            if isinstance(e, ArgumentTypeError):
+                raise
+            try:
+                hints = typing.get_type_hints(fn)
+            except Exception:
+                hints = {}
+            short = _bad_argument(fn, sig, hints, args, kwargs)
+            if short is None:  # not one argument's fault (shapes that disagree across arguments)
+                raise
+            raise short from None
+
+    return wrapper
+
+
+_INTERNAL = tuple(
+    os.path.dirname(m.__file__) + os.sep
+    for m in (sys.modules[__name__.rsplit(".", 1)[0]], sys.modules["jaxtyping"], sys.modules["beartype"])
+)
+
+
+def warn_user(message: str, category=UserWarning) -> None:
+    """``warnings.warn`` pointing at the first frame outside redeqx (and the
+    type-check wrappers), so the warning names the user's own line."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level + 1)
