@@ -48,6 +48,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import PyTree
 
+from ._mesh import check_mesh
 from ._rules import path_parts
 from ._state import TrainState, _is_none, _is_spec, _mirror_specs, check_specs_match as _check_specs_match
 
@@ -93,16 +94,29 @@ def _is_key(x) -> bool:
     return isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
+def _train_view(state: TrainState) -> dict:
+    """What a TrainState saves besides its model, named as on disk."""
+    return {"opt_state": state.opt_state, "model_state": state.model_state, "step": state.step, "key": state.key}
+
+
 def _items(state) -> dict[str, list[tuple[tuple[str, ...], Any]]]:
-    """The arrays to save, per orbax item, with the names they get on disk."""
+    """The arrays to save, per orbax item, with the names they get on disk
+    (PRNG keys still as keys: `_prepare` stores their raw data)."""
     if isinstance(state, TrainState):
-        train = [(("opt_state", *parts), x) for parts, x in _array_leaves(state.opt_state)]
-        train.append((("step",), state.step))
-        train.append((("key",), jax.random.key_data(state.key)))
-        return {"model": _array_leaves(state.model), "train": train}
+        return {"model": _array_leaves(state.model), "train": _array_leaves(_train_view(state))}
     if _is_key(state):
-        raise TypeError("state must be a redeqx.TrainState or a model, got a PRNG key.")
+        raise TypeError("state must be a redeqx.TrainState, a model or a pytree of them, got a PRNG key.")
     return {"model": _array_leaves(state)}
+
+
+def _train_states(tree) -> list[TrainState]:
+    return [x for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, TrainState)) if isinstance(x, TrainState)]
+
+
+def _step_of(state) -> int | None:
+    """``state.step``; for a tree of TrainStates their common step; else None."""
+    found = {int(s.step) for s in _train_states(state)}
+    return found.pop() if len(found) == 1 else None
 
 
 @jax.jit
@@ -221,7 +235,16 @@ def _prepare(state, metadata, dtype):
     if isinstance(state, TrainState) and not _is_key(state.key):
         raise TypeError("state.key must be a typed PRNG key (jax.random.key(seed)).")
     dtype = _check_dtype(dtype)
-    items = {name: [(parts, _cast(x, dtype)) for parts, x in pairs] for name, pairs in _items(state).items()}
+    impls: dict[str, dict[str, str]] = {}
+    items = {}
+    for name, pairs in _items(state).items():
+        out = []
+        for parts, x in pairs:
+            if _is_key(x):
+                impls.setdefault(name, {})[".".join(parts)] = str(jax.random.key_impl(x))
+                x = jax.random.key_data(x)
+            out.append((parts, _cast(x, dtype)))
+        items[name] = out
     for name, pairs in items.items():
         for parts, x in pairs:
             if not isinstance(x, jax.Array):
@@ -229,24 +252,27 @@ def _prepare(state, metadata, dtype):
                     f"state leaf {'.'.join(parts)} is a {type(x).__name__}; save concrete arrays (an abstract "
                     "tree from eqx.filter_eval_shape has nothing to save)."
                 )
-    if not items["model"]:
-        raise ValueError("state has no arrays to save: pass a redeqx.TrainState or an Equinox model.")
+    if not any(items.values()):
+        raise ValueError("state has no arrays to save: pass a redeqx.TrainState, a model, or a pytree of them.")
     user = _to_json(dict(metadata or {}), "metadata")
-    step = int(state.step) if isinstance(state, TrainState) else user.get("step", 0)
-    if "redeqx" in user or ("step" in user and isinstance(state, TrainState) and user["step"] != step):
+    own_step = _step_of(state)
+    step = own_step if own_step is not None else user.get("step", 0)
+    if "redeqx" in user or ("step" in user and own_step is not None and user["step"] != step):
         raise ValueError(
             f"metadata may not set 'redeqx' or a 'step' other than state.step ({step}); got keys {sorted(user)}."
         )
     leaves = [x for pairs in items.values() for _, x in pairs]
     sums = np.asarray(jax.device_get(_checksums(leaves))).tolist()
     sums_it = iter(sums)
-    info = {
-        name: {
-            ".".join(parts): {"shape": list(x.shape), "dtype": str(x.dtype), "checksum": next(sums_it)}
-            for parts, x in pairs
-        }
-        for name, pairs in items.items()
-    }
+    info = {}
+    for name, pairs in items.items():
+        info[name] = {}
+        for parts, x in pairs:
+            entry = {"shape": list(x.shape), "dtype": str(x.dtype), "checksum": next(sums_it)}
+            impl = impls.get(name, {}).get(".".join(parts))
+            if impl is not None:
+                entry["prng_key"] = impl
+            info[name][".".join(parts)] = entry
     meta = {
         **user,
         "step": step,
@@ -331,29 +357,57 @@ def save_checkpoint(
 # ----------------------------------------------------------------------------- restore
 
 
+def _live_sharding(name: str, x, mesh: Mesh) -> NamedSharding:
+    sh = getattr(x, "sharding", None)
+    if isinstance(sh, NamedSharding) and sh.mesh.devices.shape == mesh.devices.shape and np.array_equal(
+            np.vectorize(lambda d: d.id)(sh.mesh.devices), np.vectorize(lambda d: d.id)(mesh.devices)):
+        return NamedSharding(mesh, sh.spec)
+    raise ValueError(
+        f"like leaf '{name}' carries no sharding on this mesh ({type(sh).__name__ if sh is not None else 'none'}), "
+        "so restore cannot tell where to put it: pass specs (redeqx.sharding_rules(model, mesh)), or a like "
+        "whose arrays live on this mesh (the live state)."
+    )
+
+
 def _targets(like, mesh: Mesh, specs) -> dict[str, list[tuple[tuple[str, ...], Any, NamedSharding]]]:
-    """Per orbax item: ``(name parts, like leaf, sharding)`` for every array to read."""
-    model = like.model if isinstance(like, TrainState) else like
-    _check_specs_match(model, specs, "model")
-    m_leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_none)[0]
-    s_leaves = jax.tree.leaves(specs, is_leaf=_is_spec)
-    out = {"model": []}
-    for (kp, x), spec in zip(m_leaves, s_leaves, strict=True):
-        if _is_arraylike(x):
-            out["model"].append((tuple(path_parts(kp)), x, NamedSharding(mesh, P() if spec is None else spec)))
-    if isinstance(like, TrainState):
-        os_specs = _mirror_specs(like.opt_state, model, specs)
-        os_leaves = jax.tree.leaves(os_specs, is_leaf=_is_spec)
-        train = []
-        for (kp, x), spec in zip(jax.tree_util.tree_flatten_with_path(like.opt_state, is_leaf=_is_none)[0], os_leaves,
-                                 strict=True):
+    """Per orbax item: ``(name parts, abstract leaf as stored, sharding)`` for
+    every array to read. PRNG keys are read as their raw data. With
+    ``specs=None`` every leaf goes where it is in ``like`` (a live state)."""
+    replicated = NamedSharding(mesh, P())
+
+    def stored(x):
+        return jax.eval_shape(jax.random.key_data, x) if _is_key(x) else x
+
+    def live(tree, prefix=()):
+        return [((*prefix, *parts), stored(x), _live_sharding(".".join((*prefix, *parts)), x, mesh))
+                for parts, x in _array_leaves(tree)]
+
+    if not isinstance(like, TrainState):
+        if specs is None:
+            return {"model": live(like)}
+        _check_specs_match(like, specs, "model")
+        out = []
+        m_leaves = jax.tree_util.tree_flatten_with_path(like, is_leaf=_is_none)[0]
+        for (kp, x), spec in zip(m_leaves, jax.tree.leaves(specs, is_leaf=_is_spec), strict=True):
             if _is_arraylike(x):
-                train.append((("opt_state", *path_parts(kp)), x, NamedSharding(mesh, spec)))
-        replicated = NamedSharding(mesh, P())
-        train.append((("step",), like.step, replicated))
-        train.append((("key",), jax.eval_shape(jax.random.key_data, like.key), replicated))
-        out["train"] = train
-    return out
+                out.append((tuple(path_parts(kp)), stored(x), NamedSharding(mesh, P() if spec is None else spec)))
+        return {"model": out}
+    if specs is None:
+        return {"model": live(like.model), "train": live(_train_view(like))}
+    model_targets = _targets(like.model, mesh, specs)["model"]
+    os_specs = _mirror_specs(like.opt_state, like.model, specs)
+    train = []
+    for (kp, x), spec in zip(jax.tree_util.tree_flatten_with_path(like.opt_state, is_leaf=_is_none)[0],
+                             jax.tree.leaves(os_specs, is_leaf=_is_spec), strict=True):
+        if _is_arraylike(x):
+            train.append((("opt_state", *path_parts(kp)), x, NamedSharding(mesh, spec)))
+    for parts, x in _array_leaves(like.model_state):
+        sh = getattr(x, "sharding", None)
+        keep = isinstance(sh, NamedSharding) and sh.mesh == mesh
+        train.append((("model_state", *parts), x, sh if keep else replicated))
+    train.append((("step",), like.step, replicated))
+    train.append((("key",), stored(like.key), replicated))
+    return {"model": model_targets, "train": train}
 
 
 def _check_match(path: Path, meta: dict, targets) -> None:
@@ -381,12 +435,17 @@ def _check_match(path: Path, meta: dict, targets) -> None:
         )
 
 
+def _is_key_data(item, parts, saved) -> bool:
+    entry = saved.get(item, {}).get(".".join(parts), {})
+    return "prng_key" in entry or (item == "train" and parts == ("key",))
+
+
 @eqx.filter_jit
 def _cast_to(tree, dtypes):
     return jax.tree.map(lambda x, d: x.astype(d), tree, dtypes)
 
 
-def restore_checkpoint(path: str | os.PathLike, like: PyTree, mesh: Mesh, specs: PyTree) -> PyTree:
+def restore_checkpoint(path: str | os.PathLike, like: PyTree, mesh: Mesh, specs: PyTree = None) -> PyTree:
     """Read the checkpoint at ``path`` into the structure of ``like``, placed
     on ``mesh`` by ``specs``.
 
@@ -399,7 +458,12 @@ def restore_checkpoint(path: str | os.PathLike, like: PyTree, mesh: Mesh, specs:
     parameters it mirrors, as in `init_state`.
 
     - ``like`` a `TrainState` restores everything; ``like`` a model restores
-      the parameters only (to fine-tune or predict).
+      the parameters only (to fine-tune or predict); ``like`` any other pytree
+      (a dict of TrainStates for several models, a replay buffer) restores the
+      state saved from a tree of that structure.
+    - ``specs=None``: every array goes where the same leaf of ``like`` lives
+      (pass the live state as ``like``): the way to restore a tree of several
+      models, each with its own layout.
     - Arrays come back with ``like``'s dtypes (a checkpoint saved with
       ``dtype=jnp.bfloat16`` is cast back up).
     - Shapes that differ, or a checkpoint whose checksums don't match its
@@ -414,8 +478,7 @@ def restore_checkpoint(path: str | os.PathLike, like: PyTree, mesh: Mesh, specs:
     ```
     """
     path = Path(path)
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh from redeqx.make_mesh, got {type(mesh).__name__}.")
+    mesh = check_mesh(mesh)
     meta = _raw_metadata(path)
     targets = _targets(like, mesh, specs)
     _check_match(path, meta, targets)
@@ -449,27 +512,46 @@ def restore_checkpoint(path: str | os.PathLike, like: PyTree, mesh: Mesh, specs:
             "does not match the checksum written with it. Restore an earlier checkpoint."
         )
     for item, wanted in targets.items():
-        dtypes = [jnp.dtype(like_leaf.dtype) if parts != ("key",) else None for parts, like_leaf, _ in wanted]
+        dtypes = [None if jnp.issubdtype(like_leaf.dtype, jax.dtypes.prng_key) or _is_key_data(item, parts, saved)
+                  else jnp.dtype(like_leaf.dtype) for parts, like_leaf, _ in wanted]
         keep = [i for i, (a, d) in enumerate(zip(arrays[item], dtypes)) if d is not None and a.dtype != d]
         if keep:
             cast = _cast_to([arrays[item][i] for i in keep], [dtypes[i] for i in keep])
             for i, a in zip(keep, cast):
                 arrays[item][i] = a
-    return _rebuild(like, arrays, meta)
+    by_name = {item: {".".join(parts): a for (parts, _, _), a in zip(wanted, arrays[item])}
+               for item, wanted in targets.items()}
+    return _rebuild(like, by_name, meta)
 
 
-def _rebuild(like, arrays: dict[str, list], meta: dict):
-    def fill(tree, values):
-        it = iter(values)
+def _rebuild(like, arrays: dict[str, dict[str, Any]], meta: dict):
+    """``like`` with its arrays from ``arrays`` (per item, by name on disk)."""
+    info = meta["redeqx"]["leaves"]
+
+    def fill(tree, item, names):
+        it = iter(names)
         leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_none)
-        return jax.tree.unflatten(treedef, [next(it) if _is_arraylike(x) else x for x in leaves])
+        out = []
+        for x in leaves:
+            if not _is_arraylike(x):
+                out.append(x)
+                continue
+            name = next(it)
+            a = arrays[item][name]
+            if _is_key(x):  # stored as raw data; older checkpoints name the impl once
+                impl = info[item][name].get("prng_key") or meta["redeqx"].get("key_impl")
+                a = jax.random.wrap_key_data(a, impl=impl)
+            out.append(a)
+        return jax.tree.unflatten(treedef, out)
+
+    def names(tree, prefix=()):
+        return [".".join((*prefix, *parts)) for parts, _ in _array_leaves(tree)]
 
     if not isinstance(like, TrainState):
-        return fill(like, arrays["model"])
-    train = arrays["train"]
-    key = jax.random.wrap_key_data(train[-1], impl=meta["redeqx"]["key_impl"])
-    return TrainState(model=fill(like.model, arrays["model"]), opt_state=fill(like.opt_state, train[:-2]),
-                      step=train[-2], key=key)
+        return fill(like, "model", names(like))
+    view = fill(_train_view(like), "train", names(_train_view(like)))
+    return TrainState(model=fill(like.model, "model", names(like.model)), opt_state=view["opt_state"],
+                      step=view["step"], key=view["key"], model_state=view["model_state"])
 
 
 # ----------------------------------------------------------------------------- manager
@@ -648,9 +730,12 @@ class CheckpointManager:
         JSON-able. ``step`` defaults to ``state.step`` (give it for a bare model).
         """
         if step is None:
-            if not isinstance(state, TrainState):
-                raise ValueError("save(model) needs step=: only a TrainState carries its own step.")
-            step = int(state.step)
+            step = _step_of(state)
+            if step is None:
+                raise ValueError(
+                    "save(state) needs step= here: only a TrainState (or a tree of TrainStates at one step) "
+                    "carries its own step."
+                )
         step = _check_count("step", step, 0)
         epoch = _check_count("epoch", epoch, 0)
         batch = _check_count("batch", batch, 0)
@@ -729,7 +814,7 @@ class CheckpointManager:
 
     # -- reading
 
-    def restore(self, like: PyTree, mesh: Mesh, specs: PyTree, *, best: str | None = None):
+    def restore(self, like: PyTree, mesh: Mesh, specs: PyTree = None, *, best: str | None = None):
         """``(state, metadata)`` from the latest complete checkpoint (or the
         best by metric ``best``), or None if there is none yet. A checkpoint
         that cannot be read is skipped with a warning naming it and the next

@@ -153,7 +153,8 @@ def from_pretrained(local_dir: str | os.PathLike, mesh: Mesh, specs=None, *, dty
     default each keeps the checkpoint's dtype. Missing, unexpected or
     mis-shaped tensors raise an error listing them.
 
-    Supported ``model_type``: ``llama``, ``mistral``, ``qwen2``, ``gpt2``, ``t5``.
+    Supported ``model_type``: ``llama``, ``mistral``, ``qwen2``, ``gpt2``, ``t5``, ``opt``, ``gptj``,
+    ``bart``.
 
     **Example:**
 
@@ -248,12 +249,16 @@ def _to_host(x) -> np.ndarray:
     return np.asarray(x)
 
 
+_GENERATION_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
 def save_pretrained(model, local_dir: str | os.PathLike, *, max_shard_bytes: int = 5 * 2**30) -> None:
     """Write ``model`` as a Hugging Face checkpoint that Transformers loads as is.
 
     ``config.json`` plus ``model.safetensors``, or several
     ``model-0000i-of-0000n.safetensors`` files and an index when the weights
-    exceed ``max_shard_bytes``. Tensors are gathered to the host one at a
+    exceed ``max_shard_bytes``, and ``generation_config.json`` when the config
+    names special tokens (BOS, EOS, padding, decoder start). Tensors are gathered to the host one at a
     time; on several hosts every process must call this, and process 0 writes.
 
     **Example:**
@@ -265,6 +270,13 @@ def save_pretrained(model, local_dir: str | os.PathLike, *, max_shard_bytes: int
     """
     if not hasattr(model, "config") or not hasattr(model.config, "to_hf"):
         raise TypeError(f"model must be a redeqx.models model (with a config), got {type(model).__name__}.")
+    from ._lora import LoRALinear
+
+    if any(isinstance(x, LoRALinear) for x in jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, LoRALinear))):
+        raise ValueError(
+            "model has LoRA adapters, which a Hugging Face checkpoint of this family has no place for: fold them "
+            "into the weights first, save_pretrained(redeqx.models.merge_lora(model), ...)."
+        )
     local_dir = Path(local_dir)
     writer = jax.process_index() == 0
     leaves = {path_str(kp): leaf for kp, leaf in jax.tree_util.tree_flatten_with_path(model)[0]}
