@@ -253,3 +253,28 @@ def test_type_errors_are_short_and_name_the_argument():
     message = str(info.value)
     assert len(message) < 300, message
     assert "per_device_batch_size=2.0" in message and "int" in message
+
+
+# ----------------------------------------------------------------------------- day-one conveniences
+
+
+def test_predict_step_compute_dtype():
+    mesh, model, specs, _ = setup()
+    batch = make_batch()
+    pred = lambda m, b, k: jax.vmap(m)(b["x"])  # noqa: E731
+    full = redeqx.make_predict_step(pred, mesh, specs)(model, batch, jax.random.key(0))
+    half = redeqx.make_predict_step(pred, mesh, specs, compute_dtype=jnp.bfloat16)(model, batch, jax.random.key(0))
+    assert half.dtype == jnp.bfloat16 and full.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(half, np.float32), full, rtol=0.05, atol=0.05)
+
+
+def test_save_pretrained_writes_generation_config(tmp_path):
+    import json
+
+    from redeqx import models
+
+    config = models.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=4, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    models.save_pretrained(models.LlamaForCausalLM(config, key=jax.random.key(0)), tmp_path)
+    generation = json.loads((tmp_path / "generation_config.json").read_text())
+    assert (generation["bos_token_id"], generation["eos_token_id"], generation["pad_token_id"]) == (1, 2, 0)

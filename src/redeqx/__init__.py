@@ -17,7 +17,7 @@ from ._logging import Logger as Logger
 from ._mesh import make_mesh as make_mesh
 from ._rules import explain as explain, sharding_rules as sharding_rules
 from ._schedules import lr_schedule as lr_schedule
-from ._state import TrainState as TrainState, init_state as init_state, shard as shard
+from ._state import TrainState as TrainState, init_opt_state as init_opt_state, init_state as init_state, shard as shard
 from ._steps import (
     make_eval_step as make_eval_step,
     make_predict_step as make_predict_step,

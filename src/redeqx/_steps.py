@@ -333,20 +333,23 @@ class _StepFunction:
 # ----------------------------------------------------------------------------- user functions
 
 
-def _check_signature(fn, role: str, n: int, call: str, example: str) -> None:
-    """``fn`` can be called with ``n`` positional arguments, else an error
-    naming the function and what it must look like."""
+def _check_signature(fn, role: str, n: int | tuple[int, ...], call: str, example: str) -> None:
+    """``fn`` can be called with ``n`` positional arguments (any of them, for
+    a tuple), else an error naming the function and what it must look like."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # builtins, some C callables: find out when called
         return
-    try:
-        sig.bind(*([None] * n))
-    except TypeError:
-        raise TypeError(
-            f"{role} {_fn_name(fn)!r} has the signature {sig}, but redeqx calls it as {role}{call}. "
-            f"Write it as `{example}` (an argument it does not need may go unused)."
-        ) from None
+    for k in (n,) if isinstance(n, int) else n:
+        try:
+            sig.bind(*([None] * k))
+            return
+        except TypeError:
+            pass
+    raise TypeError(
+        f"{role} {_fn_name(fn)!r} has the signature {sig}, but redeqx calls it as {role}{call}. "
+        f"Write it as `{example}` (an argument it does not need may go unused)."
+    )
 
 
 _LOSS_CALL = "(model, batch, key)"
@@ -479,7 +482,7 @@ def _micro_batches(batch, accumulate: int, mesh: Mesh):
 def _check_callable(fn, role: str, call: str, example: str) -> None:
     if not callable(fn):
         raise TypeError(f"{role} must be a function {call} -> ..., got {short_repr(fn)}.")
-    _check_signature(fn, role, 3, call, example)
+    _check_signature(fn, role, (3, 4), call, example)  # 4: with a model_state
 
 
 def _model_targets(mesh: Mesh, specs):
