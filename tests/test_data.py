@@ -57,8 +57,9 @@ def test_shuffle_is_deterministic_and_start_resumes(devices):
 
 def test_partial_last_batch_is_filled_with_a_warning(devices):
     mesh = redeqx.make_mesh(2)
-    with pytest.warns(UserWarning, match="last batch has 4 of 8 examples"):
+    with pytest.warns(UserWarning, match="last batch has 4 of 8 examples") as record:
         got = list(redeqx.batches(examples(12), collate, 2, mesh))
+    assert record[0].filename == __file__  # the user's loop, not a wrapper
     np.testing.assert_array_equal(np.asarray(got[-1]["id"]), [8, 9, 10, 11, 0, 1, 2, 3])
     with pytest.raises(ValueError, match="fewer than one global batch of 8"):
         list(redeqx.batches(examples(5), collate, 2, mesh, drop_last=True))

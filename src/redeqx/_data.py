@@ -265,7 +265,9 @@ def _check_examples(examples, name="examples"):
         raise ValueError(f"{name} is empty (a {kind} of length 0); pass at least one example.")
 
 
-def _only_batches(made):
+def _only_batches(made, warning: str | None):
+    if warning is not None:  # from the loop's first next(): stacklevel 2 is the user's loop, past any wrapper
+        warnings.warn(warning, stacklevel=2)
     with contextlib.closing(made):
         for batch, _ in made:
             yield batch
@@ -349,16 +351,15 @@ def batches(
             f"{per_device_batch_size} x data={mesh.shape[DATA]}), so drop_last=True leaves no batch. "
             "Lower per_device_batch_size or pass drop_last=False."
         )
+    warning = None
     if not drop_last and n % size:
-        warnings.warn(
+        warning = (
             f"redeqx.batches: the last batch has {n % size} of {size} examples; it is filled up with "
-            f"{size - n % size} examples from the start of the order. Pass drop_last=True to drop it instead.",
-            stacklevel=2,
+            f"{size - n % size} examples from the start of the order. Pass drop_last=True to drop it instead."
         )
     order = _order(n, shuffle, key)
-    return _only_batches(
-        _padded_batches(examples, collate_fn, per_device_batch_size, mesh, order, start, desc, drop_last, True, prefetch)
-    )
+    made = _padded_batches(examples, collate_fn, per_device_batch_size, mesh, order, start, desc, drop_last, True, prefetch)
+    return _only_batches(made, warning)
 
 
 @typechecked
