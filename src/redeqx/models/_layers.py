@@ -6,6 +6,7 @@ them as Equinox ``Linear`` weights."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import equinox as eqx
 import jax
@@ -15,8 +16,19 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._constrain import constrain
 from .._mesh import MODEL
+from .._rules import path_str
+from ._hf import HFTensor
 
 INIT_STD = 0.02  # the initializer_range of the Hugging Face configs
+
+# Hugging Face's names for the feed-forward activations.
+ACTIVATIONS = {
+    "relu": jax.nn.relu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),  # the tanh form
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "silu": jax.nn.silu,
+}
 
 
 def _last(v: Array, ndim: int) -> Array:
@@ -90,6 +102,44 @@ def fused_linears(
         outs.append(y[:, :, start:start + k].reshape(y.shape[0], n * k))
         start += k
     return outs
+
+
+def fused_row_linears(
+    xs: list[Float[Array, "seq _"]], layers: list, units: list[int]
+) -> Float[Array, "seq out"]:
+    """``sum(layer(x) for x, layer in zip(xs, layers))``, as one matmul when
+    every layer is a plain `Linear`, for row-parallel layers whose outputs are
+    added (GPT-J's attention output and MLP output, off one LayerNorm).
+
+    Why: a row-parallel output is a partial sum over the ``model`` shards.
+    Done as separate matmuls, XLA all-reduces each before adding them (2
+    all-reduces); one matmul over the joined inputs makes one partial sum and
+    one all-reduce. Inputs ``(seq, in)`` are viewed as ``(seq, n_shards, in /
+    n_shards)`` and weights ``(out, in)`` as ``(out, n_shards, in /
+    n_shards)``, joined on the last axis: every device joins its own
+    columns, so nothing moves.
+
+    ``units[i]`` is how many whole pieces (heads, hidden units) layer ``i``'s
+    inputs form. When ``n_shards`` does not divide every one of them, or a
+    layer is any other module (a LoRA adapter), the layers are called one by
+    one and their outputs added.
+    """
+    n = _model_shards()
+    if not all(type(layer) is Linear for layer in layers) or any(u % n for u in units):
+        out = layers[0](xs[0])
+        for layer, x in zip(layers[1:], xs[1:]):
+            out = out + layer(x)
+        return out
+    local = [layer.weight.shape[1] // n for layer in layers]
+    x = jnp.concatenate([x.reshape(x.shape[0], n, k) for x, k in zip(xs, local)], axis=2)
+    w = jnp.concatenate([layer.weight.reshape(-1, n, k) for layer, k in zip(layers, local)], axis=2)
+    x = constrain(x, P(None, MODEL, None))
+    w = constrain(w.astype(x.dtype), P(None, MODEL, None))
+    y = jnp.einsum("tnk,onk->to", x, w)  # one partial sum over the model shards
+    for layer in layers:
+        if layer.bias is not None:
+            y = y + _last(layer.bias.astype(y.dtype), y.ndim)
+    return y
 
 
 class Embedding(eqx.Module):
@@ -201,6 +251,58 @@ def update_cache(layer: KVCache, k, v, index) -> KVCache:
     return KVCache(k, v)
 
 
+class Attention(eqx.Module):
+    """Multi-head attention with ``q_proj``, ``k_proj``, ``v_proj`` and
+    ``out_proj`` (the fairseq layout of BART and OPT), scores scaled by
+    ``1 / sqrt(head_dim)``: self-attention that appends to a `KVCache` when
+    given one, or cross attention to keys/values projected once from an
+    encoder output (`project_kv`). Q/K/V are column parallel, ``out_proj`` row
+    parallel: one all-reduce forward, one backward."""
+
+    q_proj: Linear
+    k_proj: Linear
+    v_proj: Linear
+    out_proj: Linear
+    n_heads: int = eqx.field(static=True)
+
+    def __init__(self, dim: int, n_heads: int, *, bias: bool, key: PRNGKeyArray):
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (
+            Linear(dim, dim, bias=bias, key=k) for k in (kq, kk, kv, ko)
+        )
+        self.n_heads = n_heads
+
+    def __call__(
+        self,
+        x: Float[Array, "seq dim"],
+        mask: Bool[Array, "seq kv_seq"],
+        *,
+        cache: KVCache | None = None,
+        index: Int[Array, ""] | None = None,
+        kv: KVCache | None = None,
+    ) -> tuple[Float[Array, "seq dim"], KVCache | None]:
+        """Self-attention over ``x`` (its keys/values written into ``cache`` at
+        slot ``index`` when given), or cross attention to ``kv``."""
+        h = self.n_heads
+        if kv is not None:
+            q = heads(fused_linears(x, [self.q_proj], [h])[0], h)
+            k, v = kv.k.astype(q.dtype), kv.v.astype(q.dtype)
+        else:
+            q, k, v = (heads(y, h) for y in fused_linears(x, [self.q_proj, self.k_proj, self.v_proj], [h] * 3))
+            if cache is not None:
+                cache = update_cache(cache, k, v, index)
+                k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
+        out = attention(q, k, v, mask, scale=inv_sqrt(q.shape[-1]))
+        out = constrain(out.reshape(out.shape[0], -1), P(None, MODEL))
+        return constrain(self.out_proj(out), P()), cache  # row parallel: one all-reduce
+
+    def project_kv(self, source: Float[Array, "src dim"]) -> KVCache:
+        """Keys and values of an encoder output, for cross attention."""
+        h = self.n_heads
+        k, v = (heads(y, h) for y in fused_linears(source, [self.k_proj, self.v_proj], [h, h]))
+        return KVCache(k, v)
+
+
 def causal_mask(
     valid_keys: Bool[Array, " kv_seq"], first_slot, n_queries: int, window: int | None = None
 ) -> Bool[Array, "q_seq kv_seq"]:
@@ -242,6 +344,15 @@ def default_head_dim(hidden: int, n_heads: int) -> int:
 
 def inv_sqrt(d: int) -> float:
     return 1.0 / math.sqrt(d)
+
+
+def renamed_tensors(model, rename: Callable[[str], str]) -> list[HFTensor]:
+    """One checkpoint tensor per array leaf of ``model``, named
+    ``rename(path)``: for a family whose attribute names follow Hugging
+    Face's except where the sharding rules need another word (a learned
+    position table named ``position_embedding`` reads as one)."""
+    leaves = jax.tree_util.tree_flatten_with_path(eqx.filter(model, eqx.is_array))[0]
+    return [HFTensor(rename(p), (p,)) for p in (path_str(kp) for kp, _ in leaves)]
 
 
 class CausalLM(eqx.Module):
