@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import tqdm
 
 import redeqx
 
@@ -150,6 +151,12 @@ def prefetch_threads():
     return [t for t in threading.enumerate() if t.name == "redeqx-prefetch"]
 
 
+def thread_count():
+    """threading.active_count(), less tqdm's monitor thread, which every
+    progress bar starts if none runs and which ends by itself."""
+    return threading.active_count() - sum(isinstance(t, tqdm.std.TMonitor) for t in threading.enumerate())
+
+
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_prefetch_gives_the_same_batches_and_resumes(shuffle, devices):
     mesh = redeqx.make_mesh(2)
@@ -172,27 +179,26 @@ def test_prefetch_collates_ahead_in_a_thread_and_at_most_prefetch_batches(device
         made.append((threading.current_thread() is threading.main_thread(), int(es[0]["id"])))
         return collate(es)
 
-    def settle():  # lets the thread run as far ahead as it may
-        for _ in range(100):
-            n = len(made)
-            time.sleep(0.02)
-            if len(made) == n and n:
-                return
+    def settle(n):  # waits for n collate calls, then gives the thread room to run further ahead if it would
+        deadline = time.monotonic() + 30
+        while len(made) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)
 
     it = redeqx.batches(examples(64), recording, 2, mesh, prefetch=2)  # 8 batches
     assert made == [] and not prefetch_threads()  # nothing runs before the loop asks
     first = next(it)
-    settle()
+    settle(3)
     assert np.asarray(first["id"]).tolist() == list(range(8))
     assert [i for _, i in made] == [0, 8, 16] and not any(main for main, _ in made)  # 2 ahead, not more
     next(it)
-    settle()
+    settle(4)
     assert [i for _, i in made] == [0, 8, 16, 24]
     it.close()
     made.clear()
     it = redeqx.batches(examples(64), recording, 2, mesh, prefetch=0)
     next(it)
-    settle()
+    settle(1)
     assert made == [(True, 0)]  # in the loop's thread, only when asked
 
 
@@ -231,13 +237,13 @@ def _walk(tb):
 
 def test_leaving_the_loop_early_stops_the_thread(devices):
     mesh = redeqx.make_mesh(2)
-    before = threading.active_count()
+    before = thread_count()
     for epoch in range(5):  # break, every epoch
         for i, _ in enumerate(redeqx.batches(examples(64), collate, 2, mesh, shuffle=True, key=jax.random.key(epoch))):
             assert len(prefetch_threads()) == 1
             if i == 2:
                 break
-        assert not prefetch_threads() and threading.active_count() <= before
+        assert not prefetch_threads() and thread_count() <= before
     with pytest.raises(RuntimeError, match="step failed"):  # an exception in the loop
         for _ in redeqx.batches(examples(64), collate, 2, mesh):
             raise RuntimeError("step failed")
@@ -252,7 +258,7 @@ def test_leaving_the_loop_early_stops_the_thread(devices):
     gc.collect()
     assert not prefetch_threads()
     list(redeqx.batches(examples(64), collate, 2, mesh))  # run to the end
-    assert not prefetch_threads() and threading.active_count() <= before
+    assert not prefetch_threads() and thread_count() <= before
 
 
 def test_evaluate_and_predict_prefetch_too(devices):
