@@ -121,6 +121,9 @@ def _families() -> dict[str, Any]:
         families["t5"] = (T5Config, T5ForConditionalGeneration)
     except ImportError:
         pass
+    from ._opt import OPTConfig, OPTForCausalLM
+
+    families["opt"] = (OPTConfig, OPTForCausalLM)
     return families
 
 

@@ -1,0 +1,276 @@
+"""OPT (Meta's Open Pre-trained Transformers, 125M to 175B): learned
+positions, LayerNorm before each block (after it in OPT-350m), ReLU, biases
+on every projection, the LM head tied to the token embedding.
+
+Attribute paths are the Hugging Face tensor names
+(``model.decoder.layers.0.self_attn.q_proj.weight``, ``...fc1.weight``), so
+`redeqx.sharding_rules` gives the Megatron-LM plan with no overrides: Q/K/V
+and ``fc1`` split on output features, ``out_proj`` and ``fc2`` on input
+features, ``embed_tokens`` on the vocabulary. One name differs: Hugging
+Face's ``embed_positions`` is ``position_embedding`` here, which the rules
+read as a learned position table and replicate; `hf_tensors` renames it.
+
+OPT details:
+
+- the position table has ``max_position_embeddings + 2`` rows and position
+  ``p`` reads row ``p + 2`` (fairseq kept two rows for padding);
+- positions count real tokens only, so a left-padded prompt starts at 0;
+- OPT-350m embeds tokens in ``word_embed_proj_dim`` (512) and projects in
+  and out of the 1024-wide blocks (``project_in``, ``project_out``, no bias),
+  and puts its LayerNorms after each block, with no final one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import equinox as eqx
+import jax
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from .._constrain import constrain
+from .._mesh import MODEL
+from ._hf import HFTensor
+from ._layers import (
+    ACTIVATIONS,
+    Attention,
+    Cache,
+    CausalLM,
+    Embedding,
+    LayerNorm,
+    Linear,
+    check_positive_ints,
+    default_head_dim,
+    renamed_tensors,
+)
+
+POSITION_OFFSET = 2  # position p reads row p + 2 of the table, as fairseq and Hugging Face do
+
+
+@dataclasses.dataclass(frozen=True)
+class OPTConfig:
+    """Sizes and options of an OPT model; names follow Hugging Face's ``config.json``.
+
+    The defaults are OPT-125m. OPT-13B is ``hidden_size=5120, num_hidden_layers=40,
+    num_attention_heads=40, ffn_dim=20480``; OPT-66B ``9216, 64, 72, 36864``.
+    """
+
+    vocab_size: int = 50272
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    ffn_dim: int = 3072
+    num_attention_heads: int = 12
+    max_position_embeddings: int = 2048
+    do_layer_norm_before: bool = True  # False: post-LN blocks, as in OPT-350m
+    word_embed_proj_dim: int | None = None  # None: hidden_size (no projection)
+    remove_final_layer_norm: bool = False  # Hugging Face's `_remove_final_layer_norm` (old fine-tunes)
+    activation_function: str = "relu"
+    enable_bias: bool = True  # bias on the attention and MLP projections
+    tie_word_embeddings: bool = True  # every released OPT ties its LM head to embed_tokens
+    layer_norm_eps: float = 1e-5  # torch.nn.LayerNorm's default, which OPT uses
+    pad_token_id: int | None = 1
+    bos_token_id: int | None = 2
+    eos_token_id: int | None = 2
+    hf_prefix: str = "model."  # prefix of the checkpoint's tensor names ("" in the hub's OPTModel files)
+    remat: bool = False  # recompute each block's activations in the backward pass
+
+    def __post_init__(self):
+        check_positive_ints(self, ("vocab_size", "hidden_size", "num_hidden_layers", "ffn_dim",
+                                   "num_attention_heads", "max_position_embeddings"))
+        default_head_dim(self.hidden_size, self.num_attention_heads)
+        if self.word_embed_proj_dim is not None:
+            check_positive_ints(self, ("word_embed_proj_dim",))
+        if self.activation_function not in ACTIVATIONS:
+            raise ValueError(
+                f"OPTConfig.activation_function={self.activation_function!r} is not supported; "
+                f"use one of {sorted(ACTIVATIONS)}."
+            )
+        if self.hf_prefix not in ("model.", ""):
+            raise ValueError(f"OPTConfig.hf_prefix must be 'model.' or '', got {self.hf_prefix!r}.")
+
+    @property
+    def embed_dim(self) -> int:
+        """Width of the token embedding (and of the tied LM head)."""
+        return self.word_embed_proj_dim or self.hidden_size
+
+    @property
+    def projected(self) -> bool:
+        return self.embed_dim != self.hidden_size
+
+    @property
+    def final_norm(self) -> bool:
+        return self.do_layer_norm_before and not self.remove_final_layer_norm
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "OPTConfig":
+        """From a Hugging Face ``config.json`` dict (Transformers 4 or 5 layout)."""
+        return cls.from_hf_checkpoint(d, None)
+
+    @classmethod
+    def from_hf_checkpoint(cls, d: dict, tensor_names) -> "OPTConfig":
+        """From ``config.json`` and the names of the checkpoint's tensors: the
+        hub's OPT files were saved from ``OPTModel`` and name their tensors
+        ``decoder.*``, files saved from ``OPTForCausalLM`` ``model.decoder.*``."""
+        if not d.get("layer_norm_elementwise_affine", True):
+            raise ValueError(
+                "OPT config.json has layer_norm_elementwise_affine=false (LayerNorms without weights); "
+                "redeqx supports only OPT with affine LayerNorms."
+            )
+        prefix = "model."
+        if tensor_names is not None and "model.decoder.embed_tokens.weight" not in tensor_names \
+                and "decoder.embed_tokens.weight" in tensor_names:
+            prefix = ""
+        eos = d.get("eos_token_id", 2)
+        return cls(
+            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], num_hidden_layers=d["num_hidden_layers"],
+            ffn_dim=d["ffn_dim"], num_attention_heads=d["num_attention_heads"],
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            do_layer_norm_before=bool(d.get("do_layer_norm_before", True)),
+            word_embed_proj_dim=d.get("word_embed_proj_dim"),
+            remove_final_layer_norm=bool(d.get("_remove_final_layer_norm", False)),
+            activation_function=d.get("activation_function", "relu"),
+            enable_bias=bool(d.get("enable_bias", True)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
+            pad_token_id=d.get("pad_token_id"), bos_token_id=d.get("bos_token_id"),
+            eos_token_id=eos[0] if isinstance(eos, list) and len(eos) == 1 else eos,
+            hf_prefix=prefix,
+        )
+
+    def to_hf(self) -> dict:
+        """A Hugging Face ``config.json`` dict that Transformers loads as is."""
+        return {
+            "architectures": ["OPTForCausalLM"], "model_type": "opt", "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size, "num_hidden_layers": self.num_hidden_layers, "ffn_dim": self.ffn_dim,
+            "num_attention_heads": self.num_attention_heads, "max_position_embeddings": self.max_position_embeddings,
+            "do_layer_norm_before": self.do_layer_norm_before, "word_embed_proj_dim": self.embed_dim,
+            "_remove_final_layer_norm": self.remove_final_layer_norm,
+            "activation_function": self.activation_function, "enable_bias": self.enable_bias,
+            "layer_norm_elementwise_affine": True, "tie_word_embeddings": self.tie_word_embeddings,
+            "pad_token_id": self.pad_token_id, "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
+        }
+
+
+class OPTDecoderLayer(eqx.Module):
+    self_attn: Attention
+    self_attn_layer_norm: LayerNorm
+    fc1: Linear
+    fc2: Linear
+    final_layer_norm: LayerNorm
+    config: OPTConfig = eqx.field(static=True)
+
+    def __init__(self, config: OPTConfig, *, key: PRNGKeyArray):
+        ka, k1, k2 = jax.random.split(key, 3)
+        h, b = config.hidden_size, config.enable_bias
+        self.self_attn = Attention(h, config.num_attention_heads, bias=b, key=ka)
+        self.self_attn_layer_norm = LayerNorm(h, config.layer_norm_eps)
+        self.fc1 = Linear(h, config.ffn_dim, bias=b, key=k1)
+        self.fc2 = Linear(config.ffn_dim, h, bias=b, key=k2)
+        self.final_layer_norm = LayerNorm(h, config.layer_norm_eps)
+        self.config = config
+
+    def _mlp(self, x: Float[Array, "seq hidden"]) -> Float[Array, "seq hidden"]:
+        h = constrain(ACTIVATIONS[self.config.activation_function](self.fc1(x)), P(None, MODEL))  # column parallel
+        return constrain(self.fc2(h), P())  # row parallel: one all-reduce
+
+    def __call__(self, x, mask, cache, index):
+        pre = self.config.do_layer_norm_before
+        a, cache = self.self_attn(self.self_attn_layer_norm(x) if pre else x, mask, cache=cache, index=index)
+        x = x + a
+        if not pre:
+            x = self.self_attn_layer_norm(x)
+        y = x + self._mlp(self.final_layer_norm(x) if pre else x)
+        return (y if pre else self.final_layer_norm(y)), cache
+
+
+class OPTDecoder(eqx.Module):
+    embed_tokens: Embedding
+    position_embedding: Embedding  # Hugging Face's embed_positions: (max_position_embeddings + 2, hidden)
+    project_in: Linear | None
+    project_out: Linear | None
+    final_layer_norm: LayerNorm | None
+    layers: list[OPTDecoderLayer]
+
+    def __init__(self, config: OPTConfig, *, key: PRNGKeyArray):
+        ke, kp, ki, ko, *kl = jax.random.split(key, config.num_hidden_layers + 4)
+        c = config
+        self.embed_tokens = Embedding(c.vocab_size, c.embed_dim, key=ke)
+        self.position_embedding = Embedding(c.max_position_embeddings + POSITION_OFFSET, c.hidden_size, key=kp)
+        self.project_in = Linear(c.embed_dim, c.hidden_size, bias=False, key=ki) if c.projected else None
+        self.project_out = Linear(c.hidden_size, c.embed_dim, bias=False, key=ko) if c.projected else None
+        self.final_layer_norm = LayerNorm(c.hidden_size, c.layer_norm_eps) if c.final_norm else None
+        self.layers = [OPTDecoderLayer(c, key=k) for k in kl]
+
+
+class OPTModel(eqx.Module):
+    decoder: OPTDecoder
+
+    def __init__(self, config: OPTConfig, *, key: PRNGKeyArray):
+        self.decoder = OPTDecoder(config, key=key)
+
+
+class OPTForCausalLM(CausalLM):
+    """OPT for one sequence (batch with ``jax.vmap``); the LM head is the
+    token embedding (tied), as in every released OPT.
+
+    **Example:**
+
+    ```python
+    config = OPTConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, ffn_dim=128,
+                       num_attention_heads=4, max_position_embeddings=128)
+    model = OPTForCausalLM(config, key=jax.random.key(0))
+    logits = jax.vmap(model)(tokens)              # (batch, seq) -> (batch, seq, vocab)
+    new = redeqx.models.generate(model, tokens, max_new_tokens=16)
+    ```
+    """
+
+    model: OPTModel
+    lm_head: Linear | None
+    config: OPTConfig = eqx.field(static=True)
+
+    # A tied head saved anyway.
+    hf_ignore = (r"lm_head\.weight",)
+
+    def __init__(self, config: OPTConfig, *, key: PRNGKeyArray):
+        if not isinstance(config, OPTConfig):
+            raise TypeError(f"config must be a redeqx.models.OPTConfig, got {type(config).__name__}.")
+        km, kh = jax.random.split(key)
+        self.model = OPTModel(config, key=km)
+        self.lm_head = None if config.tie_word_embeddings else Linear(
+            config.embed_dim, config.vocab_size, bias=False, key=kh
+        )
+        self.config = config
+
+    def _kv_shape(self):
+        c = self.config
+        return c.num_hidden_layers, c.num_attention_heads, c.hidden_size // c.num_attention_heads
+
+    def _run(self, ids, positions, mask, cache: Cache | None):
+        c, d = self.config, self.model.decoder
+        x = constrain(d.embed_tokens(ids), P())  # vocab-split lookup: one all-reduce
+        if d.project_in is not None:
+            x = d.project_in(x)
+        x = constrain(x + d.position_embedding(positions + POSITION_OFFSET), P())
+        new_layers = []
+        for i, layer in enumerate(d.layers):
+            fn = eqx.filter_checkpoint(layer) if c.remat else layer
+            x, lc = fn(x, mask, None if cache is None else cache.layers[i], None if cache is None else cache.index)
+            new_layers.append(lc)
+        if d.final_layer_norm is not None:
+            x = d.final_layer_norm(x)
+        if d.project_out is not None:
+            x = d.project_out(x)
+        logits = d.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
+        return constrain(logits, P(None, MODEL)), new_layers  # vocab parallel
+
+    def hf_tensors(self) -> list[HFTensor]:
+        """Checkpoint tensors: each leaf under its own path, but
+        ``position_embedding`` is Hugging Face's ``embed_positions``, and the
+        ``model.`` prefix is dropped for checkpoints saved without it."""
+        prefix = self.config.hf_prefix
+
+        def rename(path: str) -> str:
+            path = path.replace(".position_embedding.", ".embed_positions.")
+            return prefix + path[len("model."):] if path.startswith("model.") else path
+
+        return renamed_tensors(self, rename)

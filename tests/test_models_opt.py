@@ -1,0 +1,209 @@
+"""OPT against Transformers' PyTorch reference (tiny random configs built and
+saved here: no download), and OPT-13B / OPT-66B's shapes built abstractly."""
+
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+from megatron_count import megatron_bytes
+
+import redeqx
+from redeqx._rules import path_str
+from redeqx.models import OPTConfig, OPTForCausalLM, from_pretrained, generate, save_pretrained
+from redeqx.models._hf import _skeleton, hf_tensors
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 100
+SIZES = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
+             max_position_embeddings=64)
+
+
+def _hf_model(kind):
+    torch.manual_seed(0)
+    if kind == "pre":  # OPT-125m ... 175B: pre-LN, final LayerNorm
+        config = transformers.OPTConfig(**SIZES)
+    else:  # OPT-350m: post-LN, no final LayerNorm, 16-wide embeddings projected in and out
+        config = transformers.OPTConfig(**SIZES, do_layer_norm_before=False, word_embed_proj_dim=16)
+    hf = transformers.OPTForCausalLM(config).eval()
+    with torch.no_grad():  # non-trivial biases and norms, logits of order 1, so a wrong mapping shows
+        for name, p in hf.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+            elif "embed_tokens" in name:
+                p.mul_(20)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    out = {}
+    for kind in ("pre", "post"):
+        d = tmp_path_factory.mktemp(kind)
+        hf = _hf_model(kind)
+        hf.save_pretrained(d)
+        out[kind] = (d, hf)
+    return out
+
+
+def _ids(batch=2, seq=12, seed=0):
+    return np.random.RandomState(seed).randint(3, VOCAB, (batch, seq))
+
+
+def _torch_logits(hf, ids, mask=None):
+    with torch.no_grad():
+        return hf(torch.tensor(ids), attention_mask=None if mask is None else torch.tensor(mask)).logits.numpy()
+
+
+@jax.jit
+def _logits(model, ids):
+    return jax.vmap(model)(ids)
+
+
+def test_logits_match_transformers_at_1_2_4_model_shards(checkpoints):
+    d, hf = checkpoints["pre"]
+    ids = _ids(batch=8)
+    ref = _torch_logits(hf, ids)
+    assert np.abs(ref).max() > 1
+    for n in (1, 2, 4):
+        np.testing.assert_allclose(_logits(from_pretrained(d, redeqx.make_mesh(n)), ids), ref, atol=1e-4, rtol=0)
+
+
+def test_post_layernorm_with_projected_embeddings_matches_transformers(checkpoints):
+    d, hf = checkpoints["post"]
+    model = from_pretrained(d, redeqx.make_mesh(2))
+    assert not model.config.do_layer_norm_before and model.config.embed_dim == 16
+    assert model.model.decoder.final_layer_norm is None and model.model.decoder.project_in.weight.shape == (32, 16)
+    ids = _ids(batch=8)
+    np.testing.assert_allclose(_logits(model, ids), _torch_logits(hf, ids), atol=1e-4, rtol=0)
+
+
+def test_save_pretrained_round_trip_and_hub_names(checkpoints, tmp_path):
+    d, hf = checkpoints["post"]
+    save_pretrained(from_pretrained(d, redeqx.make_mesh(2)), tmp_path / "ours")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    assert type(again) is transformers.OPTForCausalLM
+    ids = _ids(seed=1)
+    np.testing.assert_allclose(_torch_logits(again, ids), _torch_logits(hf, ids), atol=1e-5, rtol=0)
+    # The hub's OPT files were saved from OPTModel: tensors named decoder.*, no lm_head
+    d, hf = checkpoints["pre"]
+    hf.model.save_pretrained(tmp_path / "hub")
+    one_device = redeqx.make_mesh(1, devices=jax.devices()[:1])
+    hub, ours = from_pretrained(tmp_path / "hub", one_device), from_pretrained(d, one_device)
+    assert hub.config.hf_prefix == "" and ours.config.hf_prefix == "model."
+    for a, b in zip(jax.tree.leaves(hub), jax.tree.leaves(ours), strict=True):
+        np.testing.assert_array_equal(a, b)
+    save_pretrained(hub, tmp_path / "hub_again")  # written under the same names, which Transformers reads too
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hub_again").eval()
+    np.testing.assert_allclose(_torch_logits(again, ids), _torch_logits(hf, ids), atol=1e-5, rtol=0)
+
+
+def test_explain_shows_the_megatron_plan():
+    config = OPTConfig(**{**SIZES, "num_hidden_layers": 1})
+    model = eqx.filter_eval_shape(lambda: OPTForCausalLM(config, key=jax.random.key(0)))  # shapes are enough
+    mesh = redeqx.make_mesh(2)
+    table = redeqx.explain(model, redeqx.sharding_rules(model, mesh), mesh)
+    want = {
+        r"embed_tokens\.weight": "P('model', None)",
+        r"position_embedding\.weight": "P()",
+        r"(q|k|v)_proj\.weight": "P('model', None)",
+        r"(q|k|v)_proj\.bias": "P('model',)",
+        r"out_proj\.weight": "P(None, 'model')",
+        r"out_proj\.bias": "P()",
+        r"fc1\.weight": "P('model', None)",
+        r"fc1\.bias": "P('model',)",
+        r"fc2\.weight": "P(None, 'model')",
+        r"fc2\.bias": "P()",
+        r"layer_norm\.(weight|bias)": "P()",
+    }
+    rows = [line for line in table.splitlines()[2:] if line.startswith("model.")]
+    assert len(rows) == len(jax.tree.leaves(model))
+    for row in rows:
+        path, spec = row.split()[0], re.search(r"P\([^)]*\)", row).group(0)
+        (expected,) = [v for k, v in want.items() if re.search(k, path)]
+        assert spec == expected, (path, spec, expected)
+
+
+def test_greedy_generation_from_left_padded_prompts_matches_transformers(checkpoints):
+    d, hf = checkpoints["pre"]
+    ids = _ids(seq=6, seed=2)
+    mask = np.ones_like(ids)
+    mask[1, :2] = 0  # the second prompt is 4 tokens, left-padded
+    ids[1, :2] = hf.config.pad_token_id
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=8, do_sample=False,
+                          eos_token_id=None, pad_token_id=hf.config.pad_token_id).numpy()[:, 6:]
+    mesh = redeqx.make_mesh(2)
+    model = from_pretrained(d, mesh)
+
+    def pred_fn(model, batch, key):
+        return generate(model, batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=8)
+
+    step = redeqx.make_predict_step(pred_fn, mesh, redeqx.sharding_rules(model, mesh))
+    batch = {"input_ids": jnp.asarray(np.concatenate([ids] * 4)),
+             "attention_mask": jnp.asarray(np.concatenate([mask] * 4).astype(bool))}  # 2 rows per data shard
+    out = np.asarray(step(model, batch, jax.random.key(0)))
+    np.testing.assert_array_equal(out[:2], ref)
+    np.testing.assert_array_equal(out[6:], ref)
+
+
+def test_train_step_communication_is_megatron(checkpoints):
+    d, _ = checkpoints["pre"]
+    model = from_pretrained(d, redeqx.make_mesh(1, devices=jax.devices()[:1]))
+    optimizer = optax.sgd(0.1)
+    mesh = redeqx.make_mesh(4)
+    specs = redeqx.sharding_rules(model, mesh)
+    state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(0))
+    batch = jax.device_put({"ids": jnp.asarray(_ids(batch=8, seq=17))}, NamedSharding(mesh, P("data")))
+
+    def loss_fn(m, batch, key):
+        logits = jax.vmap(m)(batch["ids"][:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:]).mean()
+
+    summary = redeqx.collective_summary(redeqx.make_train_step(loss_fn, optimizer, mesh, specs), state, batch)
+    grad_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state.model))
+    c = model.config
+    analytic = megatron_bytes(c.hidden_size, c.num_hidden_layers, 8 // mesh.shape["data"], 16, grad_bytes)
+    moved = sum(v["bytes"] for v in summary.values())
+    assert set(summary) == {"all-reduce"}, summary  # no activation gathers
+    assert moved <= 1.15 * analytic, (moved, analytic, summary)
+    print(f"OPT train step at n_model_shards=4: {moved} bytes, {moved / analytic:.3f}x Megatron's {analytic}")
+
+
+def _shapes(model) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensor name -> shape, as save_pretrained would write them."""
+    leaves = {path_str(kp): leaf for kp, leaf in jax.tree_util.tree_flatten_with_path(model)[0]}
+    return {t.name: tuple(jax.eval_shape(t.join, *(jax.ShapeDtypeStruct(leaves[p].shape, leaves[p].dtype)
+                                                   for p in t.paths)).shape) for t in hf_tensors(model)}
+
+
+@pytest.mark.parametrize("name, sizes, n_params", [
+    ("OPT-13B", dict(hidden_size=5120, num_hidden_layers=40, num_attention_heads=40, ffn_dim=20480), 12_853_473_280),
+    ("OPT-66B", dict(hidden_size=9216, num_hidden_layers=64, num_attention_heads=72, ffn_dim=36864), 65_719_701_504),
+])
+def test_full_size_shapes_equal_transformers(name, sizes, n_params):
+    hf_config = transformers.OPTConfig(**sizes)  # vocab 50272, 2048 positions: the released models' values
+    with torch.device("meta"):  # shapes only, nothing allocated
+        hf = transformers.AutoModelForCausalLM.from_config(hf_config)
+    config = OPTConfig.from_hf(hf_config.to_dict())
+    model = _skeleton(OPTForCausalLM, config, None)  # built by eqx.filter_eval_shape: nothing allocated
+    theirs = {k: tuple(v.shape) for k, v in hf.state_dict().items() if k != "lm_head.weight"}  # the head is tied
+    assert _shapes(model) == theirs
+    assert sum(p.numel() for p in hf.parameters()) == sum(x.size for x in jax.tree.leaves(model)) == n_params
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="num_attention_heads=5"):
+        OPTConfig(hidden_size=32, num_attention_heads=5)
+    with pytest.raises(ValueError, match="activation_function='swish'"):
+        OPTConfig(activation_function="swish")
+    with pytest.raises(ValueError, match="layer_norm_elementwise_affine"):
+        OPTConfig.from_hf({**SIZES, "layer_norm_elementwise_affine": False})
+    with pytest.raises(TypeError, match="OPTConfig"):
+        OPTForCausalLM(SIZES, key=jax.random.key(0))
