@@ -7,3 +7,4 @@ from ._generate import beam_search as beam_search, generate as generate, greedy 
 from ._gpt2 import GPT2Config as GPT2Config, GPT2LMHeadModel as GPT2LMHeadModel
 from ._t5 import T5Config as T5Config, T5ForConditionalGeneration as T5ForConditionalGeneration, shift_right as shift_right
 from ._opt import OPTConfig as OPTConfig, OPTForCausalLM as OPTForCausalLM
+from ._gptj import GPTJConfig as GPTJConfig, GPTJForCausalLM as GPTJForCausalLM

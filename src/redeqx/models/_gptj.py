@@ -1,0 +1,270 @@
+"""GPT-J (EleutherAI's GPT-J-6B): attention and MLP side by side off one
+LayerNorm, rotary embedding on part of each head, no attention biases, an
+untied LM head with a bias.
+
+Attribute paths are the Hugging Face tensor names
+(``transformer.h.0.attn.q_proj.weight``, ``transformer.h.0.mlp.fc_in.weight``),
+so checkpoints load by name and `redeqx.sharding_rules` gives the Megatron-LM
+plan with no overrides: Q/K/V and ``fc_in`` split on output features,
+``out_proj`` and ``fc_out`` on input features, ``wte`` and ``lm_head`` on the
+vocabulary.
+
+GPT-J details:
+
+- a block computes ``x + attn(ln_1(x)) + mlp(ln_1(x))``. Both branches read
+  the same input and their outputs are added, so Q/K/V and ``fc_in`` run as
+  one column-parallel matmul and ``out_proj`` and ``fc_out`` as one
+  row-parallel matmul: one all-reduce per block forward and one backward,
+  where a sequential block has two of each (as Megatron/GPT-NeoX do for
+  GPT-J's "parallel residual");
+- the rotary embedding turns the first ``rotary_dim`` features of each query
+  and key head by ``position * inv_freq``, pairing features ``(0, 1), (2, 3),
+  ...`` (GPT-J's interleaved "rotate_every_two" layout, not LLaMA's halves);
+  the rest of each head passes through.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from .._constrain import constrain
+from .._mesh import MODEL
+from ._layers import (
+    ACTIVATIONS,
+    Cache,
+    CausalLM,
+    Embedding,
+    KVCache,
+    LayerNorm,
+    Linear,
+    attention,
+    check_positive_ints,
+    fused_linears,
+    fused_row_linears,
+    heads,
+    inv_sqrt,
+    update_cache,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTJConfig:
+    """Sizes of a GPT-J model; names follow Hugging Face's ``config.json``.
+    The defaults are GPT-J-6B."""
+
+    vocab_size: int = 50400
+    n_positions: int = 2048
+    n_embd: int = 4096
+    n_layer: int = 28
+    n_head: int = 16
+    rotary_dim: int | None = 64  # None: rotate the whole head
+    n_inner: int | None = None  # None: 4 * n_embd
+    activation_function: str = "gelu_new"
+    layer_norm_epsilon: float = 1e-5
+    bos_token_id: int | None = 50256
+    eos_token_id: int | None = 50256
+    pad_token_id: int | None = None
+    remat: bool = False  # recompute each block's activations in the backward pass
+
+    def __post_init__(self):
+        check_positive_ints(self, ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"))
+        if self.n_embd % self.n_head:
+            raise ValueError(f"GPTJConfig: n_embd={self.n_embd} must be a multiple of n_head={self.n_head}.")
+        head_dim = self.n_embd // self.n_head
+        if self.rotary_dim is not None and (
+            isinstance(self.rotary_dim, bool) or not isinstance(self.rotary_dim, int)
+            or not 0 < self.rotary_dim <= head_dim or self.rotary_dim % 2
+        ):
+            raise ValueError(
+                f"GPTJConfig.rotary_dim must be None or an even int in 1..head_dim={head_dim}, got {self.rotary_dim!r}."
+            )
+        if self.activation_function not in ACTIVATIONS:
+            raise ValueError(
+                f"GPTJConfig.activation_function={self.activation_function!r} is not supported; "
+                f"use one of {sorted(ACTIVATIONS)}."
+            )
+
+    @property
+    def inner(self) -> int:
+        return self.n_inner or 4 * self.n_embd
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def rotated(self) -> int:
+        """How many features of each head the rotary embedding turns."""
+        return self.rotary_dim or self.head_dim
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "GPTJConfig":
+        """From a Hugging Face ``config.json`` dict (Transformers 4 or 5 layout)."""
+        if d.get("tie_word_embeddings", False):
+            raise ValueError("GPT-J config.json has tie_word_embeddings=true; GPT-J's LM head is its own (with a bias).")
+        eos = d.get("eos_token_id")
+        return cls(
+            vocab_size=d["vocab_size"], n_positions=d.get("n_positions", 2048), n_embd=d["n_embd"],
+            n_layer=d["n_layer"], n_head=d["n_head"], rotary_dim=d.get("rotary_dim"), n_inner=d.get("n_inner"),
+            activation_function=d.get("activation_function", "gelu_new"),
+            layer_norm_epsilon=d.get("layer_norm_epsilon", 1e-5),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=eos[0] if isinstance(eos, list) and len(eos) == 1 else eos,
+            pad_token_id=d.get("pad_token_id"),
+        )
+
+    def to_hf(self) -> dict:
+        """A Hugging Face ``config.json`` dict that Transformers loads as is."""
+        return {
+            "architectures": ["GPTJForCausalLM"], "model_type": "gptj", "vocab_size": self.vocab_size,
+            "n_positions": self.n_positions, "n_embd": self.n_embd, "n_layer": self.n_layer, "n_head": self.n_head,
+            "rotary_dim": self.rotary_dim, "n_inner": self.n_inner, "activation_function": self.activation_function,
+            "layer_norm_epsilon": self.layer_norm_epsilon, "tie_word_embeddings": False,
+            "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id, "pad_token_id": self.pad_token_id,
+        }
+
+
+def rotary_every_two(
+    x: Float[Array, "seq heads head_dim"], positions: Int[Array, " seq"], rotary_dim: int
+) -> Float[Array, "seq heads head_dim"]:
+    """Turn each pair of features ``(2i, 2i + 1)`` among the first
+    ``rotary_dim`` of every head by ``position * 10000 ** (-2i / rotary_dim)``;
+    the other features pass through."""
+    inv_freq = 1.0 / 10000.0 ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]  # (T, R/2)
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]  # (T, 1, R/2)
+    rot = x[..., :rotary_dim].astype(jnp.float32)
+    even, odd = rot[..., 0::2], rot[..., 1::2]  # (T, H, R/2) each
+    turned = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1).reshape(rot.shape)
+    return jnp.concatenate([turned.astype(x.dtype), x[..., rotary_dim:]], axis=-1)
+
+
+class GPTJAttention(eqx.Module):
+    """Q/K/V/output projections (no biases); `GPTJBlock` runs them jointly with the MLP's."""
+
+    q_proj: Linear
+    k_proj: Linear
+    v_proj: Linear
+    out_proj: Linear
+    config: GPTJConfig = eqx.field(static=True)
+
+    def __init__(self, config: GPTJConfig, *, key: PRNGKeyArray):
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        h = config.n_embd
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (
+            Linear(h, h, bias=False, key=k) for k in (kq, kk, kv, ko)
+        )
+        self.config = config
+
+    def attend(self, q, k, v, positions, mask, cache: KVCache | None, index):
+        """Attention of projected ``q``/``k``/``v`` ``(seq, n_embd)``: the heads
+        joined back ``(seq, n_embd)``, split over ``model``, before ``out_proj``."""
+        c = self.config
+        q = rotary_every_two(heads(q, c.n_head), positions, c.rotated)
+        k = rotary_every_two(heads(k, c.n_head), positions, c.rotated)
+        v = heads(v, c.n_head)
+        if cache is not None:
+            cache = update_cache(cache, k, v, index)
+            k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
+        out = attention(q, k, v, mask, scale=inv_sqrt(c.head_dim))
+        return constrain(out.reshape(out.shape[0], -1), P(None, MODEL)), cache
+
+
+class GPTJMLP(eqx.Module):
+    """``fc_out(act(fc_in x))``, with biases; `GPTJBlock` runs it jointly with the attention."""
+
+    fc_in: Linear
+    fc_out: Linear
+
+    def __init__(self, config: GPTJConfig, *, key: PRNGKeyArray):
+        k1, k2 = jax.random.split(key)
+        self.fc_in = Linear(config.n_embd, config.inner, bias=True, key=k1)
+        self.fc_out = Linear(config.inner, config.n_embd, bias=True, key=k2)
+
+
+class GPTJBlock(eqx.Module):
+    ln_1: LayerNorm
+    attn: GPTJAttention
+    mlp: GPTJMLP
+    config: GPTJConfig = eqx.field(static=True)
+
+    def __init__(self, config: GPTJConfig, *, key: PRNGKeyArray):
+        ka, km = jax.random.split(key)
+        self.ln_1 = LayerNorm(config.n_embd, config.layer_norm_epsilon)
+        self.attn = GPTJAttention(config, key=ka)
+        self.mlp = GPTJMLP(config, key=km)
+        self.config = config
+
+    def __call__(self, x, positions, mask, cache, index):
+        c, a, m = self.config, self.attn, self.mlp
+        # Column parallel: Q, K, V and fc_in read ln_1(x), so one matmul (one all-reduce backward).
+        q, k, v, up = fused_linears(self.ln_1(x), [a.q_proj, a.k_proj, a.v_proj, m.fc_in],
+                                    [c.n_head] * 3 + [c.inner])
+        attended, cache = a.attend(q, k, v, positions, mask, cache, index)
+        hidden = constrain(ACTIVATIONS[c.activation_function](up), P(None, MODEL))
+        # Row parallel: out_proj and fc_out outputs are added, so one matmul (one all-reduce forward).
+        out = fused_row_linears([attended, hidden], [a.out_proj, m.fc_out], [c.n_head, c.inner])
+        return x + constrain(out, P()), cache
+
+
+class GPTJModel(eqx.Module):
+    wte: Embedding
+    h: list[GPTJBlock]
+    ln_f: LayerNorm
+
+    def __init__(self, config: GPTJConfig, *, key: PRNGKeyArray):
+        kt, *kh = jax.random.split(key, config.n_layer + 1)
+        self.wte = Embedding(config.vocab_size, config.n_embd, key=kt)
+        self.h = [GPTJBlock(config, key=k) for k in kh]
+        self.ln_f = LayerNorm(config.n_embd, config.layer_norm_epsilon)
+
+
+class GPTJForCausalLM(CausalLM):
+    """GPT-J for one sequence (batch with ``jax.vmap``).
+
+    **Example:**
+
+    ```python
+    config = GPTJConfig(vocab_size=256, n_positions=128, n_embd=64, n_layer=2, n_head=4, rotary_dim=8)
+    model = GPTJForCausalLM(config, key=jax.random.key(0))
+    logits = jax.vmap(model)(tokens)              # (batch, seq) -> (batch, seq, vocab)
+    new = redeqx.models.generate(model, tokens, max_new_tokens=16)
+    ```
+    """
+
+    transformer: GPTJModel
+    lm_head: Linear
+    config: GPTJConfig = eqx.field(static=True)
+
+    # Causal-mask and rotary buffers that old checkpoints carry.
+    hf_ignore = (r".*attn\.bias", r".*attn\.masked_bias", r".*attn\.embed_positions")
+
+    def __init__(self, config: GPTJConfig, *, key: PRNGKeyArray):
+        if not isinstance(config, GPTJConfig):
+            raise TypeError(f"config must be a redeqx.models.GPTJConfig, got {type(config).__name__}.")
+        kt, kh = jax.random.split(key)
+        self.transformer = GPTJModel(config, key=kt)
+        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=True, key=kh)
+        self.config = config
+
+    def _kv_shape(self):
+        c = self.config
+        return c.n_layer, c.n_head, c.head_dim
+
+    def _run(self, ids, positions, mask, cache: Cache | None):
+        t = self.transformer
+        x = constrain(t.wte(ids), P())  # vocab-split lookup: one all-reduce
+        new_layers = []
+        for i, block in enumerate(t.h):
+            fn = eqx.filter_checkpoint(block) if self.config.remat else block
+            x, lc = fn(x, positions, mask, None if cache is None else cache.layers[i],
+                       None if cache is None else cache.index)
+            new_layers.append(lc)
+        return constrain(self.lm_head(t.ln_f(x)), P(None, MODEL)), new_layers  # vocab parallel

@@ -1,0 +1,182 @@
+"""GPT-J against Transformers' PyTorch reference (a tiny random config built
+and saved here: no download), and GPT-J-6B's shapes built abstractly."""
+
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from megatron_count import step_at_4_shards_vs_one_device
+
+import redeqx
+from redeqx._rules import path_str
+from redeqx.models import GPTJConfig, GPTJForCausalLM, from_pretrained, generate, save_pretrained
+from redeqx.models._hf import _skeleton, hf_tensors
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 100
+# head_dim 8, of which the rotary embedding turns the first 4: both parts are exercised
+SIZES = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64, bos_token_id=1,
+             eos_token_id=2)
+
+
+@pytest.fixture(scope="module")
+def gptj(tmp_path_factory):
+    torch.manual_seed(0)
+    hf = transformers.GPTJForCausalLM(transformers.GPTJConfig(**SIZES)).eval()
+    with torch.no_grad():  # non-trivial biases and norms, logits of order 1, so a wrong mapping shows
+        for name, p in hf.named_parameters():
+            if name.endswith("bias") or ".ln_" in name:
+                p.add_(0.1 * torch.randn_like(p))
+            elif "wte" in name or "lm_head" in name or "q_proj" in name:
+                p.mul_(10)
+    d = tmp_path_factory.mktemp("gptj")
+    hf.save_pretrained(d)
+    return d, hf
+
+
+def _ids(batch=2, seq=12, seed=0):
+    return np.random.RandomState(seed).randint(3, VOCAB, (batch, seq))
+
+
+def _torch_logits(hf, ids):
+    with torch.no_grad():
+        return hf(torch.tensor(ids)).logits.numpy()
+
+
+@jax.jit
+def _logits(model, ids):
+    return jax.vmap(model)(ids)
+
+
+def test_logits_match_transformers_at_1_2_4_model_shards(gptj):
+    d, hf = gptj
+    ids = _ids(batch=8)
+    ref = _torch_logits(hf, ids)
+    assert np.abs(ref).max() > 1
+    for n in (1, 2, 4):
+        np.testing.assert_allclose(_logits(from_pretrained(d, redeqx.make_mesh(n)), ids), ref, atol=1e-4, rtol=0)
+
+
+def test_rotary_turns_only_the_first_rotary_dim_features_in_pairs():
+    from redeqx.models._gptj import rotary_every_two
+
+    x = np.random.RandomState(0).randn(3, 2, 8).astype(np.float32)
+    out = np.asarray(jax.jit(rotary_every_two, static_argnums=2)(x, jnp.arange(3), 4))
+    np.testing.assert_array_equal(out[..., 4:], x[..., 4:])  # passes through
+    np.testing.assert_array_equal(out[0], x[0])  # position 0: no turn
+    # position 2, pair (2, 3) turns by 2 * 10000 ** (-2 / 4) radians
+    a = 2 * 10000 ** -0.5
+    np.testing.assert_allclose(out[2, :, 2], x[2, :, 2] * np.cos(a) - x[2, :, 3] * np.sin(a), atol=1e-6)
+    np.testing.assert_allclose(out[2, :, 3], x[2, :, 3] * np.cos(a) + x[2, :, 2] * np.sin(a), atol=1e-6)
+
+
+def test_save_pretrained_round_trip(gptj, tmp_path):
+    d, hf = gptj
+    save_pretrained(from_pretrained(d, redeqx.make_mesh(2)), tmp_path)
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(again) is transformers.GPTJForCausalLM
+    ids = _ids(seed=1)
+    np.testing.assert_allclose(_torch_logits(again, ids), _torch_logits(hf, ids), atol=1e-5, rtol=0)
+
+
+def test_explain_shows_the_megatron_plan():
+    config = GPTJConfig(**{**SIZES, "n_layer": 1})
+    model = eqx.filter_eval_shape(lambda: GPTJForCausalLM(config, key=jax.random.key(0)))  # shapes are enough
+    mesh = redeqx.make_mesh(2)
+    table = redeqx.explain(model, redeqx.sharding_rules(model, mesh), mesh)
+    want = {
+        r"wte\.weight": "P('model', None)",
+        r"lm_head\.weight": "P('model', None)",
+        r"lm_head\.bias": "P('model',)",
+        r"(q|k|v)_proj\.weight": "P('model', None)",
+        r"out_proj\.weight": "P(None, 'model')",
+        r"fc_in\.weight": "P('model', None)",
+        r"fc_in\.bias": "P('model',)",
+        r"fc_out\.weight": "P(None, 'model')",
+        r"fc_out\.bias": "P()",
+        r"ln_(1|f)\.(weight|bias)": "P()",
+    }
+    rows = [line for line in table.splitlines()[2:] if line.startswith(("transformer.", "lm_head"))]
+    assert len(rows) == len(jax.tree.leaves(model))
+    for row in rows:
+        path, spec = row.split()[0], re.search(r"P\([^)]*\)", row).group(0)
+        (expected,) = [v for k, v in want.items() if re.search(k, path)]
+        assert spec == expected, (path, spec, expected)
+
+
+def test_greedy_generation_matches_transformers(gptj):
+    d, hf = gptj
+    ids = _ids(seq=5, seed=2)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor(ids), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                          pad_token_id=0).numpy()[:, 5:]
+    mesh = redeqx.make_mesh(4)
+    model = from_pretrained(d, mesh)
+    step = redeqx.make_predict_step(lambda m, b, k: generate(m, b["ids"], max_new_tokens=8), mesh,
+                                    redeqx.sharding_rules(model, mesh))
+    out = step(model, {"ids": jnp.asarray(np.concatenate([ids] * 2))}, jax.random.key(0))
+    np.testing.assert_array_equal(np.asarray(out)[:2], ref)
+
+
+def megatron_parallel_block_bytes(hidden: int, n_layers: int, local_batch: int, seq: int, grad_bytes: int) -> int:
+    """Per-device collective bytes of one training step of Megatron-LM's plan
+    for GPT-J's parallel block (as GPT-NeoX runs it): the block's attention
+    and MLP outputs are added before their one all-reduce, and the input
+    gradients of Q/K/V and fc_in before theirs, so 1 activation all-reduce per
+    layer forward and 1 backward, where `megatron_bytes` counts 2 and 2; plus
+    the vocab-split embedding (forward) and LM head (backward), the three
+    cross-entropy reductions and the data-parallel gradient all-reduce."""
+    act = local_batch * seq * hidden * 4
+    return (1 + n_layers) * act + (n_layers + 1) * act + 3 * local_batch * seq * 4 + grad_bytes
+
+
+def test_train_step_communication_is_megatron_and_matches_one_device(gptj):
+    d, _ = gptj
+    model = from_pretrained(d, redeqx.make_mesh(1, devices=jax.devices()[:1]))
+    optimizer = optax.sgd(0.1)
+    ids = _ids(batch=8, seq=17)
+
+    def loss_fn(m, batch, key):
+        logits = jax.vmap(m)(batch["ids"][:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:]).mean()
+
+    # the fused column- and row-parallel matmuls train exactly like one device
+    mesh, state4, summary = step_at_4_shards_vs_one_device(model, optimizer, loss_fn, {"ids": ids})
+    grad_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state4.model))
+    c = model.config
+    analytic = megatron_parallel_block_bytes(c.n_embd, c.n_layer, 8 // mesh.shape["data"], 16, grad_bytes)
+    moved = sum(v["bytes"] for v in summary.values())
+    assert set(summary) == {"all-reduce"}, summary  # no activation gathers
+    assert moved <= 1.15 * analytic, (moved, analytic, summary)
+    print(f"GPT-J train step at n_model_shards=4: {moved} bytes, {moved / analytic:.3f}x Megatron's {analytic}")
+
+
+def _shapes(model) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensor name -> shape, as save_pretrained would write them."""
+    leaves = {path_str(kp): leaf for kp, leaf in jax.tree_util.tree_flatten_with_path(model)[0]}
+    return {t.name: tuple(jax.eval_shape(t.join, *(jax.ShapeDtypeStruct(leaves[p].shape, leaves[p].dtype)
+                                                   for p in t.paths)).shape) for t in hf_tensors(model)}
+
+
+def test_gptj_6b_shapes_equal_transformers():
+    hf_config = transformers.GPTJConfig()  # GPT-J-6B's sizes
+    with torch.device("meta"):  # shapes only, nothing allocated
+        hf = transformers.AutoModelForCausalLM.from_config(hf_config)
+    model = _skeleton(GPTJForCausalLM, GPTJConfig.from_hf(hf_config.to_dict()), None)  # eqx.filter_eval_shape
+    assert _shapes(model) == {k: tuple(v.shape) for k, v in hf.state_dict().items()}
+    assert sum(p.numel() for p in hf.parameters()) == sum(x.size for x in jax.tree.leaves(model)) == 6_050_882_784
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="rotary_dim"):
+        GPTJConfig(n_embd=32, n_head=4, rotary_dim=12)
+    with pytest.raises(ValueError, match="n_head=5"):
+        GPTJConfig(n_embd=32, n_head=5)
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        GPTJConfig.from_hf({**SIZES, "tie_word_embeddings": True})
