@@ -8,3 +8,8 @@ from ._gpt2 import GPT2Config as GPT2Config, GPT2LMHeadModel as GPT2LMHeadModel
 from ._t5 import T5Config as T5Config, T5ForConditionalGeneration as T5ForConditionalGeneration, shift_right as shift_right
 from ._opt import OPTConfig as OPTConfig, OPTForCausalLM as OPTForCausalLM
 from ._gptj import GPTJConfig as GPTJConfig, GPTJForCausalLM as GPTJForCausalLM
+from ._bart import (
+    BartConfig as BartConfig,
+    BartForConditionalGeneration as BartForConditionalGeneration,
+    shift_tokens_right as shift_tokens_right,
+)

@@ -121,11 +121,13 @@ def _families() -> dict[str, Any]:
         families["t5"] = (T5Config, T5ForConditionalGeneration)
     except ImportError:
         pass
+    from ._bart import BartConfig, BartForConditionalGeneration
     from ._gptj import GPTJConfig, GPTJForCausalLM
     from ._opt import OPTConfig, OPTForCausalLM
 
     families["opt"] = (OPTConfig, OPTForCausalLM)
     families["gptj"] = (GPTJConfig, GPTJForCausalLM)
+    families["bart"] = (BartConfig, BartForConditionalGeneration)
     return families
 
 

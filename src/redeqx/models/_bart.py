@@ -1,0 +1,398 @@
+"""BART: an encoder-decoder with learned positions, LayerNorm after each
+sub-layer, GELU, biases everywhere, and one token embedding (``shared``)
+for the encoder, the decoder and the LM head.
+
+Attribute paths are the Hugging Face tensor names
+(``model.encoder.layers.0.self_attn.q_proj.weight``,
+``model.decoder.layers.0.encoder_attn.out_proj.weight``, ``...fc1.weight``),
+so checkpoints load by name and `redeqx.sharding_rules` gives the Megatron-LM
+plan with no overrides: Q/K/V and ``fc1`` split on output features,
+``out_proj`` and ``fc2`` on input features, ``shared`` on the vocabulary.
+Two names differ: each stack's ``embed_positions`` is ``position_embedding``
+here, which the rules read as a learned position table and replicate, and
+``final_logits_bias`` is a ``(vocab,)`` vector where Hugging Face keeps
+``(1, vocab)``; `hf_tensors` maps both.
+
+BART details:
+
+- the position tables have ``max_position_embeddings + 2`` rows and position
+  ``p`` reads row ``p + 2``; positions count from 0 in each stack, padding
+  included (BART pads on the right);
+- token embeddings are multiplied by ``sqrt(d_model)`` when
+  ``scale_embedding`` (BART-Large does not), then the position is added and
+  ``layernorm_embedding`` applied, in both stacks;
+- every sub-layer is ``x = norm(x + f(x))`` (post-LN), with no final norm;
+- the logits are ``shared.attend(x) + final_logits_bias``. Hugging Face keeps
+  ``final_logits_bias`` as a buffer that training does not change; here it is
+  read through ``stop_gradient``, so its gradient is zero as well.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+
+from .._constrain import constrain
+from .._mesh import MODEL
+from ._hf import HFTensor
+from ._layers import (
+    ACTIVATIONS,
+    Attention,
+    Embedding,
+    KVCache,
+    LayerNorm,
+    Linear,
+    causal_mask,
+    check_fits,
+    check_positive_ints,
+    renamed_tensors,
+)
+from ._t5 import T5Cache as EncoderDecoderCache, shift_right
+
+POSITION_OFFSET = 2  # position p reads row p + 2 of each table, as fairseq and Hugging Face do
+
+
+@dataclasses.dataclass(frozen=True)
+class BartConfig:
+    """Sizes and options of a BART model; names follow Hugging Face's
+    ``config.json``. The defaults are BART-Large."""
+
+    vocab_size: int = 50265
+    max_position_embeddings: int = 1024
+    d_model: int = 1024
+    encoder_layers: int = 12
+    decoder_layers: int = 12
+    encoder_attention_heads: int = 16
+    decoder_attention_heads: int = 16
+    encoder_ffn_dim: int = 4096
+    decoder_ffn_dim: int = 4096
+    activation_function: str = "gelu"
+    scale_embedding: bool = False  # multiply token embeddings by sqrt(d_model)
+    tie_word_embeddings: bool = True  # the LM head is `shared`
+    layer_norm_eps: float = 1e-5  # torch.nn.LayerNorm's default, which BART uses
+    pad_token_id: int = 1
+    bos_token_id: int | None = 0
+    eos_token_id: int | None = 2
+    decoder_start_token_id: int = 2  # BART starts decoding from </s>
+    forced_bos_token_id: int | None = None  # kept for config.json; redeqx's generate does not force tokens
+    forced_eos_token_id: int | None = 2
+    remat: bool = False  # recompute each block's activations in the backward pass
+
+    def __post_init__(self):
+        check_positive_ints(self, ("vocab_size", "max_position_embeddings", "d_model", "encoder_layers",
+                                   "decoder_layers", "encoder_attention_heads", "decoder_attention_heads",
+                                   "encoder_ffn_dim", "decoder_ffn_dim"))
+        for name in ("encoder_attention_heads", "decoder_attention_heads"):
+            if self.d_model % getattr(self, name):
+                raise ValueError(f"BartConfig: d_model={self.d_model} must be a multiple of {name}={getattr(self, name)}.")
+        if self.activation_function not in ACTIVATIONS:
+            raise ValueError(
+                f"BartConfig.activation_function={self.activation_function!r} is not supported; "
+                f"use one of {sorted(ACTIVATIONS)}."
+            )
+
+    @property
+    def embed_scale(self) -> float:
+        return math.sqrt(self.d_model) if self.scale_embedding else 1.0
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "BartConfig":
+        """From a Hugging Face ``config.json`` dict (Transformers 4 or 5 layout)."""
+        for key, ok in (("normalize_before", False), ("add_final_layer_norm", False)):
+            if d.get(key, ok) != ok:
+                raise ValueError(f"BART config.json has {key}={d[key]!r} (an mBART-style model); redeqx supports "
+                                 f"only BART's post-LN blocks ({key}={ok}).")
+        return cls(
+            vocab_size=d["vocab_size"], max_position_embeddings=d.get("max_position_embeddings", 1024),
+            d_model=d["d_model"], encoder_layers=d["encoder_layers"], decoder_layers=d["decoder_layers"],
+            encoder_attention_heads=d["encoder_attention_heads"], decoder_attention_heads=d["decoder_attention_heads"],
+            encoder_ffn_dim=d["encoder_ffn_dim"], decoder_ffn_dim=d["decoder_ffn_dim"],
+            activation_function=d.get("activation_function", "gelu"),
+            scale_embedding=bool(d.get("scale_embedding", False)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
+            pad_token_id=d.get("pad_token_id", 1), bos_token_id=d.get("bos_token_id"),
+            eos_token_id=d.get("eos_token_id"), decoder_start_token_id=d.get("decoder_start_token_id", 2),
+            forced_bos_token_id=d.get("forced_bos_token_id"), forced_eos_token_id=d.get("forced_eos_token_id"),
+        )
+
+    def to_hf(self) -> dict:
+        """A Hugging Face ``config.json`` dict that Transformers loads as is."""
+        return {
+            "architectures": ["BartForConditionalGeneration"], "model_type": "bart", "is_encoder_decoder": True,
+            "vocab_size": self.vocab_size, "max_position_embeddings": self.max_position_embeddings,
+            "d_model": self.d_model, "encoder_layers": self.encoder_layers, "decoder_layers": self.decoder_layers,
+            "encoder_attention_heads": self.encoder_attention_heads,
+            "decoder_attention_heads": self.decoder_attention_heads,
+            "encoder_ffn_dim": self.encoder_ffn_dim, "decoder_ffn_dim": self.decoder_ffn_dim,
+            "activation_function": self.activation_function, "scale_embedding": self.scale_embedding,
+            "tie_word_embeddings": self.tie_word_embeddings, "pad_token_id": self.pad_token_id,
+            "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
+            "decoder_start_token_id": self.decoder_start_token_id, "forced_bos_token_id": self.forced_bos_token_id,
+            "forced_eos_token_id": self.forced_eos_token_id,
+        }
+
+
+def _feed_forward(fc1: Linear, fc2: Linear, activation: str, x: Float[Array, "seq d_model"]) -> Float[Array, "seq d_model"]:
+    h = constrain(ACTIVATIONS[activation](fc1(x)), P(None, MODEL))  # column parallel
+    return constrain(fc2(h), P())  # row parallel: one all-reduce
+
+
+class BartEncoderLayer(eqx.Module):
+    self_attn: Attention
+    self_attn_layer_norm: LayerNorm
+    fc1: Linear
+    fc2: Linear
+    final_layer_norm: LayerNorm
+    activation: str = eqx.field(static=True)
+
+    def __init__(self, config: BartConfig, *, key: PRNGKeyArray):
+        ka, k1, k2 = jax.random.split(key, 3)
+        d, eps = config.d_model, config.layer_norm_eps
+        self.self_attn = Attention(d, config.encoder_attention_heads, bias=True, key=ka)
+        self.self_attn_layer_norm = LayerNorm(d, eps)
+        self.fc1 = Linear(d, config.encoder_ffn_dim, bias=True, key=k1)
+        self.fc2 = Linear(config.encoder_ffn_dim, d, bias=True, key=k2)
+        self.final_layer_norm = LayerNorm(d, eps)
+        self.activation = config.activation_function
+
+    def __call__(self, x, mask):
+        x = self.self_attn_layer_norm(x + self.self_attn(x, mask)[0])
+        return self.final_layer_norm(x + _feed_forward(self.fc1, self.fc2, self.activation, x))
+
+
+class BartDecoderLayer(eqx.Module):
+    self_attn: Attention
+    self_attn_layer_norm: LayerNorm
+    encoder_attn: Attention
+    encoder_attn_layer_norm: LayerNorm
+    fc1: Linear
+    fc2: Linear
+    final_layer_norm: LayerNorm
+    activation: str = eqx.field(static=True)
+
+    def __init__(self, config: BartConfig, *, key: PRNGKeyArray):
+        ks, kc, k1, k2 = jax.random.split(key, 4)
+        d, h, eps = config.d_model, config.decoder_attention_heads, config.layer_norm_eps
+        self.self_attn = Attention(d, h, bias=True, key=ks)
+        self.self_attn_layer_norm = LayerNorm(d, eps)
+        self.encoder_attn = Attention(d, h, bias=True, key=kc)
+        self.encoder_attn_layer_norm = LayerNorm(d, eps)
+        self.fc1 = Linear(d, config.decoder_ffn_dim, bias=True, key=k1)
+        self.fc2 = Linear(config.decoder_ffn_dim, d, bias=True, key=k2)
+        self.final_layer_norm = LayerNorm(d, eps)
+        self.activation = config.activation_function
+
+    def __call__(self, x, mask, source, source_mask, cache=None, index=None):
+        """``source``: the encoder output, or its keys/values for
+        ``encoder_attn`` projected already (a `KVCache`); ``cache``/``index``:
+        the decoder's own keys/values when decoding."""
+        a, cache = self.self_attn(x, mask, cache=cache, index=index)
+        x = self.self_attn_layer_norm(x + a)
+        kv = source if isinstance(source, KVCache) else self.encoder_attn.project_kv(source)
+        x = self.encoder_attn_layer_norm(x + self.encoder_attn(x, source_mask, kv=kv)[0])
+        return self.final_layer_norm(x + _feed_forward(self.fc1, self.fc2, self.activation, x)), cache
+
+
+class BartEncoder(eqx.Module):
+    position_embedding: Embedding  # Hugging Face's embed_positions: (max_position_embeddings + 2, d_model)
+    layers: list[BartEncoderLayer]
+    layernorm_embedding: LayerNorm
+
+    def __init__(self, config: BartConfig, *, key: PRNGKeyArray):
+        kp, *kl = jax.random.split(key, config.encoder_layers + 1)
+        self.position_embedding = Embedding(config.max_position_embeddings + POSITION_OFFSET, config.d_model, key=kp)
+        self.layers = [BartEncoderLayer(config, key=k) for k in kl]
+        self.layernorm_embedding = LayerNorm(config.d_model, config.layer_norm_eps)
+
+
+class BartDecoder(eqx.Module):
+    position_embedding: Embedding  # Hugging Face's embed_positions: (max_position_embeddings + 2, d_model)
+    layers: list[BartDecoderLayer]
+    layernorm_embedding: LayerNorm
+
+    def __init__(self, config: BartConfig, *, key: PRNGKeyArray):
+        kp, *kl = jax.random.split(key, config.decoder_layers + 1)
+        self.position_embedding = Embedding(config.max_position_embeddings + POSITION_OFFSET, config.d_model, key=kp)
+        self.layers = [BartDecoderLayer(config, key=k) for k in kl]
+        self.layernorm_embedding = LayerNorm(config.d_model, config.layer_norm_eps)
+
+
+class BartModel(eqx.Module):
+    shared: Embedding
+    encoder: BartEncoder
+    decoder: BartDecoder
+
+    def __init__(self, config: BartConfig, *, key: PRNGKeyArray):
+        ks, ke, kd = jax.random.split(key, 3)
+        self.shared = Embedding(config.vocab_size, config.d_model, key=ks)
+        self.encoder = BartEncoder(config, key=ke)
+        self.decoder = BartDecoder(config, key=kd)
+
+
+class BartForConditionalGeneration(eqx.Module):
+    """BART for one sequence pair (batch with ``jax.vmap``).
+
+    **Example** (teacher-forced training logits and generation):
+
+    ```python
+    config = BartConfig(vocab_size=256, max_position_embeddings=128, d_model=64, encoder_layers=2,
+                        decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+                        encoder_ffn_dim=128, decoder_ffn_dim=128)
+    model = BartForConditionalGeneration(config, key=jax.random.key(0))
+    decoder_inputs = redeqx.models.shift_tokens_right(labels, config)
+    logits = jax.vmap(model)(inputs, decoder_inputs)   # (batch, tgt_len, vocab)
+    tokens = redeqx.models.generate(model, inputs, attention_mask=mask, max_new_tokens=32, eos_token_id=2)
+    ```
+
+    The encoder reads ``input_ids`` (padding on the right, ``False`` in
+    ``attention_mask``); ``decoder_input_ids`` are the labels shifted right
+    behind ``config.decoder_start_token_id`` (`shift_tokens_right`).
+    `redeqx.models.generate` and `beam_search` encode the input once and
+    decode from the start token, returning the new tokens.
+    """
+
+    model: BartModel
+    final_logits_bias: Float[Array, " vocab"]
+    lm_head: Linear | None
+    config: BartConfig = eqx.field(static=True)
+
+    # Copies of `shared` that checkpoints carry, and fairseq's version counters.
+    hf_ignore = (r"model\.(encoder|decoder)\.embed_tokens\.weight", r"model\.(encoder|decoder)\.version",
+                 r"lm_head\.weight")
+
+    def __init__(self, config: BartConfig, *, key: PRNGKeyArray):
+        if not isinstance(config, BartConfig):
+            raise TypeError(f"config must be a redeqx.models.BartConfig, got {type(config).__name__}.")
+        km, kh = jax.random.split(key)
+        self.model = BartModel(config, key=km)
+        self.final_logits_bias = jnp.zeros((config.vocab_size,))
+        self.lm_head = None if config.tie_word_embeddings else Linear(
+            config.d_model, config.vocab_size, bias=False, key=kh
+        )
+        self.config = config
+
+    def _dtype(self):
+        return self.model.shared.weight.dtype
+
+    def _embed(self, ids, positions, stack):
+        x = constrain(self.model.shared(ids), P())  # vocab-split lookup: one all-reduce
+        x = x * jnp.asarray(self.config.embed_scale, x.dtype) + stack.position_embedding(positions + POSITION_OFFSET)
+        return stack.layernorm_embedding(x)
+
+    def encode(
+        self, input_ids: Int[Array, " src"], attention_mask: Bool[Array, " src"] | None = None
+    ) -> Float[Array, "src d_model"]:
+        """The encoder output. ``attention_mask`` is ``False`` on padding,
+        which no position attends to."""
+        s = input_ids.shape[0]
+        valid = jnp.ones((s,), bool) if attention_mask is None else attention_mask.astype(bool)
+        x = self._embed(input_ids, jnp.arange(s), self.model.encoder)
+        mask = jnp.broadcast_to(valid[None, :], (s, s))
+        for layer in self.model.encoder.layers:
+            fn = eqx.filter_checkpoint(layer) if self.config.remat else layer
+            x = fn(x, mask)
+        return x
+
+    def _logits(self, x):
+        logits = self.model.shared.attend(x) if self.lm_head is None else self.lm_head(x)
+        bias = jax.lax.stop_gradient(self.final_logits_bias).astype(logits.dtype)  # a buffer, as in Transformers
+        return constrain(logits + bias[None, :], P(None, MODEL))  # vocab parallel
+
+    def __call__(
+        self,
+        input_ids: Int[Array, " src"],
+        decoder_input_ids: Int[Array, " tgt"],
+        *,
+        attention_mask: Bool[Array, " src"] | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> Float[Array, "tgt vocab"]:
+        """Logits for every decoder position (teacher forcing).
+        ``attention_mask`` marks real encoder tokens. ``key`` is unused (no dropout)."""
+        del key
+        s, t = input_ids.shape[0], decoder_input_ids.shape[0]
+        valid = jnp.ones((s,), bool) if attention_mask is None else attention_mask.astype(bool)
+        source = self.encode(input_ids, valid)
+        x = self._embed(decoder_input_ids, jnp.arange(t), self.model.decoder)
+        mask = causal_mask(jnp.ones((t,), bool), 0, t)
+        source_mask = jnp.broadcast_to(valid[None, :], (t, s))
+        for layer in self.model.decoder.layers:
+            fn = eqx.filter_checkpoint(layer) if self.config.remat else layer
+            x, _ = fn(x, mask, source, source_mask)
+        return self._logits(x)
+
+    def init_cache(
+        self, encoder_output: Float[Array, "src d_model"], attention_mask: Bool[Array, " src"], max_len: int
+    ) -> EncoderDecoderCache:
+        """A decoding cache: the encoder output projected to every decoder
+        layer's cross-attention keys/values (once), and ``max_len`` empty
+        slots for the decoder's own tokens."""
+        c, dtype = self.config, self._dtype()
+        head_dim = c.d_model // c.decoder_attention_heads
+        return EncoderDecoderCache(
+            self_attention=[KVCache.empty(max_len, c.decoder_attention_heads, head_dim, dtype)
+                            for _ in self.model.decoder.layers],
+            cross_attention=[jax.tree.map(lambda a: a.astype(dtype), layer.encoder_attn.project_kv(encoder_output))
+                             for layer in self.model.decoder.layers],
+            source_valid=attention_mask.astype(bool),
+            index=jnp.zeros((), jnp.int32),
+        )
+
+    def decode(
+        self, decoder_input_ids: Int[Array, " seq"], cache: EncoderDecoderCache, *, attention_mask=None
+    ) -> tuple[Float[Array, "seq vocab"], EncoderDecoderCache]:
+        """Run decoder tokens after what ``cache`` holds: their logits and the
+        cache with them appended. ``attention_mask`` must be ``None`` (the
+        decoder side has no padding)."""
+        if attention_mask is not None:
+            raise ValueError(
+                "BartForConditionalGeneration.decode: attention_mask is for the encoder input; pass it to "
+                "init_cache (or prefill) and leave it None here."
+            )
+        t = decoder_input_ids.shape[0]
+        max_len = cache.self_attention[0].k.shape[0]
+        check_fits("BartForConditionalGeneration.decode", t, max_len)
+        x = self._embed(decoder_input_ids, cache.index + jnp.arange(t), self.model.decoder)
+        mask = causal_mask(jnp.arange(max_len) < cache.index + t, cache.index, t)
+        source_mask = jnp.broadcast_to(cache.source_valid[None, :], (t, cache.source_valid.shape[0]))
+        new = []
+        for layer, sc, cc in zip(self.model.decoder.layers, cache.self_attention, cache.cross_attention):
+            x, sc = layer(x, mask, cc, source_mask, sc, cache.index)
+            new.append(sc)
+        cache = EncoderDecoderCache(new, cache.cross_attention, cache.source_valid, cache.index + t)
+        return self._logits(x), cache
+
+    def prefill(
+        self, input_ids: Int[Array, " src"], attention_mask: Bool[Array, " src"], max_new_tokens: int
+    ) -> tuple[Float[Array, " vocab"], EncoderDecoderCache]:
+        """Encode the input once and decode the start token: the first new
+        token's logits and a cache with room for ``max_new_tokens`` more (what
+        `redeqx.models.generate` and `beam_search` start from)."""
+        source = self.encode(input_ids, attention_mask)
+        cache = self.init_cache(source, attention_mask, max_new_tokens + 1)
+        start = jnp.full((1,), self.config.decoder_start_token_id, jnp.int32)
+        logits, cache = self.decode(start, cache)
+        return logits[-1], cache
+
+    def hf_tensors(self) -> list[HFTensor]:
+        """Checkpoint tensors: each leaf under its own path, but
+        ``position_embedding`` is Hugging Face's ``embed_positions`` and
+        ``final_logits_bias`` is stored ``(1, vocab)``."""
+        out = []
+        for t in renamed_tensors(self, lambda p: p.replace(".position_embedding.", ".embed_positions.")):
+            if t.name == "final_logits_bias":
+                t = HFTensor(t.name, t.paths, split=lambda a: (a.reshape(-1),), join=lambda b: b.reshape(1, -1))
+            out.append(t)
+        return out
+
+
+def shift_tokens_right(labels: Int[Array, "*batch tgt"], config: BartConfig) -> Int[Array, "*batch tgt"]:
+    """Decoder inputs for teacher forcing: ``decoder_start_token_id`` then the
+    labels but the last, with ignored labels (``-100``) read as padding (the
+    same rule as T5's `shift_right`, with BART's token ids)."""
+    return shift_right(labels, config)

@@ -1,0 +1,191 @@
+"""BART against Transformers' PyTorch reference (a tiny random config built
+and saved here: no download), and BART-Large's shapes built abstractly."""
+
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+from megatron_count import megatron_bytes_encoder_decoder
+
+import redeqx
+from redeqx._rules import path_str
+from redeqx.models import (
+    BartConfig,
+    BartForConditionalGeneration,
+    from_pretrained,
+    generate,
+    save_pretrained,
+    shift_tokens_right,
+)
+from redeqx.models._hf import _skeleton, hf_tensors
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 100
+SIZES = dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=1, encoder_attention_heads=4,
+             decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=48, max_position_embeddings=64)
+
+
+@pytest.fixture(scope="module")
+def bart(tmp_path_factory):
+    torch.manual_seed(0)
+    hf = transformers.BartForConditionalGeneration(transformers.BartConfig(**SIZES, scale_embedding=True)).eval()
+    with torch.no_grad():  # non-trivial biases, norms and logit bias, so a wrong mapping shows
+        for name, p in hf.named_parameters():
+            if name.endswith("bias") or "layer_norm" in name or "layernorm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+        hf.final_logits_bias.copy_(torch.randn_like(hf.final_logits_bias))
+    d = tmp_path_factory.mktemp("bart")
+    hf.save_pretrained(d)
+    return d, hf
+
+
+def _inputs(batch=2, src=14, tgt=9, seed=0):
+    rs = np.random.RandomState(seed)
+    ids = rs.randint(3, VOCAB, (batch, src))
+    mask = np.ones_like(ids)
+    mask[1, src - 4:] = 0  # the second input is right-padded
+    ids[1, src - 4:] = 1  # BART's pad token
+    return ids, mask, rs.randint(3, VOCAB, (batch, tgt))
+
+
+def _torch_logits(hf, ids, mask, dec):
+    with torch.no_grad():
+        return hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                  decoder_input_ids=torch.tensor(dec)).logits.numpy()
+
+
+@jax.jit
+def _logits(model, ids, mask, dec):
+    return jax.vmap(lambda i, a, d: model(i, d, attention_mask=a))(ids, mask.astype(bool), dec)
+
+
+def test_logits_match_transformers_at_1_2_4_model_shards(bart):
+    d, hf = bart
+    ids, mask, dec = _inputs(batch=8)
+    ref = _torch_logits(hf, ids, mask, dec)
+    for n in (1, 2, 4):
+        model = from_pretrained(d, redeqx.make_mesh(n))
+        np.testing.assert_allclose(_logits(model, ids, mask, dec), ref, atol=1e-4, rtol=0)
+    assert model.config.scale_embedding and model.final_logits_bias.shape == (VOCAB,)
+
+
+def test_save_pretrained_round_trip(bart, tmp_path):
+    d, hf = bart
+    save_pretrained(from_pretrained(d, redeqx.make_mesh(2)), tmp_path)
+    again = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path).eval()
+    assert type(again) is transformers.BartForConditionalGeneration
+    np.testing.assert_array_equal(again.final_logits_bias.numpy(), hf.final_logits_bias.numpy())
+    ids, mask, dec = _inputs(seed=1)
+    np.testing.assert_allclose(_torch_logits(again, ids, mask, dec), _torch_logits(hf, ids, mask, dec),
+                               atol=1e-5, rtol=0)
+
+
+def test_explain_shows_the_megatron_plan():
+    config = BartConfig(**{**SIZES, "encoder_layers": 1, "decoder_layers": 1})
+    model = eqx.filter_eval_shape(lambda: BartForConditionalGeneration(config, key=jax.random.key(0)))
+    mesh = redeqx.make_mesh(2)
+    table = redeqx.explain(model, redeqx.sharding_rules(model, mesh), mesh)
+    want = {
+        r"^model\.shared\.weight": "P('model', None)",
+        r"position_embedding\.weight": "P()",
+        r"(self_attn|encoder_attn)\.(q|k|v)_proj\.weight": "P('model', None)",
+        r"(self_attn|encoder_attn)\.(q|k|v)_proj\.bias": "P('model',)",
+        r"out_proj\.weight": "P(None, 'model')",
+        r"out_proj\.bias": "P()",
+        r"fc1\.weight": "P('model', None)",
+        r"fc1\.bias": "P('model',)",
+        r"fc2\.weight": "P(None, 'model')",
+        r"fc2\.bias": "P()",
+        r"(layer_norm|layernorm_embedding)\.(weight|bias)": "P()",
+        r"^final_logits_bias": "P()",
+    }
+    rows = [line for line in table.splitlines()[2:] if line.startswith(("model.", "final_logits_bias"))]
+    assert len(rows) == len(jax.tree.leaves(model))
+    for row in rows:
+        path, spec = row.split()[0], re.search(r"P\([^)]*\)", row).group(0)
+        (expected,) = [v for k, v in want.items() if re.search(k, path)]
+        assert spec == expected, (path, spec, expected)
+
+
+def test_greedy_generation_matches_transformers_sharded_as_pred_fn(bart):
+    d, hf = bart
+    ids, mask, _ = _inputs()
+    with torch.no_grad():
+        ref = hf.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=8,
+                          do_sample=False, num_beams=1, eos_token_id=None, forced_eos_token_id=None,
+                          forced_bos_token_id=None, pad_token_id=1).numpy()[:, 1:]  # drop the start token
+    mesh = redeqx.make_mesh(2)
+    model = from_pretrained(d, mesh)
+
+    def pred_fn(model, batch, key):
+        return generate(model, batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=8)
+
+    step = redeqx.make_predict_step(pred_fn, mesh, redeqx.sharding_rules(model, mesh))
+    batch = {"input_ids": jnp.asarray(np.concatenate([ids] * 4)),
+             "attention_mask": jnp.asarray(np.concatenate([mask] * 4).astype(bool))}  # 2 rows per data shard
+    out = np.asarray(step(model, batch, jax.random.key(0)))
+    np.testing.assert_array_equal(out[:2], ref)
+    np.testing.assert_array_equal(out[6:], ref)
+
+
+def test_train_step_communication_is_megatron(bart):
+    d, _ = bart
+    model = from_pretrained(d, redeqx.make_mesh(1, devices=jax.devices()[:1]))
+    c = model.config
+    optimizer = optax.sgd(0.1)
+    mesh = redeqx.make_mesh(4)
+    specs = redeqx.sharding_rules(model, mesh)
+    state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(0))
+    src, _, tgt = _inputs(batch=8, src=16, tgt=12)
+    batch = jax.device_put({"src": jnp.asarray(src), "tgt": jnp.asarray(tgt)}, NamedSharding(mesh, P("data")))
+
+    def loss_fn(m, batch, key):
+        logits = jax.vmap(lambda s, t: m(s, shift_tokens_right(t, c)))(batch["src"], batch["tgt"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tgt"]).mean()
+
+    summary = redeqx.collective_summary(redeqx.make_train_step(loss_fn, optimizer, mesh, specs), state, batch)
+    grad_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state.model))
+    analytic = megatron_bytes_encoder_decoder(c.d_model, c.encoder_layers, c.decoder_layers, 8 // mesh.shape["data"],
+                                              src.shape[1], tgt.shape[1], grad_bytes)
+    moved = sum(v["bytes"] for v in summary.values())
+    assert set(summary) == {"all-reduce"}, summary  # no activation gathers
+    assert moved <= 1.15 * analytic, (moved, analytic, summary)
+    print(f"BART train step at n_model_shards=4: {moved} bytes, {moved / analytic:.3f}x Megatron's {analytic}")
+
+
+def _shapes(model) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensor name -> shape, as save_pretrained would write them."""
+    leaves = {path_str(kp): leaf for kp, leaf in jax.tree_util.tree_flatten_with_path(model)[0]}
+    return {t.name: tuple(jax.eval_shape(t.join, *(jax.ShapeDtypeStruct(leaves[p].shape, leaves[p].dtype)
+                                                   for p in t.paths)).shape) for t in hf_tensors(model)}
+
+
+def test_bart_large_shapes_equal_transformers():
+    hf_config = transformers.BartConfig()  # BART-Large's sizes
+    with torch.device("meta"):  # shapes only, nothing allocated
+        hf = transformers.AutoModelForSeq2SeqLM.from_config(hf_config)
+    model = _skeleton(BartForConditionalGeneration, BartConfig.from_hf(hf_config.to_dict()), None)  # eval_shape
+    copies = re.compile(r"lm_head\.weight|model\.(encoder|decoder)\.embed_tokens\.weight")  # tied to model.shared
+    assert _shapes(model) == {k: tuple(v.shape) for k, v in hf.state_dict().items() if not copies.fullmatch(k)}
+    n_params = sum(p.numel() for p in hf.parameters())
+    assert n_params == 406_291_456
+    assert sum(x.size for x in jax.tree.leaves(model)) == n_params + hf_config.vocab_size  # + final_logits_bias
+
+
+def test_shift_tokens_right_and_config_errors():
+    config = BartConfig(**SIZES)
+    np.testing.assert_array_equal(shift_tokens_right(jnp.asarray([[5, -100, 6]]), config), [[2, 5, 1]])
+    with pytest.raises(ValueError, match="decoder_attention_heads=5"):
+        BartConfig(**{**SIZES, "decoder_attention_heads": 5})
+    with pytest.raises(ValueError, match="normalize_before"):
+        BartConfig.from_hf({**SIZES, "normalize_before": True})
+    model = eqx.filter_eval_shape(lambda: BartForConditionalGeneration(config, key=jax.random.key(0)))
+    with pytest.raises(ValueError, match="attention_mask is for the encoder"):
+        model.decode(jnp.zeros((1,), jnp.int32), None, attention_mask=jnp.ones((1,), bool))
