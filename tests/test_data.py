@@ -353,6 +353,12 @@ def test_examples_that_cannot_be_batched_are_named_with_the_fix(devices):
         redeqx.batches(16, collate, 2, mesh)
     with pytest.raises(TypeError, match="examples is a str"):
         redeqx.batches("abcdefgh", collate, 2, mesh)
+
+    class DataFrame(DatasetLike):  # what pandas offers: [i] is a column
+        iloc, columns = None, ["x", "id"]
+
+    with pytest.raises(TypeError, match=r"examples is a DataFrame, whose \[i\] picks a column.*to_dict\('records'\)"):
+        redeqx.batches(DataFrame(examples(16)), collate, 2, mesh)
     for empty in ([], (), np.zeros((0, 4)), DatasetLike([])):
         with pytest.raises(ValueError, match=f"examples is empty \\(a {type(empty).__name__} of length 0\\)"):
             redeqx.batches(empty, collate, 2, mesh)
