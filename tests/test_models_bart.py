@@ -36,11 +36,15 @@ SIZES = dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=1, e
 def bart(tmp_path_factory):
     torch.manual_seed(0)
     hf = transformers.BartForConditionalGeneration(transformers.BartConfig(**SIZES, scale_embedding=True)).eval()
-    with torch.no_grad():  # non-trivial biases, norms and logit bias, so a wrong mapping shows
-        for name, p in hf.named_parameters():
+    with torch.no_grad():  # non-trivial biases, norms and logit bias, so a wrong mapping shows,
+        for name, p in hf.named_parameters():  # and weights large enough that greedy tokens vary
             if name.endswith("bias") or "layer_norm" in name or "layernorm" in name:
                 p.add_(0.1 * torch.randn_like(p))
-        hf.final_logits_bias.copy_(torch.randn_like(hf.final_logits_bias))
+            elif "shared" in name:
+                p.mul_(5)
+            elif p.ndim == 2:
+                p.mul_(20)
+        hf.final_logits_bias.copy_(0.1 * torch.randn_like(hf.final_logits_bias))
     d = tmp_path_factory.mktemp("bart")
     hf.save_pretrained(d)
     return d, hf
@@ -121,6 +125,7 @@ def test_greedy_generation_matches_transformers_sharded_as_pred_fn(bart):
         ref = hf.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=8,
                           do_sample=False, num_beams=1, eos_token_id=None, forced_eos_token_id=None,
                           forced_bos_token_id=None, pad_token_id=1).numpy()[:, 1:]  # drop the start token
+    assert len(np.unique(ref)) > 3  # varied tokens, so a wrong position or cache shows
     mesh = redeqx.make_mesh(2)
     model = from_pretrained(d, mesh)
 
