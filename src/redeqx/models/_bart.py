@@ -104,10 +104,12 @@ class BartConfig:
     @classmethod
     def from_hf(cls, d: dict) -> "BartConfig":
         """From a Hugging Face ``config.json`` dict (Transformers 4 or 5 layout)."""
-        for key, ok in (("normalize_before", False), ("add_final_layer_norm", False)):
+        # Options of old (Transformers 3/4) BART config.json files; mBART-style models set the first two.
+        for key, ok in (("normalize_before", False), ("add_final_layer_norm", False), ("normalize_embedding", True),
+                        ("add_bias_logits", False), ("static_position_embeddings", False)):
             if d.get(key, ok) != ok:
-                raise ValueError(f"BART config.json has {key}={d[key]!r} (an mBART-style model); redeqx supports "
-                                 f"only BART's post-LN blocks ({key}={ok}).")
+                raise ValueError(f"BART config.json has {key}={d[key]!r}; redeqx supports only BART's own layout "
+                                 f"({key}={ok}): post-LN blocks, layernorm_embedding, learned positions.")
         return cls(
             vocab_size=d["vocab_size"], max_position_embeddings=d.get("max_position_embeddings", 1024),
             d_model=d["d_model"], encoder_layers=d["encoder_layers"], decoder_layers=d["decoder_layers"],
