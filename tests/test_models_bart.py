@@ -108,7 +108,7 @@ def test_explain_shows_the_megatron_plan():
         r"fc2\.weight": "P(None, 'model')",
         r"fc2\.bias": "P()",
         r"(layer_norm|layernorm_embedding)\.(weight|bias)": "P()",
-        r"^final_logits_bias": "P()",
+        r"^final_logits_bias": "P('model',)",  # with the vocab-split logits
     }
     rows = [line for line in table.splitlines()[2:] if line.startswith(("model.", "final_logits_bias"))]
     assert len(rows) == len(jax.tree.leaves(model))

@@ -15,9 +15,16 @@ from ._distributed import initialize as initialize, preflight as preflight
 from ._hlo import collective_summary as collective_summary
 from ._logging import Logger as Logger
 from ._mesh import make_mesh as make_mesh
+from ._remat import checkpoint as checkpoint, remat as remat
 from ._rules import explain as explain, sharding_rules as sharding_rules
 from ._schedules import lr_schedule as lr_schedule
-from ._state import TrainState as TrainState, init_opt_state as init_opt_state, init_state as init_state, shard as shard
+from ._state import (
+    TrainState as TrainState,
+    init_model as init_model,
+    init_opt_state as init_opt_state,
+    init_state as init_state,
+    shard as shard,
+)
 from ._steps import (
     make_eval_step as make_eval_step,
     make_predict_step as make_predict_step,

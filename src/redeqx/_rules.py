@@ -39,7 +39,10 @@ ATTN_OUT_NAMES = {"output_proj", "o_proj", "out_proj", "wo", "o", "c_proj", "den
 UP_NAMES = {"up", "gate", "fc1", "w1", "w3", "wi", "wi_0", "wi_1", "c_fc", "up_proj", "gate_proj", "fc_in"}
 DOWN_NAMES = {"down", "fc2", "w2", "wo", "c_proj", "down_proj", "fc_out"}
 EMBED_WORDS = ("embed", "wte", "tok_embeddings", "word_embeddings", "embedding")
-POSITION_WORDS = ("pos", "position", "positional")
+POSITION_WORDS = ("pos", "position", "positions", "positional")
+# small projections between an embedding and the first block (OPT-350m): splitting them
+# would gather activations on both sides for half a million parameters
+REPLICATED_NAMES = {"project_in", "project_out"}
 HEAD_NAMES = {"lm_head", "head", "unembed", "output", "out_head", "classifier_head"}
 WEIGHT_NAMES = {"weight", "kernel", "w"}
 BIAS_NAMES = {"bias", "b"}
@@ -162,6 +165,8 @@ def _classify_weight(parts: list[str], chain: list, leaf, vocab_sizes: set[int])
         return -1, "position embedding: replicated", "bare"
     if is_embedding:
         return 0, "embedding: dim 0 (vocab)", "bare"
+    if lname in REPLICATED_NAMES:
+        return -1, "embedding projection: replicated", "bare"
     if lname in HEAD_NAMES or "head" in toks:
         if leaf.shape[0] in vocab_sizes or (not vocab_sizes and lname in ("lm_head", "unembed")):
             return 0, "LM head: dim 0 (vocab)", kind
@@ -337,7 +342,10 @@ def plan(model, mesh: Mesh, overrides: Sequence[tuple[str, P]] = (), fsdp: bool 
     for i, kp, parts, path, leaf in later:
         layer = ".".join(parts[:-1])
         dim = weight_dims.get(layer)
-        if parts[-1] in BIAS_NAMES and dim == 0 and leaf.ndim >= 1 and leaf.shape[0] % n_model == 0:
+        if (leaf.ndim == 1 and "logits" in _tokens(parts[-1]) and leaf.shape[0] in vocab_sizes
+                and leaf.shape[0] % n_model == 0):  # BART's final_logits_bias: with the vocab-split logits
+            finish(i, path, leaf, P(MODEL), "logits bias: dim 0 (vocab)")
+        elif parts[-1] in BIAS_NAMES and dim == 0 and leaf.ndim >= 1 and leaf.shape[0] % n_model == 0:
             finish(i, path, leaf, _split_spec(leaf.ndim, 0), "bias of a dim-0 layer: dim 0")
         elif parts[-1] in BIAS_NAMES:
             finish(i, path, leaf, P(), "bias: replicated" + (" (its layer is not split on dim 0)" if leaf.ndim else ""))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import inspect
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -14,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from ._mesh import check_mesh
-from ._rules import path_parts
+from ._rules import path_parts, sharding_rules
 from ._typing import short_repr, typechecked
 
 
@@ -185,8 +187,15 @@ def _mirror_specs(abstract_state, model, specs):
     return jax.tree_util.tree_map_with_path(spec_for, abstract_state)
 
 
+def _is_float_leaf(x) -> bool:
+    """A floating array, concrete or abstract (``jax.ShapeDtypeStruct``)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jnp.issubdtype(x.dtype, jnp.inexact)
+    return eqx.is_inexact_array(x)
+
+
 def _trainable_params(model, trainable):
-    params = eqx.filter(model, eqx.is_inexact_array)
+    params = eqx.filter(model, _is_float_leaf)
     if trainable is None:
         return params
     return eqx.filter(params, trainable)
@@ -300,6 +309,11 @@ def init_state(
       ``donate_model=True`` moves the arrays instead, for a model too large to
       hold twice: ``model`` must not be used afterwards (its arrays may be
       deleted by the first step).
+    - ``model`` may also be a constructor ``make_model(key)``: it is built
+      straight into its shards (see `init_model`, using ``key``), or an
+      abstract model (``eqx.filter_eval_shape``): the result is then the
+      abstract TrainState, ``jax.ShapeDtypeStruct`` leaves with their
+      shardings, to compile a step on with `plan` without allocating.
 
     **Example:**
 
@@ -311,6 +325,11 @@ def init_state(
     _check_key(key)
     mesh = check_mesh(mesh)
     check_specs(specs, mesh)
+    if _is_constructor(model):  # build it in its shards; nobody else holds these arrays
+        jitted, static = constructor(model, mesh, specs, key)
+        model, donate_model = eqx.combine(jitted(key), static), True
+    if _is_abstract(model):
+        return _abstract_state(model, optimizer, mesh, specs, key, trainable, model_state)
     model = _place_tree(model, specs, mesh, copy=not donate_model, what="model")
     opt_state = init_opt_state(optimizer, model, mesh, specs, trainable=trainable)
     if model_state is not None:
@@ -324,3 +343,120 @@ def init_state(
         key=replicate_key(key, mesh),
         model_state=model_state,
     )
+
+
+# ----------------------------------------------------------------------------- building models in their shards
+
+
+def _call_with_key(make_model, key):
+    """``make_model(key=key)`` when it names a ``key`` parameter (Equinox
+    constructors, ``functools.partial`` of them), else ``make_model(key)``."""
+    try:
+        params = inspect.signature(make_model).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if "key" in params:
+        return make_model(key=key)
+    return make_model(key)
+
+
+def _is_constructor(x) -> bool:
+    return callable(x) and not isinstance(x, eqx.Module) and not isinstance(x, (jax.Array, np.ndarray))
+
+
+def _is_abstract(tree) -> bool:
+    return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
+
+
+def abstract_model(make_model, key):
+    """The model ``make_model`` would build, as ``jax.ShapeDtypeStruct``
+    leaves: nothing is allocated."""
+    return eqx.filter_eval_shape(lambda k: _call_with_key(make_model, k), key)
+
+
+def constructor(make_model, mesh: Mesh, specs, key):
+    """The compiled constructor: ``make_model``'s arrays come out laid out by
+    ``specs``, so each device computes and holds only its own shards (random
+    initialisation included: JAX's partitionable PRNG draws each shard where
+    it lives, and the values equal those of an unsharded build). Returns
+    ``(jitted, static)``: ``jitted(key)`` gives the array leaves,
+    ``eqx.combine`` with ``static`` gives the model."""
+    abstract = abstract_model(make_model, key)
+    check_specs_match(abstract, specs, "model")
+    arrays, static = eqx.partition(abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    leaves, treedef = jax.tree.flatten(arrays, is_leaf=_is_none)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=_is_spec)
+    shardings = jax.tree.unflatten(treedef, [
+        None if x is None else NamedSharding(mesh, P() if s is None else s) for x, s in zip(leaves, spec_leaves)
+    ])
+
+    def build(k):
+        return eqx.filter(_call_with_key(make_model, k), eqx.is_array)
+
+    return jax.jit(build, out_shardings=shardings), static
+
+
+@typechecked
+def init_model(
+    make_model: Callable,
+    mesh: Mesh,
+    *,
+    key: PRNGKeyArray,
+    overrides: Sequence = (),
+    fsdp: bool = False,
+) -> PyTree:
+    """Build ``make_model(key)`` straight into its shards.
+
+    The constructor runs compiled, with the shardings of
+    ``sharding_rules(model, mesh, overrides=overrides, fsdp=fsdp)`` (found on the
+    abstract model, nothing allocated) as its outputs: a model too large for
+    one device is never whole anywhere, and with ``fsdp=True`` each device holds
+    about ``1 / n_devices`` of it. The values are those ``make_model(key)``
+    gives on one device.
+
+    ``make_model`` takes the key as ``key=`` if it has a parameter of that
+    name (an Equinox class, a ``functools.partial`` of one), else as its only
+    positional argument.
+
+    **Example:**
+
+    ```python
+    config = models.LlamaConfig(hidden_size=2048, num_hidden_layers=16, ...)
+    model = redeqx.init_model(lambda key: models.LlamaForCausalLM(config, key=key), mesh,
+                              key=jax.random.key(0), fsdp=True)
+    specs = redeqx.sharding_rules(model, mesh, fsdp=True)
+    state = redeqx.init_state(model, optimizer, mesh, specs, key=key, donate_model=True)
+    ```
+    """
+    mesh = check_mesh(mesh)
+    _check_key(key)
+    specs = sharding_rules(abstract_model(make_model, key), mesh, overrides=overrides, fsdp=fsdp)
+    jitted, static = constructor(make_model, mesh, specs, key)
+    return eqx.combine(jitted(key), static)
+
+
+def _abstract_state(model, optimizer, mesh: Mesh, specs, key, trainable, model_state) -> TrainState:
+    """`init_state` on an abstract model: the same TrainState as
+    ``jax.ShapeDtypeStruct`` leaves carrying their shardings (for `plan`)."""
+    check_specs_match(model, specs, "model")
+
+    def with_sharding(x, spec):
+        if isinstance(x, (jax.ShapeDtypeStruct, jax.Array, np.ndarray)):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P() if spec is None else spec))
+        return x
+
+    leaves, treedef = jax.tree.flatten(model, is_leaf=_is_none)
+    model = jax.tree.unflatten(treedef, [with_sharding(x, s) for x, s in
+                                         zip(leaves, jax.tree.leaves(specs, is_leaf=_is_spec))])
+    params = _trainable_params(model, trainable)
+    abstract_os = jax.eval_shape(optimizer.init, params)
+    os_specs = _mirror_specs(abstract_os, model, specs)
+    opt_state = jax.tree.map(with_sharding, abstract_os, os_specs)
+    replicated = NamedSharding(mesh, P())
+    key_struct = jax.eval_shape(lambda: key)
+    if model_state is not None:
+        model_state = jax.tree.map(lambda x: with_sharding(x, P()), model_state)
+    return TrainState(model=model, opt_state=opt_state,
+                      step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
+                      key=jax.ShapeDtypeStruct(key_struct.shape, key_struct.dtype, sharding=replicated),
+                      model_state=model_state)

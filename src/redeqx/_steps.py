@@ -42,6 +42,7 @@ from ._state import (
 from ._typing import short_repr, typechecked, warn_user
 
 ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
+_ARRAYLIKE = ARRAY_TYPES + (jax.ShapeDtypeStruct,)  # abstract leaves: lowering only
 
 
 def _fn_name(fn) -> str:
@@ -82,7 +83,7 @@ def _spec_leaves(tree, spec_tree) -> list:
     s_leaves = jax.tree.leaves(spec_tree, is_leaf=_is_spec)
     if len(t_leaves) != len(s_leaves):
         raise ValueError(f"specs have {len(s_leaves)} leaves for {len(t_leaves)} leaves.")
-    return [P() if s is None else s for x, s in zip(t_leaves, s_leaves) if isinstance(x, ARRAY_TYPES)]
+    return [P() if s is None else s for x, s in zip(t_leaves, s_leaves) if isinstance(x, _ARRAYLIKE)]
 
 
 def _sharding_text(x) -> str:
@@ -109,7 +110,7 @@ class _Compiled:
     """
 
     def __init__(self, fn, mesh: Mesh, *, donate: bool, returns_state: bool, targets, what: str,
-                 batch_args: tuple[int, ...] = ()):
+                 batch_args: tuple[int, ...] = (), warn_moves: bool = True):
         self.fn = fn
         self.mesh = mesh
         self.donate = donate
@@ -117,6 +118,7 @@ class _Compiled:
         self.targets = targets
         self.what = what
         self.batch_args = batch_args
+        self.warn_moves = warn_moves
         self._entries: dict[Any, tuple] = {}
         self._fast: dict[Any, tuple] = {}
 
@@ -201,7 +203,7 @@ class _Compiled:
                     moved.append(f"{path}: {_sharding_text(x)} -> {s.spec}")
                 x = place(x, s, copy=self.donate)  # a moved leaf never shares the caller's memory
             out.append(x)
-        if moved and self.returns_state is not None:
+        if moved and self.warn_moves:
             warn_user(
                 f"redeqx: {len(moved)} {self.what} leaves were not laid out as this step's specs say and were moved "
                 f"(each call that passes them so pays for the move): " + "; ".join(moved[:8])
@@ -309,7 +311,8 @@ def make_step(step_fn: Callable, mesh: Mesh, *, donate: bool = True) -> Callable
     def targets(tree, paths, leaves):
         return [_own_placement(p, x, mesh) for p, x in zip(paths, leaves)]
 
-    step = _Compiled(step_fn, mesh, donate=donate, returns_state=True, targets=targets, what="state")
+    step = _Compiled(step_fn, mesh, donate=donate, returns_state=True, targets=targets, what="state",
+                     warn_moves=False)
     return functools.wraps(step_fn)(_StepFunction(step))
 
 
@@ -498,7 +501,7 @@ def _model_targets(mesh: Mesh, specs):
 def _model_state_specs(model_state, mesh: Mesh):
     if model_state is None:
         return None
-    return jax.tree.map(lambda x: _own_placement("model_state", x, mesh).spec if isinstance(x, ARRAY_TYPES) else None,
+    return jax.tree.map(lambda x: _own_placement("model_state", x, mesh).spec if isinstance(x, _ARRAYLIKE) else None,
                         model_state)
 
 

@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._constrain import constrain
+from .._remat import checkpoint
 from .._mesh import MODEL
 from ._hf import HFTensor
 from ._layers import (
@@ -297,7 +298,7 @@ class BartForConditionalGeneration(eqx.Module):
         x = self._embed(input_ids, jnp.arange(s), self.model.encoder)
         mask = jnp.broadcast_to(valid[None, :], (s, s))
         for layer in self.model.encoder.layers:
-            fn = eqx.filter_checkpoint(layer) if self.config.remat else layer
+            fn = checkpoint(layer) if self.config.remat else layer
             x = fn(x, mask)
         return x
 
@@ -324,7 +325,7 @@ class BartForConditionalGeneration(eqx.Module):
         mask = causal_mask(jnp.ones((t,), bool), 0, t)
         source_mask = jnp.broadcast_to(valid[None, :], (t, s))
         for layer in self.model.decoder.layers:
-            fn = eqx.filter_checkpoint(layer) if self.config.remat else layer
+            fn = checkpoint(layer) if self.config.remat else layer
             x, _ = fn(x, mask, source, source_mask)
         return self._logits(x)
 

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import PRNGKeyArray
 
 from .._constrain import constrain
+from .._remat import checkpoint
 from .._mesh import MODEL
 from ._hf import HFTensor
 from ._layers import (
@@ -197,7 +198,7 @@ class GPT2LMHeadModel(CausalLM):
         x = constrain(t.token_embedding(ids) + t.position_embedding(positions), P())
         new_layers = []
         for i, block in enumerate(t.h):
-            fn = eqx.filter_checkpoint(block) if self.config.remat else block
+            fn = checkpoint(block) if self.config.remat else block
             x, lc = fn(x, mask, None if cache is None else cache.layers[i], None if cache is None else cache.index)
             new_layers.append(lc)
         return constrain(t.token_embedding.attend(t.ln_f(x)), P(None, MODEL)), new_layers

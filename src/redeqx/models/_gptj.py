@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._constrain import constrain
+from .._remat import checkpoint
 from .._mesh import MODEL
 from ._layers import (
     ACTIVATIONS,
@@ -263,7 +264,7 @@ class GPTJForCausalLM(CausalLM):
         x = constrain(t.wte(ids), P())  # vocab-split lookup: one all-reduce
         new_layers = []
         for i, block in enumerate(t.h):
-            fn = eqx.filter_checkpoint(block) if self.config.remat else block
+            fn = checkpoint(block) if self.config.remat else block
             x, lc = fn(x, positions, mask, None if cache is None else cache.layers[i],
                        None if cache is None else cache.index)
             new_layers.append(lc)

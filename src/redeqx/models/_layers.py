@@ -16,6 +16,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._constrain import constrain
 from .._mesh import MODEL
+from ._fused import column_matmul, row_matmul
 from .._rules import path_str
 from ._hf import HFTensor
 
@@ -86,22 +87,8 @@ def fused_linears(
     units = [layer.weight.shape[0] for layer in layers] if units is None else units
     if any(u % n for u in units):
         n = 1
-    local = [layer.weight.shape[0] // n for layer in layers]
-    w = jnp.concatenate([layer.weight.reshape(n, k, -1) for layer, k in zip(layers, local)], axis=1)
-    w = constrain(w.astype(x.dtype), P(MODEL, None, None))
-    y = jnp.einsum("ti,nki->tnk", x, w)  # (T, n, sum(local))
-    if any(layer.bias is not None for layer in layers):
-        b = jnp.concatenate([
-            (layer.bias if layer.bias is not None else jnp.zeros((layer.weight.shape[0],), layer.weight.dtype))
-            .reshape(n, k) for layer, k in zip(layers, local)
-        ], axis=1)
-        y = y + b[None].astype(x.dtype)
-    y = constrain(y, P(None, MODEL, None))
-    outs, start = [], 0
-    for k in local:
-        outs.append(y[:, :, start:start + k].reshape(y.shape[0], n * k))
-        start += k
-    return outs
+    ys = column_matmul(x, tuple(layer.weight for layer in layers), n)  # see _fused.py for its backward pass
+    return [y if layer.bias is None else y + _last(layer.bias.astype(y.dtype), y.ndim) for layer, y in zip(layers, ys)]
 
 
 def fused_row_linears(
@@ -130,12 +117,7 @@ def fused_row_linears(
         for layer, x in zip(layers[1:], xs[1:]):
             out = out + layer(x)
         return out
-    local = [layer.weight.shape[1] // n for layer in layers]
-    x = jnp.concatenate([x.reshape(x.shape[0], n, k) for x, k in zip(xs, local)], axis=2)
-    w = jnp.concatenate([layer.weight.reshape(-1, n, k) for layer, k in zip(layers, local)], axis=2)
-    x = constrain(x, P(None, MODEL, None))
-    w = constrain(w.astype(x.dtype), P(None, MODEL, None))
-    y = jnp.einsum("tnk,onk->to", x, w)  # one partial sum over the model shards
+    y = row_matmul(tuple(xs), tuple(layer.weight for layer in layers), n)  # one partial sum over the model shards
     for layer in layers:
         if layer.bias is not None:
             y = y + _last(layer.bias.astype(y.dtype), y.ndim)

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._constrain import constrain
+from .._remat import checkpoint
 from .._mesh import MODEL
 from ._layers import (
     check_positive_ints,
@@ -346,7 +347,7 @@ class LlamaForCausalLM(CausalLM):
         x = constrain(self.model.embed_tokens(ids), P())
         new_layers = []
         for i, layer in enumerate(self.model.layers):
-            fn = eqx.filter_checkpoint(layer) if c.remat else layer
+            fn = checkpoint(layer) if c.remat else layer
             x, lc = fn(x, positions, mask, inv_freq, None if cache is None else cache.layers[i],
                        None if cache is None else cache.index)
             new_layers.append(lc)

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._constrain import constrain
+from .._remat import checkpoint
 from .._mesh import MODEL
 from ._hf import HFTensor
 from ._layers import (
@@ -253,7 +254,7 @@ class OPTForCausalLM(CausalLM):
         x = constrain(x + d.position_embedding(positions + POSITION_OFFSET), P())
         new_layers = []
         for i, layer in enumerate(d.layers):
-            fn = eqx.filter_checkpoint(layer) if c.remat else layer
+            fn = checkpoint(layer) if c.remat else layer
             x, lc = fn(x, mask, None if cache is None else cache.layers[i], None if cache is None else cache.index)
             new_layers.append(lc)
         if d.final_layer_norm is not None:

@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._constrain import constrain
+from .._remat import checkpoint
 from .._mesh import MODEL
 from ._layers import (
     check_positive_ints,
@@ -430,7 +431,7 @@ class T5ForConditionalGeneration(eqx.Module):
         bias = self.encoder.bias(pos, pos, bidirectional=True)
         mask = jnp.broadcast_to(valid[None, :], (s, s))
         for block in self.encoder.block:
-            fn = eqx.filter_checkpoint(block) if self.config.remat else block
+            fn = checkpoint(block) if self.config.remat else block
             x, _ = fn(x, mask, bias)
         return self.encoder.final_layer_norm(x)
 
@@ -460,7 +461,7 @@ class T5ForConditionalGeneration(eqx.Module):
         bias = self.decoder.bias(pos, pos, bidirectional=False)
         mask = causal_mask(jnp.ones((t,), bool), 0, t)
         for block in self.decoder.block:
-            fn = eqx.filter_checkpoint(block) if self.config.remat else block
+            fn = checkpoint(block) if self.config.remat else block
             x, _ = fn(x, mask, bias, (source, None, valid))
         return self._logits(x)
 
