@@ -13,3 +13,4 @@ from ._bart import (
     BartForConditionalGeneration as BartForConditionalGeneration,
     shift_tokens_right as shift_tokens_right,
 )
+from ._lora import LoRALinear as LoRALinear, lora as lora, lora_trainable as lora_trainable, merge_lora as merge_lora

@@ -302,7 +302,12 @@ def save_pretrained(model, local_dir: str | os.PathLike, *, max_shard_bytes: int
         used += n
     if writer:
         local_dir.mkdir(parents=True, exist_ok=True)
-        (local_dir / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2))
+        config = model.config.to_hf()
+        (local_dir / "config.json").write_text(json.dumps(config, indent=2))
+        generation = {k: config[k] for k in _GENERATION_FIELDS if config.get(k) is not None}
+        if generation:  # what Transformers' generate() reads for its defaults
+            (local_dir / "generation_config.json").write_text(json.dumps({**generation, "_from_model_config": True},
+                                                                         indent=2))
     names = ["model.safetensors"] if len(groups) == 1 else [
         f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors" for k in range(len(groups))
     ]
