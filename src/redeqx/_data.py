@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
-from ._mesh import DATA
+from ._mesh import DATA, check_mesh
 from ._steps import EvalStep, _check_positive_int
 from ._typing import typechecked
 
@@ -335,6 +335,7 @@ def batches(
         manager.save(state, epoch=epoch, batch=i + 1)    # the next batch to run
     ```
     """
+    mesh = check_mesh(mesh)
     _check_examples(examples)
     if not callable(collate_fn):
         raise TypeError(f"collate_fn must be a function list[example] -> dict of arrays, got {collate_fn!r}.")
@@ -374,10 +375,12 @@ def evaluate(
     key,
     desc: str | None = None,
     prefetch: int = DEFAULT_PREFETCH,
+    model_state=None,
 ) -> dict[str, float]:
     """The example-weighted mean of ``eval_step``'s metrics over every example
     (the last batch is padded and the padding gets weight 0). ``examples``,
-    ``desc`` and ``prefetch`` are as in `batches`.
+    ``desc`` and ``prefetch`` are as in `batches`; ``model_state`` is the
+    model's ``eqx.nn.State`` (``state.model_state``) for a model that has one.
 
     **Example:**
 
@@ -388,6 +391,7 @@ def evaluate(
     """
     if not isinstance(eval_step, EvalStep):
         raise TypeError(f"eval_step must come from redeqx.make_eval_step, got {type(eval_step).__name__}.")
+    mesh = check_mesh(mesh)
     _check_examples(examples)
     prefetch = _check_prefetch(prefetch)
     size = _global_batch_size(per_device_batch_size, mesh)
@@ -398,7 +402,7 @@ def evaluate(
         weights = np.zeros(size, np.float32)
         weights[:n_real] = 1.0
         weights = to_global(weights[slice(*local_rows(mesh, size))], mesh, size)
-        sums = eval_step.sums(model, batch, jax.random.fold_in(key, i), weights)
+        sums = eval_step.sums(model, batch, jax.random.fold_in(key, i), weights, model_state=model_state)
         totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
     return {k: float(v) / len(examples) for k, v in jax.device_get(totals).items()}
 
@@ -425,6 +429,7 @@ def predict(
     output_fn: Callable | None = None,
     desc: str | None = None,
     prefetch: int = DEFAULT_PREFETCH,
+    model_state=None,
 ) -> list:
     """One output per example, in the order of ``examples``, on every process.
 
@@ -432,7 +437,8 @@ def predict(
     dropped. Without ``output_fn`` each output is the example's row of every
     array ``pred_fn`` returned (NumPy); with it, ``output_fn(preds)`` turns a
     batch of NumPy predictions into a list of per-example outputs (e.g.
-    decoded text). ``examples``, ``desc`` and ``prefetch`` are as in `batches`.
+    decoded text). ``examples``, ``desc`` and ``prefetch`` are as in `batches`;
+    ``model_state`` is passed on to the step for a model with state.
 
     **Example:**
 
@@ -440,9 +446,11 @@ def predict(
     labels = redeqx.predict(predict_step, state.model, test, collate_fn, 64, mesh, key=key)
     ```
     """
+    mesh = check_mesh(mesh)
     _check_examples(examples)
     prefetch = _check_prefetch(prefetch)
     outputs: list = []
+    state_kw = {} if model_state is None else {"model_state": model_state}
 
     def drain(pending):
         preds, n_real = pending
@@ -459,7 +467,7 @@ def predict(
     for i, (batch, n_real) in enumerate(_padded_batches(
         examples, collate_fn, per_device_batch_size, mesh, np.arange(len(examples)), 0, desc, False, False, prefetch
     )):
-        preds = predict_step(model, batch, jax.random.fold_in(key, i))
+        preds = predict_step(model, batch, jax.random.fold_in(key, i), **state_kw)
         if pending is not None:
             drain(pending)  # fetch the previous batch while this one computes
         pending = (preds, n_real)
