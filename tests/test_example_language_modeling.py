@@ -1,0 +1,95 @@
+"""examples/language_modeling: a tiny LLaMA learns the standard library's
+source (held-out loss falls), the export loads in Transformers with the same
+logits and the same held-out loss, --init_from continues from it, and two
+processes train exactly as one."""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples/language_modeling/main.py"
+TINY = ["--train_chars", "30000", "--eval_chars", "15000", "--seq_len", "32", "--vocab_size", "512",
+        "--hidden_size", "64", "--n_layers", "2", "--n_epochs", "2", "--per_device_batch_size", "4",
+        "--sample_tokens", "8", "--log_every", "5"]
+
+
+def run(*args, launch=False, timeout=300):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the script (or launcher) sets its own
+    cmd = [sys.executable, *(["-m", "redeqx.launch", "-n", "2"] if launch else []), str(SCRIPT), *TINY, *map(str, args)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def losses(stdout):
+    """Held-out losses (step 0, then after each epoch) and the logged train losses."""
+    held_out = [float(x) for x in re.findall(r"held-out loss ([0-9.]+), perplexity", stdout)]
+    train = [float(x) for x in re.findall(r"train loss ([0-9.]+)", stdout)]
+    return np.array(held_out), np.array(train)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lm")
+    return tmp, run("--workdir", tmp / "run", "--export", tmp / "hf")
+
+
+def test_held_out_loss_falls_and_samples_print(one_process):
+    tmp, stdout = one_process
+    held_out, train = losses(stdout)
+    assert len(held_out) == 3 and held_out[-1] < held_out[0] - 0.7, stdout  # ln(512) = 6.24 at the start
+    assert train[-1] < train[0], stdout
+    assert stdout.count("--- sample") == 4, stdout
+    assert (tmp / "run" / "metrics.jsonl").exists() and list((tmp / "run" / "checkpoints").glob("step_*"))
+
+
+def test_export_loads_in_transformers_with_the_same_logits_and_loss(one_process):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer
+
+    from redeqx import make_mesh, models
+
+    tmp, stdout = one_process
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp / "hf")
+    ours = models.from_pretrained(tmp / "hf", make_mesh(1, devices=jax.devices()[:1]))
+    tokenizer = Tokenizer.from_file(str(tmp / "hf" / "tokenizer.json"))
+    ids = np.array(tokenizer.encode("def read(self, n=-1):\n    return self._buf[:n]").ids)
+    with torch.no_grad():
+        want = hf(torch.tensor(ids[None])).logits[0].numpy()
+    np.testing.assert_allclose(np.asarray(ours(ids)), want, rtol=1e-4, atol=1e-4)
+
+    # the export is the trained model: its loss on the script's held-out blocks is the one the script printed
+    spec = importlib.util.spec_from_file_location("lm_example", SCRIPT)
+    lm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lm)
+    _, held_out_texts = lm.load_texts(30000, 15000)
+    blocks = torch.tensor(lm.to_blocks(tokenizer, held_out_texts, 32), dtype=torch.long)
+    with torch.no_grad():
+        logits = hf(blocks[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), blocks[:, 1:].reshape(-1))
+    np.testing.assert_allclose(float(loss), losses(stdout)[0][-1], rtol=2e-4)
+
+
+def test_init_from_continues_from_the_export(one_process, tmp_path):
+    tmp, stdout = one_process
+    held_out, _ = losses(run("--init_from", tmp / "hf", "--n_epochs", "1", "--learning_rate", "5e-4"))
+    np.testing.assert_allclose(held_out[0], losses(stdout)[0][-1], rtol=1e-4)  # starts where the export ended
+    assert held_out[-1] < held_out[0]
+
+
+def test_two_processes_train_as_one(one_process, tmp_path):
+    _, stdout = one_process
+    two = run("--workdir", tmp_path / "run", "--export", tmp_path / "hf", launch=True)
+    assert "8 devices in 2 process(es)" in two
+    for got, want in zip(losses(two), losses(stdout)):
+        np.testing.assert_allclose(got, want, rtol=1e-4)
+    assert (tmp_path / "hf" / "model.safetensors").exists() and (tmp_path / "hf" / "tokenizer.json").exists()
