@@ -14,7 +14,9 @@ from ._data import batches as batches, evaluate as evaluate, predict as predict
 from ._distributed import initialize as initialize, preflight as preflight
 from ._hlo import collective_summary as collective_summary
 from ._logging import Logger as Logger
-from ._mesh import make_mesh as make_mesh
+from ._mesh import check_mesh as check_mesh, make_mesh as make_mesh
+from ._optimizers import with_opt_state_dtype as with_opt_state_dtype
+from ._plan import Plan as Plan, plan as plan
 from ._remat import checkpoint as checkpoint, remat as remat
 from ._rules import explain as explain, sharding_rules as sharding_rules
 from ._schedules import lr_schedule as lr_schedule

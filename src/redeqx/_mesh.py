@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import jax
 import numpy as np
@@ -15,7 +16,12 @@ MODEL = "model"
 
 
 @typechecked
-def make_mesh(n_model_shards: int = 1, *, devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(
+    n_model_shards: int | Literal["auto"] = 1,
+    *,
+    devices: Sequence[jax.Device] | None = None,
+    planner: Callable[[Mesh], Any] | None = None,
+) -> Mesh:
     """Arrange devices in a ``("data", "model")`` mesh.
 
     ``model`` has ``n_model_shards`` devices (tensor parallelism: each weight is
@@ -24,13 +30,20 @@ def make_mesh(n_model_shards: int = 1, *, devices: Sequence[jax.Device] | None =
     ``model`` group are adjacent in ``devices`` order, so on a GPU server the
     model's collectives stay inside fast links.
 
+    ``n_model_shards="auto"`` picks the smallest that fits: ``planner(mesh)``
+    (a `plan` with ``device_memory``, e.g. ``functools.partial(redeqx.plan,
+    make_model, loss_fn, optimizer, batch, device_memory="40GB")``) is tried on
+    each candidate mesh, 1, 2, 4, ... model shards, each compiled on
+    abstract shapes, and the first whose plan fits is returned.
+
     Both axes are ``Auto``: the sharding rules only place parameters, and XLA's
     GSPMD propagation then decides the layout of every activation. ``Explicit``
     axes (this JAX's default for ``jax.make_mesh``) would make every user's
     ``loss_fn`` spell out ``out_sharding`` for each row-parallel matmul, which
     breaks the promise that any Equinox model works unchanged; the equivalence
     and collective tests in ``tests/`` show ``Auto`` gives single-device results
-    and no parameter gathers.
+    and no parameter gathers. Meshes made otherwise are accepted everywhere
+    (see `check_mesh`).
 
     **Example:**
 
@@ -41,12 +54,14 @@ def make_mesh(n_model_shards: int = 1, *, devices: Sequence[jax.Device] | None =
     if devices is None:
         devices = jax.devices()
     devices = list(devices)
-    if isinstance(n_model_shards, bool) or not isinstance(n_model_shards, (int, np.integer)):
-        raise TypeError(f"n_model_shards must be an int, got {n_model_shards!r} ({type(n_model_shards).__name__}).")
-    if n_model_shards < 1:
-        raise ValueError(f"n_model_shards must be >= 1, got {n_model_shards}.")
     if len(devices) == 0:
         raise ValueError("devices is empty: pass at least one device, or leave devices=None to use jax.devices().")
+    if n_model_shards == "auto":
+        return _auto_mesh(devices, planner)
+    if isinstance(n_model_shards, bool) or not isinstance(n_model_shards, (int, np.integer)):
+        raise TypeError(f"n_model_shards must be an int or 'auto', got {n_model_shards!r} ({type(n_model_shards).__name__}).")
+    if n_model_shards < 1:
+        raise ValueError(f"n_model_shards must be >= 1, got {n_model_shards}.")
     if len(devices) % n_model_shards != 0:
         divisors = [d for d in range(1, len(devices) + 1) if len(devices) % d == 0]
         raise ValueError(
@@ -56,6 +71,32 @@ def make_mesh(n_model_shards: int = 1, *, devices: Sequence[jax.Device] | None =
     n_data = len(devices) // n_model_shards
     grid = np.asarray(devices, dtype=object).reshape(n_data, int(n_model_shards))
     return Mesh(grid, (DATA, MODEL), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def _auto_mesh(devices: list, planner) -> Mesh:
+    if planner is None:
+        raise ValueError(
+            'n_model_shards="auto" needs planner=: e.g. planner=functools.partial(redeqx.plan, make_model, loss_fn, '
+            'optimizer, batch, device_memory="40GB"), which make_mesh calls with each candidate mesh.'
+        )
+    seen = []
+    for k in [d for d in range(1, len(devices) + 1) if len(devices) % d == 0]:
+        mesh = make_mesh(k, devices=devices)
+        try:
+            found = planner(mesh)
+        except ValueError as e:  # e.g. a global batch this data axis cannot split
+            seen.append(f"n_model_shards={k}: {e}")
+            continue
+        fits = getattr(found, "fits", found)
+        if fits is None:
+            raise ValueError("the planner's plan has no device_memory to fit: pass device_memory= to redeqx.plan.")
+        if fits:
+            return mesh
+        seen.append(f"n_model_shards={k}: peak {getattr(found, 'peak', '?')} bytes per device")
+    raise ValueError(
+        f"no n_model_shards fits on these {len(devices)} devices:\n  " + "\n  ".join(seen)
+        + "\nTry fsdp=True, remat=True, compute_dtype=jnp.bfloat16 or accumulate in the planner, or more devices."
+    )
 
 
 _MESH_FIX = (

@@ -248,7 +248,7 @@ def _array_like(x) -> bool:
     return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)  # abstract models too
 
 
-def plan(model, mesh: Mesh, overrides: Sequence[tuple[str, P]] = (), fsdp: bool = False, name: str | None = None):
+def leaf_plans(model, mesh: Mesh, overrides: Sequence[tuple[str, P]] = (), fsdp: bool = False, name: str | None = None):
     """Returns ``(treedef, [LeafPlan | None per leaf], fallbacks)`` for ``model``;
     ``fallbacks`` are ``(path text, loud)`` for leaves replicated because
     ``n_model_shards`` does not divide their split dim."""
@@ -411,7 +411,7 @@ def sharding_rules(model, mesh: Mesh, *, overrides: Sequence = (), fsdp: bool = 
     print(redeqx.explain(model, specs, mesh))
     ```
     """
-    treedef, plans, fallbacks = plan(model, mesh, overrides, fsdp, name)
+    treedef, plans, fallbacks = leaf_plans(model, mesh, overrides, fsdp, name)
     loud = [text for text, is_loud in fallbacks if is_loud]
     if loud:
         who = f"(name={name!r})" if name else ""
@@ -463,7 +463,7 @@ def explain(model, specs, mesh: Mesh) -> str:
     mesh = check_mesh(mesh)
     recent = _RECENT.get(id(specs))
     candidates = [recent[1]] if recent is not None and recent[0] is specs else []
-    candidates += [plan(model, mesh)[1], plan(model, mesh, fsdp=True)[1]]
+    candidates += [leaf_plans(model, mesh)[1], leaf_plans(model, mesh, fsdp=True)[1]]
     by_path = [{p.path: p for p in plans if p is not None} for plans in candidates]
     m_leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: x is None)[0]
     s_leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P) or x is None)

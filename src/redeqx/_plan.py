@@ -1,0 +1,287 @@
+"""Plan a training run before running it: compile the real step on abstract
+shapes and read memory, communication and FLOPs off the compiled program.
+
+Nothing is allocated: the model is ``eqx.filter_eval_shape``'d, the state
+built by `init_state` on it is ``jax.ShapeDtypeStruct``\\ s with their
+shardings, and the train step is lowered and compiled for those. The figures
+are the compiler's own (its buffer assignment, its collectives, its cost
+model) for the devices of ``mesh``: on simulated CPU devices they are XLA:CPU's,
+on GPUs XLA:GPU's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from ._hlo import collective_summary
+from ._mesh import DATA, MODEL, check_mesh, make_mesh
+from ._optimizers import with_opt_state_dtype
+from ._remat import remat as remat_loss
+from ._rules import _human, _per_device_shape, sharding_rules
+from ._state import _is_constructor, abstract_model, init_state
+from ._steps import make_train_step
+from ._typing import typechecked
+
+_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value, name: str = "device_memory") -> int | None:
+    """``40e9``, ``"40GB"``, ``"32 GiB"`` -> bytes."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return int(value)
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?i?b)\s*", value.lower())
+        if m:
+            return int(float(m.group(1)) * _UNITS[m.group(2)])
+    raise ValueError(f"{name}={value!r}: give bytes (40e9) or a size such as '40GB' or '32GiB'.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What one compiled training step needs, per device. Print it.
+
+    ``peak`` is what the step holds at its highest point: its arguments
+    (parameters, optimizer state, batch), its temporaries (gradients,
+    activations, the update) and whatever outputs do not reuse a donated
+    input. ``gradients`` is the trainable parameters' size, which the
+    temporaries include."""
+
+    mesh: dict[str, int]
+    settings: dict[str, Any]
+    global_batch: int
+    parameters: int
+    optimizer: int
+    batch: int
+    gradients: int
+    temporaries: int
+    peak: int
+    collectives: dict[str, dict[str, int]]
+    flops: float
+    device_memory: int | None = None
+    tried: tuple = ()
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.device_memory is None else self.peak <= self.device_memory
+
+    @property
+    def margin(self) -> int | None:
+        """Bytes to spare per device (negative: missing)."""
+        return None if self.device_memory is None else self.device_memory - self.peak
+
+    def describe(self) -> str:
+        s = self.settings
+        parts = [f"data={self.mesh[DATA]} x model={self.mesh[MODEL]}"]
+        parts += [k for k in ("fsdp", "remat") if s.get(k)]
+        if s.get("compute_dtype"):
+            parts.append(f"{np.dtype(s['compute_dtype']).name} compute")
+        if s.get("opt_state_dtype"):
+            parts.append(f"{np.dtype(s['opt_state_dtype']).name} optimizer state")
+        if s.get("accumulate", 1) > 1:
+            parts.append(f"accumulate={s['accumulate']}")
+        return ", ".join(parts)
+
+    def __str__(self) -> str:
+        lines = [f"plan: {self.describe()}; global batch {self.global_batch}", "per device:"]
+        rows = [("parameters", self.parameters), ("optimizer state", self.optimizer), ("batch", self.batch),
+                ("temporaries", self.temporaries), ("  of which gradients", self.gradients),
+                ("peak", self.peak)]
+        lines += [f"  {name:22s} {_human(v):>12s}" for name, v in rows]
+        if self.device_memory is not None:
+            verdict = "fits" if self.fits else "does NOT fit"
+            lines.append(f"  {'device memory':22s} {_human(self.device_memory):>12s}  -> {verdict}, "
+                         f"{_human(abs(self.margin))} {'to spare' if self.fits else 'short'}")
+        comm = ", ".join(f"{k} {v['count']} x = {_human(v['bytes'])}" for k, v in self.collectives.items()) or "none"
+        lines.append(f"collectives per step: {comm}")
+        lines.append(f"FLOPs per step per device: {self.flops:.3e}")
+        if self.tried:
+            lines.append("tried:")
+            for label, other in self.tried:
+                verdict = "" if other.fits is None else (" fits" if other.fits else " does not fit")
+                lines.append(f"  {label:42s} peak {_human(other.peak):>12s}{verdict}")
+            good = [label for label, other in self.tried if other.fits]
+            if good:
+                lines.append(f"would fit with: {good[0]}")
+            elif self.fits is False:
+                lines.append("nothing tried fits: more devices are needed (or a shorter sequence / smaller batch)")
+        return "\n".join(lines)
+
+
+def _leaf_bytes(tree) -> int:
+    total = 0
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            sh = x.sharding
+            shape = _per_device_shape(x.shape, sh.spec, sh.mesh) if isinstance(sh, NamedSharding) else x.shape
+            itemsize = 4 if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else np.dtype(x.dtype).itemsize
+            total += math.prod(shape) * itemsize
+    return total
+
+
+def _abstract_batch(batch, mesh: Mesh):
+    n_data = mesh.shape[DATA]
+
+    def one(x):
+        shape, dtype = tuple(np.shape(x)), x.dtype
+        spec = P(DATA, *([None] * (len(shape) - 1))) if shape and shape[0] % n_data == 0 else P()
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+    return jax.tree.map(one, batch)
+
+
+def _flops(compiled) -> float:
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else {}
+    return float((cost or {}).get("flops", 0.0))
+
+
+def _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, settings, device_memory) -> Plan:
+    specs = sharding_rules(abstract, mesh, overrides=settings["overrides"], fsdp=settings["fsdp"])
+    if settings["opt_state_dtype"] is not None:
+        optimizer = with_opt_state_dtype(optimizer, settings["opt_state_dtype"])
+    trainable = settings["trainable"]
+    state = init_state(abstract, optimizer, mesh, specs, key=key, trainable=trainable)
+    step = make_train_step(remat_loss(loss_fn) if settings["remat"] else loss_fn, optimizer, mesh, specs,
+                           accumulate=settings["accumulate"], compute_dtype=settings["compute_dtype"],
+                           trainable=trainable)
+    batch = _abstract_batch(batch, mesh)
+    compiled = step.lower(state, batch).compile()
+    stats = compiled.memory_analysis()
+    peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+            + stats.temp_size_in_bytes)
+    params = _leaf_bytes(state.model)
+    trainable_params = _leaf_bytes(eqx.filter(state.model, trainable)) if trainable is not None else params
+    return Plan(
+        mesh=dict(mesh.shape),
+        settings={k: v for k, v in settings.items() if k not in ("overrides", "trainable")},
+        global_batch=int(jax.tree.leaves(batch)[0].shape[0]),
+        parameters=params,
+        optimizer=_leaf_bytes(state.opt_state),
+        batch=_leaf_bytes(batch),
+        gradients=trainable_params,
+        temporaries=stats.temp_size_in_bytes,
+        peak=peak,
+        collectives=collective_summary(compiled.as_text()),
+        flops=_flops(compiled),
+        device_memory=device_memory,
+    )
+
+
+def _options(settings: dict, mesh: Mesh, global_batch: int) -> list[tuple[str, dict, int]]:
+    """Changes worth trying, each ``(label, settings change, n_model_shards)``."""
+    n_model, n_dev = mesh.shape[MODEL], mesh.devices.size
+    out = []
+    if not settings["fsdp"]:
+        out.append(("fsdp=True", {"fsdp": True}, n_model))
+    if not settings["remat"]:
+        out.append(("remat (redeqx.remat(loss_fn))", {"remat": True}, n_model))
+    if settings["compute_dtype"] is None:
+        out.append(("compute_dtype=jnp.bfloat16", {"compute_dtype": jnp.bfloat16}, n_model))
+    if settings["opt_state_dtype"] is None:
+        out.append(("bfloat16 optimizer state", {"opt_state_dtype": jnp.bfloat16}, n_model))
+    per_device = global_batch // mesh.shape[DATA]
+    for k in (2, 4, 8):
+        if per_device % (settings["accumulate"] * k) == 0:
+            out.append((f"accumulate={settings['accumulate'] * k}", {"accumulate": settings["accumulate"] * k}, n_model))
+            break
+    bigger = [k for k in range(n_model + 1, n_dev + 1) if n_dev % k == 0 and global_batch % (n_dev // k) == 0]
+    if bigger:
+        out.append((f"n_model_shards={bigger[0]}", {}, bigger[0]))
+    return out
+
+
+@typechecked
+def plan(
+    model: Any,
+    loss_fn: Callable,
+    optimizer: optax.GradientTransformation,
+    batch: Any,
+    mesh: Mesh,
+    *,
+    key: Any = None,
+    overrides: Sequence = (),
+    fsdp: bool = False,
+    remat: bool = False,
+    accumulate: int = 1,
+    compute_dtype: Any = None,
+    opt_state_dtype: Any = None,
+    trainable: Any = None,
+    device_memory: Any = None,
+    explore: bool = True,
+) -> Plan:
+    """Compile the training step for ``model`` on ``mesh`` without allocating
+    anything, and report per device: parameters, optimizer state, batch,
+    temporaries (gradients included), peak; the collectives (kind, count,
+    bytes); FLOPs per step; and, given ``device_memory`` (bytes, or "40GB"),
+    whether it fits and with what margin.
+
+    - ``model``: a constructor ``make_model(key)``, an abstract model
+      (``eqx.filter_eval_shape``), or a model (only its shapes are used).
+    - ``batch``: one global batch, as arrays or ``jax.ShapeDtypeStruct``\\ s
+      (``per_device_batch_size * data`` rows).
+    - ``fsdp``, ``overrides``: as in `sharding_rules`; ``remat``: the loss
+      through `redeqx.remat`; ``accumulate``, ``compute_dtype``, ``trainable``:
+      as in `make_train_step`; ``opt_state_dtype``: the optimizer state kept in
+      that dtype (`with_opt_state_dtype`).
+
+    When it does not fit and ``explore`` is true, each of fsdp, remat,
+    bfloat16 compute, a bfloat16 optimizer state, a smaller micro-batch
+    (``accumulate``) and more model shards is compiled too, then all of them
+    added one by one until it fits; the printed plan lists each with its peak
+    and names the first that fits.
+
+    **Example:**
+
+    ```python
+    config = models.LlamaConfig()                                   # LLaMA-7B
+    batch = {"ids": jax.ShapeDtypeStruct((4, 1025), jnp.int32)}
+    p = redeqx.plan(lambda key: models.LlamaForCausalLM(config, key=key), loss_fn, optax.adamw(1e-5),
+                    batch, redeqx.make_mesh(4), device_memory="40GB")
+    print(p)
+    ```
+    """
+    mesh = check_mesh(mesh)
+    key = jax.random.key(0) if key is None else key
+    if _is_constructor(model):
+        abstract = abstract_model(model, key)
+    else:
+        abstract = eqx.filter_eval_shape(lambda: model)
+    device_memory = parse_bytes(device_memory)
+    settings = dict(fsdp=fsdp, remat=remat, accumulate=accumulate, compute_dtype=compute_dtype,
+                    opt_state_dtype=opt_state_dtype, overrides=tuple(overrides), trainable=trainable)
+    first = _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, settings, device_memory)
+    if first.fits is not False or not explore:
+        return first
+    global_batch = first.global_batch
+    devices = list(mesh.devices.flat)
+    tried = []
+    for label, change, n_model in _options(settings, mesh, global_batch):
+        other_mesh = mesh if n_model == mesh.shape[MODEL] else make_mesh(n_model, devices=devices)
+        tried.append((label, _one_plan(abstract, loss_fn, optimizer, batch, other_mesh, key,
+                                       {**settings, **change}, device_memory)))
+    if not any(p.fits for _, p in tried):
+        combined, label = dict(settings), []
+        for name, change, n_model in _options(settings, mesh, global_batch):
+            if n_model != mesh.shape[MODEL]:
+                continue  # fewer data shards change the run; say it on its own
+            combined.update(change)
+            label.append(name)
+            p = _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, combined, device_memory)
+            tried.append((" + ".join(label), p))
+            if p.fits:
+                break
+    return dataclasses.replace(first, tried=tuple(tried))

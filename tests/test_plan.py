@@ -1,0 +1,102 @@
+"""The planner compiles the real step on abstract shapes: its figures are those
+of the step a real run compiles, and its advice is what it tried."""
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import redeqx
+from tiny_transformer import TinyLM, collate_tokens, lm_loss, token_examples
+
+
+def make(key):  # small enough that each compile takes about a second
+    return TinyLM(vocab=128, dim=32, n_heads=4, hidden=128, n_layers=1, key=key)
+
+
+def big_params(key):  # parameters outweigh activations, as in the models worth planning
+    return TinyLM(vocab=512, dim=128, n_heads=4, hidden=512, n_layers=1, key=key)
+
+
+BATCH = {"tokens": jax.ShapeDtypeStruct((16, 33), jnp.int32)}
+
+
+def test_plan_matches_the_real_step_and_its_buffers():
+    mesh = redeqx.make_mesh(2)
+    optimizer = optax.adamw(1e-3)
+    p = redeqx.plan(make, lm_loss, optimizer, BATCH, mesh, key=jax.random.key(0), device_memory="1GB")
+    assert p.fits and p.mesh == {"data": 4, "model": 2} and p.global_batch == 16
+    assert "all-reduce" in p.collectives and p.flops > 0
+    # the same step on real arrays: the same compiled program, the same figures
+    model = make(jax.random.key(0))
+    specs = redeqx.sharding_rules(model, mesh)
+    state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(0))
+    batch = next(iter(redeqx.batches(token_examples(16, seq_len=32, vocab=128), collate_tokens, 4, mesh)))
+    step = redeqx.make_train_step(lm_loss, optimizer, mesh, specs)
+    stats = step.lower(state, batch).compile().memory_analysis()
+    real_peak = stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes + stats.temp_size_in_bytes
+    assert abs(p.peak - real_peak) <= 0.15 * real_peak, (p.peak, real_peak)
+    # parameters and optimizer state: what the live buffers on one device hold
+    device = mesh.devices.flat[0]
+
+    def on_device(tree):
+        return sum(s.data.nbytes for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array))
+                   for s in x.addressable_shards if s.device == device)
+
+    assert p.parameters == on_device(state.model)
+    assert abs(p.optimizer - on_device(state.opt_state)) <= 16  # Adam's step count
+    assert "fits" in str(p) and "all-reduce" in str(p) and "FLOPs" in str(p)
+
+
+def test_plan_explores_what_would_make_it_fit():
+    mesh = redeqx.make_mesh(1)
+    batch = {"tokens": jax.ShapeDtypeStruct((8, 9), jnp.int32)}
+    alone = redeqx.plan(big_params, lm_loss, optax.adamw(1e-3), batch, mesh)
+    p = redeqx.plan(big_params, lm_loss, optax.adamw(1e-3), batch, mesh, device_memory=int(alone.peak * 0.75))
+    assert p.fits is False and p.margin < 0 and p.peak == alone.peak
+    by_label = dict(p.tried)
+    assert {"fsdp=True", "remat (redeqx.remat(loss_fn))", "compute_dtype=jnp.bfloat16", "bfloat16 optimizer state",
+            "n_model_shards=2"} <= set(by_label)
+    # each option was compiled and measured
+    assert by_label["fsdp=True"].parameters < p.parameters / 4
+    assert by_label["bfloat16 optimizer state"].optimizer < 0.6 * p.optimizer
+    assert by_label["n_model_shards=2"].mesh == {"data": 4, "model": 2}
+    assert any(other.fits for other in by_label.values())
+    text = str(p)
+    assert "does NOT fit" in text and "would fit with:" in text
+
+
+def test_make_mesh_auto_picks_the_smallest_n_model_shards_that_fits():
+    batch = {"tokens": jax.ShapeDtypeStruct((8, 9), jnp.int32)}
+    planner = functools.partial(redeqx.plan, big_params, lm_loss, optax.adamw(1e-3), batch, explore=False)
+    peaks = {k: planner(redeqx.make_mesh(k), device_memory=1e12).peak for k in (1, 2)}
+    assert peaks[2] < peaks[1]
+    mesh = redeqx.make_mesh("auto", planner=functools.partial(planner, device_memory=(peaks[1] + peaks[2]) // 2))
+    assert dict(mesh.shape) == {"data": 4, "model": 2}
+    with pytest.raises(ValueError, match="no n_model_shards fits on these 2 devices"):
+        redeqx.make_mesh("auto", devices=jax.devices()[:2], planner=functools.partial(planner, device_memory=1000))
+    with pytest.raises(ValueError, match="needs planner="):
+        redeqx.make_mesh("auto")
+
+
+def test_bf16_optimizer_state_halves_it_and_trains():
+    mesh = redeqx.make_mesh(2)
+    optimizer = redeqx.with_opt_state_dtype(optax.adam(1e-2), jnp.bfloat16)
+    model = make(jax.random.key(0))
+    specs = redeqx.sharding_rules(model, mesh)
+    state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(0))
+    assert state.opt_state[0].mu.blocks[0].mlp.fc1.weight.dtype == jnp.bfloat16
+    step = redeqx.make_train_step(lm_loss, optimizer, mesh, specs)
+    losses = []
+    for batch in redeqx.batches(token_examples(64, seq_len=32, vocab=128), collate_tokens, 4, mesh):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0]
+    assert state.opt_state[0].nu.blocks[0].mlp.fc1.weight.dtype == jnp.bfloat16
+    full = redeqx.plan(make, lm_loss, optax.adam(1e-2), BATCH, mesh)
+    half = redeqx.plan(make, lm_loss, optax.adam(1e-2), BATCH, mesh, opt_state_dtype=jnp.bfloat16)
+    np.testing.assert_allclose(half.optimizer, full.optimizer / 2, rtol=0.01)
