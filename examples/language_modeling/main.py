@@ -114,7 +114,7 @@ def main():
     parser.add_argument("--sample_tokens", type=int, default=48)
     parser.add_argument("--log_every", type=int, default=25)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--init_from", help="a Hugging Face checkpoint dir (config.json, *.safetensors, tokenizer.json)")
+    parser.add_argument("--init_from", help="a Hugging Face checkpoint dir: config.json, *.safetensors, tokenizer.json")
     parser.add_argument("--export", help="write the trained model (and tokenizer.json) here for Transformers")
     parser.add_argument("--workdir", help="keep the last and the best checkpoint, and logs, here")
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --workdir")
@@ -136,7 +136,7 @@ def main():
             vocab_size=tokenizer.get_vocab_size(), hidden_size=args.hidden_size,
             intermediate_size=64 * math.ceil(args.hidden_size * 8 / 3 / 64), num_hidden_layers=args.n_layers,
             num_attention_heads=args.n_heads, max_position_embeddings=args.seq_len + args.sample_tokens + 16,
-            tie_word_embeddings=True, bos_token_id=None, eos_token_id=eot, pad_token_id=eot)
+            tie_word_embeddings=False, bos_token_id=None, eos_token_id=eot, pad_token_id=eot)
         model = models.LlamaForCausalLM(config, key=model_key)
     train = to_blocks(tokenizer, train_texts, args.seq_len)
     test = to_blocks(tokenizer, eval_texts, args.seq_len)
