@@ -1,0 +1,49 @@
+"""The reinforcement-learning examples learn: PPO's return on CartPole-v1 and
+DDPG's on Pendulum-v1 rise within a few thousand environment steps, and a run
+resumes from its checkpoint (actor, critic, optimizers; for DDPG also the
+target networks and the replay buffer)."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples/reinforcement_learning"
+
+
+def run(script, *flags):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the script sets its own 8 devices
+    out = subprocess.run([sys.executable, str(EXAMPLE / script), *map(str, flags)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def numbers(pattern, text):
+    return [float(x) for x in re.findall(pattern, text)]
+
+
+def test_ppo_return_rises_and_resumes(tmp_path):
+    tiny = ["--n_steps", 32, "--per_device_batch_size", 32, "--workdir", tmp_path]  # rollouts of 8 x 32 steps
+    first = run("ppo.py", "--total_steps", 4096, *tiny)
+    assert "8 devices, mesh {'data': 4, 'model': 2}" in first
+    start = numbers(r"rollout 0: .* mean return \(last 20 episodes\) ([0-9.]+)", first)[0]  # ~20: random policy
+    second = run("ppo.py", "--total_steps", 8192, "--resume", *tiny)
+    assert "resumed from update 320, rollout 16" in second, second[-2000:]  # 16 rollouts x 10 epochs x 2 minibatches
+    assert "rollout 0:" not in second and "rollout 31:" in second
+    final = numbers(r"final mean return \(last 20 training episodes\): ([0-9.]+)", second)[0]
+    assert final >= max(2.5 * start, 50), (start, second[-2000:])
+    assert (tmp_path / "returns.png").stat().st_size > 0
+
+
+def test_ddpg_return_rises(tmp_path):
+    out = run("ddpg.py", "--total_steps", 6400, "--learning_starts", 1600, "--workdir", tmp_path)
+    returns = numbers(r"mean return \(last 10 episodes\) (-?[0-9.]+)", out)  # one per round of 8 x 200 steps
+    assert len(returns) == 4, out[-2000:]
+    assert returns[-1] > returns[0] + 300, returns  # random actions score about -1200
+    greedy = numbers(r"noiseless policy: mean return (-?[0-9.]+)", out)[0]
+    assert greedy > -700, (returns, greedy)
+    assert (tmp_path / "returns.png").stat().st_size > 0
+    assert any((tmp_path / "checkpoints").iterdir())
