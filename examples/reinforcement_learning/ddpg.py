@@ -164,6 +164,8 @@ def main():
 
     key = jax.random.key(args.seed)
     actor_key, critic_key, actor_state_key, critic_state_key, explore_key = jax.random.split(key, 5)
+    # Every process (redeqx.launch, several hosts) steps these same environments from the same seed, so the
+    # observations each passes to the compiled steps are the same global batch.
     envs = gym.wrappers.vector.RecordEpisodeStatistics(gym.vector.SyncVectorEnv(
         [lambda: gym.make("Pendulum-v1")] * args.n_envs, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP))
     envs.action_space.seed(args.seed)

@@ -143,6 +143,8 @@ def main():
 
     key = jax.random.key(args.seed)
     actor_key, critic_key, actor_state_key, critic_state_key, rollout_key, data_key = jax.random.split(key, 6)
+    # Every process (redeqx.launch, several hosts) steps these same environments from the same seed, so the
+    # observations each passes to the compiled steps are the same global batch.
     envs = gym.wrappers.vector.RecordEpisodeStatistics(gym.vector.SyncVectorEnv(
         [lambda: gym.make("CartPole-v1")] * args.n_envs, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP))
     n_obs, n_actions = envs.single_observation_space.shape[0], int(envs.single_action_space.n)
