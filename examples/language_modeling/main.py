@@ -173,6 +173,7 @@ def main():
     loss = held_out_loss()
     log(f"step {int(state.step)}: held-out loss {loss:.4f}, perplexity {math.exp(loss):.1f}")
     tokens_per_step = args.per_device_batch_size * mesh.shape["data"] * args.seq_len
+    logged = int(state.step)  # the Logger's throughput counts what was done since its last call
     for epoch in range(start_epoch, args.n_epochs):
         epoch_key = jax.random.fold_in(data_key, epoch)
         for batch in redeqx.batches(train, collate_fn, args.per_device_batch_size, mesh, shuffle=True,
@@ -183,11 +184,13 @@ def main():
                 log(f"step {step}: train loss {float(metrics['loss']):.4f}")
                 if logger is not None:
                     logger.log({**metrics, "learning_rate": schedule(step - 1)}, step,
-                               tokens=args.log_every * tokens_per_step)
+                               tokens=(step - logged) * tokens_per_step)
+                    logged = step
         loss = held_out_loss()
         log(f"epoch {epoch}: step {int(state.step)}, held-out loss {loss:.4f}, perplexity {math.exp(loss):.1f}")
         if manager is not None:
             logger.log({"eval_loss": loss, "eval_perplexity": math.exp(loss)}, int(state.step))
+            logged = int(state.step)
             manager.save(state, epoch=epoch + 1, metrics={"eval_loss": loss})
     if manager is not None:
         manager.close()

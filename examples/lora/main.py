@@ -74,7 +74,7 @@ def loss_fn(model, batch, key):
 
 def pred_fn(model, batch, key, *, max_new_tokens):
     return models.generate(model, batch["input_ids"], attention_mask=batch["attention_mask"],
-                           max_new_tokens=max_new_tokens)  # greedy
+                           max_new_tokens=max_new_tokens, sampler=models.sample(0.8, top_k=40), key=key)
 
 
 def collate_prompts(prompts, tokenizer):
@@ -109,7 +109,7 @@ def base_model(args, source, mesh, key):
     train_step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs)
     for epoch in range(args.pretrain_epochs):
         for batch in redeqx.batches(blocks, collate_fn, args.per_device_batch_size, mesh, shuffle=True,
-                                    key=jax.random.fold_in(data_key, epoch)):
+                                    key=jax.random.fold_in(data_key, epoch), desc=f"pre-training epoch {epoch}"):
             state, metrics = train_step(state, batch)
     log(f"pre-trained on {len(blocks)} blocks of source for {int(state.step)} steps: "
         f"train loss {float(metrics['loss']):.4f}")
