@@ -5,6 +5,7 @@ them as Equinox ``Linear`` weights."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -202,18 +203,46 @@ def heads(x: Float[Array, "seq features"], n: int) -> Float[Array, "seq heads he
     return constrain(x.reshape(x.shape[0], n, -1), P(None, MODEL, None))
 
 
+@dataclasses.dataclass(frozen=True)
+class CausalMask:
+    """The plain causal mask of ``n`` tokens (no padding, no window), said
+    rather than built: `attention` hands it to a fused kernel where one can
+    serve, and builds the boolean matrix where not."""
+
+    n: int
+
+    def array(self) -> Bool[Array, "n n"]:
+        return jnp.tril(jnp.ones((self.n, self.n), bool))
+
+
+def _flash_ok(q, k, bias) -> bool:
+    """cuDNN's fused attention applies: a GPU, half-precision inputs, no
+    additive bias, a head size it supports. It never forms the (T, T) scores."""
+    return (bias is None and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128
+            and jax.devices()[0].platform == "gpu")
+
+
 def attention(
     q: Float[Array, "q_seq q_heads head_dim"],
     k: Float[Array, "kv_seq kv_heads head_dim"],
     v: Float[Array, "kv_seq kv_heads head_dim"],
-    mask: Bool[Array, "q_seq kv_seq"],
+    mask: Bool[Array, "q_seq kv_seq"] | CausalMask,
     *,
     scale: float,
     bias: Float[Array, "q_heads q_seq kv_seq"] | None = None,
 ) -> Float[Array, "q_seq q_heads head_dim"]:
     """Softmax attention with grouped query heads (``q_heads`` a multiple of
     ``kv_heads``; query head ``h`` reads KV head ``h // (q_heads / kv_heads)``).
-    Scores and softmax in float32."""
+
+    With a `CausalMask` on a GPU in bfloat16/float16, cuDNN's flash attention
+    (``jax.nn.dot_product_attention``) computes it without materialising the
+    scores; otherwise scores and softmax are computed exactly, in float32."""
+    if isinstance(mask, CausalMask):
+        if _flash_ok(q, k, bias):
+            out = jax.nn.dot_product_attention(q[None], k[None], v[None], scale=scale, is_causal=True,
+                                               implementation="cudnn")
+            return out[0]
+        mask = mask.array()
     t, hq, d = q.shape
     hkv = k.shape[1]
     qg = q.reshape(t, hkv, hq // hkv, d)  # (T, Hkv, G, D)
@@ -367,6 +396,9 @@ class CausalLM(eqx.Module):
         Face does for left padding). ``key`` is unused (no dropout)."""
         del key
         t = input_ids.shape[0]
+        if attention_mask is None and self._window() is None:  # training's case: a kernel may serve it
+            logits, _ = self._run(input_ids, jnp.arange(t), CausalMask(t), None)
+            return logits
         valid = jnp.ones((t,), bool) if attention_mask is None else attention_mask.astype(bool)
         positions = jnp.maximum(jnp.cumsum(valid) - 1, 0)
         logits, _ = self._run(input_ids, positions, causal_mask(valid, 0, t, self._window()), None)

@@ -1,0 +1,210 @@
+"""Training throughput and model FLOPs utilisation of a LLaMA-style model, redeqx
+vs a hand-written jax.jit + optax loop on the same model, on whatever
+accelerator is present (a GPU when there is one, else the CPU).
+
+    python benchmarks/throughput.py                       # CPU: a small model, tokens/s only
+    python benchmarks/throughput.py --size 1b --seq 2048 --batch 8 --json out.json   # on a GPU
+    python benchmarks/throughput.py --from-json out.json  # write a GPU run's results to RESULTS.md
+
+Variants, alternated in rounds: redeqx in bfloat16 compute (fp32 master
+weights and AdamW state), the same with remat, and the hand-written step in
+bfloat16. MFU counts the model's FLOPs (6 x non-embedding parameters x tokens,
+plus attention's 12 x layers x tokens x seq x hidden, causal halved) over the
+device's peak; the compiler's own FLOPs (cost analysis, remat's recomputation
+included) give the hardware utilisation beside it. On a GPU the step must
+use cuDNN's flash attention: the script checks the compiled program for it.
+The planner's peak memory is compared with the device's measured peak.
+"""
+
+import os
+
+if "cpu" in os.environ.get("JAX_PLATFORMS", "cpu") and not os.environ.get("REDEQX_BENCH_GPU"):
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import equinox as eqx  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import redeqx  # noqa: E402
+from redeqx import models  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import write_section  # noqa: E402
+
+SIZES = {  # LLaMA-style shapes; 1b is TinyLlama-1.1B's
+    "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2),
+    "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+               num_attention_heads=32, num_key_value_heads=4),
+}
+PEAK_BF16 = {"H100 80GB HBM3": 989.4e12, "H100 PCIe": 756.5e12, "H200": 989.4e12, "A100": 312e12}
+
+
+def device_peak() -> float | None:
+    kind = jax.devices()[0].device_kind
+    return next((v for k, v in PEAK_BF16.items() if k in kind), None)
+
+
+def model_flops_per_token(config: models.LlamaConfig, seq: int) -> float:
+    """6 N for the matmuls of forward + backward (N without the embedding
+    lookup, with the LM head), plus attention: 4 matmuls of seq x hidden per
+    token per layer, x3 for backward, halved for the causal mask."""
+    c = config
+    d, kv = c.dim_head, c.n_kv_heads * c.dim_head
+    per_layer = c.hidden_size * (c.hidden_size + 2 * kv) + c.hidden_size * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    n = c.num_hidden_layers * per_layer + c.hidden_size * c.vocab_size
+    attention = 12 * c.num_hidden_layers * seq * c.n_heads * d / 2
+    return 6 * n + attention
+
+
+def loss_fn(model, batch, key):
+    ids = batch["ids"]
+    logits = jax.vmap(model)(ids[:, :-1]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+
+
+def hand_written(optimizer, static):
+    """The same step a user would write with jax.jit and optax."""
+
+    def step(params, opt_state, batch):
+        def loss(p):
+            model = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                                 eqx.combine(p, static))
+            return loss_fn(model, batch, None)
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def timed(fn, n):
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def run(args) -> dict:
+    config = models.LlamaConfig(**SIZES[args.size], max_position_embeddings=max(2048, args.seq))
+    make = lambda key: models.LlamaForCausalLM(config, key=key)  # noqa: E731
+    mesh = redeqx.make_mesh(1)
+    optimizer = optax.adamw(1e-4, weight_decay=0.1)
+    rng = np.random.default_rng(0)
+    batch = {"ids": rng.integers(0, config.vocab_size, (args.batch, args.seq + 1)).astype(np.int32)}
+    tokens = args.batch * args.seq
+    out = {"device": jax.devices()[0].device_kind, "platform": jax.devices()[0].platform, "jax": jax.__version__,
+           "size": args.size, "seq": args.seq, "batch": args.batch, "tokens_per_step": tokens,
+           "model_flops_per_step": model_flops_per_token(config, args.seq) * tokens, "variants": {}}
+    model = redeqx.init_model(make, mesh, key=jax.random.key(0))
+    specs = redeqx.sharding_rules(model, mesh)
+    out["parameters"] = int(sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))))
+
+    steps, states = {}, {}
+    chosen = [(n, r) for n, r in (("redeqx bf16", False), ("redeqx bf16 + remat", True))
+              if n == "redeqx bf16" or args.remat]
+    for i, (name, remat) in enumerate(chosen):
+        fn = redeqx.remat(loss_fn) if remat else loss_fn
+        plan = redeqx.plan(make, fn, optimizer, batch, mesh, compute_dtype=jnp.bfloat16, explore=False)
+        base = (jax.devices()[0].memory_stats() or {}).get("bytes_in_use", 0)
+        states[name] = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
+        steps[name] = redeqx.make_train_step(fn, optimizer, mesh, specs, compute_dtype=jnp.bfloat16)
+        lowered = steps[name].lower(states[name], batch).as_text().lower()
+        v = out["variants"][name] = {"plan_peak_bytes": plan.peak, "compiled_flops_per_step": plan.flops,
+                                     "flash_attention": "fmha" in lowered or "cudnn" in lowered}
+        if i == 0:  # the only state alive: the device's peak is this step's
+            states[name], metrics = steps[name](states[name], batch)
+            jax.block_until_ready(metrics)
+            peak_in_use = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+            if peak_in_use:
+                v["measured_peak_bytes"] = peak_in_use - base
+    params, static = eqx.partition(redeqx.shard(model, specs, mesh), eqx.is_inexact_array)
+    opt_state = optimizer.init(params)
+    hand = hand_written(optimizer, static)
+    hand_state = {"params": params, "opt_state": opt_state}
+    out["variants"]["hand-written jax.jit bf16"] = {}
+
+    def call(name):
+        if name.startswith("redeqx"):
+            states[name], metrics = steps[name](states[name], batch)
+            return metrics["loss"]
+        hand_state["params"], hand_state["opt_state"], loss = hand(hand_state["params"], hand_state["opt_state"], batch)
+        return loss
+
+    names = list(out["variants"])
+    for name in names:  # compile and warm up
+        timed(lambda: call(name), 2)
+    samples = {name: [] for name in names}
+    for r in range(args.rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            samples[name] += timed(lambda: call(name), args.steps)
+    stats = jax.devices()[0].memory_stats() or {}
+    peak = device_peak()
+    for name in names:
+        t = statistics.median(samples[name])
+        v = out["variants"][name]
+        v.update(step_s=t, tokens_per_s=tokens / t)
+        if peak:
+            v["mfu"] = out["model_flops_per_step"] / t / peak
+            if "compiled_flops_per_step" in v:
+                v["hfu"] = v["compiled_flops_per_step"] / t / peak
+    out["device_peak_bytes_in_use"] = stats.get("peak_bytes_in_use")
+    out["device_peak_flops"] = peak
+    return out
+
+
+def table(out: dict) -> str:
+    lines = [f"LLaMA-style {out['size']} ({out['parameters'] / 1e9:.2f}B parameters), batch {out['batch']} x "
+             f"{out['seq']} tokens, AdamW with fp32 master weights, bf16 compute; {out['device']} ({out['platform']}), "
+             f"jax {out['jax']}; medians over alternating rounds.", "",
+             "| variant | step | tokens/s | MFU | compiled FLOPs utilisation | flash attention | planned peak |",
+             "|---|---|---|---|---|---|---|"]
+    for name, v in out["variants"].items():
+        mfu = f"{v['mfu']:.1%}" if "mfu" in v else "n/a"
+        hfu = f"{v['hfu']:.1%}" if "hfu" in v else "n/a"
+        flash = {True: "yes", False: "no"}.get(v.get("flash_attention"), "n/a")
+        planned = f"{v['plan_peak_bytes'] / 2**30:.1f} GiB" if "plan_peak_bytes" in v else "n/a"
+        if "measured_peak_bytes" in v:
+            planned += f" (measured {v['measured_peak_bytes'] / 2**30:.1f} GiB)"
+        lines.append(f"| {name} | {v['step_s'] * 1e3:.1f} ms | {v['tokens_per_s']:,.0f} | {mfu} | {hfu} | {flash} | {planned} |")
+    if out.get("device_peak_bytes_in_use"):
+        lines += ["", f"Device's measured peak over the whole run (all variants' states live at once): "
+                      f"{out['device_peak_bytes_in_use'] / 2**30:.1f} GiB."]
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-remat", dest="remat", action="store_false", help="leave out the remat variant")
+    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--from-json", help="write RESULTS.md from a run's JSON (e.g. one made on a GPU machine)")
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+    out = json.loads(Path(args.from_json).read_text()) if args.from_json else run(args)
+    text = table(out)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    if not args.no_write:
+        write_section("Throughput and MFU (benchmarks/throughput.py)", text)
+
+
+if __name__ == "__main__":
+    main()
