@@ -25,7 +25,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ._distributed import settle
-from ._mesh import DATA, check_mesh
+from ._layout import apply_layout, check_layout, resolve
+from ._mesh import DATA, MODEL, check_mesh
 from ._rules import path_parts
 from ._state import (
     TrainState,
@@ -214,6 +215,8 @@ class _Compiled:
 
     def _args(self, args):
         if not self.batch_args:
+            if jax.process_count() > 1:
+                _refuse_local_arrays(args)
             return args
         args = list(args)
         for i in self.batch_args:
@@ -237,7 +240,7 @@ class _Compiled:
         nothing is allocated or run."""
         fn, dyn, *_ = self._prepare(tree, abstract=True)
         with jax.set_mesh(self.mesh):
-            return fn.lower(dyn, args)
+            return fn.lower(dyn, self._args(args))
 
 
 def _same_constant(a, b) -> bool:
@@ -249,22 +252,44 @@ def _same_constant(a, b) -> bool:
         return False
 
 
+def _refuse_local_arrays(args) -> None:
+    """With several processes a NumPy argument would be taken as the same
+    global value everywhere; if processes hold different rows they would
+    silently compute different things."""
+    for kp, x in jax.tree_util.tree_flatten_with_path(args)[0]:
+        if isinstance(x, np.ndarray) and x.ndim:
+            raise ValueError(
+                f"argument{jax.tree_util.keystr(kp)} is a NumPy array, but this run has {jax.process_count()} "
+                "processes, and a step's arguments must be global arrays: each process's own rows with "
+                "jax.make_array_from_process_local_data(NamedSharding(mesh, P('data')), x) (what redeqx.batches "
+                "does), or a value every process holds alike with jax.device_put(x, NamedSharding(mesh, P()))."
+            )
+
+
 def _place_batch(batch, mesh: Mesh):
     """Batch arrays onto ``mesh``: arrays on it stay; arrays on the same
     devices under another mesh object (an ``Explicit`` twin) keep their
-    layout; NumPy or single-device arrays are split over ``data`` (one
-    process: such an array is the whole global batch)."""
+    layout; NumPy or single-device arrays are split over ``data``: with one
+    process such an array is the whole global batch, with several each
+    process's array is its own rows of it (as `batches` makes them)."""
     n_data = mesh.shape[DATA]
     one_process = jax.process_count() == 1
 
     def one(x):
         sh = getattr(x, "sharding", None)
+        if isinstance(x, jax.ShapeDtypeStruct) and sh is None:  # an abstract batch, for lowering
+            spec = P(DATA, *([None] * (x.ndim - 1))) if x.ndim and x.shape[0] % n_data == 0 else P()
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
         if isinstance(sh, NamedSharding):
             if sh.mesh == mesh or sh.mesh.axis_names != mesh.axis_names or sh.mesh.devices.shape != mesh.devices.shape:
                 return x
             return jax.device_put(x, NamedSharding(mesh, sh.spec))
-        if one_process and isinstance(x, (np.ndarray, jax.Array)) and x.ndim >= 1 and x.shape[0] % n_data == 0:
-            return jax.device_put(x, NamedSharding(mesh, P(DATA, *([None] * (x.ndim - 1)))))
+        if isinstance(x, (np.ndarray, jax.Array)) and x.ndim >= 1:
+            sharding = NamedSharding(mesh, P(DATA, *([None] * (x.ndim - 1))))
+            if not one_process:
+                return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+            if x.shape[0] % n_data == 0:
+                return jax.device_put(x, sharding)
         return x
 
     return jax.tree.map(one, batch)
@@ -288,7 +313,13 @@ def make_step(step_fn: Callable, mesh: Mesh, *, donate: bool = True) -> Callable
     you built it from stay yours). Non-array leaves (activation functions,
     Python numbers) are compile-time constants and must come back unchanged:
     a step that changes one is an error (make it an array). ``outputs`` are
-    laid out as the compiler chooses and stay on the device.
+    laid out as the compiler chooses and stay on the device. Arguments are
+    passed as they are: a batch from `batches` is already split over
+    ``data``, but one made inside the step (sampled from a replay buffer in
+    the state) is split only where you say so: ``redeqx.constrain(batch,
+    P("data"))``. With several processes, arguments must be global arrays
+    (NumPy ones are refused, naming the fix). `apply_gradients` is one
+    model's optimizer update inside such a step.
 
     **Example** (two models and two optimizers, as in a GAN or actor-critic):
 
@@ -518,6 +549,7 @@ def make_train_step(
     accumulate: int = 1,
     compute_dtype: Any = None,
     trainable: Any = None,
+    activation_layout: Any = "auto",
 ) -> Callable[..., tuple[TrainState, dict]]:
     """The training step: ``(state, batch) -> (new_state, metrics)``.
 
@@ -545,6 +577,14 @@ def make_train_step(
     - ``trainable`` (an Equinox filter spec, e.g. a tree of bools from
       ``eqx.tree_at``) freezes the rest: frozen leaves get no gradient and come
       out bit-identical. Pass the same ``trainable`` to `init_state`.
+    - ``activation_layout`` (``"auto"``, ``"sequence"``, ``"replicated"`` or
+      None) pins the activations at the boundaries of a model's repeated
+      blocks (see `redeqx._layout`): ``"sequence"`` splits them over
+      ``model`` on the token axis (Megatron's sequence parallelism),
+      ``"replicated"`` keeps them whole on every ``model`` device. ``"auto"``
+      is what measured best on a GPT-style user model (benchmarks/RESULTS.md:
+      today, no pins). Pins never apply on one model shard or to
+      `redeqx.models`, which lay themselves out.
     - A model with state (``eqx.nn.State``, e.g. BatchNorm; give it to
       `init_state` as ``model_state``): ``loss_fn(model, batch, key,
       model_state)`` returns ``(loss, new_model_state)`` or ``(loss, aux,
@@ -566,12 +606,14 @@ def make_train_step(
     _check_dtype(compute_dtype)
     _check_callable(loss_fn, "loss_fn", _LOSS_CALL, _LOSS_EXAMPLE)
     _check_optimizer(optimizer)
+    check_layout(activation_layout)
     mesh = check_mesh(mesh)
     check_specs(specs, mesh)
+    layout = resolve(activation_layout, mesh.shape[MODEL])
 
     def grads_of(diff, static, batch, key, model_state):
         def compute(diff):
-            model = _cast_floats(eqx.combine(diff, static), compute_dtype)
+            model = apply_layout(_cast_floats(eqx.combine(diff, static), compute_dtype), layout, mesh.shape[MODEL])
             loss, aux, new_ms = _call_loss(loss_fn, model, _cast_floats(batch, compute_dtype), key, model_state)
             return loss, (aux, new_ms)
 
@@ -679,10 +721,10 @@ class EvalStep:
     -> metrics`` (example means). `evaluate` also uses ``eval_step.sums`` to
     weight examples exactly across a padded last batch."""
 
-    def __init__(self, loss_fn, mesh, specs, compute_dtype):
+    def __init__(self, loss_fn, mesh, specs, compute_dtype, layout=None):
         def per_example(model, batch, key, model_state):
             _check_batch(batch, mesh)
-            model = _inference(model, compute_dtype)
+            model = apply_layout(_inference(model, compute_dtype), layout, mesh.shape[MODEL])
             batch = _cast_floats(batch, compute_dtype)
             keys = jax.random.split(key, _batch_size(batch))
 
@@ -719,7 +761,9 @@ class EvalStep:
 
 
 @typechecked
-def make_eval_step(loss_fn: Callable, mesh: Mesh, specs: Any, *, compute_dtype: Any = None) -> EvalStep:
+def make_eval_step(
+    loss_fn: Callable, mesh: Mesh, specs: Any, *, compute_dtype: Any = None, activation_layout: Any = "auto"
+) -> EvalStep:
     """Compiled evaluation: ``(model, batch, key) -> metrics``, the example
     mean of ``loss`` and ``loss_fn``'s aux, with the model in inference mode
     (``eqx.nn.inference_mode``: dropout off). Each example's loss is computed
@@ -729,7 +773,8 @@ def make_eval_step(loss_fn: Callable, mesh: Mesh, specs: Any, *, compute_dtype: 
     running statistics from ``model_state=``, passed to the call).
 
     The model is taken in the layout ``specs`` gives (a model laid out
-    otherwise is moved there, with a warning naming the leaves).
+    otherwise is moved there, with a warning naming the leaves);
+    ``activation_layout`` is as in `make_train_step`.
 
     **Example:**
 
@@ -740,21 +785,22 @@ def make_eval_step(loss_fn: Callable, mesh: Mesh, specs: Any, *, compute_dtype: 
     """
     _check_dtype(compute_dtype)
     _check_callable(loss_fn, "loss_fn", _LOSS_CALL, _LOSS_EXAMPLE)
+    check_layout(activation_layout)
     mesh = check_mesh(mesh)
     check_specs(specs, mesh)
-    return EvalStep(loss_fn, mesh, specs, compute_dtype)
+    return EvalStep(loss_fn, mesh, specs, compute_dtype, resolve(activation_layout, mesh.shape[MODEL]))
 
 
 class PredictStep:
     """Compiled prediction: ``predict_step(model, batch, key, *,
     model_state=None) -> preds``."""
 
-    def __init__(self, pred_fn, mesh, specs, compute_dtype):
+    def __init__(self, pred_fn, mesh, specs, compute_dtype, layout=None):
         name = _fn_name(pred_fn)
 
         def predict_step(model, batch, key, model_state):
             _check_batch(batch, mesh)
-            model = _inference(model, compute_dtype)
+            model = apply_layout(_inference(model, compute_dtype), layout, mesh.shape[MODEL])
             batch = _cast_floats(batch, compute_dtype)
             if model_state is None:
                 out = pred_fn(model, batch, key)
@@ -785,13 +831,16 @@ class PredictStep:
 
 
 @typechecked
-def make_predict_step(pred_fn: Callable, mesh: Mesh, specs: Any, *, compute_dtype: Any = None) -> PredictStep:
+def make_predict_step(
+    pred_fn: Callable, mesh: Mesh, specs: Any, *, compute_dtype: Any = None, activation_layout: Any = "auto"
+) -> PredictStep:
     """Compiled prediction: ``(model, batch, key) -> preds``, with the model in
     inference mode and laid out as ``specs`` says (a model laid out otherwise
     is moved there, with a warning). Every array in ``preds`` must have the
     batch as its leading dim (one row per example), which `predict` relies
     on. ``compute_dtype=jnp.bfloat16`` casts floating parameters and batch
-    arrays for the computation, as in `make_eval_step`.
+    arrays for the computation, and ``activation_layout`` pins activations,
+    as in `make_eval_step`.
 
     **Example:**
 
@@ -805,6 +854,7 @@ def make_predict_step(pred_fn: Callable, mesh: Mesh, specs: Any, *, compute_dtyp
     """
     _check_dtype(compute_dtype)
     _check_callable(pred_fn, "pred_fn", "(model, batch, key)", "def pred_fn(model, batch, key): ...")
+    check_layout(activation_layout)
     mesh = check_mesh(mesh)
     check_specs(specs, mesh)
-    return PredictStep(pred_fn, mesh, specs, compute_dtype)
+    return PredictStep(pred_fn, mesh, specs, compute_dtype, resolve(activation_layout, mesh.shape[MODEL]))
