@@ -92,6 +92,20 @@ def run(save_to=None, restore_from=None):
         "n_devices": len(jax.devices()),
         "n_processes": jax.process_count(),
     }
+    # NumPy rows given to a step straight away: each process's rows are its share of the
+    # global batch (as redeqx.batches makes them), never taken as the whole batch
+    rows = collate_fn(make_data(8, seed=7))["x"]
+    n, me = jax.process_count(), jax.process_index()
+    mine = rows[me * 8 // n:(me + 1) * 8 // n]
+    preds = redeqx.make_predict_step(pred_fn, mesh, specs)(state.model, {"x": mine}, jax.random.key(8))
+    from redeqx._data import to_host
+
+    result["local_rows_preds"] = np.asarray(to_host(preds)).tolist()
+    try:  # make_step cannot know what a NumPy argument means across processes: an error, not a guess
+        redeqx.make_step(lambda s, b: (s, jnp.mean(b["x"])), mesh, donate=False)(state, {"x": mine})
+        result["make_step_numpy"] = "no error"
+    except ValueError as e:
+        result["make_step_numpy"] = str(e)
     if restore_from is not None:
         result["continued_losses"] = continue_from(restore_from, mesh, model, specs, optimizer)[1]
     return result, state

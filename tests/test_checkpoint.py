@@ -3,6 +3,7 @@ dtype casts, reading without redeqx, and faults (shape mismatch, corruption,
 unwritable paths)."""
 
 import json
+import os
 import resource
 import signal
 
@@ -326,4 +327,30 @@ def test_manager_bad_arguments(tmp_path):
     assert manager.steps() == [8] and redeqx.read_metadata(manager.latest)["step"] == 8
     with pytest.raises(ValueError, match="not tracked"):
         manager.best("acc")
+    manager.close()
+
+
+def test_an_async_save_in_flight_survives_the_end_of_the_script(tmp_path):
+    """A script that saves and ends (or crashes) without close(): the save
+    completes before Python stops the writer threads."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import os
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+        import jax, equinox as eqx, optax, redeqx
+        mesh = redeqx.make_mesh(2)
+        model = eqx.nn.MLP(64, 64, 256, depth=3, key=jax.random.key(0))
+        specs = redeqx.sharding_rules(model, mesh)
+        state = redeqx.init_state(model, optax.adam(1e-3), mesh, specs, key=jax.random.key(1))
+        redeqx.CheckpointManager({str(tmp_path)!r}, keep_last=1).save(state, force=True)
+        raise RuntimeError("the script dies right after the save")
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert "the script dies" in done.stderr
+    manager = redeqx.CheckpointManager(tmp_path)
+    assert manager.steps() == [0], done.stderr[-2000:]
     manager.close()

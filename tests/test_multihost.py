@@ -78,6 +78,10 @@ def test_two_processes_train_predict_and_evaluate_like_one(runs):
         np.testing.assert_allclose(got["eval_loss"], reference["eval_loss"], rtol=1e-5)
         # the script's own initialize() was a no-op; different settings were refused
         assert "already started" in got["second_call"]
+        # each process's NumPy rows are its share of the batch, not the whole of it
+        np.testing.assert_allclose(got["local_rows_preds"], reference["local_rows_preds"], rtol=1e-5, atol=1e-6)
+        assert "NumPy array" in got["make_step_numpy"] and "make_array_from_process_local_data" in got["make_step_numpy"]
+    assert reference["make_step_numpy"] == "no error"  # one process: the array is the value
 
 
 def test_checkpoints_move_between_process_counts(runs):

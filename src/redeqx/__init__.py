@@ -22,6 +22,7 @@ from ._rules import explain as explain, sharding_rules as sharding_rules
 from ._schedules import lr_schedule as lr_schedule
 from ._state import (
     TrainState as TrainState,
+    apply_gradients as apply_gradients,
     init_model as init_model,
     init_opt_state as init_opt_state,
     init_state as init_state,

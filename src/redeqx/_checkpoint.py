@@ -35,7 +35,6 @@ import shutil
 import threading
 import time
 import warnings
-import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -558,6 +557,28 @@ def _rebuild(like, arrays: dict[str, dict[str, Any]], meta: dict):
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
+# Managers with a save in flight. At exit each is waited for while its writer threads
+# still run: Python stops concurrent.futures' workers in threading's own exit hooks,
+# before atexit's, so an atexit hook found the writer gone and the checkpoint lost.
+# threading's hooks run newest first, so one registered after orbax's executors
+# exist runs before they are shut down.
+_IN_FLIGHT: set = set()
+_HOOKED = []
+
+
+def _finish_in_flight() -> None:
+    for manager in list(_IN_FLIGHT):
+        try:
+            manager.close()
+        except Exception as e:  # exit goes on; say what was lost
+            warnings.warn(f"redeqx.CheckpointManager: a save in flight at exit failed: {e}", stacklevel=1)
+
+
+def _register_exit_hook() -> None:
+    if not _HOOKED:
+        getattr(threading, "_register_atexit", atexit.register)(_finish_in_flight)
+        _HOOKED.append(True)
+
 
 def _check_count(name: str, value, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
@@ -638,8 +659,7 @@ class CheckpointManager:
         self._meta: dict[str, dict | None] = {}
         self._lock = threading.Lock()
         self._clean_leftovers()
-        ref = weakref.ref(self)
-        atexit.register(lambda: ref() is not None and ref().close())
+        _register_exit_hook()
 
     # -- what is on disk
 
@@ -755,6 +775,7 @@ class CheckpointManager:
             _write(self._checkpointer, path, args)
             self._meta[path.name] = full
             self._pending = path
+            _IN_FLIGHT.add(self)  # kept alive until written, even if the caller drops the manager
         if not isinstance(self._checkpointer, ocp.AsyncCheckpointer):
             self._finish()
         return True
@@ -763,6 +784,7 @@ class CheckpointManager:
         """Waits for the save in flight, then deletes what is no longer kept."""
         with self._lock:
             pending, self._pending = self._pending, None
+            _IN_FLIGHT.discard(self)
             if pending is not None:
                 try:
                     if isinstance(self._checkpointer, ocp.AsyncCheckpointer):

@@ -439,17 +439,21 @@ def preflight() -> None:
 
 @functools.cache
 def _one_program_at_a_time() -> bool:
-    # XLA:CPU's gloo collectives (jax 0.10) can deadlock when a process drives
-    # several devices and two compiled programs overlap: a gloo all-reduce then
-    # waits forever on a receive. Seen in about 1 of 3 runs of 2 processes x 4
-    # CPU devices with async dispatch, in none of 9 runs waiting for each step.
-    return jax.process_count() > 1 and jax.local_device_count() > 1 and jax.devices()[0].platform == "cpu"
+    # XLA:CPU's collectives (jax 0.10) can deadlock when a process drives several
+    # devices and two compiled programs overlap. Across processes a gloo all-reduce
+    # waits forever on a receive (about 1 run in 3 of 2 processes x 4 CPU devices
+    # with async dispatch, none in 9 waiting for each step); within one process the
+    # in-process communicator's rendezvous waits for device threads that run the
+    # other program ("Expected 4 threads to join the rendezvous, but only 2 of them
+    # arrived"), seen on a loaded 2-core machine in several example runs, none in 9
+    # runs waiting for each step. GPUs and TPUs keep asynchronous dispatch.
+    return jax.local_device_count() > 1 and jax.devices()[0].platform == "cpu"
 
 
 def settle(tree):
-    """Returns ``tree`` once it is computed, on CPU runs of several processes
-    with several devices each (see `_one_program_at_a_time`); elsewhere at
-    once, keeping JAX's asynchronous dispatch. Steps call it on their outputs."""
+    """Returns ``tree`` once it is computed, when a process drives several CPU
+    devices (see `_one_program_at_a_time`); elsewhere at once, keeping JAX's
+    asynchronous dispatch. Steps call it on their outputs."""
     if _one_program_at_a_time():
         jax.block_until_ready(tree)
     return tree

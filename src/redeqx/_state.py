@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Sequence
@@ -110,6 +111,11 @@ def place(x, sharding: NamedSharding, *, copy: bool):
     shares memory with ``x``: ``jax.device_put`` hands back ``x`` itself, or
     an array whose shard on ``x``'s device is ``x``'s buffer (a replicated
     placement), and a donating step would then delete the caller's array."""
+    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        # through its raw data: device_put refuses a typed key for a sharding that
+        # spans other processes' devices
+        return jax.random.wrap_key_data(place(jax.random.key_data(x), sharding, copy=copy),
+                                        impl=jax.random.key_impl(x))
     y = jax.device_put(x, sharding)
     if copy:
         before, after = _buffers(x), _buffers(y)
@@ -278,10 +284,7 @@ def _check_key(key) -> None:
 
 
 def replicate_key(key, mesh: Mesh):
-    # Placed through its raw data: device_put refuses a typed key for a
-    # sharding that spans other processes' devices.
-    data = place(jax.random.key_data(key), NamedSharding(mesh, P()), copy=True)
-    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(key))
+    return place(key, NamedSharding(mesh, P()), copy=True)
 
 
 @typechecked
@@ -460,3 +463,28 @@ def _abstract_state(model, optimizer, mesh: Mesh, specs, key, trainable, model_s
                       step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
                       key=jax.ShapeDtypeStruct(key_struct.shape, key_struct.dtype, sharding=replicated),
                       model_state=model_state)
+
+
+@typechecked
+def apply_gradients(
+    state: TrainState, grads: PyTree, optimizer: optax.GradientTransformation, *, trainable: Any = None
+) -> TrainState:
+    """One optimizer update of ``state`` with ``grads`` (as from
+    ``eqx.filter_grad(loss)(state.model)``): the new model, the new
+    optimizer state and ``step + 1``, the key unchanged. For steps you write
+    with `make_step` over several models; `make_train_step` does this for one.
+
+    **Example:**
+
+    ```python
+    def step(state, batch):
+        grads = eqx.filter_grad(actor_loss)(state["actor"].model, batch)
+        return {**state, "actor": redeqx.apply_gradients(state["actor"], grads, actor_optimizer)}, {}
+    ```
+    """
+    params = _trainable_params(state.model, trainable)  # as init_state(..., trainable=) made the optimizer state
+    mask = jax.tree.map(lambda x: x is not None, params, is_leaf=_is_none)
+    grads = eqx.filter(grads, mask)
+    updates, opt_state = optimizer.update(grads, state.opt_state, params)
+    return dataclasses.replace(state, model=eqx.apply_updates(state.model, updates), opt_state=opt_state,
+                               step=state.step + 1)
