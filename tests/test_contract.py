@@ -278,3 +278,10 @@ def test_save_pretrained_writes_generation_config(tmp_path):
     models.save_pretrained(models.LlamaForCausalLM(config, key=jax.random.key(0)), tmp_path)
     generation = json.loads((tmp_path / "generation_config.json").read_text())
     assert (generation["bos_token_id"], generation["eos_token_id"], generation["pad_token_id"]) == (1, 2, 0)
+
+
+def test_predict_step_takes_a_batch_the_data_axis_does_not_divide():
+    mesh, model, specs, _ = setup()  # data = 4
+    batch = make_batch(n=3)
+    preds = redeqx.make_predict_step(lambda m, b, k: jax.vmap(m)(b["x"]), mesh, specs)(model, batch, jax.random.key(0))
+    np.testing.assert_allclose(preds, jax.vmap(model)(batch["x"]), rtol=1e-5, atol=1e-6)

@@ -799,7 +799,8 @@ class PredictStep:
         name = _fn_name(pred_fn)
 
         def predict_step(model, batch, key, model_state):
-            _check_batch(batch, mesh)
+            _batch_size(batch)  # one leading dim; any number of rows (an acting loop's few environments):
+            # rows the data axis does not divide are computed whole on every data shard
             model = apply_layout(_inference(model, compute_dtype), layout, mesh.shape[MODEL])
             batch = _cast_floats(batch, compute_dtype)
             if model_state is None:
@@ -838,7 +839,9 @@ def make_predict_step(
     inference mode and laid out as ``specs`` says (a model laid out otherwise
     is moved there, with a warning). Every array in ``preds`` must have the
     batch as its leading dim (one row per example), which `predict` relies
-    on. ``compute_dtype=jnp.bfloat16`` casts floating parameters and batch
+    on. A batch of any size works (rows the ``data`` axis does not divide,
+    such as a few environments' observations, are computed on every data
+    shard). ``compute_dtype=jnp.bfloat16`` casts floating parameters and batch
     arrays for the computation, and ``activation_layout`` pins activations,
     as in `make_eval_step`.
 
