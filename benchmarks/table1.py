@@ -1,0 +1,536 @@
+"""redco's Table 1, reproduced by the planner: does each model train (fp32
+weights, AdamW) in the stated device memory, and what would fsdp + remat +
+bf16 compute buy?
+
+    python benchmarks/table1.py                           # every row and search; writes benchmarks/RESULTS.md
+    python benchmarks/table1.py --skip-slow               # no OPT-66B, no search over device counts
+    python benchmarks/table1.py --rows gpt2-large llama-7b --no-write
+    python benchmarks/table1.py --rows gpt2-large --quick # 2 layers of the same widths, no searches (CI)
+    python benchmarks/table1.py --cache /tmp/table1.json  # keep every probe's result; a rerun skips the done ones
+
+Each probe is one `redeqx.plan(..., explore=False)`: the real train step
+compiled on abstract shapes (nothing allocated) in a subprocess started with
+``XLA_FLAGS=--xla_force_host_platform_device_count=<devices>``, so its
+figures are XLA:CPU's buffer assignment for that many devices. This process
+imports no JAX; it only starts the probes and collects their JSON.
+
+Per row (paper, Table 1: "Numbers inside the brackets are the maximum length
+in training. All the settings are with full precision (fp32) with AdamW"):
+
+- the redco setting: all of the server's devices on the ``model`` axis (as
+  redco ran Table 1: model parallelism, its data axis replicated), one
+  sequence per data shard, fp32 compute, no remat; peak per device vs the
+  stated memory;
+- (a) the fewest devices of that memory that fit with ``fsdp=True``, remat
+  and bf16 compute (fp32 master weights and Adam state), by bisection over
+  powers of two, shown beside the 16 bytes/parameter arithmetic (params 4 +
+  grads 4 + Adam 8, over the device count); a count where the state that
+  lives through the whole step (params 4 + Adam 8 bytes/parameter) already
+  exceeds the memory is ruled out without compiling (gradients are not a hard
+  floor: XLA frees each one once its update is applied);
+- (b) the longest sequence (multiples of 128) that fits on redco's own device
+  count with those options, by doubling then bisection; for a model with a
+  learned position table the search stops at the table's length and then
+  looks for the largest batch per data shard instead.
+
+Sequence-to-sequence rows (BART, T5) use the stated length for both the
+source and the target (the paper gives one number). Memory is given in GB
+(10^9 bytes) as the paper states it; the hardware has a little more (a
+1080Ti 11 GiB, an A100 40 GiB, a TPU v4 chip 32 GiB), so every margin here is
+on the safe side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+GB = 1e9
+
+# XLA:CPU flags that make a probe compile 1.5-3x faster without changing its
+# buffer assignment: they only lower LLVM's effort on the code nobody runs
+# (the plan never executes the step). Checked here: the same peak, temporaries,
+# parameters and collectives to the byte with and without them (GPT-2 Large
+# widths at 6 and 8 layers, with and without fsdp/remat/bf16, 2 and 4 devices).
+# --xla-default-flags turns them off.
+FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+                "--xla_cpu_use_fusion_emitters=false")
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    key: str
+    name: str
+    server: str
+    devices: int
+    memory: str  # as the paper states it
+    seq: int  # the maximum length in training, from Table 1
+    n_model_shards: int
+    kind: str  # "causal", "t5" or "bart"
+    config: dict  # the Hugging Face config's sizes, as redeqx.models config fields
+    hf_params: float  # the published parameter count, to check the config against
+    max_len: int | None  # learned position table: no longer sequence exists
+    why: str = ""  # why this n_model_shards
+
+    @property
+    def memory_bytes(self) -> float:
+        return float(self.memory.rstrip("GB")) * GB
+
+
+ROWS = {r.key: r for r in [
+    Row("gpt2-large", "GPT2-Large", "2 x 1080Ti", 2, "10GB", 512, 2, "causal",
+        dict(cls="GPT2", n_embd=1280, n_layer=36, n_head=20, vocab_size=50257, n_positions=1024),
+        0.774e9, 1024),
+    Row("bart-large", "BART-Large", "2 x 1080Ti", 2, "10GB", 1024, 2, "bart",
+        dict(cls="Bart", d_model=1024, encoder_layers=12, decoder_layers=12, encoder_attention_heads=16,
+             decoder_attention_heads=16, encoder_ffn_dim=4096, decoder_ffn_dim=4096, vocab_size=50265,
+             max_position_embeddings=1024),
+        0.406e9, 1024),
+    Row("llama-7b", "LLaMA-7B", "4 x A100", 4, "40GB", 1024, 4, "causal",
+        dict(cls="Llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+             num_attention_heads=32, max_position_embeddings=2048),
+        6.74e9, None),
+    Row("gpt-j-6b", "GPT-J-6B", "4 x A100", 4, "40GB", 1024, 4, "causal",
+        dict(cls="GPTJ", vocab_size=50400, n_embd=4096, n_layer=28, n_head=16, rotary_dim=64, n_positions=2048),
+        6.05e9, None),
+    Row("t5-xxl", "T5-XXL-11B (v1.1)", "2 x TPU-v4 (2 hosts x 4 chips)", 8, "32GB", 512, 8, "t5",
+        dict(cls="T5", d_model=4096, d_ff=10240, num_layers=24, num_decoder_layers=24, num_heads=64, d_kv=64,
+             vocab_size=32128, feed_forward_proj="gated-gelu", tie_word_embeddings=False),
+        11.1e9, None),
+    Row("opt-13b", "OPT-13B", "2 x TPU-v4 (2 hosts x 4 chips)", 8, "32GB", 1024, 8, "causal",
+        dict(cls="OPT", hidden_size=5120, num_hidden_layers=40, ffn_dim=20480, num_attention_heads=40,
+             vocab_size=50272, max_position_embeddings=2048),
+        12.85e9, 2048),
+    Row("opt-66b", "OPT-66B", "16 x TPU-v4 (16 hosts x 4 chips)", 64, "32GB", 512, 8, "causal",
+        dict(cls="OPT", hidden_size=9216, num_hidden_layers=64, ffn_dim=36864, num_attention_heads=72,
+             vocab_size=50272, max_position_embeddings=2048),
+        65.7e9, 2048,
+        why="72 heads: 8 divides them, 16, 32 and 64 do not (redeqx splits attention on whole heads, so those "
+            "would replicate Q/K/V/O); data parallel over the other 8"),
+]}
+SLOW = {"opt-66b"}
+LAYER_FIELDS = ("n_layer", "num_hidden_layers", "num_layers", "num_decoder_layers", "encoder_layers", "decoder_layers")
+
+
+def floor_bytes(params: float, n_devices: int) -> float:
+    """fp32 weights 4 + gradients 4 + Adam's two moments 8 bytes per parameter,
+    split over every device (fsdp). Not a strict floor: XLA may apply a
+    leaf's update as soon as its gradient exists and free it, so not every
+    gradient is alive at once (T5-XXL plans below it)."""
+    return 16 * params / n_devices
+
+
+def resident_bytes(params: float, n_devices: int) -> float:
+    """fp32 weights 4 + Adam 8 bytes per parameter, split over every device:
+    the step's arguments, alive from its start to its end. A device count
+    where this alone exceeds the memory cannot fit."""
+    return 12 * params / n_devices
+
+
+# ----------------------------------------------------------------------------- worker (imports JAX)
+
+
+def _worker(task: dict) -> dict:
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import redeqx
+    from redeqx import models
+
+    row = ROWS[task["row"]]
+    config = dict(row.config)
+    cls = config.pop("cls")
+    if task.get("layers"):
+        config.update({f: task["layers"] for f in LAYER_FIELDS if f in config})
+    config_cls = getattr(models, f"{cls}Config")
+    model_cls = {"GPT2": models.GPT2LMHeadModel, "Bart": models.BartForConditionalGeneration,
+                 "Llama": models.LlamaForCausalLM, "GPTJ": models.GPTJForCausalLM,
+                 "T5": models.T5ForConditionalGeneration, "OPT": models.OPTForCausalLM}[cls]
+    cfg = config_cls(**config)
+
+    def make_model(key):
+        return model_cls(cfg, key=key)
+
+    if row.kind == "causal":
+        def loss_fn(model, batch, key):
+            ids = batch["ids"]  # (B, T + 1): T tokens in, the next T out
+            logits = jax.vmap(model)(ids[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), ids[:, 1:]).mean()
+
+        def batch_of(n_rows, seq):
+            return {"ids": jax.ShapeDtypeStruct((n_rows, seq + 1), jnp.int32)}
+    else:
+        shift = models.shift_right if row.kind == "t5" else models.shift_tokens_right
+
+        def loss_fn(model, batch, key):
+            logits = jax.vmap(lambda s, t: model(s, shift(t, cfg)))(batch["src"], batch["tgt"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["tgt"]).mean()
+
+        def batch_of(n_rows, seq):  # the stated length for the source and the target alike
+            return {"src": jax.ShapeDtypeStruct((n_rows, seq), jnp.int32),
+                    "tgt": jax.ShapeDtypeStruct((n_rows, seq), jnp.int32)}
+
+    opts = task.get("opts", {})
+    mesh = redeqx.make_mesh(task["n_model_shards"])
+    n_data = mesh.shape["data"]
+    optimizer = optax.adamw(1e-5)
+
+    def probe(seq, per_shard):
+        # WORKAROUND(redeqx): GPT-2, OPT and BART look positions past their learned table up as NaN rows
+        # (jnp.take's fill mode) instead of failing, and the planner plans such a step without a word;
+        # never probe past the table.
+        if row.max_len is not None and seq > row.max_len:
+            raise ValueError(f"{row.name}: seq {seq} > its position table ({row.max_len})")
+        t0, c0 = time.perf_counter(), time.process_time()
+        p = redeqx.plan(make_model, loss_fn, optimizer, batch_of(per_shard * n_data, seq), mesh,
+                        device_memory=row.memory, explore=False, fsdp=opts.get("fsdp", False),
+                        remat=opts.get("remat", False),
+                        compute_dtype=jnp.bfloat16 if opts.get("bf16") else None)
+        out = dict(seq=seq, per_shard=per_shard, peak=p.peak, parameters=p.parameters, optimizer=p.optimizer,
+                   temporaries=p.temporaries, gradients=p.gradients, batch=p.batch, fits=bool(p.fits),
+                   margin=p.margin, mesh=p.mesh, global_batch=p.global_batch, flops=p.flops,
+                   collective_bytes=sum(v["bytes"] for v in p.collectives.values()),
+                   compile_s=time.perf_counter() - t0, compile_cpu_s=time.process_time() - c0)
+        print(f"    [{row.key} {task['devices']} dev, mp {task['n_model_shards']}, {_opts_label(opts)}] "
+              f"seq {seq} x {per_shard}/shard: peak {p.peak / GB:.2f} GB -> {'fits' if p.fits else 'does NOT fit'} "
+              f"({out['compile_s']:.0f} s, {out['compile_cpu_s']:.0f} s CPU)", file=sys.stderr, flush=True)
+        return out
+
+    abstract = eqx.filter_eval_shape(make_model, jax.random.key(0))
+    params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract) if isinstance(x, jax.ShapeDtypeStruct))
+    result = dict(params=params)
+    if task["task"] == "plan":
+        result["plan"] = probe(task["seq"], task.get("per_shard", 1))
+    elif task["task"] == "longest":
+        result.update(_longest(probe, row, task["seq"], task.get("step", 128)))
+    return result
+
+
+def _largest(fits, start: int, step: int, memory: float, cap: int | None = None) -> tuple[int, bool]:
+    """The largest multiple of ``step`` for which ``fits(value) -> (fits, peak)``
+    holds, starting from ``start``, with at most ``cap``. Returns ``(value,
+    capped)``; value 0 when not even ``step`` fits.
+
+    A bracket is found by doubling (or, once two sizes fit, by extrapolating
+    their peaks linearly to the memory, if that jumps further: the peak grows
+    at least linearly, so the jump rarely overshoots by much), then narrowed
+    by regula falsi on the peaks at its two ends, falling back to bisection
+    whenever the same end moved twice in a row, down to one ``step``."""
+    peaks = {}
+
+    def probe(v):
+        ok, peaks[v] = fits(v)
+        return ok
+
+    if probe(start):
+        lo, hi = start, None
+        while hi is None:
+            if cap is not None and lo >= cap:
+                return lo, True
+            nxt = 2 * lo
+            ok = sorted(v for v in peaks if v <= lo)
+            if len(ok) >= 2 and peaks[ok[-1]] > peaks[ok[-2]]:
+                a, b = ok[-2], ok[-1]
+                guess = b + (memory - peaks[b]) * (b - a) / (peaks[b] - peaks[a])
+                nxt = min(max(nxt, int(guess) // step * step), 8 * lo)
+            if cap is not None:
+                nxt = min(nxt, cap)
+            if probe(nxt):
+                lo = nxt
+            else:
+                hi = nxt
+    else:
+        lo, hi = 0, start
+        peaks[0] = 0.0
+    moved = []
+    while hi - lo > step:
+        mid = (lo + hi) // 2 // step * step
+        if len(moved) < 2 or moved[-1] != moved[-2]:
+            if lo > 0 and peaks[hi] > peaks[lo]:
+                guess = lo + (memory - peaks[lo]) * (hi - lo) / (peaks[hi] - peaks[lo])
+                mid = int(guess) // step * step
+        mid = min(max(mid, lo + step), hi - step)
+        if probe(mid):
+            lo = mid
+            moved.append("lo")
+        else:
+            hi = mid
+            moved.append("hi")
+    return lo, False
+
+
+def _longest(probe, row: Row, start: int, step: int) -> dict:
+    """The longest sequence (multiples of ``step``) that fits; at the position
+    table's length, the largest batch per data shard instead."""
+    probes = []
+
+    def fits(seq, per_shard=1):
+        probes.append(probe(seq, per_shard))
+        return probes[-1]["fits"], probes[-1]["peak"]
+
+    memory = row.memory_bytes
+    longest, capped = _largest(fits, start, step, memory, cap=row.max_len)
+    out = dict(longest=longest, capped=capped, probes=probes)
+    if capped:
+        out["largest_batch"], _ = _largest(lambda b: fits(longest, b), 1, 1, memory)
+    out["best"] = max((p for p in probes if p["fits"]), key=lambda p: (p["seq"], p["per_shard"]), default=None)
+    return out
+
+
+def _opts_label(opts: dict) -> str:
+    parts = [k for k in ("fsdp", "remat") if opts.get(k)] + (["bf16 compute"] if opts.get("bf16") else [])
+    return " + ".join(parts) or "fp32, no fsdp, no remat"
+
+
+# ----------------------------------------------------------------------------- driver (no JAX)
+
+
+class Runner:
+    """Starts one worker subprocess per task, with its device count, and keeps
+    the results (in ``cache`` too, when given, keyed by the task)."""
+
+    def __init__(self, cache: Path | None, xla_flags: str):
+        self.cache_path = cache
+        self.cache = json.loads(cache.read_text()) if cache and cache.exists() else {}
+        self.xla_flags = xla_flags
+        self.compiles: list[tuple[str, float, float]] = []
+
+    def __call__(self, task: dict) -> dict:
+        key = json.dumps(task, sort_keys=True)
+        if key in self.cache:
+            result = self.cache[key]
+            print(f"  (cached) {key}", flush=True)
+        else:
+            env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={task['devices']} "
+                                             f"{self.xla_flags}".strip())
+            env.setdefault("PYTHONWARNINGS", "ignore::UserWarning")
+            t0 = time.perf_counter()
+            proc = subprocess.run([sys.executable, __file__, "--worker", key], env=env, stdout=subprocess.PIPE,
+                                  text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"probe {key} failed (exit {proc.returncode}); its output is above")
+            result = json.loads(proc.stdout.strip().splitlines()[-1])
+            result["wall_s"] = time.perf_counter() - t0
+            self.cache[key] = result
+            if self.cache_path:
+                self.cache_path.write_text(json.dumps(self.cache, indent=1))
+        for p in [result.get("plan")] + result.get("probes", []):
+            if p:
+                self.compiles.append((task["row"], p["compile_s"], p["compile_cpu_s"]))
+        return result
+
+
+FSDP_REMAT_BF16 = {"fsdp": True, "remat": True, "bf16": True}
+
+
+def fewest_devices(run: Runner, row: Row, params: float, upper: int) -> dict:
+    """Bisection over powers of two for the fewest devices that fit with fsdp +
+    remat + bf16 compute; counts whose 16 B/parameter floor exceeds the memory
+    are ruled out by arithmetic."""
+    counts = [2 ** i for i in range(0, int(math.log2(upper)) + 1)]
+    ruled_out = [n for n in counts if resident_bytes(params, n) >= row.memory_bytes]
+    candidates = [n for n in counts if n not in ruled_out]
+    probes = {}
+
+    def fits(n):
+        task = dict(task="plan", row=row.key, devices=n, n_model_shards=min(n, row.n_model_shards), seq=row.seq,
+                    opts=FSDP_REMAT_BF16)
+        print(f"  (a) {row.name} on {n} devices: floor {floor_bytes(params, n) / GB:.1f} GB, compiling",
+              flush=True)
+        probes[n] = run(task)["plan"]
+        return probes[n]["fits"]
+
+    lo, hi = 0, None  # indices into candidates: answer in [lo, hi]
+    if candidates and fits(candidates[0]):
+        hi = 0
+    else:
+        for i in range(1, len(candidates)):  # find a count that fits, doubling
+            if fits(candidates[i]):
+                hi = i
+                break
+            lo = i
+        if hi is not None:
+            lo += 1
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if fits(candidates[mid]):
+                    hi = mid
+                else:
+                    lo = mid + 1
+    best = candidates[hi] if hi is not None else None
+    return dict(devices=best, plan=probes.get(best), ruled_out=ruled_out, probed=sorted(probes))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
+    parser.add_argument("--skip-slow", action="store_true", help="skip OPT-66B and the searches over device counts")
+    parser.add_argument("--quick", action="store_true",
+                        help="each model cut to 2 layers (same widths), no searches, RESULTS.md left alone")
+    parser.add_argument("--no-search", action="store_true", help="only the redco setting of each row")
+    parser.add_argument("--seq-step", type=int, default=128)
+    parser.add_argument("--cache", type=Path, default=None, help="JSON file keeping each probe's result")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here as JSON")
+    parser.add_argument("--xla-default-flags", action="store_true", help=f"compile without {FAST_COMPILE}")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.worker:
+        print(json.dumps(_worker(json.loads(args.worker))), flush=True)
+        return
+
+    rows = [ROWS[k] for k in args.rows if not (args.skip_slow and k in SLOW)]
+    run = Runner(args.cache, "" if args.xla_default_flags else FAST_COMPILE)
+    layers = 2 if args.quick else None
+    results = []
+    for row in rows:
+        print(f"== {row.name}: {row.devices} x {row.memory}, n_model_shards={row.n_model_shards}, seq {row.seq}",
+              flush=True)
+        base = dict(task="plan", row=row.key, devices=row.devices, n_model_shards=row.n_model_shards, seq=row.seq)
+        if layers:
+            base["layers"] = layers
+        r = run(base)
+        out = dict(row=row.key, name=row.name, params=r["params"], redco=r["plan"])
+        print(f"  redco setting: peak {r['plan']['peak'] / GB:.2f} GB of {row.memory}: "
+              f"{'fits' if r['plan']['fits'] else 'does NOT fit'}", flush=True)
+        if row.key == "opt-66b":  # the closest to redco's 64-way split of the state: mp 8 x fsdp over data 8
+            out["fsdp"] = run(dict(base, opts={"fsdp": True}))["plan"]
+        if not (args.quick or args.no_search):
+            if not args.skip_slow:
+                out["fewest"] = fewest_devices(run, row, r["params"], upper=4 * row.devices)
+            print(f"  (b) longest sequence on {row.devices} devices with fsdp + remat + bf16", flush=True)
+            out["longest"] = run(dict(task="longest", row=row.key, devices=row.devices,
+                                      n_model_shards=row.n_model_shards, seq=row.seq, step=args.seq_step,
+                                      opts=FSDP_REMAT_BF16))
+        results.append(out)
+
+    report = render(results, run, quick=args.quick)
+    print(report)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    if not (args.no_write or args.quick):
+        sys.path.insert(0, str(HERE))
+        from _common import write_section
+
+        write_section("redco Table 1 by the planner (benchmarks/table1.py)", report)
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+def _gb(x) -> str:
+    return f"{x / GB:.2f} GB"
+
+
+def render(results: list[dict], run: Runner, *, quick: bool) -> str:
+    lines = []
+    if quick:
+        lines.append("**Quick mode: every model cut to 2 layers (same widths); not Table 1's figures.**\n")
+    lines += [
+        "Each figure is one `redeqx.plan(..., explore=False)`: the real train step (AdamW, fp32 weights, one sequence "
+        "per data shard) compiled on abstract shapes for simulated CPU devices; peak = arguments + outputs - donated "
+        "+ temporaries per device, from XLA:CPU's buffer assignment. GB = 10^9 bytes, as the paper states memory.",
+        "",
+        "| model | params | server: devices x memory | n_model_shards x data | seq | peak / device | fits? | margin "
+        "| compile |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for out in results:
+        row, p = ROWS[out["row"]], out["redco"]
+        lines.append(
+            f"| {row.name} | {out['params'] / 1e9:.3f} B | {row.server}: {row.devices} x {row.memory} "
+            f"| {p['mesh']['model']} x {p['mesh']['data']} | {row.seq} | {_gb(p['peak'])} "
+            f"| {'yes' if p['fits'] else '**no**'} | {_gb(p['margin'])} | {p['compile_s']:.0f} s |")
+        if "fsdp" in out:
+            q = out["fsdp"]
+            lines.append(
+                f"| {row.name}, fsdp=True | | | {q['mesh']['model']} x {q['mesh']['data']} (fsdp) | {row.seq} "
+                f"| {_gb(q['peak'])} | {'yes' if q['fits'] else '**no**'} | {_gb(q['margin'])} "
+                f"| {q['compile_s']:.0f} s |")
+
+    searched = [o for o in results if "fewest" in o or "longest" in o]
+    if searched:
+        lines += ["", "With `fsdp=True`, remat (`redeqx.remat`) and bf16 compute (fp32 master weights and Adam "
+                  "state), n_model_shards as in the row (at most the device count), one sequence per data shard:", "",
+                  "| model | 16 B/param floor on redco's devices | fewest devices that fit | its peak | floor there "
+                  "| longest seq on redco's devices | its peak |",
+                  "|---|---|---|---|---|---|---|"]
+        for out in searched:
+            row = ROWS[out["row"]]
+            fewest = out.get("fewest")
+            if fewest is None:
+                few = ("skipped", "", "")
+            elif fewest["devices"] is None:
+                few = ("none up to " + str(4 * row.devices), "", "")
+            else:
+                n = fewest["devices"]
+                few = (f"{n} x {row.memory}", _gb(fewest["plan"]["peak"]), _gb(floor_bytes(out["params"], n)))
+            lg = out.get("longest")
+            if lg is None:
+                longest = ("", "")
+            else:
+                best = lg["best"]
+                if best is None:
+                    longest = ("none fits", "")
+                elif lg["capped"]:
+                    longest = (f"{lg['longest']} (the position table) x {lg['largest_batch']} per data shard",
+                               _gb(best["peak"]))
+                else:
+                    longest = (f"{lg['longest']}", _gb(best["peak"]))
+            lines.append(f"| {row.name} | {_gb(floor_bytes(out['params'], row.devices))} | {few[0]} | {few[1]} "
+                         f"| {few[2]} | {longest[0]} | {longest[1]} |")
+        lines += ["", "The arithmetic: fp32 parameters 4 + gradients 4 + Adam's two moments 8 = 16 bytes per "
+                  "parameter, divided by the device count (fsdp splits all three over every device); activations, "
+                  "the bf16 copies of the layers being computed and the batch come on top. The gradients are not a "
+                  "hard floor (XLA applies a leaf's update once its gradient exists and frees it, so they are not all "
+                  "alive at once): a count is ruled out without compiling only when parameters + Adam (12 bytes per "
+                  "parameter, alive through the whole step) exceed the memory.", ""]
+        for out in searched:
+            row, fewest = ROWS[out["row"]], out.get("fewest")
+            if not fewest:
+                continue
+            n, P_ = fewest["devices"], out["params"]
+            text = f"- {row.name}: 16 B x {P_ / 1e9:.3f} B = {16 * P_ / GB:.1f} GB"
+            if fewest["ruled_out"]:
+                m = max(fewest["ruled_out"])
+                text += (f"; on {m} devices 12 B x {P_ / 1e9:.3f} B / {m} = {resident_bytes(P_, m) / GB:.1f} GB "
+                         f">= {row.memory}: ruled out")
+            if n:
+                p = fewest["plan"]
+                text += (f"; on {n} devices 16 B x {P_ / 1e9:.3f} B / {n} = {floor_bytes(P_, n) / GB:.2f} GB, planned "
+                         f"peak {_gb(p['peak'])} = params {_gb(p['parameters'])} + Adam {_gb(p['optimizer'])} + batch "
+                         f"{_gb(p['batch'])} + temporaries {_gb(p['temporaries'])} (all gradients would be "
+                         f"{_gb(p['gradients'])})")
+            text += f"; compiled for {fewest['probed']} devices."
+            lines.append(text)
+
+    for out in results:
+        row = ROWS[out["row"]]
+        if row.why:
+            lines += ["", f"{row.name}: n_model_shards={row.n_model_shards} because {row.why}."]
+    if run.compiles:
+        total = sum(c[1] for c in run.compiles)
+        cpu = sum(c[2] for c in run.compiles)
+        by_row = {}
+        for k, w, c in run.compiles:
+            by_row.setdefault(k, []).append((w, c))
+        per = ", ".join(f"{ROWS[k].name} {len(v)} x {sum(w for w, _ in v) / len(v):.0f} s "
+                        f"({sum(c for _, c in v) / len(v):.0f} s CPU)" for k, v in by_row.items())
+        lines += ["", f"Compile times (wall, with the machine shared; CPU seconds in brackets): {len(run.compiles)} "
+                  f"probes, {total / 60:.1f} min wall, {cpu / 60:.1f} min CPU; per probe: {per}."]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
