@@ -92,11 +92,11 @@ def client_update(model, client, key, *, lr, local_epochs, local_batch_size):
 
 def fedavg_round(state, clients, *, update):
     """One round over the batch's clients (vmapped: each device trains its own)."""
-    key, round_key = jax.random.split(jax.random.wrap_key_data(state["key"]))
+    key, round_key = jax.random.split(state["key"])
     local = jax.vmap(update, in_axes=(None, 0, 0))(state["model"], clients, jax.random.split(round_key, len(clients["y"])))
     n_k = clients["mask"].sum(1)  # (B,) examples per client
     model = jax.tree.map(lambda p: jnp.tensordot(n_k / n_k.sum(), p, axes=1), local)  # weighted average
-    return {"model": model, "key": jax.random.key_data(key)}, {"examples": n_k.sum()}
+    return {"model": model, "key": key}, {"examples": n_k.sum()}
 
 
 def plot(fed, central, path):
@@ -147,9 +147,7 @@ def main():
         f"{sorted(int(c['mask'].sum()) for c in clients)} examples; {per_round} clients per round")
 
     # FedAvg: the state is the global model and the key the clients' shuffles come from
-    # WORKAROUND(redeqx): shard() cannot place a typed PRNG key on a mesh that spans several processes
-    # (jax.device_put refuses it; init_state has its own path for keys), so the state keeps the key's raw data.
-    state = redeqx.shard({"model": model, "key": jax.random.key_data(state_key)}, {"model": specs, "key": P()}, mesh)
+    state = redeqx.shard({"model": model, "key": state_key}, {"model": specs, "key": P()}, mesh)
     update = functools.partial(client_update, lr=args.learning_rate, local_epochs=args.local_epochs,
                                local_batch_size=args.local_batch_size)
     fed_step = redeqx.make_step(functools.partial(fedavg_round, update=update), mesh)

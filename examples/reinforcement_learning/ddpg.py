@@ -61,13 +61,6 @@ def act_fn(actor, batch, key, noise):
     return jnp.clip(action, -actor.max_action, actor.max_action)
 
 
-def apply_grads(ts, grads, optimizer):
-    # WORKAROUND(redeqx): no public "apply these gradients to a TrainState" for steps written with make_step
-    updates, opt_state = optimizer.update(grads, ts.opt_state, eqx.filter(ts.model, eqx.is_inexact_array))
-    return eqx.tree_at(lambda s: (s.model, s.opt_state, s.step), ts,
-                       (eqx.apply_updates(ts.model, updates), opt_state, ts.step + 1))
-
-
 def soft_update(target, online, tau):
     """target <- (1 - tau) target + tau online, for every parameter."""
     params = optax.incremental_update(eqx.filter(online, eqx.is_array), eqx.filter(target, eqx.is_array), tau)
@@ -98,13 +91,13 @@ def make_train_step(optimizer, batch_size, gamma, tau, n_updates):
             return jnp.mean((q - target) ** 2), q.mean()
 
         (c_loss, q), c_grads = eqx.filter_value_and_grad(critic_loss, has_aux=True)(critic.model)
-        critic = eqx.tree_at(lambda s: s.key, apply_grads(critic, c_grads, optimizer), key)
+        critic = eqx.tree_at(lambda s: s.key, redeqx.apply_gradients(critic, c_grads, optimizer), key)
 
         def actor_loss(model):  # ascend the (just updated) critic's value of the actor's actions
             return -jnp.mean(jax.vmap(critic.model)(b["obs"], jax.vmap(model)(b["obs"])))
 
         a_loss, a_grads = eqx.filter_value_and_grad(actor_loss)(actor.model)
-        actor = apply_grads(actor, a_grads, optimizer)
+        actor = redeqx.apply_gradients(actor, a_grads, optimizer)
         nets = {"actor": actor, "critic": critic,
                 "target_actor": soft_update(nets["target_actor"], actor.model, tau),
                 "target_critic": soft_update(nets["target_critic"], critic.model, tau)}

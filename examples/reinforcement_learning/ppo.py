@@ -44,13 +44,6 @@ def collate_fn(examples):
     return {k: np.stack([e[k] for e in examples]) for k in examples[0]}
 
 
-def apply_grads(ts, grads, optimizer):
-    # WORKAROUND(redeqx): no public "apply these gradients to a TrainState" for steps written with make_step
-    updates, opt_state = optimizer.update(grads, ts.opt_state, eqx.filter(ts.model, eqx.is_inexact_array))
-    return eqx.tree_at(lambda s: (s.model, s.opt_state, s.step), ts,
-                       (eqx.apply_updates(ts.model, updates), opt_state, ts.step + 1))
-
-
 def make_ppo_step(actor_opt, critic_opt, clip, ent_coef):
     def ppo_step(state, batch):
         adv = batch["advantage"]
@@ -70,8 +63,8 @@ def make_ppo_step(actor_opt, critic_opt, clip, ent_coef):
 
         (a_loss, aux), a_grads = eqx.filter_value_and_grad(actor_loss, has_aux=True)(state["actor"].model)
         c_loss, c_grads = eqx.filter_value_and_grad(critic_loss)(state["critic"].model)
-        new_state = {"actor": apply_grads(state["actor"], a_grads, actor_opt),
-                     "critic": apply_grads(state["critic"], c_grads, critic_opt)}
+        new_state = {"actor": redeqx.apply_gradients(state["actor"], a_grads, actor_opt),
+                     "critic": redeqx.apply_gradients(state["critic"], c_grads, critic_opt)}
         return new_state, {"actor_loss": a_loss, "critic_loss": c_loss, **aux}
 
     return ppo_step
