@@ -45,6 +45,8 @@ def main():
     p.add_argument("--data", required=True, help=".npy of (n, seq + 1) int32 tokens")
     p.add_argument("--out", required=True)
     p.add_argument("--hlo", default=None, help="also write the compiled step's HLO text here")
+    p.add_argument("--layout", default="auto", help="make_train_step's activation_layout (auto, sequence, replicated, none)")
+    p.add_argument("--no-donate", action="store_true", help="a copy of the step without donation (to time its cost)")
     args = p.parse_args()
 
     tokens = np.load(args.data)
@@ -57,7 +59,10 @@ def main():
     specs = redeqx.sharding_rules(model, mesh)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(args.lr, weight_decay=0.01))
     state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
-    train_step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs)
+    layout = None if args.layout == "none" else args.layout
+    train_step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs, activation_layout=layout)
+    if args.no_donate:
+        train_step._compiled.donate = False
     per_device = args.batch // mesh.shape["data"]
 
     marks, losses = [], []

@@ -119,6 +119,8 @@ def run_worker(side, k, batch, args, data, workdir, hlo: Path | None):
     ]
     if hlo is not None:
         cmd += ["--hlo", str(hlo)]
+    if side == "redeqx":
+        cmd += ["--layout", args.layout]
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={N_DEVICES}",
                TRANSFORMERS_VERBOSITY="error", TF_CPP_MIN_LOG_LEVEL="3")
     if side == "redco":
@@ -184,6 +186,7 @@ def main():
     p.add_argument("--redco-python", type=Path, default=None,
                    help="a python with redco 0.4.23 (instead of --redco-stack's venv)")
     p.add_argument("--ks", default="1,2,4", help="n_model_shards values")
+    p.add_argument("--layout", default="auto", help="redeqx's activation_layout (auto, sequence, replicated, none)")
     p.add_argument("--shapes", default="small,large", help="small (global batch 64) and/or large")
     p.add_argument("--large-batch", type=int, default=128, help="global batch of the large shape")
     p.add_argument("--rounds", type=int, default=3, help="fresh worker pairs per (shape, K)")
