@@ -79,6 +79,7 @@ class Row:
     hf_params: float  # the published parameter count, to check the config against
     max_len: int | None  # learned position table: no longer sequence exists
     why: str = ""  # why this n_model_shards
+    extrapolate: tuple[int, int] | None = None  # too large to compile whole here: plan these layer counts
 
     @property
     def memory_bytes(self) -> float:
@@ -114,7 +115,8 @@ ROWS = {r.key: r for r in [
              vocab_size=50272, max_position_embeddings=2048),
         65.7e9, 2048,
         why="72 heads: 8 divides them, 16, 32 and 64 do not (redeqx splits attention on whole heads, so those "
-            "would replicate Q/K/V/O); data parallel over the other 8"),
+            "would replicate Q/K/V/O); data parallel over the other 8",
+        extrapolate=(32, 48)),
 ]}
 SLOW = {"opt-66b"}
 LAYER_FIELDS = ("n_layer", "num_hidden_layers", "num_layers", "num_decoder_layers", "encoder_layers", "decoder_layers")
@@ -150,17 +152,20 @@ def _worker(task: dict) -> dict:
     row = ROWS[task["row"]]
     config = dict(row.config)
     cls = config.pop("cls")
-    if task.get("layers"):
-        config.update({f: task["layers"] for f in LAYER_FIELDS if f in config})
     config_cls = getattr(models, f"{cls}Config")
     model_cls = {"GPT2": models.GPT2LMHeadModel, "Bart": models.BartForConditionalGeneration,
                  "Llama": models.LlamaForCausalLM, "GPTJ": models.GPTJForCausalLM,
                  "T5": models.T5ForConditionalGeneration, "OPT": models.OPTForCausalLM}[cls]
-    cfg = config_cls(**config)
 
-    def make_model(key):
-        return model_cls(cfg, key=key)
+    def model_maker(layers=None):
+        cfg = config_cls(**{**config, **({f: layers for f in LAYER_FIELDS if f in config} if layers else {})})
 
+        def make_model(key):
+            return model_cls(cfg, key=key)
+
+        return make_model
+
+    cfg = config_cls(**config)  # token ids for teacher forcing; the layer count does not matter
     if row.kind == "causal":
         def loss_fn(model, batch, key):
             ids = batch["ids"]  # (B, T + 1): T tokens in, the next T out
@@ -184,6 +189,20 @@ def _worker(task: dict) -> dict:
     mesh = redeqx.make_mesh(task["n_model_shards"])
     n_data = mesh.shape["data"]
     optimizer = optax.adamw(1e-5)
+    full_layers = max(config.get(f, 0) for f in LAYER_FIELDS)
+    fewer = task.get("extrapolate")  # (L1, L2): plan with L1 and L2 layers, extrapolate to all of them
+
+    def one_plan(seq, per_shard, layers):
+        t0, c0 = time.perf_counter(), time.process_time()
+        p = redeqx.plan(model_maker(layers), loss_fn, optimizer, batch_of(per_shard * n_data, seq), mesh,
+                        device_memory=row.memory, explore=False, fsdp=opts.get("fsdp", False),
+                        remat=opts.get("remat", False),
+                        compute_dtype=jnp.bfloat16 if opts.get("bf16") else None)
+        return dict(seq=seq, per_shard=per_shard, peak=p.peak, parameters=p.parameters, optimizer=p.optimizer,
+                    temporaries=p.temporaries, gradients=p.gradients, batch=p.batch, fits=bool(p.fits),
+                    margin=p.margin, mesh=p.mesh, global_batch=p.global_batch, flops=p.flops,
+                    collective_bytes=sum(v["bytes"] for v in p.collectives.values()),
+                    compile_s=time.perf_counter() - t0, compile_cpu_s=time.process_time() - c0)
 
     def probe(seq, per_shard):
         # WORKAROUND(redeqx): GPT-2, OPT and BART look positions past their learned table up as NaN rows
@@ -191,22 +210,30 @@ def _worker(task: dict) -> dict:
         # never probe past the table.
         if row.max_len is not None and seq > row.max_len:
             raise ValueError(f"{row.name}: seq {seq} > its position table ({row.max_len})")
-        t0, c0 = time.perf_counter(), time.process_time()
-        p = redeqx.plan(make_model, loss_fn, optimizer, batch_of(per_shard * n_data, seq), mesh,
-                        device_memory=row.memory, explore=False, fsdp=opts.get("fsdp", False),
-                        remat=opts.get("remat", False),
-                        compute_dtype=jnp.bfloat16 if opts.get("bf16") else None)
-        out = dict(seq=seq, per_shard=per_shard, peak=p.peak, parameters=p.parameters, optimizer=p.optimizer,
-                   temporaries=p.temporaries, gradients=p.gradients, batch=p.batch, fits=bool(p.fits),
-                   margin=p.margin, mesh=p.mesh, global_batch=p.global_batch, flops=p.flops,
-                   collective_bytes=sum(v["bytes"] for v in p.collectives.values()),
-                   compile_s=time.perf_counter() - t0, compile_cpu_s=time.process_time() - c0)
+        if not fewer:
+            out = one_plan(seq, per_shard, task.get("layers"))
+        else:
+            # WORKAROUND(redeqx): the whole model's step cannot be compiled on this host (XLA:CPU's fusion
+            # pass needs memory quadratic in the instruction count: OPT-66B's 64 layers passed 23 GB of RSS);
+            # plan L1 and L2 of its identical layers and extend the line through them to all of them.
+            a, b = (one_plan(seq, per_shard, n) for n in fewer)
+            t = (full_layers - fewer[1]) / (fewer[1] - fewer[0])
+            out = dict(b)
+            for f in ("peak", "parameters", "optimizer", "temporaries", "gradients", "flops", "collective_bytes"):
+                out[f] = type(b[f])(b[f] + t * (b[f] - a[f]))
+            out["margin"] = row.memory_bytes - out["peak"]
+            out["fits"] = out["peak"] <= row.memory_bytes
+            out["compile_s"], out["compile_cpu_s"] = a["compile_s"] + b["compile_s"], a["compile_cpu_s"] + b["compile_cpu_s"]
+            out["extrapolated_from"] = {str(n): {k: p[k] for k in ("peak", "temporaries", "parameters", "optimizer")}
+                                        for n, p in zip(fewer, (a, b))}
         print(f"    [{row.key} {task['devices']} dev, mp {task['n_model_shards']}, {_opts_label(opts)}] "
-              f"seq {seq} x {per_shard}/shard: peak {p.peak / GB:.2f} GB -> {'fits' if p.fits else 'does NOT fit'} "
+              f"seq {seq} x {per_shard}/shard: peak {out['peak'] / GB:.2f} GB"
+              f"{' (extrapolated from %s layers)' % list(fewer) if fewer else ''} -> "
+              f"{'fits' if out['fits'] else 'does NOT fit'} "
               f"({out['compile_s']:.0f} s, {out['compile_cpu_s']:.0f} s CPU)", file=sys.stderr, flush=True)
         return out
 
-    abstract = eqx.filter_eval_shape(make_model, jax.random.key(0))
+    abstract = eqx.filter_eval_shape(model_maker(task.get("layers")), jax.random.key(0))
     params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract) if isinstance(x, jax.ShapeDtypeStruct))
     result = dict(params=params)
     if task["task"] == "plan":
@@ -272,11 +299,13 @@ def _largest(fits, start: int, step: int, memory: float, cap: int | None = None)
 def _longest(probe, row: Row, start: int, step: int) -> dict:
     """The longest sequence (multiples of ``step``) that fits; at the position
     table's length, the largest batch per data shard instead."""
-    probes = []
+    probes, seen = [], {}
 
     def fits(seq, per_shard=1):
-        probes.append(probe(seq, per_shard))
-        return probes[-1]["fits"], probes[-1]["peak"]
+        if (seq, per_shard) not in seen:
+            probes.append(probe(seq, per_shard))
+            seen[seq, per_shard] = probes[-1]
+        return seen[seq, per_shard]["fits"], seen[seq, per_shard]["peak"]
 
     memory = row.memory_bytes
     longest, capped = _largest(fits, start, step, memory, cap=row.max_len)
@@ -333,42 +362,43 @@ class Runner:
 FSDP_REMAT_BF16 = {"fsdp": True, "remat": True, "bf16": True}
 
 
-def fewest_devices(run: Runner, row: Row, params: float, upper: int) -> dict:
-    """Bisection over powers of two for the fewest devices that fit with fsdp +
-    remat + bf16 compute; counts whose 16 B/parameter floor exceeds the memory
-    are ruled out by arithmetic."""
+def fewest_devices(run: Runner, row: Row, params: float, upper: int, extra: dict) -> dict:
+    """The fewest devices (a power of two up to ``upper``) that fit with fsdp +
+    remat + bf16 compute: counts where parameters + Adam alone exceed the
+    memory are ruled out by arithmetic; the smallest count left is compiled
+    first (the usual answer), then redco's own count (or the next that fits),
+    then bisection between them."""
     counts = [2 ** i for i in range(0, int(math.log2(upper)) + 1)]
     ruled_out = [n for n in counts if resident_bytes(params, n) >= row.memory_bytes]
     candidates = [n for n in counts if n not in ruled_out]
     probes = {}
 
-    def fits(n):
+    def fits(i):
+        n = candidates[i]
         task = dict(task="plan", row=row.key, devices=n, n_model_shards=min(n, row.n_model_shards), seq=row.seq,
-                    opts=FSDP_REMAT_BF16)
-        print(f"  (a) {row.name} on {n} devices: floor {floor_bytes(params, n) / GB:.1f} GB, compiling",
-              flush=True)
+                    opts=FSDP_REMAT_BF16, **extra)
+        print(f"  (a) {row.name} on {n} devices (16 B/param: {floor_bytes(params, n) / GB:.1f} GB)", flush=True)
         probes[n] = run(task)["plan"]
         return probes[n]["fits"]
 
-    lo, hi = 0, None  # indices into candidates: answer in [lo, hi]
-    if candidates and fits(candidates[0]):
-        hi = 0
-    else:
-        for i in range(1, len(candidates)):  # find a count that fits, doubling
-            if fits(candidates[i]):
-                hi = i
-                break
-            lo = i
-        if hi is not None:
-            lo += 1
-            while lo < hi:
+    best = None
+    if candidates and fits(0):
+        best = 0
+    elif len(candidates) > 1:
+        lo = 0  # does not fit
+        hi = candidates.index(row.devices) if row.devices in candidates[1:] else 1
+        while hi < len(candidates) and not fits(hi):
+            lo, hi = hi, hi + 1
+        if hi < len(candidates):
+            while hi - lo > 1:
                 mid = (lo + hi) // 2
-                if fits(candidates[mid]):
+                if fits(mid):
                     hi = mid
                 else:
-                    lo = mid + 1
-    best = candidates[hi] if hi is not None else None
-    return dict(devices=best, plan=probes.get(best), ruled_out=ruled_out, probed=sorted(probes))
+                    lo = mid
+            best = hi
+    n = candidates[best] if best is not None else None
+    return dict(devices=n, plan=probes.get(n), ruled_out=ruled_out, probed=sorted(probes))
 
 
 def main():
@@ -378,6 +408,7 @@ def main():
     parser.add_argument("--quick", action="store_true",
                         help="each model cut to 2 layers (same widths), no searches, RESULTS.md left alone")
     parser.add_argument("--no-search", action="store_true", help="only the redco setting of each row")
+    parser.add_argument("--layers", type=int, default=None, help="cut every model to this many layers (to try it out)")
     parser.add_argument("--seq-step", type=int, default=128)
     parser.add_argument("--cache", type=Path, default=None, help="JSON file keeping each probe's result")
     parser.add_argument("--json", type=Path, default=None, help="write the results here as JSON")
@@ -392,14 +423,14 @@ def main():
 
     rows = [ROWS[k] for k in args.rows if not (args.skip_slow and k in SLOW)]
     run = Runner(args.cache, "" if args.xla_default_flags else FAST_COMPILE)
-    layers = 2 if args.quick else None
+    layers = 2 if args.quick else args.layers
     results = []
     for row in rows:
         print(f"== {row.name}: {row.devices} x {row.memory}, n_model_shards={row.n_model_shards}, seq {row.seq}",
               flush=True)
-        base = dict(task="plan", row=row.key, devices=row.devices, n_model_shards=row.n_model_shards, seq=row.seq)
-        if layers:
-            base["layers"] = layers
+        extra = {"layers": layers} if layers else {"extrapolate": list(row.extrapolate)} if row.extrapolate else {}
+        base = dict(task="plan", row=row.key, devices=row.devices, n_model_shards=row.n_model_shards, seq=row.seq,
+                    **extra)
         r = run(base)
         out = dict(row=row.key, name=row.name, params=r["params"], redco=r["plan"])
         print(f"  redco setting: peak {r['plan']['peak'] / GB:.2f} GB of {row.memory}: "
@@ -408,11 +439,11 @@ def main():
             out["fsdp"] = run(dict(base, opts={"fsdp": True}))["plan"]
         if not (args.quick or args.no_search):
             if not args.skip_slow:
-                out["fewest"] = fewest_devices(run, row, r["params"], upper=4 * row.devices)
+                out["fewest"] = fewest_devices(run, row, r["params"], upper=4 * row.devices, extra=extra)
             print(f"  (b) longest sequence on {row.devices} devices with fsdp + remat + bf16", flush=True)
             out["longest"] = run(dict(task="longest", row=row.key, devices=row.devices,
                                       n_model_shards=row.n_model_shards, seq=row.seq, step=args.seq_step,
-                                      opts=FSDP_REMAT_BF16))
+                                      opts=FSDP_REMAT_BF16, **extra))
         results.append(out)
 
     report = render(results, run, quick=args.quick)
