@@ -35,7 +35,7 @@ def test_make_mesh_bad_n_model_shards(devices):
         redeqx.make_mesh(3)
     with pytest.raises(ValueError, match="n_model_shards must be >= 1"):
         redeqx.make_mesh(0)
-    with pytest.raises(TypeError, match=r"^make_mesh\(\): argument n_model_shards='2' is a str, expected int.$"):
+    with pytest.raises(TypeError, match=r"^make_mesh\(\): argument n_model_shards='2' is a str, expected int or 'auto'.$"):
         redeqx.make_mesh("2")  # checked against the annotations at run time, in one line
 
 

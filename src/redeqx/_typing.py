@@ -8,6 +8,7 @@ import inspect
 import os
 import reprlib
 import sys
+import types
 import typing
 import warnings
 
@@ -37,6 +38,14 @@ def short_repr(value) -> str:
 
 
 def _hint_name(hint) -> str:
+    """A type hint as a reader would say it: ``int or 'auto'``, ``Mesh or None``."""
+    origin = typing.get_origin(hint)
+    if origin is typing.Union or origin is types.UnionType:
+        return " or ".join(_hint_name(a) for a in typing.get_args(hint))
+    if origin is typing.Literal:
+        return " or ".join(repr(a) for a in typing.get_args(hint))
+    if hint is type(None):
+        return "None"
     if isinstance(hint, type):
         return hint.__qualname__
     return str(hint).replace("typing.", "").replace("collections.abc.", "").replace("jaxtyping.", "")
