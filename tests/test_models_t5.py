@@ -274,3 +274,28 @@ def test_train_step_communication_is_megatron_and_matches_one_device(getkey):
     # tied head, reduced before XLA adds them) and the per-position relative bias gradients.
     assert moved <= 1.15 * analytic, (moved, analytic, summary)
     print(f"T5 train step at n_model_shards=4: {moved} bytes moved, {moved / analytic:.3f}x Megatron's {analytic}")
+
+
+@pytest.mark.parametrize("kind", ["v1", "v11"])
+def test_initialisation_is_t5s_own(kind, getkey):
+    """Built from a config, every tensor has the spread Transformers gives it (T5 does not scale its
+    attention scores, so q's init does; N(0, 0.02) everywhere leaves a from-scratch decoder ignoring
+    the encoder)."""
+    sizes = {**SIZES, "d_model": 64, "d_ff": 96, "vocab_size": 256, "initializer_factor": 0.5}
+    extra = {"feed_forward_proj": "relu"} if kind == "v1" else {"feed_forward_proj": "gated-gelu",
+                                                                "tie_word_embeddings": False}
+    torch.manual_seed(0)
+    hf = transformers.T5ForConditionalGeneration(transformers.T5Config(**sizes, **extra))
+    ours = T5ForConditionalGeneration(T5Config(**sizes, **extra), key=getkey())
+    theirs = {n: p.detach().numpy() for n, p in hf.named_parameters()}
+    leaves = jax.tree_util.tree_flatten_with_path(ours)[0]
+    checked = 0
+    for path, x in leaves:
+        name = jax.tree_util.keystr(path, simple=True, separator=".")
+        if name not in theirs:
+            continue
+        want, got = float(np.std(theirs[name])), float(np.std(np.asarray(x)))
+        rel = 0.2 if x.size >= 1000 else 0.6  # the bias table has 32 entries: its spread is noisy
+        assert got == pytest.approx(want, rel=rel), (name, got, want)
+        checked += 1
+    assert checked >= 20

@@ -44,8 +44,9 @@ class Linear(eqx.Module):
     weight: Float[Array, "out in"]
     bias: Float[Array, " out"] | None
 
-    def __init__(self, n_in: int, n_out: int, *, bias: bool, key: PRNGKeyArray, dtype=jnp.float32):
-        self.weight = INIT_STD * jax.random.normal(key, (n_out, n_in), dtype)
+    def __init__(self, n_in: int, n_out: int, *, bias: bool, key: PRNGKeyArray, dtype=jnp.float32,
+                 std: float = INIT_STD):
+        self.weight = std * jax.random.normal(key, (n_out, n_in), dtype)
         self.bias = jnp.zeros((n_out,), dtype) if bias else None
 
     def __call__(self, x: Float[Array, "*batch in"]) -> Float[Array, "*batch out"]:
@@ -130,8 +131,8 @@ class Embedding(eqx.Module):
 
     weight: Float[Array, "vocab dim"]
 
-    def __init__(self, vocab: int, dim: int, *, key: PRNGKeyArray, dtype=jnp.float32):
-        self.weight = INIT_STD * jax.random.normal(key, (vocab, dim), dtype)
+    def __init__(self, vocab: int, dim: int, *, key: PRNGKeyArray, dtype=jnp.float32, std: float = INIT_STD):
+        self.weight = std * jax.random.normal(key, (vocab, dim), dtype)
 
     def __call__(self, ids: Int[Array, " seq"]) -> Float[Array, "seq dim"]:
         return jnp.take(self.weight, ids, axis=0)
@@ -337,6 +338,16 @@ def check_fits(name: str, n: int, max_len: int) -> None:
         raise ValueError(f"{name}: {n} tokens do not fit a cache of max_len={max_len}; pass a larger max_len.")
 
 
+def check_positions(name: str, n: int, table: int | None, field: str) -> None:
+    """A model with a learned position table cannot read positions past it: ``jnp.take`` would
+    return NaN rows (its fill mode) and train on them without a word."""
+    if table is not None and n > table:
+        raise ValueError(
+            f"{name}: {n} positions do not fit the model's learned position table of {table} ({field}={table}); "
+            f"use sequences of at most {table} tokens (truncate or split them), or a model with a larger {field}."
+        )
+
+
 def check_positive_ints(config, names: tuple[str, ...]) -> None:
     """A clear error for the first of ``config``'s fields ``names`` that is not a positive int."""
     for name in names:
@@ -381,6 +392,15 @@ class CausalLM(eqx.Module):
         """Sliding-window attention span, or None for full causal attention."""
         return None
 
+    def _max_positions(self) -> tuple[int, str] | None:
+        """How many positions a learned position table holds, and the config field
+        that sets it; None for rotary models, which have no table."""
+        return None
+
+    def _check_positions(self, where: str, n: int) -> None:
+        if (table := self._max_positions()) is not None:
+            check_positions(f"{type(self).__name__}{where}", n, *table)
+
     def _dtype(self):
         return jax.tree.leaves(self)[0].dtype
 
@@ -396,6 +416,7 @@ class CausalLM(eqx.Module):
         Face does for left padding). ``key`` is unused (no dropout)."""
         del key
         t = input_ids.shape[0]
+        self._check_positions("", t)
         if attention_mask is None and self._window() is None:  # training's case: a kernel may serve it
             logits, _ = self._run(input_ids, jnp.arange(t), CausalMask(t), None)
             return logits
@@ -406,6 +427,7 @@ class CausalLM(eqx.Module):
 
     def init_cache(self, max_len: int, dtype=None) -> Cache:
         """An empty decoding cache with ``max_len`` slots (prompt + new tokens)."""
+        self._check_positions(".init_cache", max_len)
         n_layers, kv_heads, head_dim = self._kv_shape()
         dtype = dtype or self._dtype()
         return Cache(

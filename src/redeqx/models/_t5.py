@@ -82,9 +82,13 @@ class T5Config:
     pad_token_id: int = 0
     eos_token_id: int | tuple[int, ...] | None = 1
     decoder_start_token_id: int = 0  # T5 starts decoding from the pad token
+    initializer_factor: float = 1.0  # scales T5's initialisation (below); Transformers' name
     remat: bool = False  # recompute each block's activations in the backward pass
 
     def __post_init__(self):
+        if isinstance(self.initializer_factor, bool) or not isinstance(self.initializer_factor, (int, float)) \
+                or not self.initializer_factor > 0:
+            raise ValueError(f"T5Config.initializer_factor must be a positive number, got {self.initializer_factor!r}.")
         check_positive_ints(self, ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_heads",
                                    "relative_attention_num_buckets", "relative_attention_max_distance"))
         if self.num_decoder_layers is not None and (
@@ -153,6 +157,7 @@ class T5Config:
             pad_token_id=d.get("pad_token_id", 0),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
             decoder_start_token_id=d.get("decoder_start_token_id", d.get("pad_token_id", 0)),
+            initializer_factor=d.get("initializer_factor", 1.0),
         )
 
     def to_hf(self) -> dict:
@@ -173,6 +178,7 @@ class T5Config:
             "layer_norm_epsilon": self.layer_norm_epsilon,
             "feed_forward_proj": self.feed_forward_proj,
             "tie_word_embeddings": self.tie_word_embeddings,
+            "initializer_factor": self.initializer_factor,
             "scale_decoder_outputs": self.scale_head,
             "pad_token_id": self.pad_token_id,
             "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
@@ -217,13 +223,17 @@ class T5Attention(eqx.Module):
 
     def __init__(self, config: T5Config, *, has_bias: bool, key: PRNGKeyArray):
         kq, kk, kv, ko, kb = jax.random.split(key, 5)
-        c, inner = config, config.num_heads * config.d_kv
-        self.q = Linear(c.d_model, inner, bias=False, key=kq)
-        self.k = Linear(c.d_model, inner, bias=False, key=kk)
-        self.v = Linear(c.d_model, inner, bias=False, key=kv)
-        self.o = Linear(inner, c.d_model, bias=False, key=ko)
+        c, inner, f = config, config.num_heads * config.d_kv, config.initializer_factor
+        # T5's own scales (Mesh TensorFlow's, as Transformers draws them): the scores are not
+        # divided by sqrt(d_kv), so q's smaller init does it; 0.02 everywhere leaves the decoder
+        # ignoring the encoder when trained from scratch.
+        self.q = Linear(c.d_model, inner, bias=False, key=kq, std=f * (c.d_model * c.d_kv) ** -0.5)
+        self.k = Linear(c.d_model, inner, bias=False, key=kk, std=f * c.d_model ** -0.5)
+        self.v = Linear(c.d_model, inner, bias=False, key=kv, std=f * c.d_model ** -0.5)
+        self.o = Linear(inner, c.d_model, bias=False, key=ko, std=f * inner ** -0.5)
         self.relative_attention_bias = (
-            Embedding(c.relative_attention_num_buckets, c.num_heads, key=kb) if has_bias else None
+            Embedding(c.relative_attention_num_buckets, c.num_heads, key=kb, std=f * c.d_model ** -0.5)
+            if has_bias else None
         )
         self.config = config
 
@@ -292,12 +302,13 @@ class T5DenseActDense(eqx.Module):
 
     def __init__(self, config: T5Config, *, key: PRNGKeyArray):
         k0, k1, ko = jax.random.split(key, 3)
-        d, f = config.d_model, config.d_ff
+        d, f, s = config.d_model, config.d_ff, config.initializer_factor
+        wi = dict(bias=False, std=s * d ** -0.5)
         if config.gated:
-            self.wi, self.wi_0, self.wi_1 = None, Linear(d, f, bias=False, key=k0), Linear(d, f, bias=False, key=k1)
+            self.wi, self.wi_0, self.wi_1 = None, Linear(d, f, key=k0, **wi), Linear(d, f, key=k1, **wi)
         else:
-            self.wi, self.wi_0, self.wi_1 = Linear(d, f, bias=False, key=k0), None, None
-        self.wo = Linear(f, d, bias=False, key=ko)
+            self.wi, self.wi_0, self.wi_1 = Linear(d, f, key=k0, **wi), None, None
+        self.wo = Linear(f, d, bias=False, key=ko, std=s * f ** -0.5)
         self.activation = config.activation
 
     def __call__(self, x: Float[Array, "seq d_model"]) -> Float[Array, "seq d_model"]:
@@ -408,11 +419,12 @@ class T5ForConditionalGeneration(eqx.Module):
         if not isinstance(config, T5Config):
             raise TypeError(f"config must be a redeqx.models.T5Config, got {type(config).__name__}.")
         ks, ke, kd, kh = jax.random.split(key, 4)
-        self.shared = Embedding(config.vocab_size, config.d_model, key=ks)
+        std = config.initializer_factor  # T5 draws its embedding and its head from N(0, 1)
+        self.shared = Embedding(config.vocab_size, config.d_model, key=ks, std=std)
         self.encoder = T5Stack(config, decoder=False, key=ke)
         self.decoder = T5Stack(config, decoder=True, key=kd)
         self.lm_head = None if config.tie_word_embeddings else Linear(
-            config.d_model, config.vocab_size, bias=False, key=kh
+            config.d_model, config.vocab_size, bias=False, key=kh, std=std
         )
         self.config = config
 
