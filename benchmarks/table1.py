@@ -205,17 +205,12 @@ def _worker(task: dict) -> dict:
                     compile_s=time.perf_counter() - t0, compile_cpu_s=time.process_time() - c0)
 
     def probe(seq, per_shard):
-        # WORKAROUND(redeqx): GPT-2, OPT and BART look positions past their learned table up as NaN rows
-        # (jnp.take's fill mode) instead of failing, and the planner plans such a step without a word;
-        # never probe past the table.
-        if row.max_len is not None and seq > row.max_len:
-            raise ValueError(f"{row.name}: seq {seq} > its position table ({row.max_len})")
         if not fewer:
             out = one_plan(seq, per_shard, task.get("layers"))
         else:
-            # WORKAROUND(redeqx): the whole model's step cannot be compiled on this host (XLA:CPU's fusion
-            # pass needs memory quadratic in the instruction count: OPT-66B's 64 layers passed 23 GB of RSS);
-            # plan L1 and L2 of its identical layers and extend the line through them to all of them.
+            # This host cannot compile the whole model's step (XLA:CPU's fusion pass needs memory that grows
+            # faster than the instruction count: OPT-66B's 64 layers passed 23 GB of RSS); plan L1 and L2 of
+            # its identical layers and extend the line through them to all of them (peaks are linear in L).
             a, b = (one_plan(seq, per_shard, n) for n in fewer)
             t = (full_layers - fewer[1]) / (fewer[1] - fewer[0])
             out = dict(b)
@@ -409,6 +404,11 @@ def main():
                         help="each model cut to 2 layers (same widths), no searches, RESULTS.md left alone")
     parser.add_argument("--no-search", action="store_true", help="only the redco setting of each row")
     parser.add_argument("--layers", type=int, default=None, help="cut every model to this many layers (to try it out)")
+    parser.add_argument("--extrapolate", type=int, nargs=2, metavar=("L1", "L2"), default=None,
+                        help="plan every row at L1 and L2 layers and extend the line to all of its layers "
+                             "(as OPT-66B always is): much faster; compare a row with and without it for the error")
+    parser.add_argument("--search", choices=("both", "fewest", "longest"), default="both",
+                        help="which of the searches (a) and (b) to run (to run them in parallel processes)")
     parser.add_argument("--seq-step", type=int, default=128)
     parser.add_argument("--cache", type=Path, default=None, help="JSON file keeping each probe's result")
     parser.add_argument("--json", type=Path, default=None, help="write the results here as JSON")
@@ -428,7 +428,10 @@ def main():
     for row in rows:
         print(f"== {row.name}: {row.devices} x {row.memory}, n_model_shards={row.n_model_shards}, seq {row.seq}",
               flush=True)
+        # the redco setting is compiled whole (but for OPT-66B); --extrapolate speeds up the searches only
         extra = {"layers": layers} if layers else {"extrapolate": list(row.extrapolate)} if row.extrapolate else {}
+        fewer = args.extrapolate or row.extrapolate
+        search_extra = {"layers": layers} if layers else {"extrapolate": list(fewer)} if fewer else {}
         base = dict(task="plan", row=row.key, devices=row.devices, n_model_shards=row.n_model_shards, seq=row.seq,
                     **extra)
         r = run(base)
@@ -438,12 +441,15 @@ def main():
         if row.key == "opt-66b":  # the closest to redco's 64-way split of the state: mp 8 x fsdp over data 8
             out["fsdp"] = run(dict(base, opts={"fsdp": True}))["plan"]
         if not (args.quick or args.no_search):
-            if not args.skip_slow:
-                out["fewest"] = fewest_devices(run, row, r["params"], upper=4 * row.devices, extra=extra)
+            if not args.skip_slow and args.search != "longest":
+                out["fewest"] = fewest_devices(run, row, r["params"], upper=4 * row.devices, extra=search_extra)
+            if args.search == "fewest":
+                results.append(out)
+                continue
             print(f"  (b) longest sequence on {row.devices} devices with fsdp + remat + bf16", flush=True)
             out["longest"] = run(dict(task="longest", row=row.key, devices=row.devices,
                                       n_model_shards=row.n_model_shards, seq=row.seq, step=args.seq_step,
-                                      opts=FSDP_REMAT_BF16, **extra))
+                                      opts=FSDP_REMAT_BF16, **search_extra))
         results.append(out)
 
     report = render(results, run, quick=args.quick)

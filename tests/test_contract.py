@@ -285,3 +285,30 @@ def test_predict_step_takes_a_batch_the_data_axis_does_not_divide():
     batch = make_batch(n=3)
     preds = redeqx.make_predict_step(lambda m, b, k: jax.vmap(m)(b["x"]), mesh, specs)(model, batch, jax.random.key(0))
     np.testing.assert_allclose(preds, jax.vmap(model)(batch["x"]), rtol=1e-5, atol=1e-6)
+
+
+def test_positions_past_a_learned_table_are_an_error():
+    """GPT-2, OPT and BART learn one row per position; a longer sequence read NaN rows (jnp.take's
+    fill mode), trained on NaN, and the planner planned it without a word."""
+    from redeqx import models
+
+    key = jax.random.key(0)
+    gpt2 = models.GPT2LMHeadModel(models.GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2),
+                                  key=key)
+    opt = models.OPTForCausalLM(models.OPTConfig(vocab_size=32, hidden_size=16, ffn_dim=32, num_hidden_layers=1,
+                                                 num_attention_heads=2, max_position_embeddings=8), key=key)
+    bart = models.BartForConditionalGeneration(models.BartConfig(
+        vocab_size=32, max_position_embeddings=8, d_model=16, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32), key=key)
+    ok, long = jnp.zeros((8,), jnp.int32), jnp.zeros((9,), jnp.int32)
+    for model, field in ((gpt2, "n_positions=8"), (opt, "max_position_embeddings=8")):
+        assert jnp.isfinite(model(ok)).all()
+        with pytest.raises(ValueError, match=rf"9 positions do not fit .*\({field}\); use sequences of at most 8"):
+            model(long)
+        with pytest.raises(ValueError, match=rf"{type(model).__name__}.init_cache: 12 positions do not fit"):
+            models.generate(model, ok[None, :6], max_new_tokens=6)
+    assert jnp.isfinite(bart(ok, ok)).all()
+    with pytest.raises(ValueError, match=r"BartForConditionalGeneration.encode: 9 positions"):
+        bart(long, ok)
+    with pytest.raises(ValueError, match=r"decoder_input_ids\): 9 positions"):
+        bart(ok, long)

@@ -51,6 +51,7 @@ from ._layers import (
     Linear,
     causal_mask,
     check_fits,
+    check_positions,
     check_positive_ints,
     renamed_tensors,
 )
@@ -283,6 +284,10 @@ class BartForConditionalGeneration(eqx.Module):
     def _dtype(self):
         return self.model.shared.weight.dtype
 
+    def _check_positions(self, where: str, n: int) -> None:
+        check_positions(f"BartForConditionalGeneration.{where}", n, self.config.max_position_embeddings,
+                        "max_position_embeddings")
+
     def _embed(self, ids, positions, stack):
         x = constrain(self.model.shared(ids), P())  # vocab-split lookup: one all-reduce
         x = x * jnp.asarray(self.config.embed_scale, x.dtype) + stack.position_embedding(positions + POSITION_OFFSET)
@@ -294,6 +299,7 @@ class BartForConditionalGeneration(eqx.Module):
         """The encoder output. ``attention_mask`` is ``False`` on padding,
         which no position attends to."""
         s = input_ids.shape[0]
+        self._check_positions("encode", s)
         valid = jnp.ones((s,), bool) if attention_mask is None else attention_mask.astype(bool)
         x = self._embed(input_ids, jnp.arange(s), self.model.encoder)
         mask = jnp.broadcast_to(valid[None, :], (s, s))
@@ -319,6 +325,7 @@ class BartForConditionalGeneration(eqx.Module):
         ``attention_mask`` marks real encoder tokens. ``key`` is unused (no dropout)."""
         del key
         s, t = input_ids.shape[0], decoder_input_ids.shape[0]
+        self._check_positions("__call__ (decoder_input_ids)", t)
         valid = jnp.ones((s,), bool) if attention_mask is None else attention_mask.astype(bool)
         source = self.encode(input_ids, valid)
         x = self._embed(decoder_input_ids, jnp.arange(t), self.model.decoder)
@@ -335,6 +342,7 @@ class BartForConditionalGeneration(eqx.Module):
         """A decoding cache: the encoder output projected to every decoder
         layer's cross-attention keys/values (once), and ``max_len`` empty
         slots for the decoder's own tokens."""
+        self._check_positions("init_cache", max_len)
         c, dtype = self.config, self._dtype()
         head_dim = c.d_model // c.decoder_attention_heads
         return EncoderDecoderCache(

@@ -193,6 +193,9 @@ class GPT2LMHeadModel(CausalLM):
         c = self.config
         return c.n_layer, c.n_head, c.n_embd // c.n_head
 
+    def _max_positions(self):
+        return self.config.n_positions, "n_positions"
+
     def _run(self, ids, positions, mask, cache: Cache | None):
         t = self.transformer
         x = constrain(t.token_embedding(ids) + t.position_embedding(positions), P())

@@ -246,6 +246,9 @@ class OPTForCausalLM(CausalLM):
         c = self.config
         return c.num_hidden_layers, c.num_attention_heads, c.hidden_size // c.num_attention_heads
 
+    def _max_positions(self):
+        return self.config.max_position_embeddings, "max_position_embeddings"
+
     def _run(self, ids, positions, mask, cache: Cache | None):
         c, d = self.config, self.model.decoder
         x = constrain(d.embed_tokens(ids), P())  # vocab-split lookup: one all-reduce
