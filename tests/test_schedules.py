@@ -40,7 +40,7 @@ def test_lr_schedule_shapes(devices):
     assert cos(6) == pytest.approx(1e-3, rel=1e-5)  # int(0.1 * 62) = 6 warm-up steps
     assert cos(6 + 28) == pytest.approx(0.5e-3, rel=1e-3)  # half way through the cosine
     assert cos(62) == pytest.approx(0.0, abs=1e-9)
-    with pytest.raises(TypeError, match=r"(?s)schedule_type.*'step'.*Literal\['linear', 'cosine'\]"):
+    with pytest.raises(TypeError, match=r"schedule_type='step' is a str, expected 'linear' or 'cosine'"):
         redeqx.lr_schedule(1000, 8, 2, 1e-3, mesh, schedule_type="step")
     with pytest.raises(ValueError, match="smaller than one step's 32 examples.*drop_last=False"):
         redeqx.lr_schedule(10, 8, 2, 1e-3, mesh)
