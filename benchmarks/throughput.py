@@ -169,16 +169,18 @@ def table(out: dict) -> str:
     lines = [f"LLaMA-style {out['size']} ({out['parameters'] / 1e9:.2f}B parameters), batch {out['batch']} x "
              f"{out['seq']} tokens, AdamW with fp32 master weights, bf16 compute; {out['device']} ({out['platform']}), "
              f"jax {out['jax']}; medians over alternating rounds.", "",
-             "| variant | step | tokens/s | MFU | compiled FLOPs utilisation | flash attention | planned peak |",
-             "|---|---|---|---|---|---|---|"]
+             "| variant | step | tokens/s | MFU | flash attention | planned peak |",
+             "|---|---|---|---|---|---|"]
     for name, v in out["variants"].items():
         mfu = f"{v['mfu']:.1%}" if "mfu" in v else "n/a"
-        hfu = f"{v['hfu']:.1%}" if "hfu" in v else "n/a"
         flash = {True: "yes", False: "no"}.get(v.get("flash_attention"), "n/a")
         planned = f"{v['plan_peak_bytes'] / 2**30:.1f} GiB" if "plan_peak_bytes" in v else "n/a"
         if "measured_peak_bytes" in v:
             planned += f" (measured {v['measured_peak_bytes'] / 2**30:.1f} GiB)"
-        lines.append(f"| {name} | {v['step_s'] * 1e3:.1f} ms | {v['tokens_per_s']:,.0f} | {mfu} | {hfu} | {flash} | {planned} |")
+        lines.append(f"| {name} | {v['step_s'] * 1e3:.1f} ms | {v['tokens_per_s']:,.0f} | {mfu} | {flash} | {planned} |")
+    lines += ["", "MFU counts the model's FLOPs (6 x parameters x tokens + attention's, causal half) against the "
+                  "device's dense bf16 peak. (The compiled program's own FLOP count is no guide on a GPU: XLA counts "
+                  "nothing inside cuDNN's attention and cuBLAS calls.)"]
     if out.get("device_peak_bytes_in_use"):
         lines += ["", f"Device's measured peak over the whole run (all variants' states live at once): "
                       f"{out['device_peak_bytes_in_use'] / 2**30:.1f} GiB."]
@@ -194,13 +196,19 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-remat", dest="remat", action="store_false", help="leave out the remat variant")
     parser.add_argument("--json", help="also write the results here")
-    parser.add_argument("--from-json", help="write RESULTS.md from a run's JSON (e.g. one made on a GPU machine)")
+    parser.add_argument("--from-json", nargs="+",
+                        help="write RESULTS.md from runs' JSON files (e.g. made on a GPU machine), one table each")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
-    out = json.loads(Path(args.from_json).read_text()) if args.from_json else run(args)
-    text = table(out)
+    if args.from_json:
+        outs = [json.loads(Path(f).read_text()) for f in args.from_json]
+        text = "\n\n".join(table(o) for o in outs)
+        out = outs[0]
+    else:
+        out = run(args)
+        text = table(out)
     print(text)
-    if args.json:
+    if args.json and not args.from_json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     if not args.no_write:
         write_section("Throughput and MFU (benchmarks/throughput.py)", text)
