@@ -312,3 +312,19 @@ def test_positions_past_a_learned_table_are_an_error():
         bart(long, ok)
     with pytest.raises(ValueError, match=r"decoder_input_ids\): 9 positions"):
         bart(ok, long)
+
+
+def test_dtype_arguments_are_checked_alike(tmp_path):
+    """compute_dtype, with_opt_state_dtype's dtype and a checkpoint's dtype: one check, one kind of error."""
+    mesh = redeqx.make_mesh(1, devices=jax.devices()[:1])
+    model = eqx.nn.Linear(2, 2, key=jax.random.key(0))
+    specs = redeqx.sharding_rules(model, mesh)
+    loss = lambda m, b, k: jnp.sum(m(b["x"]))  # noqa: E731
+    with pytest.raises(TypeError, match=r"compute_dtype must be a floating dtype such as jnp.bfloat16, or None; "
+                                        r"got 'int8'"):
+        redeqx.make_eval_step(loss, mesh, specs, compute_dtype="int8")
+    with pytest.raises(TypeError, match=r"with_opt_state_dtype\(\): dtype must be a floating dtype .*; got 'oops'"):
+        redeqx.with_opt_state_dtype(optax.adam(1e-3), "oops")
+    with pytest.raises(TypeError, match=r"dtype must be a floating dtype such as jnp.bfloat16, or None; got 'int8'"):
+        redeqx.CheckpointManager(tmp_path, dtype="int8")
+    assert redeqx.make_eval_step(loss, mesh, specs, compute_dtype="bfloat16") is not None

@@ -50,6 +50,7 @@ from jaxtyping import PyTree
 from ._mesh import check_mesh
 from ._rules import path_parts
 from ._state import TrainState, _is_none, _is_spec, _mirror_specs, check_specs_match as _check_specs_match
+from ._typing import floating_dtype
 
 FORMAT = "redeqx-checkpoint"
 FORMAT_VERSION = 1
@@ -218,15 +219,7 @@ def read_metadata(path: str | os.PathLike) -> dict:
 
 
 def _check_dtype(dtype):
-    if dtype is None:
-        return None
-    try:
-        dt = jnp.dtype(dtype)
-    except TypeError:
-        dt = None
-    if dt is None or not jnp.issubdtype(dt, jnp.floating):
-        raise TypeError(f"dtype must be a floating dtype such as jnp.bfloat16 or None, got {dtype!r}.")
-    return dt
+    return floating_dtype(dtype, "dtype")
 
 
 def _prepare(state, metadata, dtype):

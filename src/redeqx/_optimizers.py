@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ._typing import typechecked
+from ._typing import floating_dtype, typechecked
 
 
 def _cast(tree, dtype):
@@ -35,12 +35,7 @@ def with_opt_state_dtype(optimizer: optax.GradientTransformation, dtype: Any) ->
     optimizer = redeqx.with_opt_state_dtype(optax.adamw(1e-4), jnp.bfloat16)
     ```
     """
-    try:
-        dtype = jnp.dtype(dtype)
-    except TypeError:
-        dtype = None
-    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"dtype must be a floating dtype such as jnp.bfloat16, got {dtype!r}.")
+    dtype = floating_dtype(dtype, "with_opt_state_dtype(): dtype", allow_none=False)
 
     def init(params):
         return _cast(optimizer.init(params), dtype)

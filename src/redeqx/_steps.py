@@ -40,7 +40,7 @@ from ._state import (
     check_specs_match,
     place,
 )
-from ._typing import short_repr, typechecked, warn_user
+from ._typing import floating_dtype, short_repr, typechecked, warn_user
 
 ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
 _ARRAYLIKE = ARRAY_TYPES + (jax.ShapeDtypeStruct,)  # abstract leaves: lowering only
@@ -482,14 +482,7 @@ def _check_positive_int(name: str, value) -> int:
 
 
 def _check_dtype(compute_dtype):
-    if compute_dtype is None:
-        return
-    try:
-        ok = jnp.issubdtype(jnp.dtype(compute_dtype), jnp.floating)
-    except TypeError:
-        ok = False
-    if not ok:
-        raise ValueError(f"compute_dtype must be a floating dtype such as jnp.bfloat16, or None; got {compute_dtype!r}.")
+    floating_dtype(compute_dtype, "compute_dtype")
 
 
 def _micro_batches(batch, accumulate: int, mesh: Mesh):

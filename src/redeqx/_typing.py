@@ -125,3 +125,20 @@ def warn_user(message: str, category=UserWarning) -> None:
     while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level + 1)
+
+
+def floating_dtype(value, name: str, *, allow_none: bool = True):
+    """``value`` as a NumPy floating dtype (``None`` stays ``None`` when allowed), or a
+    ``TypeError`` naming the argument: one check for every dtype argument of the API."""
+    if value is None and allow_none:
+        return None
+    import jax.numpy as jnp
+
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        either = ", or None" if allow_none else ""
+        raise TypeError(f"{name} must be a floating dtype such as jnp.bfloat16{either}; got {short_repr(value)}.")
+    return dtype
