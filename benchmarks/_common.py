@@ -1,9 +1,11 @@
-"""Shared by the benchmarks: the small transformer's size flags, and writing
-one benchmark's section of benchmarks/RESULTS.md while keeping the others."""
+"""Shared by the benchmarks: the small transformer's size flags, timing a
+call, and writing one benchmark's section of benchmarks/RESULTS.md while
+keeping the others."""
 
 import datetime
 import platform
 import re
+import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
@@ -33,3 +35,15 @@ def add_tiny_lm_args(parser, *, steps: int = 20, rounds: int = 5) -> None:
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--rounds", type=int, default=rounds)
     parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
+
+
+def timed(fn, n: int) -> list[float]:
+    """Wall seconds of ``n`` calls of ``fn``, each waited for (``jax.block_until_ready``)."""
+    import jax
+
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+    return times

@@ -15,7 +15,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import argparse  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import equinox as eqx  # noqa: E402
@@ -29,7 +28,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from tiny_transformer import TinyLM, collate_tokens, lm_loss, token_examples  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _common import add_tiny_lm_args, write_section  # noqa: E402
+from _common import add_tiny_lm_args, timed, write_section  # noqa: E402
 
 
 def hand_written_step(optimizer, static):
@@ -45,15 +44,6 @@ def hand_written_step(optimizer, static):
         return optax.apply_updates(params, updates), opt_state, key, metrics
 
     return jax.jit(step, donate_argnums=(0, 1))
-
-
-def timed(fn, n):
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    return times
 
 
 def measure(devices, n_model_shards, args):

@@ -25,7 +25,6 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import equinox as eqx  # noqa: E402
@@ -38,7 +37,7 @@ import redeqx  # noqa: E402
 from redeqx import models  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import write_section  # noqa: E402
+from _common import timed, write_section  # noqa: E402
 
 SIZES = {  # LLaMA-style shapes; 1b is TinyLlama-1.1B's
     "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
@@ -86,15 +85,6 @@ def hand_written(optimizer, static):
         return optax.apply_updates(params, updates), opt_state, value
 
     return jax.jit(step, donate_argnums=(0, 1))
-
-
-def timed(fn, n):
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    return times
 
 
 def run(args) -> dict:
