@@ -66,43 +66,6 @@ def test_sequence_layout_pins_the_blocks(devices):
         redeqx.make_train_step(loss_fn, optax.sgd(0.1), mesh, specs, activation_layout="megatron")
 
 
-class CheckpointedGPT(GPT):
-    """The user rematerialises their own blocks with `redeqx.checkpoint`."""
-
-    def __call__(self, tokens):
-        x = jax.vmap(self.wte)(tokens) + jax.vmap(self.wpe)(jnp.arange(tokens.shape[0]))
-        for block in self.blocks:
-            x = redeqx.checkpoint(block)(x)
-        return jax.vmap(self.ln_f)(x) @ self.wte.weight.T
-
-
-def test_auto_pins_blocks_unless_they_are_rematerialised(devices):
-    """"auto" is "sequence", except on blocks redeqx rematerialises (there the
-    pins doubled the temporaries, benchmarks/RESULTS.md): then it is None.
-    An explicit "sequence" still pins them."""
-    mesh = redeqx.make_mesh(2)
-
-    def pins(make, loss, layout):
-        model = make(jax.random.key(0))
-        specs = redeqx.sharding_rules(model, mesh)
-        state = redeqx.init_state(model, optax.sgd(0.1), mesh, specs, key=jax.random.key(1))
-        step = redeqx.make_train_step(loss, optax.sgd(0.1), mesh, specs, activation_layout=layout)
-        return step.lower(state, GPT_BATCHES[0]).as_text().count("sharding_constraint")
-
-    def make_checkpointed(key):
-        return CheckpointedGPT(vocab=64, seq=16, width=32, layers=2, heads=4, key=key)
-
-    assert pins(make_gpt, loss_fn, "auto") == pins(make_gpt, loss_fn, "sequence") > pins(make_gpt, loss_fn, None)
-    remat = redeqx.remat(loss_fn)
-    assert pins(make_gpt, remat, "auto") == pins(make_gpt, remat, None) < pins(make_gpt, remat, "sequence")
-    assert (pins(make_checkpointed, loss_fn, "auto") == pins(make_checkpointed, loss_fn, None)
-            < pins(make_checkpointed, loss_fn, "sequence"))
-
-
-def test_rematerialised_user_gpt_matches_one_device(gpt_reference, devices):
-    assert_same(train(make_gpt, redeqx.remat(loss_fn), GPT_BATCHES, 4, devices, "auto"), gpt_reference)
-
-
 class ConvBlock(eqx.Module):
     conv1: eqx.nn.Conv2d
     conv2: eqx.nn.Conv2d

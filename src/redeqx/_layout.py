@@ -18,25 +18,10 @@ the same effect from this module, with no change to its code:
 - ``"replicated"``: the same points pinned whole on every ``model`` device
   (Megatron without sequence parallelism).
 - ``None``: no pins; GSPMD decides alone.
-- ``"auto"`` (the default): ``"sequence"``, except on blocks that
-  `redeqx.remat` or `redeqx.checkpoint` rematerialises, which stay unpinned.
 
 Only 2-D floating activations whose token count ``n_model_shards`` divides
 are pinned (a per-example residual stream under ``jax.vmap``); models from
 `redeqx.models` are left alone (they pin their own layout).
-
-Why "auto" is that (benchmarks/layout.py, benchmarks/RESULTS.md, the GPT-style
-user model of tests/user_gpt.py, 16-64 sequences per data shard):
-- without remat, sequence pins made the step 9 % (K=2) and 23 % (K=4) faster
-  in wall and CPU time, cut the compiled step's temporaries by 12 % and 26 %,
-  and moved fewer bytes; counted as XLA:GPU/TPU move them
-  (`redeqx._hlo.accelerator_collectives`) they stay within 1.22x the
-  Megatron plan's bytes (tests/test_collectives.py);
-- under `redeqx.remat` the same pins about doubled the temporaries (209 -> 406
-  MiB at K=2, 141 -> 404 MiB at K=4): GSPMD lays out the recomputed block
-  around the pinned tokens and keeps more of it alive, undoing what remat is
-  for. Rematerialised blocks therefore keep GSPMD's own layout under "auto";
-  an explicit ``"sequence"`` still pins them.
 """
 
 from __future__ import annotations
@@ -60,8 +45,7 @@ def check_layout(activation_layout) -> None:
     if activation_layout not in LAYOUTS:
         raise ValueError(
             f"activation_layout must be one of {LAYOUTS}, got {activation_layout!r}: 'auto' (the default) pins "
-            "users' repeated blocks sequence-parallel unless they are rematerialised, None leaves activations "
-            "to GSPMD."
+            "users' repeated blocks sequence-parallel, None leaves activations to GSPMD."
         )
 
 
@@ -74,9 +58,8 @@ def _pin(x, spec: P, n_model: int):
 @functools.lru_cache(maxsize=None)
 def _pinned(cls, layout: str, n_model: int):
     """A subclass of block class ``cls`` (same fields, paths and specs) whose
-    call pins its first argument and the output of the same shape.
-    ``_pinned_as`` records ``(cls, layout, n_model)`` for `redeqx.remat`."""
-    spec = P() if layout == "replicated" else P(MODEL, None)
+    call pins its first argument and the output of the same shape."""
+    spec = P(MODEL, None) if layout == "sequence" else P()
 
     def __call__(self, x, *args, **kwargs):
         x = _pin(x, spec, n_model)
@@ -88,14 +71,22 @@ def _pinned(cls, layout: str, n_model: int):
         return out
 
     return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
-                                        "__qualname__": cls.__qualname__, "_pinned_as": (cls, layout, n_model)})
+                                        "__qualname__": cls.__qualname__})
+
+
+# What "auto" means, decided on measurements (benchmarks/vs_redco.py and the compiled
+# programs' own figures, benchmarks/RESULTS.md): on the GPT-style user model GSPMD alone
+# already moves Megatron's all-reduces, while sequence pins at block boundaries made it
+# gather weights and activations (a third more bytes at n_model_shards=2) and kept remat
+# from saving memory. So "auto" leaves users' blocks unpinned until a layout measures better.
+AUTO = None
 
 
 def resolve(activation_layout, n_model: int) -> str | None:
     """The layout a step uses: none on one model shard (nothing to split)."""
-    if n_model == 1:
+    if n_model == 1 or activation_layout is None:
         return None
-    return activation_layout
+    return AUTO if activation_layout == "auto" else activation_layout
 
 
 def apply_layout(model, layout: str | None, n_model: int):

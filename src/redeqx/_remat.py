@@ -81,8 +81,6 @@ def checkpoint(fn: Callable) -> Callable:
     ```
     """
 
-    fn = _unpinned_if_auto(fn)
-
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         own, own_def = jax.tree.flatten(fn)
@@ -144,14 +142,6 @@ def _rematerialised(cls):
                                         "__qualname__": cls.__qualname__})
 
 
-def _unpinned_if_auto(module):
-    """``module`` without the activation pins ``activation_layout="auto"``
-    gave it (`redeqx._layout`: pins around a rematerialised block cost memory
-    instead of saving it); any other module, or an explicit layout's, unchanged."""
-    pinned = type(module).__dict__.get("_pinned_as")
-    return module if pinned is None or pinned[1] != "auto" else _as(pinned[0], module)
-
-
 def _as(cls, module):
     new = object.__new__(cls)
     for name in vars(module):
@@ -166,8 +156,7 @@ def remat_blocks(model):
     def swap(x):
         if not _is_repeated_blocks(x):
             return x
-        blocks = [_unpinned_if_auto(b) for b in x]
-        blocks = [_as(_rematerialised(type(b)), b) for b in blocks]
+        blocks = [_as(_rematerialised(type(b)), b) for b in x]
         return type(x)(blocks) if isinstance(x, (list, tuple)) else blocks
 
     return jax.tree.map(swap, model, is_leaf=_is_repeated_blocks)

@@ -575,12 +575,9 @@ def make_train_step(
       blocks (see `redeqx._layout`): ``"sequence"`` splits them over
       ``model`` on the token axis (Megatron's sequence parallelism),
       ``"replicated"`` keeps them whole on every ``model`` device. ``"auto"``
-      is what measured best on a GPT-style user model (benchmarks/RESULTS.md):
-      ``"sequence"`` (9-23 % faster steps, 12-26 % fewer temporaries),
-      except on blocks that `redeqx.remat` / `redeqx.checkpoint`
-      rematerialise, where pins doubled the temporaries and none are set.
-      Pins never apply on one model shard or to `redeqx.models`, which lay
-      themselves out; the result is the same as one device's either way.
+      is what measured best on a GPT-style user model (benchmarks/RESULTS.md:
+      today, no pins). Pins never apply on one model shard or to
+      `redeqx.models`, which lay themselves out.
     - A model with state (``eqx.nn.State``, e.g. BatchNorm; give it to
       `init_state` as ``model_state``): ``loss_fn(model, batch, key,
       model_state)`` returns ``(loss, new_model_state)`` or ``(loss, aux,
