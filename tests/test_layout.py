@@ -66,6 +66,44 @@ def test_sequence_layout_pins_the_blocks(devices):
         redeqx.make_train_step(loss_fn, optax.sgd(0.1), mesh, specs, activation_layout="megatron")
 
 
+def test_linears_are_computed_x_times_w_transposed(devices):
+    """Every exact eqx.nn.Linear is computed as x @ W.T inside the steps: the
+    same function (scalar ends, no bias, inside MLP and MultiheadAttention),
+    without the transposes of activations that vmap of W @ x lowers to; a
+    subclass (a user's or LoRA's own layer) is called as it is."""
+    from redeqx._layout import _RowsLinear, apply_layout
+
+    class MyLinear(eqx.nn.Linear):
+        pass
+
+    keys = jax.random.split(jax.random.key(0), 4)
+    model = (eqx.nn.MLP("scalar", "scalar", 8, 2, key=keys[0]), eqx.nn.Linear(5, 7, use_bias=False, key=keys[1]),
+             eqx.nn.MultiheadAttention(2, 8, key=keys[2]), MyLinear(5, 7, key=keys[3]))
+    swapped = apply_layout(model, None, 1)
+    assert type(swapped[0].layers[0]) is _RowsLinear and type(swapped[1]) is _RowsLinear
+    assert type(swapped[2].query_proj) is _RowsLinear and type(swapped[3]) is MyLinear
+    assert jax.tree.leaves(eqx.filter(swapped, eqx.is_array)) == jax.tree.leaves(eqx.filter(model, eqx.is_array))
+    x = jax.random.normal(jax.random.key(1), (3, 5))
+    s = jax.random.normal(jax.random.key(2), (4, 8))
+    for m in (model, swapped):  # the same numbers, computed both ways
+        out = (jax.vmap(m[0])(x[:, 0]), jax.vmap(m[1])(x), m[2](s, s, s), jax.vmap(m[3])(x))
+        if m is model:
+            ref = out
+    for a, b in zip(out, ref):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+    def transposes(linear):
+        f = jax.vmap(jax.vmap(linear))  # (batch, tokens, in) -> (batch, tokens, out)
+        return [e for e in jax.make_jaxpr(f)(jnp.ones((2, 3, 5))).eqns if e.primitive.name == "transpose"]
+
+    assert [e.outvars[0].aval.shape for e in transposes(swapped[1])] == [(5, 7)]  # the weight's only
+    assert transposes(model[1]) and transposes(model[1])[0].outvars[0].aval.shape == (2, 3, 7)
+
+
+def test_rematerialised_user_gpt_matches_one_device(gpt_reference, devices):
+    assert_same(train(make_gpt, redeqx.remat(loss_fn), GPT_BATCHES, 4, devices, "auto"), gpt_reference)
+
+
 class ConvBlock(eqx.Module):
     conv1: eqx.nn.Conv2d
     conv2: eqx.nn.Conv2d

@@ -11,13 +11,14 @@ the same effect from this module, with no change to its code:
   (a list or tuple of two or more same-class modules holding two or more
   weight matrices, e.g. transformer layers), the per-example activation
   ``(tokens, features)`` is split over ``model`` on the token axis
-  (Megatron's sequence parallelism). Inside the block GSPMD gathers the tokens
-  for the column-parallel matmuls and reduce-scatters after the row-parallel
-  ones: the same bytes as Megatron's all-reduces, and the per-token work
-  between blocks done once instead of ``n_model_shards`` times.
+  (as in Megatron's sequence parallelism), so the per-token work between
+  blocks is done once instead of ``n_model_shards`` times. Inside the block
+  GSPMD chooses whether to gather the tokens or the weights: on the measured
+  GPT-style models it gathered every weight (see ``AUTO`` below).
 - ``"replicated"``: the same points pinned whole on every ``model`` device
   (Megatron without sequence parallelism).
-- ``None``: no pins; GSPMD decides alone.
+- ``None``: no pins; GSPMD decides alone. ``"auto"`` (the default) is this:
+  see the measurements above ``AUTO`` below.
 
 Only 2-D floating activations whose token count ``n_model_shards`` divides
 are pinned (a per-example residual stream under ``jax.vmap``); models from
@@ -29,6 +30,7 @@ from __future__ import annotations
 import functools
 from typing import Literal
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -74,11 +76,18 @@ def _pinned(cls, layout: str, n_model: int):
                                         "__qualname__": cls.__qualname__})
 
 
-# What "auto" means, decided on measurements (benchmarks/vs_redco.py and the compiled
-# programs' own figures, benchmarks/RESULTS.md): on the GPT-style user model GSPMD alone
-# already moves Megatron's all-reduces, while sequence pins at block boundaries made it
-# gather weights and activations (a third more bytes at n_model_shards=2) and kept remat
-# from saving memory. So "auto" leaves users' blocks unpinned until a layout measures better.
+# What "auto" means, decided on measurements (benchmarks/layout.py, the compiled programs' own
+# figures; benchmarks/RESULTS.md) on the GPT-style user model of tests/user_gpt.py at 16-64
+# sequences per data shard:
+# - no pins: GSPMD alone moves exactly the Megatron plan's bytes as XLA:GPU/TPU move them
+#   (1.000x at K=2 and 4, tests/test_collectives.py), and remat keeps its savings;
+# - "sequence" pins make XLA:CPU steps 3-23 % faster, but GSPMD gets there by all-gathering
+#   every weight of the block and computing each device's tokens with whole weights, not by
+#   Megatron's sequence parallelism: 1.05-1.22x the Megatron bytes on an accelerator, whole
+#   weights alive on every device (what n_model_shards exists to avoid in a large model), and
+#   under redeqx.remat twice the temporaries (209 -> 406 MiB at K=2, 141 -> 404 MiB at K=4).
+#   Pinning the column-parallel outputs as well (true Megatron-SP) made GSPMD add all-to-alls:
+#   3.7x the bytes. So "auto" leaves users' blocks to GSPMD; "sequence" stays a choice.
 AUTO = None
 
 
@@ -89,8 +98,41 @@ def resolve(activation_layout, n_model: int) -> str | None:
     return AUTO if activation_layout == "auto" else activation_layout
 
 
+class _RowsLinear(eqx.nn.Linear):
+    """`eqx.nn.Linear` computing ``x @ W.T`` rather than ``W @ x``: the same
+    function, fields, paths and specs. Under ``jax.vmap`` (how Equinox layers
+    meet a batch) ``W @ x`` becomes ``dot_general(W, x)``, laid out
+    ``(out, batch, tokens)``, then a transpose to ``(batch, tokens, out)``;
+    XLA:CPU materialises that transpose and the ones of its backward (a
+    transposed copy of every activation a linear layer reads or writes), while
+    ``x @ W.T`` comes out of the dot in the order the model uses. Measured on
+    the GPT-style user model (benchmarks/RESULTS.md): 14 % (K=1) and 24 % (K=4)
+    faster steps, the same collectives. Results agree to float rounding."""
+
+    def __call__(self, x, *, key=None):
+        if self.in_features == "scalar":
+            if jnp.shape(x) != ():
+                raise ValueError("x must have scalar shape")
+            x = jnp.broadcast_to(x, (1,))
+        x = x @ self.weight.T
+        if self.bias is not None:
+            x = x + self.bias
+        if self.out_features == "scalar":
+            x = jnp.squeeze(x)
+        return x
+
+
+def _rows_linears(model):
+    """Every layer of class exactly `eqx.nn.Linear` computed as `_RowsLinear`
+    (a subclass, e.g. a LoRA layer, is the user's own and is called as it is)."""
+    exact = lambda x: type(x) is eqx.nn.Linear  # noqa: E731
+    return jax.tree.map(lambda x: _as(_RowsLinear, x) if exact(x) else x, model, is_leaf=exact)
+
+
 def apply_layout(model, layout: str | None, n_model: int):
-    """``model`` with its repeated blocks pinned as ``layout`` says."""
+    """``model`` as a step computes it: its `eqx.nn.Linear` layers as
+    `_RowsLinear` and its repeated blocks pinned as ``layout`` says."""
+    model = _rows_linears(model)
     if layout is None:
         return model
 

@@ -575,9 +575,13 @@ def make_train_step(
       blocks (see `redeqx._layout`): ``"sequence"`` splits them over
       ``model`` on the token axis (Megatron's sequence parallelism),
       ``"replicated"`` keeps them whole on every ``model`` device. ``"auto"``
-      is what measured best on a GPT-style user model (benchmarks/RESULTS.md:
-      today, no pins). Pins never apply on one model shard or to
-      `redeqx.models`, which lay themselves out.
+      (no pins) is what measured best on a GPT-style user model
+      (benchmarks/RESULTS.md): GSPMD alone moves the Megatron plan's bytes,
+      while ``"sequence"`` is faster on CPU only by gathering whole weights.
+      Pins never apply on one model shard or to `redeqx.models`, which lay
+      themselves out. Every exact `eqx.nn.Linear` is computed as ``x @ W.T``
+      (the same function; under ``jax.vmap`` it needs no transposed copies
+      of activations on XLA:CPU).
     - A model with state (``eqx.nn.State``, e.g. BatchNorm; give it to
       `init_state` as ``model_state``): ``loss_fn(model, batch, key,
       model_state)`` returns ``(loss, new_model_state)`` or ``(loss, aux,
