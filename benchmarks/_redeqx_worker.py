@@ -25,9 +25,35 @@ import optax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import redeqx  # noqa: E402
+from redeqx._hlo import partitioned_text  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from user_gpt import GPT, collate_fn, loss_fn  # noqa: E402
+
+
+def apply_as_xw():
+    """The user GPT's layers applied as ``x @ W.T + b`` to a (tokens, features)
+    array instead of ``jax.vmap(linear)(x)``: the same parameters, paths and
+    specs, computed in the order XLA:CPU's dot emitter takes without transposes
+    (``vmap`` of ``W @ x`` lowers to ``dot_general(W, x)``, (out, batch, tokens),
+    then a transpose)."""
+    import jax.numpy as jnp
+    import user_gpt
+
+    def dense(layer, x):
+        return x @ layer.weight.T + layer.bias
+
+    def attention(self, x):
+        t, c = x.shape
+        h = self.n_heads
+        q, k, v = (dense(lin, x).reshape(t, h, c // h) for lin in (self.query, self.key, self.value))
+        att = jnp.einsum("thd,shd->hts", q, k) / jnp.sqrt(c // h).astype(x.dtype)
+        causal = jnp.tril(jnp.ones((t, t), bool))
+        att = jax.nn.softmax(jnp.where(causal, att, jnp.finfo(att.dtype).min), axis=-1)
+        return dense(self.proj, jnp.einsum("hts,shd->thd", att, v).reshape(t, c))
+
+    user_gpt.Attention.__call__ = attention
+    user_gpt.MLP.__call__ = lambda self, x: dense(self.fc2, jax.nn.gelu(dense(self.fc1, x)))
 
 
 def main():
@@ -47,12 +73,17 @@ def main():
     p.add_argument("--hlo", default=None, help="also write the compiled step's HLO text here")
     p.add_argument("--layout", default="auto", help="make_train_step's activation_layout (auto, sequence, replicated, none)")
     p.add_argument("--no-donate", action="store_true", help="a copy of the step without donation (to time its cost)")
+    p.add_argument("--matmul", choices=("wx", "xw"), default="wx",
+                   help="wx: the model as written (vmap of eqx.nn.Linear, W @ x per token); xw: the same parameters "
+                        "applied as x @ W.T on a whole sequence (Flax's order), to time what that order costs")
     args = p.parse_args()
 
     tokens = np.load(args.data)
     n = (args.warmup + args.steps) * args.batch  # the mark after warm-up + `steps` more
     examples = [{"tokens": row} for row in tokens[:n]]
 
+    if args.matmul == "xw":
+        apply_as_xw()
     mesh = redeqx.make_mesh(args.k)
     model = GPT(vocab=args.vocab, seq=args.seq, width=args.width, layers=args.layers, heads=args.heads,
                 key=jax.random.key(0))
@@ -96,6 +127,8 @@ def main():
         compiled = train_step.lower(state, batch).compile()
         with open(args.hlo, "w") as f:
             f.write(compiled.as_text())
+        with open(args.hlo + ".spmd", "w") as f:  # the driver counts its collectives as XLA:GPU/TPU move them
+            f.write(partitioned_text(train_step, state, batch))
         cost = compiled.cost_analysis()
         if isinstance(cost, (list, tuple)):
             cost = cost[0]

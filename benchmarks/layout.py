@@ -34,10 +34,11 @@ from user_gpt import make_examples  # noqa: E402
 
 def worker(variant, k, batch, args, data, workdir):
     out, hlo = workdir / f"{variant}-{k}-{batch}.json", workdir / f"{variant}-{k}-{batch}.hlo"
-    layout = {"no-donate": "auto"}.get(variant, variant)
+    layout = {"no-donate": "auto", "xw": "auto"}.get(variant, variant)
     cmd = [sys.executable, str(HERE / "_redeqx_worker.py"), "--k", str(k), "--batch", str(batch), "--warmup",
            str(args.warmup), "--steps", str(args.steps), "--data", str(data), "--out", str(out), "--hlo", str(hlo),
-           "--layout", layout] + (["--no-donate"] if variant == "no-donate" else [])
+           "--layout", layout] + (["--no-donate"] if variant == "no-donate" else []) + (
+           ["--matmul", "xw"] if variant == "xw" else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
                           env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8"))
     if proc.returncode != 0:
