@@ -85,7 +85,7 @@ def main():
             f"{args.steps} steps; small = global batch 64, large = 128.\n\n" + "\n".join(rows))
     print(text)
     if not args.no_write:
-        write_section("Activation layouts for a user's model (benchmarks/layout.py)", text)
+        write_section("Activation layouts on a user's GPT (benchmarks/layout.py)", text)
 
 
 if __name__ == "__main__":

@@ -106,8 +106,8 @@ class _RowsLinear(eqx.nn.Linear):
     XLA:CPU materialises that transpose and the ones of its backward (a
     transposed copy of every activation a linear layer reads or writes), while
     ``x @ W.T`` comes out of the dot in the order the model uses. Measured on
-    the GPT-style user model (benchmarks/RESULTS.md): 14 % (K=1) and 24 % (K=4)
-    faster steps, the same collectives. Results agree to float rounding."""
+    the GPT-style user model (benchmarks/RESULTS.md): steps 1.17x (K=1) and
+    1.24x (K=4) faster, the same collectives. Results agree to float rounding."""
 
     def __call__(self, x, *, key=None):
         if self.in_features == "scalar":
