@@ -91,6 +91,13 @@ def test_linears_are_computed_x_times_w_transposed(devices):
             ref = out
     for a, b in zip(out, ref):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    for k in (5, 3):  # a feature-major (in, k) matrix, which W @ x accepts: k == in must not be read as rows
+        m = jax.random.normal(jax.random.key(3), (5, k))
+        np.testing.assert_allclose(swapped[1](m), model[1](m), rtol=1e-6)
+    with pytest.raises(TypeError):
+        swapped[1](jnp.ones(4))  # a wrong feature count fails as in Equinox
+    with pytest.raises(TypeError):
+        model[1](jnp.ones(4))
 
     def transposes(linear):
         f = jax.vmap(jax.vmap(linear))  # (batch, tokens, in) -> (batch, tokens, out)
