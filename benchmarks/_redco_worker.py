@@ -58,7 +58,8 @@ def loss_fn(rng, state, params, batch, is_training):
 def partitioned_text(lowered) -> str:
     """The step right after SPMD partitioning (pjit), compiled once more with
     XLA's dump on; a pmap step (n_model_shards=1) is not partitioned, and its
-    lowered HLO already holds its explicit all-reduces."""
+    lowered HLO already holds its explicit all-reduces. (redeqx._hlo has the
+    pjit half of this; this worker runs in redco's own venv, without redeqx.)"""
     with tempfile.TemporaryDirectory() as d:
         try:
             lowered.compile({"xla_dump_to": d, "xla_dump_hlo_pass_re": "spmd-partitioning"})

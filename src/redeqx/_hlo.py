@@ -71,8 +71,12 @@ def collective_summary(fn_or_text: Callable | str, *args, **kwargs) -> dict[str,
     ```
     """
     text = fn_or_text if isinstance(fn_or_text, str) else compiled_text(fn_or_text, *args, **kwargs)
+    return _summarise(collectives(text))
+
+
+def _summarise(found: list[Collective]) -> dict[str, dict[str, int]]:
     summary: dict[str, dict[str, int]] = {}
-    for c in collectives(text):
+    for c in found:
         entry = summary.setdefault(c.kind, {"count": 0, "bytes": 0})
         entry["count"] += 1
         entry["bytes"] += c.bytes
@@ -217,9 +221,4 @@ def partitioned_text(fn: Callable, *args, **kwargs) -> str:
 def accelerator_collectives(fn: Callable, *args, **kwargs) -> dict[str, dict[str, int]]:
     """``{kind: {"count", "bytes"}}`` of ``fn``'s collectives as XLA's GPU and
     TPU pipelines move them (see `reassociated_collectives`), read on any backend."""
-    summary: dict[str, dict[str, int]] = {}
-    for c in reassociated_collectives(partitioned_text(fn, *args, **kwargs)):
-        entry = summary.setdefault(c.kind, {"count": 0, "bytes": 0})
-        entry["count"] += 1
-        entry["bytes"] += c.bytes
-    return summary
+    return _summarise(reassociated_collectives(partitioned_text(fn, *args, **kwargs)))

@@ -1,4 +1,7 @@
-"""Activation layout for users' models: pins at repeated-block boundaries.
+"""How a step computes a user's model: activation pins at repeated-block
+boundaries (``activation_layout``), and each exact `eqx.nn.Linear` computed as
+``x @ W.T`` (`_RowsLinear`, the same function in the order XLA:CPU needs no
+transposed copies for).
 
 The sharding rules place parameters; GSPMD then lays out activations, and on
 its own it keeps a transformer's residual stream whole on every ``model``

@@ -573,7 +573,8 @@ def make_train_step(
     - ``activation_layout`` (``"auto"``, ``"sequence"``, ``"replicated"`` or
       None) pins the activations at the boundaries of a model's repeated
       blocks (see `redeqx._layout`): ``"sequence"`` splits them over
-      ``model`` on the token axis (Megatron's sequence parallelism),
+      ``model`` on the token axis (between blocks, as Megatron's sequence
+      parallelism does),
       ``"replicated"`` keeps them whole on every ``model`` device. ``"auto"``
       (no pins) is what measured best on a GPT-style user model
       (benchmarks/RESULTS.md): GSPMD alone moves the Megatron plan's bytes,
