@@ -107,6 +107,23 @@ def test_linears_are_computed_x_times_w_transposed(devices):
     assert transposes(model[1]) and transposes(model[1])[0].outvars[0].aval.shape == (2, 3, 7)
 
 
+def test_train_step_computes_linears_without_activation_transposes(devices):
+    """The train step itself takes the x @ W.T order: its lowered program
+    transposes weights only, never an activation (what vmap of W @ x would do)."""
+    mesh = redeqx.make_mesh(1, devices=devices[:1])
+    model = eqx.nn.MLP(6, 3, 10, depth=2, key=jax.random.key(0))
+    specs = redeqx.sharding_rules(model, mesh)
+    state = redeqx.init_state(model, optax.sgd(0.1), mesh, specs, key=jax.random.key(1))
+
+    def loss(model, batch, key):
+        return jnp.mean(jax.vmap(jax.vmap(model))(batch["x"]) ** 2)  # (batch, tokens, features)
+
+    text = redeqx.make_train_step(loss, optax.sgd(0.1), mesh, specs).lower(
+        state, {"x": jnp.ones((4, 5, 6))}).as_text()
+    transposed = [line for line in text.splitlines() if "stablehlo.transpose" in line]
+    assert transposed and all("tensor<4x5x" not in line.split("->")[-1] for line in transposed), transposed
+
+
 def test_rematerialised_user_gpt_matches_one_device(gpt_reference, devices):
     assert_same(train(make_gpt, redeqx.remat(loss_fn), GPT_BATCHES, 4, devices, "auto"), gpt_reference)
 
