@@ -49,8 +49,9 @@ LAYOUTS = ("auto", "sequence", "replicated", None)
 def check_layout(activation_layout) -> None:
     if activation_layout not in LAYOUTS:
         raise ValueError(
-            f"activation_layout must be one of {LAYOUTS}, got {activation_layout!r}: 'auto' (the default) pins "
-            "users' repeated blocks sequence-parallel, None leaves activations to GSPMD."
+            f"activation_layout must be one of {LAYOUTS}, got {activation_layout!r}: 'auto' (the default) and "
+            "None leave activations to GSPMD, 'sequence' splits users' repeated blocks' inputs and outputs over "
+            "'model' on the token axis, 'replicated' keeps them whole on every 'model' device."
         )
 
 
