@@ -100,3 +100,27 @@ def test_bf16_optimizer_state_halves_it_and_trains():
     full = redeqx.plan(make, lm_loss, optax.adam(1e-2), BATCH, mesh)
     half = redeqx.plan(make, lm_loss, optax.adam(1e-2), BATCH, mesh, opt_state_dtype=jnp.bfloat16)
     np.testing.assert_allclose(half.optimizer, full.optimizer / 2, rtol=0.01)
+
+
+LIBTPU_OOM = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
+              "(84.27G) exceeds available HBM (30.75G).")
+
+
+def test_a_compiler_that_refuses_the_step_means_it_does_not_fit(monkeypatch):
+    # libtpu (planning for a TPU slice from jax.experimental.topologies) refuses to compile a step
+    # larger than the chip; XLA:CPU never does, so the refusal is simulated here
+    refuse = lambda self, *a, **k: (_ for _ in ()).throw(jax.errors.JaxRuntimeError(LIBTPU_OOM))  # noqa: E731
+    monkeypatch.setattr(jax.stages.Lowered, "compile", refuse)
+    mesh = redeqx.make_mesh(1)
+    p = redeqx.plan(make, lm_loss, optax.adamw(1e-3), BATCH, mesh)  # no device_memory given: still does not fit
+    assert p.fits is False and p.refused.startswith("RESOURCE_EXHAUSTED")
+    assert p.temporaries == int(84.27 * 2**30)
+    assert p.peak == p.parameters + p.optimizer + p.batch + p.temporaries
+    assert "the compiler refused the step" in str(p) and "84.27G" in str(p)
+    explored = redeqx.plan(make, lm_loss, optax.adamw(1e-3), BATCH, mesh, device_memory="32GiB")
+    assert explored.fits is False and explored.tried and all(other.fits is False for _, other in explored.tried)
+    # any other compile error is the user's to see
+    monkeypatch.setattr(jax.stages.Lowered, "compile",
+                        lambda self, *a, **k: (_ for _ in ()).throw(jax.errors.JaxRuntimeError("INTERNAL: boom")))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="boom"):
+        redeqx.plan(make, lm_loss, optax.adamw(1e-3), BATCH, mesh)

@@ -6,7 +6,9 @@ built by `init_state` on it is ``jax.ShapeDtypeStruct``\\ s with their
 shardings, and the train step is lowered and compiled for those. The figures
 are the compiler's own (its buffer assignment, its collectives, its cost
 model) for the devices of ``mesh``: on simulated CPU devices they are XLA:CPU's,
-on GPUs XLA:GPU's.
+on GPUs XLA:GPU's, on a TPU slice that ``jax.experimental.topologies``
+describes (no TPU attached) libtpu's. An accelerator's compiler refuses a step
+that cannot fit its device; the plan then says so (``refused``, fits False).
 """
 
 from __future__ import annotations
@@ -72,9 +74,12 @@ class Plan:
     flops: float
     device_memory: int | None = None
     tried: tuple = ()
+    refused: str | None = None  # the compiler's own out-of-memory error, when it would not build the step
 
     @property
     def fits(self) -> bool | None:
+        if self.refused is not None:
+            return False
         return None if self.device_memory is None else self.peak <= self.device_memory
 
     @property
@@ -104,6 +109,8 @@ class Plan:
             verdict = "fits" if self.fits else "does NOT fit"
             lines.append(f"  {'device memory':22s} {_human(self.device_memory):>12s}  -> {verdict}, "
                          f"{_human(abs(self.margin))} {'to spare' if self.fits else 'short'}")
+        if self.refused is not None:
+            lines.append(f"  the compiler refused the step (temporaries as it counts them): {self.refused}")
         comm = ", ".join(f"{k} {v['count']} x = {_human(v['bytes'])}" for k, v in self.collectives.items()) or "none"
         lines.append(f"collectives per step: {comm}")
         lines.append(f"FLOPs per step per device: {self.flops:.3e}")
@@ -159,13 +166,9 @@ def _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, settings, device_m
                            accumulate=settings["accumulate"], compute_dtype=settings["compute_dtype"],
                            trainable=trainable)
     batch = _abstract_batch(batch, mesh)
-    compiled = step.lower(state, batch).compile()
-    stats = compiled.memory_analysis()
-    peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
-            + stats.temp_size_in_bytes)
     params = _leaf_bytes(state.model)
     trainable_params = _leaf_bytes(eqx.filter(state.model, trainable)) if trainable is not None else params
-    return Plan(
+    common = dict(
         mesh=dict(mesh.shape),
         settings={k: v for k, v in settings.items() if k not in ("overrides", "trainable")},
         global_batch=int(jax.tree.leaves(batch)[0].shape[0]),
@@ -173,12 +176,39 @@ def _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, settings, device_m
         optimizer=_leaf_bytes(state.opt_state),
         batch=_leaf_bytes(batch),
         gradients=trainable_params,
-        temporaries=stats.temp_size_in_bytes,
-        peak=peak,
-        collectives=collective_summary(compiled.as_text()),
-        flops=_flops(compiled),
         device_memory=device_memory,
     )
+    lowered = step.lower(state, batch)
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        # An accelerator's compiler (libtpu) knows its device's memory and refuses a step that
+        # cannot fit it; XLA:CPU never does. That is this plan's answer, not a failure to plan.
+        message = str(e)
+        if "RESOURCE_EXHAUSTED" not in message:
+            raise
+        temporaries = _refused_temporaries(message)
+        return Plan(**common, temporaries=temporaries,
+                    peak=common["parameters"] + common["optimizer"] + common["batch"] + temporaries,
+                    collectives={}, flops=0.0, refused=message.strip().splitlines()[0])
+    stats = compiled.memory_analysis()
+    peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+            + stats.temp_size_in_bytes)
+    return Plan(**common, temporaries=stats.temp_size_in_bytes, peak=peak,
+                collectives=collective_summary(compiled.as_text()), flops=_flops(compiled))
+
+
+_REFUSED = re.compile(r"required for HLO temporaries \(([0-9.]+)([KMGT]?)\)")
+
+
+def _refused_temporaries(message: str) -> int:
+    """The temporaries an out-of-memory compile error names (libtpu: "the
+    total memory required for HLO temporaries (84.27G) exceeds available HBM
+    (30.75G)", binary units), or 0 when it names none."""
+    m = _REFUSED.search(message)
+    if not m:
+        return 0
+    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2) or " "))
 
 
 def _options(settings: dict, mesh: Mesh, global_batch: int) -> list[tuple[str, dict, int]]:
@@ -253,6 +283,15 @@ def plan(
                     batch, redeqx.make_mesh(4), device_memory="40GB")
     print(p)
     ```
+
+    The figures are those of the compiler of ``mesh``'s devices. To plan for
+    an accelerator this machine does not have, build the mesh from devices
+    that only describe it. For a TPU slice (libtpu installed, no TPU
+    needed), pass ``jax.experimental.topologies.get_topology_desc(
+    platform="tpu", topology_name="v4:4x4x4", chip_config_name="megacore",
+    chips_per_host_bounds=(2, 2, 1)).devices`` as `make_mesh`'s ``devices``:
+    the plan is then the TPU compiler's own (benchmarks/table1.py plans
+    redco's TPU rows this way).
     """
     mesh = check_mesh(mesh)
     key = jax.random.key(0) if key is None else key
