@@ -78,14 +78,39 @@ def _total(summary):
     return sum(v["bytes"] for v in summary.values())
 
 
-def test_tied_embedding_gradient_is_reduced_once():
-    """One model shard: the data all-reduce moves each gradient once, the tied
-    embedding's two terms (lookup and LM head) included. XLA:CPU all-reduces
-    them separately (it lacks AllReduceReassociate), so its own count is higher."""
+SCATTER_HLO = """
+ENTRY %main (p0: f32[16,8], p1: f32[4,8], i: s32[4,1]) -> f32[] {
+  %p0 = f32[16,8]{1,0} parameter(0)
+  %p1 = f32[4,8]{1,0} parameter(1)
+  %i = s32[4,1]{1,0} parameter(2)
+  %head = f32[16,8]{1,0} all-reduce(%p0), channel_id=1, replica_groups=[4,2]<=[8], to_apply=%add
+  %z = f32[16,8]{1,0} broadcast(%p0), dimensions={}
+  %sc = f32[16,8]{1,0} scatter(%z, %i, %p1), update_window_dims={1}, to_apply=%add
+  %lookup = f32[16,8]{1,0} all-reduce(%sc), channel_id=2, replica_groups=[4,2]<=[8], to_apply=%add
+  %sum = f32[16,8]{1,0} add(%head, %lookup)
+  ROOT %r = f32[] constant(0)
+}
+"""
+
+
+def test_an_embedding_lookups_gradient_keeps_its_own_all_reduce():
+    # libtpu folds the head's term into the lookup's scatter instead of reassociating the two
+    # all-reduces (measured on a TPU v4 slice, benchmarks/RESULTS.md), so the count keeps both
+    assert sorted((c.kind, c.bytes) for c in reassociated_collectives(SCATTER_HLO)) == [
+        ("all-reduce", 512), ("all-reduce", 512)]
+
+
+def test_tied_embedding_gradient_is_reduced_twice_as_on_a_tpu():
+    """One model shard: the data all-reduce moves each gradient once, except
+    the tied embedding, whose two terms (lookup and LM head) are reduced
+    apart, as libtpu's own program for this step does (measured, 28.30 MiB for
+    20.30 MiB of gradients on the vs_redco GPT). Summing them first is open
+    (issue 11): it needs the terms kept unreduced until the sum."""
     step, state, batch, grad_bytes = _gpt_step(1, "auto")
     acc = _total(accelerator_collectives(step, state, batch))
-    assert grad_bytes <= acc <= grad_bytes + 64  # + the loss's scalars
-    assert _total(redeqx.collective_summary(step, state, batch)) > grad_bytes + 256 * 64 * 4 - 64
+    table = 256 * 64 * 4
+    assert grad_bytes + table <= acc <= grad_bytes + table + 64  # + the loss's scalars
+    assert _total(redeqx.collective_summary(step, state, batch)) >= acc
 
 
 @pytest.mark.parametrize("n_model_shards", [2, 4])

@@ -83,8 +83,9 @@ def _pinned(cls, layout: str, n_model: int):
 # What "auto" means, decided on measurements (benchmarks/layout.py, the compiled programs' own
 # figures; benchmarks/RESULTS.md) on the GPT-style user model of tests/user_gpt.py at 16-64
 # sequences per data shard:
-# - no pins: GSPMD alone moves exactly the Megatron plan's bytes as XLA:GPU/TPU move them
-#   (1.000x at K=2 and 4, tests/test_collectives.py), and remat keeps its savings;
+# - no pins: GSPMD alone moves the Megatron plan's bytes as XLA:GPU/TPU move them, but for the
+#   tied embedding's gradient, reduced twice (1.02x at K=2, 1.01x at K=4, tests/test_collectives.py;
+#   libtpu's own programs agree), and remat keeps its savings;
 # - "sequence" pins make XLA:CPU steps 3-23 % faster, but GSPMD gets there by all-gathering
 #   every weight of the block and computing each device's tokens with whole weights, not by
 #   Megatron's sequence parallelism: 1.05-1.22x the Megatron bytes on an accelerator, whole

@@ -1,0 +1,176 @@
+"""Issue 11's two "XLA:CPU artefact" claims, checked on an accelerator's own
+compiler: the user GPT's train step (tests/user_gpt.py, the vs_redco workload,
+16 sequences per data shard) compiled by libtpu for a TPU v4 slice of 8 chips,
+ahead of time on this CPU-only machine (``jax.experimental.topologies``; no TPU
+attached, nothing runs), at n_model_shards 1, 2 and 4, with every
+`eqx.nn.Linear` computed as redeqx does (``x @ W.T``) and as Equinox writes it
+(``W @ x``). Reported from the compiled programs: transposes and copies, the
+temporaries, XLA's bytes-accessed estimate, and the collectives, next to
+`redeqx._hlo.accelerator_collectives` (read on XLA:CPU) and the Megatron plan's
+analytic count.
+
+    python benchmarks/table1.py --setup-tpu      # once: benchmarks/.venv-tpu with libtpu
+    python benchmarks/tpu_programs.py            # writes its section of benchmarks/RESULTS.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
+MIB = 2**20
+DTYPE_BYTES = {"f32": 4, "bf16": 2, "s32": 4, "u32": 4, "pred": 1, "f16": 2}
+
+
+def _model_and_batch(mesh):
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import redeqx
+    from user_gpt import GPT, loss_fn
+
+    abstract = eqx.filter_eval_shape(lambda k: GPT(key=k), jax.random.key(0))
+    specs = redeqx.sharding_rules(abstract, mesh)
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-4))
+    state = redeqx.init_state(abstract, optimizer, mesh, specs, key=jax.random.key(0))
+    batch = {"tokens": jax.ShapeDtypeStruct((16 * mesh.shape["data"], 257), jnp.int32,
+                                            sharding=NamedSharding(mesh, P("data")))}
+    return loss_fn, optimizer, specs, state, batch
+
+
+def tpu_worker(k: int) -> list[dict]:
+    """In the libtpu venv: compile both orders for a v4 slice of 8 chips."""
+    from jax.experimental import topologies
+
+    import redeqx
+    import redeqx._layout as layout
+    from redeqx._hlo import collective_summary
+
+    chips = topologies.get_topology_desc(platform="tpu", topology_name="v4:2x2x2", chip_config_name="megacore",
+                                         chips_per_host_bounds=(2, 2, 1), num_slices=1).devices
+    mesh = redeqx.make_mesh(k, devices=chips)
+    loss_fn, optimizer, specs, state, batch = _model_and_batch(mesh)
+    rows_linears, out = layout._rows_linears, []
+    try:
+        for order in ("x @ W.T", "W @ x"):
+            layout._rows_linears = rows_linears if order == "x @ W.T" else (lambda m: m)
+            compiled = redeqx.make_train_step(loss_fn, optimizer, mesh, specs).lower(state, batch).compile()
+            text = compiled.as_text()
+            ops, nbytes = collections.Counter(), collections.Counter()
+            for m in re.finditer(r"^\s*(?:ROOT )?%[\w.-]+ = (\w+)\[([\d,]*)\]\S* (transpose|copy)\(", text, re.M):
+                dtype, shape, op = m.groups()
+                ops[op] += 1
+                nbytes[op] += DTYPE_BYTES.get(dtype, 4) * math.prod(int(d) for d in shape.split(",") if d)
+            cost = compiled.cost_analysis()
+            cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+            out.append(dict(k=k, order=order, transposes=ops["transpose"], copies=ops["copy"],
+                            transpose_copy_bytes=nbytes["transpose"] + nbytes["copy"],
+                            temporaries=compiled.memory_analysis().temp_size_in_bytes,
+                            bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+                            collectives=collective_summary(text)))
+    finally:
+        layout._rows_linears = rows_linears
+    return out
+
+
+def cpu_worker(k: int) -> dict:
+    """On 8 simulated CPU devices: the count redeqx's tests use, and Megatron's."""
+    import jax
+
+    import redeqx
+    from megatron_count import megatron_bytes
+    from redeqx._hlo import accelerator_collectives
+    from redeqx._rules import _per_device_shape
+
+    mesh = redeqx.make_mesh(k)
+    loss_fn, optimizer, specs, state, batch = _model_and_batch(mesh)
+    step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
+    grad_bytes = sum(4 * math.prod(_per_device_shape(x.shape, s, mesh))
+                     for x, s in zip(jax.tree.leaves(state.model), spec_leaves))
+    return dict(k=k, model=sum(v["bytes"] for v in accelerator_collectives(step, state, batch).values()),
+                xla_cpu=sum(v["bytes"] for v in redeqx.collective_summary(step, state, batch).values()),
+                megatron=megatron_bytes(256, 4, 16, 256, grad_bytes) if k > 1 else grad_bytes, grad_bytes=grad_bytes)
+
+
+def _run(python: str, args: list[str], env: dict) -> object:
+    proc = subprocess.run([python, __file__, *args], env=env, stdout=subprocess.PIPE, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"{args} failed (exit {proc.returncode}); its output is above")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        kind, k = args.worker[0], int(args.worker[1])
+        print(json.dumps(tpu_worker(k) if kind == "tpu" else cpu_worker(k)), flush=True)
+        return
+    tpu_python = HERE / ".venv-tpu" / "bin" / "python"
+    if not tpu_python.exists():
+        sys.exit("no benchmarks/.venv-tpu: run `python benchmarks/table1.py --setup-tpu` once")
+    tpu_env = dict(os.environ, TPU_ACCELERATOR_TYPE="v4-16", TPU_WORKER_HOSTNAMES="localhost", TPU_SKIP_MDS_QUERY="1")
+    cpu_env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    rows = []
+    for k in (1, 2, 4):
+        tpu = _run(str(tpu_python), ["--worker", "tpu", str(k)], tpu_env)
+        rows.append((k, tpu, _run(sys.executable, ["--worker", "cpu", str(k)], cpu_env)))
+    lines = [
+        "The vs_redco user GPT (tests/user_gpt.py: 4 layers, width 256, vocab 8192, 256 tokens, tied embedding, "
+        "clip + AdamW, fp32), 16 sequences per data shard, compiled by libtpu for 8 TPU v4 chips ahead of time "
+        "(no TPU attached). Per chip, from the compiled programs. The reference column `Megatron` is the plan's "
+        "analytic count (tests/megatron_count.py; at K=1 the gradients' bytes).", "",
+        "| K | linears as | transposes / copies (MiB) | temporaries | bytes accessed | all-reduce bytes (libtpu) "
+        "| redeqx's accelerator count | XLA:CPU's count | Megatron |",
+        "|---|---|---|---|---|---|---|---|---|"]
+    for k, tpu, cpu in rows:
+        for r in tpu:
+            ar = sum(v["bytes"] for v in r["collectives"].values())
+            lines.append(
+                f"| {k} | `{r['order']}` | {r['transposes']} / {r['copies']} ({r['transpose_copy_bytes'] / MIB:.1f}) "
+                f"| {r['temporaries'] / MIB:.1f} MiB | {r['bytes_accessed'] / MIB:.0f} MiB | {ar / MIB:.2f} MiB "
+                f"| {cpu['model'] / MIB:.2f} MiB | {cpu['xla_cpu'] / MIB:.2f} MiB | {cpu['megatron'] / MIB:.2f} MiB |")
+    report = "\n".join(lines + ["", NOTE])
+    print(report)
+    if not args.no_write:
+        from _common import write_section
+
+        write_section("Issue 11's CPU-artefact claims on the TPU compiler (benchmarks/tpu_programs.py)", report)
+
+
+# Measured when written (2026-11-23, jax 0.10.2, libtpu 0.0.42.1).
+NOTE = (
+    "Transposes: libtpu's programs have the same 6 transposes and 9 copies (4.4 MiB) in both orders at every K, "
+    "and the same temporaries within 1.2 MiB: its layout assignment absorbs the transposes that `W @ x` makes "
+    "under `jax.vmap`, so computing linears as `x @ W.T` (1.17-1.24x faster steps on XLA:CPU) buys a TPU only "
+    "XLA's bytes-accessed estimate, 1.5-3.3 % lower. The claim that those transposes are an XLA:CPU artefact "
+    "holds on TPU; on GPU it is unchecked (no GPU in this task).\n\n"
+    "Collectives: libtpu all-reduces 28.30, 86.34 and 79.33 MiB at K = 1, 2 and 4, where the Megatron plan "
+    "moves 20.30, 82.34 and 77.33 MiB. Each excess is exactly the tied embedding's table over K (8 MiB / K): "
+    "libtpu all-reduces the LM head's gradient term, uses it as the base of the lookup's scatter-add, and "
+    "all-reduces that again. The earlier claim that an accelerator reduces a tied weight's gradient once "
+    "(AllReduceReassociate) was wrong for TPU; `redeqx._hlo.accelerator_collectives` now keeps a scatter's "
+    "all-reduce apart and matches libtpu's totals to 0.01 MiB at all three K. Everything else in the step moves "
+    "the Megatron plan's bytes on TPU. redco's Flax GPT-2 reduces its tied embedding once even on XLA:CPU "
+    "(20.30 MiB at K=1, section vs_redco), so a formulation that does so exists; in redeqx the lookup written as "
+    "indexing, `jnp.take` or a one-hot matmul all give the double reduction, so the cause lies elsewhere in how "
+    "the vmapped model's two terms reach the partitioner. Open (issue 11).")
+
+if __name__ == "__main__":
+    main()
