@@ -536,7 +536,9 @@ def report_out(args, results: list[dict], report: str, section: str) -> None:
 def tpu_main(args) -> None:
     """Table 1's TPU v4 rows planned by the TPU compiler on redco's own
     slice: the redco setting, fsdp (where there is a data axis to split
-    over), and fsdp + remat + bf16 compute."""
+    over), and fsdp + remat + bf16 compute; then, with those three, half the
+    chips (where parameters + Adam alone leave room) and the position table's
+    length, which stand in for the CPU section's searches (see TPU_NOTE)."""
     if not (TPU_VENV / "bin" / "python").exists():
         sys.exit(f"no {TPU_VENV}: run `python benchmarks/table1.py --setup-tpu` once (downloads libtpu, ~140 MB)")
     rows = [ROWS[k] for k in args.rows if "TPU" in ROWS[k].server and not (args.skip_slow and k in SLOW)]
@@ -560,6 +562,14 @@ def tpu_main(args) -> None:
         out["all"] = run(dict(base, opts=FSDP_REMAT_BF16))["plan"]
         out["cpu"] = {key: _cpu_twin(run, base, opts)
                       for key, opts in (("redco", None), ("fsdp", {"fsdp": True}), ("all", FSDP_REMAT_BF16))}
+        if not (args.quick or args.no_search):
+            # (a) half the chips, unless parameters + Adam alone rule it out; (b) the position table's length
+            half = row.devices // 2
+            if half in TPU_V4_SLICES and resident_bytes(r["params"], half) < row.memory_bytes:
+                out["half"] = run(dict(base, devices=half, n_model_shards=min(half, row.n_model_shards),
+                                       opts=FSDP_REMAT_BF16))["plan"]
+            if row.max_len and row.max_len > row.seq:
+                out["table"] = run(dict(base, seq=row.max_len, opts=FSDP_REMAT_BF16))["plan"]
         results.append(out)
     report_out(args, results, render_tpu(results, run, quick=args.quick), TPU_SECTION)
 
@@ -736,6 +746,21 @@ def render_tpu(results: list[dict], run: Runner, *, quick: bool) -> str:
                 f"{p['mesh']['data']} | {row.seq} | {label} | {peak} | {'yes' if p['fits'] else '**no**'} "
                 f"| {_gb(p['margin'])} | {_gb(p['parameters'] + p['optimizer'])} | {_gb(p['temporaries'])} "
                 f"| {_gb(cpu['peak']) if cpu else ''} | {p['compile_s']:.0f} s |")
+    searched = [o for o in results if "half" in o or "table" in o]
+    if searched:
+        lines += ["", "With fsdp + remat + bf16 compute, on half the chips (where parameters + Adam alone leave room) "
+                  "and at the position table's length on redco's slice:", "",
+                  "| model | chips | n_model_shards x data | seq | peak / chip | fits 32 GB? | 16 B/param there |",
+                  "|---|---|---|---|---|---|---|"]
+        for out in searched:
+            row = ROWS[out["row"]]
+            for key in ("half", "table"):
+                if key in out:
+                    p = out[key]
+                    n = p["mesh"]["model"] * p["mesh"]["data"]
+                    lines.append(f"| {row.name} | {n} | {p['mesh']['model']} x {p['mesh']['data']} | {p['seq']} "
+                                 f"| {_gb(p['peak'])}{' (refused)' if p.get('refused') else ''} "
+                                 f"| {'yes' if p['fits'] else '**no**'} | {_gb(floor_bytes(out['params'], n))} |")
     lines += ["", TPU_NOTE]
     if run.compiles:
         total = sum(c[1] for c in run.compiles)
@@ -762,9 +787,13 @@ TPU_NOTE = (
     "OPT-66B with fsdp, from 2 and 4 layers 30.90 GB (+0.5 %), from 4 and 8 layers 31.08 GB (+1.1 %); T5-XXL "
     "from 2 and 4 layers 21.43 GB (+2.8 %), with fsdp + remat + bf16 20.23 GB (+2.7 %); but T5-XXL's "
     "extrapolated peaks with fsdp + remat + bf16 at 512, 1024, 2048, 4096 and 8192 tokens went 20.2, 20.0, "
-    "15.2, 24.7, 19.8 GB, so the searches of the section above (fewest devices, longest sequence) are not "
-    "repeated here: each probe would be a whole-model compile of 1-3 minutes. The whole OPT-66B step "
-    "compiles in under 3 minutes and 6.8 GB of host memory.\n\n"
+    "15.2, 24.7, 19.8 GB, so the section above's searches (each probe a whole-model compile of 1-3 minutes "
+    "here) are replaced by two probes that answer them where they can. Half the chips: OPT-66B fits on 32 "
+    "(31.14 GB with fsdp + remat + bf16; 16 are ruled out by parameters + Adam alone, 49.3 GB), so 32 chips "
+    "is the fewest TPU v4 slice for it, half of redco's; T5-XXL and OPT-13B on 4 chips are ruled out the "
+    "same way (33.4 and 38.6 GB). The position table: OPT-13B and OPT-66B train at its full 2048 tokens on "
+    "redco's slices (23.35 and 24.03 GB). The whole OPT-66B step compiles in under 3 minutes and 6.8 GB of "
+    "host memory.\n\n"
     "What this does not show: a TPU run. These are the figures of the compiler that would build the step for "
     "that slice, as the planner's figures on an H100 were the measured device peak to the byte (section "
     "Throughput above); no TPU was available to run one.")
