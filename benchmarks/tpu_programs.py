@@ -167,10 +167,13 @@ NOTE = (
     "all-reduces that again. The earlier claim that an accelerator reduces a tied weight's gradient once "
     "(AllReduceReassociate) was wrong for TPU; `redeqx._hlo.accelerator_collectives` now keeps a scatter's "
     "all-reduce apart and matches libtpu's totals to 0.01 MiB at all three K. Everything else in the step moves "
-    "the Megatron plan's bytes on TPU. redco's Flax GPT-2 reduces its tied embedding once even on XLA:CPU "
-    "(20.30 MiB at K=1, section vs_redco), so a formulation that does so exists; in redeqx the lookup written as "
-    "indexing, `jnp.take` or a one-hot matmul all give the double reduction, so the cause lies elsewhere in how "
-    "the vmapped model's two terms reach the partitioner. Open (issue 11).")
+    "the Megatron plan's bytes on TPU. redco reduces its tied embedding once (20.30 MiB at K=1, section "
+    "vs_redco) because at K=1 it does not use GSPMD: it runs its step under `jax.pmap` and `pmean`s each "
+    "device's own gradients (redco/trainers/utils.py), which is the global loss's gradient only for a loss that "
+    "is a plain mean over equal shards. A hand-written `jax.jit(jax.grad(...))` of the same model (lookup by "
+    "`jnp.take`, head batched) on a batch-sharded mesh reduces the table twice, as redeqx does; so do redeqx's "
+    "steps with the lookup as indexing, `jnp.take` or a one-hot matmul, the head vmapped or batched. Open "
+    "(issue 11): an opt-in step for mean losses would reduce once.")
 
 if __name__ == "__main__":
     main()
