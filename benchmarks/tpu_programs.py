@@ -20,7 +20,6 @@ import collections
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +28,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 MIB = 2**20
-DTYPE_BYTES = {"f32": 4, "bf16": 2, "s32": 4, "u32": 4, "pred": 1, "f16": 2}
 
 
 def _model_and_batch(mesh):
@@ -57,7 +55,7 @@ def tpu_worker(k: int) -> list[dict]:
 
     import redeqx
     import redeqx._layout as layout
-    from redeqx._hlo import collective_summary
+    from redeqx._hlo import _DTYPE_BYTES, _LINE, _arrays, collective_summary
 
     chips = topologies.get_topology_desc(platform="tpu", topology_name="v4:2x2x2", chip_config_name="megacore",
                                          chips_per_host_bounds=(2, 2, 1), num_slices=1).devices
@@ -70,10 +68,12 @@ def tpu_worker(k: int) -> list[dict]:
             compiled = redeqx.make_train_step(loss_fn, optimizer, mesh, specs).lower(state, batch).compile()
             text = compiled.as_text()
             ops, nbytes = collections.Counter(), collections.Counter()
-            for m in re.finditer(r"^\s*(?:ROOT )?%[\w.-]+ = (\w+)\[([\d,]*)\]\S* (transpose|copy)\(", text, re.M):
-                dtype, shape, op = m.groups()
-                ops[op] += 1
-                nbytes[op] += DTYPE_BYTES.get(dtype, 4) * math.prod(int(d) for d in shape.split(",") if d)
+            for line in text.splitlines():
+                m = _LINE.search(line)
+                if m and m.group("op") in ("transpose", "copy"):
+                    ops[m.group("op")] += 1
+                    arrays = _arrays(m.group("shape"))
+                    nbytes[m.group("op")] += sum(_DTYPE_BYTES[d] * math.prod(shape) for d, shape in arrays)
             cost = compiled.cost_analysis()
             cost = cost[0] if isinstance(cost, (list, tuple)) else cost
             out.append(dict(k=k, order=order, transposes=ops["transpose"], copies=ops["copy"],
