@@ -104,8 +104,8 @@ def test_tied_embedding_gradient_is_reduced_twice_as_on_a_tpu():
     """One model shard: the data all-reduce moves each gradient once, except
     the tied embedding, whose two terms (lookup and LM head) are reduced
     apart, as libtpu's own program for this step does (measured, 28.30 MiB for
-    20.30 MiB of gradients on the vs_redco GPT). Summing them first is open
-    (issue 11): it needs the terms kept unreduced until the sum."""
+    20.30 MiB of gradients on the vs_redco GPT). shard_mean_loss=True sums
+    them first (tests/test_shard_mean.py)."""
     step, state, batch, grad_bytes = _gpt_step(1, "auto")
     acc = _total(accelerator_collectives(step, state, batch))
     table = 256 * 64 * 4

@@ -506,6 +506,42 @@ def _micro_batches(batch, accumulate: int, mesh: Mesh):
     return jax.tree.map(split, batch)
 
 
+def _local_micro_batches(batch, accumulate: int):
+    """`_micro_batches` of one data shard's rows (inside `jax.shard_map`):
+    micro-batch j holds local rows j, j + accumulate, ..., the same rows as
+    the whole batch's micro-batch j has on this shard."""
+    def split(x):
+        b = x.shape[0]
+        if b % accumulate:
+            raise ValueError(
+                f"accumulate={accumulate} cannot split a data shard's {b} rows into equal micro-batches: make "
+                "per_device_batch_size a multiple of accumulate."
+            )
+        return x.reshape(b // accumulate, accumulate, *x.shape[1:]).swapaxes(0, 1)
+
+    return jax.tree.map(split, batch)
+
+
+def _refuse_model_state(state) -> None:
+    if state.model_state is not None:
+        raise ValueError(
+            "shard_mean_loss=True cannot keep a model_state: a state such as BatchNorm's statistics depends on "
+            "the whole batch, not on each data shard's rows. Drop shard_mean_loss."
+        )
+
+
+def _check_whole_over_data(specs) -> None:
+    split = [(".".join(path_parts(kp)), s) for kp, s in jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[0]
+             if isinstance(s, P) and any(DATA in (e if isinstance(e, tuple) else (e,)) for e in s)]
+    if split:
+        path, spec = split[0]
+        raise ValueError(
+            f"shard_mean_loss=True needs every parameter whole on each data shard, but specs split '{path}' as "
+            f"{spec} over '{DATA}' ({len(split)} such leaves; fsdp=True in redeqx.sharding_rules does this). Use "
+            "fsdp or shard_mean_loss, not both."
+        )
+
+
 def _check_callable(fn, role: str, call: str, example: str) -> None:
     if not callable(fn):
         raise TypeError(f"{role} must be a function {call} -> ..., got {short_repr(fn)}.")
@@ -543,6 +579,7 @@ def make_train_step(
     compute_dtype: Any = None,
     trainable: Any = None,
     activation_layout: Any = "auto",
+    shard_mean_loss: bool = False,
 ) -> Callable[..., tuple[TrainState, dict]]:
     """The training step: ``(state, batch) -> (new_state, metrics)``.
 
@@ -583,6 +620,22 @@ def make_train_step(
       themselves out. Every exact `eqx.nn.Linear` is computed as ``x @ W.T``
       (the same function; under ``jax.vmap`` it needs no transposed copies
       of activations on XLA:CPU).
+    - ``shard_mean_loss=True`` promises that ``loss_fn`` of a batch equals the
+      mean of ``loss_fn`` over equal slices of its rows: true of a mean over
+      examples (the example below) or over tokens when every row has as many;
+      false of a mean over the non-padding tokens of the whole batch, of a
+      loss comparing rows with each other (contrastive) and of BatchNorm. The
+      step then computes each data shard's gradients from its own rows (under
+      `jax.shard_map`) and averages them with one all-reduce, as ``jax.pmap``
+      data parallelism (and redco) does. Without it, XLA reduces the terms of
+      a parameter used twice, such as a tied embedding (lookup and LM head),
+      one after the other: 28.3 instead of 20.3 MiB per step on a 5.3M-parameter
+      GPT at one model shard (benchmarks/RESULTS.md). Dropout draws from
+      ``jax.random.fold_in(key, shard)``: the same distribution as one device,
+      not the same masks. The first call checks the promise on its batch (the
+      gradients of the whole batch against the shards' mean, with dropout off,
+      in float32; once, compiled apart) and raises if it does not hold. Needs parameters whole over ``data``
+      (not ``fsdp``) and no ``model_state``.
     - A model with state (``eqx.nn.State``, e.g. BatchNorm; give it to
       `init_state` as ``model_state``): ``loss_fn(model, batch, key,
       model_state)`` returns ``(loss, new_model_state)`` or ``(loss, aux,
@@ -609,14 +662,70 @@ def make_train_step(
     check_specs(specs, mesh)
     layout = resolve(activation_layout, mesh.shape[MODEL])
 
-    def grads_of(diff, static, batch, key, model_state):
+    if not isinstance(shard_mean_loss, bool):
+        raise TypeError(f"shard_mean_loss must be True or False, got {short_repr(shard_mean_loss)}.")
+    if shard_mean_loss:
+        _check_whole_over_data(specs)
+    n_model = mesh.shape[MODEL]
+
+    def grads_of(diff, static, batch, key, model_state, checking=False):
+        """Loss, aux, gradients, new model state; ``checking``: with dropout
+        off, in float32 (what the ``shard_mean_loss`` check compares)."""
+        dtype = jnp.float32 if checking else compute_dtype
+
         def compute(diff):
-            model = apply_layout(_cast_floats(eqx.combine(diff, static), compute_dtype), layout, mesh.shape[MODEL])
-            loss, aux, new_ms = _call_loss(loss_fn, model, _cast_floats(batch, compute_dtype), key, model_state)
+            model = eqx.combine(diff, static)
+            if checking:
+                model = eqx.nn.inference_mode(model, True)
+            model = apply_layout(_cast_floats(model, dtype), layout, n_model)
+            loss, aux, new_ms = _call_loss(loss_fn, model, _cast_floats(batch, dtype), key, model_state)
             return loss, (aux, new_ms)
 
         (loss, (aux, new_ms)), grads = jax.value_and_grad(compute, has_aux=True)(diff)
         return loss, aux, grads, new_ms
+
+    def accumulated(diff, static, batch, key, ms, micro_batches, checking=False):
+        """``grads_of`` averaged over ``accumulate`` micro-batches, run one
+        after another (a scan), as ``micro_batches(batch)`` splits them."""
+        if accumulate == 1:
+            return grads_of(diff, static, batch, key, ms, checking)
+        micro = micro_batches(batch)
+        keys = jax.random.split(key, accumulate)
+        first = jax.tree.map(lambda x: x[0], micro)
+        shapes = jax.eval_shape(lambda: grads_of(diff, static, first, keys[0], ms, checking)[:3])
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+        def body(carry, xs):
+            total, ms = carry
+            mb, k = xs
+            *out, ms = grads_of(diff, static, mb, k, ms, checking)
+            return (jax.tree.map(jnp.add, total, tuple(out)), ms), None
+
+        if ms is _NO_STATE:
+            def body(total, xs):  # noqa: F811 - no model state to thread
+                mb, k = xs
+                out = grads_of(diff, static, mb, k, _NO_STATE, checking)[:3]
+                return jax.tree.map(jnp.add, total, out), None
+
+            total, _ = jax.lax.scan(body, zeros, (micro, keys))
+        else:
+            (total, ms), _ = jax.lax.scan(body, (zeros, ms), (micro, keys))
+        loss, aux, grads = jax.tree.map(lambda x: x / accumulate, total)
+        return loss, aux, grads, ms
+
+    def shard_mean_grads(diff, static, batch, key, checking=False):
+        """Each data shard's loss, aux and gradients from its own rows, then
+        one mean over ``data`` (``model`` stays GSPMD's, inside)."""
+        def body(diff, batch, key):
+            key = jax.random.fold_in(key, jax.lax.axis_index(DATA))
+            loss, aux, grads, _ = accumulated(diff, static, batch, key, _NO_STATE,
+                                              functools.partial(_local_micro_batches, accumulate=accumulate),
+                                              checking)
+            return jax.lax.pmean((loss, aux, grads), DATA)
+
+        rows = jax.tree.map(lambda x: P(DATA) if jnp.ndim(x) else P(), batch)
+        return jax.shard_map(body, mesh=mesh, in_specs=(P(), rows, P()), out_specs=P(),
+                             axis_names=frozenset({DATA}), check_vma=False)(diff, batch, key)
 
     def train_step(state: TrainState, batch):
         key, step_key = jax.random.split(state.key)
@@ -628,31 +737,12 @@ def make_train_step(
                 "optimizer and trainable= to redeqx.init_state and redeqx.make_train_step."
             )
         ms = _NO_STATE if state.model_state is None else state.model_state
-        if accumulate == 1:
-            loss, aux, grads, ms = grads_of(diff, static, batch, step_key, ms)
+        if shard_mean_loss:
+            _refuse_model_state(state)
+            loss, aux, grads = shard_mean_grads(diff, static, batch, step_key)
         else:
-            micro = _micro_batches(batch, accumulate, mesh)
-            keys = jax.random.split(step_key, accumulate)
-            first = jax.tree.map(lambda x: x[0], micro)
-            shapes = jax.eval_shape(lambda: grads_of(diff, static, first, keys[0], ms)[:3])
-            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
-            def body(carry, xs):
-                total, ms = carry
-                mb, k = xs
-                *out, ms = grads_of(diff, static, mb, k, ms)
-                return (jax.tree.map(jnp.add, total, tuple(out)), ms), None
-
-            if ms is _NO_STATE:
-                def body(total, xs):  # noqa: F811 - no model state to thread
-                    mb, k = xs
-                    out = grads_of(diff, static, mb, k, _NO_STATE)[:3]
-                    return jax.tree.map(jnp.add, total, out), None
-
-                total, _ = jax.lax.scan(body, zeros, (micro, keys))
-            else:
-                (total, ms), _ = jax.lax.scan(body, (zeros, ms), (micro, keys))
-            loss, aux, grads = jax.tree.map(lambda x: x / accumulate, total)
+            loss, aux, grads, ms = accumulated(diff, static, batch, step_key, ms,
+                                               functools.partial(_micro_batches, accumulate=accumulate, mesh=mesh))
         updates, opt_state = optimizer.update(grads, state.opt_state, diff)
         model = eqx.combine(optax.apply_updates(diff, updates), static)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
@@ -679,7 +769,56 @@ def make_train_step(
 
     step = _Compiled(train_step, mesh, donate=True, returns_state=True, targets=targets, what="state",
                      batch_args=(0,))
-    return functools.wraps(loss_fn)(_StepFunction(step))
+    if not shard_mean_loss or mesh.shape[DATA] == 1:  # one data shard: the shards' mean is the loss
+        return functools.wraps(loss_fn)(_StepFunction(step))
+
+    def disagreement(state, batch):
+        """How far the whole batch's gradients are from the shards' mean (a
+        relative L2 distance), and whether the loss depends on ``key``, all
+        with dropout off and in float32, so that rounding stays far below the
+        tolerance."""
+        _refuse_model_state(state)
+        diff, static = split_trainable(state.model, trainable)
+        key, other = jax.random.split(state.key)
+        micro_batches = functools.partial(_micro_batches, accumulate=accumulate, mesh=mesh)
+        loss, _, whole, _ = accumulated(diff, static, batch, key, _NO_STATE, micro_batches, checking=True)
+        loss_other = accumulated(diff, static, batch, other, _NO_STATE, micro_batches, checking=True)[0]
+        _, _, shards = shard_mean_grads(diff, static, batch, key, checking=True)
+        gap = optax.tree.norm(jax.tree.map(jnp.subtract, shards, whole)) / optax.tree.norm(whole)
+        return gap, loss != loss_other
+
+    check = _Compiled(disagreement, mesh, donate=False, returns_state=False, targets=targets, what="state",
+                      batch_args=(0,))
+    return functools.wraps(loss_fn)(_CheckedFirstCall(step, check, 1e-3, _fn_name(loss_fn)))
+
+
+class _CheckedFirstCall(_StepFunction):
+    """A ``shard_mean_loss`` train step: its first call checks, on that call's
+    batch, that the shards' mean gradient is the whole batch's."""
+
+    def __init__(self, compiled, check, tolerance: float, name: str):
+        super().__init__(compiled)
+        self._check, self._tolerance, self._name, self._checked = check, tolerance, name, False
+
+    def __call__(self, *args):
+        if not self._checked:
+            gap, random = jax.device_get(self._check(*args))
+            if random:
+                warn_user(
+                    f"shard_mean_loss=True is unchecked: loss_fn {self._name!r} draws random numbers from its key "
+                    "even with dropout off, so its whole-batch and per-shard gradients cannot be compared."
+                )
+            elif not gap <= self._tolerance:
+                raise ValueError(
+                    f"shard_mean_loss=True, but loss_fn {self._name!r} is not the mean of its values on equal "
+                    f"slices of the batch: on this batch the data shards' mean gradient is {gap:.2g} (relative "
+                    f"L2) away from the whole batch's (tolerance {self._tolerance:g}). A mean over non-padding "
+                    "tokens, a loss comparing rows, or a normalisation over the batch does this. Drop "
+                    "shard_mean_loss (the step then differentiates the loss of the whole batch), or make "
+                    "loss_fn a mean over its rows."
+                )
+            self._checked = True
+        return self._compiled(*args)
 
 
 def split_trainable(model, trainable):
