@@ -72,6 +72,8 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--hlo", default=None, help="also write the compiled step's HLO text here")
     p.add_argument("--layout", default="auto", help="make_train_step's activation_layout (auto, sequence, replicated, none)")
+    p.add_argument("--shard-mean-loss", action="store_true",
+                   help="make_train_step(shard_mean_loss=True): per-shard gradients, one all-reduce")
     p.add_argument("--no-donate", action="store_true", help="a copy of the step without donation (to time its cost)")
     p.add_argument("--matmul", choices=("wx", "xw"), default="wx",
                    help="wx: the model as written (vmap of eqx.nn.Linear, W @ x per token); xw: the same parameters "
@@ -91,7 +93,8 @@ def main():
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(args.lr, weight_decay=0.01))
     state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
     layout = None if args.layout == "none" else args.layout
-    train_step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs, activation_layout=layout)
+    train_step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs, activation_layout=layout,
+                                        shard_mean_loss=args.shard_mean_loss)
     if args.no_donate:
         train_step._compiled.donate = False
     per_device = args.batch // mesh.shape["data"]

@@ -76,6 +76,8 @@ REDCO_STACKS = {
                      "chex==0.1.90", "transformers==4.44.2", "numpy<2"],
 }
 SIDES = ("redeqx", "redco")
+# optional extra side: redeqx with make_train_step(shard_mean_loss=True) (--sides)
+WORKERS = {"redeqx": "_redeqx_worker.py", "redeqx-smean": "_redeqx_worker.py", "redco": "_redco_worker.py"}
 
 
 def redco_venv(stack: str) -> Path:
@@ -113,15 +115,17 @@ def onednn_matmul_flops(hlo_text: str) -> int:
 def run_worker(side, k, batch, args, data, workdir, hlo: Path | None):
     out = workdir / f"{side}-{k}-{batch}.json"
     cmd = [
-        sys.executable if side == "redeqx" else str(args.redco_python), str(HERE / f"_{side}_worker.py"),
+        sys.executable if side != "redco" else str(args.redco_python), str(HERE / WORKERS[side]),
         "--k", str(k), "--batch", str(batch), "--warmup", str(args.warmup), "--steps", str(args.steps),
         "--layers", str(args.layers), "--width", str(args.width), "--heads", str(args.heads),
         "--vocab", str(args.vocab), "--seq", str(args.seq), "--data", str(data), "--out", str(out),
     ]
     if hlo is not None:
         cmd += ["--hlo", str(hlo)]
-    if side == "redeqx":
+    if side != "redco":
         cmd += ["--layout", args.layout]
+    if side == "redeqx-smean":
+        cmd += ["--shard-mean-loss"]
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={N_DEVICES}",
                TRANSFORMERS_VERBOSITY="error", TF_CPP_MIN_LOG_LEVEL="3")
     if side == "redco":
@@ -188,6 +192,8 @@ def main():
     p.add_argument("--redco-python", type=Path, default=None,
                    help="a python with redco 0.4.23 (instead of --redco-stack's venv)")
     p.add_argument("--ks", default="1,2,4", help="n_model_shards values")
+    p.add_argument("--sides", default="redeqx,redco",
+                   help="which to run, alternating: redeqx, redeqx-smean (shard_mean_loss=True), redco")
     p.add_argument("--layout", default="auto", help="redeqx's activation_layout (auto, sequence, replicated, none)")
     p.add_argument("--shapes", default="small,large", help="small (global batch 64) and/or large")
     p.add_argument("--large-batch", type=int, default=128, help="global batch of the large shape")
@@ -213,6 +219,9 @@ def main():
         sys.exit(f"no redco python at {args.redco_python}: run `python benchmarks/{Path(__file__).name} --setup "
                  f"--redco-stack {args.redco_stack}` first (or pass --redco-python).")
     ks = [int(k) for k in args.ks.split(",")]
+    sides = tuple(args.sides.split(","))
+    if "redco" not in sides or any(s not in WORKERS for s in sides):
+        sys.exit(f"--sides: {args.sides!r}; name redco and any of redeqx, redeqx-smean, comma-separated.")
     batches = {"small": 64, "large": args.large_batch}
     shapes = args.shapes.split(",")
     for s in shapes:
@@ -239,9 +248,9 @@ def main():
         for shape in shapes:
             batch = batches[shape]
             for k in ks:
-                runs = {side: [] for side in SIDES}
+                runs = {side: [] for side in sides}
                 for r in range(args.rounds):
-                    for side in SIDES if r % 2 == 0 else SIDES[::-1]:
+                    for side in sides if r % 2 == 0 else sides[::-1]:
                         hlo = (args.hlo_dir or workdir) / f"{side}-{shape}-K{k}.hlo" if r == 0 else None
                         res = run_worker(side, k, batch, args, data, workdir, hlo)
                         runs[side].append(res)
@@ -249,7 +258,7 @@ def main():
                         print(f"{shape} K={k} round {r} {side:6s}: {statistics.median(res['wall']):.3f} s/step, "
                               f"{statistics.median(res['cpu']):.3f} CPU-s/step, loss {res['first_loss']:.3f} -> "
                               f"{res['last_loss']:.3f} ({res['process_s']:.0f} s in all)", flush=True)
-                for side in SIDES:
+                for side in sides:
                     first = runs[side][0]
                     results[(shape, k, side)] = {
                         "wall": statistics.median([t for run in runs[side] for t in run["wall"]]),
@@ -273,12 +282,12 @@ def main():
     ]
     for shape in shapes:
         for k in ks:
-            for side in SIDES:
+            for side in sides:
                 r = results[(shape, k, side)]
                 count = sum(c["count"] for c in r["collectives"].values())
                 nbytes = sum(c["bytes"] for c in r["collectives"].values())
                 kinds = ", ".join(f"{v['count']} {kind}" for kind, v in sorted(r["collectives"].items()))
-                ratio = (f"**{r['wall'] / results[(shape, k, 'redco')]['wall']:.2f}**" if side == "redeqx" else "")
+                ratio = (f"**{r['wall'] / results[(shape, k, 'redco')]['wall']:.2f}**" if side != "redco" else "")
                 rows.append(
                     f"| {shape} | {k} ({N_DEVICES // k} x {k}) | {batches[shape] // (N_DEVICES // k)} | {side} | "
                     f"{r['wall']:.3f} | {r['cpu']:.3f} | {count} ({kinds or 'none'}) | {nbytes / 2**20:.2f} MiB | "
@@ -289,14 +298,18 @@ def main():
             continue
         key = next(((s, k) for s in shapes), None)
         for side in SIDES:
-            plan = results[(*key, side)]["plan"]
+            plan = results[(*key, side)]["plan"] if (*key, side) in results else {}
             plans.append(f"- K={k}, {side}: {sharded(plan) or 'nothing split'}")
-    n_params = results[(shapes[0], ks[0], "redeqx")]["n_params"]
+    n_params = results[(shapes[0], ks[0], sides[0])]["n_params"]
     body = "\n".join([
         f"GPT-2-style model: {args.layers} layers, width {args.width}, {args.heads} heads, vocab {args.vocab}, "
         f"{args.seq} tokens, tied embedding, learned positions, fp32 ({n_params / 1e6:.2f}M parameters); "
         "clip_by_global_norm(1.0) + AdamW. redeqx: the plain-Equinox model of `tests/user_gpt.py` through "
-        "`make_mesh` / `sharding_rules` / `init_state` / `make_train_step` / `batches`. redco 0.4.23: "
+        "`make_mesh` / `sharding_rules` / `init_state` / `make_train_step` / `batches`"
+        + ("; redeqx-smean: the same with `make_train_step(..., shard_mean_loss=True)` (each data shard's "
+           "gradients from its own rows, one all-reduce; its first-call check runs in the warm-up)"
+           if "redeqx-smean" in sides else "")
+        + ". redco 0.4.23: "
         f"Hugging Face's `FlaxGPT2LMHeadModel` of the same config (dropout 0) with `Deployer` + `Trainer`, in the "
         f"`{args.redco_stack}` package set "
         "(`params_sharding_rules=deployer.get_sharding_rules(params)`; n_model_shards=1 is redco's pmap path). "

@@ -601,6 +601,9 @@ def make_train_step(
       of one micro-batch. The batch is still what `batches` yields,
       ``per_device_batch_size * data`` rows, so ``per_device_batch_size`` must
       be a multiple of ``k``; nothing else changes (not the schedule's length).
+      "The same update" holds for a loss that is a mean over rows; a mean over
+      the batch's non-padding tokens gets each micro-batch's own mean,
+      weighted equally.
     - ``compute_dtype=jnp.bfloat16`` runs forward and backward with floating
       parameters and batch arrays cast to it; stored parameters, gradients and
       the optimizer state keep their own dtype.
