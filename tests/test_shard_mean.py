@@ -28,7 +28,8 @@ def train(mesh, loss=loss_fn, batches=BATCHES, **kwargs):
     model = make_gpt()
     specs = redeqx.sharding_rules(model, mesh)
     optimizer = optax.sgd(0.1, momentum=0.9)
-    state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
+    state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1),
+                              trainable=kwargs.get("trainable"))
     step = redeqx.make_train_step(loss, optimizer, mesh, specs, **kwargs)
     losses = []
     for batch in batches:
@@ -48,6 +49,23 @@ def test_shard_mean_step_matches_one_device(reference, devices, n_model_shards, 
     np.testing.assert_allclose(losses, reference[0], rtol=2e-5, atol=2e-6)
     for a, b in zip(jax.tree.leaves(eqx.filter(state.model, eqx.is_array)),
                     jax.tree.leaves(eqx.filter(reference[1].model, eqx.is_array))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def frozen_embeddings(model):
+    """Train the blocks only (a LoRA-style filter): the tables get no gradient."""
+    spec = jax.tree.map(eqx.is_inexact_array, model)
+    return eqx.tree_at(lambda m: (m.wte, m.wpe), spec, (False, False))
+
+
+def test_shard_mean_step_with_frozen_leaves_matches_one_device(devices):
+    trainable = frozen_embeddings(make_gpt())
+    ref = train(redeqx.make_mesh(1, devices=devices[:1]), trainable=trainable)
+    losses, state = train(redeqx.make_mesh(2), shard_mean_loss=True, trainable=trainable)
+    np.testing.assert_allclose(losses, ref[0], rtol=2e-5, atol=2e-6)
+    assert state.model.wte.weight.tolist() == make_gpt().wte.weight.tolist()  # frozen: bit-identical
+    for a, b in zip(jax.tree.leaves(eqx.filter(state.model, eqx.is_array)),
+                    jax.tree.leaves(eqx.filter(ref[1].model, eqx.is_array))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
