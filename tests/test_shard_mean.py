@@ -204,3 +204,19 @@ def test_the_first_call_check_needs_less_memory_than_the_step(devices):
         return compiled.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
 
     assert temporaries(step._check) < temporaries(step._compiled)
+
+
+def test_gradients_the_check_cannot_compare(devices):
+    """Zero gradients agree (nothing to refuse); non-finite ones cannot be
+    compared, which is said, not mistaken for a broken promise."""
+    def constant(model, batch, key):  # no gradient at all
+        return jnp.sum(jax.lax.stop_gradient(model.wte.weight)) * 0.0
+
+    losses, _ = train(redeqx.make_mesh(2), constant, BATCHES[:1], shard_mean_loss=True)
+    assert losses.tolist() == [0.0]
+
+    def broken(model, batch, key):
+        return loss_fn(model, batch, key) * jnp.float32(np.nan)
+
+    with pytest.warns(UserWarning, match="'broken' gave non-finite gradients"):
+        train(redeqx.make_mesh(2), broken, BATCHES[:1], shard_mean_loss=True)

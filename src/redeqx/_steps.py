@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ._distributed import settle
 from ._layout import apply_layout, check_layout, resolve
 from ._mesh import DATA, MODEL, check_mesh
-from ._rules import path_parts
+from ._rules import _axes_of, path_parts
 from ._state import (
     TrainState,
     _check_leaf,
@@ -485,39 +485,28 @@ def _check_dtype(compute_dtype):
     floating_dtype(compute_dtype, "compute_dtype")
 
 
-def _micro_batches(batch, accumulate: int, mesh: Mesh):
+def _micro_batches(batch, accumulate: int, mesh: Mesh | None):
     """(B, ...) -> (accumulate, B / accumulate, ...). Micro-batch j holds rows
     j, j + accumulate, j + 2 accumulate, ... so each data shard keeps its own
-    rows and the split moves nothing between devices."""
-    n_data = mesh.shape[DATA]
+    rows and the split moves nothing between devices. ``mesh=None``: the rows
+    of one data shard (inside `jax.shard_map`), which this split cuts into the
+    same micro-batches as the whole batch's split does on that shard."""
+    n_data = 1 if mesh is None else mesh.shape[DATA]
 
     def split(x):
         b = x.shape[0]
         if b % accumulate or (b // accumulate) % n_data:
+            rows = f"a data shard's {b} rows" if mesh is None else f"a batch of {b} rows"
             raise ValueError(
-                f"accumulate={accumulate} cannot split a batch of {b} rows into micro-batches that the "
-                f"{n_data}-way data axis also splits: make per_device_batch_size a multiple of accumulate "
+                f"accumulate={accumulate} cannot split {rows} into micro-batches that the {n_data}-way data axis "
+                "also splits: make per_device_batch_size a multiple of accumulate "
                 f"(rows per step = per_device_batch_size * {n_data})."
             )
         x = x.reshape(b // accumulate, accumulate, *x.shape[1:]).swapaxes(0, 1)
+        if mesh is None:
+            return x
         spec = P(None, DATA, *([None] * (x.ndim - 2)))
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-
-    return jax.tree.map(split, batch)
-
-
-def _local_micro_batches(batch, accumulate: int):
-    """`_micro_batches` of one data shard's rows (inside `jax.shard_map`):
-    micro-batch j holds local rows j, j + accumulate, ..., the same rows as
-    the whole batch's micro-batch j has on this shard."""
-    def split(x):
-        b = x.shape[0]
-        if b % accumulate:
-            raise ValueError(
-                f"accumulate={accumulate} cannot split a data shard's {b} rows into equal micro-batches: make "
-                "per_device_batch_size a multiple of accumulate."
-            )
-        return x.reshape(b // accumulate, accumulate, *x.shape[1:]).swapaxes(0, 1)
 
     return jax.tree.map(split, batch)
 
@@ -532,7 +521,7 @@ def _refuse_model_state(state) -> None:
 
 def _check_whole_over_data(specs) -> None:
     split = [(".".join(path_parts(kp)), s) for kp, s in jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[0]
-             if isinstance(s, P) and any(DATA in (e if isinstance(e, tuple) else (e,)) for e in s)]
+             if isinstance(s, P) and any(DATA in _axes_of(e) for e in s)]
     if split:
         path, spec = split[0]
         raise ValueError(
@@ -666,8 +655,6 @@ def make_train_step(
     check_specs(specs, mesh)
     layout = resolve(activation_layout, mesh.shape[MODEL])
 
-    if not isinstance(shard_mean_loss, bool):
-        raise TypeError(f"shard_mean_loss must be True or False, got {short_repr(shard_mean_loss)}.")
     if shard_mean_loss:
         _check_whole_over_data(specs)
     n_model = mesh.shape[MODEL]
@@ -723,7 +710,7 @@ def make_train_step(
         def body(diff, batch, key):
             key = jax.random.fold_in(key, jax.lax.axis_index(DATA))
             loss, aux, grads, _ = accumulated(diff, static, batch, key, _NO_STATE,
-                                              functools.partial(_local_micro_batches, accumulate=accumulate),
+                                              functools.partial(_micro_batches, accumulate=accumulate, mesh=None),
                                               checking)
             return jax.lax.pmean((loss, aux, grads), DATA)
 
@@ -801,8 +788,8 @@ def make_train_step(
         loss, _, whole, _ = accumulated(diff, static, batch, key, _NO_STATE, micro_batches, checking=True)
         loss_other = accumulated(diff, static, batch, other, _NO_STATE, micro_batches, checking=True)[0]
         _, _, shards = shard_mean_grads(diff, static, batch, key, checking=True)
-        gap = optax.tree.norm(jax.tree.map(jnp.subtract, shards, whole)) / optax.tree.norm(whole)
-        return gap, loss != loss_other
+        apart, size = optax.tree.norm(jax.tree.map(jnp.subtract, shards, whole)), optax.tree.norm(whole)
+        return jnp.where(apart == 0, 0.0, apart / size), loss != loss_other
 
     check = _Compiled(disagreement, mesh, donate=False, returns_state=False, targets=targets, what="state",
                       batch_args=(0,))
@@ -820,19 +807,24 @@ class _CheckedFirstCall(_StepFunction):
     def __call__(self, *args):
         if not self._checked:
             gap, random = jax.device_get(self._check(*args))
-            if random:
+            if not np.isfinite(gap):
+                warn_user(
+                    f"shard_mean_loss=True is unchecked: loss_fn {self._name!r} gave non-finite gradients on the "
+                    "first batch (checked in float32, dropout off), so they cannot be compared."
+                )
+            elif random:
                 warn_user(
                     f"shard_mean_loss=True is unchecked: loss_fn {self._name!r} draws random numbers from its key "
                     "even with dropout off, so its whole-batch and per-shard gradients cannot be compared."
                 )
-            elif not gap <= self._tolerance:
+            elif gap > self._tolerance:
                 raise ValueError(
                     f"shard_mean_loss=True, but loss_fn {self._name!r} is not the mean of its values on equal "
                     f"slices of the batch: on this batch's first rows of each data shard, the shards' mean "
-                    f"gradient is {gap:.2g} (relative L2) away from the whole's (tolerance {self._tolerance:g}). A mean over non-padding "
-                    "tokens, a loss comparing rows, or a normalisation over the batch does this. Drop "
-                    "shard_mean_loss (the step then differentiates the loss of the whole batch), or make "
-                    "loss_fn a mean over its rows."
+                    f"gradient is {gap:.2g} (relative L2) away from the whole's (tolerance {self._tolerance:g}). "
+                    "A mean over non-padding tokens, a loss comparing rows, or a normalisation over the batch "
+                    "does this. Drop shard_mean_loss (the step then differentiates the loss of the whole batch), "
+                    "or make loss_fn a mean over its rows."
                 )
             self._checked = True
         return self._compiled(*args)
