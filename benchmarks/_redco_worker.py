@@ -23,6 +23,7 @@ import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import glob  # noqa: E402
 import json  # noqa: E402
+import resource  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from importlib.metadata import version  # noqa: E402
@@ -42,7 +43,9 @@ class TimedDeployer(Deployer):
 
     def log_metrics(self, metrics, step):
         super().log_metrics(metrics=metrics, step=step)
-        self.marks.append((time.perf_counter(), time.process_time(), float(metrics["loss"])))
+        usage = resource.getrusage(resource.RUSAGE_SELF)  # the kernel's share: system time, page faults
+        self.marks.append((time.perf_counter(), time.process_time(), float(metrics["loss"]), usage.ru_stime,
+                           usage.ru_minflt))
 
 
 def collate_fn(examples):
@@ -93,6 +96,7 @@ def main():
     p.add_argument("--data", required=True, help=".npy of (n, seq + 1) int32 tokens")
     p.add_argument("--out", required=True)
     p.add_argument("--hlo", default=None, help="also write the compiled step's HLO text here")
+    p.add_argument("--profile", default=None, help="record the timed steps with jax.profiler into this folder")
     args = p.parse_args()
 
     tokens = np.load(args.data)
@@ -117,10 +121,13 @@ def main():
     deployer.marks = []
     # steps + 1 logged steps give `steps` step-to-step intervals
     timed = examples[args.warmup * args.batch: (args.warmup + args.steps + 1) * args.batch]
-    trainer.train(timed, per_device_batch_size=per_device, desc="timed")
+    with jax.profiler.trace(args.profile, create_perfetto_trace=True) if args.profile else contextlib.nullcontext():
+        trainer.train(timed, per_device_batch_size=per_device, desc="timed")
     marks = deployer.marks
     wall = [b[0] - a[0] for a, b in zip(marks, marks[1:])]
     cpu = [b[1] - a[1] for a, b in zip(marks, marks[1:])]
+    sys_s = [b[3] - a[3] for a, b in zip(marks, marks[1:])]
+    faults = [b[4] - a[4] for a, b in zip(marks, marks[1:])]
 
     out = {
         "side": "redco",
@@ -129,6 +136,8 @@ def main():
         "mesh": dict(deployer.mesh.shape) if deployer.mesh is not None else {"pmap": jax.local_device_count()},
         "wall": wall,
         "cpu": cpu,
+        "sys": sys_s,
+        "faults": faults,
         "first_loss": first_loss,
         "last_loss": marks[-1][2],
         "warmup_s": warmup_s,
@@ -152,6 +161,8 @@ def main():
             f.write(partitioned_text(lowered))
         # cost_analysis; this XLA:CPU's oneDNN matmul custom calls are not in it (the driver adds them)
         out["flops"] = flops_of(compiled)
+        memory = compiled.memory_analysis()  # XLA:CPU allocates the temporaries afresh at every call
+        out["temp_bytes"] = int(memory.temp_size_in_bytes) if memory is not None else None
     with open(args.out, "w") as f:
         json.dump(out, f)
 

@@ -14,6 +14,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import resource  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from importlib.metadata import version  # noqa: E402
@@ -75,6 +76,7 @@ def main():
     p.add_argument("--shard-mean-loss", action="store_true",
                    help="make_train_step(shard_mean_loss=True): per-shard gradients, one all-reduce")
     p.add_argument("--no-donate", action="store_true", help="a copy of the step without donation (to time its cost)")
+    p.add_argument("--profile", default=None, help="record the timed steps with jax.profiler into this folder")
     p.add_argument("--matmul", choices=("wx", "xw"), default="wx",
                    help="wx: the model as written (vmap of eqx.nn.Linear, W @ x per token); xw: the same parameters "
                         "applied as x @ W.T on a whole sequence (Flax's order), to time what that order costs")
@@ -107,10 +109,17 @@ def main():
         losses.append(float(metrics["loss"]))  # to the host, as a progress bar would
         if i == args.warmup - 1:
             warmup_s = time.perf_counter() - t
+            if args.profile:
+                jax.profiler.start_trace(args.profile, create_perfetto_trace=True)
         if i >= args.warmup - 1:  # the mark after the last warm-up step starts the first interval
-            marks.append((time.perf_counter(), time.process_time()))
+            usage = resource.getrusage(resource.RUSAGE_SELF)  # the kernel's share: system time, page faults
+            marks.append((time.perf_counter(), time.process_time(), usage.ru_stime, usage.ru_minflt))
+    if args.profile:
+        jax.profiler.stop_trace()
     wall = [b[0] - a[0] for a, b in zip(marks, marks[1:])]
     cpu = [b[1] - a[1] for a, b in zip(marks, marks[1:])]
+    sys_s = [b[2] - a[2] for a, b in zip(marks, marks[1:])]
+    faults = [b[3] - a[3] for a, b in zip(marks, marks[1:])]
 
     out = {
         "side": "redeqx",
@@ -119,6 +128,8 @@ def main():
         "mesh": dict(mesh.shape),
         "wall": wall,
         "cpu": cpu,
+        "sys": sys_s,
+        "faults": faults,
         "first_loss": losses[0],
         "last_loss": losses[-1],
         "warmup_s": warmup_s,
@@ -136,6 +147,8 @@ def main():
         if isinstance(cost, (list, tuple)):
             cost = cost[0]
         out["flops"] = float(cost.get("flops", float("nan")))
+        memory = compiled.memory_analysis()  # XLA:CPU allocates the temporaries afresh at every call
+        out["temp_bytes"] = int(memory.temp_size_in_bytes) if memory is not None else None
     with open(args.out, "w") as f:
         json.dump(out, f)
 

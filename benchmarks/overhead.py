@@ -5,10 +5,11 @@
 The same small transformer, the same batch, the same placement, on 1 device and
 on 8 simulated CPU devices (n_model_shards=2); the steps alternate step by step
 (the order rotating each round) so all see the same machine noise. Two
-hand-written steps: the model as written, and the model with its linear
-layers computed as redeqx's steps compute them (``x @ W.T``, see
-`redeqx._layout._RowsLinear`). redeqx against the second is the wrapper's
-own overhead (target <= 1.03); against the first, what a user sees.
+hand-written steps: the model as written, and the model computed as
+redeqx's steps compute it (linear layers as ``x @ W.T``, norms recomputed
+in the backward; see `redeqx._layout.as_computed`). redeqx against the
+second is the wrapper's own overhead (target <= 1.03); against the first,
+what a user sees.
 """
 
 import os
@@ -25,7 +26,7 @@ import jax  # noqa: E402
 import optax  # noqa: E402
 
 import redeqx  # noqa: E402
-from redeqx._layout import _rows_linears  # noqa: E402
+from redeqx._layout import as_computed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -41,7 +42,7 @@ def hand_written_step(optimizer, static, as_redeqx_computes):
 
         def loss(p):
             model = eqx.combine(p, static)
-            return lm_loss(_rows_linears(model) if as_redeqx_computes else model, batch, sub)
+            return lm_loss(as_computed(model) if as_redeqx_computes else model, batch, sub)
 
         (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)

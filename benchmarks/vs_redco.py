@@ -122,6 +122,8 @@ def run_worker(side, k, batch, args, data, workdir, hlo: Path | None):
     ]
     if hlo is not None:
         cmd += ["--hlo", str(hlo)]
+    if args.profile_dir is not None:
+        cmd += ["--profile", str(args.profile_dir / f"{side}-{k}-{batch}")]
     if side != "redco":
         cmd += ["--layout", args.layout]
     if side == "redeqx-smean":
@@ -207,6 +209,9 @@ def main():
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--timeout", type=int, default=3600, help="seconds per worker")
     p.add_argument("--hlo-dir", type=Path, default=None, help="keep each side's compiled step (HLO text) here")
+    p.add_argument("--profile-dir", type=Path, default=None,
+                   help="record each worker's timed steps with jax.profiler (a Perfetto trace) under this folder; "
+                        "summarise with benchmarks/profile_summary.py")
     p.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
     args = p.parse_args()
 
@@ -256,16 +261,20 @@ def main():
                         runs[side].append(res)
                         versions[side] = res["versions"]
                         print(f"{shape} K={k} round {r} {side:6s}: {statistics.median(res['wall']):.3f} s/step, "
-                              f"{statistics.median(res['cpu']):.3f} CPU-s/step, loss {res['first_loss']:.3f} -> "
+                              f"{statistics.median(res['cpu']):.3f} CPU-s/step "
+                              f"({statistics.median(res['sys']):.2f} in the kernel), loss {res['first_loss']:.3f} -> "
                               f"{res['last_loss']:.3f} ({res['process_s']:.0f} s in all)", flush=True)
                 for side in sides:
                     first = runs[side][0]
                     results[(shape, k, side)] = {
                         "wall": statistics.median([t for run in runs[side] for t in run["wall"]]),
                         "cpu": statistics.median([t for run in runs[side] for t in run["cpu"]]),
+                        "sys": statistics.median([t for run in runs[side] for t in run.get("sys", [math.nan])]),
+                        "faults": statistics.median([t for run in runs[side] for t in run.get("faults", [math.nan])]),
                         "collectives": first["collectives"],
                         "accelerator_bytes": first["accelerator_bytes"],
                         "flops": first["flops"],
+                        "temp_bytes": first.get("temp_bytes"),
                         "first_loss": first["first_loss"],
                         "last_loss": first["last_loss"],
                         "plan": first.get("plan", {}),
@@ -276,9 +285,11 @@ def main():
                               f"ln(vocab) = {math.log(args.vocab):.3f}")
 
     rows = [
-        "| shape | K (data x model) | rows / data shard | side | s / step | CPU-s / step | collectives | "
-        "bytes / device | as XLA:GPU/TPU move them | GFLOP / device | loss (first step -> last) | redeqx / redco time |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | K (data x model) | rows / data shard | side | s / step | CPU-s / step | of which kernel "
+        "(page faults) | collectives | "
+        "bytes / device | as XLA:GPU/TPU move them | GFLOP / device | temporaries / device | loss (first step -> last) | "
+        "redeqx / redco time |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for shape in shapes:
         for k in ks:
@@ -288,10 +299,11 @@ def main():
                 nbytes = sum(c["bytes"] for c in r["collectives"].values())
                 kinds = ", ".join(f"{v['count']} {kind}" for kind, v in sorted(r["collectives"].items()))
                 ratio = (f"**{r['wall'] / results[(shape, k, 'redco')]['wall']:.2f}**" if side != "redco" else "")
+                temp = f"{r['temp_bytes'] / 2**30:.2f} GiB" if r.get("temp_bytes") is not None else "?"
                 rows.append(
                     f"| {shape} | {k} ({N_DEVICES // k} x {k}) | {batches[shape] // (N_DEVICES // k)} | {side} | "
-                    f"{r['wall']:.3f} | {r['cpu']:.3f} | {count} ({kinds or 'none'}) | {nbytes / 2**20:.2f} MiB | "
-                    f"{r['accelerator_bytes'] / 2**20:.2f} MiB | {r['flops'] / 1e9:.2f} | {r['first_loss']:.3f} -> {r['last_loss']:.3f} | {ratio} |")
+                    f"{r['wall']:.3f} | {r['cpu']:.3f} | {r['sys']:.2f} s ({r['faults'] / 1e6:.2f}M) | {count} ({kinds or 'none'}) | {nbytes / 2**20:.2f} MiB | "
+                    f"{r['accelerator_bytes'] / 2**20:.2f} MiB | {r['flops'] / 1e9:.2f} | {temp} | {r['first_loss']:.3f} -> {r['last_loss']:.3f} | {ratio} |")
     plans = []
     for k in ks:
         if k == 1:
@@ -315,7 +327,9 @@ def main():
         "(`params_sharding_rules=deployer.get_sharding_rules(params)`; n_model_shards=1 is redco's pmap path). "
         f"Median over {args.rounds} rounds of fresh alternating processes x {args.steps} timed steps of each "
         f"side's own loop (after {args.warmup} warm-up steps); collectives and FLOPs per device from each side's "
-        "compiled step (redco's: the `Trainer`'s own pjit/pmap, lowered with its arguments). \"As XLA:GPU/TPU move "
+        "compiled step (redco's: the `Trainer`'s own pjit/pmap, lowered with its arguments), and its temporaries "
+        "(XLA's memory analysis; XLA:CPU allocates them afresh at every call, so the kernel's page faults grow with "
+        "them). \"As XLA:GPU/TPU move "
         "them\": the same program right after SPMD partitioning, with the two rewrites of those backends' pipelines "
         "that XLA:CPU lacks applied to the count (a sum of all-reduces over the same devices is one all-reduce of the "
         "sum; an all-reduce whose result is only sliced is a reduce-scatter), by `redeqx._hlo.reassociated_collectives`.",

@@ -134,10 +134,63 @@ def _rows_linears(model):
     return jax.tree.map(lambda x: _as(_RowsLinear, x) if exact(x) else x, model, is_leaf=exact)
 
 
+_NORMS = (eqx.nn.LayerNorm, eqx.nn.RMSNorm)
+
+
+@functools.lru_cache(maxsize=None)
+def _recomputed(cls):
+    """A subclass of norm class ``cls`` (same fields, paths and specs) whose
+    plain call ``norm(x)`` is recomputed in the backward pass from its input
+    (`jax.checkpoint`): the same function and the same gradient formula, but
+    nothing of its inside is kept from the forward pass to the backward.
+
+    Why: under ``jax.vmap`` (how an Equinox norm meets a batch) the per-token
+    statistics and the norm's weight are broadcast to the activation's full
+    shape, and autodiff keeps what the backward reads: the normalised input,
+    the broadcasts and the output. XLA:CPU, from about 8192 tokens per device
+    on, computes the norms' reductions in YNNPACK fusions that take those
+    broadcasts materialised, so they are kept at full size: on the GPT-style
+    user model of benchmarks/vs_redco.py at n_model_shards=4, 0.70 GiB of the
+    1.44 GiB alive at the step's peak (Flax's LayerNorm in redco's program:
+    0.09 GiB). Recomputing keeps only the input, which the residual stream
+    holds anyway. Measured there (benchmarks/RESULTS.md): temporaries per
+    device 0.94/1.12/1.47 -> 0.87/0.98/1.19 GiB at K=1/2/4, and steps 17 %
+    faster at K=4, since XLA:CPU allocates the temporaries afresh at every
+    call and the kernel zero-fills each page on first touch (38 % of the
+    step's CPU time was the kernel's page faults before, 18 % in redco's).
+    ``prevent_cse`` (the default) keeps XLA from merging the recomputation
+    back into the forward pass's values; without it nothing is saved.
+    On GPU or TPU the saving is the kept normalised input and output per norm,
+    for a recomputation of a few elementwise passes."""
+    base_call = cls.__call__
+
+    def __call__(self, x, *args, key=None, **kwargs):  # Equinox's norms ignore `key`
+        if args or kwargs:  # a state passed: Equinox's own call, unchanged
+            return base_call(self, x, *args, key=key, **kwargs)
+        return jax.checkpoint(lambda norm, x: base_call(norm, x))(self, x)
+
+    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
+                                        "__qualname__": cls.__qualname__})
+
+
+def _recomputed_norms(model):
+    """Every layer of class exactly `eqx.nn.LayerNorm` or `eqx.nn.RMSNorm`
+    computed as `_recomputed` says (a subclass is the user's own, called as it is)."""
+    exact = lambda x: type(x) in _NORMS  # noqa: E731
+    return jax.tree.map(lambda x: _as(_recomputed(type(x)), x) if exact(x) else x, model, is_leaf=exact)
+
+
+def as_computed(model):
+    """``model`` as every step computes it, whatever the layout: exact
+    `eqx.nn.Linear` layers as `_RowsLinear`, exact Equinox norms recomputed in
+    the backward pass (`_recomputed`). The same function, to float rounding."""
+    return _recomputed_norms(_rows_linears(model))
+
+
 def apply_layout(model, layout: str | None, n_model: int):
-    """``model`` as a step computes it: its `eqx.nn.Linear` layers as
-    `_RowsLinear` and its repeated blocks pinned as ``layout`` says."""
-    model = _rows_linears(model)
+    """``model`` as a step computes it (`as_computed`), its repeated blocks
+    pinned as ``layout`` says."""
+    model = as_computed(model)
     if layout is None:
         return model
 

@@ -611,7 +611,11 @@ def make_train_step(
       Pins never apply on one model shard or to `redeqx.models`, which lay
       themselves out. Every exact `eqx.nn.Linear` is computed as ``x @ W.T``
       (the same function; under ``jax.vmap`` it needs no transposed copies
-      of activations on XLA:CPU).
+      of activations on XLA:CPU), and every exact `eqx.nn.LayerNorm` and
+      `eqx.nn.RMSNorm` is recomputed in the backward pass from its input
+      instead of keeping its insides (under ``jax.vmap``, its statistics and
+      weight broadcast to the activation's shape): the same gradients to
+      float rounding, fewer temporaries (`redeqx._layout._recomputed`).
     - ``shard_mean_loss=True`` promises that ``loss_fn`` of a batch equals the
       mean of ``loss_fn`` over equal slices of its rows: true of a mean over
       examples (the example below) or over tokens when every row has as many;
