@@ -114,7 +114,7 @@ def main():
         f"({jax.devices()[0].platform}).",
         "",
         "| setting | redeqx step | hand-written jax.jit + optax, model as written | ratio | "
-        "hand-written, linears as redeqx computes them | ratio: overhead (target <= 1.03) |",
+        "hand-written, model as redeqx computes it | ratio: overhead (target <= 1.03) |",
         "|---|---|---|---|---|---|",
     ]
     lines += [f"| {n} | {o * 1e3:.2f} ms | {h * 1e3:.2f} ms | {o / h:.3f} | {m * 1e3:.2f} ms | {o / m:.3f} |"
