@@ -154,10 +154,11 @@ def _recomputed(cls):
     1.44 GiB alive at the step's peak (Flax's LayerNorm in redco's program:
     0.09 GiB). Recomputing keeps only the input, which the residual stream
     holds anyway. Measured there (benchmarks/RESULTS.md): temporaries per
-    device 0.94/1.12/1.47 -> 0.87/0.98/1.19 GiB at K=1/2/4, and steps 17 %
-    faster at K=4, since XLA:CPU allocates the temporaries afresh at every
-    call and the kernel zero-fills each page on first touch (38 % of the
-    step's CPU time was the kernel's page faults before, 18 % in redco's).
+    device 0.94/1.12/1.47 -> 0.87/0.98/1.19 GiB at K=1/2/4, and at K=4 a
+    step of 12.4-12.5 s instead of 14.6-16.0, since XLA:CPU allocates the
+    temporaries afresh at every call and the kernel zero-fills each page on
+    first touch (38 % of the worker's CPU samples were in the kernel, mostly
+    page faults, against 18 % in redco's).
     ``prevent_cse`` (the default) keeps XLA from merging the recomputation
     back into the forward pass's values; without it nothing is saved.
     On GPU or TPU the saving is the kept normalised input and output per norm,
