@@ -269,8 +269,8 @@ def main():
                     results[(shape, k, side)] = {
                         "wall": statistics.median([t for run in runs[side] for t in run["wall"]]),
                         "cpu": statistics.median([t for run in runs[side] for t in run["cpu"]]),
-                        "sys": statistics.median([t for run in runs[side] for t in run.get("sys", [math.nan])]),
-                        "faults": statistics.median([t for run in runs[side] for t in run.get("faults", [math.nan])]),
+                        "sys": statistics.median([t for run in runs[side] for t in run["sys"]]),
+                        "faults": statistics.median([t for run in runs[side] for t in run["faults"]]),
                         "collectives": first["collectives"],
                         "accelerator_bytes": first["accelerator_bytes"],
                         "flops": first["flops"],

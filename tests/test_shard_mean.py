@@ -187,6 +187,14 @@ def test_what_shard_mean_loss_cannot_do_is_refused(devices):
         step(state, {"x": np.ones((8, 4), np.float32)})
 
 
+def test_accumulate_that_does_not_divide_a_shards_rows_is_named(devices):
+    """accumulate=3 on 4 rows per data shard: the error names the shard's rows
+    and the fix, not a data axis that the per-shard split does not have."""
+    with pytest.raises(ValueError, match=r"accumulate=3 cannot split a data shard's 4 rows into equal micro-batches"
+                                         r": make per_device_batch_size a multiple of accumulate"):
+        train(redeqx.make_mesh(2), accumulate=3, shard_mean_loss=True)
+
+
 def test_the_first_call_check_needs_less_memory_than_the_step(devices):
     """The check compares two gradient trees in float32, on a few rows of
     each shard, so it never needs more memory than the step it guards

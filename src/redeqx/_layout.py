@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from ._constrain import constrain
 from ._mesh import MODEL
-from ._remat import _as, _is_repeated_blocks
+from ._remat import _as, _is_repeated_blocks, _with_call
 
 Layout = Literal["auto", "sequence", "replicated"] | None
 LAYOUTS = ("auto", "sequence", "replicated", None)
@@ -76,8 +76,7 @@ def _pinned(cls, layout: str, n_model: int):
             return _pin(out, spec, n_model)
         return out
 
-    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
-                                        "__qualname__": cls.__qualname__})
+    return _with_call(cls, __call__)
 
 
 # What "auto" means, decided on measurements (benchmarks/layout.py, the compiled programs' own
@@ -168,10 +167,9 @@ def _recomputed(cls):
     def __call__(self, x, *args, key=None, **kwargs):  # Equinox's norms ignore `key`
         if args or kwargs:  # a state passed: Equinox's own call, unchanged
             return base_call(self, x, *args, key=key, **kwargs)
-        return jax.checkpoint(lambda norm, x: base_call(norm, x))(self, x)
+        return jax.checkpoint(base_call)(self, x)
 
-    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
-                                        "__qualname__": cls.__qualname__})
+    return _with_call(cls, __call__)
 
 
 def _recomputed_norms(model):

@@ -138,6 +138,12 @@ def _rematerialised(cls):
     def __call__(self, *args, **kwargs):
         return checkpoint(jax.tree_util.Partial(cls.__call__, self))(*args, **kwargs)
 
+    return _with_call(cls, __call__)
+
+
+def _with_call(cls, __call__):
+    """A subclass of module class ``cls`` that differs only in its call: the
+    same name, fields, paths and specs (what the models' swaps rely on)."""
     return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
                                         "__qualname__": cls.__qualname__})
 

@@ -496,11 +496,11 @@ def _micro_batches(batch, accumulate: int, mesh: Mesh | None):
     def split(x):
         b = x.shape[0]
         if b % accumulate or (b // accumulate) % n_data:
-            rows = f"a data shard's {b} rows" if mesh is None else f"a batch of {b} rows"
+            where = (f"a data shard's {b} rows into equal micro-batches" if mesh is None else
+                     f"a batch of {b} rows into micro-batches that the {n_data}-way data axis also splits")
             raise ValueError(
-                f"accumulate={accumulate} cannot split {rows} into micro-batches that the {n_data}-way data axis "
-                "also splits: make per_device_batch_size a multiple of accumulate "
-                f"(rows per step = per_device_batch_size * {n_data})."
+                f"accumulate={accumulate} cannot split {where}: make per_device_batch_size a multiple of "
+                f"accumulate (rows per step = per_device_batch_size * {mesh.shape[DATA] if mesh else 'data shards'})."
             )
         x = x.reshape(b // accumulate, accumulate, *x.shape[1:]).swapaxes(0, 1)
         if mesh is None:
