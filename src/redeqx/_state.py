@@ -488,3 +488,18 @@ def apply_gradients(
     updates, opt_state = optimizer.update(grads, state.opt_state, params)
     return dataclasses.replace(state, model=eqx.apply_updates(state.model, updates), opt_state=opt_state,
                                step=state.step + 1)
+
+
+def refuse_deleted(named_leaves, what: str) -> None:
+    """A step given an array whose buffer an earlier donating call took would
+    crash the process (XLA:CPU segfaults executing it) or fail deep in JAX:
+    name the leaf and the usual cause instead."""
+    for path, x in named_leaves:
+        if isinstance(x, jax.Array) and x.is_deleted():
+            raise ValueError(
+                f"leaf '{path}' of the {what} was deleted: an earlier step was given it and donated its memory (a train "
+                "step reuses the state it is given for the state it returns). Use what that call returned, e.g. "
+                "`state, metrics = train_step(state, batch)`, and evaluate or save that state, not the one passed "
+                "in. To keep an old state too, copy it first: jax.tree.map(lambda x: x.copy() if "
+                "eqx.is_array(x) else x, state)."
+            )

@@ -39,6 +39,7 @@ from ._state import (
     check_specs,
     check_specs_match,
     place,
+    refuse_deleted,
 )
 from ._typing import floating_dtype, short_repr, typechecked, warn_user
 
@@ -196,6 +197,7 @@ class _Compiled:
             dyn = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) if isinstance(x, jax.ShapeDtypeStruct) else x
                    for x, s in zip(dyn, shardings)]
             return fn, dyn, treedef, mask, static_leaves
+        refuse_deleted(zip(dyn_paths, dyn), self.what)
         moved = []
         out = []
         for x, cur, s, path in zip(dyn, current, shardings, dyn_paths):
@@ -214,6 +216,9 @@ class _Compiled:
         return fn, out, treedef, mask, static_leaves
 
     def _args(self, args):
+        for i, arg in enumerate(args):
+            refuse_deleted(((".".join(path_parts(kp)), x) for kp, x in jax.tree_util.tree_flatten_with_path(arg)[0]),
+                           f"step's argument {i + 2}")
         if not self.batch_args:
             if jax.process_count() > 1:
                 _refuse_local_arrays(args)
