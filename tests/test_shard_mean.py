@@ -112,6 +112,18 @@ def test_a_mean_over_the_batchs_tokens_is_refused(devices):
     np.testing.assert_allclose(eight[0], one[0], rtol=2e-5)
 
 
+def test_a_shard_with_no_tokens_is_refused_not_trained_on_nan(devices):
+    """A token mean whose first rows of some shard are all padding: that
+    shard's mean is 0/0, the whole batch's is finite. This once only warned
+    'unchecked', and the step then trained on NaN gradients."""
+    batch = padded(BATCHES[0], 0)
+    batch["mask"][:4] = 0.0  # the first data shard of 4 (rows 0-3) has no tokens
+    with pytest.raises(ValueError, match=r"'token_mean' is not the mean .* some shard's are not"):
+        train(redeqx.make_mesh(2), token_mean, [batch], shard_mean_loss=True)
+    losses, _ = train(redeqx.make_mesh(2), token_mean, [batch])  # without the option it is finite
+    assert np.isfinite(losses).all()
+
+
 def test_a_loss_drawing_from_its_key_is_run_unchecked_with_a_warning(devices):
     def noisy(model, batch, key):
         return loss_fn(model, batch, key) + 0.01 * jax.random.normal(key)

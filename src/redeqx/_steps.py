@@ -798,7 +798,7 @@ def make_train_step(
         loss_other = accumulated(diff, static, batch, other, _NO_STATE, micro_batches, checking=True)[0]
         _, _, shards = shard_mean_grads(diff, static, batch, key, checking=True)
         apart, size = optax.tree.norm(jax.tree.map(jnp.subtract, shards, whole)), optax.tree.norm(whole)
-        return jnp.where(apart == 0, 0.0, apart / size), loss != loss_other
+        return jnp.where(apart == 0, 0.0, apart / size), loss != loss_other, jnp.isfinite(size) & jnp.isfinite(loss)
 
     check = _Compiled(disagreement, mesh, donate=False, returns_state=False, targets=targets, what="state",
                       batch_args=(0,))
@@ -815,7 +815,16 @@ class _CheckedFirstCall(_StepFunction):
 
     def __call__(self, *args):
         if not self._checked:
-            gap, random = jax.device_get(self._check(*args))
+            gap, random, whole_finite = jax.device_get(self._check(*args))
+            if not np.isfinite(gap) and whole_finite:
+                raise ValueError(
+                    f"shard_mean_loss=True, but loss_fn {self._name!r} is not the mean of its values on equal "
+                    "slices of the batch: on this batch's first rows of each data shard, the whole batch's "
+                    "gradients are finite and some shard's are not (a shard with no tokens to average over "
+                    "divides 0 by 0). A mean over the non-padding tokens of the whole batch does this. Drop "
+                    "shard_mean_loss (the step then differentiates the loss of the whole batch), or make loss_fn "
+                    "a mean over its rows."
+                )
             if not np.isfinite(gap):
                 warn_user(
                     f"shard_mean_loss=True is unchecked: loss_fn {self._name!r} gave non-finite gradients on the "
