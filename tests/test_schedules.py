@@ -44,6 +44,10 @@ def test_lr_schedule_shapes(devices):
         redeqx.lr_schedule(1000, 8, 2, 1e-3, mesh, schedule_type="step")
     with pytest.raises(ValueError, match="smaller than one step's 32 examples.*drop_last=False"):
         redeqx.lr_schedule(10, 8, 2, 1e-3, mesh)
+    with pytest.raises(ValueError, match="learning_rate must be a finite rate >= 0, got nan"):
+        redeqx.lr_schedule(1000, 8, 2, float("nan"), mesh)  # once accepted: every update NaN
+    with pytest.raises(ValueError, match="end_learning_rate must be a finite rate >= 0, got -1e-05"):
+        redeqx.lr_schedule(1000, 8, 2, 1e-3, mesh, end_learning_rate=-1e-5)
 
 
 @pytest.mark.parametrize("accumulate", [1, 4])

@@ -61,6 +61,13 @@ def lr_schedule(
     for name, v in (("train_size", train_size), ("per_device_batch_size", per_device_batch_size),
                     ("n_epochs", n_epochs), ("accumulate", accumulate)):
         _check_positive_int(name, v)
+    for name, v in (("learning_rate", learning_rate), ("init_learning_rate", init_learning_rate),
+                    ("end_learning_rate", end_learning_rate)):
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(
+                f"{name} must be a finite rate >= 0, got {v}; optax's optimizers descend with a positive rate "
+                "(to maximise an objective, negate it in loss_fn)."
+            )
     if schedule_type not in ("linear", "cosine"):
         raise ValueError(f"schedule_type must be 'linear' or 'cosine', got {schedule_type!r}.")
     if per_device_batch_size % accumulate:
