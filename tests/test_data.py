@@ -52,6 +52,9 @@ def test_shuffle_is_deterministic_and_start_resumes(devices):
     assert sorted(np.concatenate(a).tolist()) == list(range(40))
     resumed = [np.asarray(b["id"]) for b in redeqx.batches(ex, collate, 2, mesh, shuffle=True, key=key, start=3)]
     assert all(np.array_equal(x, y) for x, y in zip(resumed, a[3:])) and len(resumed) == 2
+    assert list(redeqx.batches(ex, collate, 2, mesh, shuffle=True, key=key, start=5)) == []  # an epoch done
+    with pytest.raises(ValueError, match=r"start=6 is past this epoch's 5 batches \(40 examples, global batch 8"):
+        redeqx.batches(ex, collate, 2, mesh, shuffle=True, key=key, start=6)  # once an empty epoch, silently
     with pytest.raises(ValueError, match="shuffle=True needs key="):
         list(redeqx.batches(ex, collate, 2, mesh, shuffle=True))
 

@@ -358,6 +358,14 @@ def batches(
             f"redeqx.batches: the last batch has {n % size} of {size} examples; it is filled up with "
             f"{size - n % size} examples from the start of the order. Pass drop_last=True to drop it instead."
         )
+    n_batches = n // size if drop_last else math.ceil(n / size)
+    if start > n_batches:
+        raise ValueError(
+            f"start={start} is past this epoch's {n_batches} batches ({n} examples, global batch {size} = "
+            f"{per_device_batch_size} x data {mesh.shape[DATA]}, drop_last={drop_last}); start={n_batches} is an "
+            "epoch already done. Resuming a run? Use the dataset, per_device_batch_size and n_model_shards it was "
+            "saved with."
+        )
     order = _order(n, shuffle, key)
     made = _padded_batches(examples, collate_fn, per_device_batch_size, mesh, order, start, desc, drop_last, True, prefetch)
     return _only_batches(made, warning)
