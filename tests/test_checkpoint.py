@@ -6,6 +6,7 @@ import json
 import os
 import resource
 import signal
+import warnings
 
 import equinox as eqx
 import jax
@@ -258,6 +259,25 @@ def test_manager_every_k_epochs_and_data_position(tmp_path):
     _, meta = manager.restore(state, mesh, specs)
     assert (meta["step"], meta["epoch"], meta["batch"]) == (40, 4, 0)
     np.testing.assert_array_equal(jax.random.key_data(meta["data_key"]), jax.random.key_data(key))
+    manager.close()
+
+
+def test_manager_warns_when_a_mid_epoch_position_moves(tmp_path):
+    """A batch index is per_device_batch_size * data examples: resumed on
+    another data size it points at another example, which is said."""
+    state, specs = trained_state(redeqx.make_mesh(2))  # data = 4
+    manager = redeqx.CheckpointManager(tmp_path, keep_last=5, async_save=False)
+    manager.save(at_step(state, 7), epoch=1, batch=3)
+    mesh4 = redeqx.make_mesh(4)  # data = 2
+    specs4 = redeqx.sharding_rules(make_model(jax.random.key(0)), mesh4)
+    with pytest.warns(UserWarning, match=r"next batch 3\) on a mesh with data=4, and this mesh has data=2"):
+        _, meta = manager.restore(state, mesh4, specs4)
+    assert meta["data_shards"] == 4 and meta["batch"] == 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        manager.restore(state, redeqx.make_mesh(2), specs)  # the same data size: quiet
+        manager.save(at_step(state, 8), epoch=2, batch=0)  # an epoch boundary is a position on any mesh
+        manager.restore(state, mesh4, specs4)
     manager.close()
 
 

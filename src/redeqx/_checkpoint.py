@@ -47,7 +47,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import PyTree
 
-from ._mesh import check_mesh
+from ._mesh import DATA, check_mesh
 from ._rules import path_parts
 from ._state import TrainState, _is_none, _is_spec, _mirror_specs, check_specs_match as _check_specs_match, refuse_deleted
 from ._typing import floating_dtype
@@ -115,6 +115,16 @@ def _items(state) -> dict[str, list[tuple[tuple[str, ...], Any]]]:
 
 def _train_states(tree) -> list[TrainState]:
     return [x for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, TrainState)) if isinstance(x, TrainState)]
+
+
+def _data_shards_of(state) -> int | None:
+    """The ``data`` axis size of the mesh ``state`` lives on (what turns a
+    batch index into a position in the data), if its arrays say."""
+    for x in jax.tree.leaves(state):
+        mesh = getattr(getattr(x, "sharding", None), "mesh", None)
+        if mesh is not None and DATA in getattr(mesh, "axis_names", ()):
+            return int(mesh.shape[DATA])
+    return None
 
 
 def _step_of(state) -> int | None:
@@ -584,6 +594,22 @@ def _check_count(name: str, value, minimum: int) -> int:
     return int(value)
 
 
+def _warn_moved_position(meta: dict, mesh: Mesh, path: Path) -> None:
+    """A mid-epoch position is a batch index, and a batch is
+    ``per_device_batch_size * data`` examples: on another ``data`` size,
+    ``batches(..., start=batch)`` starts at another example."""
+    saved, now = meta.get("data_shards"), mesh.shape[DATA]
+    if meta.get("batch", 0) and saved is not None and saved != now:
+        warnings.warn(
+            f"redeqx.CheckpointManager: {path.name} was saved mid-epoch (next batch {meta['batch']}) on a mesh with "
+            f"data={saved}, and this mesh has data={now}: with the same per_device_batch_size a batch is "
+            f"{now}/{saved} as many examples, so batches(..., start={meta['batch']}) would skip or repeat examples "
+            "of this epoch. Resume on the same data size to finish the epoch, scale per_device_batch_size by "
+            f"{saved}/{now}, or restart the epoch (start=0).",
+            stacklevel=3,
+        )
+
+
 class CheckpointManager:
     """A run's checkpoints in ``workdir/checkpoints/step_<step>/``: which to
     write, which to keep, and which to restore.
@@ -609,7 +635,10 @@ class CheckpointManager:
 
     `save` keeps the data position for an exact resume: ``epoch`` and
     ``batch`` (the next batch to run, as ``batches(..., start=batch)``) and
-    ``data_key`` (the key the epoch's shuffle order came from).
+    ``data_key`` (the key the epoch's shuffle order came from), with the
+    mesh's ``data`` size: `restore` warns when a mid-epoch position is
+    resumed on another ``data`` size, where the same batch index is another
+    example.
 
     **Example:**
 
@@ -769,6 +798,8 @@ class CheckpointManager:
         meta = {**dict(metadata or {}), "step": step, "epoch": epoch, "batch": batch, "metrics": metrics}
         if data_key is not None:
             meta["data_key"] = data_key
+        if (n_data := _data_shards_of(state)) is not None:
+            meta["data_shards"] = n_data
         args, full = _prepare(state, meta, self.dtype)
         with self._lock:
             _write(self._checkpointer, path, args)
@@ -854,7 +885,9 @@ class CheckpointManager:
         for path in candidates:
             try:
                 state = restore_checkpoint(path, like, mesh, specs)
-                return state, read_metadata(path)
+                meta = read_metadata(path)
+                _warn_moved_position(meta, mesh, path)
+                return state, meta
             except CheckpointError as e:
                 failures.append(str(e))
                 warnings.warn(f"redeqx.CheckpointManager: skipping {path}: {e}", stacklevel=2)
