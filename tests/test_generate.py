@@ -78,6 +78,27 @@ def test_left_padded_prompts_match_transformers(llama):
     np.testing.assert_array_equal(np.asarray(out), ref)
 
 
+def test_right_and_inner_padding_generate_as_the_bare_prompt(llama):
+    """Padding anywhere in a prompt is skipped: the first new token comes from
+    the last real token's logits (prefill once took the last slot's, a pad's
+    for a right-padded prompt, and generated from it silently)."""
+    d, hf = llama
+    ids = _prompts(1)[0, :4]
+    ref = _hf_generate(hf, ids[None], max_new_tokens=8)[0]
+    pad = 0
+    rows = {"left": [pad, pad, *ids], "right": [*ids, pad, pad], "inner": [ids[0], pad, *ids[1:3], pad, ids[3]]}
+    batch = np.array(list(rows.values()))
+    mask = batch != pad
+    model = from_pretrained(d, redeqx.make_mesh(1, devices=jax.devices()[:1]))
+    out = np.asarray(jax.jit(lambda m, i, a: generate(m, i, attention_mask=a, max_new_tokens=8))(model, batch, mask))
+    for name, row in zip(rows, out):
+        np.testing.assert_array_equal(row, ref, err_msg=f"{name}-padded prompt")
+    beams = jax.jit(lambda m, i, a: beam_search(m, i, attention_mask=a, max_new_tokens=5, num_beams=3))
+    bare = np.asarray(beams(model, ids[None], np.ones((1, 4), bool)))[0]
+    for name, row in zip(rows, np.asarray(beams(model, batch, mask))):
+        np.testing.assert_array_equal(row, bare, err_msg=f"{name}-padded prompt, beam search")
+
+
 def test_beam_search_matches_transformers(llama):
     d, hf = llama
     ids = _prompts()

@@ -85,7 +85,7 @@ def _check(model, input_ids, max_new_tokens, attention_mask):
     if attention_mask is not None and jnp.shape(attention_mask) != jnp.shape(input_ids):
         raise ValueError(
             f"attention_mask has shape {jnp.shape(attention_mask)} but input_ids has {jnp.shape(input_ids)}; "
-            "give one flag per prompt token (False for left padding)."
+            "give one flag per prompt token (False for padding)."
         )
     b, p = input_ids.shape
     mask = jnp.ones((b, p), bool) if attention_mask is None else jnp.asarray(attention_mask).astype(bool)
@@ -122,8 +122,9 @@ def generate(
     """The ``max_new_tokens`` tokens that follow each prompt, one cached
     decoding step per token.
 
-    Prompts of different lengths are left-padded, with ``attention_mask``
-    ``False`` on the padding. ``sampler`` picks each token (default
+    Prompts of different lengths are padded (on the left, the right, or
+    both: the same tokens follow), with ``attention_mask`` ``False`` on the
+    padding. ``sampler`` picks each token (default
     `greedy`; `sample` for temperature/top-k/top-p, which needs ``key``).
     After a sequence emits ``eos_token_id`` its remaining tokens are
     ``pad_token_id``.

@@ -440,12 +440,16 @@ class CausalLM(eqx.Module):
     def prefill(
         self, input_ids: Int[Array, " seq"], attention_mask: Bool[Array, " seq"], max_new_tokens: int
     ) -> tuple[Float[Array, " vocab"], Cache]:
-        """Decode a (left-padded) prompt into a cache with room for
+        """Decode a padded prompt into a cache with room for
         ``max_new_tokens`` more: the next token's logits and the cache (what
-        `redeqx.models.generate` starts from)."""
-        cache = self.init_cache(input_ids.shape[0] + max_new_tokens)
+        `redeqx.models.generate` starts from). Padding (``attention_mask``
+        False) may sit anywhere: positions count real tokens only, padded
+        slots are never attended to, and the logits are the last real
+        token's."""
+        t = input_ids.shape[0]
+        cache = self.init_cache(t + max_new_tokens)
         logits, cache = self.decode(input_ids, cache, attention_mask=attention_mask)
-        return logits[-1], cache  # left padding: the last slot is a real token
+        return logits[t - 1 - jnp.argmax(attention_mask[::-1])], cache
 
     def decode(
         self,
