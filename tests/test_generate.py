@@ -143,3 +143,7 @@ def test_generation_errors_name_the_argument(llama):
         sample(temperature=0.0)
     with pytest.raises(ValueError, match="top_p"):
         sample(top_p=1.5)
+    with pytest.raises(ValueError, match=rf"token ids from \d+ to {VOCAB}, outside the model's vocabulary of {VOCAB}"):
+        generate(model, ids.at[0, 0].set(VOCAB), max_new_tokens=2)  # once NaN logits, argmax 0, silently
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        beam_search(model, ids.at[1, 2].set(-1), max_new_tokens=2, num_beams=2)

@@ -87,6 +87,15 @@ def _check(model, input_ids, max_new_tokens, attention_mask):
             f"attention_mask has shape {jnp.shape(attention_mask)} but input_ids has {jnp.shape(input_ids)}; "
             "give one flag per prompt token (False for padding)."
         )
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab is not None and not isinstance(input_ids, jax.core.Tracer) and jnp.size(input_ids):
+        lo, hi = int(jnp.min(input_ids)), int(jnp.max(input_ids))  # two scalars, whatever the sharding
+        if lo < 0 or hi >= vocab:
+            raise ValueError(
+                f"input_ids holds token ids from {lo} to {hi}, outside the model's vocabulary of {vocab} "
+                f"(ids 0..{vocab - 1}); an embedding lookup out of range gives no error, only wrong tokens. "
+                "Tokenise with the model's own tokenizer, or map unknown tokens to its unk id."
+            )
     b, p = input_ids.shape
     mask = jnp.ones((b, p), bool) if attention_mask is None else jnp.asarray(attention_mask).astype(bool)
     return b, p, mask
