@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 Sampler = Callable[[Float[Array, "batch vocab"], PRNGKeyArray], Int[Array, " batch"]]
@@ -88,8 +89,10 @@ def _check(model, input_ids, max_new_tokens, attention_mask):
             "give one flag per prompt token (False for padding)."
         )
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    if vocab is not None and not isinstance(input_ids, jax.core.Tracer) and jnp.size(input_ids):
-        lo, hi = int(jnp.min(input_ids)), int(jnp.max(input_ids))  # two scalars, whatever the sharding
+    concrete = not isinstance(input_ids, jax.core.Tracer) and getattr(input_ids, "is_fully_addressable", True)
+    if vocab is not None and concrete and np.size(input_ids):  # under jit the ids are a tracer: unchecked
+        ids = np.asarray(input_ids)
+        lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= vocab:
             raise ValueError(
                 f"input_ids holds token ids from {lo} to {hi}, outside the model's vocabulary of {vocab} "
