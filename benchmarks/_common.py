@@ -1,10 +1,15 @@
 """Shared by the benchmarks: the small transformer's size flags, timing a
-call, and writing one benchmark's section of benchmarks/RESULTS.md while
-keeping the others."""
+call, running a script's workers (on 8 simulated CPU devices, or in the
+libtpu virtual environment), and writing one benchmark's section of
+benchmarks/RESULTS.md while keeping the others."""
 
 import datetime
+import json
+import os
 import platform
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -47,3 +52,26 @@ def timed(fn, n: int) -> list[float]:
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - t)
     return times
+
+
+def cpu8_env() -> dict:
+    """This process's environment with 8 simulated CPU devices."""
+    return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+
+
+def libtpu() -> tuple[str, dict]:
+    """The Python of benchmarks/.venv-tpu and an environment in which libtpu
+    compiles for a TPU v4 slice with no TPU attached; exits if it is missing."""
+    python = Path(__file__).resolve().parent / ".venv-tpu" / "bin" / "python"
+    if not python.exists():
+        sys.exit("no benchmarks/.venv-tpu: run `python benchmarks/table1.py --setup-tpu` once")
+    return str(python), dict(os.environ, TPU_ACCELERATOR_TYPE="v4-16", TPU_WORKER_HOSTNAMES="localhost",
+                             TPU_SKIP_MDS_QUERY="1")
+
+
+def run_worker(python: str, script: str, args: list[str], env: dict):
+    """Run ``script args`` under ``python`` and return the JSON of its last line."""
+    proc = subprocess.run([python, script, *args], env=env, stdout=subprocess.PIPE, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"{Path(script).name} {' '.join(args)} failed (exit {proc.returncode}); its output is above")
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 V, D, B, T = 8192, 256, 64, 128  # the vs_redco GPT's table; 8 rows of 128 tokens per chip
 
 
@@ -118,13 +117,6 @@ def cpu_worker() -> dict:
     return out
 
 
-def _run(python: str, kind: str, env: dict) -> dict:
-    proc = subprocess.run([python, __file__, "--worker", kind], env=env, stdout=subprocess.PIPE, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"the {kind} probe failed (exit {proc.returncode}); its output is above")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--no-write", action="store_true")
@@ -133,13 +125,12 @@ def main():
     if args.worker:
         print(json.dumps(tpu_worker() if args.worker == "tpu" else cpu_worker()), flush=True)
         return
-    tpu_python = HERE / ".venv-tpu" / "bin" / "python"
-    if not tpu_python.exists():
-        sys.exit("no benchmarks/.venv-tpu: run `python benchmarks/table1.py --setup-tpu` once")
-    tpu = _run(str(tpu_python), "tpu", dict(os.environ, TPU_ACCELERATOR_TYPE="v4-16",
-                                              TPU_WORKER_HOSTNAMES="localhost", TPU_SKIP_MDS_QUERY="1"))
-    cpu = _run(sys.executable, "cpu", dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8"))
     import jax
+    from _common import cpu8_env, libtpu, run_worker
+
+    tpu_python, tpu_env = libtpu()
+    tpu = run_worker(tpu_python, __file__, ["--worker", "tpu"], tpu_env)
+    cpu = run_worker(sys.executable, __file__, ["--worker", "cpu"], cpu8_env())
 
     lines = [
         f"Tied table {V} x {D} (fp32, 8 MiB), batch {B} x {T} tokens split over 8 data shards, at one model shard.", "",
@@ -167,7 +158,6 @@ def main():
 
     print("\n".join(lines))
     if not args.no_write:
-        sys.path.insert(0, str(HERE))
         from _common import write_section
 
         write_section("A tied embedding's gradient at one model shard (benchmarks/tied_gradient.py)", "\n".join(lines))

@@ -19,8 +19,6 @@ import argparse
 import collections
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -106,13 +104,6 @@ def cpu_worker(k: int) -> dict:
                 megatron=megatron_bytes(256, 4, 16, 256, grad_bytes) if k > 1 else grad_bytes, grad_bytes=grad_bytes)
 
 
-def _run(python: str, args: list[str], env: dict) -> object:
-    proc = subprocess.run([python, __file__, *args], env=env, stdout=subprocess.PIPE, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"{args} failed (exit {proc.returncode}); its output is above")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--no-write", action="store_true")
@@ -122,15 +113,13 @@ def main():
         kind, k = args.worker[0], int(args.worker[1])
         print(json.dumps(tpu_worker(k) if kind == "tpu" else cpu_worker(k)), flush=True)
         return
-    tpu_python = HERE / ".venv-tpu" / "bin" / "python"
-    if not tpu_python.exists():
-        sys.exit("no benchmarks/.venv-tpu: run `python benchmarks/table1.py --setup-tpu` once")
-    tpu_env = dict(os.environ, TPU_ACCELERATOR_TYPE="v4-16", TPU_WORKER_HOSTNAMES="localhost", TPU_SKIP_MDS_QUERY="1")
-    cpu_env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    from _common import cpu8_env, libtpu, run_worker
+
+    tpu_python, tpu_env = libtpu()
     rows = []
     for k in (1, 2, 4):
-        tpu = _run(str(tpu_python), ["--worker", "tpu", str(k)], tpu_env)
-        rows.append((k, tpu, _run(sys.executable, ["--worker", "cpu", str(k)], cpu_env)))
+        tpu = run_worker(tpu_python, __file__, ["--worker", "tpu", str(k)], tpu_env)
+        rows.append((k, tpu, run_worker(sys.executable, __file__, ["--worker", "cpu", str(k)], cpu8_env())))
     lines = [
         "The vs_redco user GPT (tests/user_gpt.py: 4 layers, width 256, vocab 8192, 256 tokens, tied embedding, "
         "clip + AdamW, fp32), 16 sequences per data shard, compiled by libtpu for 8 TPU v4 chips ahead of time "
