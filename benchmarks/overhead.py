@@ -42,7 +42,7 @@ def hand_written_step(optimizer, static, as_redeqx_computes):
 
         def loss(p):
             model = eqx.combine(p, static)
-            return lm_loss(as_computed(model) if as_redeqx_computes else model, batch, sub)
+            return lm_loss(as_computed(model, jax.devices()[0].platform) if as_redeqx_computes else model, batch, sub)
 
         (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)

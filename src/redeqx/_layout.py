@@ -160,8 +160,8 @@ def _recomputed(cls):
     page faults, against 18 % in redco's).
     ``prevent_cse`` (the default) keeps XLA from merging the recomputation
     back into the forward pass's values; without it nothing is saved.
-    On GPU or TPU the saving is the kept normalised input and output per norm,
-    for a recomputation of a few elementwise passes."""
+    Only on `RECOMPUTE_NORMS_ON` (XLA:CPU): libtpu keeps no broadcasts, and
+    there the recomputation only added temporaries."""
     base_call = cls.__call__
 
     def __call__(self, x, *args, key=None, **kwargs):  # Equinox's norms ignore `key`
@@ -179,17 +179,28 @@ def _recomputed_norms(model):
     return jax.tree.map(lambda x: _as(_recomputed(type(x)), x) if exact(x) else x, model, is_leaf=exact)
 
 
-def as_computed(model):
-    """``model`` as every step computes it, whatever the layout: exact
-    `eqx.nn.Linear` layers as `_RowsLinear`, exact Equinox norms recomputed in
-    the backward pass (`_recomputed`). The same function, to float rounding."""
-    return _recomputed_norms(_rows_linears(model))
+# The platforms whose steps recompute the norms: where that was measured to pay. On XLA:CPU it
+# took the vs_redco GPT's temporaries from 0.94/1.12/1.47 to 0.87/0.98/1.19 GiB at K=1/2/4; libtpu,
+# which never materialises the norms' broadcasts, compiled the same steps with 1/7/38 % more
+# temporaries and 4-9 % more bytes accessed (benchmarks/tpu_programs.py). XLA:GPU also fuses
+# broadcasts into their consumers, so it is left out until measured there.
+RECOMPUTE_NORMS_ON = frozenset({"cpu"})
 
 
-def apply_layout(model, layout: str | None, n_model: int):
-    """``model`` as a step computes it (`as_computed`), its repeated blocks
-    pinned as ``layout`` says."""
-    model = as_computed(model)
+def as_computed(model, platform: str):
+    """``model`` as every step on ``platform`` computes it, whatever the
+    layout: exact `eqx.nn.Linear` layers as `_RowsLinear`, and on
+    `RECOMPUTE_NORMS_ON` exact Equinox norms recomputed in the backward pass
+    (`_recomputed`). The same function, to float rounding."""
+    model = _rows_linears(model)
+    return _recomputed_norms(model) if platform in RECOMPUTE_NORMS_ON else model
+
+
+def apply_layout(model, layout: str | None, mesh):
+    """``model`` as a step on ``mesh`` computes it (`as_computed`), its
+    repeated blocks pinned as ``layout`` says."""
+    model = as_computed(model, mesh.devices.flat[0].platform)
+    n_model = mesh.shape[MODEL]
     if layout is None:
         return model
 

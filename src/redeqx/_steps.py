@@ -616,11 +616,13 @@ def make_train_step(
       Pins never apply on one model shard or to `redeqx.models`, which lay
       themselves out. Every exact `eqx.nn.Linear` is computed as ``x @ W.T``
       (the same function; under ``jax.vmap`` it needs no transposed copies
-      of activations on XLA:CPU), and every exact `eqx.nn.LayerNorm` and
-      `eqx.nn.RMSNorm` is recomputed in the backward pass from its input
+      of activations on XLA:CPU), and on CPU every exact `eqx.nn.LayerNorm`
+      and `eqx.nn.RMSNorm` is recomputed in the backward pass from its input
       instead of keeping its insides (under ``jax.vmap``, its statistics and
-      weight broadcast to the activation's shape): the same gradients to
-      float rounding, fewer temporaries (`redeqx._layout._recomputed`).
+      weight broadcast to the activation's shape, which XLA:CPU
+      materialises): the same gradients to float rounding, fewer temporaries
+      (`redeqx._layout._recomputed`; on TPU it added temporaries, so it is
+      CPU's only).
     - ``shard_mean_loss=True`` promises that ``loss_fn`` of a batch equals the
       mean of ``loss_fn`` over equal slices of its rows: true of a mean over
       examples (the example below) or over tokens when every row has as many;
@@ -666,7 +668,6 @@ def make_train_step(
 
     if shard_mean_loss:
         _check_whole_over_data(specs)
-    n_model = mesh.shape[MODEL]
 
     def grads_of(diff, static, batch, key, model_state, checking=False):
         """Loss, aux, gradients, new model state; ``checking``: with dropout
@@ -677,7 +678,7 @@ def make_train_step(
             model = eqx.combine(diff, static)
             if checking:
                 model = eqx.nn.inference_mode(model, True)
-            model = apply_layout(_cast_floats(model, dtype), layout, n_model)
+            model = apply_layout(_cast_floats(model, dtype), layout, mesh)
             loss, aux, new_ms = _call_loss(loss_fn, model, _cast_floats(batch, dtype), key, model_state)
             return loss, (aux, new_ms)
 
@@ -888,7 +889,7 @@ class EvalStep:
     def __init__(self, loss_fn, mesh, specs, compute_dtype, layout=None):
         def per_example(model, batch, key, model_state):
             _check_batch(batch, mesh)
-            model = apply_layout(_inference(model, compute_dtype), layout, mesh.shape[MODEL])
+            model = apply_layout(_inference(model, compute_dtype), layout, mesh)
             batch = _cast_floats(batch, compute_dtype)
             keys = jax.random.split(key, _batch_size(batch))
 
@@ -965,7 +966,7 @@ class PredictStep:
         def predict_step(model, batch, key, model_state):
             _batch_size(batch)  # one leading dim; any number of rows (an acting loop's few environments):
             # rows the data axis does not divide are computed whole on every data shard
-            model = apply_layout(_inference(model, compute_dtype), layout, mesh.shape[MODEL])
+            model = apply_layout(_inference(model, compute_dtype), layout, mesh)
             batch = _cast_floats(batch, compute_dtype)
             if model_state is None:
                 out = pred_fn(model, batch, key)
