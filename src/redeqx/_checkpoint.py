@@ -49,7 +49,15 @@ from jaxtyping import PyTree
 
 from ._mesh import DATA, check_mesh
 from ._rules import path_parts
-from ._state import TrainState, _is_none, _is_spec, _mirror_specs, check_specs_match as _check_specs_match, refuse_deleted
+from ._state import (
+    TrainState,
+    _is_none,
+    _is_spec,
+    _mirror_specs,
+    check_specs_match as _check_specs_match,
+    named_leaves,
+    refuse_deleted,
+)
 from ._typing import floating_dtype
 
 FORMAT = "redeqx-checkpoint"
@@ -71,10 +79,6 @@ def _is_arraylike(x) -> bool:
 def _array_leaves(tree) -> list[tuple[tuple[str, ...], Any]]:
     """``(attribute path parts, leaf)`` for every array (or abstract array) leaf."""
     return [(tuple(path_parts(kp)), x) for kp, x in jax.tree_util.tree_flatten_with_path(tree)[0] if _is_arraylike(x)]
-
-
-def _named_leaves(tree):
-    return ((".".join(parts), x) for parts, x in _array_leaves(tree))
 
 
 def _nest(pairs) -> dict:
@@ -354,7 +358,7 @@ def save_checkpoint(
     path = Path(path)
     if path.exists():
         raise CheckpointError(f"{path} already exists; save to a new path or delete the old checkpoint first.")
-    refuse_deleted(_named_leaves(state), "state")
+    refuse_deleted(named_leaves(state), "state")
     args, _ = _prepare(state, metadata, dtype)
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
         _write(checkpointer, path, args)
@@ -776,7 +780,7 @@ class CheckpointManager:
         batch to run), ``metrics`` what to rank by, ``metadata`` anything else
         JSON-able. ``step`` defaults to ``state.step`` (give it for a bare model).
         """
-        refuse_deleted(_named_leaves(state), "state")
+        refuse_deleted(named_leaves(state), "state")
         if step is None:
             step = _step_of(state)
             if step is None:

@@ -188,6 +188,10 @@ def _bar_title(desc: str, per_device_batch_size: int, mesh: Mesh) -> str:
     return f"{desc} [global batch {per_device_batch_size * n_data} = {per_device_batch_size} x data {n_data}]"
 
 
+def _n_batches(n: int, size: int, drop_last: bool) -> int:
+    return n // size if drop_last else math.ceil(n / size)
+
+
 def _padded_batches(examples, collate_fn, per_device_batch_size, mesh, order, start, desc, drop_last, wrap, prefetch):
     """Yields ``(global_batch, n_real)`` for batches ``start, start + 1, ...``
     of ``order``, made up to ``prefetch`` batches ahead. A short last batch is
@@ -195,7 +199,7 @@ def _padded_batches(examples, collate_fn, per_device_batch_size, mesh, order, st
     copies of its own last example) so every step sees one shape."""
     n = len(order)
     size = _global_batch_size(per_device_batch_size, mesh)
-    n_batches = n // size if drop_last else math.ceil(n / size)
+    n_batches = _n_batches(n, size, drop_last)
     lo, hi = local_rows(mesh, size)
 
     def make(b):  # in the prefetch thread
@@ -358,7 +362,7 @@ def batches(
             f"redeqx.batches: the last batch has {n % size} of {size} examples; it is filled up with "
             f"{size - n % size} examples from the start of the order. Pass drop_last=True to drop it instead."
         )
-    n_batches = n // size if drop_last else math.ceil(n / size)
+    n_batches = _n_batches(n, size, drop_last)
     if start > n_batches:
         raise ValueError(
             f"start={start} is past this epoch's {n_batches} batches ({n} examples, global batch {size} = "

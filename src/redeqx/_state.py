@@ -490,6 +490,11 @@ def apply_gradients(
                                step=state.step + 1)
 
 
+def named_leaves(tree) -> list[tuple[str, Any]]:
+    """``(path, leaf)`` for every leaf, paths as `sharding_rules` writes them."""
+    return [(".".join(path_parts(kp)), x) for kp, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
 def refuse_deleted(named_leaves, what: str) -> None:
     """A step given an array whose buffer an earlier donating call took would
     crash the process (XLA:CPU segfaults executing it) or fail deep in JAX:

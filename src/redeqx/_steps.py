@@ -38,6 +38,7 @@ from ._state import (
     _trainable_params,
     check_specs,
     check_specs_match,
+    named_leaves,
     place,
     refuse_deleted,
 )
@@ -217,8 +218,7 @@ class _Compiled:
 
     def _args(self, args):
         for i, arg in enumerate(args):
-            refuse_deleted(((".".join(path_parts(kp)), x) for kp, x in jax.tree_util.tree_flatten_with_path(arg)[0]),
-                           f"step's argument {i + 2}")
+            refuse_deleted(named_leaves(arg), f"step's argument {i + 2}")
         if not self.batch_args:
             if jax.process_count() > 1:
                 _refuse_local_arrays(args)
@@ -817,7 +817,7 @@ class _CheckedFirstCall(_StepFunction):
     def __call__(self, *args):
         if not self._checked:
             gap, random, whole_finite = jax.device_get(self._check(*args))
-            if not np.isfinite(gap) and whole_finite:
+            if not np.isfinite(gap) and whole_finite:  # a row mean is not finite on the batch and NaN on a shard
                 raise ValueError(
                     f"shard_mean_loss=True, but loss_fn {self._name!r} is not the mean of its values on equal "
                     "slices of the batch: on this batch's first rows of each data shard, the whole batch's "
@@ -826,7 +826,7 @@ class _CheckedFirstCall(_StepFunction):
                     "shard_mean_loss (the step then differentiates the loss of the whole batch), or make loss_fn "
                     "a mean over its rows."
                 )
-            if not np.isfinite(gap):
+            elif not np.isfinite(gap):
                 warn_user(
                     f"shard_mean_loss=True is unchecked: loss_fn {self._name!r} gave non-finite gradients on the "
                     "first batch (checked in float32, dropout off), so they cannot be compared."
