@@ -26,9 +26,9 @@ import optax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import redeqx  # noqa: E402
-from redeqx._hlo import partitioned_text  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from accelerator_count import partitioned_text  # noqa: E402
 from user_gpt import GPT, collate_fn, loss_fn  # noqa: E402
 
 
@@ -72,7 +72,6 @@ def main():
     p.add_argument("--data", required=True, help=".npy of (n, seq + 1) int32 tokens")
     p.add_argument("--out", required=True)
     p.add_argument("--hlo", default=None, help="also write the compiled step's HLO text here")
-    p.add_argument("--layout", default="auto", help="make_train_step's activation_layout (auto, sequence, replicated, none)")
     p.add_argument("--shard-mean-loss", action="store_true",
                    help="make_train_step(shard_mean_loss=True): per-shard gradients, one all-reduce")
     p.add_argument("--no-donate", action="store_true", help="a copy of the step without donation (to time its cost)")
@@ -94,9 +93,7 @@ def main():
     specs = redeqx.sharding_rules(model, mesh)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(args.lr, weight_decay=0.01))
     state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
-    layout = None if args.layout == "none" else args.layout
-    train_step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs, activation_layout=layout,
-                                        shard_mean_loss=args.shard_mean_loss)
+    train_step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs, shard_mean_loss=args.shard_mean_loss)
     if args.no_donate:
         train_step._compiled.donate = False
     per_device = args.batch // mesh.shape["data"]

@@ -1,14 +1,16 @@
-"""Issue 11's two "XLA:CPU artefact" claims, checked on an accelerator's own
-compiler: the user GPT's train step (tests/user_gpt.py, the vs_redco workload,
-16 sequences per data shard) compiled by libtpu for a TPU v4 slice of 8 chips,
-ahead of time on this CPU-only machine (``jax.experimental.topologies``; no TPU
-attached, nothing runs), at n_model_shards 1, 2 and 4: as redeqx computes it
-on TPU (every `eqx.nn.Linear` as ``x @ W.T``, norms as written), with the
-Equinox norms recomputed in the backward pass as its CPU steps do, and with
-the linears as Equinox writes them (``W @ x``). Reported from the compiled programs: transposes and copies, the
-temporaries, XLA's bytes-accessed estimate, and the collectives, next to
-`redeqx._hlo.accelerator_collectives` (read on XLA:CPU) and the Megatron plan's
-analytic count.
+"""The user GPT's train step as redeqx builds it, compiled by libtpu: the
+step's own figures on an accelerator's compiler, to hold each change of how
+steps are built to (issue 21: no regression in temporaries or bytes).
+
+The user GPT of tests/user_gpt.py (the vs_redco workload, 16 sequences per
+data shard), compiled by libtpu for a TPU v4 slice of 8 chips ahead of time on
+this CPU-only machine (``jax.experimental.topologies``; no TPU attached,
+nothing runs), at n_model_shards 1, 2 and 4. Reported from the compiled
+programs: transposes and copies, the temporaries, XLA's bytes-accessed
+estimate, and the collectives, next to the count of tests/accelerator_count.py
+(read on XLA:CPU) and the Megatron plan's analytic count; beside them, the
+same figures as measured at 176d703, before issue 21 (when the steps computed
+every `eqx.nn.Linear` as ``x @ W.T``).
 
     python benchmarks/table1.py --setup-tpu      # once: benchmarks/.venv-tpu with libtpu
     python benchmarks/tpu_programs.py            # writes its section of benchmarks/RESULTS.md
@@ -48,45 +50,35 @@ def _model_and_batch(mesh):
     return loss_fn, optimizer, specs, state, batch
 
 
-VARIANTS = (("x @ W.T", "recomputed"), ("x @ W.T", "as written"), ("W @ x", "as written"))  # TPU default: 2nd
+# 176d703's default TPU step (linears as x @ W.T, norms as written): K -> (temporaries MiB, bytes accessed MiB)
+BEFORE = {1: (309.6, 5655), 2: (120.1, 3202), 4: (36.0, 1873)}
 
 
-def tpu_worker(k: int) -> list[dict]:
-    """In the libtpu venv: compile each of `VARIANTS` for a v4 slice of 8 chips."""
+def tpu_worker(k: int) -> dict:
+    """In the libtpu venv: compile the default train step for a v4 slice of 8 chips."""
     from jax.experimental import topologies
 
     import redeqx
-    import redeqx._layout as layout
-    from redeqx._hlo import _DTYPE_BYTES, _LINE, _arrays, collective_summary
+    from redeqx._hlo import DTYPE_BYTES, _LINE, array_shapes, collective_summary
 
     chips = topologies.get_topology_desc(platform="tpu", topology_name="v4:2x2x2", chip_config_name="megacore",
                                          chips_per_host_bounds=(2, 2, 1), num_slices=1).devices
     mesh = redeqx.make_mesh(k, devices=chips)
     loss_fn, optimizer, specs, state, batch = _model_and_batch(mesh)
-    rows_linears, platforms, out = layout._rows_linears, layout.RECOMPUTE_NORMS_ON, []
-    try:
-        for linears, norms in VARIANTS:
-            layout._rows_linears = rows_linears if linears == "x @ W.T" else (lambda m: m)
-            layout.RECOMPUTE_NORMS_ON = platforms | {"tpu"} if norms == "recomputed" else platforms
-            compiled = redeqx.make_train_step(loss_fn, optimizer, mesh, specs).lower(state, batch).compile()
-            text = compiled.as_text()
-            ops, nbytes = collections.Counter(), collections.Counter()
-            for line in text.splitlines():
-                m = _LINE.search(line)
-                if m and m.group("op") in ("transpose", "copy"):
-                    ops[m.group("op")] += 1
-                    arrays = _arrays(m.group("shape"))
-                    nbytes[m.group("op")] += sum(_DTYPE_BYTES[d] * math.prod(shape) for d, shape in arrays)
-            cost = compiled.cost_analysis()
-            cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-            out.append(dict(k=k, linears=linears, norms=norms, transposes=ops["transpose"], copies=ops["copy"],
-                            transpose_copy_bytes=nbytes["transpose"] + nbytes["copy"],
-                            temporaries=compiled.memory_analysis().temp_size_in_bytes,
-                            bytes_accessed=float(cost.get("bytes accessed", 0.0)),
-                            collectives=collective_summary(text)))
-    finally:
-        layout._rows_linears, layout.RECOMPUTE_NORMS_ON = rows_linears, platforms
-    return out
+    compiled = redeqx.make_train_step(loss_fn, optimizer, mesh, specs).lower(state, batch).compile()
+    text = compiled.as_text()
+    ops, nbytes = collections.Counter(), collections.Counter()
+    for line in text.splitlines():
+        m = _LINE.search(line)
+        if m and m.group("op") in ("transpose", "copy"):
+            ops[m.group("op")] += 1
+            nbytes[m.group("op")] += sum(DTYPE_BYTES[d] * math.prod(shape) for d, shape in array_shapes(m.group("shape")))
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return dict(k=k, transposes=ops["transpose"], copies=ops["copy"],
+                transpose_copy_bytes=nbytes["transpose"] + nbytes["copy"],
+                temporaries=compiled.memory_analysis().temp_size_in_bytes,
+                bytes_accessed=float(cost.get("bytes accessed", 0.0)), collectives=collective_summary(text))
 
 
 def cpu_worker(k: int) -> dict:
@@ -95,8 +87,8 @@ def cpu_worker(k: int) -> dict:
 
     import redeqx
     from megatron_count import megatron_bytes
-    from redeqx._hlo import accelerator_collectives
-    from redeqx._rules import _per_device_shape
+    from accelerator_count import accelerator_collectives
+    from redeqx._trees import per_device_shape as _per_device_shape
 
     mesh = redeqx.make_mesh(k)
     loss_fn, optimizer, specs, state, batch = _model_and_batch(mesh)
@@ -127,66 +119,28 @@ def main():
         rows.append((k, tpu, run_worker(sys.executable, __file__, ["--worker", "cpu", str(k)], cpu8_env())))
     lines = [
         "The vs_redco user GPT (tests/user_gpt.py: 4 layers, width 256, vocab 8192, 256 tokens, tied embedding, "
-        "clip + AdamW, fp32), 16 sequences per data shard, compiled by libtpu for 8 TPU v4 chips ahead of time "
-        "(no TPU attached). Per chip, from the compiled programs. The reference column `Megatron` is the plan's "
-        "analytic count (tests/megatron_count.py; at K=1 the gradients' bytes).", "",
-        "| K | linears as | norms | transposes / copies (MiB) | temporaries | bytes accessed "
-        "| all-reduce bytes (libtpu) | redeqx's accelerator count | XLA:CPU's count | Megatron |",
+        "clip + AdamW, fp32), 16 sequences per data shard, its default train step compiled by libtpu for 8 TPU v4 "
+        "chips ahead of time (no TPU attached). Per chip, from the compiled programs. `Megatron` is the plan's "
+        "analytic count (tests/megatron_count.py; at K=1 the gradients' bytes); `before` is the same step at "
+        "176d703 (linears computed as `x @ W.T` by a swapped-in subclass).", "",
+        "| K | transposes / copies (MiB) | temporaries | before | bytes accessed | before "
+        "| all-reduce bytes (libtpu) | accelerator count (XLA:CPU) | XLA:CPU's count | Megatron |",
         "|---|---|---|---|---|---|---|---|---|---|"]
-    for k, tpu, cpu in rows:
-        for r in tpu:
-            ar = sum(v["bytes"] for v in r["collectives"].values())
-            lines.append(
-                f"| {k} | `{r['linears']}` | {r['norms']} | {r['transposes']} / {r['copies']} "
-                f"({r['transpose_copy_bytes'] / MIB:.1f}) | {r['temporaries'] / MIB:.1f} MiB "
-                f"| {r['bytes_accessed'] / MIB:.0f} MiB | {ar / MIB:.2f} MiB | {cpu['model'] / MIB:.2f} MiB "
-                f"| {cpu['xla_cpu'] / MIB:.2f} MiB | {cpu['megatron'] / MIB:.2f} MiB |")
-    report = "\n".join(lines + ["", _reading(rows), "", COLLECTIVES])
+    for k, r, cpu in rows:
+        ar = sum(v["bytes"] for v in r["collectives"].values())
+        temp, accessed = BEFORE[k]
+        lines.append(
+            f"| {k} | {r['transposes']} / {r['copies']} ({r['transpose_copy_bytes'] / MIB:.1f}) "
+            f"| {r['temporaries'] / MIB:.1f} MiB | {temp} MiB | {r['bytes_accessed'] / MIB:.0f} MiB | {accessed} MiB "
+            f"| {ar / MIB:.2f} MiB | {cpu['model'] / MIB:.2f} MiB | {cpu['xla_cpu'] / MIB:.2f} MiB "
+            f"| {cpu['megatron'] / MIB:.2f} MiB |")
+    report = "\n".join(lines)
     print(report)
     if not args.no_write:
         from _common import write_section
 
-        write_section("Issue 11's CPU-artefact claims on the TPU compiler (benchmarks/tpu_programs.py)", report)
+        write_section("The user GPT's step on the TPU compiler (benchmarks/tpu_programs.py)", report)
 
-
-def _reading(rows) -> str:
-    """What the table says about the two XLA:CPU-motivated rewrites, from its numbers."""
-    def pct(a, b):
-        return f"{100 * (a / b - 1):+.1f} %"
-
-    order, norms = [], []
-    for k, tpu, _ in rows:
-        by = {(r["linears"], r["norms"]): r for r in tpu}
-        recomputed, written, wx = (by[v] for v in VARIANTS)
-        same = (written["transposes"], written["copies"]) == (wx["transposes"], wx["copies"])
-        order.append(f"K={k}: {'the same' if same else 'different'} transposes and copies, temporaries "
-                     f"{pct(written['temporaries'], wx['temporaries'])}, bytes accessed "
-                     f"{pct(written['bytes_accessed'], wx['bytes_accessed'])}")
-        norms.append(f"K={k}: temporaries {pct(recomputed['temporaries'], written['temporaries'])}, bytes "
-                     f"accessed {pct(recomputed['bytes_accessed'], written['bytes_accessed'])}, copies "
-                     f"{written['copies']} -> {recomputed['copies']}")
-    return ("Linears as `x @ W.T` rather than `W @ x` (norms as written), on libtpu: " + "; ".join(order)
-            + ". XLA:CPU materialises the transposes `W @ x` makes under `jax.vmap` (1.17-1.24x slower steps); "
-            "libtpu's layout assignment absorbs them.\n\n"
-            "Norms recomputed in the backward pass rather than as written (linears as `x @ W.T`), on libtpu: "
-            + "; ".join(norms) + ". On XLA:CPU the recomputation took the temporaries from 0.94/1.12/1.47 to "
-            "0.87/0.98/1.19 GiB at K=1/2/4 on the larger vs_redco shape (section below), because XLA:CPU "
-            "materialises the norms' broadcasts and libtpu does not; so redeqx recomputes the norms on CPU only "
-            "(`redeqx._layout.RECOMPUTE_NORMS_ON`).")
-
-
-# Measured when written (2026-11-23, jax 0.10.2, libtpu 0.0.42.1).
-COLLECTIVES = (
-    "Collectives: libtpu all-reduces 28.30, 86.34 and 79.33 MiB at K = 1, 2 and 4, where the Megatron plan "
-    "moves 20.30, 82.34 and 77.33 MiB. Each excess is exactly the tied embedding's table over K (8 MiB / K): "
-    "libtpu all-reduces the LM head's gradient term, uses it as the base of the lookup's scatter-add, and "
-    "all-reduces that again (benchmarks/tied_gradient.py). `redeqx._hlo.accelerator_collectives` keeps a "
-    "scatter's all-reduce apart and matches libtpu's totals at all three K. Everything else in the step moves "
-    "the Megatron plan's bytes on TPU. redco reduces its tied embedding once (20.30 MiB at K=1, section "
-    "vs_redco) because at K=1 it does not use GSPMD: it runs its step under `jax.pmap` and `pmean`s each "
-    "device's own gradients (redco/trainers/utils.py), which is the global loss's gradient only for a loss that "
-    "is a plain mean over equal shards; `make_train_step(..., shard_mean_loss=True)` does the same for such a "
-    "loss, checked on its first call.")
 
 if __name__ == "__main__":
     main()

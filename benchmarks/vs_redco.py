@@ -54,10 +54,10 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 import redeqx  # noqa: E402
-from redeqx._hlo import reassociated_collectives  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
+from accelerator_count import reassociated_collectives  # noqa: E402
 from user_gpt import make_examples  # noqa: E402
 
 sys.path.insert(0, str(HERE))
@@ -124,8 +124,6 @@ def run_worker(side, k, batch, args, data, workdir, hlo: Path | None):
         cmd += ["--hlo", str(hlo)]
     if args.profile_dir is not None:
         cmd += ["--profile", str(args.profile_dir / f"{side}-{k}-{batch}")]
-    if side != "redco":
-        cmd += ["--layout", args.layout]
     if side == "redeqx-smean":
         cmd += ["--shard-mean-loss"]
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={N_DEVICES}",
@@ -196,7 +194,6 @@ def main():
     p.add_argument("--ks", default="1,2,4", help="n_model_shards values")
     p.add_argument("--sides", default="redeqx,redco",
                    help="which to run, alternating: redeqx, redeqx-smean (shard_mean_loss=True), redco")
-    p.add_argument("--layout", default="auto", help="redeqx's activation_layout (auto, sequence, replicated, none)")
     p.add_argument("--shapes", default="small,large", help="small (global batch 64) and/or large")
     p.add_argument("--large-batch", type=int, default=128, help="global batch of the large shape")
     p.add_argument("--rounds", type=int, default=3, help="fresh worker pairs per (shape, K)")

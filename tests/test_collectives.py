@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import redeqx
-from redeqx._hlo import _replica_groups, accelerator_collectives, reassociated_collectives
+from accelerator_count import _replica_groups, accelerator_collectives, reassociated_collectives
 from megatron_count import megatron_bytes
 from user_gpt import GPT, collate_fn, loss_fn, make_examples
 
@@ -68,7 +68,7 @@ def _gpt_step(n_model_shards, layout, per_shard=16):
     optimizer = optax.adamw(1e-3)
     state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
     batch = collate_fn(make_examples(per_shard * mesh.shape["data"], seq=32, vocab=256))
-    step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs, activation_layout=layout)
+    step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs)
     grad_bytes = sum(x.addressable_shards[0].data.nbytes
                      for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_array)))
     return step, state, batch, grad_bytes

@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import redeqx
-from redeqx._hlo import accelerator_collectives
+from accelerator_count import accelerator_collectives
 from user_gpt import GPT, collate_fn, loss_fn, make_examples
 
 
@@ -223,7 +223,7 @@ def test_the_first_call_check_needs_less_memory_than_the_step(devices):
     def temporaries(compiled):
         return compiled.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
 
-    assert temporaries(step._check) < temporaries(step._compiled)
+    assert temporaries(step._first_call_check) < temporaries(step._compiled)
 
 
 def test_gradients_the_check_cannot_compare(devices):

@@ -34,5 +34,4 @@ from ._steps import (
     make_step as make_step,
     make_train_step as make_train_step,
 )
-
-__version__ = "0.1.0"
+from ._version import __version__ as __version__

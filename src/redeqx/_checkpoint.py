@@ -48,16 +48,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import PyTree
 
 from ._mesh import DATA, check_mesh
-from ._rules import path_parts
-from ._state import (
-    TrainState,
-    _is_none,
-    _is_spec,
-    _mirror_specs,
-    check_specs_match as _check_specs_match,
-    named_leaves,
-    refuse_deleted,
-)
+from ._state import TrainState, check_specs_match as _check_specs_match, mirror_specs as _mirror_specs, refuse_deleted
+from ._trees import is_none as _is_none, is_spec as _is_spec, named_leaves, path_parts
 from ._typing import floating_dtype
 
 FORMAT = "redeqx-checkpoint"
@@ -191,7 +183,7 @@ def _from_json(value):
 
 
 def _version() -> str:
-    from . import __version__
+    from ._version import __version__
 
     return __version__
 

@@ -35,8 +35,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 from ._mesh import DATA, check_mesh
-from ._steps import EvalStep, _check_positive_int
-from ._typing import typechecked
+from ._steps import EvalStep
+from ._typing import positive_int, typechecked
 
 
 # progress bars of the `batches` loops now running, innermost last: `Logger.log`
@@ -110,7 +110,7 @@ DEFAULT_PREFETCH = 2
 
 
 def _global_batch_size(per_device_batch_size, mesh) -> int:
-    per_device_batch_size = _check_positive_int("per_device_batch_size", per_device_batch_size)
+    per_device_batch_size = positive_int(per_device_batch_size, "per_device_batch_size")
     return per_device_batch_size * mesh.shape[DATA]
 
 

@@ -16,7 +16,6 @@ itself (SLURM, Open MPI, Kubernetes, Cloud TPU):
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import socket
@@ -360,7 +359,7 @@ def _facts() -> dict:
     """What every process must agree on, as this process sees it."""
     import jaxlib
 
-    from . import __version__
+    from ._version import __version__
 
     devices = jax.devices()
     mine = jax.local_devices()
@@ -435,28 +434,6 @@ def preflight() -> None:
             f"{jax.process_index()}: the collectives between processes are broken. On CPU, set "
             "JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo; on GPU, check NCCL (NCCL_DEBUG=INFO)."
         )
-
-
-@functools.cache
-def _one_program_at_a_time() -> bool:
-    # XLA:CPU's collectives (jax 0.10) can deadlock when a process drives several
-    # devices and two compiled programs overlap. Across processes a gloo all-reduce
-    # waits forever on a receive (about 1 run in 3 of 2 processes x 4 CPU devices
-    # with async dispatch, none in 9 waiting for each step); within one process the
-    # in-process communicator's rendezvous waits for device threads that run the
-    # other program ("Expected 4 threads to join the rendezvous, but only 2 of them
-    # arrived"), seen on a loaded 2-core machine in several example runs, none in 9
-    # runs waiting for each step. GPUs and TPUs keep asynchronous dispatch.
-    return jax.local_device_count() > 1 and jax.devices()[0].platform == "cpu"
-
-
-def settle(tree):
-    """Returns ``tree`` once it is computed, when a process drives several CPU
-    devices (see `_one_program_at_a_time`); elsewhere at once, keeping JAX's
-    asynchronous dispatch. Steps call it on their outputs."""
-    if _one_program_at_a_time():
-        jax.block_until_ready(tree)
-    return tree
 
 
 def launcher_start() -> None:

@@ -122,6 +122,18 @@ def check_mesh(mesh, name: str = "mesh") -> Mesh:
     return mesh
 
 
+def same_devices(a: Mesh, b: Mesh) -> bool:
+    """Whether two meshes hold the same devices in the same grid (whatever
+    their axis names or types)."""
+    return a.devices.shape == b.devices.shape and all(
+        x.id == y.id for x, y in zip(a.devices.flat, b.devices.flat))
+
+
+def mesh_text(mesh: Mesh) -> str:
+    """``{data: 4, model: 2}``."""
+    return "{" + ", ".join(f"{k}: {v}" for k, v in mesh.shape.items()) + "}"
+
+
 _AUTO_CACHE: dict = {}
 
 

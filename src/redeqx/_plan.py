@@ -30,8 +30,9 @@ from ._hlo import collective_summary
 from ._mesh import DATA, MODEL, check_mesh, make_mesh
 from ._optimizers import with_opt_state_dtype
 from ._remat import remat as remat_loss
-from ._rules import _human, _per_device_shape, sharding_rules
-from ._state import _is_constructor, abstract_model, init_state
+from ._rules import sharding_rules
+from ._state import abstract_model, init_state, is_constructor
+from ._trees import human_bytes, per_device_shape
 from ._steps import make_train_step
 from ._typing import typechecked
 
@@ -104,21 +105,21 @@ class Plan:
         rows = [("parameters", self.parameters), ("optimizer state", self.optimizer), ("batch", self.batch),
                 ("temporaries", self.temporaries), ("  of which gradients", self.gradients),
                 ("peak", self.peak)]
-        lines += [f"  {name:22s} {_human(v):>12s}" for name, v in rows]
+        lines += [f"  {name:22s} {human_bytes(v):>12s}" for name, v in rows]
         if self.device_memory is not None:
             verdict = "fits" if self.fits else "does NOT fit"
-            lines.append(f"  {'device memory':22s} {_human(self.device_memory):>12s}  -> {verdict}, "
-                         f"{_human(abs(self.margin))} {'to spare' if self.fits else 'short'}")
+            lines.append(f"  {'device memory':22s} {human_bytes(self.device_memory):>12s}  -> {verdict}, "
+                         f"{human_bytes(abs(self.margin))} {'to spare' if self.fits else 'short'}")
         if self.refused is not None:
             lines.append(f"  the compiler refused the step (temporaries as it counts them): {self.refused}")
-        comm = ", ".join(f"{k} {v['count']} x = {_human(v['bytes'])}" for k, v in self.collectives.items()) or "none"
+        comm = ", ".join(f"{k} {v['count']} x = {human_bytes(v['bytes'])}" for k, v in self.collectives.items()) or "none"
         lines.append(f"collectives per step: {comm}")
         lines.append(f"FLOPs per step per device: {self.flops:.3e}")
         if self.tried:
             lines.append("tried:")
             for label, other in self.tried:
                 verdict = "" if other.fits is None else (" fits" if other.fits else " does not fit")
-                lines.append(f"  {label:42s} peak {_human(other.peak):>12s}{verdict}")
+                lines.append(f"  {label:42s} peak {human_bytes(other.peak):>12s}{verdict}")
             good = [label for label, other in self.tried if other.fits]
             if good:
                 lines.append(f"would fit with: {good[0]}")
@@ -132,7 +133,7 @@ def _leaf_bytes(tree) -> int:
     for x in jax.tree.leaves(tree):
         if isinstance(x, jax.ShapeDtypeStruct):
             sh = x.sharding
-            shape = _per_device_shape(x.shape, sh.spec, sh.mesh) if isinstance(sh, NamedSharding) else x.shape
+            shape = per_device_shape(x.shape, sh.spec, sh.mesh) if isinstance(sh, NamedSharding) else x.shape
             itemsize = 4 if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else np.dtype(x.dtype).itemsize
             total += math.prod(shape) * itemsize
     return total
@@ -295,7 +296,7 @@ def plan(
     """
     mesh = check_mesh(mesh)
     key = jax.random.key(0) if key is None else key
-    if _is_constructor(model):
+    if is_constructor(model):
         abstract = abstract_model(model, key)
     else:
         abstract = eqx.filter_eval_shape(lambda: model)

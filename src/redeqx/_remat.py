@@ -1,77 +1,48 @@
-"""Rematerialisation that holds on every backend: `checkpoint` for one call,
-`remat` for the repeated blocks of any Equinox model.
+"""Rematerialisation: `checkpoint` for one call, `remat` for a whole loss.
 
-``jax.checkpoint`` asks the compiler to recompute a block's activations in
-the backward pass instead of keeping them. It marks the recomputation with
-optimization barriers; XLA:CPU removes those barriers early and then merges
-the recomputation with the forward pass (common-subexpression elimination),
-so on CPU, where redeqx plans large models, it saves nothing (measured: the
-same temporaries for 16 unrolled layers, 392 MiB, with and without it).
-
-Here the backward pass recomputes the block from its inputs plus an exact
-zero computed from the incoming gradient (``0 * g``, with ``g`` a finite
-element of it). A compiler cannot prove that zero, so it can neither merge the
-recomputation with the forward pass nor run it before the gradient arrives:
-each block's activations exist only while its backward pass runs (the same
-16 layers: 160 MiB). Adding a zero changes no value, except the sign of a
-zero input (-0.0 + 0.0 = +0.0).
+Recomputing a block's activations in the backward pass, instead of keeping
+them from the forward pass, trades about one more forward pass of compute for
+the activation memory of every block but one. `remat(loss_fn)` does it for
+any Equinox model without touching its code: each iteration of every
+``jax.lax.scan`` in the loss (a stack of layers) and each block of a list of
+repeated blocks is recomputed.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Literal
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
-import numpy as np
+import jax.extend.core as jex
 
+from ._cpu import on_cpu, tied_checkpoint
 from ._typing import typechecked
 
-
-def _floating(x) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.floating)
-
-
-def _finite_zero(x):
-    return jnp.where(jnp.isfinite(x), x, 0) * 0
+Keep = Literal["nothing", "dots"]
+_POLICIES = {"nothing": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
-def tie(tree, cotangent):
-    """``tree`` with an exact zero added to its floating arrays, computed from
-    ``cotangent``: what depends on the result can only run once ``cotangent``
-    exists, and is never merged with the same computation on ``tree``.
-
-    An array shaped like a leaf of ``cotangent`` (a residual block's input and
-    its output's gradient) gets that leaf times zero, elementwise, which needs
-    no communication whatever the layout. If none is, the first floating array
-    gets a zero from one element of the gradient.
-    """
-    cts = [c for c in jax.tree.leaves(cotangent) if _floating(c) and c.size]
-    leaves, treedef = jax.tree.flatten(tree)
-    if not cts:
-        return tree
-    by_shape = {c.shape: c for c in cts}
-    out, tied = [], False
-    for x in leaves:
-        if _floating(x) and x.shape in by_shape:
-            x, tied = x + _finite_zero(by_shape[x.shape]).astype(x.dtype), True
-        out.append(x)
-    if not tied:
-        first = next((i for i, x in enumerate(out) if _floating(x)), None)
-        if first is not None:
-            probe = cts[0][(0,) * cts[0].ndim].astype(jnp.float32)
-            out[first] = out[first] + _finite_zero(probe).astype(out[first].dtype)
-    return jax.tree.unflatten(treedef, out)
+def _check_keep(keep) -> None:
+    if keep not in _POLICIES:
+        raise ValueError(
+            f"keep={keep!r}: say what the forward pass keeps for the backward pass: 'nothing' (recompute "
+            "everything from the block's input) or 'dots' (keep matrix products without batch dims, "
+            "jax.checkpoint_policies.dots_with_no_batch_dims_saveable; recompute the rest)."
+        )
 
 
-def checkpoint(fn: Callable) -> Callable:
+def checkpoint(fn: Callable, *, keep: Keep = "nothing") -> Callable:
     """``fn`` whose intermediate values are recomputed in the backward pass:
-    only its array inputs are kept from the forward pass. ``fn``'s non-array
-    arguments are constants; when ``fn`` is a module, its arrays are inputs
-    too (the recomputation is tied to the gradient through the call's other
-    arguments, not through them, so no weight is copied).
+    only its array inputs (and, with ``keep="dots"``, its matrix products
+    without batch dims) are kept from the forward pass. ``fn``'s non-array
+    arguments are constants; when ``fn`` is a module its arrays are inputs.
+
+    It is ``jax.checkpoint``; on CPU with ``keep="nothing"`` the
+    recomputation is also tied to the incoming gradient, since XLA:CPU would
+    otherwise merge it back into the forward pass (`redeqx._cpu`).
 
     **Example:**
 
@@ -80,41 +51,19 @@ def checkpoint(fn: Callable) -> Callable:
         x = redeqx.checkpoint(block)(x)
     ```
     """
+    _check_keep(keep)
 
     @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-        own, own_def = jax.tree.flatten(fn)
-        leaves, treedef = jax.tree.flatten((args, kwargs))
-        is_dyn = [isinstance(x, (jax.Array, np.ndarray)) for x in own + leaves]
-        static = [None if d else x for x, d in zip(own + leaves, is_dyn)]
-        n_own = sum(is_dyn[:len(own)])
+    def recomputed(*args, **kwargs):
+        if keep == "nothing" and on_cpu():
+            return tied_checkpoint(fn)(*args, **kwargs)
+        call = eqx.filter_checkpoint(lambda f, *a, **k: f(*a, **k), policy=_POLICIES[keep])
+        return call(fn, *args, **kwargs)
 
-        def run(dyn):
-            it = iter(dyn)
-            full = [next(it) if d else s for d, s in zip(is_dyn, static)]
-            f = jax.tree.unflatten(own_def, full[:len(own)])
-            a, k = jax.tree.unflatten(treedef, full[len(own):])
-            return f(*a, **k)
-
-        @jax.custom_vjp
-        def call(dyn):
-            return run(dyn)
-
-        def forward(dyn):
-            return run(dyn), dyn
-
-        def backward(dyn, ct):
-            dyn = list(dyn[:n_own]) + tie(list(dyn[n_own:]), ct)
-            _, vjp = jax.vjp(run, dyn)
-            return vjp(ct)
-
-        call.defvjp(forward, backward)
-        return call([x for x, d in zip(own + leaves, is_dyn) if d])
-
-    return wrapped
+    return recomputed
 
 
-# ----------------------------------------------------------------------------- remat for any model
+# ----------------------------------------------------------------------------- blocks in a list
 
 
 def _is_block(x) -> bool:
@@ -125,60 +74,118 @@ def _is_block(x) -> bool:
     return sum(1 for a in jax.tree.leaves(x) if eqx.is_array(a) and a.ndim >= 2) >= 2
 
 
-def _is_repeated_blocks(x) -> bool:
+def is_repeated_blocks(x) -> bool:
+    """A list or tuple of at least two blocks of one class."""
     return (isinstance(x, (list, tuple)) and len(x) >= 2 and all(_is_block(b) for b in x)
             and len({type(b) for b in x}) == 1)
 
 
-@functools.lru_cache(maxsize=None)
-def _rematerialised(cls):
-    """A subclass of ``cls`` with the same fields (so the same paths, specs
-    and checkpoint names) whose call runs under `checkpoint`."""
+class Recomputed(eqx.Module):
+    """A block as `remat` hands it to the loss: called, it runs the block
+    under `checkpoint`; any other attribute is the block's own."""
+
+    block: eqx.Module
+    keep: Keep = eqx.field(static=True)
 
     def __call__(self, *args, **kwargs):
-        return checkpoint(jax.tree_util.Partial(cls.__call__, self))(*args, **kwargs)
+        return checkpoint(self.block, keep=self.keep)(*args, **kwargs)
 
-    return _with_call(cls, __call__)
-
-
-def _with_call(cls, __call__):
-    """A subclass of module class ``cls`` that differs only in its call: the
-    same name, fields, paths and specs (what the models' swaps rely on)."""
-    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
-                                        "__qualname__": cls.__qualname__})
+    def __getattr__(self, name):
+        if name in ("block", "keep") or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.block, name)
 
 
-def _as(cls, module):
-    new = object.__new__(cls)
-    for name in vars(module):
-        object.__setattr__(new, name, getattr(module, name))
-    return new
-
-
-def remat_blocks(model):
-    """``model`` with each element of every list or tuple of two or more
-    same-class blocks (see `_is_block`) rematerialised by `checkpoint`."""
-
-    def swap(x):
-        if not _is_repeated_blocks(x):
+def _recomputed_blocks(model, keep: Keep):
+    def wrap(x):
+        if not is_repeated_blocks(x):
             return x
-        blocks = [_as(_rematerialised(type(b)), b) for b in x]
-        return type(x)(blocks) if isinstance(x, (list, tuple)) else blocks
+        return type(x)(Recomputed(b, keep) for b in x)
 
-    return jax.tree.map(swap, model, is_leaf=_is_repeated_blocks)
+    return jax.tree.map(wrap, model, is_leaf=is_repeated_blocks)
+
+
+# ----------------------------------------------------------------------------- scans
+
+
+def _sub_jaxpr_params(eqn) -> list[str]:
+    """The params of ``eqn`` holding a closed jaxpr that `remat` looks into:
+    a jitted or named call's body (a scan's is handled apart)."""
+    if eqn.primitive.name in ("pjit", "jit", "closed_call", "core_call"):
+        return [name for name in ("jaxpr", "call_jaxpr") if isinstance(eqn.params.get(name), jex.ClosedJaxpr)]
+    return []
+
+
+def _avals(closed):
+    return [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False)) for a in closed.in_avals]
+
+
+def _recomputed_scans(closed: jex.ClosedJaxpr, policy) -> tuple[jex.ClosedJaxpr, int]:
+    """``closed`` with the body of every scan in it (and in the calls it
+    makes) under ``jax.checkpoint``, and how many scans that was."""
+    eqns, found = [], 0
+    for eqn in closed.jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            body, inner = _recomputed_scans(eqn.params["jaxpr"], policy)
+            run = jax.checkpoint(jex.jaxpr_as_fun(body), policy=policy, prevent_cse=True)
+            eqn = eqn.replace(params={**eqn.params, "jaxpr": jax.make_jaxpr(run)(*_avals(body))})
+            found += 1 + inner
+        else:
+            for name in _sub_jaxpr_params(eqn):
+                sub, inner = _recomputed_scans(eqn.params[name], policy)
+                if inner:
+                    eqn = eqn.replace(params={**eqn.params, name: sub})
+                    found += inner
+        eqns.append(eqn)
+    return jex.ClosedJaxpr(closed.jaxpr.replace(eqns=eqns), closed.consts), found
+
+
+def recompute_scans(fn: Callable, keep: Keep = "nothing") -> Callable:
+    """``fn`` (of arrays and constants) with every ``jax.lax.scan`` it runs
+    recomputing each iteration in the backward pass: the forward pass keeps
+    only each iteration's carry (and its dots, with ``keep="dots"``)."""
+    policy = _POLICIES[keep]
+
+    @functools.wraps(fn)
+    def recomputed(*args):
+        arrays, static = eqx.partition(args, eqx.is_array)
+        leaves, treedef = jax.tree.flatten(arrays)
+
+        def flat(*leaves):
+            return fn(*eqx.combine(jax.tree.unflatten(treedef, leaves), static))
+
+        closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*leaves)  # fn runs once, here
+        closed, _ = _recomputed_scans(closed, policy)
+        return jax.tree.unflatten(jax.tree.structure(out_shape), jex.jaxpr_as_fun(closed)(*leaves))
+
+    return recomputed
+
+
+# ----------------------------------------------------------------------------- remat
 
 
 @typechecked
-def remat(loss_fn: Callable) -> Callable:
-    """``loss_fn`` whose model recomputes its repeated blocks' activations in
-    the backward pass instead of keeping them: activation memory of one block
-    (plus each block's input) for about one more forward pass of compute.
+def remat(loss_fn: Callable, *, keep: Keep = "nothing") -> Callable:
+    """``loss_fn`` whose model recomputes its layers' activations in the
+    backward pass instead of keeping them: the activation memory of one layer
+    (plus each layer's input) for about one more forward pass of compute.
 
-    A block is an element of a list or tuple of at least two modules of the
-    same class, each holding at least two weight matrices (the layers of a
-    transformer, the units of a ResNet stage); single layers are left alone.
-    Paths, specs and checkpoints do not change; the result is the same loss
-    and gradients.
+    What is recomputed, with no change to the model's code:
+
+    - each iteration of every ``jax.lax.scan`` the loss runs: a stack of
+      layers (built with ``eqx.filter_vmap``, run with ``lax.scan``);
+    - each element of a list or tuple of at least two modules of one class,
+      each holding at least two weight matrices (the blocks of a
+      transformer, the units of a ResNet stage): while ``loss_fn`` runs,
+      each is wrapped in `Recomputed`, which calls it under `checkpoint` and
+      passes any other attribute through (so ``isinstance`` checks on a
+      block see the wrapper).
+
+    ``keep="nothing"`` keeps only each layer's input; ``keep="dots"`` also
+    its matrix products without batch dims (JAX's
+    ``dots_with_no_batch_dims_saveable``), which spares recomputing them
+    for more memory. Paths, specs and checkpoints do not change; the loss
+    and gradients are the same.
 
     **Example:**
 
@@ -186,11 +193,12 @@ def remat(loss_fn: Callable) -> Callable:
     train_step = redeqx.make_train_step(redeqx.remat(loss_fn), optimizer, mesh, specs)
     ```
     """
+    _check_keep(keep)
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be a function (model, batch, key) -> loss, got {loss_fn!r}.")
 
     @functools.wraps(loss_fn)
     def rematerialised(model, *args):
-        return loss_fn(remat_blocks(model), *args)
+        return recompute_scans(loss_fn, keep)(_recomputed_blocks(model, keep), *args)
 
     return rematerialised

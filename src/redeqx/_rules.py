@@ -31,6 +31,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from ._mesh import DATA, MODEL, check_mesh
+from ._trees import human_bytes, path_parts, path_str, per_device_shape
 from ._typing import typechecked, warn_user
 
 Q_NAMES = {"query_proj", "q_proj", "wq", "q", "query", "qkv", "c_attn", "qkv_proj"}  # fused QKV counts query heads
@@ -59,26 +60,6 @@ class LeafPlan:
     dtype: Any
     spec: P
     reason: str
-
-
-def path_parts(path) -> list[str]:
-    parts = []
-    for k in path:
-        if isinstance(k, jax.tree_util.GetAttrKey):
-            parts.append(k.name)
-        elif isinstance(k, jax.tree_util.SequenceKey):
-            parts.append(str(k.idx))
-        elif isinstance(k, jax.tree_util.DictKey):
-            parts.append(str(k.key))
-        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
-            parts.append(str(k.key))
-        else:
-            parts.append(str(k))
-    return parts
-
-
-def path_str(path) -> str:
-    return ".".join(path_parts(path))
 
 
 def _child(obj, key):
@@ -427,24 +408,6 @@ def sharding_rules(model, mesh: Mesh, *, overrides: Sequence = (), fsdp: bool = 
     return specs
 
 
-def _per_device_shape(shape, spec: P, mesh: Mesh) -> tuple[int, ...]:
-    out = list(shape)
-    for d, entry in enumerate(spec):
-        if entry is None:
-            continue
-        axes = entry if isinstance(entry, tuple) else (entry,)
-        out[d] = out[d] // math.prod(mesh.shape[a] for a in axes)
-    return tuple(out)
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 @typechecked
 def explain(model, specs, mesh: Mesh) -> str:
     """A table of where each array of ``model`` lives under ``specs``.
@@ -484,18 +447,18 @@ def explain(model, specs, mesh: Mesh) -> str:
         if why is None:
             why = f"given (rules: {found[0].spec}, {found[0].reason})" if found else "given"
         itemsize = np.dtype(leaf.dtype).itemsize
-        dev = math.prod(_per_device_shape(leaf.shape, spec, mesh)) * itemsize
+        dev = math.prod(per_device_shape(leaf.shape, spec, mesh)) * itemsize
         total += math.prod(leaf.shape) * itemsize
         per_dev += dev
         n_arrays += 1
-        rows.append((path, str(tuple(leaf.shape)), str(np.dtype(leaf.dtype)), str(spec), _human(dev), why))
+        rows.append((path, str(tuple(leaf.shape)), str(np.dtype(leaf.dtype)), str(spec), human_bytes(dev), why))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines.append("")
     n_data = mesh.shape[DATA]
     lines.append(
-        f"total {_human(total)} in {n_arrays} arrays; per device {_human(per_dev)} "
+        f"total {human_bytes(total)} in {n_arrays} arrays; per device {human_bytes(per_dev)} "
         f"(mesh data={n_data}, model={mesh.shape[MODEL]}); a step's global batch is "
         f"per_device_batch_size x {n_data} (data) rows"
     )

@@ -9,8 +9,7 @@ import optax
 from jax.sharding import Mesh
 
 from ._mesh import DATA
-from ._steps import _check_positive_int
-from ._typing import typechecked
+from ._typing import positive_int, typechecked
 
 
 @typechecked
@@ -60,7 +59,7 @@ def lr_schedule(
     """
     for name, v in (("train_size", train_size), ("per_device_batch_size", per_device_batch_size),
                     ("n_epochs", n_epochs), ("accumulate", accumulate)):
-        _check_positive_int(name, v)
+        positive_int(v, name)
     for name, v in (("learning_rate", learning_rate), ("init_learning_rate", init_learning_rate),
                     ("end_learning_rate", end_learning_rate)):
         if not (math.isfinite(v) and v >= 0):

@@ -17,25 +17,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from ._mesh import check_mesh
-from ._rules import path_parts, sharding_rules
+from ._rules import sharding_rules
+from ._trees import is_array, is_array_like, is_floating, is_none, is_spec, leaves_with_specs, named_leaves, path_str
 from ._typing import short_repr, typechecked
-
-
-def _is_spec(x) -> bool:
-    return isinstance(x, P) or x is None
-
-
-def _is_none(x) -> bool:
-    return x is None
 
 
 def named_shardings(specs, mesh: Mesh):
     """PartitionSpec tree -> NamedSharding tree (``None`` stays ``None``)."""
-    return jax.tree.map(lambda s: None if s is None else NamedSharding(mesh, s), specs, is_leaf=_is_spec)
-
-
-def _paths(tree, is_leaf) -> list[str]:
-    return [".".join(path_parts(kp)) for kp, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]]
+    return jax.tree.map(lambda s: None if s is None else NamedSharding(mesh, s), specs, is_leaf=is_spec)
 
 
 def check_specs(specs, mesh: Mesh, name: str = "specs") -> None:
@@ -44,8 +33,8 @@ def check_specs(specs, mesh: Mesh, name: str = "specs") -> None:
     fix = "pass the tree made by redeqx.sharding_rules(model, mesh)"
     if specs is None or isinstance(specs, (str, bytes, int, float)):
         raise TypeError(f"{name}={short_repr(specs)} is not a tree of PartitionSpecs: {fix}.")
-    leaves = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[0]
-    bad = [(".".join(path_parts(kp)), x) for kp, x in leaves if not _is_spec(x)]
+    leaves = named_leaves(specs, is_leaf=is_spec)
+    bad = [(path, x) for path, x in leaves if not is_spec(x)]
     if bad:
         where, x = bad[0]
         raise TypeError(
@@ -54,12 +43,12 @@ def check_specs(specs, mesh: Mesh, name: str = "specs") -> None:
         )
     if not any(isinstance(x, P) for _, x in leaves):
         raise ValueError(f"{name} holds no PartitionSpec at all ({short_repr(specs)}): {fix}.")
-    for kp, spec in leaves:
+    for path, spec in leaves:
         for entry in spec or ():
             for axis in entry if isinstance(entry, tuple) else (entry,):
                 if axis is not None and axis not in mesh.shape:
                     raise ValueError(
-                        f"{name} at '{'.'.join(path_parts(kp))}' is {spec}, naming axis {axis!r}; the mesh has axes "
+                        f"{name} at '{path}' is {spec}, naming axis {axis!r}; the mesh has axes "
                         f"{tuple(mesh.shape)}."
                     )
 
@@ -68,7 +57,8 @@ def check_specs_match(tree, specs, what: str) -> None:
     """``specs`` has the structure of ``tree`` (same attribute paths), else an
     error listing where they differ."""
     # None fields (a Linear's missing bias) are leaves on both sides here
-    tree_paths, spec_paths = _paths(tree, _is_none), _paths(specs, _is_spec)
+    tree_paths = [p for p, _ in named_leaves(tree, is_leaf=is_none)]
+    spec_paths = [p for p, _ in named_leaves(specs, is_leaf=is_spec)]
     if tree_paths == spec_paths:
         return
     only_tree = [p for p in tree_paths if p not in set(spec_paths)]
@@ -124,7 +114,7 @@ def place(x, sharding: NamedSharding, *, copy: bool):
     return y
 
 
-def _check_leaf(path: str, x, what: str):
+def check_leaf(path: str, x, what: str):
     """Arrays of other libraries (a torch tensor) would pass as constants."""
     if isinstance(x, (jax.Array, np.ndarray, np.generic)) or x is None:
         return
@@ -157,51 +147,38 @@ def shard(tree: PyTree, specs: PyTree, mesh: Mesh) -> PyTree:
 
 def _place_tree(tree, specs, mesh: Mesh, *, copy: bool, what: str):
     check_specs_match(tree, specs, what)
-    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_none)
-    spec_leaves = jax.tree.leaves(specs, is_leaf=_is_spec)
-    out = []
-    for (kp, leaf), spec in zip(leaves_with_path, spec_leaves):
-        _check_leaf(".".join(path_parts(kp)), leaf, what)
-        if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
-            leaf = place(leaf, NamedSharding(mesh, P() if spec is None else spec), copy=copy)
-        out.append(leaf)
-    return jax.tree.unflatten(treedef, out)
+    placed = []
+    for (path, leaf), spec in zip(named_leaves(tree, is_leaf=is_none), jax.tree.leaves(specs, is_leaf=is_spec)):
+        check_leaf(path, leaf, what)
+        placed.append(place(leaf, NamedSharding(mesh, P() if spec is None else spec), copy=copy) if is_array(leaf)
+                      else leaf)
+    return jax.tree.unflatten(jax.tree.structure(tree, is_leaf=is_none), placed)
 
 
 # ----------------------------------------------------------------------------- optimizer state
 
 
-def _mirror_specs(abstract_state, model, specs):
+def mirror_specs(abstract_state, model, specs):
     """Specs for an optimizer state: a leaf whose tree path ends with a
     parameter's path and has its shape takes that parameter's spec (Adam's mu
     and nu); everything else (counts, scalars) is replicated."""
-    by_path: dict[tuple[str, ...], tuple[tuple[int, ...], P]] = {}
-    m_leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_none)[0]
-    s_leaves = jax.tree.leaves(specs, is_leaf=_is_spec)
-    for (kp, leaf), spec in zip(m_leaves, s_leaves, strict=True):
-        if eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct):  # abstract models too
-            by_path[tuple(path_parts(kp))] = (tuple(leaf.shape), spec)
+    by_path = {tuple(path.split(".")): (tuple(x.shape), spec) for path, x, spec in leaves_with_specs(model, specs)}
 
     def spec_for(kp, leaf):
-        parts = tuple(path_parts(kp))
+        parts = tuple(path_str(kp).split("."))
         for start in range(len(parts)):
             hit = by_path.get(parts[start:])
             if hit is not None and hit[0] == tuple(leaf.shape):
-                return hit[1] if hit[1] is not None else P()
+                return hit[1]
         return P()
 
     return jax.tree_util.tree_map_with_path(spec_for, abstract_state)
 
 
-def _is_float_leaf(x) -> bool:
-    """A floating array, concrete or abstract (``jax.ShapeDtypeStruct``)."""
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return jnp.issubdtype(x.dtype, jnp.inexact)
-    return eqx.is_inexact_array(x)
-
-
-def _trainable_params(model, trainable):
-    params = eqx.filter(model, _is_float_leaf)
+def trainable_params(model, trainable):
+    """The floating arrays of ``model`` (concrete or abstract) that
+    ``trainable`` (an Equinox filter spec, or None: all) selects."""
+    params = eqx.filter(model, is_floating)
     if trainable is None:
         return params
     return eqx.filter(params, trainable)
@@ -210,20 +187,28 @@ def _trainable_params(model, trainable):
 def opt_state_specs(optimizer: optax.GradientTransformation, model, specs, trainable=None):
     """PartitionSpecs for the optimizer state of ``model``'s trainable
     parameters, each mirroring the spec of the parameter it belongs to."""
-    abstract = jax.eval_shape(optimizer.init, _trainable_params(model, trainable))
-    return _mirror_specs(abstract, model, specs)
+    abstract = jax.eval_shape(optimizer.init, trainable_params(model, trainable))
+    return mirror_specs(abstract, model, specs)
 
 
-def _check_optimizer(optimizer) -> None:
+Optimizer = optax.GradientTransformation | optax.MultiSteps
+
+
+def as_optimizer(optimizer) -> optax.GradientTransformation:
+    """``optimizer`` as the ``(init, update)`` pair steps use: an
+    ``optax.MultiSteps`` gives its ``gradient_transformation()``."""
+    if isinstance(optimizer, optax.MultiSteps):
+        return optimizer.gradient_transformation()
     if not isinstance(optimizer, optax.GradientTransformation):
         raise TypeError(
             f"optimizer must be an optax.GradientTransformation (e.g. optax.adamw(1e-3)), got {type(optimizer).__name__}."
         )
+    return optimizer
 
 
 @typechecked
 def init_opt_state(
-    optimizer: optax.GradientTransformation,
+    optimizer: Optimizer,
     model: PyTree,
     mesh: Mesh,
     specs: PyTree,
@@ -244,13 +229,13 @@ def init_opt_state(
     actor_opt = redeqx.init_opt_state(optax.adam(3e-4), actor, mesh, actor_specs)
     ```
     """
-    _check_optimizer(optimizer)
+    optimizer = as_optimizer(optimizer)
     mesh = check_mesh(mesh)
     check_specs(specs, mesh)
     check_specs_match(model, specs, "model")
     os_specs = opt_state_specs(optimizer, model, specs, trainable)
     # on the mesh first (a no-op for a placed model): the compiled init takes its inputs where they are
-    params = _trainable_params(_place_tree(model, specs, mesh, copy=False, what="model"), trainable)
+    params = trainable_params(_place_tree(model, specs, mesh, copy=False, what="model"), trainable)
     return jax.jit(optimizer.init, out_shardings=named_shardings(os_specs, mesh))(params)
 
 
@@ -290,7 +275,7 @@ def replicate_key(key, mesh: Mesh):
 @typechecked
 def init_state(
     model: PyTree,
-    optimizer: optax.GradientTransformation,
+    optimizer: Optimizer,
     mesh: Mesh,
     specs: PyTree,
     *,
@@ -324,11 +309,11 @@ def init_state(
     state = redeqx.init_state(model, optax.adamw(1e-3), mesh, specs, key=jax.random.key(0))
     ```
     """
-    _check_optimizer(optimizer)
+    optimizer = as_optimizer(optimizer)
     _check_key(key)
     mesh = check_mesh(mesh)
     check_specs(specs, mesh)
-    if _is_constructor(model):  # build it in its shards; nobody else holds these arrays
+    if is_constructor(model):  # build it in its shards; nobody else holds these arrays
         jitted, static = constructor(model, mesh, specs, key)
         model, donate_model = eqx.combine(jitted(key), static), True
     if _is_abstract(model):
@@ -363,7 +348,7 @@ def _call_with_key(make_model, key):
     return make_model(key)
 
 
-def _is_constructor(x) -> bool:
+def is_constructor(x) -> bool:
     return callable(x) and not isinstance(x, eqx.Module) and not isinstance(x, (jax.Array, np.ndarray))
 
 
@@ -387,8 +372,8 @@ def constructor(make_model, mesh: Mesh, specs, key):
     abstract = abstract_model(make_model, key)
     check_specs_match(abstract, specs, "model")
     arrays, static = eqx.partition(abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    leaves, treedef = jax.tree.flatten(arrays, is_leaf=_is_none)
-    spec_leaves = jax.tree.leaves(specs, is_leaf=_is_spec)
+    leaves, treedef = jax.tree.flatten(arrays, is_leaf=is_none)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=is_spec)
     shardings = jax.tree.unflatten(treedef, [
         None if x is None else NamedSharding(mesh, P() if s is None else s) for x, s in zip(leaves, spec_leaves)
     ])
@@ -444,16 +429,16 @@ def _abstract_state(model, optimizer, mesh: Mesh, specs, key, trainable, model_s
     check_specs_match(model, specs, "model")
 
     def with_sharding(x, spec):
-        if isinstance(x, (jax.ShapeDtypeStruct, jax.Array, np.ndarray)):
+        if is_array_like(x):
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P() if spec is None else spec))
         return x
 
-    leaves, treedef = jax.tree.flatten(model, is_leaf=_is_none)
+    leaves, treedef = jax.tree.flatten(model, is_leaf=is_none)
     model = jax.tree.unflatten(treedef, [with_sharding(x, s) for x, s in
-                                         zip(leaves, jax.tree.leaves(specs, is_leaf=_is_spec))])
-    params = _trainable_params(model, trainable)
+                                         zip(leaves, jax.tree.leaves(specs, is_leaf=is_spec))])
+    params = trainable_params(model, trainable)
     abstract_os = jax.eval_shape(optimizer.init, params)
-    os_specs = _mirror_specs(abstract_os, model, specs)
+    os_specs = mirror_specs(abstract_os, model, specs)
     opt_state = jax.tree.map(with_sharding, abstract_os, os_specs)
     replicated = NamedSharding(mesh, P())
     key_struct = jax.eval_shape(lambda: key)
@@ -467,7 +452,7 @@ def _abstract_state(model, optimizer, mesh: Mesh, specs, key, trainable, model_s
 
 @typechecked
 def apply_gradients(
-    state: TrainState, grads: PyTree, optimizer: optax.GradientTransformation, *, trainable: Any = None
+    state: TrainState, grads: PyTree, optimizer: Optimizer, *, trainable: Any = None
 ) -> TrainState:
     """One optimizer update of ``state`` with ``grads`` (as from
     ``eqx.filter_grad(loss)(state.model)``): the new model, the new
@@ -482,17 +467,13 @@ def apply_gradients(
         return {**state, "actor": redeqx.apply_gradients(state["actor"], grads, actor_optimizer)}, {}
     ```
     """
-    params = _trainable_params(state.model, trainable)  # as init_state(..., trainable=) made the optimizer state
-    mask = jax.tree.map(lambda x: x is not None, params, is_leaf=_is_none)
+    optimizer = as_optimizer(optimizer)
+    params = trainable_params(state.model, trainable)  # as init_state(..., trainable=) made the optimizer state
+    mask = jax.tree.map(lambda x: x is not None, params, is_leaf=is_none)
     grads = eqx.filter(grads, mask)
     updates, opt_state = optimizer.update(grads, state.opt_state, params)
     return dataclasses.replace(state, model=eqx.apply_updates(state.model, updates), opt_state=opt_state,
                                step=state.step + 1)
-
-
-def named_leaves(tree) -> list[tuple[str, Any]]:
-    """``(path, leaf)`` for every leaf, paths as `sharding_rules` writes them."""
-    return [(".".join(path_parts(kp)), x) for kp, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 def refuse_deleted(named_leaves, what: str) -> None:

@@ -12,6 +12,7 @@ import types
 import typing
 import warnings
 
+import numpy as np
 from beartype import BeartypeConf, beartype
 from beartype.door import is_bearable
 from beartype.roar import BeartypeCallHintParamViolation
@@ -125,6 +126,15 @@ def warn_user(message: str, category=UserWarning) -> None:
     while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level + 1)
+
+
+def positive_int(value, name: str, *, minimum: int = 1) -> int:
+    """``value`` as an int, if it is one (not a bool) and at least ``minimum``;
+    else a ``ValueError`` naming the argument: one check for every count of the API."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise ValueError(f"{name} must be {what}, got {value!r}.")
+    return int(value)
 
 
 def floating_dtype(value, name: str, *, allow_none: bool = True):

@@ -25,7 +25,8 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from .._rules import path_str, sharding_rules
+from .._rules import sharding_rules
+from .._trees import path_str
 
 _DTYPES = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),

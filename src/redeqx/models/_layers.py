@@ -18,7 +18,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from .._constrain import constrain
 from .._mesh import MODEL
 from ._fused import column_matmul, row_matmul
-from .._rules import path_str
+from .._trees import path_str
 from ._hf import HFTensor
 
 INIT_STD = 0.02  # the initializer_range of the Hugging Face configs

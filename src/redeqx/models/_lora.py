@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
-from .._rules import path_parts
+from .._trees import path_parts
 from .._typing import typechecked
 
 
