@@ -35,7 +35,7 @@ import math
 import queue
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, MappingView, Set
+from collections.abc import Callable, Iterator, Mapping, MappingView, Set
 from typing import Any
 
 import jax
@@ -164,7 +164,7 @@ def _prefetched(items: Iterator, prefetch: int) -> Iterator:
     slots = threading.Semaphore(prefetch)  # items made and not yet taken <= prefetch
     stop = threading.Event()
 
-    def work():  # refers to no generator but `items`, so an abandoned loop can be collected
+    def work():  # refers to `items`, never to this generator, so an abandoned loop can be collected
         try:
             while True:
                 slots.acquire()
@@ -535,7 +535,8 @@ class Shuffled:
     def __iter__(self) -> Iterator:
         # PCG64's raw words from a SeedSequence are the same in every NumPy
         # version (unlike Generator's methods), so a resumed run gets the order
-        # it was saved in; a 64-bit word mod the buffer size is uniform to 1e-13
+        # it was saved in; a 64-bit word mod the buffer size is off uniform by
+        # at most buffer_size / 2**64
         bits = np.random.PCG64(np.random.SeedSequence(self.seed))
         draws = itertools.chain.from_iterable(iter(lambda: bits.random_raw(1024).tolist(), None))
         buffer: list = []
