@@ -419,9 +419,10 @@ def batches(
     anything iterable without ``len()`` and ``[i]``, such as a generator, a
     reader class whose ``__iter__`` reads files, or a Hugging Face
     ``datasets.IterableDataset``. It is read in its own order, which must be
-    the same on every process and in every run (each process reads every
-    example, and collates only its own rows: the rows a list in that order
-    gives). Make reading cheap (file names, raw lines) and do the decoding in
+    the same on every process and in every run (sort file names: a directory
+    listing's order is not), since each process reads every example and
+    collates only its own rows: the rows a list in that order gives. Make
+    reading cheap (file names, raw lines) and do the decoding in
     ``collate_fn``, which runs on this process's rows only. A generator is
     read once (to the end, or closed when the loop stops): make a new one for
     every call, or pass an object whose ``__iter__`` starts over.
