@@ -65,6 +65,8 @@ def test_partial_last_batch_is_filled_with_a_warning(devices):
         got = list(redeqx.batches(examples(12), collate, 2, mesh))
     assert record[0].filename == __file__  # the user's loop, not a wrapper
     np.testing.assert_array_equal(np.asarray(got[-1]["id"]), [8, 9, 10, 11, 0, 1, 2, 3])
+    with pytest.warns(UserWarning, match="last batch has 3 of 8 examples"):  # fewer than the padding: cycled
+        assert ids(redeqx.batches(examples(3), collate, 2, mesh)) == [[0, 1, 2, 0, 1, 2, 0, 1]]
     with pytest.raises(ValueError, match="fewer than one global batch of 8"):
         list(redeqx.batches(examples(5), collate, 2, mesh, drop_last=True))
 
@@ -346,13 +348,14 @@ def test_examples_that_cannot_be_batched_are_named_with_the_fix(devices):
     fixed = [dict(zip(d, row)) for row in zip(*d.values())]
     assert ids(redeqx.batches(fixed, lambda es: {"id": np.array([e["id"] for e in es])}, 2, mesh)) == [
         list(range(8)), list(range(8, 16))]
-    with pytest.raises(TypeError, match=r"examples is a generator with no length.*examples = list\(examples\)"):
-        redeqx.batches((e for e in examples(16)), collate, 2, mesh)
-    with pytest.raises(TypeError, match=r"examples is a list_iterator with no length.*list\(examples\)"):
-        redeqx.batches(iter(examples(16)), collate, 2, mesh)
-    with pytest.raises(TypeError, match=r"examples is a set, which cannot be indexed.*list\(examples\)"):
-        redeqx.batches({1, 2, 3}, collate, 2, mesh)
-    with pytest.raises(TypeError, match=r"examples must be a sequence of examples.*got a int"):
+    # a generator or an iterator is a stream (tests/test_data_stream.py), read in its order
+    assert ids(redeqx.batches((e for e in examples(16)), collate, 2, mesh)) == ids(redeqx.batches(iter(examples(16)),
+                                                                                                   collate, 2, mesh))
+    for unordered in ({1, 2, 3}, frozenset({1, 2}), {"a": 1}.keys()):  # no order every process shares
+        with pytest.raises(TypeError, match=rf"examples is a {type(unordered).__name__}, which has no order of its "
+                                            r"own.*examples = sorted\(examples\)"):
+            redeqx.batches(unordered, collate, 2, mesh)
+    with pytest.raises(TypeError, match=r"examples must be a sequence of examples.*or a stream of them.*got a int"):
         redeqx.batches(16, collate, 2, mesh)
     with pytest.raises(TypeError, match="examples is a str"):
         redeqx.batches("abcdefgh", collate, 2, mesh)
@@ -369,9 +372,11 @@ def test_examples_that_cannot_be_batched_are_named_with_the_fix(devices):
     specs = redeqx.sharding_rules(model, mesh)
     with pytest.raises(TypeError, match=r"examples is a dict .*dict\(zip\(d, row\)\)"):
         redeqx.evaluate(redeqx.make_eval_step(loss_fn, mesh, specs), model, columns, collate, 2, mesh, key=jax.random.key(0))
-    with pytest.raises(TypeError, match="examples is a generator with no length"):
-        redeqx.predict(redeqx.make_predict_step(pred_fn, mesh, specs), model, (e for e in examples(16)), collate, 2,
-                       mesh, key=jax.random.key(0))
+    read = (e for e in examples(16))
+    list(read)
+    with pytest.raises(ValueError, match=r"examples \(a generator\) gave no examples.*make a new one for every call"):
+        redeqx.predict(redeqx.make_predict_step(pred_fn, mesh, specs), model, read, collate, 2, mesh,
+                       key=jax.random.key(0))
 
 
 # -- the progress bar

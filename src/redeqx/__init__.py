@@ -10,7 +10,7 @@ from ._checkpoint import (
     save_checkpoint as save_checkpoint,
 )
 from ._constrain import constrain as constrain
-from ._data import batches as batches, evaluate as evaluate, predict as predict
+from ._data import batches as batches, evaluate as evaluate, predict as predict, shuffled as shuffled
 from ._distributed import initialize as initialize, preflight as preflight
 from ._hlo import collective_summary as collective_summary
 from ._logging import Logger as Logger

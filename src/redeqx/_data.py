@@ -7,6 +7,15 @@ split over ``data``. A background thread runs that pipeline up to
 ``prefetch`` batches ahead of the loop, so collating batch ``i + 1`` overlaps
 step ``i``.
 
+Examples come in two kinds. A sequence (``len()`` and ``[i]``) is indexed
+through an order, a permutation when shuffled. A stream (anything else that
+can be iterated: a generator, a reader whose ``__iter__`` reads files, a
+Hugging Face ``IterableDataset``) is read in its own order, the same on every
+process: each process reads every example and collates only its own rows,
+the very rows the sequence path gives for that order, and ``start=b`` reads
+past ``b`` global batches without collating them. `shuffled` is a seeded
+buffer shuffle for streams.
+
 Threads and JAX: the background thread calls ``collate_fn`` and
 ``jax.make_array_from_process_local_data``. On one process that is a
 ``jax.device_put``; on several it is ``make_array_from_callback``, a
@@ -21,11 +30,12 @@ included, to be called from several Python threads.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import queue
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, MappingView, Set
 from typing import Any
 
 import jax
@@ -134,36 +144,43 @@ def _check_prefetch(prefetch) -> int:
 _DONE = object()
 
 
-def _prefetched(make: Callable[[int], Any], indices: range, prefetch: int) -> Iterator:
-    """``make(i)`` for each ``i`` of ``indices``, in order, made by a
-    background thread up to ``prefetch`` items ahead of the consumer (with
+def _prefetched(items: Iterator, prefetch: int) -> Iterator:
+    """The items of the generator ``items``, in order, made by a background
+    thread up to ``prefetch`` items ahead of the consumer (with
     ``prefetch=0``: in the consumer's thread, when asked for).
 
-    An exception in ``make(i)`` reaches the consumer when it asks for item
-    ``i``, after the items before it: the same exception object, whose
-    traceback still shows where it was raised. Closing this generator
-    (``break``, an exception in the loop, ``close()``, garbage collection)
-    stops the thread and waits for it, so no thread outlives the loop.
+    An exception raised while making an item reaches the consumer when it
+    asks for that item, after the items before it: the same exception
+    object, whose traceback still shows where it was raised. Closing this
+    generator (``break``, an exception in the loop, ``close()``, garbage
+    collection) stops the thread, waits for it and closes ``items``, so no
+    thread outlives the loop and no file a stream opened stays open.
     """
     if prefetch == 0:
-        for i in indices:
-            yield make(i)
+        with contextlib.closing(items):
+            yield from items
         return
     ready: queue.SimpleQueue = queue.SimpleQueue()  # (item, error), in order
     slots = threading.Semaphore(prefetch)  # items made and not yet taken <= prefetch
     stop = threading.Event()
 
-    def work():  # refers to no generator, so an abandoned loop can be collected
-        for i in indices:
-            slots.acquire()
-            if stop.is_set():
-                return
-            try:
-                ready.put((make(i), None))
-            except BaseException as e:  # raised in the consumer's thread instead
-                ready.put((None, e))
-                return
-        ready.put((_DONE, None))
+    def work():  # refers to `items`, never to this generator, so an abandoned loop can be collected
+        try:
+            while True:
+                slots.acquire()
+                if stop.is_set():
+                    return
+                try:
+                    item = next(items)
+                except StopIteration:
+                    break
+                except BaseException as e:  # raised in the consumer's thread instead
+                    ready.put((None, e))
+                    return
+                ready.put((item, None))
+            ready.put((_DONE, None))
+        finally:
+            items.close()  # here: a generator is closed by the thread that runs it
 
     thread = threading.Thread(target=work, name="redeqx-prefetch", daemon=True)
     thread.start()
@@ -192,37 +209,106 @@ def _n_batches(n: int, size: int, drop_last: bool) -> int:
     return n // size if drop_last else math.ceil(n / size)
 
 
-def _padded_batches(examples, collate_fn, per_device_batch_size, mesh, order, start, desc, drop_last, wrap, prefetch):
-    """Yields ``(global_batch, n_real)`` for batches ``start, start + 1, ...``
-    of ``order``, made up to ``prefetch`` batches ahead. A short last batch is
-    padded to full size (with the following examples, wrapping around, or with
-    copies of its own last example) so every step sees one shape."""
-    n = len(order)
-    size = _global_batch_size(per_device_batch_size, mesh)
-    n_batches = _n_batches(n, size, drop_last)
-    lo, hi = local_rows(mesh, size)
+# -- the rows of each batch: (this process's examples, how many of the batch's rows are real)
 
-    def make(b):  # in the prefetch thread
+
+def _sequence_rows(examples, order, per_device_batch_size, mesh, start, drop_last, wrap) -> Iterator[tuple[list, int]]:
+    """Batches ``start, start + 1, ...`` of ``examples[order]``. A short last
+    batch is padded to full size (with the order's first examples, cycling
+    through them when it holds fewer than the padding, or with copies of its
+    own last example) so every step sees one shape."""
+    size = _global_batch_size(per_device_batch_size, mesh)
+    lo, hi = local_rows(mesh, size)
+    for b in range(start, _n_batches(len(order), size, drop_last)):
         rows = order[b * size:(b + 1) * size]
         n_real = len(rows)
         if n_real < size:
-            fill = order[: size - n_real] if wrap else np.full(size - n_real, rows[-1])
+            fill = np.resize(order, size - n_real) if wrap else np.full(size - n_real, rows[-1])
             rows = np.concatenate([rows, fill])
-        local = [examples[int(i)] for i in rows[lo:hi]]  # only the rows this process's devices hold
-        return to_global(collate(collate_fn, local, hi - lo), mesh, size), n_real
+        yield [examples[int(i)] for i in rows[lo:hi]], n_real  # only the rows this process's devices hold
 
-    bar = tqdm(total=n_batches, initial=min(start, n_batches),
+
+def _stream_rows(examples, per_device_batch_size, mesh, start, drop_last, wrap) -> Iterator[tuple[list, int]]:
+    """`_sequence_rows` for a stream, read once in its own order: the same
+    rows, the same padding (the stream's first global batch is kept to fill
+    a short last one). The batches before ``start`` are read, not collated.
+    What only the end of the stream tells (it was empty, too short for
+    ``drop_last``, or ended before ``start``) is raised there."""
+    size = _global_batch_size(per_device_batch_size, mesh)
+    lo, hi = local_rows(mesh, size)
+    stream = iter(examples)
+    first: list = []
+    n = 0
+    try:
+        for b in itertools.count():
+            rows = list(itertools.islice(stream, size))
+            n += len(rows)
+            if b == 0:
+                first = rows
+            if len(rows) < size:
+                break
+            if b >= start:
+                yield rows[lo:hi], size
+        if n == 0:
+            raise ValueError(
+                f"examples (a {type(examples).__name__}) gave no examples. A generator or iterator is read once, so "
+                "one already read gives nothing: make a new one for every call (batches(read(path), ...)), or pass "
+                "an object whose __iter__ starts over (a reader class, a Hugging Face IterableDataset)."
+            )
+        _check_length(n, size, per_device_batch_size, mesh, drop_last, start)
+        if rows and not drop_last and b >= start:
+            n_real = len(rows)
+            fill = [first[i % len(first)] for i in range(size - n_real)] if wrap else [rows[-1]] * (size - n_real)
+            rows = rows + fill
+            yield rows[lo:hi], n_real
+    finally:
+        if hasattr(stream, "close"):  # a reader's open file is closed now, not when collected; a generator
+            stream.close()  # passed in is used up, so passing it again is an error, not a resume from a read-ahead
+
+
+def _check_length(n, size, per_device_batch_size, mesh, drop_last, start) -> None:
+    """``n`` examples in batches of ``size`` give at least one batch, and ``start`` is within them."""
+    if drop_last and n < size:
+        raise ValueError(
+            f"examples has {n} examples, fewer than one global batch of {size} (per_device_batch_size="
+            f"{per_device_batch_size} x data={mesh.shape[DATA]}), so drop_last=True leaves no batch. "
+            "Lower per_device_batch_size or pass drop_last=False."
+        )
+    n_batches = _n_batches(n, size, drop_last)
+    if start > n_batches:
+        raise ValueError(
+            f"start={start} is past this epoch's {n_batches} batches ({n} examples, global batch {size} = "
+            f"{per_device_batch_size} x data {mesh.shape[DATA]}, drop_last={drop_last}); start={n_batches} is an "
+            "epoch already done. Resuming a run? Use the dataset, per_device_batch_size and n_model_shards it was "
+            "saved with."
+        )
+
+
+def _padded_batches(rows: Iterator[tuple[list, int]], collate_fn, per_device_batch_size, mesh, n_batches, start, desc,
+                    prefetch):
+    """Yields ``(global_batch, n_real)`` for each ``(examples, n_real)`` of
+    ``rows``: this process's examples collated and made one global batch,
+    up to ``prefetch`` batches ahead. ``n_batches`` is the progress bar's
+    total (None for a stream: a bar without a total)."""
+    size = _global_batch_size(per_device_batch_size, mesh)
+
+    def made():  # in the prefetch thread
+        with contextlib.closing(rows):
+            for local, n_real in rows:
+                yield to_global(collate(collate_fn, local, len(local)), mesh, size), n_real
+
+    bar = tqdm(total=n_batches, initial=start if n_batches is None else min(start, n_batches),
                desc=None if desc is None else _bar_title(desc, per_device_batch_size, mesh),
                disable=desc is None or jax.process_index() != 0, leave=False, dynamic_ncols=True)
     if not bar.disable:
         ACTIVE_BARS.append(bar)
-    made = _prefetched(make, range(start, n_batches), prefetch)
+    batches = _prefetched(made(), prefetch)
     try:
-        for item in made:
+        for item in batches:
             yield item
             bar.update(1)
     finally:
-        made.close()
+        batches.close()
         if bar in ACTIVE_BARS:
             ACTIVE_BARS.remove(bar)
         bar.close()
@@ -234,10 +320,16 @@ _DICT_OF_ARRAYS = (
 )
 
 
-def _check_examples(examples, name="examples"):
-    """What `batches`, `evaluate` and `predict` accept as examples: anything
-    with ``len()`` and integer ``[i]`` giving one example (a list, a tuple, a
-    NumPy array's rows, a ``datasets.Dataset``, any ``Sequence``)."""
+def _check_examples(examples, name="examples") -> bool:
+    """What `batches`, `evaluate` and `predict` accept as examples; returns
+    whether they are a sequence (True) or a stream (False).
+
+    A sequence has ``len()`` and integer ``[i]`` giving one example (a list,
+    a tuple, a NumPy array's rows, a ``datasets.Dataset``, any
+    ``Sequence``). A stream is anything else that iterates over examples in
+    one order (a generator, a reader class, a ``datasets.IterableDataset``).
+    A set iterates in an order that can differ between processes, so it is
+    neither."""
     kind = type(examples).__name__
     if isinstance(examples, Mapping):
         raise TypeError(
@@ -248,32 +340,52 @@ def _check_examples(examples, name="examples"):
         raise TypeError(f"{name} is a {kind}, not a sequence of examples: pass a list of examples, e.g. [{examples[:20]!r}].")
     if hasattr(examples, "iloc") and hasattr(examples, "columns"):  # a pandas DataFrame: [i] is a column
         raise TypeError(f"{name} is a {kind}, whose [i] picks a column, not a row: pass {name}.to_dict('records').")
-    if not hasattr(examples, "__len__"):
-        if hasattr(examples, "__iter__") or hasattr(examples, "__next__"):
-            raise TypeError(
-                f"{name} is a {kind} with no length (a generator or iterator can be read once, in one order; "
-                f"batches needs len() and [i] to shuffle and to resume): wrap it as a list: {name} = list({name})."
-            )
+    if isinstance(examples, (Set, MappingView)):
         raise TypeError(
-            f"{name} must be a sequence of examples (a list, a tuple, a NumPy array of rows, a datasets.Dataset: "
-            f"anything with len() and [i]), got a {kind}."
+            f"{name} is a {kind}, which has no order of its own (it can differ between processes and runs): pass a "
+            f"sorted list: {name} = sorted({name})."
         )
-    if not hasattr(examples, "__getitem__"):
-        raise TypeError(
-            f"{name} is a {kind}, which cannot be indexed with [i]: wrap it as a list: {name} = list({name})"
-            " (sorted(...) for a set, so that every process sees one order)."
-        )
-    if getattr(examples, "ndim", None) == 0:
-        raise TypeError(f"{name} is a 0-d {kind}; an array of examples needs one row per example.")
-    if len(examples) == 0:
-        raise ValueError(f"{name} is empty (a {kind} of length 0); pass at least one example.")
+    if hasattr(examples, "__len__") and hasattr(examples, "__getitem__"):
+        if getattr(examples, "ndim", None) == 0:
+            raise TypeError(f"{name} is a 0-d {kind}; an array of examples needs one row per example.")
+        if len(examples) == 0:
+            raise ValueError(f"{name} is empty (a {kind} of length 0); pass at least one example.")
+        return True
+    if hasattr(examples, "__iter__"):
+        return False
+    raise TypeError(
+        f"{name} must be a sequence of examples (a list, a tuple, a NumPy array of rows, a datasets.Dataset: "
+        "anything with len() and [i]) or a stream of them (a generator, a reader with __iter__, a "
+        f"datasets.IterableDataset), got a {kind}."
+    )
 
 
-def _only_batches(made, warning: str | None):
-    if warning is not None:  # from the loop's first next(): stacklevel 2 is the user's loop, past any wrapper
+_STREAM_SHUFFLE = (
+    "shuffle=True draws a permutation of the examples, which needs len() and [i]; examples is a {kind}, a stream. "
+    "Shuffle it as it is read, with a seeded buffer: batches(redeqx.shuffled(examples, buffer_size=10_000, key=key), "
+    "..., drop_last=True), a new key each epoch (jax.random.fold_in(key, epoch)); or with the stream's own shuffle "
+    "(a Hugging Face IterableDataset: ds.shuffle(seed=..., buffer_size=...) and ds.set_epoch(epoch)); or make it a "
+    "list if it fits in memory."
+)
+
+
+def _fill_warning(n_real: int, size: int) -> str:
+    return (
+        f"redeqx.batches: the last batch has {n_real} of {size} examples; it is filled up with "
+        f"{size - n_real} examples from the start of the order. Pass drop_last=True to drop it instead."
+    )
+
+
+def _only_batches(made, warning: str | None, stream_size: int | None = None):
+    """The batches of ``made``, warning (the user's loop is stacklevel 2,
+    past any wrapper) at the first one when ``warning`` is given, or at a
+    stream's short last batch, known only when it comes."""
+    if warning is not None:
         warnings.warn(warning, stacklevel=2)
     with contextlib.closing(made):
-        for batch, _ in made:
+        for batch, n_real in made:
+            if stream_size is not None and n_real < stream_size:
+                warnings.warn(_fill_warning(n_real, stream_size), stacklevel=2)
             yield batch
 
 
@@ -303,22 +415,40 @@ def batches(
     of NumPy arrays, one row per example) and the rows become one global
     ``jax.Array`` per entry.
 
+    ``examples`` can also be a stream, for data that does not fit in memory:
+    anything iterable without ``len()`` and ``[i]``, such as a generator, a
+    reader class whose ``__iter__`` reads files, or a Hugging Face
+    ``datasets.IterableDataset``. It is read in its own order, which must be
+    the same on every process and in every run (sort file names: a directory
+    listing's order is not), since each process reads every example and
+    collates only its own rows: the rows a list in that order gives. Make
+    reading cheap (file names, raw lines) and do the decoding in
+    ``collate_fn``, which runs on this process's rows only. A generator is
+    read once (to the end, or closed when the loop stops): make a new one for
+    every call, or pass an object whose ``__iter__`` starts over.
+
     - ``shuffle=True`` orders examples by ``jax.random.permutation(key, n)``;
       the same ``key`` gives the same order on every process and every run.
+      A stream has no ``n``: shuffle it with `shuffled` (a seeded buffer) or
+      its own shuffle; ``shuffle=True`` on one is an error saying so.
     - ``drop_last`` (default: ``shuffle``) drops a short last batch;
       otherwise it is filled up to full size with examples from the start of
-      the order (as distributed samplers do), with a warning.
+      the order (as distributed samplers do), with a warning (for a stream,
+      when that batch comes).
     - ``start=i`` skips the first ``i`` batches without collating them, to
-      resume mid-epoch; the first batch yielded is batch ``i``.
+      resume mid-epoch; the first batch yielded is batch ``i``. A stream is
+      read past ``i`` global batches (``i * per_device_batch_size * data``
+      examples) to get there.
     - ``desc`` shows a progress bar with that title and the global batch size
-      (``epoch 0 [global batch 64 = 8 x data 8]``).
+      (``epoch 0 [global batch 64 = 8 x data 8]``); for a stream, without a
+      total.
     - ``prefetch=2``: a background thread collates and sends to the devices
       up to that many batches ahead of the loop, so ``collate_fn`` overlaps
-      the step; same batches, same order. ``collate_fn`` then runs in that
-      thread (one call at a time, in order) and must return new arrays, not
-      a buffer it reuses. Its errors are raised here, at the batch that
-      failed. Leaving the loop early stops the thread. ``prefetch=0``:
-      collate in the loop's thread, when asked.
+      the step; same batches, same order. ``collate_fn`` (and a stream's
+      reading) then runs in that thread (one call at a time, in order) and
+      must return new arrays, not a buffer it reuses. Its errors are raised
+      here, at the batch that failed. Leaving the loop early stops the
+      thread. ``prefetch=0``: collate in the loop's thread, when asked.
 
     **Example:**
 
@@ -338,9 +468,22 @@ def batches(
         state, metrics = train_step(state, batch)
         manager.save(state, epoch=epoch, batch=i + 1)    # the next batch to run
     ```
+
+    The same loop over a stream (one JSON example a line, never all in
+    memory), shuffled through a buffer:
+
+    ```python
+    def read_jsonl(path):
+        with open(path) as f:
+            yield from map(json.loads, f)
+
+    stream = redeqx.shuffled(read_jsonl("train.jsonl"), 10_000, key=epoch_key)   # a new one each epoch
+    for i, batch in enumerate(redeqx.batches(stream, collate_fn, 32, mesh, drop_last=True, start=s), start=s):
+        ...
+    ```
     """
     mesh = check_mesh(mesh)
-    _check_examples(examples)
+    sequence = _check_examples(examples)
     if not callable(collate_fn):
         raise TypeError(f"collate_fn must be a function list[example] -> dict of arrays, got {collate_fn!r}.")
     size = _global_batch_size(per_device_batch_size, mesh)
@@ -349,30 +492,113 @@ def batches(
     prefetch = _check_prefetch(prefetch)
     if drop_last is None:
         drop_last = shuffle
+    if not sequence:
+        if shuffle:
+            raise ValueError(_STREAM_SHUFFLE.format(kind=type(examples).__name__))
+        rows = _stream_rows(examples, per_device_batch_size, mesh, start, drop_last, True)
+        made = _padded_batches(rows, collate_fn, per_device_batch_size, mesh, None, start, desc, prefetch)
+        return _only_batches(made, None, stream_size=size)
     n = len(examples)
-    if drop_last and n < size:
-        raise ValueError(
-            f"examples has {n} examples, fewer than one global batch of {size} (per_device_batch_size="
-            f"{per_device_batch_size} x data={mesh.shape[DATA]}), so drop_last=True leaves no batch. "
-            "Lower per_device_batch_size or pass drop_last=False."
-        )
-    warning = None
-    if not drop_last and n % size:
-        warning = (
-            f"redeqx.batches: the last batch has {n % size} of {size} examples; it is filled up with "
-            f"{size - n % size} examples from the start of the order. Pass drop_last=True to drop it instead."
-        )
-    n_batches = _n_batches(n, size, drop_last)
-    if start > n_batches:
-        raise ValueError(
-            f"start={start} is past this epoch's {n_batches} batches ({n} examples, global batch {size} = "
-            f"{per_device_batch_size} x data {mesh.shape[DATA]}, drop_last={drop_last}); start={n_batches} is an "
-            "epoch already done. Resuming a run? Use the dataset, per_device_batch_size and n_model_shards it was "
-            "saved with."
-        )
+    _check_length(n, size, per_device_batch_size, mesh, drop_last, start)
+    warning = _fill_warning(n % size, size) if not drop_last and n % size else None
     order = _order(n, shuffle, key)
-    made = _padded_batches(examples, collate_fn, per_device_batch_size, mesh, order, start, desc, drop_last, True, prefetch)
+    rows = _sequence_rows(examples, order, per_device_batch_size, mesh, start, drop_last, True)
+    made = _padded_batches(rows, collate_fn, per_device_batch_size, mesh, _n_batches(n, size, drop_last), start, desc,
+                           prefetch)
     return _only_batches(made, warning)
+
+
+def _key_words(key) -> tuple[int, ...]:
+    """A PRNG key's raw ``uint32`` words, to seed NumPy with."""
+    typed = isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    if typed and key.shape == ():
+        return tuple(int(w) for w in np.asarray(jax.random.key_data(key)).ravel())
+    if not typed and isinstance(key, (jax.Array, np.ndarray)) and key.dtype == np.uint32 and key.ndim == 1:
+        return tuple(int(w) for w in np.asarray(key))  # a raw key, from jax.random.PRNGKey
+    raise TypeError(
+        f"key must be one PRNG key, e.g. key=jax.random.fold_in(jax.random.key(0), epoch) for a new order each "
+        f"epoch, got {key!r}."
+    )
+
+
+class Shuffled:
+    """A stream read through a seeded shuffle buffer; made by `shuffled`.
+    Each ``iter()`` reads ``examples`` again and gives the same order."""
+
+    def __init__(self, examples, buffer_size: int, seed: tuple[int, ...]):
+        self.examples = examples
+        self.buffer_size = buffer_size
+        self.seed = seed
+
+    def __repr__(self) -> str:
+        return f"shuffled({type(self.examples).__name__}, buffer_size={self.buffer_size})"
+
+    def __iter__(self) -> Iterator:
+        # PCG64's raw words from a SeedSequence are the same in every NumPy
+        # version (unlike Generator's methods), so a resumed run gets the order
+        # it was saved in; a 64-bit word mod the buffer size is off uniform by
+        # at most buffer_size / 2**64
+        bits = np.random.PCG64(np.random.SeedSequence(self.seed))
+        draws = itertools.chain.from_iterable(iter(lambda: bits.random_raw(1024).tolist(), None))
+        buffer: list = []
+        stream = iter(self.examples)
+        try:
+            for example in stream:
+                if len(buffer) < self.buffer_size:
+                    buffer.append(example)
+                    continue
+                j = next(draws) % self.buffer_size
+                yield buffer[j]  # a random one of the buffer out, the new example in its place
+                buffer[j] = example
+        finally:
+            if hasattr(stream, "close"):  # as `batches` does
+                stream.close()
+        for i in range(len(buffer) - 1, 0, -1):  # the stream has ended: what is left, in a random order
+            j = next(draws) % (i + 1)
+            buffer[i], buffer[j] = buffer[j], buffer[i]
+        yield from buffer
+
+
+@typechecked
+def shuffled(examples: Any, buffer_size: int, *, key) -> Shuffled:
+    """``examples`` (a stream, or a sequence) read through a shuffle buffer of
+    ``buffer_size`` examples, seeded by ``key``: a stream you can pass to
+    `batches` where ``shuffle=True`` needs ``len()``.
+
+    The buffer holds the first ``buffer_size`` examples; each further example
+    takes the place of one drawn at random from it, which is given out; at
+    the end, what is left comes out in a random order. So an example moves
+    at most ``buffer_size`` places earlier, and a buffer as large as the
+    data is a full shuffle. The same ``key`` gives the same order on every
+    process and in every run (NumPy's PCG64, seeded by the key's words), so
+    ``batches(shuffled(...), ..., start=s)`` resumes exactly; pass a new key
+    each epoch. Each ``iter()`` reads ``examples`` again, so it is a stream
+    that starts over when ``examples`` does.
+
+    **Example:**
+
+    ```python
+    for epoch in range(n_epochs):
+        stream = redeqx.shuffled(read_jsonl("train.jsonl"), 10_000, key=jax.random.fold_in(key, epoch))
+        for batch in redeqx.batches(stream, collate_fn, 32, mesh, drop_last=True):
+            state, metrics = train_step(state, batch)
+    ```
+    """
+    _check_examples(examples)
+    buffer_size = _check_positive_int("buffer_size", buffer_size)
+    return Shuffled(examples, buffer_size, _key_words(key))
+
+
+def _every_example(examples, collate_fn, per_device_batch_size, mesh, desc, prefetch):
+    """``(global_batch, n_real)`` for `evaluate` and `predict`: every example
+    once, in order, the last batch padded with copies of its last example."""
+    if _check_examples(examples):
+        n = len(examples)
+        rows = _sequence_rows(examples, np.arange(n), per_device_batch_size, mesh, 0, False, False)
+        n_batches = _n_batches(n, _global_batch_size(per_device_batch_size, mesh), False)
+    else:
+        rows, n_batches = _stream_rows(examples, per_device_batch_size, mesh, 0, False, False), None
+    return _padded_batches(rows, collate_fn, per_device_batch_size, mesh, n_batches, 0, desc, _check_prefetch(prefetch))
 
 
 @typechecked
@@ -390,9 +616,10 @@ def evaluate(
     model_state=None,
 ) -> dict[str, float]:
     """The example-weighted mean of ``eval_step``'s metrics over every example
-    (the last batch is padded and the padding gets weight 0). ``examples``,
-    ``desc`` and ``prefetch`` are as in `batches`; ``model_state`` is the
-    model's ``eqx.nn.State`` (``state.model_state``) for a model that has one.
+    (the last batch is padded and the padding gets weight 0). ``examples``
+    (a sequence or a stream), ``desc`` and ``prefetch`` are as in `batches`;
+    ``model_state`` is the model's ``eqx.nn.State`` (``state.model_state``)
+    for a model that has one.
 
     **Example:**
 
@@ -404,19 +631,17 @@ def evaluate(
     if not isinstance(eval_step, EvalStep):
         raise TypeError(f"eval_step must come from redeqx.make_eval_step, got {type(eval_step).__name__}.")
     mesh = check_mesh(mesh)
-    _check_examples(examples)
-    prefetch = _check_prefetch(prefetch)
     size = _global_batch_size(per_device_batch_size, mesh)
-    totals = None
-    for i, (batch, n_real) in enumerate(_padded_batches(
-        examples, collate_fn, per_device_batch_size, mesh, np.arange(len(examples)), 0, desc, False, False, prefetch
-    )):
+    totals, n = None, 0
+    for i, (batch, n_real) in enumerate(_every_example(examples, collate_fn, per_device_batch_size, mesh, desc,
+                                                       prefetch)):
         weights = np.zeros(size, np.float32)
         weights[:n_real] = 1.0
         weights = to_global(weights[slice(*local_rows(mesh, size))], mesh, size)
         sums = eval_step.sums(model, batch, jax.random.fold_in(key, i), weights, model_state=model_state)
         totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
-    return {k: float(v) / len(examples) for k, v in jax.device_get(totals).items()}
+        n += n_real
+    return {k: float(v) / n for k, v in jax.device_get(totals).items()}
 
 
 def to_host(tree):
@@ -449,8 +674,9 @@ def predict(
     dropped. Without ``output_fn`` each output is the example's row of every
     array ``pred_fn`` returned (NumPy); with it, ``output_fn(preds)`` turns a
     batch of NumPy predictions into a list of per-example outputs (e.g.
-    decoded text). ``examples``, ``desc`` and ``prefetch`` are as in `batches`;
-    ``model_state`` is passed on to the step for a model with state.
+    decoded text). ``examples`` (a sequence or a stream), ``desc`` and
+    ``prefetch`` are as in `batches`; ``model_state`` is passed on to the
+    step for a model with state.
 
     **Example:**
 
@@ -459,8 +685,7 @@ def predict(
     ```
     """
     mesh = check_mesh(mesh)
-    _check_examples(examples)
-    prefetch = _check_prefetch(prefetch)
+    made = _every_example(examples, collate_fn, per_device_batch_size, mesh, desc, prefetch)
     outputs: list = []
     state_kw = {} if model_state is None else {"model_state": model_state}
 
@@ -476,9 +701,7 @@ def predict(
             outputs.extend(jax.tree.map(lambda x: x[j], preds) for j in range(n_real))
 
     pending = None
-    for i, (batch, n_real) in enumerate(_padded_batches(
-        examples, collate_fn, per_device_batch_size, mesh, np.arange(len(examples)), 0, desc, False, False, prefetch
-    )):
+    for i, (batch, n_real) in enumerate(made):
         preds = predict_step(model, batch, jax.random.fold_in(key, i), **state_kw)
         if pending is not None:
             drain(pending)  # fetch the previous batch while this one computes
