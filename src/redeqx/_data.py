@@ -585,7 +585,7 @@ def shuffled(examples: Any, buffer_size: int, *, key) -> Shuffled:
     ```
     """
     _check_examples(examples)
-    buffer_size = _check_positive_int("buffer_size", buffer_size)
+    buffer_size = positive_int(buffer_size, "buffer_size")
     return Shuffled(examples, buffer_size, _key_words(key))
 
 
