@@ -1,17 +1,24 @@
 """The Megatron-LM plan's analytic collective bytes for one training step,
-and a train step at n_model_shards=4 checked against one device."""
+and a train step at n_model_shards=4 checked against one device.
+
+Steps are held to the bytes a GPU or TPU moves (tests/accelerator_count.py):
+XLA:CPU all-reduces each of several partial sums that are added (Q, K and V's
+input gradients) where the accelerators' compilers reduce their sum once
+(libtpu's own programs agree: benchmarks/RESULTS.md, "Rewrites for XLA:CPU,
+compiled by libtpu")."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import redeqx
+from accelerator_count import accelerator_collectives
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 
 def step_at_4_shards_vs_one_device(model, optimizer, loss_fn, batch):
     """One train step at n_model_shards=4 and on one device: checks they give
     the same loss and parameters, and returns ``(mesh, sharded state,
-    collective summary of the sharded step)``."""
+    the sharded step's collectives as an accelerator moves them)``."""
 
     def run(n_model, devices):
         mesh = redeqx.make_mesh(n_model, devices=devices)
@@ -20,7 +27,7 @@ def step_at_4_shards_vs_one_device(model, optimizer, loss_fn, batch):
         state = redeqx.init_state(fresh, optimizer, mesh, specs, key=jax.random.key(0))
         placed = jax.device_put({k: jnp.asarray(v) for k, v in batch.items()}, NamedSharding(mesh, P("data")))
         step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs)
-        summary = redeqx.collective_summary(step, state, placed)
+        summary = accelerator_collectives(step, state, placed)
         state, metrics = step(state, placed)
         return mesh, state, metrics, summary
 

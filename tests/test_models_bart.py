@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
+from accelerator_count import accelerator_collectives
 from megatron_count import megatron_bytes_encoder_decoder
 
 import redeqx
@@ -22,7 +23,7 @@ from redeqx.models import (
     save_pretrained,
     shift_tokens_right,
 )
-from redeqx.models._hf import _skeleton, hf_tensors
+from redeqx.models._pretrained import _skeleton, hf_tensors
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -98,7 +99,7 @@ def test_explain_shows_the_megatron_plan():
     table = redeqx.explain(model, redeqx.sharding_rules(model, mesh), mesh)
     want = {
         r"^model\.shared\.weight": "P('model', None)",
-        r"position_embedding\.weight": "P()",
+        r"embed_positions\.weight": "P()",
         r"(self_attn|encoder_attn)\.(q|k|v)_proj\.weight": "P('model', None)",
         r"(self_attn|encoder_attn)\.(q|k|v)_proj\.bias": "P('model',)",
         r"out_proj\.weight": "P(None, 'model')",
@@ -155,7 +156,7 @@ def test_train_step_communication_is_megatron(bart):
         logits = jax.vmap(lambda s, t: m(s, shift_tokens_right(t, c)))(batch["src"], batch["tgt"])
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tgt"]).mean()
 
-    summary = redeqx.collective_summary(redeqx.make_train_step(loss_fn, optimizer, mesh, specs), state, batch)
+    summary = accelerator_collectives(redeqx.make_train_step(loss_fn, optimizer, mesh, specs), state, batch)
     grad_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state.model))
     analytic = megatron_bytes_encoder_decoder(c.d_model, c.encoder_layers, c.decoder_layers, 8 // mesh.shape["data"],
                                               src.shape[1], tgt.shape[1], grad_bytes)

@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
+from accelerator_count import accelerator_collectives
 from megatron_count import megatron_bytes
 
 import redeqx
@@ -79,8 +80,8 @@ def test_explain_shows_the_megatron_plan():
     table = redeqx.explain(model, specs, mesh)
     spec = {line.split()[0]: line for line in table.splitlines() if line.strip()}
     for path, want in {
-        "transformer.token_embedding.weight": "P('model', None)",
-        "transformer.position_embedding.weight": "P()",
+        "transformer.wte.weight": "P('model', None)",
+        "transformer.wpe.weight": "P()",
         "transformer.h.0.attn.q_proj.weight": "P('model', None)",
         "transformer.h.0.attn.v_proj.bias": "P('model',)",
         "transformer.h.0.attn.c_proj.weight": "P(None, 'model')",
@@ -119,7 +120,7 @@ def test_train_step_communication_is_megatron(getkey):
         logits = jax.vmap(m)(batch["ids"][:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:]).mean()
 
-    summary = redeqx.collective_summary(redeqx.make_train_step(loss_fn, optimizer, mesh, specs), state, batch)
+    summary = accelerator_collectives(redeqx.make_train_step(loss_fn, optimizer, mesh, specs), state, batch)
     grad_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state.model))
     analytic = megatron_bytes(config.n_embd, config.n_layer, 8 // mesh.shape["data"], 16, grad_bytes)
     moved = sum(v["bytes"] for v in summary.values())

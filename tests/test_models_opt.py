@@ -10,12 +10,13 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
+from accelerator_count import accelerator_collectives
 from megatron_count import megatron_bytes
 
 import redeqx
 from redeqx._rules import path_str
 from redeqx.models import OPTConfig, OPTForCausalLM, from_pretrained, generate, save_pretrained
-from redeqx.models._hf import _skeleton, hf_tensors
+from redeqx.models._pretrained import _skeleton, hf_tensors
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -113,7 +114,7 @@ def test_explain_shows_the_megatron_plan():
     table = redeqx.explain(model, redeqx.sharding_rules(model, mesh), mesh)
     want = {
         r"embed_tokens\.weight": "P('model', None)",
-        r"position_embedding\.weight": "P()",
+        r"embed_positions\.weight": "P()",
         r"(q|k|v)_proj\.weight": "P('model', None)",
         r"(q|k|v)_proj\.bias": "P('model',)",
         r"out_proj\.weight": "P(None, 'model')",
@@ -169,7 +170,7 @@ def test_train_step_communication_is_megatron(checkpoints):
         logits = jax.vmap(m)(batch["ids"][:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:]).mean()
 
-    summary = redeqx.collective_summary(redeqx.make_train_step(loss_fn, optimizer, mesh, specs), state, batch)
+    summary = accelerator_collectives(redeqx.make_train_step(loss_fn, optimizer, mesh, specs), state, batch)
     grad_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state.model))
     c = model.config
     analytic = megatron_bytes(c.hidden_size, c.num_hidden_layers, 8 // mesh.shape["data"], 16, grad_bytes)

@@ -64,15 +64,14 @@ def test_remat_lowers_temporaries_of_any_model():
 
 
 def test_zoo_remat_lowers_temporaries():
-    def llama(remat):
-        config = models.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
-                                    num_attention_heads=4, remat=remat)
-        return eqx.filter_eval_shape(models.LlamaForCausalLM, config, key=jax.random.key(0))
+    config = models.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
+                                num_attention_heads=4)
+    llama = eqx.filter_eval_shape(models.LlamaForCausalLM, config, key=jax.random.key(0))
 
     def loss(model, batch, key):
         tokens = batch["tokens"]
         logits = jax.vmap(model)(tokens[:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
-    plain, rematted = compiled_temp(loss, llama(False)), compiled_temp(loss, llama(True))
+    plain, rematted = compiled_temp(loss, llama), compiled_temp(redeqx.remat(loss), llama)
     assert rematted < 0.6 * plain, (rematted, plain)

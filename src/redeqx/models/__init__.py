@@ -1,16 +1,17 @@
 """Equinox models that load and save Hugging Face checkpoints, laid out so
 that `redeqx.sharding_rules` gives the Megatron-LM plan with no overrides."""
 
-from ._hf import from_pretrained as from_pretrained, save_pretrained as save_pretrained
-from ._llama import LlamaConfig as LlamaConfig, LlamaForCausalLM as LlamaForCausalLM
-from ._generate import beam_search as beam_search, generate as generate, greedy as greedy, sample as sample
-from ._gpt2 import GPT2Config as GPT2Config, GPT2LMHeadModel as GPT2LMHeadModel
-from ._t5 import T5Config as T5Config, T5ForConditionalGeneration as T5ForConditionalGeneration, shift_right as shift_right
-from ._opt import OPTConfig as OPTConfig, OPTForCausalLM as OPTForCausalLM
-from ._gptj import GPTJConfig as GPTJConfig, GPTJForCausalLM as GPTJForCausalLM
 from ._bart import (
     BartConfig as BartConfig,
     BartForConditionalGeneration as BartForConditionalGeneration,
     shift_tokens_right as shift_tokens_right,
 )
+from ._generate import beam_search as beam_search, generate as generate, greedy as greedy, sample as sample
+from ._gpt2 import GPT2Config as GPT2Config, GPT2LMHeadModel as GPT2LMHeadModel
+from ._gptj import GPTJConfig as GPTJConfig, GPTJForCausalLM as GPTJForCausalLM
+from ._llama import LlamaConfig as LlamaConfig, LlamaForCausalLM as LlamaForCausalLM
 from ._lora import LoRALinear as LoRALinear, lora as lora, lora_trainable as lora_trainable, merge_lora as merge_lora
+from ._opt import OPTConfig as OPTConfig, OPTForCausalLM as OPTForCausalLM
+from ._pretrained import from_pretrained as from_pretrained, save_pretrained as save_pretrained
+from ._seq2seq import shift_right as shift_right
+from ._t5 import T5Config as T5Config, T5ForConditionalGeneration as T5ForConditionalGeneration

@@ -7,11 +7,10 @@ Attribute paths are the Hugging Face tensor names
 ``model.decoder.layers.0.encoder_attn.out_proj.weight``, ``...fc1.weight``),
 so checkpoints load by name and `redeqx.sharding_rules` gives the Megatron-LM
 plan with no overrides: Q/K/V and ``fc1`` split on output features,
-``out_proj`` and ``fc2`` on input features, ``shared`` on the vocabulary.
-Two names differ: each stack's ``embed_positions`` is ``position_embedding``
-here, which the rules read as a learned position table and replicate, and
+``out_proj`` and ``fc2`` on input features, ``shared`` on the vocabulary,
+each stack's ``embed_positions`` (a learned position table) replicated.
 ``final_logits_bias`` is a ``(vocab,)`` vector where Hugging Face keeps
-``(1, vocab)``; `hf_tensors` maps both.
+``(1, vocab)``; `hf_tensors` reshapes it.
 
 BART details:
 
@@ -39,9 +38,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._constrain import constrain
-from .._remat import checkpoint
 from .._mesh import MODEL
-from ._hf import HFTensor
 from ._layers import (
     ACTIVATIONS,
     Attention,
@@ -49,15 +46,17 @@ from ._layers import (
     KVCache,
     LayerNorm,
     Linear,
+    build_layers,
     causal_mask,
-    check_fits,
     check_positions,
     check_positive_ints,
-    renamed_tensors,
+    run_layers,
 )
-from ._t5 import T5Cache as EncoderDecoderCache, shift_right
+from ._safetensors import HFTensor, leaf_tensors
+from ._seq2seq import EncoderDecoderLM, cache_slots, layer_caches, shift_right
 
 POSITION_OFFSET = 2  # position p reads row p + 2 of each table, as fairseq and Hugging Face do
+SCAN_LAYERS = False  # see benchmarks/RESULTS.md, "Stacked layers (benchmarks/stacked.py)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +83,7 @@ class BartConfig:
     decoder_start_token_id: int = 2  # BART starts decoding from </s>
     forced_bos_token_id: int | None = None  # kept for config.json; redeqx's generate does not force tokens
     forced_eos_token_id: int | None = 2
-    remat: bool = False  # recompute each block's activations in the backward pass
+    scan_layers: bool = SCAN_LAYERS  # encoder and decoder layers stacked and run by lax.scan; False: lists
 
     def __post_init__(self):
         check_positive_ints(self, ("vocab_size", "max_position_embeddings", "d_model", "encoder_layers",
@@ -204,26 +203,26 @@ class BartDecoderLayer(eqx.Module):
 
 
 class BartEncoder(eqx.Module):
-    position_embedding: Embedding  # Hugging Face's embed_positions: (max_position_embeddings + 2, d_model)
-    layers: list[BartEncoderLayer]
+    embed_positions: Embedding  # (max_position_embeddings + 2, d_model)
+    layers: list[BartEncoderLayer] | BartEncoderLayer  # stacked: one layer, every array (layers, ...)
     layernorm_embedding: LayerNorm
 
     def __init__(self, config: BartConfig, *, key: PRNGKeyArray):
-        kp, *kl = jax.random.split(key, config.encoder_layers + 1)
-        self.position_embedding = Embedding(config.max_position_embeddings + POSITION_OFFSET, config.d_model, key=kp)
-        self.layers = [BartEncoderLayer(config, key=k) for k in kl]
+        keys = jax.random.split(key, config.encoder_layers + 1)
+        self.embed_positions = Embedding(config.max_position_embeddings + POSITION_OFFSET, config.d_model, key=keys[0])
+        self.layers = build_layers(lambda k: BartEncoderLayer(config, key=k), keys[1:], stacked=config.scan_layers)
         self.layernorm_embedding = LayerNorm(config.d_model, config.layer_norm_eps)
 
 
 class BartDecoder(eqx.Module):
-    position_embedding: Embedding  # Hugging Face's embed_positions: (max_position_embeddings + 2, d_model)
-    layers: list[BartDecoderLayer]
+    embed_positions: Embedding  # (max_position_embeddings + 2, d_model)
+    layers: list[BartDecoderLayer] | BartDecoderLayer  # stacked: one layer, every array (layers, ...)
     layernorm_embedding: LayerNorm
 
     def __init__(self, config: BartConfig, *, key: PRNGKeyArray):
-        kp, *kl = jax.random.split(key, config.decoder_layers + 1)
-        self.position_embedding = Embedding(config.max_position_embeddings + POSITION_OFFSET, config.d_model, key=kp)
-        self.layers = [BartDecoderLayer(config, key=k) for k in kl]
+        keys = jax.random.split(key, config.decoder_layers + 1)
+        self.embed_positions = Embedding(config.max_position_embeddings + POSITION_OFFSET, config.d_model, key=keys[0])
+        self.layers = build_layers(lambda k: BartDecoderLayer(config, key=k), keys[1:], stacked=config.scan_layers)
         self.layernorm_embedding = LayerNorm(config.d_model, config.layer_norm_eps)
 
 
@@ -239,7 +238,7 @@ class BartModel(eqx.Module):
         self.decoder = BartDecoder(config, key=kd)
 
 
-class BartForConditionalGeneration(eqx.Module):
+class BartForConditionalGeneration(EncoderDecoderLM):
     """BART for one sequence pair (batch with ``jax.vmap``).
 
     **Example** (teacher-forced training logits and generation):
@@ -269,6 +268,7 @@ class BartForConditionalGeneration(eqx.Module):
     # Copies of `shared` that checkpoints carry, and fairseq's version counters.
     hf_ignore = (r"model\.(encoder|decoder)\.embed_tokens\.weight", r"model\.(encoder|decoder)\.version",
                  r"lm_head\.weight")
+    hf_stacks = ("model.encoder.layers", "model.decoder.layers")
 
     def __init__(self, config: BartConfig, *, key: PRNGKeyArray):
         if not isinstance(config, BartConfig):
@@ -281,16 +281,13 @@ class BartForConditionalGeneration(eqx.Module):
         )
         self.config = config
 
-    def _dtype(self):
-        return self.model.shared.weight.dtype
-
     def _check_positions(self, where: str, n: int) -> None:
         check_positions(f"BartForConditionalGeneration.{where}", n, self.config.max_position_embeddings,
                         "max_position_embeddings")
 
     def _embed(self, ids, positions, stack):
         x = constrain(self.model.shared(ids), P())  # vocab-split lookup: one all-reduce
-        x = x * jnp.asarray(self.config.embed_scale, x.dtype) + stack.position_embedding(positions + POSITION_OFFSET)
+        x = x * jnp.asarray(self.config.embed_scale, x.dtype) + stack.embed_positions(positions + POSITION_OFFSET)
         return stack.layernorm_embedding(x)
 
     def encode(
@@ -303,9 +300,7 @@ class BartForConditionalGeneration(eqx.Module):
         valid = jnp.ones((s,), bool) if attention_mask is None else attention_mask.astype(bool)
         x = self._embed(input_ids, jnp.arange(s), self.model.encoder)
         mask = jnp.broadcast_to(valid[None, :], (s, s))
-        for layer in self.model.encoder.layers:
-            fn = checkpoint(layer) if self.config.remat else layer
-            x = fn(x, mask)
+        x, _ = run_layers(self.model.encoder.layers, x, None, lambda layer, x, _: (layer(x, mask), None))
         return x
 
     def _logits(self, x):
@@ -331,71 +326,41 @@ class BartForConditionalGeneration(eqx.Module):
         x = self._embed(decoder_input_ids, jnp.arange(t), self.model.decoder)
         mask = causal_mask(jnp.ones((t,), bool), 0, t)
         source_mask = jnp.broadcast_to(valid[None, :], (t, s))
-        for layer in self.model.decoder.layers:
-            fn = checkpoint(layer) if self.config.remat else layer
-            x, _ = fn(x, mask, source, source_mask)
+        x, _ = run_layers(self.model.decoder.layers, x, None,
+                          lambda layer, x, _: layer(x, mask, source, source_mask))
         return self._logits(x)
 
-    def init_cache(
-        self, encoder_output: Float[Array, "src d_model"], attention_mask: Bool[Array, " src"], max_len: int
-    ) -> EncoderDecoderCache:
-        """A decoding cache: the encoder output projected to every decoder
-        layer's cross-attention keys/values (once), and ``max_len`` empty
-        slots for the decoder's own tokens."""
-        self._check_positions("init_cache", max_len)
-        c, dtype = self.config, self._dtype()
-        head_dim = c.d_model // c.decoder_attention_heads
-        return EncoderDecoderCache(
-            self_attention=[KVCache.empty(max_len, c.decoder_attention_heads, head_dim, dtype)
-                            for _ in self.model.decoder.layers],
-            cross_attention=[jax.tree.map(lambda a: a.astype(dtype), layer.encoder_attn.project_kv(encoder_output))
-                             for layer in self.model.decoder.layers],
-            source_valid=attention_mask.astype(bool),
-            index=jnp.zeros((), jnp.int32),
-        )
+    # -- cached decoding (EncoderDecoderLM)
 
-    def decode(
-        self, decoder_input_ids: Int[Array, " seq"], cache: EncoderDecoderCache, *, attention_mask=None
-    ) -> tuple[Float[Array, "seq vocab"], EncoderDecoderCache]:
-        """Run decoder tokens after what ``cache`` holds: their logits and the
-        cache with them appended. ``attention_mask`` must be ``None`` (the
-        decoder side has no padding)."""
-        if attention_mask is not None:
-            raise ValueError(
-                "BartForConditionalGeneration.decode: attention_mask is for the encoder input; pass it to "
-                "init_cache (or prefill) and leave it None here."
-            )
+    def _decoder_layers(self):
+        return self.model.decoder.layers
+
+    def _self_attention_shape(self):
+        c = self.config
+        return c.decoder_attention_heads, c.d_model // c.decoder_attention_heads
+
+    def _cross_kv(self, layer, source):
+        return layer.encoder_attn.project_kv(source)
+
+    def _decode(self, decoder_input_ids, cache):
         t = decoder_input_ids.shape[0]
-        max_len = cache.self_attention[0].k.shape[0]
-        check_fits("BartForConditionalGeneration.decode", t, max_len)
         x = self._embed(decoder_input_ids, cache.index + jnp.arange(t), self.model.decoder)
-        mask = causal_mask(jnp.arange(max_len) < cache.index + t, cache.index, t)
+        mask = causal_mask(jnp.arange(cache_slots(cache)) < cache.index + t, cache.index, t)
         source_mask = jnp.broadcast_to(cache.source_valid[None, :], (t, cache.source_valid.shape[0]))
-        new = []
-        for layer, sc, cc in zip(self.model.decoder.layers, cache.self_attention, cache.cross_attention):
-            x, sc = layer(x, mask, cc, source_mask, sc, cache.index)
-            new.append(sc)
-        cache = EncoderDecoderCache(new, cache.cross_attention, cache.source_valid, cache.index + t)
-        return self._logits(x), cache
 
-    def prefill(
-        self, input_ids: Int[Array, " src"], attention_mask: Bool[Array, " src"], max_new_tokens: int
-    ) -> tuple[Float[Array, " vocab"], EncoderDecoderCache]:
-        """Encode the input once and decode the start token: the first new
-        token's logits and a cache with room for ``max_new_tokens`` more (what
-        `redeqx.models.generate` and `beam_search` start from)."""
-        source = self.encode(input_ids, attention_mask)
-        cache = self.init_cache(source, attention_mask, max_new_tokens + 1)
-        start = jnp.full((1,), self.config.decoder_start_token_id, jnp.int32)
-        logits, cache = self.decode(start, cache)
-        return logits[-1], cache
+        def step(layer, x, caches):
+            self_cache, cross = caches
+            return layer(x, mask, cross, source_mask, self_cache, cache.index)
+
+        caches = layer_caches(self.model.decoder.layers, cache.self_attention, cache.cross_attention)
+        x, self_attention = run_layers(self.model.decoder.layers, x, caches, step)
+        return self._logits(x), self_attention
 
     def hf_tensors(self) -> list[HFTensor]:
         """Checkpoint tensors: each leaf under its own path, but
-        ``position_embedding`` is Hugging Face's ``embed_positions`` and
         ``final_logits_bias`` is stored ``(1, vocab)``."""
         out = []
-        for t in renamed_tensors(self, lambda p: p.replace(".position_embedding.", ".embed_positions.")):
+        for t in leaf_tensors(self):
             if t.name == "final_logits_bias":
                 t = HFTensor(t.name, t.paths, split=lambda a: (a.reshape(-1),), join=lambda b: b.reshape(1, -1))
             out.append(t)

@@ -20,11 +20,8 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import PRNGKeyArray
 
 from .._constrain import constrain
-from .._remat import checkpoint
 from .._mesh import MODEL
-from ._hf import HFTensor
 from ._layers import (
-    check_positive_ints,
     Cache,
     CausalLM,
     Embedding,
@@ -32,11 +29,16 @@ from ._layers import (
     LayerNorm,
     Linear,
     attention,
-    fused_linears,
+    build_layers,
+    check_positive_ints,
     heads,
     inv_sqrt,
+    run_layers,
     update_cache,
 )
+from ._safetensors import HFTensor
+
+SCAN_LAYERS = False  # see benchmarks/RESULTS.md, "Stacked layers (benchmarks/stacked.py)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +54,7 @@ class GPT2Config:
     layer_norm_epsilon: float = 1e-5
     bos_token_id: int | None = 50256
     eos_token_id: int | None = 50256
-    remat: bool = False  # recompute each block's activations in the backward pass
+    scan_layers: bool = SCAN_LAYERS  # the blocks stacked and run by lax.scan; False: a list
 
     def __post_init__(self):
         check_positive_ints(self, ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"))
@@ -107,7 +109,7 @@ class GPT2Attention(eqx.Module):
         self.n_head = config.n_head
 
     def __call__(self, x, mask, cache: KVCache | None, index):
-        q, k, v = (heads(y, self.n_head) for y in fused_linears(x, [self.q_proj, self.k_proj, self.v_proj], [self.n_head] * 3))
+        q, k, v = (heads(proj(x), self.n_head) for proj in (self.q_proj, self.k_proj, self.v_proj))
         if cache is not None:
             cache = update_cache(cache, k, v, index)
             k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
@@ -150,18 +152,16 @@ class GPT2Block(eqx.Module):
 
 
 class GPT2Model(eqx.Module):
-    # Hugging Face's wte/wpe, named so the sharding rules read them: the token
-    # table splits on the vocabulary, the position table is replicated.
-    token_embedding: Embedding
-    position_embedding: Embedding
-    h: list[GPT2Block]
+    wte: Embedding  # tokens: split on the vocabulary
+    wpe: Embedding  # positions: replicated
+    h: list[GPT2Block] | GPT2Block  # stacked: one block, every array (layers, ...)
     ln_f: LayerNorm
 
     def __init__(self, config: GPT2Config, *, key: PRNGKeyArray):
-        kt, kp, *kh = jax.random.split(key, config.n_layer + 2)
-        self.token_embedding = Embedding(config.vocab_size, config.n_embd, key=kt)
-        self.position_embedding = Embedding(config.n_positions, config.n_embd, key=kp)
-        self.h = [GPT2Block(config, key=k) for k in kh]
+        keys = jax.random.split(key, config.n_layer + 2)
+        self.wte = Embedding(config.vocab_size, config.n_embd, key=keys[0])
+        self.wpe = Embedding(config.n_positions, config.n_embd, key=keys[1])
+        self.h = build_layers(lambda k: GPT2Block(config, key=k), keys[2:], stacked=config.scan_layers)
         self.ln_f = LayerNorm(config.n_embd, config.layer_norm_epsilon)
 
 
@@ -182,6 +182,7 @@ class GPT2LMHeadModel(CausalLM):
 
     # Old checkpoints carry the causal mask as buffers; newer ones may save the tied head.
     hf_ignore = (r".*attn\.bias", r".*attn\.masked_bias", r"lm_head\.weight")
+    hf_stacks = ("transformer.h",)
 
     def __init__(self, config: GPT2Config, *, key: PRNGKeyArray):
         if not isinstance(config, GPT2Config):
@@ -198,21 +199,19 @@ class GPT2LMHeadModel(CausalLM):
 
     def _run(self, ids, positions, mask, cache: Cache | None):
         t = self.transformer
-        x = constrain(t.token_embedding(ids) + t.position_embedding(positions), P())
-        new_layers = []
-        for i, block in enumerate(t.h):
-            fn = checkpoint(block) if self.config.remat else block
-            x, lc = fn(x, mask, None if cache is None else cache.layers[i], None if cache is None else cache.index)
-            new_layers.append(lc)
-        return constrain(t.token_embedding.attend(t.ln_f(x)), P(None, MODEL)), new_layers
+        x = constrain(t.wte(ids) + t.wpe(positions), P())
+        index = None if cache is None else cache.index
+        x, new_layers = run_layers(t.h, x, None if cache is None else cache.layers,
+                                   lambda block, x, lc: block(x, mask, lc, index))
+        return constrain(t.wte.attend(t.ln_f(x)), P(None, MODEL)), new_layers
 
     def hf_tensors(self) -> list[HFTensor]:
         """Checkpoint tensors: ``c_attn`` (input-major, Q|K|V side by side) is
         split into ``q_proj``/``k_proj``/``v_proj`` and transposed; other
         ``Conv1D`` weights are transposed."""
         h = self.config.n_embd
-        out = [HFTensor("transformer.wte.weight", ("transformer.token_embedding.weight",)),
-               HFTensor("transformer.wpe.weight", ("transformer.position_embedding.weight",))]
+        out = [HFTensor("transformer.wte.weight", ("transformer.wte.weight",)),
+               HFTensor("transformer.wpe.weight", ("transformer.wpe.weight",))]
         out += [HFTensor(f"transformer.ln_f.{n}", (f"transformer.ln_f.{n}",)) for n in ("weight", "bias")]
         transpose = dict(split=lambda a: (a.T,), join=lambda w: w.T)
         for i in range(self.config.n_layer):

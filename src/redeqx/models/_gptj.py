@@ -12,11 +12,11 @@ vocabulary.
 GPT-J details:
 
 - a block computes ``x + attn(ln_1(x)) + mlp(ln_1(x))``. Both branches read
-  the same input and their outputs are added, so Q/K/V and ``fc_in`` run as
-  one column-parallel matmul and ``out_proj`` and ``fc_out`` as one
-  row-parallel matmul: one all-reduce per block forward and one backward,
-  where a sequential block has two of each (as Megatron/GPT-NeoX do for
-  GPT-J's "parallel residual");
+  the same input and their outputs are added, so the input gradients of
+  Q/K/V and ``fc_in`` are summed before one all-reduce backward, and the
+  outputs of ``out_proj`` and ``fc_out`` before one all-reduce forward (GPU
+  and TPU compilers merge the all-reduces of added partial sums: one per
+  block each way, where a sequential block has two);
 - the rotary embedding turns the first ``rotary_dim`` features of each query
   and key head by ``position * inv_freq``, pairing features ``(0, 1), (2, 3),
   ...`` (GPT-J's interleaved "rotate_every_two" layout, not LLaMA's halves);
@@ -35,7 +35,6 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._constrain import constrain
-from .._remat import checkpoint
 from .._mesh import MODEL
 from ._layers import (
     ACTIVATIONS,
@@ -46,13 +45,16 @@ from ._layers import (
     LayerNorm,
     Linear,
     attention,
+    build_layers,
     check_positive_ints,
-    fused_linears,
-    fused_row_linears,
     heads,
     inv_sqrt,
+    run_layers,
+    summed_linears,
     update_cache,
 )
+
+SCAN_LAYERS = False  # see benchmarks/RESULTS.md, "Stacked layers (benchmarks/stacked.py)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +74,7 @@ class GPTJConfig:
     bos_token_id: int | None = 50256
     eos_token_id: int | None = 50256
     pad_token_id: int | None = None
-    remat: bool = False  # recompute each block's activations in the backward pass
+    scan_layers: bool = SCAN_LAYERS  # the blocks stacked and run by lax.scan; False: a list
 
     def __post_init__(self):
         check_positive_ints(self, ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"))
@@ -205,25 +207,23 @@ class GPTJBlock(eqx.Module):
 
     def __call__(self, x, positions, mask, cache, index):
         c, a, m = self.config, self.attn, self.mlp
-        # Column parallel: Q, K, V and fc_in read ln_1(x), so one matmul (one all-reduce backward).
-        q, k, v, up = fused_linears(self.ln_1(x), [a.q_proj, a.k_proj, a.v_proj, m.fc_in],
-                                    [c.n_head] * 3 + [c.inner])
+        h = self.ln_1(x)  # attention and MLP in parallel, off one norm
+        q, k, v, up = a.q_proj(h), a.k_proj(h), a.v_proj(h), m.fc_in(h)  # column parallel
         attended, cache = a.attend(q, k, v, positions, mask, cache, index)
         hidden = constrain(ACTIVATIONS[c.activation_function](up), P(None, MODEL))
-        # Row parallel: out_proj and fc_out outputs are added, so one matmul (one all-reduce forward).
-        out = fused_row_linears([attended, hidden], [a.out_proj, m.fc_out], [c.n_head, c.inner])
+        out = summed_linears([(a.out_proj, attended), (m.fc_out, hidden)])  # row parallel: one all-reduce
         return x + constrain(out, P()), cache
 
 
 class GPTJModel(eqx.Module):
     wte: Embedding
-    h: list[GPTJBlock]
+    h: list[GPTJBlock] | GPTJBlock  # stacked: one block, every array (layers, ...)
     ln_f: LayerNorm
 
     def __init__(self, config: GPTJConfig, *, key: PRNGKeyArray):
-        kt, *kh = jax.random.split(key, config.n_layer + 1)
-        self.wte = Embedding(config.vocab_size, config.n_embd, key=kt)
-        self.h = [GPTJBlock(config, key=k) for k in kh]
+        keys = jax.random.split(key, config.n_layer + 1)
+        self.wte = Embedding(config.vocab_size, config.n_embd, key=keys[0])
+        self.h = build_layers(lambda k: GPTJBlock(config, key=k), keys[1:], stacked=config.scan_layers)
         self.ln_f = LayerNorm(config.n_embd, config.layer_norm_epsilon)
 
 
@@ -246,6 +246,7 @@ class GPTJForCausalLM(CausalLM):
 
     # Causal-mask and rotary buffers that old checkpoints carry.
     hf_ignore = (r".*attn\.bias", r".*attn\.masked_bias", r".*attn\.embed_positions")
+    hf_stacks = ("transformer.h",)
 
     def __init__(self, config: GPTJConfig, *, key: PRNGKeyArray):
         if not isinstance(config, GPTJConfig):
@@ -262,10 +263,7 @@ class GPTJForCausalLM(CausalLM):
     def _run(self, ids, positions, mask, cache: Cache | None):
         t = self.transformer
         x = constrain(t.wte(ids), P())  # vocab-split lookup: one all-reduce
-        new_layers = []
-        for i, block in enumerate(t.h):
-            fn = checkpoint(block) if self.config.remat else block
-            x, lc = fn(x, positions, mask, None if cache is None else cache.layers[i],
-                       None if cache is None else cache.index)
-            new_layers.append(lc)
+        index = None if cache is None else cache.index
+        x, new_layers = run_layers(t.h, x, None if cache is None else cache.layers,
+                                   lambda block, x, lc: block(x, positions, mask, lc, index))
         return constrain(self.lm_head(t.ln_f(x)), P(None, MODEL)), new_layers  # vocab parallel

@@ -17,9 +17,6 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._constrain import constrain
 from .._mesh import MODEL
-from ._fused import column_matmul, row_matmul
-from .._trees import path_str
-from ._hf import HFTensor
 
 INIT_STD = 0.02  # the initializer_range of the Hugging Face configs
 
@@ -54,73 +51,33 @@ class Linear(eqx.Module):
         return y if self.bias is None else y + _last(self.bias.astype(x.dtype), y.ndim)
 
 
-def _model_shards() -> int:
-    mesh = jax.sharding.get_abstract_mesh()
-    return 1 if mesh.empty or MODEL not in mesh.shape else mesh.shape[MODEL]
+@jax.custom_vjp
+def gradients_summed_first(x):
+    """``x`` itself, whose gradient from the layers that read this copy is
+    summed before any other gradient of ``x`` joins it. Several
+    column-parallel layers reading one input (Q, K and V) each give a partial
+    sum over ``model``; GPU and TPU compilers reduce added partial sums with
+    one all-reduce only when nothing else is added in between, which a
+    residual connection around a post-norm block does (benchmarks/RESULTS.md,
+    "Rewrites for XLA:CPU, compiled by libtpu")."""
+    return x
 
 
-def fused_linears(
-    x: Float[Array, "seq in"], layers: list, units: list[int] | None = None
-) -> list[Float[Array, "seq _"]]:
-    """``[layer(x) for layer in layers]``, as one matmul when every layer is a
-    plain `Linear`, for column-parallel layers that read the same input
-    (Q/K/V; gate/up).
-
-    Why: the backward pass sums the input gradients of these layers, each a
-    partial sum over the ``model`` shards. Done as separate matmuls, XLA
-    all-reduces each partial before adding them (3 all-reduces for Q/K/V
-    where Megatron has 1). One matmul makes one partial sum and one
-    all-reduce. The weights are concatenated shard by shard: each weight
-    ``(out, in)`` is viewed as ``(n_shards, out / n_shards, in)`` and the
-    views joined on the middle axis, which every device does on its own
-    rows, so nothing moves.
-
-    ``units[i]`` is how many whole pieces (attention heads) layer ``i``'s
-    outputs form; the shard-by-shard view is used only when ``n_shards``
-    divides every layer's units, as the sharding rules split them.
-
-    Any other module in ``layers`` (a LoRA adapter, a quantised layer, a
-    user's own) is called as it is: the fast path reads ``weight`` and
-    ``bias`` directly and would silently skip whatever else the module does.
-    """
-    if not all(type(layer) is Linear for layer in layers):
-        return [layer(x) for layer in layers]
-    n = _model_shards()
-    units = [layer.weight.shape[0] for layer in layers] if units is None else units
-    if any(u % n for u in units):
-        n = 1
-    ys = column_matmul(x, tuple(layer.weight for layer in layers), n)  # see _fused.py for its backward pass
-    return [y if layer.bias is None else y + _last(layer.bias.astype(y.dtype), y.ndim) for layer, y in zip(layers, ys)]
+gradients_summed_first.defvjp(lambda x: (x, None), lambda _, g: (g,))
 
 
-def fused_row_linears(
-    xs: list[Float[Array, "seq _"]], layers: list, units: list[int]
-) -> Float[Array, "seq out"]:
-    """``sum(layer(x) for x, layer in zip(xs, layers))``, as one matmul when
-    every layer is a plain `Linear`, for row-parallel layers whose outputs are
-    added (GPT-J's attention output and MLP output, off one LayerNorm).
-
-    Why: a row-parallel output is a partial sum over the ``model`` shards.
-    Done as separate matmuls, XLA all-reduces each before adding them (2
-    all-reduces); one matmul over the joined inputs makes one partial sum and
-    one all-reduce. Inputs ``(seq, in)`` are viewed as ``(seq, n_shards, in /
-    n_shards)`` and weights ``(out, in)`` as ``(out, n_shards, in /
-    n_shards)``, joined on the last axis: every device joins its own
-    columns, so nothing moves.
-
-    ``units[i]`` is how many whole pieces (heads, hidden units) layer ``i``'s
-    inputs form. When ``n_shards`` does not divide every one of them, or a
-    layer is any other module (a LoRA adapter), the layers are called one by
-    one and their outputs added.
-    """
-    n = _model_shards()
-    if not all(type(layer) is Linear for layer in layers) or any(u % n for u in units):
-        out = layers[0](xs[0])
-        for layer, x in zip(layers[1:], xs[1:]):
-            out = out + layer(x)
-        return out
-    y = row_matmul(tuple(xs), tuple(layer.weight for layer in layers), n)  # one partial sum over the model shards
-    for layer in layers:
+def summed_linears(pairs: list) -> Float[Array, "seq out"]:
+    """``sum(layer(x) for layer, x in pairs)`` for row-parallel layers whose
+    outputs are added (GPT-J's attention and MLP outputs). With plain
+    `Linear` layers the biases are added after the products' sum, so the
+    products' partial sums over ``model`` meet in one add, which GPU and TPU
+    compilers reduce with one all-reduce (a bias in between keeps them
+    apart: benchmarks/RESULTS.md, "Rewrites for XLA:CPU, compiled by
+    libtpu"). Any other module (a LoRA adapter) is called as it is."""
+    if not all(type(layer) is Linear for layer, _ in pairs):
+        return sum(layer(x) for layer, x in pairs)
+    y = sum(x @ layer.weight.T.astype(x.dtype) for layer, x in pairs)
+    for layer, _ in pairs:
         if layer.bias is not None:
             y = y + _last(layer.bias.astype(y.dtype), y.ndim)
     return y
@@ -174,15 +131,71 @@ class LayerNorm(eqx.Module):
 
 
 class KVCache(eqx.Module):
-    """Keys and values of one attention layer for ``max_len`` slots."""
+    """Keys and values of one attention layer for ``max_len`` slots (with a
+    leading layer axis: of every layer of a stack)."""
 
-    k: Float[Array, "max_len kv_heads head_dim"]
-    v: Float[Array, "max_len kv_heads head_dim"]
+    k: Float[Array, "*layers max_len kv_heads head_dim"]
+    v: Float[Array, "*layers max_len kv_heads head_dim"]
 
     @staticmethod
     def empty(max_len: int, kv_heads: int, head_dim: int, dtype) -> "KVCache":
         z = constrain(jnp.zeros((max_len, kv_heads, head_dim), dtype), P(None, MODEL, None))
         return KVCache(z, z)
+
+
+def empty_caches(n_layers: int, stacked: bool, max_len: int, kv_heads: int, head_dim: int, dtype):
+    """One empty `KVCache` per layer: a list, or one stacked cache for stacked layers."""
+    if not stacked:
+        return [KVCache.empty(max_len, kv_heads, head_dim, dtype) for _ in range(n_layers)]
+    z = constrain(jnp.zeros((n_layers, max_len, kv_heads, head_dim), dtype), P(None, None, MODEL, None))
+    return KVCache(z, z)
+
+
+# ----------------------------------------------------------------------------- a model's layers, listed or stacked
+
+
+def build_layers(make: Callable[[PRNGKeyArray], eqx.Module], keys: PRNGKeyArray, *, stacked: bool):
+    """``make(k)`` for each key of ``keys``: a list of layers, or with
+    ``stacked=True`` one layer whose every array has a leading layer axis
+    (``eqx.filter_vmap``), which `run_layers` runs in a ``lax.scan`` (one
+    layer's program, compiled once, whatever the depth). Both hold the same
+    values: layer ``i`` of the stack is the ``i``-th of the list."""
+    if stacked:
+        return eqx.filter_vmap(make)(keys)
+    return [make(k) for k in keys]
+
+
+def is_stacked(layers) -> bool:
+    return not isinstance(layers, (list, tuple))
+
+
+def n_layers(layers) -> int:
+    return jax.tree.leaves(eqx.filter(layers, eqx.is_array))[0].shape[0] if is_stacked(layers) else len(layers)
+
+
+def layer_at(layers, i: int):
+    """Layer ``i`` of a list, or of a stack (its arrays' slice ``i``)."""
+    return jax.tree.map(lambda a: a[i] if eqx.is_array(a) else a, layers) if is_stacked(layers) else layers[i]
+
+
+def run_layers(layers, x, caches, step: Callable):
+    """``x`` through each layer in turn, ``step(layer, x, cache) -> (x,
+    new_cache)``: a Python loop over a list, a ``lax.scan`` over a stack.
+    ``caches`` has the layers' form (a list, a stacked cache) or is None;
+    returns ``x`` and the new caches in that form."""
+    if not is_stacked(layers):
+        new = []
+        for i, layer in enumerate(layers):
+            x, cache = step(layer, x, None if caches is None else caches[i])
+            new.append(cache)
+        return x, new
+    arrays, static = eqx.partition(layers, eqx.is_array)
+
+    def body(x, xs):
+        layer, cache = xs
+        return step(eqx.combine(layer, static), x, cache)
+
+    return jax.lax.scan(body, x, (arrays, caches))
 
 
 class Cache(eqx.Module):
@@ -193,7 +206,7 @@ class Cache(eqx.Module):
     ``s`` holds a real token.
     """
 
-    layers: list[KVCache]
+    layers: list[KVCache] | KVCache  # a stacked cache for stacked layers
     valid: Bool[Array, " max_len"]
     index: Int[Array, ""]
     position: Int[Array, ""]
@@ -297,10 +310,11 @@ class Attention(eqx.Module):
         slot ``index`` when given), or cross attention to ``kv``."""
         h = self.n_heads
         if kv is not None:
-            q = heads(fused_linears(x, [self.q_proj], [h])[0], h)
+            q = heads(self.q_proj(x), h)
             k, v = kv.k.astype(q.dtype), kv.v.astype(q.dtype)
         else:
-            q, k, v = (heads(y, h) for y in fused_linears(x, [self.q_proj, self.k_proj, self.v_proj], [h] * 3))
+            x = gradients_summed_first(x)
+            q, k, v = (heads(proj(x), h) for proj in (self.q_proj, self.k_proj, self.v_proj))
             if cache is not None:
                 cache = update_cache(cache, k, v, index)
                 k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
@@ -310,8 +324,8 @@ class Attention(eqx.Module):
 
     def project_kv(self, source: Float[Array, "src dim"]) -> KVCache:
         """Keys and values of an encoder output, for cross attention."""
-        h = self.n_heads
-        k, v = (heads(y, h) for y in fused_linears(source, [self.k_proj, self.v_proj], [h, h]))
+        h, source = self.n_heads, gradients_summed_first(source)
+        k, v = (heads(proj(source), h) for proj in (self.k_proj, self.v_proj))
         return KVCache(k, v)
 
 
@@ -368,19 +382,12 @@ def inv_sqrt(d: int) -> float:
     return 1.0 / math.sqrt(d)
 
 
-def renamed_tensors(model, rename: Callable[[str], str]) -> list[HFTensor]:
-    """One checkpoint tensor per array leaf of ``model``, named
-    ``rename(path)``: for a family whose attribute names follow Hugging
-    Face's except where the sharding rules need another word (a learned
-    position table named ``position_embedding`` reads as one)."""
-    leaves = jax.tree_util.tree_flatten_with_path(eqx.filter(model, eqx.is_array))[0]
-    return [HFTensor(rename(p), (p,)) for p in (path_str(kp) for kp, _ in leaves)]
-
-
 class CausalLM(eqx.Module):
     """What every decoder-only family shares: the full forward, the cache and
-    cached decoding, built on the family's ``_run(ids, positions, mask, cache)
-    -> (logits, new_layer_caches)`` and ``_kv_shape() -> (layers, kv_heads, head_dim)``."""
+    cached decoding (`redeqx.models.Decoder`'s protocol), built on the
+    family's ``_run(ids, positions, mask, cache) -> (logits, new_layer_caches)``
+    and ``_kv_shape() -> (layers, kv_heads, head_dim)``; its config says
+    ``scan_layers``."""
 
     def _run(self, ids, positions, mask, cache):
         raise NotImplementedError
@@ -428,10 +435,10 @@ class CausalLM(eqx.Module):
     def init_cache(self, max_len: int, dtype=None) -> Cache:
         """An empty decoding cache with ``max_len`` slots (prompt + new tokens)."""
         self._check_positions(".init_cache", max_len)
-        n_layers, kv_heads, head_dim = self._kv_shape()
+        n, kv_heads, head_dim = self._kv_shape()
         dtype = dtype or self._dtype()
         return Cache(
-            layers=[KVCache.empty(max_len, kv_heads, head_dim, dtype) for _ in range(n_layers)],
+            layers=empty_caches(n, self.config.scan_layers, max_len, kv_heads, head_dim, dtype),
             valid=jnp.zeros((max_len,), bool),
             index=jnp.zeros((), jnp.int32),
             position=jnp.zeros((), jnp.int32),

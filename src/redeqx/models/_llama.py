@@ -24,10 +24,8 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._constrain import constrain
-from .._remat import checkpoint
 from .._mesh import MODEL
 from ._layers import (
-    check_positive_ints,
     Cache,
     CausalLM,
     Embedding,
@@ -35,14 +33,19 @@ from ._layers import (
     Linear,
     RMSNorm,
     attention,
+    build_layers,
+    check_positive_ints,
     default_head_dim,
-    fused_linears,
     heads,
     inv_sqrt,
+    run_layers,
     update_cache,
 )
 
 _MODEL_TYPES = ("llama", "mistral", "qwen2")
+# Whether layers are stacked by default: compile time flat in depth, the same step figures
+# (benchmarks/RESULTS.md, "Stacked layers (benchmarks/stacked.py)").
+SCAN_LAYERS = False
 _ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -76,7 +79,7 @@ class LlamaConfig:
     pad_token_id: int | None = None
     sliding_window: int | None = None  # attention span when use_sliding_window (Mistral)
     use_sliding_window: bool = False
-    remat: bool = False  # recompute each block's activations in the backward pass
+    scan_layers: bool = SCAN_LAYERS  # the layers stacked and run by lax.scan (see SCAN_LAYERS); False: a list
 
     def __post_init__(self):
         check_positive_ints(
@@ -250,7 +253,7 @@ class LlamaAttention(eqx.Module):
 
     def __call__(self, x, positions, mask, inv_freq, cache: KVCache | None, index):
         c = self.config
-        q, k, v = fused_linears(x, [self.q_proj, self.k_proj, self.v_proj], [c.n_heads, c.n_kv_heads, c.n_kv_heads])
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # column parallel
         q = apply_rope(heads(q, c.n_heads), positions, inv_freq)  # (T, Hq, D)
         k = apply_rope(heads(k, c.n_kv_heads), positions, inv_freq)  # (T, Hkv, D)
         v = heads(v, c.n_kv_heads)
@@ -275,7 +278,7 @@ class LlamaMLP(eqx.Module):
         self.down_proj = Linear(i, h, bias=b, key=kd)
 
     def __call__(self, x: Float[Array, "seq hidden"]) -> Float[Array, "seq hidden"]:
-        gate, up = fused_linears(x, [self.gate_proj, self.up_proj])  # column parallel
+        gate, up = self.gate_proj(x), self.up_proj(x)  # column parallel
         return constrain(self.down_proj(jax.nn.silu(gate) * up), P())  # row parallel: one all-reduce
 
 
@@ -301,13 +304,13 @@ class LlamaDecoderLayer(eqx.Module):
 
 class LlamaModel(eqx.Module):
     embed_tokens: Embedding
-    layers: list[LlamaDecoderLayer]
+    layers: list[LlamaDecoderLayer] | LlamaDecoderLayer  # stacked: one layer, every array (layers, ...)
     norm: RMSNorm
 
     def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray):
-        ke, *kl = jax.random.split(key, config.num_hidden_layers + 1)
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, key=ke)
-        self.layers = [LlamaDecoderLayer(config, key=k) for k in kl]
+        keys = jax.random.split(key, config.num_hidden_layers + 1)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, key=keys[0])
+        self.layers = build_layers(lambda k: LlamaDecoderLayer(config, key=k), keys[1:], stacked=config.scan_layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -330,6 +333,7 @@ class LlamaForCausalLM(CausalLM):
 
     # Checkpoint tensors that carry nothing new: a tied head saved anyway, old rotary buffers.
     hf_ignore = (r"lm_head\.weight", r".*rotary_emb\.inv_freq")
+    hf_stacks = ("model.layers",)  # the layer lists, stacked when config.scan_layers
 
     def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray):
         if not isinstance(config, LlamaConfig):
@@ -345,12 +349,9 @@ class LlamaForCausalLM(CausalLM):
         c = self.config
         inv_freq = rope_frequencies(c)
         x = constrain(self.model.embed_tokens(ids), P())
-        new_layers = []
-        for i, layer in enumerate(self.model.layers):
-            fn = checkpoint(layer) if c.remat else layer
-            x, lc = fn(x, positions, mask, inv_freq, None if cache is None else cache.layers[i],
-                       None if cache is None else cache.index)
-            new_layers.append(lc)
+        index = None if cache is None else cache.index
+        x, new_layers = run_layers(self.model.layers, x, None if cache is None else cache.layers,
+                                   lambda layer, x, lc: layer(x, positions, mask, inv_freq, lc, index))
         x = self.model.norm(x)
         logits = self.model.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
         return constrain(logits, P(None, MODEL)), new_layers  # vocab parallel

@@ -22,8 +22,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
+from .._stacks import declared_ndim
 from .._trees import path_parts
-from .._typing import typechecked
+from .._typing import positive_int, typechecked
 
 
 class LoRALinear(eqx.Module):
@@ -47,9 +48,14 @@ class LoRALinear(eqx.Module):
 
 
 def _is_linear(x) -> bool:
+    """A linear layer: a module with a bias and a 2-D weight in one layer
+    (a stacked layer's weight has its layer axes in front)."""
     weight = getattr(x, "weight", None)
-    return (isinstance(x, eqx.Module) and not isinstance(x, LoRALinear) and hasattr(x, "bias")
-            and isinstance(weight, (jax.Array, jax.ShapeDtypeStruct)) and weight.ndim == 2)
+    if not (isinstance(x, eqx.Module) and not isinstance(x, LoRALinear) and hasattr(x, "bias")
+            and isinstance(weight, (jax.Array, jax.ShapeDtypeStruct))):
+        return False
+    ndim = declared_ndim(x, "weight")
+    return (weight.ndim == 2) if ndim is None else (ndim == 2 and weight.ndim >= 2)
 
 
 def _abstract(module):
@@ -76,8 +82,7 @@ def lora(model: PyTree, pattern: str, *, rank: int, alpha: float, key: PRNGKeyAr
     train_step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs, trainable=trainable)
     ```
     """
-    if isinstance(rank, bool) or rank < 1:
-        raise ValueError(f"rank must be a positive int, got {rank!r}.")
+    rank = positive_int(rank, "rank")
     try:
         rx = re.compile(pattern)
     except re.error as e:
@@ -94,10 +99,11 @@ def lora(model: PyTree, pattern: str, *, rank: int, alpha: float, key: PRNGKeyAr
         path = ".".join(path_parts(kp))
         if not (_is_linear(x) and path in keys):
             return x
-        out_features, in_features = x.weight.shape
+        *layers, out_features, in_features = x.weight.shape  # stacked layers: a pair of adapters per layer
         bound = 1.0 / in_features**0.5  # PEFT's default: Kaiming-uniform A, zero B
-        a = jax.random.uniform(keys[path], (rank, in_features), jnp.float32, -bound, bound).astype(x.weight.dtype)
-        return LoRALinear(weight=x.weight, bias=x.bias, lora_a=a, lora_b=jnp.zeros((out_features, rank), x.weight.dtype),
+        a = jax.random.uniform(keys[path], (*layers, rank, in_features), jnp.float32, -bound, bound)
+        b = jnp.zeros((*layers, out_features, rank), x.weight.dtype)
+        return LoRALinear(weight=x.weight, bias=x.bias, lora_a=a.astype(x.weight.dtype), lora_b=b,
                           scale=float(alpha) / rank, base=_abstract(x))
 
     return jax.tree_util.tree_map_with_path(adapt, model, is_leaf=_is_linear)
@@ -134,7 +140,7 @@ def merge_lora(model: PyTree) -> PyTree:
     def merge(x):
         if not isinstance(x, LoRALinear):
             return x
-        delta = x.scale * (x.lora_b.astype(jnp.float32) @ x.lora_a.astype(jnp.float32))
+        delta = x.scale * (x.lora_b.astype(jnp.float32) @ x.lora_a.astype(jnp.float32))  # per layer when stacked
         weight = (x.weight.astype(jnp.float32) + delta).astype(x.weight.dtype)
         if x.base.bias is None:
             return eqx.tree_at(lambda m: m.weight, x.base, weight)

@@ -6,9 +6,8 @@ Attribute paths are the Hugging Face tensor names
 (``model.decoder.layers.0.self_attn.q_proj.weight``, ``...fc1.weight``), so
 `redeqx.sharding_rules` gives the Megatron-LM plan with no overrides: Q/K/V
 and ``fc1`` split on output features, ``out_proj`` and ``fc2`` on input
-features, ``embed_tokens`` on the vocabulary. One name differs: Hugging
-Face's ``embed_positions`` is ``position_embedding`` here, which the rules
-read as a learned position table and replicate; `hf_tensors` renames it.
+features, ``embed_tokens`` on the vocabulary, ``embed_positions`` (a learned
+position table) replicated.
 
 OPT details:
 
@@ -30,9 +29,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._constrain import constrain
-from .._remat import checkpoint
 from .._mesh import MODEL
-from ._hf import HFTensor
 from ._layers import (
     ACTIVATIONS,
     Attention,
@@ -41,12 +38,15 @@ from ._layers import (
     Embedding,
     LayerNorm,
     Linear,
+    build_layers,
     check_positive_ints,
     default_head_dim,
-    renamed_tensors,
+    run_layers,
 )
+from ._safetensors import HFTensor, leaf_tensors
 
 POSITION_OFFSET = 2  # position p reads row p + 2 of the table, as fairseq and Hugging Face do
+SCAN_LAYERS = False  # see benchmarks/RESULTS.md, "Stacked layers (benchmarks/stacked.py)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +74,7 @@ class OPTConfig:
     bos_token_id: int | None = 2
     eos_token_id: int | None = 2
     hf_prefix: str = "model."  # prefix of the checkpoint's tensor names ("" in the hub's OPTModel files)
-    remat: bool = False  # recompute each block's activations in the backward pass
+    scan_layers: bool = SCAN_LAYERS  # the layers stacked and run by lax.scan; False: a list
 
     def __post_init__(self):
         check_positive_ints(self, ("vocab_size", "hidden_size", "num_hidden_layers", "ffn_dim",
@@ -186,21 +186,22 @@ class OPTDecoderLayer(eqx.Module):
 
 class OPTDecoder(eqx.Module):
     embed_tokens: Embedding
-    position_embedding: Embedding  # Hugging Face's embed_positions: (max_position_embeddings + 2, hidden)
+    embed_positions: Embedding  # (max_position_embeddings + 2, hidden)
     project_in: Linear | None
     project_out: Linear | None
     final_layer_norm: LayerNorm | None
-    layers: list[OPTDecoderLayer]
+    layers: list[OPTDecoderLayer] | OPTDecoderLayer  # stacked: one layer, every array (layers, ...)
 
     def __init__(self, config: OPTConfig, *, key: PRNGKeyArray):
-        ke, kp, ki, ko, *kl = jax.random.split(key, config.num_hidden_layers + 4)
+        keys = jax.random.split(key, config.num_hidden_layers + 4)
+        ke, kp, ki, ko = keys[:4]
         c = config
         self.embed_tokens = Embedding(c.vocab_size, c.embed_dim, key=ke)
-        self.position_embedding = Embedding(c.max_position_embeddings + POSITION_OFFSET, c.hidden_size, key=kp)
+        self.embed_positions = Embedding(c.max_position_embeddings + POSITION_OFFSET, c.hidden_size, key=kp)
         self.project_in = Linear(c.embed_dim, c.hidden_size, bias=False, key=ki) if c.projected else None
         self.project_out = Linear(c.hidden_size, c.embed_dim, bias=False, key=ko) if c.projected else None
         self.final_layer_norm = LayerNorm(c.hidden_size, c.layer_norm_eps) if c.final_norm else None
-        self.layers = [OPTDecoderLayer(c, key=k) for k in kl]
+        self.layers = build_layers(lambda k: OPTDecoderLayer(c, key=k), keys[4:], stacked=c.scan_layers)
 
 
 class OPTModel(eqx.Module):
@@ -231,6 +232,7 @@ class OPTForCausalLM(CausalLM):
 
     # A tied head saved anyway.
     hf_ignore = (r"lm_head\.weight",)
+    hf_stacks = ("model.decoder.layers",)
 
     def __init__(self, config: OPTConfig, *, key: PRNGKeyArray):
         if not isinstance(config, OPTConfig):
@@ -254,12 +256,10 @@ class OPTForCausalLM(CausalLM):
         x = constrain(d.embed_tokens(ids), P())  # vocab-split lookup: one all-reduce
         if d.project_in is not None:
             x = d.project_in(x)
-        x = constrain(x + d.position_embedding(positions + POSITION_OFFSET), P())
-        new_layers = []
-        for i, layer in enumerate(d.layers):
-            fn = checkpoint(layer) if c.remat else layer
-            x, lc = fn(x, mask, None if cache is None else cache.layers[i], None if cache is None else cache.index)
-            new_layers.append(lc)
+        x = constrain(x + d.embed_positions(positions + POSITION_OFFSET), P())
+        index = None if cache is None else cache.index
+        x, new_layers = run_layers(d.layers, x, None if cache is None else cache.layers,
+                                   lambda layer, x, lc: layer(x, mask, lc, index))
         if d.final_layer_norm is not None:
             x = d.final_layer_norm(x)
         if d.project_out is not None:
@@ -268,13 +268,7 @@ class OPTForCausalLM(CausalLM):
         return constrain(logits, P(None, MODEL)), new_layers  # vocab parallel
 
     def hf_tensors(self) -> list[HFTensor]:
-        """Checkpoint tensors: each leaf under its own path, but
-        ``position_embedding`` is Hugging Face's ``embed_positions``, and the
-        ``model.`` prefix is dropped for checkpoints saved without it."""
+        """Checkpoint tensors: each leaf under its own path, the ``model.``
+        prefix dropped for checkpoints saved without it (the hub's OPTModel files)."""
         prefix = self.config.hf_prefix
-
-        def rename(path: str) -> str:
-            path = path.replace(".position_embedding.", ".embed_positions.")
-            return prefix + path[len("model."):] if path.startswith("model.") else path
-
-        return renamed_tensors(self, rename)
+        return leaf_tensors(self, lambda path: prefix + path[len("model."):] if path.startswith("model.") else path)

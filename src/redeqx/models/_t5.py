@@ -33,21 +33,25 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._constrain import constrain
-from .._remat import checkpoint
 from .._mesh import MODEL
 from ._layers import (
-    check_positive_ints,
     Embedding,
     KVCache,
     Linear,
     RMSNorm,
     attention,
+    build_layers,
     causal_mask,
-    check_fits,
-    fused_linears,
+    check_positive_ints,
     heads,
+    is_stacked,
+    run_layers,
     update_cache,
 )
+from ._safetensors import HFTensor
+from ._seq2seq import EncoderDecoderLM, cache_slots, layer_caches
+
+SCAN_LAYERS = False  # see benchmarks/RESULTS.md, "Stacked layers (benchmarks/stacked.py)"
 
 _ACTIVATIONS = {
     "relu": jax.nn.relu,
@@ -83,7 +87,7 @@ class T5Config:
     eos_token_id: int | tuple[int, ...] | None = 1
     decoder_start_token_id: int = 0  # T5 starts decoding from the pad token
     initializer_factor: float = 1.0  # scales T5's initialisation (below); Transformers' name
-    remat: bool = False  # recompute each block's activations in the backward pass
+    scan_layers: bool = SCAN_LAYERS  # each stack's blocks stacked and run by lax.scan; False: lists
 
     def __post_init__(self):
         if isinstance(self.initializer_factor, bool) or not isinstance(self.initializer_factor, (int, float)) \
@@ -213,12 +217,34 @@ def relative_position_buckets(
     return offset + jnp.where(distance < exact, distance, far)
 
 
+def _bias_table(config: T5Config, key: PRNGKeyArray) -> Embedding:
+    """The relative position bias table ``(buckets, heads)`` of a stack's first block."""
+    std = config.initializer_factor * config.d_model ** -0.5
+    return Embedding(config.relative_attention_num_buckets, config.num_heads, key=key, std=std)
+
+
+def _bias_key(block_key: PRNGKeyArray) -> PRNGKeyArray:
+    """The key `T5Block` draws its table from (self-attention's, then T5Attention's fifth)."""
+    return jax.random.split(jax.random.split(block_key, 3)[0], 5)[4]
+
+
+def position_bias(table: Embedding, config: T5Config, q_pos: Int[Array, " q"], k_pos: Int[Array, " k"], *,
+                  bidirectional: bool) -> Float[Array, "heads q k"]:
+    """The bias each head adds to the scores of queries ``q_pos`` and keys ``k_pos``."""
+    buckets = relative_position_buckets(
+        k_pos[None, :] - q_pos[:, None], bidirectional=bidirectional,
+        num_buckets=config.relative_attention_num_buckets, max_distance=config.relative_attention_max_distance,
+    )
+    bias = jnp.moveaxis(table(buckets.reshape(-1)).reshape(*buckets.shape, -1), -1, 0)
+    return constrain(bias, P(MODEL, None, None))  # heads split, as the scores are
+
+
 class T5Attention(eqx.Module):
     q: Linear
     k: Linear
     v: Linear
     o: Linear
-    relative_attention_bias: Embedding | None  # (buckets, heads), first block of a stack only
+    relative_attention_bias: Embedding | None  # (buckets, heads), first block of a listed stack only
     config: T5Config = eqx.field(static=True)
 
     def __init__(self, config: T5Config, *, has_bias: bool, key: PRNGKeyArray):
@@ -231,21 +257,8 @@ class T5Attention(eqx.Module):
         self.k = Linear(c.d_model, inner, bias=False, key=kk, std=f * c.d_model ** -0.5)
         self.v = Linear(c.d_model, inner, bias=False, key=kv, std=f * c.d_model ** -0.5)
         self.o = Linear(inner, c.d_model, bias=False, key=ko, std=f * inner ** -0.5)
-        self.relative_attention_bias = (
-            Embedding(c.relative_attention_num_buckets, c.num_heads, key=kb, std=f * c.d_model ** -0.5)
-            if has_bias else None
-        )
+        self.relative_attention_bias = _bias_table(c, kb) if has_bias else None
         self.config = config
-
-    def position_bias(self, q_pos: Int[Array, " q"], k_pos: Int[Array, " k"], *, bidirectional: bool
-                      ) -> Float[Array, "heads q k"]:
-        c = self.config
-        buckets = relative_position_buckets(
-            k_pos[None, :] - q_pos[:, None], bidirectional=bidirectional,
-            num_buckets=c.relative_attention_num_buckets, max_distance=c.relative_attention_max_distance,
-        )
-        bias = jnp.moveaxis(self.relative_attention_bias(buckets.reshape(-1)).reshape(*buckets.shape, -1), -1, 0)
-        return constrain(bias, P(MODEL, None, None))  # heads split, as the scores are
 
     def __call__(self, x, mask, bias, *, source=None, cache: KVCache | None = None, index=None, cached_kv=None):
         """Self-attention over ``x`` (``source=None``; writes ``cache`` at
@@ -253,13 +266,13 @@ class T5Attention(eqx.Module):
         output) or to keys/values already projected (``cached_kv``)."""
         h = self.config.num_heads
         if cached_kv is not None:
-            q = heads(fused_linears(x, [self.q], [h])[0], h)
+            q = heads(self.q(x), h)
             k, v = cached_kv.k.astype(q.dtype), cached_kv.v.astype(q.dtype)
         elif source is not None:
-            q = heads(fused_linears(x, [self.q], [h])[0], h)
-            k, v = (heads(y, h) for y in fused_linears(source, [self.k, self.v], [h, h]))
+            q = heads(self.q(x), h)
+            k, v = heads(self.k(source), h), heads(self.v(source), h)
         else:
-            q, k, v = (heads(y, h) for y in fused_linears(x, [self.q, self.k, self.v], [h] * 3))
+            q, k, v = heads(self.q(x), h), heads(self.k(x), h), heads(self.v(x), h)
             if cache is not None:
                 cache = update_cache(cache, k, v, index)
                 k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
@@ -269,8 +282,7 @@ class T5Attention(eqx.Module):
 
     def project_kv(self, source: Float[Array, "src d_model"]) -> KVCache:
         h = self.config.num_heads
-        k, v = (heads(y, h) for y in fused_linears(source, [self.k, self.v], [h, h]))
-        return KVCache(k, v)
+        return KVCache(heads(self.k(source), h), heads(self.v(source), h))
 
 
 class T5LayerSelfAttention(eqx.Module):
@@ -314,11 +326,9 @@ class T5DenseActDense(eqx.Module):
     def __call__(self, x: Float[Array, "seq d_model"]) -> Float[Array, "seq d_model"]:
         act = _ACTIVATIONS[self.activation]
         if self.wi is not None:
-            (h,) = fused_linears(x, [self.wi])  # column parallel
-            h = act(h)
+            h = act(self.wi(x))  # column parallel
         else:
-            gate, up = fused_linears(x, [self.wi_0, self.wi_1])
-            h = act(gate) * up
+            h = act(self.wi_0(x)) * self.wi_1(x)
         return constrain(self.wo(h), P())  # row parallel: one all-reduce
 
 
@@ -363,32 +373,33 @@ class T5Block(eqx.Module):
 
 
 class T5Stack(eqx.Module):
-    block: list[T5Block]
+    block: list[T5Block] | T5Block  # stacked: one block, every array (layers, ...)
     final_layer_norm: RMSNorm
+    # Stacked blocks must be alike, so the first block's bias table moves here;
+    # listed, it stays in block 0, where Hugging Face names it.
+    relative_attention_bias: Embedding | None
+    config: T5Config = eqx.field(static=True)
 
     def __init__(self, config: T5Config, *, decoder: bool, key: PRNGKeyArray):
         n = config.n_decoder_layers if decoder else config.num_layers
         keys = jax.random.split(key, n)
-        self.block = [T5Block(config, decoder=decoder, has_bias=i == 0, key=k) for i, k in enumerate(keys)]
+        if config.scan_layers:
+            self.block = build_layers(lambda k: T5Block(config, decoder=decoder, has_bias=False, key=k), keys,
+                                      stacked=True)
+            self.relative_attention_bias = _bias_table(config, _bias_key(keys[0]))
+        else:
+            self.block = [T5Block(config, decoder=decoder, has_bias=i == 0, key=k) for i, k in enumerate(keys)]
+            self.relative_attention_bias = None
         self.final_layer_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
+        self.config = config
 
     def bias(self, q_pos, k_pos, *, bidirectional: bool):
-        return self.block[0].layer[0].SelfAttention.position_bias(q_pos, k_pos, bidirectional=bidirectional)
+        table = self.relative_attention_bias if is_stacked(self.block) else \
+            self.block[0].layer[0].SelfAttention.relative_attention_bias
+        return position_bias(table, self.config, q_pos, k_pos, bidirectional=bidirectional)
 
 
-class T5Cache(eqx.Module):
-    """The decoding state of one sequence: decoder self-attention keys/values
-    (``max_len`` slots, ``index`` the next free one), the cross-attention
-    keys/values of the encoder output per decoder block, and which encoder
-    positions are real tokens."""
-
-    self_attention: list[KVCache]
-    cross_attention: list[KVCache]
-    source_valid: Bool[Array, " src"]
-    index: Int[Array, ""]
-
-
-class T5ForConditionalGeneration(eqx.Module):
+class T5ForConditionalGeneration(EncoderDecoderLM):
     """T5 for one sequence pair (batch with ``jax.vmap``).
 
     **Example** (teacher-forced training logits and generation):
@@ -414,6 +425,7 @@ class T5ForConditionalGeneration(eqx.Module):
     # Copies of `shared` that some checkpoints carry, and a bias table old checkpoints have but never use.
     hf_ignore = (r"(encoder|decoder)\.embed_tokens\.weight",
                  r"decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.weight")
+    hf_stacks = ("encoder.block", "decoder.block")
 
     def __init__(self, config: T5Config, *, key: PRNGKeyArray):
         if not isinstance(config, T5Config):
@@ -428,9 +440,6 @@ class T5ForConditionalGeneration(eqx.Module):
         )
         self.config = config
 
-    def _dtype(self):
-        return self.shared.weight.dtype
-
     def encode(
         self, input_ids: Int[Array, " src"], attention_mask: Bool[Array, " src"] | None = None
     ) -> Float[Array, "src d_model"]:
@@ -442,9 +451,7 @@ class T5ForConditionalGeneration(eqx.Module):
         pos = jnp.arange(s)
         bias = self.encoder.bias(pos, pos, bidirectional=True)
         mask = jnp.broadcast_to(valid[None, :], (s, s))
-        for block in self.encoder.block:
-            fn = checkpoint(block) if self.config.remat else block
-            x, _ = fn(x, mask, bias)
+        x, _ = run_layers(self.encoder.block, x, None, lambda block, x, _: block(x, mask, bias))
         return self.encoder.final_layer_norm(x)
 
     def _logits(self, x):
@@ -472,69 +479,40 @@ class T5ForConditionalGeneration(eqx.Module):
         pos = jnp.arange(t)
         bias = self.decoder.bias(pos, pos, bidirectional=False)
         mask = causal_mask(jnp.ones((t,), bool), 0, t)
-        for block in self.decoder.block:
-            fn = checkpoint(block) if self.config.remat else block
-            x, _ = fn(x, mask, bias, (source, None, valid))
+        x, _ = run_layers(self.decoder.block, x, None, lambda block, x, _: block(x, mask, bias, (source, None, valid)))
         return self._logits(x)
 
-    def init_cache(
-        self, encoder_output: Float[Array, "src d_model"], attention_mask: Bool[Array, " src"], max_len: int
-    ) -> T5Cache:
-        """A decoding cache: the encoder output projected to every decoder
-        block's cross-attention keys/values (once), and ``max_len`` empty
-        slots for the decoder's own tokens."""
-        c = self.config
-        dtype = self._dtype()
-        return T5Cache(
-            self_attention=[KVCache.empty(max_len, c.num_heads, c.d_kv, dtype) for _ in self.decoder.block],
-            cross_attention=[jax.tree.map(lambda a: a.astype(dtype), b.layer[1].EncDecAttention.project_kv(encoder_output))
-                             for b in self.decoder.block],
-            source_valid=attention_mask.astype(bool),
-            index=jnp.zeros((), jnp.int32),
-        )
+    # -- cached decoding (EncoderDecoderLM)
 
-    def decode(
-        self, decoder_input_ids: Int[Array, " seq"], cache: T5Cache, *, attention_mask=None
-    ) -> tuple[Float[Array, "seq vocab"], T5Cache]:
-        """Run decoder tokens after what ``cache`` holds: their logits and the
-        cache with them appended. ``attention_mask`` must be ``None`` (the
-        decoder side has no padding)."""
-        if attention_mask is not None:
-            raise ValueError(
-                "T5ForConditionalGeneration.decode: attention_mask is for the encoder input; pass it to "
-                "init_cache (or prefill) and leave it None here."
-            )
+    def _decoder_layers(self):
+        return self.decoder.block
+
+    def _self_attention_shape(self):
+        return self.config.num_heads, self.config.d_kv
+
+    def _cross_kv(self, block, source):
+        return block.layer[1].EncDecAttention.project_kv(source)
+
+    def _decode(self, decoder_input_ids, cache):
         t = decoder_input_ids.shape[0]
-        max_len = cache.self_attention[0].k.shape[0]
-        check_fits("T5ForConditionalGeneration.decode", t, max_len)
+        slots = jnp.arange(cache_slots(cache))
         q_pos = cache.index + jnp.arange(t)
-        slots = jnp.arange(max_len)
         bias = self.decoder.bias(q_pos, slots, bidirectional=False)  # (heads, t, max_len)
         mask = causal_mask(slots < cache.index + t, cache.index, t)
         x = constrain(self.shared(decoder_input_ids), P())
-        new = []
-        for block, sc, cc in zip(self.decoder.block, cache.self_attention, cache.cross_attention):
-            x, sc = block(x, mask, bias, (None, cc, cache.source_valid), sc, cache.index)
-            new.append(sc)
-        cache = T5Cache(new, cache.cross_attention, cache.source_valid, cache.index + t)
-        return self._logits(x), cache
 
-    def prefill(
-        self, input_ids: Int[Array, " src"], attention_mask: Bool[Array, " src"], max_new_tokens: int
-    ) -> tuple[Float[Array, " vocab"], T5Cache]:
-        """Encode the prompt once and decode the start token: the first new
-        token's logits and a cache with room for ``max_new_tokens`` more (what
-        `redeqx.models.generate` and `beam_search` start from)."""
-        source = self.encode(input_ids, attention_mask)
-        cache = self.init_cache(source, attention_mask, max_new_tokens + 1)
-        start = jnp.full((1,), self.config.decoder_start_token_id, jnp.int32)
-        logits, cache = self.decode(start, cache)
-        return logits[-1], cache
+        def step(block, x, caches):
+            self_cache, cross = caches
+            return block(x, mask, bias, (None, cross, cache.source_valid), self_cache, cache.index)
 
+        caches = layer_caches(self.decoder.block, cache.self_attention, cache.cross_attention)
+        x, self_attention = run_layers(self.decoder.block, x, caches, step)
+        return self._logits(x), self_attention
 
-def shift_right(labels: Int[Array, "*batch tgt"], config: T5Config) -> Int[Array, "*batch tgt"]:
-    """Decoder inputs for teacher forcing: ``decoder_start_token_id`` then the
-    labels but the last, with ignored labels (``-100``) read as padding."""
-    labels = jnp.where(labels == -100, config.pad_token_id, labels)
-    start = jnp.full(labels.shape[:-1] + (1,), config.decoder_start_token_id, labels.dtype)
-    return jnp.concatenate([start, labels[..., :-1]], axis=-1)
+    def hf_stacked(self, tensor: HFTensor) -> HFTensor:
+        """``tensor`` for the stacked layout: each stack's bias table lives on the stack."""
+        for stack in ("encoder", "decoder"):
+            if tensor.paths == (f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight",):
+                return HFTensor(tensor.name, (f"{stack}.relative_attention_bias.weight",))
+        return tensor.stacked(self.hf_stacks)
+

@@ -1,0 +1,264 @@
+"""Hugging Face checkpoints in and out: `from_pretrained` and `save_pretrained`,
+for every family, in either layout of its layers (a list, or stacked).
+
+Only JSON and the safetensors format are read (no pickle). Each tensor is
+read on its own and placed straight into the shards each device holds (for
+stacked layers, into its layer's slice), so the host never holds more than
+one full tensor beyond the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from .._rules import sharding_rules
+from .._trees import is_none, is_spec, named_leaves
+from ._bart import BartConfig, BartForConditionalGeneration
+from ._gpt2 import GPT2Config, GPT2LMHeadModel
+from ._gptj import GPTJConfig, GPTJForCausalLM
+from ._llama import LlamaConfig, LlamaForCausalLM
+from ._lora import LoRALinear
+from ._opt import OPTConfig, OPTForCausalLM
+from ._safetensors import Entry, HFTensor, checkpoint_files, leaf_tensors, read_header, read_tensor, write_checkpoint
+from ._t5 import T5Config, T5ForConditionalGeneration
+
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (LlamaConfig, LlamaForCausalLM),
+    "gpt2": (GPT2Config, GPT2LMHeadModel),
+    "t5": (T5Config, T5ForConditionalGeneration),
+    "opt": (OPTConfig, OPTForCausalLM),
+    "gptj": (GPTJConfig, GPTJForCausalLM),
+    "bart": (BartConfig, BartForConditionalGeneration),
+}
+
+
+def hf_tensors(model) -> list[HFTensor]:
+    """The checkpoint tensors of a model of the zoo, in its layout: the
+    family's own ``hf_tensors()`` (written for listed layers) if it has one,
+    else each array leaf under its own path; for stacked layers, each layer's
+    tensor is a slice of the stacked leaves (``HFTensor.stacked``)."""
+    config = model.config
+    if not getattr(config, "scan_layers", False):
+        return _listed_tensors(model)
+    listed = eqx.filter_eval_shape(type(model), dataclasses.replace(config, scan_layers=False), key=jax.random.key(0))
+    stacked = getattr(model, "hf_stacked", None) or (lambda t: t.stacked(model.hf_stacks))
+    return [stacked(t) for t in _listed_tensors(listed)]
+
+
+def _listed_tensors(model) -> list[HFTensor]:
+    own = getattr(model, "hf_tensors", None)
+    return own() if own is not None else leaf_tensors(model)
+
+
+def _skeleton(cls, config, dtype):
+    """The model with every array a zero-stride NumPy array: right shapes, no memory."""
+    abstract = eqx.filter_eval_shape(lambda: cls(config, key=jax.random.key(0)))
+    return jax.tree.map(
+        lambda s: np.broadcast_to(np.zeros((), dtype or s.dtype), s.shape) if isinstance(s, jax.ShapeDtypeStruct) else s,
+        abstract,
+    )
+
+
+def _leaf_shape(leaf, tensor: HFTensor) -> tuple[int, ...]:
+    """The shape a tensor's part must have: the leaf's, or one layer's of a stacked leaf."""
+    return tuple(leaf.shape[1:] if tensor.layer is not None else leaf.shape)
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros(shape, dtype, sharding):
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=None)
+def _write_layer(sharding):
+    """``stack`` with ``layer`` written at index ``i``, in place (donated)."""
+    return jax.jit(lambda stack, layer, i: jax.lax.dynamic_update_index_in_dim(stack, layer, i, 0),
+                   out_shardings=sharding, donate_argnums=0)
+
+
+def from_pretrained(local_dir: str | os.PathLike, mesh: Mesh, specs=None, *, dtype=None, scan_layers: bool | None = None):
+    """Load a Hugging Face checkpoint from a local directory, sharded over ``mesh``.
+
+    Reads ``config.json`` and ``*.safetensors`` (one file, or several with
+    ``model.safetensors.index.json``). Each tensor goes straight to its place
+    under ``specs`` (default: `redeqx.sharding_rules` of the model), one tensor
+    at a time: each process reads and places only the shards its devices hold.
+    ``dtype`` casts floating tensors (e.g. ``jnp.bfloat16``); by default each
+    keeps the checkpoint's dtype. ``scan_layers`` overrides the family's
+    default layout (True: the layers stacked, for ``lax.scan``; False: a
+    list). Missing, unexpected or mis-shaped tensors raise an error listing them.
+
+    Supported ``model_type``: ``llama``, ``mistral``, ``qwen2``, ``gpt2``, ``t5``, ``opt``, ``gptj``,
+    ``bart``.
+
+    **Example:**
+
+    ```python
+    mesh = redeqx.make_mesh(n_model_shards=2)
+    model = redeqx.models.from_pretrained("checkpoints/llama-3.2-1b", mesh, dtype=jnp.bfloat16)
+    specs = redeqx.sharding_rules(model, mesh)
+    ```
+    """
+    local_dir = Path(local_dir)
+    if not (local_dir / "config.json").is_file():
+        raise FileNotFoundError(
+            f"local_dir={str(local_dir)!r} has no config.json; pass the directory written by save_pretrained "
+            "(redeqx's or Transformers')."
+        )
+    hf_config = json.loads((local_dir / "config.json").read_text())
+    model_type = hf_config.get("model_type")
+    if model_type not in FAMILIES:
+        raise ValueError(
+            f"config.json in {str(local_dir)!r} has model_type={model_type!r}; redeqx.models supports "
+            f"{sorted(FAMILIES)}."
+        )
+    config_cls, model_cls = FAMILIES[model_type]
+    entries: dict[str, Entry] = {}
+    for f in checkpoint_files(local_dir):
+        entries.update(read_header(f))
+    # A family whose config.json does not say everything (T5 under Transformers 5
+    # marks every head tied) also reads which tensors the checkpoint holds.
+    from_checkpoint = getattr(config_cls, "from_hf_checkpoint", None)
+    config = config_cls.from_hf(hf_config) if from_checkpoint is None else from_checkpoint(hf_config, frozenset(entries))
+    if scan_layers is not None:
+        config = dataclasses.replace(config, scan_layers=scan_layers)
+    skeleton = _skeleton(model_cls, config, dtype)
+    if specs is None:
+        specs = sharding_rules(skeleton, mesh)
+    tensors = hf_tensors(skeleton)
+    leaves = named_leaves(skeleton, is_leaf=is_none)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=is_spec)
+    if len(spec_leaves) != len(leaves):
+        raise ValueError(
+            f"specs has {len(spec_leaves)} leaves but the {model_cls.__name__} has {len(leaves)}; "
+            "pass specs=None, or specs from redeqx.sharding_rules on this model."
+        )
+    by_path = {path: (i, leaf, P() if spec is None else spec)
+               for i, ((path, leaf), spec) in enumerate(zip(leaves, spec_leaves))}
+    _check_tensors(tensors, entries, by_path, getattr(model_cls, "hf_ignore", ()), local_dir)
+
+    out = [leaf for _, leaf in leaves]
+    for t in tensors:
+        full = read_tensor(entries[t.name])
+        for path, part in zip(t.paths, t.split(full)):
+            i, leaf, spec = by_path[path]
+            target = np.dtype(leaf.dtype) if dtype is not None or not np.issubdtype(part.dtype, np.floating) else part.dtype
+            if t.layer is None:
+                out[i] = _placed(part, leaf.shape, NamedSharding(mesh, spec), target)
+                continue
+            sharding = NamedSharding(mesh, spec)
+            if not isinstance(out[i], jax.Array):  # the first layer of this stacked leaf
+                out[i] = _zeros(tuple(leaf.shape), target, sharding)()
+            piece = _placed(part, leaf.shape[1:], NamedSharding(mesh, P(*spec[1:])), target)
+            out[i] = _write_layer(sharding)(out[i], piece, t.layer)
+        del full
+    return jax.tree.unflatten(jax.tree.structure(skeleton, is_leaf=is_none), out)
+
+
+def _placed(part: np.ndarray, shape, sharding: NamedSharding, dtype) -> jax.Array:
+    """``part`` as a global array, each device's shard cut from it."""
+    return jax.make_array_from_callback(tuple(shape), sharding,
+                                        lambda idx: np.ascontiguousarray(part[idx], dtype=dtype))
+
+
+def _check_tensors(tensors: Sequence[HFTensor], entries, by_path, ignore, local_dir) -> None:
+    missing, wrong = [], []
+    for t in tensors:
+        if t.name not in entries:
+            missing.append(t.name)
+            continue
+        e = entries[t.name]
+        parts = t.split(np.broadcast_to(np.zeros((), e.dtype), e.shape))
+        for path, part in zip(t.paths, parts):
+            want = _leaf_shape(by_path[path][1], t)
+            if tuple(part.shape) != want:
+                wrong.append(f"{t.name}: checkpoint {e.shape} gives {path} {tuple(part.shape)}, model needs {want}")
+    known = {t.name for t in tensors}
+    unexpected = [n for n in entries if n not in known and not any(re.fullmatch(rx, n) for rx in ignore)]
+    if missing or unexpected or wrong:
+        lines = [f"checkpoint in {str(local_dir)!r} does not match the model built from its config.json:"]
+        if missing:
+            lines.append(f"  missing ({len(missing)}): " + ", ".join(missing))
+        if unexpected:
+            lines.append(f"  unexpected ({len(unexpected)}): " + ", ".join(sorted(unexpected)))
+        if wrong:
+            lines.append(f"  wrong shape ({len(wrong)}):\n    " + "\n    ".join(wrong))
+        lines.append("Check that config.json belongs to these weights (sizes, tie_word_embeddings, biases).")
+        raise ValueError("\n".join(lines))
+
+
+def _to_host(x) -> np.ndarray:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(x)
+
+
+_GENERATION_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
+def save_pretrained(model, local_dir: str | os.PathLike, *, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write ``model`` as a Hugging Face checkpoint that Transformers loads as is,
+    from either layout of its layers (a stacked layer's slices are written
+    under the per-layer names Transformers expects).
+
+    ``config.json`` plus ``model.safetensors``, or several
+    ``model-0000i-of-0000n.safetensors`` files and an index when the weights
+    exceed ``max_shard_bytes``, and ``generation_config.json`` when the config
+    names special tokens (BOS, EOS, padding, decoder start). Tensors are
+    gathered to the host one at a time; on several hosts every process must
+    call this, and process 0 writes.
+
+    **Example:**
+
+    ```python
+    redeqx.models.save_pretrained(state.model, "out/finetuned")
+    hf = transformers.AutoModelForCausalLM.from_pretrained("out/finetuned")
+    ```
+    """
+    if not hasattr(model, "config") or not hasattr(model.config, "to_hf"):
+        raise TypeError(f"model must be a redeqx.models model (with a config), got {type(model).__name__}.")
+    if any(isinstance(x, LoRALinear) for x in jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, LoRALinear))):
+        raise ValueError(
+            "model has LoRA adapters, which a Hugging Face checkpoint of this family has no place for: fold them "
+            "into the weights first, save_pretrained(redeqx.models.merge_lora(model), ...)."
+        )
+    local_dir = Path(local_dir)
+    writer = jax.process_index() == 0
+    leaves = dict(named_leaves(model))
+    tensors = hf_tensors(model)
+
+    def parts(t: HFTensor, abstract: bool):
+        for p in t.paths:
+            x = leaves[p]
+            if abstract:
+                yield jax.ShapeDtypeStruct(_leaf_shape(x, t), x.dtype)
+            else:
+                yield _to_host(x if t.layer is None else x[t.layer])
+
+    shapes = [(t.name, jax.eval_shape(lambda *xs, t=t: t.join(*xs), *parts(t, abstract=True))) for t in tensors]
+    if writer:
+        local_dir.mkdir(parents=True, exist_ok=True)
+        config = model.config.to_hf()
+        (local_dir / "config.json").write_text(json.dumps(config, indent=2))
+        generation = {k: config[k] for k in _GENERATION_FIELDS if config.get(k) is not None}
+        if generation:  # what Transformers' generate() reads for its defaults
+            (local_dir / "generation_config.json").write_text(json.dumps({**generation, "_from_model_config": True},
+                                                                         indent=2))
+    write_checkpoint(local_dir, shapes, lambda i: np.asarray(tensors[i].join(*parts(tensors[i], abstract=False))),
+                     max_shard_bytes=max_shard_bytes, writer=writer)
