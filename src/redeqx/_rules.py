@@ -13,6 +13,15 @@ unknown names alternate 0, 1, 0, ... under their parent, so ``eqx.nn.MLP``
 alternates. The bias of a dim-0 layer is split with it; every other 1-D leaf
 is replicated. A dim that ``n_model_shards`` does not divide is replicated,
 said once in a warning and in `explain`.
+
+Beyond a plain transformer: a mixture-of-experts layer splits its ``(E, ...)``
+expert stacks on E when ``n_model_shards`` divides E, else all on their hidden
+units alike, and replicates its router; a fused Q/K/V is split on whole heads
+only under a stated ``qkv_layout = "interleaved"``, else it and its
+attention's output projection stay whole; a recurrent cell's stacked gates
+stay whole; a depthwise or grouped conv splits on whole groups. Each leaf's
+decision is a function of its path, the modules above it and its shape
+(`_classify`), plus its parent's alternation.
 """
 
 from __future__ import annotations
@@ -238,9 +247,10 @@ def _fused_rule(chain: list, n_model: int) -> _Rule:
     if layout == "stacked":
         return _Rule(-1, "fused Q/K/V, (3, heads, head_dim): replicated, a split of dim 0 would not keep heads whole")
     return _Rule(-1, "fused Q/K/V", refuse=(
-        "a fused Q/K/V of unknown layout, which a split of dim 0 could cut mid-head; set qkv_layout = "
-        "'interleaved' on its attention module if the output is (heads, 3, head_dim), or 'stacked' for "
-        "(3, heads, head_dim) (timm's qkv, a chunk(3)), which stays replicated without this warning"))
+        "fused Q/K/V of unknown layout, which a split of dim 0 could cut mid-head (kept whole, with its "
+        "attention's output projection); say qkv_layout = "
+        "'interleaved' ((heads, 3, head_dim): split on whole heads) or 'stacked' ((3, heads, head_dim), "
+        "timm's qkv or a chunk(3): replicated, quietly) on its attention module"))
 
 
 def _fused_splits(chain: list, n_model: int) -> bool:
@@ -395,8 +405,8 @@ def _array_like(x) -> bool:
 
 def leaf_plans(model, mesh: Mesh, overrides: Sequence[tuple[str, P]] = (), fsdp: bool = False, name: str | None = None):
     """Returns ``(treedef, [LeafPlan | None per leaf], fallbacks)`` for ``model``;
-    ``fallbacks`` are ``(path text, loud)`` for leaves replicated because
-    ``n_model_shards`` does not divide their split dim."""
+    ``fallbacks`` are ``(path and shape, why, loud)`` for leaves replicated
+    because ``n_model_shards`` cannot split them as the rules would."""
     mesh = check_mesh(mesh)
     prefix = f"{name}." if name else ""
     compiled = _compile_overrides(overrides, mesh)
@@ -405,7 +415,7 @@ def leaf_plans(model, mesh: Mesh, overrides: Sequence[tuple[str, P]] = (), fsdp:
     plans: list[LeafPlan | None] = [None] * len(leaves_with_path)
     counters: dict[str, int] = {}
     weight_dims: dict[str, int] = {}  # layer path -> dim split by 'model' (for its bias and adapters)
-    fallbacks: list[tuple[str, bool]] = []
+    fallbacks: list[tuple[str, str, bool]] = []
     used = [False] * len(compiled)
 
     def finish(i, path, leaf, spec, reason, final=False):
@@ -432,7 +442,7 @@ def leaf_plans(model, mesh: Mesh, overrides: Sequence[tuple[str, P]] = (), fsdp:
             vocab_sizes.add(leaf.shape[0])
 
     def fall_back(i, path, leaf, loud, reason, why):
-        fallbacks.append((f"{prefix}{path} {tuple(leaf.shape)}: {why}", loud))
+        fallbacks.append((f"{prefix}{path} {tuple(leaf.shape)}", why, loud))
         finish(i, path, leaf, P(), f"{reason}: replicated, {why}")
 
     # Pass 1: weights (ndim >= 2, not biases or adapters). An override replaces the
@@ -548,7 +558,10 @@ def sharding_rules(model, mesh: Mesh, *, overrides: Sequence = (), fsdp: bool = 
 
     Attention projections are split on whole heads only; leaves whose split
     dim ``n_model_shards`` does not divide are replicated, said in one
-    warning (pointing at your line) and in `explain`.
+    warning (pointing at your line) and in `explain`. Mixture-of-experts
+    stacks, fused Q/K/V (``qkv_layout = "interleaved"`` or ``"stacked"`` on
+    the attention module says its layout), recurrent cells and grouped convs
+    follow the README's "The two rules".
 
     **Example:**
 
@@ -560,13 +573,18 @@ def sharding_rules(model, mesh: Mesh, *, overrides: Sequence = (), fsdp: bool = 
     ```
     """
     treedef, plans, fallbacks = leaf_plans(model, mesh, overrides, fsdp, name)
-    loud = [text for text, is_loud in fallbacks if is_loud]
+    loud = [(leaf, why) for leaf, why, is_loud in fallbacks if is_loud]
     if loud:
+        by_why: dict[str, list[str]] = {}  # one reason said once for every leaf it holds for
+        for leaf, why in loud:
+            by_why.setdefault(why, []).append(leaf)
         who = f"(name={name!r})" if name else ""
         warn_user(
-            f"redeqx.sharding_rules{who}: {len(loud)} leaf/leaves replicated because n_model_shards="
-            f"{mesh.shape[MODEL]} does not split them evenly: " + "; ".join(loud)
-            + ". Pick n_model_shards that divides these dims, or pass overrides=[(regex, spec)]."
+            f"redeqx.sharding_rules{who}: {len(loud)} leaf/leaves replicated, as n_model_shards="
+            f"{mesh.shape[MODEL]} cannot split them as the rules would: "
+            + "; ".join(", ".join(leaves) + ": " + why for why, leaves in by_why.items())
+            + ". Where a dim or count does not divide, pick n_model_shards that divides it; or pass "
+            "overrides=[(regex, spec)]."
         )
     specs = jax.tree_util.tree_unflatten(treedef, [p.spec if p is not None else None for p in plans])
     _RECENT[id(specs)] = (specs, plans)
