@@ -186,7 +186,7 @@ def test_trains_as_one_device(attention, devices):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
-def collective_bytes(model, n_model_shards, overrides=()):
+def collectives(model, n_model_shards, overrides=()):
     mesh = redeqx.make_mesh(n_model_shards)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -195,16 +195,23 @@ def collective_bytes(model, n_model_shards, overrides=()):
     state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
     step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs)
     batch = collate_fn(make_examples(4 * mesh.shape["data"], seq=SEQ, vocab=VOCAB))
-    return sum(v["bytes"] for v in accelerator_collectives(step, state, batch).values())
+    return accelerator_collectives(step, state, batch)
+
+
+def collective_bytes(model, n_model_shards, overrides=()):
+    return sum(v["bytes"] for v in collectives(model, n_model_shards, overrides).values())
 
 
 def test_collectives_fall_below_a_split_mid_head():
     """At 2 shards, as an accelerator moves them: timm's fused qkv kept whole
-    moves less than the split of dim 0 the rules made before; an interleaved one,
+    moves less than the split of dim 0 the rules made before; lucidrains' moves
+    no activations between devices but the all-reduces (its chunk(3) of a
+    split output took collective-permutes and all-to-alls); an interleaved one,
     split on whole heads, moves what separate Q, K, V layers move."""
     mid_head = [(r"attn\.qkv\.weight", P("model", None)), (r"attn\.qkv\.bias", P("model")),
                 (r"attn\.proj\.weight", P(None, "model"))]
     timm = gpt_with(TimmAttention)
     assert collective_bytes(timm, 2) < collective_bytes(timm, 2, mid_head)
+    assert set(collectives(gpt_with(LucidAttention), 2)) == {"all-reduce"}
     assert collective_bytes(gpt_with(InterleavedAttention), 2) <= collective_bytes(
         GPT(vocab=VOCAB, seq=SEQ, width=WIDTH, layers=2, heads=4, key=jax.random.key(0)), 2)

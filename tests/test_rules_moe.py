@@ -129,8 +129,8 @@ def test_expert_parallel_when_the_experts_divide():
     assert specs.w_in == specs.w_out == P("model", None, None) and specs.router == P()
     specs = redeqx.sharding_rules(SparseMoeBlock(6, key=jax.random.key(0)), mesh)
     assert specs.w1 == specs.w2 == specs.w3 == P("model", None, None) and specs.gate.weight == P()
-    rows = {r.split()[0]: r for r in redeqx.explain(MoE(6, key=jax.random.key(0)), redeqx.sharding_rules(
-        MoE(6, key=jax.random.key(0)), mesh), mesh).splitlines() if r}
+    moe = MoE(6, key=jax.random.key(0))
+    rows = {r.split()[0]: r for r in redeqx.explain(moe, redeqx.sharding_rules(moe, mesh), mesh).splitlines() if r}
     assert rows["w_in"].endswith("expert stack: dim 0 (6 experts, expert parallel)")
     assert rows["router"].endswith("MoE router: replicated (every device routes every token)")
 

@@ -47,10 +47,9 @@ QKV_NAMES = Q_NAMES | {"key_proj", "value_proj", "k_proj", "v_proj", "wk", "wv",
 ATTN_OUT_NAMES = {"output_proj", "o_proj", "out_proj", "wo", "o", "c_proj", "dense", "proj"}
 UP_NAMES = {"up", "gate", "fc1", "w1", "w3", "wi", "wi_0", "wi_1", "c_fc", "up_proj", "gate_proj", "fc_in"}
 DOWN_NAMES = {"down", "fc2", "w2", "wo", "c_proj", "down_proj", "fc_out"}
-# one layer computing Q, K and V (or K and V) side by side: (parts * heads * head_dim, in)
-FUSED_NAMES = {**dict.fromkeys(("qkv", "to_qkv", "c_attn", "wqkv", "w_qkv", "qkv_proj", "query_key_value"), 3),
-               **dict.fromkeys(("to_kv", "wkv", "w_kv", "kv_proj"), 2)}
-# what a module holding a fused Q/K/V may say of its output features (see _fused_split)
+# one layer computing Q, K and V (or K and V) side by side: ((3 or 2) * heads * head_dim, in)
+FUSED_NAMES = {"qkv", "to_qkv", "c_attn", "wqkv", "w_qkv", "qkv_proj", "query_key_value", "to_kv", "wkv", "w_kv", "kv_proj"}
+# what the attention module holding a fused Q/K/V may say of its output features (see _fused_rule)
 QKV_LAYOUTS = ("interleaved", "stacked")
 EMBED_WORDS = ("embed", "wte", "tok_embeddings", "word_embeddings", "embedding")
 POSITION_WORDS = ("pos", "position", "positions", "positional")
@@ -180,38 +179,45 @@ def _ndim(x) -> int | None:
     return x.ndim if _array_like(x) else None
 
 
-def _is_moe(obj, name: str, above: list[str]) -> bool:
-    """Whether ``obj`` (the attribute ``name`` of its parent, ``above`` the path
-    to it) is a mixture-of-experts layer: it holds a field named like
-    ``experts``/``num_experts``; or its class or attribute name says ``moe`` or
-    ``experts`` (and it is not itself one of the experts); or it holds a router
-    and arrays of higher rank than the router (stacked experts)."""
+def _holds_experts(obj) -> bool:
+    """Whether module ``obj`` holds experts: a field named like ``experts`` /
+    ``num_experts``, or a router (a field named router/gate/...) beside weights
+    of a higher rank than the router's (stacked experts)."""
     fields = _fields(obj)
-    if not fields:
-        return False
     if any("experts" in f.lower() for f in fields):
         return True
-    if any("expert" in p.lower() for p in above) or name.isdigit():
-        return False  # an expert, or a part of one
-    if any(w in name.lower() or w in type(obj).__name__.lower() for w in MOE_WORDS):
-        return True
     router = next((_ndim(v) for f, v in fields.items() if f.lower() in ROUTER_NAMES), None)
-    return router is not None and any((_ndim(v) or 0) > router for v in fields.values() if _array_like(v))
+    return router is not None and any((_ndim(v) or 0) > router for v in fields.values())
+
+
+def _is_moe(obj, name: str, above: list[str]) -> bool:
+    """Whether ``obj`` (the attribute ``name`` of its parent, ``above`` the path
+    to that parent) is a mixture-of-experts layer or its block of expert
+    weights: it holds experts, or its class or attribute name says ``moe`` or
+    ``experts`` and it is not itself one of the experts (in a list of them)."""
+    if _holds_experts(obj):
+        return True
+    if not _fields(obj) or name.isdigit() or any("expert" in p.lower() for p in above):
+        return False
+    return any(w in name.lower() or w in type(obj).__name__.lower() for w in MOE_WORDS)
 
 
 def _moe_role(parts: list[str], chain: list, shape: tuple[int, ...]) -> str | None:
-    """``"router"`` for a router's weight (a field named router/gate/... of an MoE
-    layer, at most 2-D), ``"stack"`` for an ``(E, ...)`` stack of expert weights
-    (an array of rank >= 3 held by an MoE layer or by its ``experts`` module)."""
-    names = [""] + parts
-    for j in range(len(chain) - 1, -1, -1):
-        if parts[j].lower() in ROUTER_NAMES and len(shape) <= 2 and _is_moe(chain[j], names[j], parts[:max(j - 1, 0)]):
-            return "router"
-    holder = chain[-1]
-    if len(shape) >= 3 and not isinstance(holder, (eqx.nn.Conv, eqx.nn.ConvTranspose)):
-        for j in (len(chain) - 1, len(chain) - 2):
-            if j >= 0 and _is_moe(chain[j], names[j], parts[:max(j - 1, 0)]):
-                return "stack"
+    """``"router"`` for a router's weight (at most 2-D, under a field named
+    router/gate/... of a module holding experts), ``"stack"`` for an
+    ``(E, ...)`` stack of expert weights (rank >= 3, held by a mixture-of-experts
+    layer or by its block of experts; not a conv's kernel)."""
+    if len(shape) <= 2:
+        for j in range(len(chain) - 1, -1, -1):
+            if parts[j].lower() in ROUTER_NAMES and _holds_experts(chain[j]):
+                return "router"
+        return None
+    if isinstance(chain[-1], (eqx.nn.Conv, eqx.nn.ConvTranspose)):
+        return None
+    names = [""] + parts  # names[j]: the attribute chain[j] sits under
+    for j in (len(chain) - 1, len(chain) - 2):
+        if j >= 0 and _is_moe(chain[j], names[j], parts[:max(j - 1, 0)]):
+            return "stack"
     return None
 
 
@@ -304,8 +310,7 @@ def _classify(parts: list[str], chain: list, shape: tuple[int, ...], vocab_sizes
     if lname in FUSED_NAMES:
         return _fused_rule(chain, n_model)
     j = _fused_holder(chain)
-    if j is not None and j < len(parts) and (parts[j] in ATTN_OUT_NAMES or "out" in _tokens(parts[j])) \
-            and not _fused_splits(chain, n_model):
+    if j is not None and (parts[j] in ATTN_OUT_NAMES or "out" in _tokens(parts[j])) and not _fused_splits(chain, n_model):
         # the heads are not split, so no head-split activations reach the output
         # projection: it stays whole too, as under a head count n_model_shards does not divide
         return _Rule(-1, "attention output, its fused Q/K/V not split: replicated")
