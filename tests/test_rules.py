@@ -307,3 +307,18 @@ def test_name_prefixes_paths_in_warnings(getkey):
     _, caught = rules_warnings(model, redeqx.make_mesh(4), name="critic")
     assert "sharding_rules(name='critic')" in str(caught[0].message)
     assert "critic.layers.0.weight" in str(caught[0].message)
+
+
+def test_a_layer_at_the_root_is_a_layer(getkey):
+    """A Linear, Conv or Embedding is a layer wherever it sits, the root included (issue 23)."""
+    mesh = redeqx.make_mesh(8)
+    specs, caught = rules_warnings(eqx.nn.Linear(12, 16, key=getkey()), mesh)
+    assert specs.weight == P("model", None) and specs.bias == P("model") and caught == []
+    table = redeqx.explain(eqx.nn.Linear(12, 16, key=getkey()), specs, mesh)
+    assert "not a layer" not in table and "alternating under '<root>': dim 0" in table
+    specs, caught = rules_warnings(eqx.nn.Linear(12, 20, key=getkey()), mesh)  # 20 % 8: said, as for any layer
+    assert specs.weight == P() and len(caught) == 1 and "weight (20, 12): dim 0 (20)" in str(caught[0].message)
+    assert redeqx.sharding_rules(eqx.nn.Conv2d(3, 8, 3, key=getkey()), mesh).weight == P("model", None, None, None)
+    specs = redeqx.sharding_rules(eqx.nn.Embedding(64, 16, key=getkey()), mesh)
+    assert specs.weight == P("model", None)
+    assert "embedding: dim 0 (vocab)" in redeqx.explain(eqx.nn.Embedding(64, 16, key=getkey()), specs, mesh)

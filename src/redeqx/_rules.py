@@ -13,6 +13,15 @@ unknown names alternate 0, 1, 0, ... under their parent, so ``eqx.nn.MLP``
 alternates. The bias of a dim-0 layer is split with it; every other 1-D leaf
 is replicated. A dim that ``n_model_shards`` does not divide is replicated,
 said once in a warning and in `explain`.
+
+Beyond a plain transformer: a mixture-of-experts layer splits its ``(E, ...)``
+expert stacks on E when ``n_model_shards`` divides E, else all on their hidden
+units alike, and replicates its router; a fused Q/K/V is split on whole heads
+only under a stated ``qkv_layout = "interleaved"``, else it and its
+attention's output projection stay whole; a recurrent cell's stacked gates
+stay whole; a depthwise or grouped conv splits on whole groups. Each leaf's
+decision is a function of its path, the modules above it and its shape
+(`_classify`), plus its parent's alternation.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import difflib
 import math
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -34,11 +43,15 @@ from ._mesh import DATA, MODEL, check_mesh
 from ._trees import human_bytes, path_parts, path_str, per_device_shape
 from ._typing import typechecked, warn_user
 
-Q_NAMES = {"query_proj", "q_proj", "wq", "q", "query", "qkv", "c_attn", "qkv_proj"}  # fused QKV counts query heads
+Q_NAMES = {"query_proj", "q_proj", "wq", "q", "query"}
 QKV_NAMES = Q_NAMES | {"key_proj", "value_proj", "k_proj", "v_proj", "wk", "wv", "k", "v", "key", "value"}
 ATTN_OUT_NAMES = {"output_proj", "o_proj", "out_proj", "wo", "o", "c_proj", "dense", "proj"}
 UP_NAMES = {"up", "gate", "fc1", "w1", "w3", "wi", "wi_0", "wi_1", "c_fc", "up_proj", "gate_proj", "fc_in"}
 DOWN_NAMES = {"down", "fc2", "w2", "wo", "c_proj", "down_proj", "fc_out"}
+# one layer computing Q, K and V (or K and V) side by side: ((3 or 2) * heads * head_dim, in)
+FUSED_NAMES = {"qkv", "to_qkv", "c_attn", "wqkv", "w_qkv", "qkv_proj", "query_key_value", "to_kv", "wkv", "w_kv", "kv_proj"}
+# what the attention module holding a fused Q/K/V may say of its output features (see _fused_rule)
+QKV_LAYOUTS = ("interleaved", "stacked")
 EMBED_WORDS = ("embed", "wte", "tok_embeddings", "word_embeddings", "embedding")
 POSITION_WORDS = ("pos", "position", "positions", "positional")
 # small projections between an embedding and the first block (OPT-350m): splitting them
@@ -48,6 +61,12 @@ HEAD_NAMES = {"lm_head", "head", "unembed", "output", "out_head", "classifier_he
 WEIGHT_NAMES = {"weight", "kernel", "w"}
 BIAS_NAMES = {"bias", "b"}
 ADAPTER_NAMES = {"lora_a", "lora_b"}
+# mixture of experts: a layer holding experts (by these words in its class or attribute
+# name, or a field named like "experts"/"num_experts") and its router
+MOE_WORDS = ("moe", "experts")
+ROUTER_NAMES = {"router", "gate", "gating", "wg", "w_gate", "routing"}
+# a recurrent cell's input/hidden weights, gates stacked on dim 0 (weight_ih, w_hh, ...)
+RECURRENT_TOKENS = {"ih", "hh"}
 
 # fsdp: leaves smaller than this many elements stay as the model-axis rule put them.
 FSDP_MIN_SIZE = 2**14
@@ -91,7 +110,7 @@ def _split_spec(ndim: int, dim: int, axis: str = MODEL) -> P:
     return P(*entries)
 
 
-_HEAD_ATTRS = ("num_heads", "n_heads", "n_head", "num_attention_heads")
+_HEAD_ATTRS = ("num_heads", "n_heads", "n_head", "num_attention_heads", "heads")
 _KV_HEAD_ATTRS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "n_kv_head")
 
 
@@ -117,60 +136,201 @@ def _head_count(chain: list, kv: bool) -> int | None:
     return None
 
 
-def _classify_weight(parts: list[str], chain: list, leaf, vocab_sizes: set[int]) -> tuple[int | None, str, str]:
-    """``(dim, reason, kind)``: which dim the model axis splits (``None``:
-    unknown, alternate; ``-1``: replicate), why, and the kind of leaf
-    (``"attention_q"``, ``"attention_kv"``, ``"attention_out"`` for head checks,
-    ``"layer"``, ``"bare"`` for a parameter array that is not a layer's)."""
-    is_layer = parts[-1] in WEIGHT_NAMES and len(parts) >= 2
-    if is_layer:
-        name, module = parts[-2], chain[-1]
-    else:
-        name, module = parts[-1], None
+class _Rule(NamedTuple):
+    """What the rules say of one weight: the dim ``model`` splits (``None``: the
+    next in its parent's alternation, ``-1``: replicated) and why."""
+
+    dim: int | None
+    reason: str
+    counts: bool = False  # a layer: it takes part in its parent's alternation
+    whole: tuple[int, str] | None = None  # (count, "heads"): the split keeps these whole
+    alternation: tuple[int, int] = (0, 1)  # the dims the alternation picks from
+    refuse: str | None = None  # replicated, said in the warning: why
+
+
+def _fields(obj) -> dict[str, Any]:
+    if not isinstance(obj, eqx.Module):
+        return {}
+    return {f.name: getattr(obj, f.name, None) for f in dataclasses.fields(obj)}
+
+
+def _ndim(x) -> int | None:
+    """A field's array rank, or its layer's weight rank (a router is an array or a Linear)."""
+    x = getattr(x, "weight", x)
+    return x.ndim if _array_like(x) else None
+
+
+def _holds_experts(obj) -> bool:
+    """Whether module ``obj`` holds experts: a field named like ``experts`` /
+    ``num_experts``, or a router (a field named router/gate/...) beside weights
+    of a higher rank than the router's (stacked experts)."""
+    fields = _fields(obj)
+    if any("experts" in f.lower() for f in fields):
+        return True
+    router = next((_ndim(v) for f, v in fields.items() if f.lower() in ROUTER_NAMES), None)
+    return router is not None and any((_ndim(v) or 0) > router for v in fields.values())
+
+
+def _is_moe(obj, name: str, above: list[str]) -> bool:
+    """Whether ``obj`` (the attribute ``name`` of its parent, ``above`` the path
+    to that parent) is a mixture-of-experts layer or its block of expert
+    weights: it holds experts, or its class or attribute name says ``moe`` or
+    ``experts`` and it is not itself one of the experts (in a list of them)."""
+    if _holds_experts(obj):
+        return True
+    if not _fields(obj) or name.isdigit() or any("expert" in p.lower() for p in above):
+        return False
+    return any(w in name.lower() or w in type(obj).__name__.lower() for w in MOE_WORDS)
+
+
+def _moe_role(parts: list[str], chain: list, shape: tuple[int, ...]) -> str | None:
+    """``"router"`` for a router's weight (at most 2-D, under a field named
+    router/gate/... of a module holding experts), ``"stack"`` for an
+    ``(E, ...)`` stack of expert weights (rank >= 3, held by a mixture-of-experts
+    layer or by its block of experts; not a conv's kernel)."""
+    if len(shape) <= 2:
+        for j in range(len(chain) - 1, -1, -1):
+            if parts[j].lower() in ROUTER_NAMES and _holds_experts(chain[j]):
+                return "router"
+        return None
+    if isinstance(chain[-1], (eqx.nn.Conv, eqx.nn.ConvTranspose)):
+        return None
+    names = [""] + parts  # names[j]: the attribute chain[j] sits under
+    for j in (len(chain) - 1, len(chain) - 2):
+        if j >= 0 and _is_moe(chain[j], names[j], parts[:max(j - 1, 0)]):
+            return "stack"
+    return None
+
+
+def _qkv_layout(chain: list) -> str | None:
+    """The ``qkv_layout`` of the nearest module that states one, checked."""
+    for obj in reversed(chain):
+        layout = getattr(obj, "qkv_layout", None)
+        if layout is not None:
+            if layout not in QKV_LAYOUTS:
+                raise ValueError(
+                    f"{type(obj).__name__}.qkv_layout = {layout!r}; say 'interleaved' when the fused layer's "
+                    "output features are (heads, 3, head_dim) (each head's q, k, v side by side), or 'stacked' "
+                    "when they are (3, heads, head_dim) (all of Q, then K, then V)."
+                )
+            return layout
+    return None
+
+
+def _fused_rule(chain: list, n_model: int) -> _Rule:
+    """The rule for a fused Q/K/V layer, ``(parts * heads * head_dim, in)``.
+
+    Only an ``"interleaved"`` layout, ``(heads, 3, head_dim)``, puts whole heads
+    of each of Q, K and V in one contiguous block of rows, so only it is split
+    (dim 0, on whole heads). Under the ``(3, heads, head_dim)`` layout of timm's
+    ``qkv`` or a ``chunk(3)`` a split of dim 0 gives one device all of Q and
+    another all of V, and no PartitionSpec splits each third: it stays whole,
+    quietly when the module says so (``"stacked"``), with a warning when
+    nothing says which layout it is.
+    """
+    layout = _qkv_layout(chain)
+    if layout == "interleaved":
+        return _Rule(0, "fused Q/K/V, interleaved per head: dim 0", counts=True, whole=_whole_heads(chain, kv=True))
+    if layout == "stacked":
+        return _Rule(-1, "fused Q/K/V, (3, heads, head_dim): replicated, a split of dim 0 would not keep heads whole")
+    return _Rule(-1, "fused Q/K/V", refuse=(
+        "fused Q/K/V of unknown layout, which a split of dim 0 could cut mid-head (kept whole, with its "
+        "attention's output projection); say qkv_layout = "
+        "'interleaved' ((heads, 3, head_dim): split on whole heads) or 'stacked' ((3, heads, head_dim), "
+        "timm's qkv or a chunk(3): replicated, quietly) on its attention module"))
+
+
+def _fused_splits(chain: list, n_model: int) -> bool:
+    heads = _head_count(chain, kv=True)
+    return _qkv_layout(chain) == "interleaved" and (heads is None or heads % n_model == 0)
+
+
+def _fused_holder(chain: list) -> int | None:
+    """The index in ``chain`` of the nearest module holding a fused Q/K/V layer."""
+    for j in range(len(chain) - 1, -1, -1):
+        if any(f.lower() in FUSED_NAMES and (_ndim(v) or 0) >= 2 for f, v in _fields(chain[j]).items()):
+            return j
+    return None
+
+
+def _whole_heads(chain: list, kv: bool) -> tuple[int, str] | None:
+    heads = _head_count(chain, kv=kv)
+    return None if heads is None else (heads, "heads")
+
+
+def _classify(parts: list[str], chain: list, shape: tuple[int, ...], vocab_sizes: set[int], n_model: int) -> _Rule:
+    """What the rules say of the weight at ``parts`` (``chain``: the objects from
+    the root down to the one holding it). A function of the path, the modules
+    above the leaf and its shape only."""
+    is_layer = parts[-1] in WEIGHT_NAMES  # a layer's weight, wherever the layer sits (the root too)
+    module = chain[-1]
+    name = (parts[-2] if len(parts) >= 2 else "") if is_layer else parts[-1]
     lname = name.lower()
     toks = _tokens(lname)
-    kind = "layer" if is_layer else "bare"
     in_attention = any(isinstance(o, eqx.nn.MultiheadAttention) for o in chain) or any(
         "attn" in p.lower() or "attention" in p.lower() for p in parts[:-1]
     )
-    if "relative" in toks and "bias" in toks and leaf.ndim == 2:
+    if "relative" in toks and "bias" in toks and len(shape) == 2:
         # T5's relative_attention_bias (buckets, heads), Swin's relative_position_bias_table
         # (positions, heads): a lookup table per head, split like the heads it feeds.
-        return 1, "relative position bias: dim 1 (heads)", "bare"
+        return _Rule(1, "relative position bias: dim 1 (heads)")
+    if RECURRENT_TOKENS & set(_tokens(parts[-1])) or isinstance(module, (eqx.nn.GRUCell, eqx.nn.LSTMCell)):
+        return _Rule(-1, "recurrent cell: its gates are stacked on dim 0, so a split would give a device whole "
+                         "gates instead of a slice of each: replicated")
+    moe = _moe_role(parts, chain, shape)
+    if moe == "router":
+        return _Rule(-1, "MoE router: replicated (every device routes every token)")
+    if moe == "stack":
+        n_experts, last = shape[0], len(shape) - 1
+        if n_experts % n_model == 0:
+            return _Rule(0, f"expert stack: dim 0 ({n_experts} experts, expert parallel)")
+        why = f"tensor parallel: {n_experts} experts not divisible by n_model_shards={n_model}"
+        role = (1 if lname in UP_NAMES or "in" in toks else last if lname in DOWN_NAMES or "out" in toks else None)
+        return _Rule(role, f"expert stack, {why}" + (f": dim {role}" if role is not None else ""),
+                     counts=True, alternation=(1, last))
+    if lname in FUSED_NAMES:
+        return _fused_rule(chain, n_model)
+    j = _fused_holder(chain)
+    if j is not None and (parts[j] in ATTN_OUT_NAMES or "out" in _tokens(parts[j])) and not _fused_splits(chain, n_model):
+        # the heads are not split, so no head-split activations reach the output
+        # projection: it stays whole too, as under a head count n_model_shards does not divide
+        return _Rule(-1, "attention output, its fused Q/K/V not split: replicated")
     # an embedding: by type (eqx.nn.Embedding or any module class named *Embedding,
     # such as T5's 'shared' table) or by name
     is_embedding = (isinstance(module, eqx.nn.Embedding) or type(module).__name__.endswith("Embedding")
                     or any(w in lname for w in EMBED_WORDS))
     if lname == "wpe" or (is_embedding and any(t in POSITION_WORDS for t in toks)) or (
             not is_layer and any(t in POSITION_WORDS for t in toks)):
-        return -1, "position embedding: replicated", "bare"
+        return _Rule(-1, "position embedding: replicated")
     if is_embedding:
-        return 0, "embedding: dim 0 (vocab)", "bare"
+        return _Rule(0, "embedding: dim 0 (vocab)")
     if lname in REPLICATED_NAMES:
-        return -1, "embedding projection: replicated", "bare"
+        return _Rule(-1, "embedding projection: replicated")
+    if is_layer and isinstance(module, (eqx.nn.Conv, eqx.nn.ConvTranspose)) and module.groups > 1:
+        # output channels come in groups, each from its own input channels: whole groups per
+        # device keep every group's input where the previous column-parallel layer left it
+        what = "depthwise conv: dim 0 (channels)" if shape[1] == 1 else "grouped conv: dim 0 (whole groups)"
+        return _Rule(0, what, counts=True, whole=(module.groups, "groups"))
     if lname in HEAD_NAMES or "head" in toks:
-        if leaf.shape[0] in vocab_sizes or (not vocab_sizes and lname in ("lm_head", "unembed")):
-            return 0, "LM head: dim 0 (vocab)", kind
+        if shape[0] in vocab_sizes or (not vocab_sizes and lname in ("lm_head", "unembed")):
+            return _Rule(0, "LM head: dim 0 (vocab)", counts=is_layer)
         if not is_layer:
-            return -1, "head parameter (not a layer): replicated", "bare"
-        return None, "classifier head", "layer"  # an ordinary last layer: it alternates
+            return _Rule(-1, "head parameter (not a layer): replicated")
+        return _Rule(None, "classifier head", counts=True)  # an ordinary last layer: it alternates
     if in_attention:
         if lname in QKV_NAMES:
-            return 0, "attention Q/K/V: dim 0", ("attention_q" if lname in Q_NAMES else "attention_kv")
+            return _Rule(0, "attention Q/K/V: dim 0", counts=True,
+                         whole=_whole_heads(chain, kv=lname not in Q_NAMES))
         if lname in ATTN_OUT_NAMES:
-            return 1, "attention output: dim 1", "attention_out"
-    if lname in UP_NAMES:
-        return 0, f"'{name}': dim 0 (column parallel)", kind
-    if lname in DOWN_NAMES:
-        return 1, f"'{name}': dim 1 (row parallel)", kind
-    if "in" in toks:
-        return 0, f"'{name}': dim 0 (column parallel)", kind
-    if "out" in toks:
-        return 1, f"'{name}': dim 1 (row parallel)", kind
+            return _Rule(1, "attention output: dim 1", counts=True, whole=_whole_heads(chain, kv=False))
+    if lname in UP_NAMES or "in" in toks:
+        return _Rule(0, f"'{name}': dim 0 (column parallel)", counts=is_layer)
+    if lname in DOWN_NAMES or "out" in toks:
+        return _Rule(1, f"'{name}': dim 1 (row parallel)", counts=is_layer)
     if not is_layer:
         # a class token, a learned table, a scale: not a layer, so it takes no part in the alternation
-        return -1, "parameter array (not a layer): replicated", "bare"
-    return None, "", kind
+        return _Rule(-1, "parameter array (not a layer): replicated")
+    return _Rule(None, "", counts=True)
 
 
 def _check_spec(spec: P, leaf, path: str, mesh: Mesh, where: str) -> None:
@@ -231,8 +391,8 @@ def _array_like(x) -> bool:
 
 def leaf_plans(model, mesh: Mesh, overrides: Sequence[tuple[str, P]] = (), fsdp: bool = False, name: str | None = None):
     """Returns ``(treedef, [LeafPlan | None per leaf], fallbacks)`` for ``model``;
-    ``fallbacks`` are ``(path text, loud)`` for leaves replicated because
-    ``n_model_shards`` does not divide their split dim."""
+    ``fallbacks`` are ``(path and shape, why, loud)`` for leaves replicated
+    because ``n_model_shards`` cannot split them as the rules would."""
     mesh = check_mesh(mesh)
     prefix = f"{name}." if name else ""
     compiled = _compile_overrides(overrides, mesh)
@@ -241,7 +401,7 @@ def leaf_plans(model, mesh: Mesh, overrides: Sequence[tuple[str, P]] = (), fsdp:
     plans: list[LeafPlan | None] = [None] * len(leaves_with_path)
     counters: dict[str, int] = {}
     weight_dims: dict[str, int] = {}  # layer path -> dim split by 'model' (for its bias and adapters)
-    fallbacks: list[tuple[str, bool]] = []
+    fallbacks: list[tuple[str, str, bool]] = []
     used = [False] * len(compiled)
 
     def finish(i, path, leaf, spec, reason, final=False):
@@ -264,12 +424,11 @@ def leaf_plans(model, mesh: Mesh, overrides: Sequence[tuple[str, P]] = (), fsdp:
     for i, kp, leaf in arrays:  # the vocabularies, to tell an LM head from a classifier head
         parts = path_parts(kp)
         chain = _ancestors(model, kp)
-        if leaf.ndim == 2 and _classify_weight(parts, chain, leaf, set())[1].startswith("embedding"):
+        if leaf.ndim == 2 and _classify(parts, chain, tuple(leaf.shape), set(), n_model).reason.startswith("embedding"):
             vocab_sizes.add(leaf.shape[0])
 
-    def fall_back(i, path, leaf, dim, size, reason, why):
-        loud = leaf.shape[dim] >= n_model  # a dim of 1 (a value head's output) has nothing to split: quiet
-        fallbacks.append((f"{prefix}{path} {tuple(leaf.shape)}: {why}", loud))
+    def fall_back(i, path, leaf, loud, reason, why):
+        fallbacks.append((f"{prefix}{path} {tuple(leaf.shape)}", why, loud))
         finish(i, path, leaf, P(), f"{reason}: replicated, {why}")
 
     # Pass 1: weights (ndim >= 2, not biases or adapters). An override replaces the
@@ -288,32 +447,36 @@ def leaf_plans(model, mesh: Mesh, overrides: Sequence[tuple[str, P]] = (), fsdp:
                 later.append((i, kp, parts, path, leaf))
             continue
         chain = _ancestors(model, kp)
-        dim, reason, kind = _classify_weight(parts, chain, leaf, vocab_sizes)
+        rule = _classify(parts, chain, tuple(leaf.shape), vocab_sizes, n_model)
+        dim, reason = rule.dim, rule.reason
         layer_parts = parts[:-1] if parts[-1] in WEIGHT_NAMES else parts
         group = ".".join(layer_parts[:-1])
         if dim is None:
-            dim = counters.get(group, 0) % 2
+            dim = rule.alternation[counters.get(group, 0) % 2]
             counters[group] = counters.get(group, 0) + 1
             reason = f"{reason + ': ' if reason else ''}alternating under '{group or '<root>'}': dim {dim}"
-        elif dim in (0, 1) and kind != "bare":
-            counters[group] = dim + 1  # a named layer also advances its parent's alternation
+        elif rule.counts and dim in rule.alternation:
+            counters[group] = rule.alternation.index(dim) + 1  # a named layer also advances its parent's alternation
         if ov is not None:
             ov_spec = ov[0]
             if len(ov_spec) > 0 and ov_spec[0] is not None and MODEL in _axes_of(ov_spec[0]):
                 weight_dims[".".join(layer_parts)] = 0  # its bias and adapters follow the override
             finish(i, path, leaf, ov_spec, f"{ov[1]} (rules: {reason})", final=True)
             continue
+        if rule.refuse is not None:
+            fall_back(i, path, leaf, n_model > 1, reason, rule.refuse)
+            continue
         if dim == -1:
             finish(i, path, leaf, P(), reason)
             continue
-        if kind.startswith("attention"):
-            heads = _head_count(chain, kv=kind == "attention_kv")
-            if heads is not None and heads % n_model:
-                fall_back(i, path, leaf, dim, heads, reason.split(":")[0],
-                          f"{heads} heads not divisible by n_model_shards={n_model} (heads are never split)")
-                continue
+        if rule.whole is not None and rule.whole[0] % n_model:
+            count, what = rule.whole
+            fall_back(i, path, leaf, True, reason.split(":")[0],
+                      f"{count} {what} not divisible by n_model_shards={n_model} ({what} are never split)")
+            continue
         if leaf.shape[dim] % n_model:
-            fall_back(i, path, leaf, dim, leaf.shape[dim], reason,
+            # a dim of 1 (a value head's output) has nothing to split: quiet
+            fall_back(i, path, leaf, leaf.shape[dim] >= n_model, reason,
                       f"dim {dim} ({leaf.shape[dim]}) not divisible by n_model_shards={n_model}")
             continue
         weight_dims[".".join(layer_parts)] = dim
@@ -381,7 +544,10 @@ def sharding_rules(model, mesh: Mesh, *, overrides: Sequence = (), fsdp: bool = 
 
     Attention projections are split on whole heads only; leaves whose split
     dim ``n_model_shards`` does not divide are replicated, said in one
-    warning (pointing at your line) and in `explain`.
+    warning (pointing at your line) and in `explain`. Mixture-of-experts
+    stacks, fused Q/K/V (``qkv_layout = "interleaved"`` or ``"stacked"`` on
+    the attention module says its layout), recurrent cells and grouped convs
+    follow the README's "The two rules".
 
     **Example:**
 
@@ -393,13 +559,18 @@ def sharding_rules(model, mesh: Mesh, *, overrides: Sequence = (), fsdp: bool = 
     ```
     """
     treedef, plans, fallbacks = leaf_plans(model, mesh, overrides, fsdp, name)
-    loud = [text for text, is_loud in fallbacks if is_loud]
+    loud = [(leaf, why) for leaf, why, is_loud in fallbacks if is_loud]
     if loud:
+        by_why: dict[str, list[str]] = {}  # one reason said once for every leaf it holds for
+        for leaf, why in loud:
+            by_why.setdefault(why, []).append(leaf)
         who = f"(name={name!r})" if name else ""
         warn_user(
-            f"redeqx.sharding_rules{who}: {len(loud)} leaf/leaves replicated because n_model_shards="
-            f"{mesh.shape[MODEL]} does not split them evenly: " + "; ".join(loud)
-            + ". Pick n_model_shards that divides these dims, or pass overrides=[(regex, spec)]."
+            f"redeqx.sharding_rules{who}: {len(loud)} leaf/leaves replicated, as n_model_shards="
+            f"{mesh.shape[MODEL]} cannot split them as the rules would: "
+            + "; ".join(", ".join(leaves) + ": " + why for why, leaves in by_why.items())
+            + ". Where a dim or count does not divide, pick n_model_shards that divides it; or pass "
+            "overrides=[(regex, spec)]."
         )
     specs = jax.tree_util.tree_unflatten(treedef, [p.spec if p is not None else None for p in plans])
     _RECENT[id(specs)] = (specs, plans)

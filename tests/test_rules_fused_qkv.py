@@ -1,0 +1,217 @@
+"""A fused Q/K/V projection (timm's ``qkv``, lucidrains' ``to_qkv``, MosaicML's
+``Wqkv``, GPT-2's ``c_attn``) is split only where every device gets whole
+heads of each of Q, K and V: under a layout the module states as
+``"interleaved"`` (heads, 3, head_dim). Otherwise it stays whole, and so does
+its attention's output projection, rather than splitting mid-head (issue 23)."""
+
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import redeqx
+from redeqx._hlo import accelerator_collectives
+from user_gpt import GPT, collate_fn, linear, loss_fn, make_examples
+
+WIDTH, SEQ, VOCAB = 32, 16, 64
+
+
+def attend(q, k, v):  # (H, T, D) each -> (T, H * D), causal
+    t = q.shape[1]
+    att = jnp.einsum("htd,hsd->hts", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+    att = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((t, t), bool)), att, jnp.finfo(att.dtype).min), axis=-1)
+    return jnp.einsum("hts,hsd->thd", att, v).reshape(t, -1)
+
+
+class TimmAttention(eqx.Module):  # timm's ViT: qkv(x).reshape(T, 3, H, D)
+    qkv: eqx.nn.Linear
+    proj: eqx.nn.Linear
+    num_heads: int = eqx.field(static=True)
+
+    def __init__(self, heads, *, key):
+        k1, k2 = jax.random.split(key)
+        self.qkv, self.proj, self.num_heads = linear(WIDTH, 3 * WIDTH, key=k1), linear(WIDTH, WIDTH, key=k2), heads
+
+    def __call__(self, x):  # (T, C)
+        t, c = x.shape
+        q, k, v = jax.vmap(self.qkv)(x).reshape(t, 3, self.num_heads, -1).transpose(1, 2, 0, 3)
+        return jax.vmap(self.proj)(attend(q, k, v))
+
+
+class LucidAttention(eqx.Module):  # lucidrains: to_qkv(x).chunk(3), 'b n (h d) -> b h n d'
+    to_qkv: eqx.nn.Linear
+    to_out: eqx.nn.Sequential
+    heads: int = eqx.field(static=True)
+
+    def __init__(self, heads, *, key):
+        k1, k2 = jax.random.split(key)
+        self.to_qkv = eqx.nn.Linear(WIDTH, 3 * WIDTH, use_bias=False, key=k1)
+        self.to_out, self.heads = eqx.nn.Sequential([linear(WIDTH, WIDTH, key=k2)]), heads
+
+    def __call__(self, x):
+        q, k, v = (y.reshape(x.shape[0], self.heads, -1).transpose(1, 0, 2)
+                   for y in jnp.split(jax.vmap(self.to_qkv)(x), 3, axis=-1))
+        return jax.vmap(self.to_out)(attend(q, k, v))
+
+
+class MosaicAttention(eqx.Module):  # MosaicML's MPT: Wqkv / out_proj, chunk(3)
+    Wqkv: eqx.nn.Linear
+    out_proj: eqx.nn.Linear
+    n_heads: int = eqx.field(static=True)
+
+    def __init__(self, heads, *, key):
+        k1, k2 = jax.random.split(key)
+        self.Wqkv, self.out_proj, self.n_heads = linear(WIDTH, 3 * WIDTH, key=k1), linear(WIDTH, WIDTH, key=k2), heads
+
+    def __call__(self, x):
+        q, k, v = (y.reshape(x.shape[0], self.n_heads, -1).transpose(1, 0, 2)
+                   for y in jnp.split(jax.vmap(self.Wqkv)(x), 3, axis=-1))
+        return jax.vmap(self.out_proj)(attend(q, k, v))
+
+
+class InterleavedAttention(eqx.Module):  # GPT-NeoX's query_key_value: (T, H, 3, D), said by qkv_layout
+    query_key_value: eqx.nn.Linear
+    dense: eqx.nn.Linear
+    num_heads: int = eqx.field(static=True)
+    qkv_layout = "interleaved"
+
+    def __init__(self, heads, *, key):
+        k1, k2 = jax.random.split(key)
+        self.query_key_value = linear(WIDTH, 3 * WIDTH, key=k1)
+        self.dense, self.num_heads = linear(WIDTH, WIDTH, key=k2), heads
+
+    def __call__(self, x):
+        q, k, v = jax.vmap(self.query_key_value)(x).reshape(x.shape[0], self.num_heads, 3, -1).transpose(2, 1, 0, 3)
+        return jax.vmap(self.dense)(attend(q, k, v))
+
+
+class StackedAttention(TimmAttention):  # timm's layout, said: replicated without a warning
+    qkv_layout = "stacked"
+
+
+def gpt_with(attention, heads=4):
+    model = GPT(vocab=VOCAB, seq=SEQ, width=WIDTH, layers=2, heads=heads, key=jax.random.key(0))
+    keys = jax.random.split(jax.random.key(5), len(model.blocks))
+    return eqx.tree_at(lambda m: [b.attn for b in m.blocks], model, [attention(heads, key=k) for k in keys])
+
+
+def rules(model, n_model_shards, **kw):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        specs = redeqx.sharding_rules(model, redeqx.make_mesh(n_model_shards), **kw)
+    return specs, [str(w.message) for w in caught if "redeqx.sharding_rules" in str(w.message)]
+
+
+UNKNOWN = [(TimmAttention, "qkv", "proj"), (LucidAttention, "to_qkv", "to_out.layers.0"),
+           (MosaicAttention, "Wqkv", "out_proj")]
+
+
+@pytest.mark.parametrize("attention,fused,out", UNKNOWN)
+def test_a_fused_qkv_of_unknown_layout_stays_whole_with_its_output(attention, fused, out):
+    model = gpt_with(attention)
+    specs, caught = rules(model, 2)
+    for block in specs.blocks:
+        assert getattr(block.attn, fused).weight == P()
+        assert block.mlp.fc1.weight == P("model", None) and block.mlp.fc2.weight == P(None, "model")
+    assert len(caught) == 1 and f"blocks.0.attn.{fused}.weight" in caught[0] and "qkv_layout" in caught[0]
+    rows = {r.split()[0]: r for r in redeqx.explain(model, specs, redeqx.make_mesh(2)).splitlines() if r}
+    assert rows[f"blocks.1.attn.{out}.weight"].endswith("attention output, its fused Q/K/V not split: replicated")
+    assert "fused Q/K/V: replicated, fused Q/K/V of unknown layout" in rows[f"blocks.1.attn.{fused}.weight"]
+    assert caught[0].count("unknown layout") == 1  # said once for both layers
+    _, caught = rules(model, 1)
+    assert caught == []  # nothing to split, nothing to say
+
+
+def test_gpt2_c_attn_names_a_fused_qkv():
+    class GPT2Attention(eqx.Module):
+        c_attn: eqx.nn.Linear
+        c_proj: eqx.nn.Linear
+        n_head: int = eqx.field(static=True)
+
+        def __init__(self, heads, *, key):
+            self.c_attn, self.c_proj, self.n_head = (linear(WIDTH, 3 * WIDTH, key=key),
+                                                     linear(WIDTH, WIDTH, key=key), heads)
+
+    specs, caught = rules(gpt_with(GPT2Attention), 2)
+    assert specs.blocks[0].attn.c_attn.weight == specs.blocks[0].attn.c_proj.weight == P() and len(caught) == 1
+
+
+def test_a_stated_layout_decides():
+    specs, caught = rules(gpt_with(StackedAttention), 2)
+    assert specs.blocks[0].attn.qkv.weight == specs.blocks[0].attn.proj.weight == P() and caught == []
+    specs, caught = rules(gpt_with(InterleavedAttention), 2)  # whole heads of each of q, k, v: Megatron's plan
+    attn = specs.blocks[0].attn
+    assert attn.query_key_value.weight == P("model", None) and attn.query_key_value.bias == P("model")
+    assert attn.dense.weight == P(None, "model") and caught == []
+    specs, caught = rules(gpt_with(InterleavedAttention, heads=2), 4)  # 2 heads over 4 shards: whole, said
+    assert specs.blocks[0].attn.query_key_value.weight == specs.blocks[0].attn.dense.weight == P()
+    assert len(caught) == 1 and "2 heads not divisible by n_model_shards=4" in caught[0]
+
+    class Typo(InterleavedAttention):
+        qkv_layout = "interleave"
+
+    with pytest.raises(ValueError, match=r"Typo.qkv_layout = 'interleave'; say 'interleaved' .* or 'stacked'"):
+        redeqx.sharding_rules(gpt_with(Typo), redeqx.make_mesh(2))
+
+
+def train(model, n_model_shards, devices):
+    mesh = redeqx.make_mesh(n_model_shards, devices=devices)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        specs = redeqx.sharding_rules(model, mesh)
+    optimizer = optax.sgd(0.1)  # not Adam: softmax ignores the key bias, whose gradient is rounding noise
+    state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
+    step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs)
+    batch = collate_fn(make_examples(8, seq=SEQ, vocab=VOCAB))
+    losses = []
+    for _ in range(2):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return np.asarray(losses), state.model
+
+
+@pytest.mark.parametrize("attention", [LucidAttention, InterleavedAttention])
+def test_trains_as_one_device(attention, devices):
+    model = gpt_with(attention)
+    ref_losses, ref_model = train(model, 1, devices[:1])
+    losses, trained = train(model, 2, devices)
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
+    for a, b in zip(jax.tree.leaves(eqx.filter(trained, eqx.is_array)),
+                    jax.tree.leaves(eqx.filter(ref_model, eqx.is_array))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def collectives(model, n_model_shards, overrides=()):
+    mesh = redeqx.make_mesh(n_model_shards)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        specs = redeqx.sharding_rules(model, mesh, overrides=overrides)
+    optimizer = optax.adam(1e-2)
+    state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
+    step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs)
+    batch = collate_fn(make_examples(4 * mesh.shape["data"], seq=SEQ, vocab=VOCAB))
+    return accelerator_collectives(step, state, batch)
+
+
+def collective_bytes(model, n_model_shards, overrides=()):
+    return sum(v["bytes"] for v in collectives(model, n_model_shards, overrides).values())
+
+
+def test_collectives_fall_below_a_split_mid_head():
+    """At 2 shards, as an accelerator moves them: timm's fused qkv kept whole
+    moves less than the split of dim 0 the rules made before; lucidrains' moves
+    no activations between devices but the all-reduces (its chunk(3) of a
+    split output took collective-permutes and all-to-alls); an interleaved one,
+    split on whole heads, moves what separate Q, K, V layers move."""
+    mid_head = [(r"attn\.qkv\.weight", P("model", None)), (r"attn\.qkv\.bias", P("model")),
+                (r"attn\.proj\.weight", P(None, "model"))]
+    timm = gpt_with(TimmAttention)
+    assert collective_bytes(timm, 2) < collective_bytes(timm, 2, mid_head)
+    assert set(collectives(gpt_with(LucidAttention), 2)) == {"all-reduce"}
+    assert collective_bytes(gpt_with(InterleavedAttention), 2) <= collective_bytes(
+        GPT(vocab=VOCAB, seq=SEQ, width=WIDTH, layers=2, heads=4, key=jax.random.key(0)), 2)

@@ -1,0 +1,239 @@
+"""Mixture-of-experts layers, written the three ways users write them, get one
+consistent plan: expert parallel (every expert stack split on its expert axis,
+the router replicated) when n_model_shards divides the expert count, tensor
+parallel on the experts' hidden units otherwise; never half of each (issue 23)."""
+
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import redeqx
+from redeqx._hlo import accelerator_collectives
+from tiny_transformer import collate_tokens, lm_loss, token_examples
+
+VOCAB, DIM, HIDDEN = 32, 16, 20
+
+
+def top_k_gates(logits, k):  # (T, E) -> (T, E): softmax over each token's k best experts, 0 elsewhere
+    best, idx = jax.lax.top_k(logits, k)
+    return jnp.einsum("tk,tke->te", jax.nn.softmax(best, axis=-1), jax.nn.one_hot(idx, logits.shape[-1]))
+
+
+class MoE(eqx.Module):
+    """(a) stacks ``w_in (E, F, D)`` / ``w_out (E, D, F)`` and a router ``(E, D)``, all bare arrays."""
+
+    router: jax.Array
+    w_in: jax.Array
+    w_out: jax.Array
+
+    def __init__(self, n_experts, *, key):
+        k = jax.random.split(key, 3)
+        self.router = jax.random.normal(k[0], (n_experts, DIM)) / DIM**0.5
+        self.w_in = jax.random.normal(k[1], (n_experts, HIDDEN, DIM)) / DIM**0.5
+        self.w_out = jax.random.normal(k[2], (n_experts, DIM, HIDDEN)) / HIDDEN**0.5
+
+    def __call__(self, x):  # (T, D): every expert on every token, weighted by a softmax router
+        gates = jax.nn.softmax(x @ self.router.T, axis=-1)  # (T, E)
+        h = jax.nn.gelu(jnp.einsum("td,efd->tef", x, self.w_in))
+        return jnp.einsum("tef,edf,te->td", h, self.w_out, gates)
+
+
+class SparseMoeBlock(eqx.Module):
+    """(b) Mixtral's names: a ``gate`` Linear ``(E, D)`` and SwiGLU stacks ``w1``/``w3`` ``(E, F, D)``, ``w2`` ``(E, D, F)``."""
+
+    gate: eqx.nn.Linear
+    w1: jax.Array
+    w2: jax.Array
+    w3: jax.Array
+
+    def __init__(self, n_experts, *, key):
+        k = jax.random.split(key, 4)
+        self.gate = eqx.nn.Linear(DIM, n_experts, use_bias=False, key=k[0])
+        self.w1 = jax.random.normal(k[1], (n_experts, HIDDEN, DIM)) / DIM**0.5
+        self.w2 = jax.random.normal(k[2], (n_experts, DIM, HIDDEN)) / HIDDEN**0.5
+        self.w3 = jax.random.normal(k[3], (n_experts, HIDDEN, DIM)) / DIM**0.5
+
+    def __call__(self, x):  # (T, D): top-2 routing
+        gates = top_k_gates(jax.vmap(self.gate)(x), 2)
+        h = jax.nn.silu(jnp.einsum("td,efd->tef", x, self.w1)) * jnp.einsum("td,efd->tef", x, self.w3)
+        return jnp.einsum("tef,edf,te->td", h, self.w2, gates)
+
+
+class MLPExperts(eqx.Module):
+    """(c) a list of ``eqx.nn.MLP`` experts and a router ``Linear``."""
+
+    router: eqx.nn.Linear
+    experts: list
+
+    def __init__(self, n_experts, *, key):
+        kr, ke = jax.random.split(key)
+        self.router = eqx.nn.Linear(DIM, n_experts, key=kr)
+        self.experts = [eqx.nn.MLP(DIM, DIM, HIDDEN, depth=1, activation=jax.nn.gelu, key=k)
+                        for k in jax.random.split(ke, n_experts)]
+
+    def __call__(self, x):  # (T, D)
+        gates = jax.nn.softmax(jax.vmap(self.router)(x), axis=-1)  # (T, E)
+        ys = jnp.stack([jax.vmap(e)(x) for e in self.experts], axis=1)  # (T, E, D)
+        return jnp.einsum("ted,te->td", ys, gates)
+
+
+class MoELM(eqx.Module):
+    embed: eqx.nn.Embedding
+    norm: eqx.nn.LayerNorm
+    moe: eqx.Module
+    lm_head: eqx.nn.Linear
+
+    def __init__(self, layer, n_experts, *, key):
+        k = jax.random.split(key, 3)
+        self.embed = eqx.nn.Embedding(VOCAB, DIM, key=k[0])
+        self.norm = eqx.nn.LayerNorm(DIM)
+        self.moe = layer(n_experts, key=k[1])
+        self.lm_head = eqx.nn.Linear(DIM, VOCAB, use_bias=False, key=k[2])
+
+    def __call__(self, tokens):  # (T,) -> (T, V)
+        x = jax.vmap(self.embed)(tokens)
+        x = x + self.moe(jax.vmap(self.norm)(x))
+        return jax.vmap(self.lm_head)(x)
+
+
+def step_on(model, mesh, specs):
+    optimizer = optax.adam(1e-2)
+    state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
+    step = redeqx.make_train_step(lm_loss, optimizer, mesh, specs)
+    batch = next(redeqx.batches(token_examples(16, seq_len=8, vocab=VOCAB), collate_tokens,
+                                16 // mesh.shape["data"], mesh))
+    return step, state, batch
+
+
+def train(model, n_model_shards, devices, n_steps=2):
+    mesh = redeqx.make_mesh(n_model_shards, devices=devices)
+    step, state, batch = step_on(model, mesh, redeqx.sharding_rules(model, mesh))
+    losses = []
+    for _ in range(n_steps):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return np.asarray(losses), state.model
+
+
+def test_expert_parallel_when_the_experts_divide():
+    """6 experts over 2 shards: every stack split on E, the router whole; no name
+    (``w_in``'s "in", ``gate``, ``w1``/``w2``) decides a dim of its own."""
+    mesh = redeqx.make_mesh(2)
+    specs = redeqx.sharding_rules(MoE(6, key=jax.random.key(0)), mesh)
+    assert specs.w_in == specs.w_out == P("model", None, None) and specs.router == P()
+    specs = redeqx.sharding_rules(SparseMoeBlock(6, key=jax.random.key(0)), mesh)
+    assert specs.w1 == specs.w2 == specs.w3 == P("model", None, None) and specs.gate.weight == P()
+    moe = MoE(6, key=jax.random.key(0))
+    rows = {r.split()[0]: r for r in redeqx.explain(moe, redeqx.sharding_rules(moe, mesh), mesh).splitlines() if r}
+    assert rows["w_in"].endswith("expert stack: dim 0 (6 experts, expert parallel)")
+    assert rows["router"].endswith("MoE router: replicated (every device routes every token)")
+
+
+def test_tensor_parallel_when_they_do_not():
+    """6 experts over 4 shards: the hidden units F split on every stack alike
+    (dim 1 of the up stacks, dim 2 of the down stack), the router whole."""
+    mesh = redeqx.make_mesh(4)
+    specs = redeqx.sharding_rules(MoE(6, key=jax.random.key(0)), mesh)
+    assert specs.w_in == P(None, "model", None) and specs.w_out == P(None, None, "model") and specs.router == P()
+    specs = redeqx.sharding_rules(SparseMoeBlock(6, key=jax.random.key(0)), mesh)
+    assert specs.w1 == specs.w3 == P(None, "model", None) and specs.w2 == P(None, None, "model")
+    assert specs.gate.weight == P()
+    # F = 20 does not divide by 8 either: every stack replicated, in one warning; never half of each
+    with warnings.catch_warnings(record=True) as log:
+        warnings.simplefilter("always")
+        block = SparseMoeBlock(6, key=jax.random.key(0))
+        specs = redeqx.sharding_rules(block, redeqx.make_mesh(8))
+    assert specs.w1 == specs.w2 == specs.w3 == P() and len(log) == 1
+    assert all(f"{w} (6, " in str(log[0].message) for w in ("w1", "w2", "w3"))
+    row = [r for r in redeqx.explain(block, specs, redeqx.make_mesh(8)).splitlines() if r.startswith("w2")][0]
+    assert row.endswith("expert stack, tensor parallel: 6 experts not divisible by n_model_shards=8: dim 2: "
+                        "replicated, dim 2 (20) not divisible by n_model_shards=8")
+
+
+def test_a_list_of_expert_mlps_keeps_each_expert_tensor_parallel():
+    """One module per expert cannot be split over experts (a spec places a whole
+    array); each expert alternates like any MLP, and the router stays whole."""
+    specs = redeqx.sharding_rules(MLPExperts(4, key=jax.random.key(0)), redeqx.make_mesh(2))
+    assert specs.router.weight == P() and specs.router.bias == P()
+    for expert in specs.experts:
+        assert expert.layers[0].weight == P("model", None) and expert.layers[1].weight == P(None, "model")
+
+
+class Expert(eqx.Module):  # an expert with a SwiGLU 'gate' of its own: not a router
+    gate: eqx.nn.Linear
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
+
+    def __init__(self, *, key):
+        k = jax.random.split(key, 3)
+        self.gate, self.up = (eqx.nn.Linear(DIM, HIDDEN, key=kk) for kk in k[:2])
+        self.down = eqx.nn.Linear(HIDDEN, DIM, key=k[2])
+
+
+class SwiGLUExperts(eqx.Module):
+    router: eqx.nn.Linear
+    experts: list
+
+    def __init__(self, *, key):
+        kr, ke = jax.random.split(key)
+        self.router = eqx.nn.Linear(DIM, 2, key=kr)
+        self.experts = [Expert(key=k) for k in jax.random.split(ke, 2)]
+
+
+class FeedForward(eqx.Module):  # no 'moe' in any name: a router and stacks of a higher rank say it
+    gate: jax.Array
+    w1: jax.Array
+    w2: jax.Array
+
+    def __init__(self, *, key):
+        self.gate = jnp.zeros((4, DIM))
+        self.w1, self.w2 = jnp.zeros((4, HIDDEN, DIM)), jnp.zeros((4, DIM, HIDDEN))
+
+
+def test_routers_are_told_from_gates():
+    mesh = redeqx.make_mesh(2)
+    specs = redeqx.sharding_rules(SwiGLUExperts(key=jax.random.key(0)), mesh)
+    assert specs.router.weight == P()
+    for expert in specs.experts:  # each expert's own gate is a SwiGLU gate, column parallel
+        assert expert.gate.weight == expert.up.weight == P("model", None) and expert.down.weight == P(None, "model")
+    specs = redeqx.sharding_rules(FeedForward(key=jax.random.key(0)), mesh)
+    assert specs.gate == P() and specs.w1 == specs.w2 == P("model", None, None)
+
+
+@pytest.mark.parametrize("layer", [MoE, SparseMoeBlock, MLPExperts])
+def test_every_layout_trains_as_one_device(layer, devices):
+    """Expert parallel at 2 shards, tensor parallel at 4 (6 experts), for the
+    three ways of writing the layer: the same losses and parameters as one device."""
+    model = MoELM(layer, 6, key=jax.random.key(0))
+    ref_losses, ref_model = train(model, 1, devices[:1])
+    for n in (2, 4):
+        losses, trained = train(model, n, devices)
+        np.testing.assert_allclose(losses, ref_losses, rtol=2e-5, err_msg=f"at n_model_shards={n}")
+        for a, b in zip(jax.tree.leaves(eqx.filter(trained, eqx.is_array)),
+                        jax.tree.leaves(eqx.filter(ref_model, eqx.is_array))):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def collective_bytes(model, mesh, specs):
+    step, state, batch = step_on(model, mesh, specs)
+    return sum(v["bytes"] for v in accelerator_collectives(step, state, batch).values())
+
+
+def test_collectives_match_a_hand_placed_plan():
+    """The rules' plan moves no more than the same model placed by hand (expert
+    parallel at 2 shards, tensor parallel at 4), as an accelerator moves them."""
+    model = MoELM(SparseMoeBlock, 6, key=jax.random.key(0))
+    head = [(r"embed\.", P("model", None)), (r"lm_head\.", P("model", None)), (r"gate\.", P())]
+    for n, stacks in [(2, [(r"moe\.w[123]", P("model", None, None))]),
+                      (4, [(r"moe\.w[13]", P(None, "model", None)), (r"moe\.w2", P(None, None, "model"))])]:
+        mesh = redeqx.make_mesh(n)
+        rules = redeqx.sharding_rules(model, mesh)
+        by_hand = redeqx.sharding_rules(model, mesh, overrides=head + stacks)
+        assert jax.tree.leaves(rules) == jax.tree.leaves(by_hand)
+        assert collective_bytes(model, mesh, rules) <= collective_bytes(model, mesh, by_hand)
