@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import redeqx
-from redeqx._hlo import accelerator_collectives
+from accelerator_count import accelerator_collectives
 from user_gpt import GPT, collate_fn, linear, loss_fn, make_examples
 
 WIDTH, SEQ, VOCAB = 32, 16, 64

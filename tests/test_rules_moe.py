@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import redeqx
-from redeqx._hlo import accelerator_collectives
+from accelerator_count import accelerator_collectives
 from tiny_transformer import collate_tokens, lm_loss, token_examples
 
 VOCAB, DIM, HIDDEN = 32, 16, 20
