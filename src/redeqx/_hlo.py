@@ -33,26 +33,157 @@ def array_shapes(shape_text: str) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def collectives(hlo_text: str) -> list[Collective]:
-    """Every collective in an HLO module's text, with the per-device bytes of
-    its result. Asynchronous pairs count once (at ``-start``; for an
-    all-gather-start the result is the last array of its tuple)."""
-    found = []
+# "%name = <shape> op(%a, %b), attributes" (ROOT first in a computation's last line)
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<shape>\(.*?\)|[^\s(]+)\s+"
+                          r"(?P<op>[a-z\-]+)\((?P<args>[^)]*)\)(?P<rest>.*)$")
+_HEADER = re.compile(r"^(?P<entry>ENTRY\s+)?%(?P<name>[\w.\-]+)\s*\((?P<params>.*)\)\s*->.*\{\s*$")
+_PARAM = re.compile(r"([\w.\-]+):\s*(\([^)]*\)|[a-z0-9]+\[[0-9,]*\])")
+# computations an instruction runs: once per run of it, or (a while loop's) once per iteration
+_CALLED = re.compile(r"\b(calls|body|condition|true_computation|false_computation)=%([\w.\-]+)")
+_CALLED_MANY = re.compile(r"\b(branch_computations|called_computations)=\{([^}]*)\}")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    name: str
+    op: str
+    shape: str
+    operands: tuple[str, ...]
+    attributes: str
+
+
+def parse_module(hlo_text: str) -> tuple[dict[str, list[Instruction]], dict[str, dict[str, str]], str | None]:
+    """``(computations, parameter shapes, entry)`` of an HLO module's text:
+    each computation's instructions in order, and its parameters' shapes."""
+    computations: dict[str, list[Instruction]] = {}
+    params: dict[str, dict[str, str]] = {}
+    entry, current = None, None
     for line in hlo_text.splitlines():
-        m = _LINE.search(line)
-        if m is None:
-            continue
-        op = m.group("op")
-        if op.endswith("-done"):
-            continue
-        kind = op[: -len("-start")] if op.endswith("-start") else op
-        if kind not in _KINDS:
-            continue
-        arrays = array_shapes(m.group("shape"))
-        if op.endswith("-start") and kind in ("all-gather", "collective-permute", "all-to-all") and len(arrays) > 1:
-            arrays = arrays[len(arrays) // 2:]
-        nbytes = sum(DTYPE_BYTES[d] * int(np.prod(s, dtype=np.int64)) for d, s in arrays)
-        found.append(Collective(kind, tuple(arrays), nbytes))
+        if (h := _HEADER.match(line)) is not None:
+            current = h.group("name")
+            computations[current], params[current] = [], dict(_PARAM.findall(h.group("params")))
+            if h.group("entry"):
+                entry = current
+        elif current is not None and (m := _INSTRUCTION.match(line)) is not None:
+            operands = tuple(re.findall(r"%([\w.\-]+)", m.group("args")))
+            computations[current].append(Instruction(m.group("name"), m.group("op"), m.group("shape"), operands,
+                                                     m.group("rest")))
+    return computations, params, entry
+
+
+def _callees(ins: Instruction) -> list[tuple[str, int]]:
+    """``(computation, runs per run of ins)`` for what ``ins`` calls (not the
+    scalar functions a reduce or an all-reduce applies)."""
+    trips = 1
+    if ins.op == "while":
+        m = _TRIP_COUNT.search(ins.attributes)
+        trips = int(m.group(1)) if m else 1
+    out = [(name, trips if kind in ("body", "condition") else 1) for kind, name in _CALLED.findall(ins.attributes)]
+    for _, names in _CALLED_MANY.findall(ins.attributes):
+        out += [(name, 1) for name in re.findall(r"%([\w.\-]+)", names)]
+    return out
+
+
+def executions(computations: dict[str, list[Instruction]], entry: str | None, *, loops: bool = True) -> dict[str, int]:
+    """How many times each computation runs in one run of ``entry``: a while
+    loop's body (and condition) once per iteration, by the trip count XLA
+    knows (``loops=False``: once, as XLA's own cost analysis counts it)."""
+    if entry is None:
+        return {name: 1 for name in computations}
+    order, seen = [], set()
+
+    def visit(name):  # callers before callees
+        if name in seen or name not in computations:
+            return
+        seen.add(name)
+        for ins in computations[name]:
+            for callee, _ in _callees(ins):
+                visit(callee)
+        order.append(name)
+
+    visit(entry)
+    times = dict.fromkeys(order, 0)
+    times[entry] = 1
+    for name in reversed(order):
+        for ins in computations[name]:
+            for callee, trips in _callees(ins):
+                if callee in times:
+                    times[callee] += times[name] * (trips if loops else 1)
+    return times
+
+
+def _elements(shape_text: str) -> int:
+    return sum(int(np.prod(s, dtype=np.int64)) for _, s in array_shapes(shape_text))
+
+
+_ELEMENTWISE = {"add", "subtract", "multiply", "divide", "maximum", "minimum", "negate", "abs", "compare", "select",
+                "and", "or", "xor", "not", "clamp", "remainder", "power", "sign", "floor", "ceil", "round-nearest-even"}
+
+
+def _flops(ins: Instruction, shapes: dict[str, str]) -> float:
+    """An estimate of ``ins``'s own FLOPs, weighted as XLA's cost analysis
+    weighs them: 2 per multiply-add of a dot or convolution, one per element
+    of an elementwise or reduce op."""
+    out = _elements(ins.shape)
+    if ins.op == "dot":
+        lhs = array_shapes(shapes.get(ins.operands[0], ""))
+        m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attributes)
+        if not lhs or m is None:
+            return 0.0
+        contracted = [lhs[0][1][int(d)] for d in m.group(1).split(",") if d]
+        return 2.0 * out * float(np.prod(contracted))
+    if ins.op == "convolution":
+        rhs = array_shapes(shapes.get(ins.operands[1], "")) if len(ins.operands) > 1 else []
+        m = re.search(r"dim_labels=[^_]*_([^-]*)->", ins.attributes)
+        if not rhs or m is None or "o" not in m.group(1):
+            return 0.0
+        kernel = rhs[0][1]
+        return 2.0 * out * float(np.prod(kernel)) / kernel[m.group(1).index("o")]
+    if ins.op in _ELEMENTWISE:
+        return float(out)
+    if ins.op in ("reduce", "reduce-window") and ins.operands:
+        return float(_elements(shapes.get(ins.operands[0], "")))
+    return 0.0
+
+
+def loop_factor(hlo_text: str) -> float:
+    """How many times more FLOPs one run of the program does than XLA's own
+    cost analysis counts, which counts a while loop's body once: the ratio of
+    an estimate with each body counted once per iteration to the same
+    estimate with each counted once (1.0 for a program without loops)."""
+    computations, params, entry = parse_module(hlo_text)
+    own = {}
+    for name, instructions in computations.items():
+        shapes = dict(params.get(name, {}))
+        shapes.update({ins.name: ins.shape for ins in instructions})
+        own[name] = sum(_flops(ins, shapes) for ins in instructions)
+    with_loops, once = executions(computations, entry), executions(computations, entry, loops=False)
+    counted = sum(own[c] * n for c, n in once.items())
+    return 1.0 if counted == 0 else sum(own[c] * n for c, n in with_loops.items()) / counted
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+    """Every collective that one run of an HLO module executes, with the
+    per-device bytes of its result: one inside a while loop's body as many
+    times as the loop runs. Asynchronous pairs count once (at ``-start``; for
+    an all-gather-start the result is the last array of its tuple)."""
+    computations, _, entry = parse_module(hlo_text)
+    times = executions(computations, entry)
+    found = []
+    for name, instructions in computations.items():
+        for ins in instructions:
+            op = ins.op
+            if op.endswith("-done"):
+                continue
+            kind = op[: -len("-start")] if op.endswith("-start") else op
+            if kind not in _KINDS:
+                continue
+            arrays = array_shapes(ins.shape)
+            if op.endswith("-start") and kind in ("all-gather", "collective-permute", "all-to-all") and len(arrays) > 1:
+                arrays = arrays[len(arrays) // 2:]
+            nbytes = sum(DTYPE_BYTES[d] * int(np.prod(s, dtype=np.int64)) for d, s in arrays)
+            found += [Collective(kind, tuple(arrays), nbytes)] * times.get(name, 1)
     return found
 
 
@@ -61,7 +192,9 @@ def collective_summary(fn_or_text: Callable | str, *args, **kwargs) -> dict[str,
 
     Pass the HLO text of a compiled program, or a jitted function (``jax.jit``
     or a redeqx step) with example arguments: it is lowered and compiled for
-    them (nothing runs). Bytes are per device, summed over calls of that kind.
+    them (nothing runs). Bytes are per device, summed over calls of that
+    kind; a collective inside a loop (a ``lax.scan`` over stacked layers,
+    ``accumulate``'s micro-batches) counts once per iteration.
 
     **Example:**
 

@@ -26,7 +26,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ._hlo import collective_summary
+from ._hlo import collective_summary, loop_factor
 from ._mesh import DATA, MODEL, check_mesh, make_mesh
 from ._optimizers import with_opt_state_dtype
 from ._remat import remat as remat_loss
@@ -151,6 +151,7 @@ def _abstract_batch(batch, mesh: Mesh):
 
 
 def _flops(compiled) -> float:
+    """XLA's own FLOP count, which counts a while loop's body once."""
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):
         cost = cost[0] if cost else {}
@@ -195,8 +196,9 @@ def _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, settings, device_m
     stats = compiled.memory_analysis()
     peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
             + stats.temp_size_in_bytes)
-    return Plan(**common, temporaries=stats.temp_size_in_bytes, peak=peak,
-                collectives=collective_summary(compiled.as_text()), flops=_flops(compiled))
+    text = compiled.as_text()
+    return Plan(**common, temporaries=stats.temp_size_in_bytes, peak=peak, collectives=collective_summary(text),
+                flops=_flops(compiled) * loop_factor(text))
 
 
 _REFUSED = re.compile(r"required for HLO temporaries \(([0-9.]+)([KMGT]?)\)")

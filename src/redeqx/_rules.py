@@ -40,7 +40,8 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from ._mesh import DATA, MODEL, check_mesh
-from ._trees import human_bytes, path_parts, path_str, per_device_shape
+from ._stacks import layer_axes
+from ._trees import human_bytes, is_array_like, path_parts, path_str, per_device_shape
 from ._typing import typechecked, warn_user
 
 Q_NAMES = {"query_proj", "q_proj", "wq", "q", "query"}
@@ -157,7 +158,7 @@ def _fields(obj) -> dict[str, Any]:
 def _ndim(x) -> int | None:
     """A field's array rank, or its layer's weight rank (a router is an array or a Linear)."""
     x = getattr(x, "weight", x)
-    return x.ndim if _array_like(x) else None
+    return x.ndim if is_array_like(x) else None
 
 
 def _holds_experts(obj) -> bool:
@@ -385,8 +386,19 @@ def _compile_overrides(overrides, mesh: Mesh) -> list:
     return compiled
 
 
-def _array_like(x) -> bool:
-    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)  # abstract models too
+def _peeled(parts, chain, leaf, n: int) -> int:
+    """How many of a leaf's ``n`` leading stacked axes are layer axes: none
+    when the leading axis is a mixture of experts' (experts built with
+    ``eqx.filter_vmap`` look like a stack of layers)."""
+    if n and _moe_role(parts, chain, tuple(leaf.shape)) == "stack" and \
+            _moe_role(parts, chain, tuple(leaf.shape[n:])) != "stack":
+        return 0
+    return n
+
+
+def _lifted(spec: P, n: int) -> P:
+    """A one-layer spec on a leaf with ``n`` leading layer axes (never split)."""
+    return P(*([None] * n), *spec) if n and len(spec) else spec
 
 
 def leaf_plans(model, mesh: Mesh, overrides: Sequence[tuple[str, P]] = (), fsdp: bool = False, name: str | None = None):
@@ -405,21 +417,38 @@ def leaf_plans(model, mesh: Mesh, overrides: Sequence[tuple[str, P]] = (), fsdp:
     used = [False] * len(compiled)
 
     def finish(i, path, leaf, spec, reason, final=False):
+        """``leaf`` is one layer of a stacked leaf; a final spec (an override) is the whole leaf's."""
         if fsdp and not final:
-            spec, did = _fsdp(spec, leaf, mesh)
+            spec, did = _fsdp(spec, leaf, mesh)  # within a layer
             if did:
                 reason += " + fsdp over data"
-        plans[i] = LeafPlan(path, tuple(leaf.shape), leaf.dtype, spec, reason)
+        n, layers = stacked.get(i, (0, ()))
+        if n:
+            axes = " x ".join(map(str, layers))
+            reason = f"layer axis (L={axes}), each layer: {reason}"
+            spec = spec if final else _lifted(spec, n)
+        whole = leaves_with_path[i][1]
+        plans[i] = LeafPlan(path, tuple(whole.shape), whole.dtype, spec, reason)
 
-    def override(path, leaf):
+    def override(path, i):
+        whole = leaves_with_path[i][1]
         for j, (rx, spec, raw) in enumerate(compiled):
             if rx.search(path):
                 used[j] = True
-                _check_spec(spec, leaf, prefix + path, mesh, f"override {raw!r}")
+                _check_spec(spec, whole, prefix + path, mesh, f"override {raw!r}")
                 return spec, f"override '{raw}'"
         return None
 
-    arrays = [(i, kp, leaf) for i, (kp, leaf) in enumerate(leaves_with_path) if _array_like(leaf)]
+    # Stacked layers: each leaf is decided as one layer of its stack (`layer`, its leading
+    # layer axes peeled off), and its spec gets None on those axes (`_lifted`).
+    arrays, stacked = [], {}
+    for (i, (kp, leaf)), n in zip([(i, x) for i, x in enumerate(leaves_with_path) if is_array_like(x[1])],
+                                  layer_axes(model)):
+        n = _peeled(path_parts(kp), _ancestors(model, kp), leaf, n)
+        if n:
+            stacked[i] = (n, tuple(leaf.shape[:n]))
+            leaf = jax.ShapeDtypeStruct(leaf.shape[n:], leaf.dtype)  # one layer
+        arrays.append((i, kp, leaf))
     vocab_sizes = set()
     for i, kp, leaf in arrays:  # the vocabularies, to tell an LM head from a classifier head
         parts = path_parts(kp)
@@ -438,7 +467,7 @@ def leaf_plans(model, mesh: Mesh, overrides: Sequence[tuple[str, P]] = (), fsdp:
     for i, kp, leaf in arrays:
         parts = path_parts(kp)
         path = ".".join(parts)
-        ov = override(path, leaf)
+        ov = override(path, i)
         if (leaf.ndim < 2 or parts[-1] in BIAS_NAMES or parts[-1] in ADAPTER_NAMES
                 or not jax.numpy.issubdtype(leaf.dtype, jax.numpy.inexact)):
             if ov is not None:
@@ -459,7 +488,8 @@ def leaf_plans(model, mesh: Mesh, overrides: Sequence[tuple[str, P]] = (), fsdp:
             counters[group] = rule.alternation.index(dim) + 1  # a named layer also advances its parent's alternation
         if ov is not None:
             ov_spec = ov[0]
-            if len(ov_spec) > 0 and ov_spec[0] is not None and MODEL in _axes_of(ov_spec[0]):
+            n = stacked.get(i, (0,))[0]  # the override names the whole leaf: its out dim follows the layer axes
+            if len(ov_spec) > n and ov_spec[n] is not None and MODEL in _axes_of(ov_spec[n]):
                 weight_dims[".".join(layer_parts)] = 0  # its bias and adapters follow the override
             finish(i, path, leaf, ov_spec, f"{ov[1]} (rules: {reason})", final=True)
             continue
@@ -609,7 +639,7 @@ def explain(model, specs, mesh: Mesh) -> str:
     rows = [("path", "shape", "dtype", "spec", "per device", "why")]
     total = per_dev = n_arrays = 0
     for (kp, leaf), spec in zip(m_leaves, s_leaves):
-        if not _array_like(leaf):
+        if not is_array_like(leaf):
             continue
         path = ".".join(path_parts(kp))
         spec = P() if spec is None else spec
