@@ -37,6 +37,7 @@ import errno
 import json
 import math
 import os
+import re
 import shutil
 import time
 from collections.abc import Mapping
@@ -71,6 +72,11 @@ TMP_MARKER = ".orbax-checkpoint-tmp"
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read: the message names its path and the cause."""
+
+
+class NewerFormatError(CheckpointError):
+    """A checkpoint in a format newer than this redeqx reads (never a reason
+    to fall back to an older checkpoint: that would drop the newer work)."""
 
 
 # ----------------------------------------------------------------------------- trees
@@ -277,7 +283,7 @@ def raw_metadata(path: Path) -> dict:
         raise CheckpointError(f"checkpoint at {path} has format_version={version!r}, which no redeqx writes: "
                               "its metadata is damaged.")
     if version > FORMAT_VERSION:
-        raise CheckpointError(
+        raise NewerFormatError(
             f"checkpoint at {path} is in format version {version}, written by redeqx {section.get('version')}; "
             f"this redeqx ({_version()}) reads format versions up to {FORMAT_VERSION}. Upgrade redeqx to restore it."
         )
@@ -388,18 +394,24 @@ _OS_CAUSES = {
 
 def describe_failure(e: BaseException) -> str:
     """``e`` as a cause a user can act on: the operating system's error (the
-    disk is full, read-only, no permission) when one is in its chain."""
+    disk is full, read-only, no permission) when one is in its chain, as an
+    ``OSError`` or as the ``os_error_code`` tensorstore writes into its
+    messages; then the original error, shortened."""
+    text = f"{type(e).__name__}: {e}"
+    text = text if len(text) <= 400 else text[:397] + "..."
     seen, todo = set(), [e]
     while todo:
         x = todo.pop()
         if x is None or id(x) in seen:
             continue
         seen.add(id(x))
-        if isinstance(x, OSError) and x.errno in _OS_CAUSES:
-            where = f" at {x.filename}" if x.filename else ""
-            return f"{_OS_CAUSES[x.errno]} ({errno.errorcode[x.errno]}{where}: {x.strerror})"
+        code = x.errno if isinstance(x, OSError) else None
+        if code is None and (found := re.search(r"os_error_code='?(\d+)", str(x))):
+            code = int(found.group(1))
+        if code in _OS_CAUSES:
+            return f"{_OS_CAUSES[code]} ({errno.errorcode[code]}; {text})"
         todo += [x.__cause__, x.__context__, *(a for a in getattr(x, "args", ()) if isinstance(a, BaseException))]
-    return f"{type(e).__name__}: {e}"
+    return text
 
 
 def write_failed(path: Path, e: BaseException) -> CheckpointError:
@@ -578,12 +590,13 @@ def _check_match(path: Path, meta: dict, to_read) -> None:
         problems += [f"{item}/{name}: in the checkpoint {tuple(saved[name]['shape'])}, not in like"
                      for name in saved if name not in names]
     if problems:
-        more = len(problems) - _SHOWN_DIFFERENCES
-        shown = "\n  ".join(problems[:_SHOWN_DIFFERENCES]) + (f"\n  ... and {more} more" if more > 0 else "")
+        first, rest = problems[0], problems[1:]
+        more = len(rest) - _SHOWN_DIFFERENCES
+        shown = "".join(f"\n  {p}" for p in rest[:_SHOWN_DIFFERENCES]) + (f"\n  ... and {more} more" if more > 0 else "")
         raise ValueError(
-            f"checkpoint at {path} does not match like: first {problems[0]}.\n  {shown}\nThe checkpoint holds "
-            "another model (another size, depth or architecture): build like from the same model code and config "
-            "the checkpoint was saved with (e.g. eqx.filter_eval_shape(make_model, key))."
+            f"checkpoint at {path} does not match like: first {first}.{' Then:' if rest else ''}{shown}\nThe "
+            "checkpoint holds another model (another size, depth or architecture): build like from the same model "
+            "code and config the checkpoint was saved with (e.g. eqx.filter_eval_shape(make_model, key))."
         )
 
 

@@ -33,6 +33,7 @@ from . import _preemption
 from ._checkpoint import (
     TMP_MARKER,
     CheckpointError,
+    NewerFormatError,
     as_number,
     check_dtype,
     describe_failure,
@@ -288,6 +289,11 @@ class CheckpointManager:
                 f"CheckpointManager: {self.directory} holds {', '.join(strangers[:5])}, which redeqx did not write "
                 "(its checkpoints are named step_<step>): give the workdir of a redeqx run, or a new one."
             )
+        self._pending: Path | None = None
+        self._meta: dict[str, dict | None] = {}
+        self._lock = threading.Lock()
+        self._calls = 0  # save() calls, the count every process agrees on for a preemption
+        self._ours = overwrite  # whether the checkpoints on disk are this run's (set by restore or a first save)
         self._clean_leftovers()
         if overwrite and jax.process_index() == 0 and (old := self.steps()):
             warnings.warn(f"redeqx.CheckpointManager(overwrite=True): deleting the checkpoints of steps "
@@ -296,11 +302,6 @@ class CheckpointManager:
                 self._delete(self.path(s))
         handler = ocp.CompositeCheckpointHandler()
         self._checkpointer = ocp.AsyncCheckpointer(handler) if async_save else ocp.Checkpointer(handler)
-        self._pending: Path | None = None
-        self._meta: dict[str, dict | None] = {}
-        self._lock = threading.Lock()
-        self._calls = 0  # save() calls, the count every process agrees on for a preemption
-        self._ours = overwrite  # whether the checkpoints on disk are this run's (set by restore or a first save)
         self._watching = _preemption.watch()
         _hook_exceptions()
 
@@ -591,6 +592,8 @@ class CheckpointManager:
                 meta = read_metadata(path)
                 _warn_moved_position(meta, mesh, path)
                 return state, meta
+            except NewerFormatError:
+                raise
             except CheckpointError as e:
                 failures.append(str(e))
                 warnings.warn(f"redeqx.CheckpointManager: skipping {path}: {e}", stacklevel=2)
