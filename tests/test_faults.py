@@ -313,3 +313,16 @@ def test_a_second_run_in_a_used_workdir_is_refused(tmp_path, setup):
     assert third.steps() == [] and third.save(at_step(state, 1))
     third.close()
     assert third.steps() == [1]
+
+
+def test_a_relative_workdir_saves_and_restores(tmp_path, setup, monkeypatch):
+    """The README's `--workdir runs/mnist`: orbax refused relative paths, and
+    every save failed with advice about disk space."""
+    mesh, model, specs, _ = setup
+    state = fresh_state(setup)
+    monkeypatch.chdir(tmp_path)
+    with redeqx.CheckpointManager("runs/mnist", keep_last=1) as manager:
+        assert manager.save(at_step(state, 3))
+    assert redeqx.CheckpointManager("runs/mnist").restore(state, mesh, specs)[1]["step"] == 3
+    redeqx.save_checkpoint("one", model)
+    assert_same(model, redeqx.restore_checkpoint("one", model, mesh, specs))

@@ -499,7 +499,7 @@ def save_checkpoint(
     redeqx.save_checkpoint("run/ckpt_100", state, metadata={"epoch": 1, "batch": 0})
     ```
     """
-    path = Path(path)
+    path = Path(path).absolute()  # orbax refuses relative paths
     if path.exists():
         raise CheckpointError(f"{path} already exists; save to a new path or delete the old checkpoint first.")
     refuse_deleted(named_leaves(state), "state")
@@ -642,7 +642,7 @@ def restore_checkpoint(path: str | os.PathLike, like: PyTree, mesh: Mesh, specs:
     model = redeqx.restore_checkpoint("run/ckpt_100", model, mesh, specs)   # params only
     ```
     """
-    path = Path(path)
+    path = Path(path).absolute()  # orbax refuses relative paths
     mesh = check_mesh(mesh)
     meta = raw_metadata(path)
     to_read = _leaves_to_read(like, mesh, specs)

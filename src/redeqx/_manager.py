@@ -125,10 +125,12 @@ def _at_exit() -> None:
     if failures:
         for line in failures:
             print(line, file=sys.stderr)
-        print("redeqx.CheckpointManager: a checkpoint was lost. Call manager.close() (or use `with "
-              "redeqx.CheckpointManager(...) as manager:`) before the script ends: an async save still being "
-              "written when Python exits cannot finish.", file=sys.stderr, flush=True)
-        sys.stderr.flush()
+        advice = ""
+        if any("interpreter shutdown" in line for line in failures):
+            advice = (" Call manager.close() (or use `with redeqx.CheckpointManager(...) as manager:`) before the "
+                      "script ends: an async save still being written when Python exits cannot finish.")
+        print(f"redeqx.CheckpointManager: a checkpoint was lost; exiting with status 1.{advice}", file=sys.stderr,
+              flush=True)
         os._exit(1)
 
 
@@ -269,7 +271,7 @@ class CheckpointManager:
         self.best_modes = best
         self.dtype = check_dtype(dtype)
         self.allow_nonfinite = bool(allow_nonfinite)
-        self.workdir = Path(workdir)
+        self.workdir = Path(workdir).absolute()  # orbax refuses relative paths
         self.directory = self.workdir / "checkpoints"
         if (kind := orbax_layout(self.workdir)) is not None:
             raise CheckpointError(
