@@ -308,6 +308,8 @@ def test_a_second_run_in_a_used_workdir_is_refused(tmp_path, setup):
     assert second.restore(state, mesh, specs)[1]["step"] == 5  # resuming is the way on
     assert second.save(at_step(state, 6))
     second.close()
+    with pytest.raises(TypeError, match="overwrite must be True or False, got 'yes'"):
+        redeqx.CheckpointManager(tmp_path, overwrite="yes")  # not a truthy string deleting a run
     with pytest.warns(UserWarning, match="deleting the checkpoints of steps 6"):
         third = redeqx.CheckpointManager(tmp_path, keep_last=1, overwrite=True)
     assert third.steps() == [] and third.save(at_step(state, 1))

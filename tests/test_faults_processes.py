@@ -98,3 +98,40 @@ def test_a_save_in_flight_at_the_end_of_a_script_is_finished_or_its_loss_is_an_e
                                disk], capture_output=True, text=True, timeout=PROCESS_TIMEOUT, env=ENV)
         assert done.returncode == 0, done.stderr[-3000:]
         assert len(list((tmp_path / "l" / "checkpoints").glob("step_*"))) == 1
+
+
+READ_ONLY = """
+    import os, subprocess, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax, equinox as eqx, optax, redeqx
+    mesh = redeqx.make_mesh(2)
+    model = eqx.nn.MLP(64, 64, 256, depth=3, key=jax.random.key(0))
+    specs = redeqx.sharding_rules(model, mesh)
+    state = redeqx.init_state(model, optax.adam(1e-3), mesh, specs, key=jax.random.key(1))
+    manager = redeqx.CheckpointManager(sys.argv[1], keep_last=1)
+    manager.save(state, force=True)
+    manager.wait()
+    subprocess.run(["mount", "-o", "remount,ro", sys.argv[1]], check=True)
+    manager.save(eqx.tree_at(lambda s: s.step, state, state.step + 1), force=True)
+"""
+
+
+def test_a_read_only_workdir_fails_the_save_at_once_and_the_process_exits(tmp_path):
+    """Before: the async save returned, its failure was a warning at exit, and
+    orbax's writer threads kept the process alive 300 s waiting for a
+    directory that never appeared. Needs a tmpfs (root); skipped elsewhere."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        script = tmp_path / "script.py"
+        script.write_text(textwrap.dedent(READ_ONLY))
+        start = time.monotonic()
+        done = subprocess.run([sys.executable, str(script), str(mount)], capture_output=True, text=True,
+                              timeout=PROCESS_TIMEOUT, env=ENV)
+        elapsed = time.monotonic() - start
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True)
+    assert done.returncode == 1 and elapsed < 60, (done.returncode, elapsed, done.stderr[-3000:])
+    assert "step_000000001: the file system is read-only (EROFS" in done.stderr, done.stderr[-3000:]

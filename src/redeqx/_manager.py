@@ -146,6 +146,12 @@ def _hook_exceptions() -> None:
 # ----------------------------------------------------------------------------- the manager
 
 
+def _check_flag(name: str, value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {value!r}.")
+    return bool(value)
+
+
 def _check_count(name: str, value, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
@@ -270,7 +276,9 @@ class CheckpointManager:
                 raise ValueError(f"best[{name!r}] must be 'max' or 'min', got {mode!r}: e.g. best={{'accuracy': 'max'}}.")
         self.best_modes = best
         self.dtype = check_dtype(dtype)
-        self.allow_nonfinite = bool(allow_nonfinite)
+        self.allow_nonfinite = _check_flag("allow_nonfinite", allow_nonfinite)
+        overwrite = _check_flag("overwrite", overwrite)
+        async_save = _check_flag("async_save", async_save)
         self.workdir = Path(workdir).absolute()  # orbax refuses relative paths
         self.directory = self.workdir / "checkpoints"
         if (kind := orbax_layout(self.workdir)) is not None:
@@ -432,6 +440,7 @@ class CheckpointManager:
         epoch = _check_count("epoch", epoch, 0)
         batch = _check_count("batch", batch, 0)
         metrics = dict(metrics or {})
+        force = _check_flag("force", force)
         self._calls += 1
         preempted = _preemption.reached(self._calls)
         counter = step if self.unit == "step" else epoch
@@ -448,9 +457,10 @@ class CheckpointManager:
         encoded = encode(state, meta, self.dtype)
         if encoded.non_finite and not self.allow_nonfinite:
             shown = ", ".join(encoded.non_finite[:5]) + (" ..." if len(encoded.non_finite) > 5 else "")
+            kept = f"the last good checkpoint, {self.latest.name}," if self.latest else "no checkpoint of it"
             raise FloatingPointError(
                 f"CheckpointManager.save: the state at step {step} holds NaN or inf ({shown}): training diverged. "
-                f"It was not saved, so the last good checkpoint ({self.latest}) stays the one restore() picks. "
+                f"It was not saved, so {kept} stays what restore() finds. "
                 "Lower the learning rate, clip gradients (optax.clip_by_global_norm), or skip bad updates "
                 "(optax.apply_if_finite); CheckpointManager(..., allow_nonfinite=True) saves such a state anyway."
             )
