@@ -414,11 +414,19 @@ def describe_failure(e: BaseException) -> str:
     return text
 
 
+_AT_EXIT = ("after shutdown", "after interpreter shutdown", "Event loop is closed")
+
+
 def write_failed(path: Path, e: BaseException) -> CheckpointError:
+    cause = describe_failure(e)
+    if any(marker in cause for marker in _AT_EXIT):
+        fix = ("Python was exiting and had stopped the writer's threads: call manager.close() (or use `with "
+               "redeqx.CheckpointManager(...) as manager:`) before the script ends.")
+    else:
+        fix = "Free space or fix the permissions of that directory (or give another one) and save again."
     return CheckpointError(
-        f"could not write the checkpoint to {path}: {describe_failure(e)}. The checkpoints already in "
-        f"{path.parent} are untouched and restorable, and the state in memory is still usable; free space or "
-        "fix the permissions of that directory (or give another one) and save again."
+        f"could not write the checkpoint to {path}: {cause}. The checkpoints already in {path.parent} are untouched "
+        f"and restorable, and the state in memory is still usable. {fix}"
     )
 
 

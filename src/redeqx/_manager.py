@@ -125,12 +125,7 @@ def _at_exit() -> None:
     if failures:
         for line in failures:
             print(line, file=sys.stderr)
-        advice = ""
-        if any("interpreter shutdown" in line for line in failures):
-            advice = (" Call manager.close() (or use `with redeqx.CheckpointManager(...) as manager:`) before the "
-                      "script ends: an async save still being written when Python exits cannot finish.")
-        print(f"redeqx.CheckpointManager: a checkpoint was lost; exiting with status 1.{advice}", file=sys.stderr,
-              flush=True)
+        print("redeqx.CheckpointManager: a checkpoint was lost; exiting with status 1.", file=sys.stderr, flush=True)
         os._exit(1)
 
 
