@@ -256,6 +256,9 @@ def test_another_tools_orbax_checkpoint_says_what_it_is(tmp_path, setup):
     with pytest.raises(redeqx.CheckpointError, match=r"orbax CheckpointManager directory \(steps 0, 1\), not a redeqx "
                                                      r"workdir"):
         redeqx.CheckpointManager(tmp_path / "orbax_run")
+    redeqx.save_checkpoint(tmp_path / "ours", model)
+    with pytest.raises(redeqx.CheckpointError, match="is one checkpoint, not a run's workdir"):
+        redeqx.CheckpointManager(tmp_path / "ours")
 
 
 def test_a_newer_format_is_refused_not_read_half_right(tmp_path, setup):

@@ -210,10 +210,10 @@ class CheckpointManager:
       `best` would pick; leftovers are removed when the next manager starts.
       `restore` skips a checkpoint that is unreadable (truncated, corrupted)
       with a warning naming it, and falls back to the previous one.
-    - Preemption: from its creation to `close`, the manager listens for the
-      SIGTERM a scheduler sends before killing a job (with several processes,
-      JAX's preemption service does, and every process agrees on the call to
-      stop at). The first `save` call after it writes a checkpoint whatever
+    - Preemption: from its first `save` to `close`, the manager listens for
+      the SIGTERM a scheduler sends before killing a job (with several
+      processes, JAX's preemption service does, and every process agrees on
+      the call to stop at). The next `save` call writes a checkpoint whatever
       ``every`` says, waits for it, and raises `Preempted`, which exits with
       status 143. Call `save` every step (it returns at once when not due).
     - Divergence: a state holding NaN or inf is not saved (a
@@ -276,6 +276,11 @@ class CheckpointManager:
         async_save = _check_flag("async_save", async_save)
         self.workdir = Path(workdir).absolute()  # orbax refuses relative paths
         self.directory = self.workdir / "checkpoints"
+        if metadata_file(self.workdir).exists():
+            raise CheckpointError(
+                f"CheckpointManager: {self.workdir} is one checkpoint, not a run's workdir: give the directory that "
+                f"holds checkpoints/ ({self.workdir.parent.parent}), or read this one with redeqx.restore_checkpoint."
+            )
         if (kind := orbax_layout(self.workdir)) is not None:
             raise CheckpointError(
                 f"CheckpointManager: {self.workdir} is {kind}, not a redeqx workdir; restoring from it would find "
@@ -307,7 +312,7 @@ class CheckpointManager:
                 self._delete(self.path(s))
         handler = ocp.CompositeCheckpointHandler()
         self._checkpointer = ocp.AsyncCheckpointer(handler) if async_save else ocp.Checkpointer(handler)
-        self._watching = _preemption.watch()
+        self._watching = False  # listening for SIGTERM from the first save on: before it there is nothing to save
         _hook_exceptions()
 
     # -- what is on disk
@@ -436,6 +441,8 @@ class CheckpointManager:
         batch = _check_count("batch", batch, 0)
         metrics = dict(metrics or {})
         force = _check_flag("force", force)
+        if self._calls == 0:
+            self._watching = _preemption.watch()
         self._calls += 1
         preempted = _preemption.reached(self._calls)
         counter = step if self.unit == "step" else epoch
