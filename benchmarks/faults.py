@@ -182,8 +182,8 @@ def main():
                     f"checkpoint of step {', '.join(map(str, r['saved step']))} |")
     r = launcher_fault('raise RuntimeError("boom")')
     print("raise", r, flush=True)
-    rows.append(f"| process 1 of 2 raises mid-run, redeqx.launch | exit {r['exit status']} | {r['seconds to exit']:.1f} s "
-                f"after the raise | tracebacks shown: {r['tracebacks shown']} |")
+    rows.append(f"| process 1 of 2 raises mid-run, redeqx.launch | exit {r['exit status']} | "
+                f"{r['seconds to exit']:.1f} s after the raise | tracebacks shown: {r['tracebacks shown']} |")
     r = launcher_fault("sys.exit(0)")
     print("sys.exit", r, flush=True)
     rows.append(f"| process 1 of 2 calls sys.exit(0) mid-run, redeqx.launch (default --exit-timeout 60) | exit "

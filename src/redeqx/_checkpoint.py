@@ -600,7 +600,8 @@ def _check_match(path: Path, meta: dict, to_read) -> None:
     if problems:
         first, rest = problems[0], problems[1:]
         more = len(rest) - _SHOWN_DIFFERENCES
-        shown = "".join(f"\n  {p}" for p in rest[:_SHOWN_DIFFERENCES]) + (f"\n  ... and {more} more" if more > 0 else "")
+        shown = "".join(f"\n  {p}" for p in rest[:_SHOWN_DIFFERENCES])
+        shown += f"\n  ... and {more} more" if more > 0 else ""
         raise ValueError(
             f"checkpoint at {path} does not match like: first {first}.{' Then:' if rest else ''}{shown}\nThe "
             "checkpoint holds another model (another size, depth or architecture): build like from the same model "

@@ -290,7 +290,9 @@ class CheckpointManager:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise CheckpointError(f"cannot create the checkpoint directory {self.directory}: {describe_failure(e)}.") from e
+            raise CheckpointError(
+                f"cannot create the checkpoint directory {self.directory}: {describe_failure(e)}."
+            ) from e
         strangers = sorted(p.name for p in self.directory.iterdir()
                            if not (_STEP_DIR.match(p.name) or TMP_MARKER in p.name or p.name.endswith(_DELETING)
                                    or p.name.startswith(".")))
@@ -492,9 +494,10 @@ class CheckpointManager:
         if old is None:
             raise CheckpointError(f"{path} exists but its metadata cannot be read; delete it to save step "
                                   f"{meta['step']} again.")
-        sums = {item: {k: v["checksum"] for k, v in leaves.items()} for item, leaves in meta["redeqx"]["leaves"].items()}
-        on_disk = {item: {k: v["checksum"] for k, v in leaves.items()} for item, leaves in old["redeqx"]["leaves"].items()}
-        if sums != on_disk:
+        def checksums(m):
+            return {item: {k: v["checksum"] for k, v in leaves.items()} for item, leaves in m["redeqx"]["leaves"].items()}
+
+        if checksums(meta) != checksums(old):
             raise CheckpointError(
                 f"step {meta['step']} is already saved in {path} with other arrays than this state's: one step "
                 "number, two states. Save each state at its own step (state.step counts optimizer updates)."
