@@ -126,7 +126,7 @@ def run_task(name, args, mesh, key):
         if manager is not None:
             logger.log({"train_loss": metrics["loss"], **{f"test_{k}": v for k, v in results.items()}},
                        int(state.step), examples=len(train))
-            manager.save(state, epoch=epoch + 1, metrics=results)
+            manager.save(state, epoch=epoch + 1, metrics=results)  # at a SIGTERM: saves, exits 143
     if manager is not None:
         manager.close()
         logger.close()

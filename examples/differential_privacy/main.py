@@ -195,7 +195,7 @@ def main():
         if manager is not None:
             logger.log({"dp_accuracy": history["private"][-1], "accuracy": history["public"][-1], "epsilon": eps},
                        int(private.step))
-            manager.save(private, epoch=epoch + 1)
+            manager.save(private, epoch=epoch + 1)  # at a SIGTERM: saves, exits 143
     if manager is not None:
         manager.close()
         logger.close()

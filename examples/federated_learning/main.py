@@ -170,7 +170,7 @@ def main():
         log(f"round {r}: test loss {results['loss']:.4f}, test accuracy {results['accuracy']:.4f}")
         if manager is not None:
             logger.log({f"test_{k}": v for k, v in results.items()}, r, examples=int(out["examples"]))
-            manager.save(state, step=r, metrics=results)
+            manager.save(state, step=r, metrics=results)  # at a SIGTERM: saves, exits 143
     if manager is not None:
         manager.close()
         logger.close()

@@ -217,7 +217,7 @@ def main():
         if manager is not None:
             logger.log({"train_loss": metrics["loss"], **{f"test_{k}": v for k, v in results.items()}},
                        int(state.step), examples=len(train))
-            manager.save(state, epoch=epoch + 1, metrics=results)
+            manager.save(state, epoch=epoch + 1, metrics=results)  # at a SIGTERM: saves, exits 143
 
     if manager is not None:  # the final captions come from the best checkpoint by BLEU
         model, meta = manager.restore(state.model, mesh, specs, best="bleu")

@@ -191,7 +191,7 @@ def main():
         if manager is not None:
             logger.log({"eval_loss": loss, "eval_perplexity": math.exp(loss)}, int(state.step))
             logged = int(state.step)
-            manager.save(state, epoch=epoch + 1, metrics={"eval_loss": loss})
+            manager.save(state, epoch=epoch + 1, metrics={"eval_loss": loss})  # at a SIGTERM: saves, exits 143
     if manager is not None:
         manager.close()
         logger.close()

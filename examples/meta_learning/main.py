@@ -155,6 +155,7 @@ def main():
         if manager is not None:
             logger.log({"train_mse": metrics["loss"], **{f"test_mse_{n}": v for n, v in results.items()}},
                        int(state.step), examples=len(tasks))
+            # at a SIGTERM: saves, exits 143 (preemption)
             manager.save(state, epoch=epoch + 1, metrics={"mse": results[args.inner_steps]})
     if manager is not None:
         manager.close()

@@ -126,7 +126,7 @@ def main():
         if manager is not None:
             logger.log({"train_loss": metrics["loss"], "learning_rate": schedule(state.step),
                         **{f"test_{k}": v for k, v in results.items()}}, int(state.step), examples=len(train))
-            manager.save(state, epoch=epoch + 1, metrics=results)  # in the background
+            manager.save(state, epoch=epoch + 1, metrics=results)  # in the background; at a SIGTERM: saves, exits 143
 
     if manager is not None:  # predict with the most accurate checkpoint (parameters only)
         state = eqx.tree_at(lambda s: s.model, state, manager.restore(state.model, mesh, specs, best="accuracy")[0])

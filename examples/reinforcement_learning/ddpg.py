@@ -228,6 +228,7 @@ def main():
                 f"critic loss {float(metrics['critic_loss']):.3f}, Q {float(metrics['q']):.1f}")
             if manager is not None:
                 logger.log({"episode_return": recent, **metrics}, env_steps)
+                # at a SIGTERM: saves, exits 143 (preemption)
                 manager.save(state, epoch=rnd + 1, metrics={"return": recent}, metadata={"returns": history})
 
     recent = float(np.mean([r for _, r in history[-10:]])) if history else float("nan")

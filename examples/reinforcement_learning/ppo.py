@@ -190,6 +190,7 @@ def main():
                 f"actor loss {float(metrics['actor_loss']):.4f}, critic loss {float(metrics['critic_loss']):.3f}")
         if manager is not None:
             logger.log({"episode_return": recent, **metrics}, env_steps)
+            # at a SIGTERM: saves, exits 143 (preemption)
             manager.save(state, epoch=it + 1, metrics={"return": recent} if returns else None,
                          metadata={"returns": history}, force=it + 1 == n_iters)
 

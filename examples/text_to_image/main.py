@@ -200,7 +200,7 @@ def main():
         if manager is not None:
             logger.log({"train_loss": metrics["loss"], **{f"test_{k}": v for k, v in results.items()}},
                        int(state.step), examples=len(train))
-            manager.save(state, epoch=epoch + 1, metrics=results)
+            manager.save(state, epoch=epoch + 1, metrics=results)  # at a SIGTERM: saves, exits 143
             if jax.process_index() == 0:
                 save_grid(images, [p["prompt"] for p in prompts], os.path.join(args.workdir, f"samples_epoch{epoch}.png"))
 

@@ -185,7 +185,7 @@ def main():
             f"test loss {results['loss']:.4f}, " + ", ".join(f"{k} {v:.4f}" for k, v in results.items() if k != "loss"))
         if manager is not None:
             logger.log({f"test_{k}": v for k, v in results.items()}, int(state.step))
-            manager.save(state, epoch=epoch + 1, metrics=results)
+            manager.save(state, epoch=epoch + 1, metrics=results)  # at a SIGTERM: saves, exits 143
 
     model = state.model
     if manager is not None:  # the final predictions come from the best checkpoint by ROUGE-L

@@ -4,7 +4,6 @@ small functions (``collate_fn``, ``loss_fn``, ``pred_fn``) and one number
 
 from ._checkpoint import (
     CheckpointError as CheckpointError,
-    CheckpointManager as CheckpointManager,
     read_metadata as read_metadata,
     restore_checkpoint as restore_checkpoint,
     save_checkpoint as save_checkpoint,
@@ -14,9 +13,11 @@ from ._data import batches as batches, evaluate as evaluate, predict as predict,
 from ._distributed import initialize as initialize, preflight as preflight
 from ._hlo import collective_summary as collective_summary
 from ._logging import Logger as Logger
+from ._manager import CheckpointManager as CheckpointManager
 from ._mesh import check_mesh as check_mesh, make_mesh as make_mesh
 from ._optimizers import with_opt_state_dtype as with_opt_state_dtype
 from ._plan import Plan as Plan, plan as plan
+from ._preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE, Preempted as Preempted
 from ._remat import checkpoint as checkpoint, remat as remat
 from ._rules import explain as explain, sharding_rules as sharding_rules
 from ._schedules import lr_schedule as lr_schedule

@@ -4,9 +4,13 @@ log file, predictions to JSON, optionally wandb; process 0 only.
 Files under ``workdir``::
 
     tensorboard/events.out.tfevents.*   scalars, for `tensorboard --logdir workdir`
-    metrics.jsonl                       one {"step": ..., **metrics} line per `log`
+    metrics.jsonl                       one {"step": ..., **metrics} line per `log` (strict JSON)
     log.txt                             every `info` message, timestamped
     outputs/<name>_step<step>.json      every `save_outputs`
+
+Every write happens in the calling thread, so a full disk or a lost
+permission is an ``OSError`` from the call that hit it, naming the file,
+never a writer thread that dies quietly and leaves later calls waiting.
 """
 
 from __future__ import annotations
@@ -18,15 +22,17 @@ import math
 import os
 import sys
 import time
+import warnings
 import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from ._checkpoint import describe_failure, strict_json
 from ._data import ACTIVE_BARS
 
 
@@ -40,6 +46,37 @@ def _jsonable(x):
     if x is None or isinstance(x, (bool, int, float, str)):
         return x
     raise TypeError(f"cannot write {type(x).__name__} {x!r} as JSON; give numbers, strings, lists, dicts or arrays.")
+
+
+def _watched(name: str) -> bool:
+    """The metrics whose NaN or inf means the run diverged: `make_train_step`'s
+    ``loss`` and ``grad_norm``, and any ``*_loss`` / ``*_grad_norm``."""
+    return name in ("loss", "grad_norm") or name.endswith(("_loss", "_grad_norm"))
+
+
+class _EventFile:
+    """TensorBoard scalars appended to one event file in the caller's thread.
+    (tensorboardX's SummaryWriter hands them to a thread through a bounded
+    queue; once that thread died on a full disk, every later call blocked on
+    the full queue, forever.)"""
+
+    def __init__(self, logdir: Path):
+        from tensorboardX.event_file_writer import EventsWriter
+
+        logdir.mkdir(parents=True, exist_ok=True)
+        self._writer = EventsWriter(str(logdir / "events"))
+
+    def add(self, scalars: Mapping[str, float], step: int) -> None:
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.proto.summary_pb2 import Summary
+        from tensorboardX.summary import scalar
+
+        summary = Summary(value=[scalar(k, v).value[0] for k, v in scalars.items()])
+        self._writer.write_event(Event(wall_time=time.time(), step=step, summary=summary))
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
 
 
 def _check_count(name: str, value) -> None:
@@ -65,9 +102,16 @@ class Logger:
     - ``wandb=dict(project=..., ...)`` also sends metrics to Weights & Biases
       (``wandb.init(**wandb)``); wandb is imported only then and is never
       required otherwise.
+    - ``nonfinite="raise"`` (default): when ``loss``, ``grad_norm`` or any
+      ``*_loss`` / ``*_grad_norm`` value logged is NaN or inf, `log` writes it
+      and then raises ``FloatingPointError`` naming the step, on every
+      process, so a diverged run stops at the step it diverged instead of
+      training on NaN. It reads the values `log` fetches anyway: no extra
+      device sync. ``nonfinite="warn"`` warns and goes on.
 
     ``step`` is the optimizer step count (``state.step``), the x axis of every
-    plot.
+    plot. A NaN or inf is written to ``metrics.jsonl`` as the string
+    ``"NaN"``, ``"Infinity"`` or ``"-Infinity"`` (strict JSON has no NaN).
 
     **Example:**
 
@@ -80,7 +124,17 @@ class Logger:
     ```
     """
 
-    def __init__(self, workdir: str | os.PathLike, *, tensorboard: bool = True, wandb: Mapping[str, Any] | None = None):
+    def __init__(
+        self,
+        workdir: str | os.PathLike,
+        *,
+        tensorboard: bool = True,
+        wandb: Mapping[str, Any] | None = None,
+        nonfinite: Literal["raise", "warn"] = "raise",
+    ):
+        if nonfinite not in ("raise", "warn"):
+            raise ValueError(f"nonfinite must be 'raise' or 'warn', got {nonfinite!r}.")
+        self.nonfinite = nonfinite
         self.workdir = Path(workdir)
         self.active = jax.process_index() == 0
         self._t_start = self._t_last = time.perf_counter()
@@ -108,9 +162,7 @@ class Logger:
             handler.setFormatter(fmt)
             self._log.addHandler(handler)
         if tensorboard:
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(logdir=str(self.workdir / "tensorboard"))
+            self._tb = _EventFile(self.workdir / "tensorboard")
         ref = weakref.ref(self)
         atexit.register(lambda: ref() is not None and ref().close())
         if wandb is not None:
@@ -139,22 +191,39 @@ class Logger:
         if tokens is not None:
             values["tokens_per_s"] = tokens / elapsed
         self._t_last = now
-        if not self.active:
-            return values
-        self._jsonl.write(json.dumps({"step": int(step), **values}) + "\n")
-        self._jsonl.flush()
         scalars = {k: float(v) for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        if self._tb is not None:
-            for k, v in scalars.items():
-                self._tb.add_scalar(k, v, int(step))
-            self._tb.flush()
+        diverged = {k: v for k, v in scalars.items() if _watched(k) and not math.isfinite(v)}
+        if self.active:
+            self._write(values, scalars, int(step))
+        if diverged:
+            message = (
+                f"step {int(step)}: {', '.join(f'{k} = {v}' for k, v in diverged.items())}: training diverged. "
+                "Lower the learning rate, clip gradients (optax.clip_by_global_norm), skip bad updates "
+                "(optax.apply_if_finite), or look at this step's batch; resume from the last checkpoint, which "
+                "CheckpointManager never writes from a state holding NaN. Logger(..., nonfinite='warn') logs on."
+            )
+            if self.nonfinite == "raise":
+                raise FloatingPointError(message)
+            warnings.warn(message, stacklevel=2)
+        return values
+
+    def _write(self, values: dict, scalars: dict[str, float], step: int) -> None:
+        where = self.workdir / "metrics.jsonl"
+        try:
+            self._jsonl.write(json.dumps(strict_json({"step": step, **values}), allow_nan=False) + "\n")
+            self._jsonl.flush()
+            if self._tb is not None:
+                where = self.workdir / "tensorboard"
+                self._tb.add(scalars, step)
+        except OSError as e:
+            raise OSError(e.errno, f"Logger could not write to {where}: {describe_failure(e)}. Free space or fix "
+                          "the permissions, or pass another workdir.") from e
         if self._wandb is not None:
             self._wandb.log(values, step=int(step))
         bar = self._bar if self._bar is not None else (ACTIVE_BARS[-1] if ACTIVE_BARS else None)
         if bar is not None:  # Logger.bar's, else the innermost redeqx.batches(..., desc=...) bar
             shown = {k: f"{scalars[k]:.4g}" for k in ("loss", "learning_rate", "lr") if k in scalars and math.isfinite(scalars[k])}
             bar.set_postfix(shown, refresh=False)
-        return values
 
     def info(self, msg: str) -> None:
         """Print ``msg`` (above any progress bar) and append it to ``log.txt``."""

@@ -9,8 +9,15 @@ their collectives go through gloo. Each process joins the run
 (`redeqx.initialize`) before the script starts, so a script needs no change;
 a ``redeqx.initialize()`` call in it is then a no-op.
 
-Ctrl-C and SIGTERM reach every process. If one process fails or dies, the
-launcher stops the others and exits with that process's exit status.
+Ctrl-C and SIGTERM reach every process. SIGTERM is a preemption notice:
+a script that calls `CheckpointManager.save` every step saves and exits with
+status 143 (`redeqx.Preempted`); processes still running ``--grace`` seconds
+(default 20) after the signal are killed. If one process fails or dies, the
+launcher stops the others (within a few seconds) and exits with that
+process's exit status; if one process ends its script while the others still
+run ``--exit-timeout`` seconds later (default 60; a ``sys.exit`` taken by one
+process only leaves the others waiting for it in a collective forever), it
+stops them all and exits with status 1, naming which ended and which did not.
 It is for trying multi-host code on one machine and for tests; on a real
 cluster start one process per host (or per GPU) with SLURM, mpirun or by
 hand, and call `redeqx.initialize` in the script.
@@ -22,16 +29,24 @@ import argparse
 import os
 import re
 import runpy
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from ._distributed import ENV
+from ._preemption import PREEMPTED_EXIT_CODE
 
-GRACE_SECONDS = 5.0  # after a signal or a failure, before SIGKILL
+GRACE_SECONDS = 5.0  # after a failure or a Ctrl-C, before SIGKILL
+DEFAULT_PREEMPTION_GRACE = 20  # after a forwarded SIGTERM: time to save a checkpoint and exit
+DEFAULT_EXIT_TIMEOUT = 60  # one process done, the others not: how long until that is a failure
 DEFAULT_HEARTBEAT_TIMEOUT = 10  # the processes are all here: a dead one is noticed fast
+LAUNCH_DIR = "REDEQX_LAUNCH_DIR"  # where each process marks that its script ended
+STOP_SIGNAL = signal.SIGUSR1  # "another process failed": stop quietly
 
 
 def free_port() -> int:
@@ -74,6 +89,37 @@ def child_env(
     return env
 
 
+class _Stopped(BaseException):
+    """The launcher stops this process because another one failed."""
+
+
+def _stopped(signum, frame):
+    raise _Stopped
+
+
+def _leave(code: int) -> None:
+    """Exit now rather than wait in JAX's shutdown barrier for processes that
+    are busy or blocked on this one."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _script_ended() -> None:
+    """The script returned: finish any checkpoint still being written (the
+    writer's threads still run here, unlike at interpreter exit), then tell
+    the launcher this process is done."""
+    from ._manager import finish_in_flight
+
+    failures = finish_in_flight("at the end of the script, without close()")
+    for line in failures:
+        print(line, file=sys.stderr)
+    if os.environ.get(LAUNCH_DIR):
+        Path(os.environ[LAUNCH_DIR], f"ended_{os.environ[ENV['process_id']]}").touch()
+    if failures:
+        _leave(1)
+
+
 def _child() -> None:
     """Runs in each launched process: join the run, then run the script as
     ``__main__`` with its own argv, as ``python script.py args`` would."""
@@ -81,23 +127,24 @@ def _child() -> None:
     from ._distributed import launcher_start
 
     launcher_start()
+    signal.signal(STOP_SIGNAL, _stopped)
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
-        if e.code in (None, 0):
-            raise
-        # A failing exit: leave now rather than wait in JAX's shutdown barrier
-        # for processes that are busy or blocked on this one.
-        if not isinstance(e.code, int):
-            print(e.code, file=sys.stderr)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(e.code if isinstance(e.code, int) else 1)
+        if e.code not in (None, 0):
+            if not isinstance(e.code, int):
+                print(e.code, file=sys.stderr)
+            _leave(e.code if isinstance(e.code, int) else 1)
+    except _Stopped:  # the launcher already said why
+        _leave(128 + STOP_SIGNAL)
+    _script_ended()
 
 
 def _describe_exit(rc: int) -> str:
+    if rc == PREEMPTED_EXIT_CODE:
+        return f"was preempted: it saved a checkpoint and exited with status {rc}"
     if rc < 0:
         try:
             return f"was killed by {signal.Signals(-rc).name}"
@@ -113,11 +160,11 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def _stop(procs: list[subprocess.Popen], sig: int = signal.SIGINT) -> None:
+def _stop(procs: list[subprocess.Popen], sig: int = STOP_SIGNAL) -> None:
     """``sig`` to every live process, then SIGKILL to those still alive after
-    a grace period. SIGINT rather than SIGTERM: JAX takes SIGTERM as a
-    preemption notice and keeps running; SIGINT raises KeyboardInterrupt,
-    so ``finally`` blocks run."""
+    a grace period. Not SIGTERM: JAX takes it as a preemption notice and keeps
+    running; `STOP_SIGNAL` ends a launched process quietly (``finally``
+    blocks run), leaving the failing process's traceback the only one."""
     for p in procs:
         if p.poll() is None:
             _signal_group(p, sig)
@@ -141,6 +188,19 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--port", type=int, default=None, help="port for process 0 on 127.0.0.1 (default: a free one)")
     parser.add_argument(
+        "--grace",
+        type=float,
+        default=DEFAULT_PREEMPTION_GRACE,
+        help=f"seconds after a SIGTERM for the processes to save and exit before SIGKILL (default "
+        f"{DEFAULT_PREEMPTION_GRACE})",
+    )
+    parser.add_argument(
+        "--exit-timeout",
+        type=float,
+        default=DEFAULT_EXIT_TIMEOUT,
+        help=f"seconds one process may have ended its script while others still run (default {DEFAULT_EXIT_TIMEOUT})",
+    )
+    parser.add_argument(
         "--heartbeat-timeout",
         type=int,
         default=DEFAULT_HEARTBEAT_TIMEOUT,
@@ -156,6 +216,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
             f"--devices={ns.devices} cannot be split evenly over -n {ns.n_processes} processes; "
             f"use a multiple of {ns.n_processes}, e.g. --devices {ns.n_processes * max(1, ns.devices // ns.n_processes)}."
         )
+    for name in ("grace", "exit_timeout"):
+        if getattr(ns, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(ns, name)}.")
     if ns.heartbeat_timeout < 1:
         parser.error(f"--heartbeat-timeout must be >= 1 second, got {ns.heartbeat_timeout}.")
     if not os.path.isfile(ns.script):
@@ -163,14 +226,21 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return ns
 
 
+def _names(indices) -> str:
+    indices = list(indices)
+    return ("process " if len(indices) == 1 else "processes ") + ", ".join(map(str, indices))
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m redeqx.launch -n N script.py [args]``; returns the exit status."""
     ns = _parse(argv)
     port = ns.port or free_port()
     per = ns.devices // ns.n_processes
+    marks = Path(tempfile.mkdtemp(prefix="redeqx-launch-"))
     procs: list[subprocess.Popen] = []
     for i in range(ns.n_processes):
         env = child_env(i, ns.n_processes, port, per, heartbeat_timeout=ns.heartbeat_timeout)
+        env[LAUNCH_DIR] = str(marks)
         cmd = [sys.executable, "-c", "from redeqx.launch import _child; _child()", ns.script, *ns.args]
         # Own process group: a Ctrl-C reaches each process once, through the launcher.
         procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
@@ -188,41 +258,69 @@ def main(argv: list[str] | None = None) -> int:
             if p.poll() is None:
                 _signal_group(p, sig)
 
+    def say(text: str) -> None:
+        print(f"redeqx.launch: {text}", file=sys.stderr, flush=True)
+
     handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     previous = {s: signal.signal(s, forward) for s in handled}
     status = 0
+    preempted: dict[int, float] = {}  # process -> when it exited with the preemption status
+    first_end: float | None = None
     try:
         while True:
             codes = [p.poll() for p in procs]
-            failed = [(i, rc) for i, rc in enumerate(codes) if rc not in (None, 0)]
-            if failed and not received:
+            now = time.monotonic()
+            failed = [(i, rc) for i, rc in enumerate(codes) if rc not in (None, 0, PREEMPTED_EXIT_CODE)]
+            if failed and not received and not preempted:
                 i, rc = failed[0]
                 alive = sum(rc is None for rc in codes)
                 stopping = f"; stopping the other {alive} process(es)" if alive else ""
-                print(
-                    f"redeqx.launch: process {i} (pid {procs[i].pid}) {_describe_exit(rc)}{stopping}.",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                say(f"process {i} (pid {procs[i].pid}) {_describe_exit(rc)}{stopping}.")
                 _stop(procs)
                 status = 128 - rc if rc < 0 else rc
                 break
-            if received and time.monotonic() - received_at[0] > GRACE_SECONDS:
+            for i, rc in enumerate(codes):
+                if rc == PREEMPTED_EXIT_CODE and i not in preempted:
+                    preempted[i] = now
+                    say(f"process {i} {_describe_exit(rc)}.")
+            ended = sorted(i for i, rc in enumerate(codes) if rc == 0 or (marks / f"ended_{i}").exists())
+            running = [i for i, rc in enumerate(codes) if rc is None and i not in ended]
+            if ended and running and not received and not preempted:
+                first_end = first_end if first_end is not None else now
+                if now - first_end > ns.exit_timeout:
+                    say(f"{_names(ended)} ended the script, and {_names(running)} still ran {ns.exit_timeout:g} s "
+                        "later: a process that ends early (sys.exit, return or break taken by one process only) "
+                        "leaves the others waiting for it in a collective forever. Stopping them all "
+                        "(--exit-timeout sets the wait).")
+                    _stop(procs)
+                    status = 1
+                    break
+            since = received_at[0] if received else min(preempted.values(), default=None)
+            grace = GRACE_SECONDS if received and received[0] == signal.SIGINT else ns.grace
+            if since is not None and now - since > grace and any(rc is None for rc in codes):
                 # JAX takes SIGTERM as a preemption notice and keeps running
-                # (see jax.experimental.multihost_utils.reached_preemption_sync_point);
-                # after the grace period, stop for good.
+                # (jax.experimental.multihost_utils.reached_preemption_sync_point):
+                # after the grace period, stop for good, as a scheduler would.
+                late = [i for i, rc in enumerate(codes) if rc is None]
+                say(f"{_names(late)} still ran {grace:g} s after the {'signal' if received else 'preemption'}; "
+                    "killing them.")
                 for p in procs:
                     if p.poll() is None:
                         _signal_group(p, signal.SIGKILL)
             if all(rc is not None for rc in codes):
                 if received:
                     status = 128 + received[0]
+                elif preempted:
+                    status = PREEMPTED_EXIT_CODE
+                elif failed:
+                    status = 128 - failed[0][1] if failed[0][1] < 0 else failed[0][1]
                 break
             time.sleep(0.1)
     finally:
         _stop(procs)
         for s, h in previous.items():
             signal.signal(s, h)
+        shutil.rmtree(marks, ignore_errors=True)
     return status
 
 

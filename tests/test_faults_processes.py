@@ -1,0 +1,140 @@
+"""Faults that end processes, with real processes: under
+``python -m redeqx.launch``, a process that raises mid-run or ends its script
+early ends the whole run, bounded in time and named; a checkpoint still being
+written when a script ends without ``close()`` is finished, or its loss is an
+exit status other than 0."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+PROCESS_TIMEOUT = 120  # a bug fails the test instead of hanging it (before: 300 s in JAX's shutdown barrier)
+ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+
+TRAINING = """
+    import sys, time
+    import jax, jax.numpy as jnp, numpy as np
+    import redeqx
+    redeqx.initialize()
+    mesh = redeqx.make_mesh()
+    x = jax.make_array_from_callback((8,), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")),
+                                     lambda idx: np.ones(8, np.float32)[idx])
+    total = jax.jit(jnp.sum)
+    for step in range(10**6):  # a training loop: collectives with host work in between
+        total(x).block_until_ready()
+        if step == 3 and jax.process_index() == 1:
+            print(f"process 1 {sys.argv[1]} at step {step}", flush=True)
+            {action}
+        time.sleep(0.05)
+"""
+
+
+def launch(tmp_path, body, *args, launcher=("-n", "2", "--devices", "8")):
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(body))
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "redeqx.launch", *launcher, str(script), *map(str, args)],
+                          capture_output=True, text=True, timeout=PROCESS_TIMEOUT, env=ENV)
+    return done, time.monotonic() - start
+
+
+def test_a_process_raising_mid_run_ends_every_process_and_its_traceback_shows_once(tmp_path):
+    done, elapsed = launch(tmp_path, TRAINING.replace("{action}", 'raise RuntimeError("boom at step 3")'), "raises")
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "boom at step 3" in done.stderr and done.stderr.count("Traceback") == 1, done.stderr[-3000:]
+    assert "KeyboardInterrupt" not in done.stderr  # the stopped process leaves quietly
+    assert "process 1 (pid" in done.stderr and "exited with status 1; stopping the other 1 process" in done.stderr
+    assert elapsed < 60, f"{elapsed:.0f} s"
+
+
+def test_a_process_ending_its_script_early_is_named_and_the_run_ends(tmp_path):
+    """Before: the other process waited in a collective for it, and it in JAX's
+    shutdown barrier for the other, for 300 s, until both aborted."""
+    done, elapsed = launch(tmp_path, TRAINING.replace("{action}", "sys.exit(0)"), "exits",
+                           launcher=("-n", "2", "--devices", "8", "--exit-timeout", "3"))
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "process 1 ended the script, and process 0 still ran 3 s later" in done.stderr, done.stderr[-3000:]
+    assert elapsed < 60, f"{elapsed:.0f} s"
+
+
+SAVE_AND_END = """
+    import os, resource, signal, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax, equinox as eqx, optax, redeqx
+    mesh = redeqx.make_mesh(2)
+    model = eqx.nn.MLP(512, 512, 512, depth=3, key=jax.random.key(0))   # ~3 MB of arrays, ~10 MB with Adam
+    specs = redeqx.sharding_rules(model, mesh)
+    state = redeqx.init_state(model, optax.adam(1e-3), mesh, specs, key=jax.random.key(1))
+    manager = redeqx.CheckpointManager(sys.argv[1], keep_last=1)
+    if sys.argv[2] == "full":  # a disk that fills up during the write (the write probe still fits)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    manager.save(state, force=True)
+    print("saved, no close()", flush=True)
+"""
+
+
+@pytest.mark.parametrize("disk", ["full", "fine"])
+def test_a_save_in_flight_at_the_end_of_a_script_is_finished_or_its_loss_is_an_error(tmp_path, disk):
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(SAVE_AND_END))
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "run"), disk], capture_output=True, text=True,
+                          timeout=PROCESS_TIMEOUT, env=ENV)
+    saved = list((tmp_path / "run" / "checkpoints").glob("step_*"))
+    if disk == "full":  # before: exit status 0, with a warning
+        assert done.returncode == 1 and not saved, (done.returncode, done.stderr[-3000:])
+        assert "could not write the checkpoint to" in done.stderr and "step_000000000" in done.stderr
+        assert "a checkpoint was lost; exiting with status 1" in done.stderr
+        # the cause: the size limit, or (when the write was slower than the script) Python's exit
+        assert "a file grew past the size limit" in done.stderr or "Python was exiting" in done.stderr
+    else:  # the write may finish before Python stops its threads, or not; never exit 0 without it
+        assert (done.returncode == 0) == bool(saved), (done.returncode, saved, done.stderr[-3000:])
+        if done.returncode != 0:
+            assert "a checkpoint was lost; exiting with status 1" in done.stderr
+            assert "Python was exiting and had stopped the writer's threads: call manager.close()" in done.stderr
+    if disk == "fine":  # under the launcher the end of the script is seen while the writer runs: it finishes
+        done = subprocess.run([sys.executable, "-m", "redeqx.launch", "-n", "1", str(script), str(tmp_path / "l"),
+                               disk], capture_output=True, text=True, timeout=PROCESS_TIMEOUT, env=ENV)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert len(list((tmp_path / "l" / "checkpoints").glob("step_*"))) == 1
+
+
+READ_ONLY = """
+    import os, subprocess, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax, equinox as eqx, optax, redeqx
+    mesh = redeqx.make_mesh(2)
+    model = eqx.nn.MLP(64, 64, 256, depth=3, key=jax.random.key(0))
+    specs = redeqx.sharding_rules(model, mesh)
+    state = redeqx.init_state(model, optax.adam(1e-3), mesh, specs, key=jax.random.key(1))
+    manager = redeqx.CheckpointManager(sys.argv[1], keep_last=1)
+    manager.save(state, force=True)
+    manager.wait()
+    subprocess.run(["mount", "-o", "remount,ro", sys.argv[1]], check=True)
+    manager.save(eqx.tree_at(lambda s: s.step, state, state.step + 1), force=True)
+"""
+
+
+def test_a_read_only_workdir_fails_the_save_at_once_and_the_process_exits(tmp_path):
+    """Before: the async save returned, its failure was a warning at exit, and
+    orbax's writer threads kept the process alive 300 s waiting for a
+    directory that never appeared. Needs a tmpfs (root); skipped elsewhere."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        script = tmp_path / "script.py"
+        script.write_text(textwrap.dedent(READ_ONLY))
+        start = time.monotonic()
+        done = subprocess.run([sys.executable, str(script), str(mount)], capture_output=True, text=True,
+                              timeout=PROCESS_TIMEOUT, env=ENV)
+        elapsed = time.monotonic() - start
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True)
+    assert done.returncode == 1 and elapsed < 60, (done.returncode, elapsed, done.stderr[-3000:])
+    assert "step_000000001: the file system is read-only (EROFS" in done.stderr, done.stderr[-3000:]

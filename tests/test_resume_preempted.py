@@ -1,0 +1,125 @@
+"""Preemption: a run following the README's loop (`manager.save` every step,
+``every`` far larger than the run, so only a preemption writes) that receives
+SIGTERM at a random step saves at the next step every process agrees on,
+exits with status 143, and the resumed run ends where an uninterrupted one
+does. Real processes, real signals: one process, and two under
+``python -m redeqx.launch`` with the signal sent to the launcher (it reaches
+both) and to one process only (JAX's preemption service tells the other)."""
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+WORKER = Path(__file__).with_name("resume_worker.py")
+ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+N_STEPS, EVERY, PACE = 12, 1000, "0.3"  # PACE: seconds after each step, so a signal lands mid-run
+TIMEOUT = 240
+
+
+def start(workdir, *, launch=False, pace="0"):
+    cmd = [str(WORKER), str(workdir), str(EVERY), pace]
+    cmd = ([sys.executable, "-m", "redeqx.launch", "-n", "2", *cmd] if launch else [sys.executable, *cmd])
+    return subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc, signal_at=None, target=None):
+    """Reads "step N" lines; at ``signal_at`` sends SIGTERM to ``target(proc)``
+    (the process itself by default). Returns (lines, stderr, exit status)."""
+    lines = []
+    for line in proc.stdout:
+        # the worker's lines; gloo's connection notes from two processes may be cut into them
+        found = re.search(r"(step \d+|resumed at step \d+, epoch \d+, batch \d+)$", line.strip())
+        if found is None:
+            continue
+        lines.append(found.group(1))
+        if signal_at is not None and lines[-1] == f"step {signal_at}":
+            os.kill(target(proc) if target else proc.pid, signal.SIGTERM)
+    proc.wait(timeout=TIMEOUT)
+    return lines, proc.stderr.read(), proc.returncode
+
+
+def launched_process(launcher, index):
+    """The pid of process ``index`` under a `redeqx.launch` launcher."""
+    for _ in range(100):
+        children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
+        for pid in children:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            if f"REDEQX_PROCESS_ID={index}".encode() in env:
+                return int(pid)
+        time.sleep(0.05)
+    raise AssertionError(f"no process {index} under the launcher")
+
+
+def saved_steps(workdir):
+    return sorted(int(p.name.split("_")[1]) for p in (Path(workdir) / "checkpoints").glob("step_*"))
+
+
+def final(workdir):
+    with np.load(Path(workdir) / "final.npz", allow_pickle=False) as f:
+        return {k: f[k] for k in f.files}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("reference")
+    lines, err, rc = finish(start(workdir))
+    assert rc == 0 and lines[-1] == f"step {N_STEPS}", err[-3000:]
+    assert saved_steps(workdir) == [], "every=1000: an uninterrupted run writes nothing but its close()"
+    return final(workdir)
+
+
+def assert_final(workdir, want, exact):
+    got = final(workdir)
+    assert want.keys() == got.keys() and int(got["step"]) == N_STEPS
+    for k in want:
+        assert want[k].dtype == got[k].dtype, k
+        if exact or k in ("key", "step"):
+            assert np.array_equal(want[k], got[k]), k
+        else:  # 2 x 4 devices sum in another order than 1 x 8: ~1e-8 apart; a wrong resume is ~1e-2 off
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-6, err_msg=k)
+
+
+def test_sigterm_one_process_saves_exits_143_and_resumes_bit_identical(tmp_path, reference):
+    at = random.randrange(2, N_STEPS - 4)
+    lines, err, rc = finish(start(tmp_path, pace=PACE), signal_at=at)
+    assert rc == 143, (rc, err[-3000:])
+    saved = saved_steps(tmp_path)
+    assert len(saved) == 1 and at < saved[0] < N_STEPS, (at, saved, lines)
+    assert f"preempted (SIGTERM): saved step {saved[0]}" in err and "exiting with status 143" in err
+    assert lines[-1] == f"step {saved[0]}" or lines[-1] == f"step {saved[0] - 1}", lines  # stopped at the save
+    lines, err, rc = finish(start(tmp_path))
+    assert rc == 0 and lines[0].startswith(f"resumed at step {saved[0]},"), (lines, err[-3000:])
+    assert_final(tmp_path, reference, exact=True)
+
+
+def test_sigterm_two_processes_to_one_or_both_saves_and_resumes(tmp_path, reference):
+    """First the signal reaches process 1 only (as when one host of a slice is
+    preempted): both processes save at the same step and exit 143. The
+    resumed run gets it through the launcher (both processes at once), and
+    the third run finishes."""
+    at = random.randrange(2, N_STEPS - 6)
+    proc = start(tmp_path, launch=True, pace=PACE)
+    lines, err, rc = finish(proc, signal_at=at, target=lambda p: launched_process(p, 1))
+    assert rc == 143, (rc, err[-3000:])
+    first = saved_steps(tmp_path)
+    assert len(first) == 1 and at < first[0] < N_STEPS, (at, first, lines)
+    assert "redeqx.launch: process 1 was preempted" in err or "redeqx.launch: process 0 was preempted" in err, err
+
+    proc = start(tmp_path, launch=True, pace=PACE)
+    lines, err, rc = finish(proc, signal_at=first[0] + 1)
+    assert rc == 143, (rc, err[-3000:])
+    assert lines[0].startswith(f"resumed at step {first[0]},"), lines
+    second = [s for s in saved_steps(tmp_path) if s > first[0]]
+    assert len(second) == 1 and second[0] < N_STEPS, (first, second, lines)
+
+    lines, err, rc = finish(start(tmp_path, launch=True))
+    assert rc == 0 and lines[0].startswith(f"resumed at step {second[0]},"), (lines, err[-3000:])
+    assert_final(tmp_path, reference, exact=False)
