@@ -6,7 +6,14 @@ from ._bart import (
     BartForConditionalGeneration as BartForConditionalGeneration,
     shift_tokens_right as shift_tokens_right,
 )
-from ._generate import beam_search as beam_search, generate as generate, greedy as greedy, sample as sample
+from ._generate import (
+    Decoder as Decoder,
+    Recomputing as Recomputing,
+    beam_search as beam_search,
+    generate as generate,
+    greedy as greedy,
+    sample as sample,
+)
 from ._gpt2 import GPT2Config as GPT2Config, GPT2LMHeadModel as GPT2LMHeadModel
 from ._gptj import GPTJConfig as GPTJConfig, GPTJForCausalLM as GPTJForCausalLM
 from ._llama import LlamaConfig as LlamaConfig, LlamaForCausalLM as LlamaForCausalLM

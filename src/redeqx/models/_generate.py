@@ -1,19 +1,20 @@
-"""Text generation with a KV cache: greedy, sampling, beam search.
+"""Text generation for any decoder: greedy, sampling, beam search.
 
 Everything here is a traceable JAX function of a fixed shape (a
 ``lax.scan`` over new tokens), so it runs under ``jax.jit`` and as a
 ``pred_fn`` of `redeqx.make_predict_step`, sharded like the model it drives.
-A model drives generation through two methods, for one sequence:
-``prefill(input_ids, attention_mask, max_new_tokens) -> (next_logits, cache)``
-reads the prompt (a decoder-only model decodes it into its KV cache; an
-encoder-decoder model encodes it once and decodes its start token), and
-``decode(input_ids, cache) -> (logits, cache)`` runs the new tokens.
+A model drives generation through the `Decoder` protocol (``prefill`` and
+``decode`` with a cache), which every model of `redeqx.models` follows and
+yours can too; a model that only maps tokens to logits is driven without a
+cache (`Recomputing`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -71,11 +72,103 @@ def sample(temperature: float = 1.0, top_k: int | None = None, top_p: float | No
     return pick
 
 
+@runtime_checkable
+class Decoder(Protocol):
+    """What `generate` and `beam_search` drive, for one sequence (they
+    ``jax.vmap`` it over the batch):
+
+    - ``prefill(input_ids, attention_mask, max_new_tokens) -> (next_logits,
+      cache)`` reads the prompt ``(prompt_len,)`` (``attention_mask`` is
+      ``False`` on padding, which may sit anywhere) and returns the logits of
+      the token after its last real one, ``(vocab,)``, and a cache with room
+      for ``max_new_tokens`` more tokens;
+    - ``decode(input_ids, cache) -> (logits, cache)`` runs tokens ``(t,)``
+      after what ``cache`` holds: their logits ``(t, vocab)`` and the cache
+      with them.
+
+    A cache is any pytree of arrays whose shapes do not change (a KV cache, a
+    recurrent state); beam search reorders it along the batch.
+
+    **Example** (a recurrent decoder whose cache is its hidden state):
+
+    ```python
+    class CharRNN(eqx.Module):
+        embed: eqx.nn.Embedding
+        cell: eqx.nn.GRUCell
+        head: eqx.nn.Linear
+
+        def step(self, h, token):
+            h = self.cell(self.embed(token), h)
+            return h, self.head(h)
+
+        def prefill(self, input_ids, attention_mask, max_new_tokens):
+            def read(h, xs):  # padding leaves the state as it is
+                token, real = xs
+                return jnp.where(real, self.step(h, token)[0], h), None
+            h, _ = jax.lax.scan(read, jnp.zeros(self.cell.hidden_size), (input_ids, attention_mask))
+            return self.head(h), h
+
+        def decode(self, input_ids, h):
+            h, logits = jax.lax.scan(lambda h, token: self.step(h, token), h, input_ids)
+            return logits, h
+
+    tokens = redeqx.models.generate(CharRNN(...), prompts, max_new_tokens=20)
+    ```
+    """
+
+    def prefill(self, input_ids: Int[Array, " prompt"], attention_mask: Bool[Array, " prompt"],
+                max_new_tokens: int) -> tuple[Float[Array, " vocab"], Any]: ...
+
+    def decode(self, input_ids: Int[Array, " seq"], cache: Any) -> tuple[Float[Array, "seq vocab"], Any]: ...
+
+
+class Recomputing(eqx.Module):
+    """A decoder without a cache, ``model(input_ids) -> logits`` for a causal
+    ``model`` (``(seq,) -> (seq, vocab)``), as a `Decoder`: the cache is the
+    tokens so far in a buffer of prompt + ``max_new_tokens`` slots, and each
+    new token re-runs the model on the whole buffer (no KV cache: a step
+    costs a forward pass of that length). `generate` and `beam_search` use it
+    for a model without ``prefill``/``decode``."""
+
+    model: Callable
+
+    def prefill(self, input_ids, attention_mask, max_new_tokens: int):
+        order = jnp.argsort(~attention_mask.astype(bool), stable=True)  # real tokens first, in their order
+        length = jnp.sum(attention_mask.astype(jnp.int32))
+        buffer = jnp.concatenate([input_ids[order], jnp.zeros((max_new_tokens,), input_ids.dtype)])
+        return self._logits(buffer)[length - 1], (buffer, length)
+
+    def decode(self, input_ids, cache):
+        buffer, length = cache
+        buffer = jax.lax.dynamic_update_slice_in_dim(buffer, input_ids.astype(buffer.dtype), length, axis=0)
+        logits = jax.lax.dynamic_slice_in_dim(self._logits(buffer), length, input_ids.shape[0], axis=0)
+        return logits, (buffer, length + input_ids.shape[0])
+
+    def _logits(self, buffer):
+        logits = self.model(buffer)
+        if jnp.ndim(logits) != 2 or logits.shape[0] != buffer.shape[0]:
+            raise ValueError(
+                f"generate: the model maps {buffer.shape[0]} tokens to logits of shape {jnp.shape(logits)}, where "
+                f"({buffer.shape[0]}, vocab) was expected: a model without prefill/decode (redeqx.models.Decoder) "
+                "is called on one sequence of token ids, as model(input_ids), and must return one row of "
+                "logits per token."
+            )
+        return logits
+
+
+def as_decoder(model) -> Decoder:
+    """``model`` if it follows the `Decoder` protocol, else ``Recomputing(model)``."""
+    if isinstance(model, Decoder):
+        return model
+    if callable(model):
+        return Recomputing(model)
+    raise TypeError(
+        f"model is a {type(model).__name__}, which generate can neither decode with (prefill and decode, the "
+        "redeqx.models.Decoder protocol) nor call (model(input_ids) -> logits)."
+    )
+
+
 def _check(model, input_ids, max_new_tokens, attention_mask):
-    if not (hasattr(model, "prefill") and hasattr(model, "decode")):
-        raise TypeError(
-            f"model must be a redeqx.models model with prefill and decode, got {type(model).__name__}."
-        )
     if jnp.ndim(input_ids) != 2:
         raise ValueError(
             f"input_ids must be (batch, prompt_len) token ids, got shape {jnp.shape(input_ids)}; "
@@ -132,7 +225,8 @@ def generate(
     pad_token_id: int = 0,
 ) -> Int[Array, "batch max_new_tokens"]:
     """The ``max_new_tokens`` tokens that follow each prompt, one cached
-    decoding step per token.
+    decoding step per token (``model`` a `Decoder`; a model that only maps
+    tokens to logits re-runs the whole sequence per token, `Recomputing`).
 
     Prompts of different lengths are padded (on the left, the right, or
     both: the same tokens follow), with ``attention_mask`` ``False`` on the
@@ -152,6 +246,7 @@ def generate(
     ```
     """
     b, _, mask = _check(model, input_ids, max_new_tokens, attention_mask)
+    model = as_decoder(model)
     sampler = greedy() if sampler is None else sampler
     if key is None:
         if getattr(sampler, "needs_key", True):
@@ -196,6 +291,7 @@ def beam_search(
     ```
     """
     b, _, mask = _check(model, input_ids, max_new_tokens, attention_mask)
+    model = as_decoder(model)
     if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
         raise ValueError(f"num_beams must be a positive int, got {num_beams!r}.")
     k = num_beams

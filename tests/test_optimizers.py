@@ -1,0 +1,92 @@
+"""optax transformations that need more than (updates, state, params): one
+whose update takes the loss (``value=``, as reduce_on_plateau does) and
+``optax.MultiSteps`` (issue 23, items 1 and 2), each against a hand-written
+loop on one device."""
+
+import equinox as eqx
+import jax
+import numpy as np
+import optax
+import pytest
+
+import redeqx
+
+
+def make_model():
+    return eqx.nn.MLP(4, 3, 16, depth=2, key=jax.random.key(0))
+
+
+def loss_fn(model, batch, key):
+    logits = jax.vmap(model)(batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def batches(n=4):
+    rng = np.random.default_rng(0)
+    return [{"x": rng.normal(size=(8, 4)).astype(np.float32), "y": rng.integers(0, 3, 8).astype(np.int32)}
+            for _ in range(n)]
+
+
+def by_hand(optimizer, data, value: bool):
+    """A plain loop on one device: what make_train_step must compute."""
+    model = make_model()
+    params, static = eqx.partition(model, eqx.is_array)
+    opt_state = optimizer.init(params)
+    for batch in data:
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(eqx.combine(p, static), batch, None))(params)
+        kwargs = {"value": loss} if value else {}
+        updates, opt_state = optimizer.update(grads, opt_state, params, **kwargs)
+        params = optax.apply_updates(params, updates)
+    return params
+
+
+def with_redeqx(optimizer, data, n_model_shards):
+    mesh = redeqx.make_mesh(n_model_shards)
+    model = make_model()
+    specs = redeqx.sharding_rules(model, mesh)
+    state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
+    step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs)
+    for batch in data:
+        state, _ = step(state, batch)
+    return eqx.filter(state.model, eqx.is_array)
+
+
+def assert_same(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n_model_shards", [1, 2])
+def test_an_optimizer_that_takes_the_loss_gets_it(n_model_shards):
+    # a plateau of one step halves the rate: the learning rate depends on the losses it was given
+    optimizer = optax.chain(optax.adam(0.1), optax.contrib.reduce_on_plateau(patience=0, factor=0.5,
+                                                                            accumulation_size=1))
+    data = batches()
+    assert_same(with_redeqx(optimizer, data, n_model_shards), by_hand(optimizer, data, value=True))
+
+
+@pytest.mark.parametrize("n_model_shards", [1, 2])
+def test_multi_steps_is_accepted_and_updates_every_k_steps(n_model_shards):
+    optimizer = optax.MultiSteps(optax.adam(0.1), every_k_schedule=2)
+    data = batches()
+    assert_same(with_redeqx(optimizer, data, n_model_shards),
+                by_hand(optimizer.gradient_transformation(), data, value=False))
+    mesh = redeqx.make_mesh(n_model_shards)
+    model = make_model()
+    specs = redeqx.sharding_rules(model, mesh)
+    state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
+    step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs)
+    first, _ = step(state, data[0])
+    # the first of two micro-steps only accumulates: the parameters have not moved yet
+    assert_same(eqx.filter(first.model, eqx.is_array), eqx.filter(make_model(), eqx.is_array))
+    assert int(first.step) == 1
+
+
+def test_an_optimizer_state_of_another_optimizer_is_named():
+    mesh = redeqx.make_mesh(2)
+    model = make_model()
+    specs = redeqx.sharding_rules(model, mesh)
+    state = redeqx.init_state(model, optax.adam(0.1), mesh, specs, key=jax.random.key(1))
+    step = redeqx.make_train_step(loss_fn, optax.MultiSteps(optax.adam(0.1), 2), mesh, specs)
+    with pytest.raises(ValueError, match="state.opt_state does not match"):
+        step(state, batches(1)[0])
