@@ -72,10 +72,10 @@ def _logits(model, ids):
     return np.asarray(jax.jit(jax.vmap(model))(jnp.asarray(ids)))
 
 
-@pytest.mark.parametrize("kind", ["gqa", "tied", "qwen2"])
-def test_logits_match_transformers(checkpoints, kind):
+@pytest.mark.parametrize("kind,scan_layers", [("gqa", False), ("tied", False), ("qwen2", False), ("gqa", True)])
+def test_logits_match_transformers(checkpoints, kind, scan_layers):
     d, hf = checkpoints[kind]
-    model = from_pretrained(d, redeqx.make_mesh(1, devices=jax.devices()[:1]))
+    model = from_pretrained(d, redeqx.make_mesh(1, devices=jax.devices()[:1]), scan_layers=scan_layers)
     ids = _ids()
     np.testing.assert_allclose(_logits(model, ids), _torch_logits(hf, ids), atol=1e-4, rtol=0)
 

@@ -17,12 +17,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import equinox as eqx
 import jax
 import ml_dtypes
 import numpy as np
 
-from .._trees import named_leaves
+from .._trees import is_array_like, named_leaves
 
 DTYPES = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
@@ -77,7 +76,7 @@ def leaf_tensors(model, rename: Callable[[str], str] = _same) -> list[HFTensor]:
     """One checkpoint tensor per array leaf of ``model``, named
     ``rename(path)``: for a family whose attribute paths are Hugging Face's
     tensor names (up to ``rename``)."""
-    return [HFTensor(rename(path), (path,)) for path, _ in named_leaves(eqx.filter(model, eqx.is_array))]
+    return [HFTensor(rename(path), (path,)) for path, x in named_leaves(model) if is_array_like(x)]
 
 
 @dataclasses.dataclass(frozen=True)
