@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from redeqx._hlo import DTYPE_BYTES, Collective, array_shapes, collectives, summarise
+from redeqx._hlo import DTYPE_BYTES, Collective, array_shapes, collectives, executions, parse_module, summarise
 
 # XLA's GPU and TPU pipelines run two passes after SPMD partitioning that XLA:CPU's does not
 # (xla/service/gpu/gpu_compiler.cc "collective-optimizations" vs xla/service/cpu/cpu_compiler.cc):
@@ -125,6 +125,9 @@ def reassociated_collectives(hlo_text: str) -> list[Collective]:
         merged[name], groups[name] = merged[a] | merged[b], groups[a]
         del merged[a], merged[b]
 
+    computations, _, entry = parse_module(hlo_text)
+    runs = executions(computations, entry)
+    computation_of = {ins.name: name for name, instructions in computations.items() for ins in instructions}
     found = []
     for root, members in merged.items():
         first = next(iter(members))
@@ -132,7 +135,8 @@ def reassociated_collectives(hlo_text: str) -> list[Collective]:
         user = only_user(root)
         if user is not None and instrs[user][0] == "dynamic-slice":
             kind, size = "reduce-scatter", nbytes(instrs[user][1])
-        found.append(Collective(kind, tuple(array_shapes(instrs[first][1])), size))
+        # one inside a loop's body (a scan over stacked layers) runs once per iteration
+        found += [Collective(kind, tuple(array_shapes(instrs[first][1])), size)] * runs.get(computation_of.get(root), 1)
     for c in collectives(hlo_text):
         if c.kind != "all-reduce":
             found.append(c)

@@ -12,9 +12,10 @@ from jax.sharding import PartitionSpec as P
 import redeqx
 from redeqx import models
 
+# listed layers, to index a layer (tests/test_models_stacked.py trains LoRA on stacked ones)
 LLAMA = models.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-GPT2 = models.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4)
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, scan_layers=False)
+GPT2 = models.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4, scan_layers=False)
 
 
 def lm_loss(model, batch, key):

@@ -1,6 +1,7 @@
 """BART against Transformers' PyTorch reference (a tiny random config built
 and saved here: no download), and BART-Large's shapes built abstractly."""
 
+import dataclasses
 import re
 
 import equinox as eqx
@@ -93,7 +94,7 @@ def test_save_pretrained_round_trip(bart, tmp_path):
 
 
 def test_explain_shows_the_megatron_plan():
-    config = BartConfig(**{**SIZES, "encoder_layers": 1, "decoder_layers": 1})
+    config = BartConfig(**{**SIZES, "encoder_layers": 1, "decoder_layers": 1, "scan_layers": False})
     model = eqx.filter_eval_shape(lambda: BartForConditionalGeneration(config, key=jax.random.key(0)))
     mesh = redeqx.make_mesh(2)
     table = redeqx.explain(model, redeqx.sharding_rules(model, mesh), mesh)
@@ -177,7 +178,8 @@ def test_bart_large_shapes_equal_transformers():
     hf_config = transformers.BartConfig()  # BART-Large's sizes
     with torch.device("meta"):  # shapes only, nothing allocated
         hf = transformers.AutoModelForSeq2SeqLM.from_config(hf_config)
-    model = _skeleton(BartForConditionalGeneration, BartConfig.from_hf(hf_config.to_dict()), None)  # eval_shape
+    config = dataclasses.replace(BartConfig.from_hf(hf_config.to_dict()), scan_layers=False)  # per-layer names
+    model = _skeleton(BartForConditionalGeneration, config, None)  # eval_shape
     copies = re.compile(r"lm_head\.weight|model\.(encoder|decoder)\.embed_tokens\.weight")  # tied to model.shared
     assert _shapes(model) == {k: tuple(v.shape) for k, v in hf.state_dict().items() if not copies.fullmatch(k)}
     n_params = sum(p.numel() for p in hf.parameters())

@@ -57,7 +57,7 @@ def test_logits_match_transformers_at_1_2_4_model_shards(gpt2):
 
 def test_c_attn_is_split_into_oriented_q_k_v(gpt2):
     d, hf = gpt2
-    model = from_pretrained(d, redeqx.make_mesh(1, devices=jax.devices()[:1]))
+    model = from_pretrained(d, redeqx.make_mesh(1, devices=jax.devices()[:1]), scan_layers=False)
     c_attn = hf.transformer.h[0].attn.c_attn.weight.detach().numpy()  # (in, 3 * out)
     attn = model.transformer.h[0].attn
     np.testing.assert_array_equal(attn.k_proj.weight, c_attn[:, 32:64].T)
@@ -73,7 +73,7 @@ def test_save_pretrained_round_trip(gpt2, tmp_path):
 
 
 def test_explain_shows_the_megatron_plan():
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=1, n_head=4),
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=1, n_head=4, scan_layers=False),
                             key=jax.random.key(0))
     mesh = redeqx.make_mesh(2)
     specs = redeqx.sharding_rules(model, mesh)

@@ -1,6 +1,7 @@
 """GPT-J against Transformers' PyTorch reference (a tiny random config built
 and saved here: no download), and GPT-J-6B's shapes built abstractly."""
 
+import dataclasses
 import re
 
 import equinox as eqx
@@ -86,7 +87,7 @@ def test_save_pretrained_round_trip(gptj, tmp_path):
 
 
 def test_explain_shows_the_megatron_plan():
-    config = GPTJConfig(**{**SIZES, "n_layer": 1})
+    config = GPTJConfig(**{**SIZES, "n_layer": 1, "scan_layers": False})
     model = eqx.filter_eval_shape(lambda: GPTJForCausalLM(config, key=jax.random.key(0)))  # shapes are enough
     mesh = redeqx.make_mesh(2)
     table = redeqx.explain(model, redeqx.sharding_rules(model, mesh), mesh)
@@ -169,7 +170,8 @@ def test_gptj_6b_shapes_equal_transformers():
     hf_config = transformers.GPTJConfig()  # GPT-J-6B's sizes
     with torch.device("meta"):  # shapes only, nothing allocated
         hf = transformers.AutoModelForCausalLM.from_config(hf_config)
-    model = _skeleton(GPTJForCausalLM, GPTJConfig.from_hf(hf_config.to_dict()), None)  # eqx.filter_eval_shape
+    config = dataclasses.replace(GPTJConfig.from_hf(hf_config.to_dict()), scan_layers=False)  # per-layer names
+    model = _skeleton(GPTJForCausalLM, config, None)  # eqx.filter_eval_shape
     assert _shapes(model) == {k: tuple(v.shape) for k, v in hf.state_dict().items()}
     assert sum(p.numel() for p in hf.parameters()) == sum(x.size for x in jax.tree.leaves(model)) == 6_050_882_784
 

@@ -102,7 +102,7 @@ def test_forward_agrees_across_model_shards(checkpoints):
 def test_loaded_arrays_are_sharded_by_the_rules(checkpoints):
     d, _ = checkpoints["gqa"]
     mesh = redeqx.make_mesh(2)
-    model = from_pretrained(d, mesh)
+    model = from_pretrained(d, mesh, scan_layers=False)
     q = model.model.layers[0].self_attn.q_proj.weight
     assert q.sharding.spec == P("model", None)
     assert q.addressable_shards[0].data.shape == (16, 32)
@@ -110,7 +110,7 @@ def test_loaded_arrays_are_sharded_by_the_rules(checkpoints):
 
 def test_explain_shows_the_megatron_plan():
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, attention_bias=True)
+                         num_attention_heads=4, num_key_value_heads=2, attention_bias=True, scan_layers=False)
     model = LlamaForCausalLM(config, key=jax.random.key(0))
     mesh = redeqx.make_mesh(2)
     specs = redeqx.sharding_rules(model, mesh)
@@ -188,7 +188,7 @@ def test_sharded_checkpoint_with_index(checkpoints, tmp_path):
 def test_bf16_load_and_compute(checkpoints):
     d, hf = checkpoints["gqa"]
     model = from_pretrained(d, redeqx.make_mesh(2), dtype=jnp.bfloat16)
-    assert model.model.layers[0].mlp.up_proj.weight.dtype == jnp.bfloat16
+    assert model.model.layers.mlp.up_proj.weight.dtype == jnp.bfloat16  # stacked, the default
     ids = _ids()
     out = _logits(model, ids)
     assert out.dtype == jnp.bfloat16

@@ -1,6 +1,7 @@
 """OPT against Transformers' PyTorch reference (tiny random configs built and
 saved here: no download), and OPT-13B / OPT-66B's shapes built abstractly."""
 
+import dataclasses
 import re
 
 import equinox as eqx
@@ -108,7 +109,7 @@ def test_save_pretrained_round_trip_and_hub_names(checkpoints, tmp_path):
 
 
 def test_explain_shows_the_megatron_plan():
-    config = OPTConfig(**{**SIZES, "num_hidden_layers": 1})
+    config = OPTConfig(**{**SIZES, "num_hidden_layers": 1, "scan_layers": False})
     model = eqx.filter_eval_shape(lambda: OPTForCausalLM(config, key=jax.random.key(0)))  # shapes are enough
     mesh = redeqx.make_mesh(2)
     table = redeqx.explain(model, redeqx.sharding_rules(model, mesh), mesh)
@@ -195,7 +196,7 @@ def test_full_size_shapes_equal_transformers(name, sizes, n_params):
     hf_config = transformers.OPTConfig(**sizes)  # vocab 50272, 2048 positions: the released models' values
     with torch.device("meta"):  # shapes only, nothing allocated
         hf = transformers.AutoModelForCausalLM.from_config(hf_config)
-    config = OPTConfig.from_hf(hf_config.to_dict())
+    config = dataclasses.replace(OPTConfig.from_hf(hf_config.to_dict()), scan_layers=False)  # per-layer names
     model = _skeleton(OPTForCausalLM, config, None)  # built by eqx.filter_eval_shape: nothing allocated
     theirs = {k: tuple(v.shape) for k, v in hf.state_dict().items() if k != "lm_head.weight"}  # the head is tied
     assert _shapes(model) == theirs

@@ -34,12 +34,14 @@ def array_shapes(shape_text: str) -> list[tuple[str, tuple[int, ...]]]:
 
 
 # "%name = <shape> op(%a, %b), attributes" (ROOT first in a computation's last line)
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<shape>\(.*?\)|[^\s(]+)\s+"
+# a shape: "f32[4,8]{1,0}", with a TPU layout "f32[4,8]{1,0:T(8,128)}", or a tuple of them
+_SHAPE = r"\((?:[^()]|\([^()]*\))*\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?"
+_INSTRUCTION = re.compile(rf"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>{_SHAPE})\s+"
                           r"(?P<op>[a-z\-]+)\((?P<args>[^)]*)\)(?P<rest>.*)$")
-_HEADER = re.compile(r"^(?P<entry>ENTRY\s+)?%(?P<name>[\w.\-]+)\s*\((?P<params>.*)\)\s*->.*\{\s*$")
-_PARAM = re.compile(r"([\w.\-]+):\s*(\([^)]*\)|[a-z0-9]+\[[0-9,]*\])")
+_HEADER = re.compile(r"^(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*(?:\((?P<params>.*)\)\s*->.*)?\{\s*$")
+_PARAM = re.compile(rf"([\w.\-]+):\s*({_SHAPE})")
 # computations an instruction runs: once per run of it, or (a while loop's) once per iteration
-_CALLED = re.compile(r"\b(calls|body|condition|true_computation|false_computation)=%([\w.\-]+)")
+_CALLED = re.compile(r"\b(calls|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
 _CALLED_MANY = re.compile(r"\b(branch_computations|called_computations)=\{([^}]*)\}")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
@@ -51,6 +53,7 @@ class Instruction:
     shape: str
     operands: tuple[str, ...]
     attributes: str
+    literal: str = ""  # what a constant holds
 
 
 def parse_module(hlo_text: str) -> tuple[dict[str, list[Instruction]], dict[str, dict[str, str]], str | None]:
@@ -62,26 +65,43 @@ def parse_module(hlo_text: str) -> tuple[dict[str, list[Instruction]], dict[str,
     for line in hlo_text.splitlines():
         if (h := _HEADER.match(line)) is not None:
             current = h.group("name")
-            computations[current], params[current] = [], dict(_PARAM.findall(h.group("params")))
+            computations[current], params[current] = [], dict(_PARAM.findall(h.group("params") or ""))
             if h.group("entry"):
                 entry = current
         elif current is not None and (m := _INSTRUCTION.match(line)) is not None:
-            operands = tuple(re.findall(r"%([\w.\-]+)", m.group("args")))
+            operands = tuple(re.findall(r"%?([\w.\-]+)", m.group("args")))
+            literal = m.group("args") if m.group("op") == "constant" else ""
             computations[current].append(Instruction(m.group("name"), m.group("op"), m.group("shape"), operands,
-                                                     m.group("rest")))
+                                                     m.group("rest"), literal))
     return computations, params, entry
 
 
-def _callees(ins: Instruction) -> list[tuple[str, int]]:
+def _trip_count(ins: Instruction, computations: dict[str, list[Instruction]]) -> int:
+    """How many times a while loop runs: XLA's ``known_trip_count`` (XLA:CPU
+    writes it), else the bound its condition compares a counter with
+    (``counter < N``, the counter of a ``lax.scan`` starting at 0), else 1.
+    Both the compiled text (``%name``) and the lowered one (``name``) read."""
+    m = _TRIP_COUNT.search(ins.attributes)
+    if m:
+        return int(m.group(1))
+    m = re.search(r"\bcondition=%?([\w.\-]+)", ins.attributes)
+    condition = computations.get(m.group(1), []) if m else []
+    constants = {c.name: c.literal for c in condition if c.op == "constant" and re.fullmatch(r"-?\d+", c.literal)}
+    bounds = [int(constants[c.operands[1]]) for c in condition
+              if c.op == "compare" and "direction=LT" in c.attributes and len(c.operands) == 2
+              and c.operands[1] in constants]
+    return bounds[0] if len(bounds) == 1 and bounds[0] > 0 else 1
+
+
+def _callees(ins: Instruction, computations: dict[str, list[Instruction]]) -> list[tuple[str, int]]:
     """``(computation, runs per run of ins)`` for what ``ins`` calls (not the
     scalar functions a reduce or an all-reduce applies)."""
-    trips = 1
-    if ins.op == "while":
-        m = _TRIP_COUNT.search(ins.attributes)
-        trips = int(m.group(1)) if m else 1
+    trips = _trip_count(ins, computations) if ins.op == "while" else 1
     out = [(name, trips if kind in ("body", "condition") else 1) for kind, name in _CALLED.findall(ins.attributes)]
+    if ins.op == "call":  # a called computation (in lowered text), not a reduction's scalar function
+        out += [(name, 1) for name in re.findall(r"\bto_apply=%?([\w.\-]+)", ins.attributes)]
     for _, names in _CALLED_MANY.findall(ins.attributes):
-        out += [(name, 1) for name in re.findall(r"%([\w.\-]+)", names)]
+        out += [(name, 1) for name in re.findall(r"%?([\w.\-]+)", names)]
     return out
 
 
@@ -98,7 +118,7 @@ def executions(computations: dict[str, list[Instruction]], entry: str | None, *,
             return
         seen.add(name)
         for ins in computations[name]:
-            for callee, _ in _callees(ins):
+            for callee, _ in _callees(ins, computations):
                 visit(callee)
         order.append(name)
 
@@ -107,7 +127,7 @@ def executions(computations: dict[str, list[Instruction]], entry: str | None, *,
     times[entry] = 1
     for name in reversed(order):
         for ins in computations[name]:
-            for callee, trips in _callees(ins):
+            for callee, trips in _callees(ins, computations):
                 if callee in times:
                     times[callee] += times[name] * (trips if loops else 1)
     return times

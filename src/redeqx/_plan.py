@@ -196,9 +196,11 @@ def _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, settings, device_m
     stats = compiled.memory_analysis()
     peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
             + stats.temp_size_in_bytes)
-    text = compiled.as_text()
-    return Plan(**common, temporaries=stats.temp_size_in_bytes, peak=peak, collectives=collective_summary(text),
-                flops=_flops(compiled) * loop_factor(text))
+    # the loops as the program was written (before a backend rewrites them: libtpu turns a dot into a
+    # convolution whose window stands for a batch dim), counted once per iteration
+    factor = loop_factor(lowered.as_text(dialect="hlo"))
+    return Plan(**common, temporaries=stats.temp_size_in_bytes, peak=peak,
+                collectives=collective_summary(compiled.as_text()), flops=_flops(compiled) * factor)
 
 
 _REFUSED = re.compile(r"required for HLO temporaries \(([0-9.]+)([KMGT]?)\)")

@@ -74,7 +74,9 @@ FSDP_MIN_SIZE = 2**14
 
 
 @dataclasses.dataclass(frozen=True)
-class LeafPlan:
+class LeafSpec:
+    """What the rules decided for one array: its spec and why (for `explain`)."""
+
     path: str
     shape: tuple[int, ...]
     dtype: Any
@@ -401,8 +403,8 @@ def _lifted(spec: P, n: int) -> P:
     return P(*([None] * n), *spec) if n and len(spec) else spec
 
 
-def leaf_plans(model, mesh: Mesh, overrides: Sequence[tuple[str, P]] = (), fsdp: bool = False, name: str | None = None):
-    """Returns ``(treedef, [LeafPlan | None per leaf], fallbacks)`` for ``model``;
+def leaf_specs(model, mesh: Mesh, overrides: Sequence[tuple[str, P]] = (), fsdp: bool = False, name: str | None = None):
+    """Returns ``(treedef, [LeafSpec | None per leaf], fallbacks)`` for ``model``;
     ``fallbacks`` are ``(path and shape, why, loud)`` for leaves replicated
     because ``n_model_shards`` cannot split them as the rules would."""
     mesh = check_mesh(mesh)
@@ -410,7 +412,7 @@ def leaf_plans(model, mesh: Mesh, overrides: Sequence[tuple[str, P]] = (), fsdp:
     compiled = _compile_overrides(overrides, mesh)
     n_model = mesh.shape[MODEL]
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(model)
-    plans: list[LeafPlan | None] = [None] * len(leaves_with_path)
+    decided: list[LeafSpec | None] = [None] * len(leaves_with_path)
     counters: dict[str, int] = {}
     weight_dims: dict[str, int] = {}  # layer path -> dim split by 'model' (for its bias and adapters)
     fallbacks: list[tuple[str, str, bool]] = []
@@ -428,7 +430,7 @@ def leaf_plans(model, mesh: Mesh, overrides: Sequence[tuple[str, P]] = (), fsdp:
             reason = f"layer axis (L={axes}), each layer: {reason}"
             spec = spec if final else _lifted(spec, n)
         whole = leaves_with_path[i][1]
-        plans[i] = LeafPlan(path, tuple(whole.shape), whole.dtype, spec, reason)
+        decided[i] = LeafSpec(path, tuple(whole.shape), whole.dtype, spec, reason)
 
     def override(path, i):
         whole = leaves_with_path[i][1]
@@ -542,14 +544,14 @@ def leaf_plans(model, mesh: Mesh, overrides: Sequence[tuple[str, P]] = (), fsdp:
             f"override '{unused[0]}' matches no array path of the {name or 'model'}; paths look like: "
             + ", ".join(near) + ". Overrides are regexes searched in these paths (see redeqx.explain)."
         )
-    return treedef, plans, fallbacks
+    return treedef, decided, fallbacks
 
 
 def _axes_of(entry) -> tuple:
     return entry if isinstance(entry, tuple) else (entry,)
 
 
-# the plans of the latest `sharding_rules` results, so `explain` can give each leaf's reason
+# what the latest `sharding_rules` calls decided, so `explain` can give each leaf's reason
 _RECENT: collections.OrderedDict = collections.OrderedDict()
 
 
@@ -588,7 +590,7 @@ def sharding_rules(model, mesh: Mesh, *, overrides: Sequence = (), fsdp: bool = 
     print(redeqx.explain(model, specs, mesh))
     ```
     """
-    treedef, plans, fallbacks = leaf_plans(model, mesh, overrides, fsdp, name)
+    treedef, decided, fallbacks = leaf_specs(model, mesh, overrides, fsdp, name)
     loud = [(leaf, why) for leaf, why, is_loud in fallbacks if is_loud]
     if loud:
         by_why: dict[str, list[str]] = {}  # one reason said once for every leaf it holds for
@@ -602,8 +604,8 @@ def sharding_rules(model, mesh: Mesh, *, overrides: Sequence = (), fsdp: bool = 
             + ". Where a dim or count does not divide, pick n_model_shards that divides it; or pass "
             "overrides=[(regex, spec)]."
         )
-    specs = jax.tree_util.tree_unflatten(treedef, [p.spec if p is not None else None for p in plans])
-    _RECENT[id(specs)] = (specs, plans)
+    specs = jax.tree_util.tree_unflatten(treedef, [p.spec if p is not None else None for p in decided])
+    _RECENT[id(specs)] = (specs, decided)
     while len(_RECENT) > 32:
         _RECENT.popitem(last=False)
     return specs
@@ -627,8 +629,8 @@ def explain(model, specs, mesh: Mesh) -> str:
     mesh = check_mesh(mesh)
     recent = _RECENT.get(id(specs))
     candidates = [recent[1]] if recent is not None and recent[0] is specs else []
-    candidates += [leaf_plans(model, mesh)[1], leaf_plans(model, mesh, fsdp=True)[1]]
-    by_path = [{p.path: p for p in plans if p is not None} for plans in candidates]
+    candidates += [leaf_specs(model, mesh)[1], leaf_specs(model, mesh, fsdp=True)[1]]
+    by_path = [{p.path: p for p in decided if p is not None} for decided in candidates]
     m_leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: x is None)[0]
     s_leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P) or x is None)
     if len(m_leaves) != len(s_leaves):

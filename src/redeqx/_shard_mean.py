@@ -80,7 +80,7 @@ def _first_rows(batch, n_data: int, rows: int):
     return jax.tree.map(take, batch)
 
 
-def disagreement(loss_fn, accumulate: int, mesh: Mesh, trainable):
+def gradient_gap(loss_fn, accumulate: int, mesh: Mesh, trainable):
     """``(state, batch) -> (gap, random, finite)``: how far the whole
     batch's gradients are from the shards' mean (relative L2), whether the
     loss depends on its key, and whether the whole batch's loss and

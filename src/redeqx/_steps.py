@@ -42,7 +42,7 @@ from ._loss import (
     split_trainable,
 )
 from ._mesh import DATA, check_mesh
-from ._shard_mean import check_whole_over_data, disagreement, judge, shard_mean
+from ._shard_mean import check_whole_over_data, gradient_gap, judge, shard_mean
 from ._state import Optimizer, TrainState, as_optimizer, check_specs, check_specs_match, mirror_specs
 from ._trees import is_array_like, leaves_with_specs
 from ._typing import floating_dtype, positive_int, short_repr, typechecked
@@ -238,7 +238,7 @@ def make_train_step(
                         batch_args=(0,))
     check = None
     if shard_mean_loss and mesh.shape[DATA] > 1:  # one data shard: the shards' mean is the loss
-        measure = CompiledStep(disagreement(loss_fn, accumulate, mesh, trainable), mesh, placement=placement,
+        measure = CompiledStep(gradient_gap(loss_fn, accumulate, mesh, trainable), mesh, placement=placement,
                                what="state", batch_args=(0,))
         check = FirstCallCheck(measure, functools.partial(judge, loss_fn=loss_fn))
     return _named_like(loss_fn, StepFunction(step, first_call_check=check))

@@ -40,6 +40,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from .._constrain import constrain
 from .._mesh import MODEL
 from ._layers import (
+    SCAN_LAYERS,
     ACTIVATIONS,
     Attention,
     Embedding,
@@ -56,13 +57,16 @@ from ._safetensors import HFTensor, leaf_tensors
 from ._seq2seq import EncoderDecoderLM, cache_slots, layer_caches, shift_right
 
 POSITION_OFFSET = 2  # position p reads row p + 2 of each table, as fairseq and Hugging Face do
-SCAN_LAYERS = False  # see benchmarks/RESULTS.md, "Stacked layers (benchmarks/stacked.py)"
 
 
 @dataclasses.dataclass(frozen=True)
 class BartConfig:
     """Sizes and options of a BART model; names follow Hugging Face's
-    ``config.json``. The defaults are BART-Large."""
+    ``config.json``. The defaults are BART-Large.
+
+    ``scan_layers=True`` (the default) stacks the layers, run by a ``lax.scan``: compile time
+    flat in depth, the same step (`redeqx.models._layers.SCAN_LAYERS` says why); False lists them.
+    """
 
     vocab_size: int = 50265
     max_position_embeddings: int = 1024
@@ -83,7 +87,7 @@ class BartConfig:
     decoder_start_token_id: int = 2  # BART starts decoding from </s>
     forced_bos_token_id: int | None = None  # kept for config.json; redeqx's generate does not force tokens
     forced_eos_token_id: int | None = 2
-    scan_layers: bool = SCAN_LAYERS  # encoder and decoder layers stacked and run by lax.scan; False: lists
+    scan_layers: bool = SCAN_LAYERS  # layers stacked and run by a lax.scan (see SCAN_LAYERS); False: a list
 
     def __post_init__(self):
         check_positive_ints(self, ("vocab_size", "max_position_embeddings", "d_model", "encoder_layers",

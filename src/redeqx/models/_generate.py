@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
+from .._typing import positive_int
+
 Sampler = Callable[[Float[Array, "batch vocab"], PRNGKeyArray], Int[Array, " batch"]]
 
 
@@ -47,8 +49,8 @@ def sample(temperature: float = 1.0, top_k: int | None = None, top_p: float | No
     """
     if not temperature > 0:
         raise ValueError(f"sample: temperature must be > 0, got {temperature!r}; use greedy() for temperature 0.")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"sample: top_k must be a positive int or None, got {top_k!r}.")
+    if top_k is not None:
+        positive_int(top_k, "sample: top_k")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"sample: top_p must be in (0, 1] or None, got {top_p!r}.")
 
@@ -174,8 +176,7 @@ def _check(model, input_ids, max_new_tokens, attention_mask):
             f"input_ids must be (batch, prompt_len) token ids, got shape {jnp.shape(input_ids)}; "
             "for one prompt write input_ids[None]."
         )
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}.")
+    positive_int(max_new_tokens, "max_new_tokens")
     if attention_mask is not None and jnp.shape(attention_mask) != jnp.shape(input_ids):
         raise ValueError(
             f"attention_mask has shape {jnp.shape(attention_mask)} but input_ids has {jnp.shape(input_ids)}; "
@@ -292,8 +293,7 @@ def beam_search(
     """
     b, _, mask = _check(model, input_ids, max_new_tokens, attention_mask)
     model = as_decoder(model)
-    if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
-        raise ValueError(f"num_beams must be a positive int, got {num_beams!r}.")
+    positive_int(num_beams, "num_beams")
     k = num_beams
     rep = lambda x: jnp.repeat(x, k, axis=0)  # (B, ...) -> (B*K, ...), beams of a row adjacent
     last, cache = _prefill(model, rep(input_ids), rep(mask), max_new_tokens)

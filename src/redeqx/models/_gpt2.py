@@ -22,6 +22,7 @@ from jaxtyping import PRNGKeyArray
 from .._constrain import constrain
 from .._mesh import MODEL
 from ._layers import (
+    SCAN_LAYERS,
     Cache,
     CausalLM,
     Embedding,
@@ -38,12 +39,15 @@ from ._layers import (
 )
 from ._safetensors import HFTensor
 
-SCAN_LAYERS = False  # see benchmarks/RESULTS.md, "Stacked layers (benchmarks/stacked.py)"
 
 
 @dataclasses.dataclass(frozen=True)
 class GPT2Config:
-    """Sizes of a GPT-2 model; names follow Hugging Face's ``config.json``."""
+    """Sizes of a GPT-2 model; names follow Hugging Face's ``config.json``.
+
+    ``scan_layers=True`` (the default) stacks the layers, run by a ``lax.scan``: compile time
+    flat in depth, the same step (`redeqx.models._layers.SCAN_LAYERS` says why); False lists them.
+    """
 
     vocab_size: int = 50257
     n_positions: int = 1024
@@ -54,7 +58,7 @@ class GPT2Config:
     layer_norm_epsilon: float = 1e-5
     bos_token_id: int | None = 50256
     eos_token_id: int | None = 50256
-    scan_layers: bool = SCAN_LAYERS  # the blocks stacked and run by lax.scan; False: a list
+    scan_layers: bool = SCAN_LAYERS  # layers stacked and run by a lax.scan (see SCAN_LAYERS); False: a list
 
     def __post_init__(self):
         check_positive_ints(self, ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"))

@@ -37,6 +37,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from .._constrain import constrain
 from .._mesh import MODEL
 from ._layers import (
+    SCAN_LAYERS,
     ACTIVATIONS,
     Cache,
     CausalLM,
@@ -54,13 +55,16 @@ from ._layers import (
     update_cache,
 )
 
-SCAN_LAYERS = False  # see benchmarks/RESULTS.md, "Stacked layers (benchmarks/stacked.py)"
 
 
 @dataclasses.dataclass(frozen=True)
 class GPTJConfig:
     """Sizes of a GPT-J model; names follow Hugging Face's ``config.json``.
-    The defaults are GPT-J-6B."""
+    The defaults are GPT-J-6B.
+
+    ``scan_layers=True`` (the default) stacks the layers, run by a ``lax.scan``: compile time
+    flat in depth, the same step (`redeqx.models._layers.SCAN_LAYERS` says why); False lists them.
+    """
 
     vocab_size: int = 50400
     n_positions: int = 2048
@@ -74,7 +78,7 @@ class GPTJConfig:
     bos_token_id: int | None = 50256
     eos_token_id: int | None = 50256
     pad_token_id: int | None = None
-    scan_layers: bool = SCAN_LAYERS  # the blocks stacked and run by lax.scan; False: a list
+    scan_layers: bool = SCAN_LAYERS  # layers stacked and run by a lax.scan (see SCAN_LAYERS); False: a list
 
     def __post_init__(self):
         check_positive_ints(self, ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"))

@@ -16,9 +16,17 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._constrain import constrain
+from .._typing import positive_int
 from .._mesh import MODEL
 
 INIT_STD = 0.02  # the initializer_range of the Hugging Face configs
+
+# Every family's default layout: its layers stacked (one layer's arrays with a leading layer axis, run
+# by a lax.scan) rather than listed. A stack compiles as one layer whatever the depth; its step does
+# the same collectives and a few % more FLOPs (a stacked layer recomputes its elementwise
+# intermediates in the backward pass) in no more activation memory than listed layers on XLA:CPU,
+# and about as much on libtpu (less with redeqx.remat): benchmarks/RESULTS.md, "Stacked layers".
+SCAN_LAYERS = True
 
 # Hugging Face's names for the feed-forward activations.
 ACTIVATIONS = {
@@ -180,9 +188,11 @@ def layer_at(layers, i: int):
 
 def run_layers(layers, x, caches, step: Callable):
     """``x`` through each layer in turn, ``step(layer, x, cache) -> (x,
-    new_cache)``: a Python loop over a list, a ``lax.scan`` over a stack.
-    ``caches`` has the layers' form (a list, a stacked cache) or is None;
-    returns ``x`` and the new caches in that form."""
+    new_cache)``: a Python loop over a list, a ``lax.scan`` over a stack,
+    each stacked layer keeping only its matrix products (without batch dims)
+    for the backward pass and recomputing the rest. ``caches`` has the
+    layers' form (a list, a stacked cache) or is None; returns ``x`` and the
+    new caches in that form."""
     if not is_stacked(layers):
         new = []
         for i, layer in enumerate(layers):
@@ -195,6 +205,10 @@ def run_layers(layers, x, caches, step: Callable):
         layer, cache = xs
         return step(eqx.combine(layer, static), x, cache)
 
+    # A scan stores what each layer's backward reads as stacked arrays, every intermediate JAX
+    # chose, where an unrolled compile fuses the elementwise ones away: keep the projections'
+    # outputs and recompute the rest (benchmarks/RESULTS.md, "Stacked layers").
+    body = jax.checkpoint(body, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable, prevent_cse=False)
     return jax.lax.scan(body, x, (arrays, caches))
 
 
@@ -365,9 +379,7 @@ def check_positions(name: str, n: int, table: int | None, field: str) -> None:
 def check_positive_ints(config, names: tuple[str, ...]) -> None:
     """A clear error for the first of ``config``'s fields ``names`` that is not a positive int."""
     for name in names:
-        v = getattr(config, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{type(config).__name__}.{name} must be a positive int, got {v!r}.")
+        positive_int(getattr(config, name), f"{type(config).__name__}.{name}")
 
 
 def default_head_dim(hidden: int, n_heads: int) -> int:

@@ -26,6 +26,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from .._constrain import constrain
 from .._mesh import MODEL
 from ._layers import (
+    SCAN_LAYERS,
     Cache,
     CausalLM,
     Embedding,
@@ -45,7 +46,6 @@ from ._layers import (
 _MODEL_TYPES = ("llama", "mistral", "qwen2")
 # Whether layers are stacked by default: compile time flat in depth, the same step figures
 # (benchmarks/RESULTS.md, "Stacked layers (benchmarks/stacked.py)").
-SCAN_LAYERS = False
 _ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -56,6 +56,9 @@ class LlamaConfig:
     ``rope_scaling`` is ``None`` or a tuple of ``(key, value)`` pairs such as
     ``(("rope_type", "llama3"), ("factor", 8.0), ...)`` (a tuple, so the config
     is hashable and can be a static field).
+
+    ``scan_layers=True`` (the default) stacks the layers, run by a ``lax.scan``: compile time
+    flat in depth, the same step (`redeqx.models._layers.SCAN_LAYERS` says why); False lists them.
     """
 
     vocab_size: int = 32000
@@ -79,7 +82,7 @@ class LlamaConfig:
     pad_token_id: int | None = None
     sliding_window: int | None = None  # attention span when use_sliding_window (Mistral)
     use_sliding_window: bool = False
-    scan_layers: bool = SCAN_LAYERS  # the layers stacked and run by lax.scan (see SCAN_LAYERS); False: a list
+    scan_layers: bool = SCAN_LAYERS  # layers stacked and run by a lax.scan (see SCAN_LAYERS); False: a list
 
     def __post_init__(self):
         check_positive_ints(

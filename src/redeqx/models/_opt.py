@@ -31,6 +31,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from .._constrain import constrain
 from .._mesh import MODEL
 from ._layers import (
+    SCAN_LAYERS,
     ACTIVATIONS,
     Attention,
     Cache,
@@ -46,7 +47,6 @@ from ._layers import (
 from ._safetensors import HFTensor, leaf_tensors
 
 POSITION_OFFSET = 2  # position p reads row p + 2 of the table, as fairseq and Hugging Face do
-SCAN_LAYERS = False  # see benchmarks/RESULTS.md, "Stacked layers (benchmarks/stacked.py)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +55,9 @@ class OPTConfig:
 
     The defaults are OPT-125m. OPT-13B is ``hidden_size=5120, num_hidden_layers=40,
     num_attention_heads=40, ffn_dim=20480``; OPT-66B ``9216, 64, 72, 36864``.
+
+    ``scan_layers=True`` (the default) stacks the layers, run by a ``lax.scan``: compile time
+    flat in depth, the same step (`redeqx.models._layers.SCAN_LAYERS` says why); False lists them.
     """
 
     vocab_size: int = 50272
@@ -74,7 +77,7 @@ class OPTConfig:
     bos_token_id: int | None = 2
     eos_token_id: int | None = 2
     hf_prefix: str = "model."  # prefix of the checkpoint's tensor names ("" in the hub's OPTModel files)
-    scan_layers: bool = SCAN_LAYERS  # the layers stacked and run by lax.scan; False: a list
+    scan_layers: bool = SCAN_LAYERS  # layers stacked and run by a lax.scan (see SCAN_LAYERS); False: a list
 
     def __post_init__(self):
         check_positive_ints(self, ("vocab_size", "hidden_size", "num_hidden_layers", "ffn_dim",

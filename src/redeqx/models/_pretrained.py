@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .._rules import sharding_rules
-from .._trees import is_none, is_spec, named_leaves
+from .._trees import leaves_with_specs, named_leaves, replace_array_leaves
 from ._bart import BartConfig, BartForConditionalGeneration
 from ._gpt2 import GPT2Config, GPT2LMHeadModel
 from ._gptj import GPTJConfig, GPTJForCausalLM
@@ -140,33 +140,25 @@ def from_pretrained(local_dir: str | os.PathLike, mesh: Mesh, specs=None, *, dty
     if specs is None:
         specs = sharding_rules(skeleton, mesh)
     tensors = hf_tensors(skeleton)
-    leaves = named_leaves(skeleton, is_leaf=is_none)
-    spec_leaves = jax.tree.leaves(specs, is_leaf=is_spec)
-    if len(spec_leaves) != len(leaves):
-        raise ValueError(
-            f"specs has {len(spec_leaves)} leaves but the {model_cls.__name__} has {len(leaves)}; "
-            "pass specs=None, or specs from redeqx.sharding_rules on this model."
-        )
-    by_path = {path: (i, leaf, P() if spec is None else spec)
-               for i, ((path, leaf), spec) in enumerate(zip(leaves, spec_leaves))}
+    by_path = {path: (leaf, spec) for path, leaf, spec in leaves_with_specs(skeleton, specs)}
     _check_tensors(tensors, entries, by_path, getattr(model_cls, "hf_ignore", ()), local_dir)
 
-    out = [leaf for _, leaf in leaves]
+    placed: dict[str, jax.Array] = {}
     for t in tensors:
         full = read_tensor(entries[t.name])
         for path, part in zip(t.paths, t.split(full)):
-            i, leaf, spec = by_path[path]
+            leaf, spec = by_path[path]
             target = np.dtype(leaf.dtype) if dtype is not None or not np.issubdtype(part.dtype, np.floating) else part.dtype
-            if t.layer is None:
-                out[i] = _placed(part, leaf.shape, NamedSharding(mesh, spec), target)
-                continue
             sharding = NamedSharding(mesh, spec)
-            if not isinstance(out[i], jax.Array):  # the first layer of this stacked leaf
-                out[i] = _zeros(tuple(leaf.shape), target, sharding)()
+            if t.layer is None:
+                placed[path] = _placed(part, leaf.shape, sharding, target)
+                continue
+            if path not in placed:  # the first layer of this stacked leaf
+                placed[path] = _zeros(tuple(leaf.shape), target, sharding)()
             piece = _placed(part, leaf.shape[1:], NamedSharding(mesh, P(*spec[1:])), target)
-            out[i] = _write_layer(sharding)(out[i], piece, t.layer)
+            placed[path] = _write_layer(sharding)(placed[path], piece, t.layer)
         del full
-    return jax.tree.unflatten(jax.tree.structure(skeleton, is_leaf=is_none), out)
+    return replace_array_leaves(skeleton, [placed[path] for path in by_path])
 
 
 def _placed(part: np.ndarray, shape, sharding: NamedSharding, dtype) -> jax.Array:
@@ -184,7 +176,7 @@ def _check_tensors(tensors: Sequence[HFTensor], entries, by_path, ignore, local_
         e = entries[t.name]
         parts = t.split(np.broadcast_to(np.zeros((), e.dtype), e.shape))
         for path, part in zip(t.paths, parts):
-            want = _leaf_shape(by_path[path][1], t)
+            want = _leaf_shape(by_path[path][0], t)
             if tuple(part.shape) != want:
                 wrong.append(f"{t.name}: checkpoint {e.shape} gives {path} {tuple(part.shape)}, model needs {want}")
     known = {t.name for t in tensors}

@@ -35,6 +35,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from .._constrain import constrain
 from .._mesh import MODEL
 from ._layers import (
+    SCAN_LAYERS,
     Embedding,
     KVCache,
     Linear,
@@ -51,7 +52,6 @@ from ._layers import (
 from ._safetensors import HFTensor
 from ._seq2seq import EncoderDecoderLM, cache_slots, layer_caches
 
-SCAN_LAYERS = False  # see benchmarks/RESULTS.md, "Stacked layers (benchmarks/stacked.py)"
 
 _ACTIVATIONS = {
     "relu": jax.nn.relu,
@@ -68,6 +68,9 @@ class T5Config:
     ``feed_forward_proj`` is ``"relu"`` (T5 v1.0), ``"gated-gelu"`` (v1.1,
     Flan-T5: ``gelu(wi_0 x) * wi_1 x``, GELU in its tanh form), or another
     ``[gated-]relu|gelu|gelu_new|silu``.
+
+    ``scan_layers=True`` (the default) stacks the layers, run by a ``lax.scan``: compile time
+    flat in depth, the same step (`redeqx.models._layers.SCAN_LAYERS` says why); False lists them.
     """
 
     vocab_size: int = 32128
@@ -87,7 +90,7 @@ class T5Config:
     eos_token_id: int | tuple[int, ...] | None = 1
     decoder_start_token_id: int = 0  # T5 starts decoding from the pad token
     initializer_factor: float = 1.0  # scales T5's initialisation (below); Transformers' name
-    scan_layers: bool = SCAN_LAYERS  # each stack's blocks stacked and run by lax.scan; False: lists
+    scan_layers: bool = SCAN_LAYERS  # layers stacked and run by a lax.scan (see SCAN_LAYERS); False: a list
 
     def __post_init__(self):
         if isinstance(self.initializer_factor, bool) or not isinstance(self.initializer_factor, (int, float)) \
