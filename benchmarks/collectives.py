@@ -33,6 +33,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse  # noqa: E402
+import itertools  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -50,6 +51,7 @@ from redeqx import models  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+from accelerator_count import accelerator_collectives  # noqa: E402
 from megatron_count import megatron_bytes  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -105,6 +107,10 @@ def measure(config, n_model_shards, fsdp, args):
     p = redeqx.plan(make, loss_fn, optax.adamw(1e-4), batch, mesh, fsdp=fsdp, explore=False)
     compile_s = time.perf_counter() - t0
     measured = {k: p.collectives.get(k, {"count": 0, "bytes": 0}) for k in KINDS}
+    state = redeqx.init_state(abstract, optax.adamw(1e-4), mesh, specs, key=jax.random.key(0))
+    step = redeqx.make_train_step(loss_fn, optax.adamw(1e-4), mesh, specs)
+    sharded = {"ids": jax.ShapeDtypeStruct(batch["ids"].shape, jnp.int32, sharding=NamedSharding(mesh, P("data")))}
+    accelerator = sum(v["bytes"] for v in accelerator_collectives(step, state, sharded).values())
 
     local_batch = args.batch // n_data
     activations = megatron_bytes(config.hidden_size, config.num_hidden_layers, local_batch, args.seq, 0) \
@@ -116,7 +122,8 @@ def measure(config, n_model_shards, fsdp, args):
     else:
         analytic = one_gather = activations + (params if n_data > 1 else 0)
         plan_name = "Megatron"
-    return dict(n_model_shards=n_model_shards, n_data=n_data, fsdp=fsdp, measured=measured,
+    return dict(n_model_shards=n_model_shards, n_data=n_data, fsdp=fsdp, measured=measured, accelerator=accelerator,
+                stacked=config.scan_layers,
                 total=sum(v["bytes"] for v in measured.values()), analytic=analytic, one_gather=one_gather,
                 plan=plan_name,
                 params=params, gathered=gathered, rest=rest, compile_s=compile_s)
@@ -134,20 +141,21 @@ def main():
     parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
     args = parser.parse_args()
 
-    config = models.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                                num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                                max_position_embeddings=max(2048, args.seq))
     rows = []
-    for k in (1, 2, 4, 8):
-        for fsdp in (False, True):
-            r = measure(config, k, fsdp, args)
-            rows.append(r)
-            m = r["measured"]
-            print(f"n_model_shards={k} x data={r['n_data']} fsdp={fsdp}: "
-                  + ", ".join(f"{kind} {v['count']} x = {mib(v['bytes'])} MiB" for kind, v in m.items() if v["count"])
-                  + f"; total {mib(r['total'])} MiB vs {r['plan']} {mib(r['analytic'])} MiB "
-                  f"-> {r['total'] / r['analytic'] if r['analytic'] else float('nan'):.3f}x ({r['compile_s']:.0f} s)",
-                  flush=True)
+    for k, fsdp, stacked in itertools.product((1, 2, 4, 8), (False, True), (False, True)):
+        config = models.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
+                                    intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+                                    num_attention_heads=args.heads, max_position_embeddings=max(2048, args.seq),
+                                    scan_layers=stacked)
+        r = measure(config, k, fsdp, args)
+        rows.append(r)
+        m = r["measured"]
+        print(f"n_model_shards={k} x data={r['n_data']} fsdp={fsdp}: "
+              + ", ".join(f"{kind} {v['count']} x = {mib(v['bytes'])} MiB" for kind, v in m.items() if v["count"])
+              + f"; total {mib(r['total'])} MiB vs {r['plan']} {mib(r['analytic'])} MiB "
+              f"-> {r['total'] / r['analytic'] if r['analytic'] else float('nan'):.3f}x; as an accelerator moves "
+              f"them {mib(r['accelerator'])} MiB ({r['compile_s']:.0f} s, {'stacked' if stacked else 'listed'})",
+              flush=True)
 
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(eqx.filter_eval_shape(
         lambda key: models.LlamaForCausalLM(config, key=key), jax.random.key(0))) if isinstance(x, jax.ShapeDtypeStruct))
@@ -155,24 +163,28 @@ def main():
         f"LLaMA (redeqx.models) hidden {args.hidden}, {args.layers} layers, {args.heads} heads, intermediate "
         f"{args.intermediate}, vocab {args.vocab} ({n_params / 1e6:.1f} M parameters, {n_params * 4 / 2**20:.0f} MiB "
         f"fp32); a batch of {args.batch} x {args.seq} tokens, AdamW, 8 simulated CPU devices. Bytes per device per "
-        "step, each collective counted by its result (`plan(...).collectives`, read from the compiled HLO); MiB.",
+        "step, each collective counted by its result (`plan(...).collectives`, read from the compiled HLO, a loop "
+        "counted once per iteration); beside it, the count as XLA:GPU/TPU move them (tests/accelerator_count.py: "
+        "the all-reduces of added partial sums merged, as their compilers do and XLA:CPU does not); MiB. Layers "
+        "listed and stacked (`scan_layers`).",
         "",
-        "| n_model_shards x data | fsdp | all-reduce | all-gather | reduce-scatter | other | measured total "
-        "| analytic | plan | ratio | ratio, gathering once |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| layers | n_model_shards x data | fsdp | all-reduce | all-gather | reduce-scatter | other | XLA:CPU total "
+        "| as an accelerator moves them | analytic | plan | ratio (accelerator) | ratio, gathering once |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         m = r["measured"]
         other = sum(m[k]["bytes"] for k in ("all-to-all", "collective-permute"))
-        ratio = f"{r['total'] / r['analytic']:.4f}" if r["analytic"] else ("-" if r["total"] == 0 else "inf")
-        once = f"{r['total'] / r['one_gather']:.4f}" if r["plan"] == "ZeRO-3" else ""
+        ratio = f"{r['accelerator'] / r['analytic']:.4f}" if r["analytic"] else ("-" if r["accelerator"] == 0 else "inf")
+        once = f"{r['accelerator'] / r['one_gather']:.4f}" if r["plan"] == "ZeRO-3" else ""
 
         def cell(kind):
             return f"{mib(m[kind]['bytes'])} ({m[kind]['count']})" if m[kind]["count"] else "0"
 
-        lines.append(f"| {r['n_model_shards']} x {r['n_data']} | {'yes' if r['fsdp'] else 'no'} | {cell('all-reduce')} "
+        lines.append(f"| {'stacked' if r['stacked'] else 'listed'} | {r['n_model_shards']} x {r['n_data']} "
+                     f"| {'yes' if r['fsdp'] else 'no'} | {cell('all-reduce')} "
                      f"| {cell('all-gather')} | {cell('reduce-scatter')} | {mib(other)} | {mib(r['total'])} "
-                     f"| {mib(r['analytic'])} | {r['plan']} | {ratio} | {once} |")
+                     f"| {mib(r['accelerator'])} | {mib(r['analytic'])} | {r['plan']} | {ratio} | {once} |")
     lines += ["", "Counts of each kind in brackets. The Megatron count at data > 1 includes the gradient all-reduce "
               "(each device's parameter bytes); at n_model_shards 1 there is no activation traffic; at 8 x 1 fsdp "
               "has no data axis to split over and changes nothing. The ZeRO-3 count gathers every fsdp-split "
