@@ -233,14 +233,16 @@ def test_attention_heads_are_never_split_mid_head(getkey):
 def test_zoo_grouped_query_heads_follow_their_own_count(getkey):
     from redeqx.models import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    model = eqx.filter_eval_shape(LlamaForCausalLM, config, key=getkey())
-    specs, caught = rules_warnings(model, redeqx.make_mesh(4))
-    attn = specs.model.layers[0].self_attn
-    assert attn.q_proj.weight == P("model", None) and attn.o_proj.weight == P(None, "model")
-    assert attn.k_proj.weight == P() and attn.v_proj.weight == P()  # 2 KV heads over 4 shards
-    assert any("2 heads not divisible" in str(w.message) for w in caught)
+    for scan_layers, layer in ((False, lambda s: s.model.layers[0]), (True, lambda s: s.model.layers)):
+        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=8, scan_layers=scan_layers)
+        model = eqx.filter_eval_shape(LlamaForCausalLM, config, key=getkey())
+        specs, caught = rules_warnings(model, redeqx.make_mesh(4))
+        attn = layer(specs).self_attn
+        lead = (None,) if scan_layers else ()  # the layer axis, never split
+        assert attn.q_proj.weight == P(*lead, "model", None) and attn.o_proj.weight == P(*lead, None, "model")
+        assert attn.k_proj.weight == P() and attn.v_proj.weight == P()  # 2 KV heads over 4 shards
+        assert any("2 heads not divisible" in str(w.message) for w in caught)
 
 
 def test_conv_bias_follows_its_conv(getkey):
