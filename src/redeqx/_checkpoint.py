@@ -54,7 +54,7 @@ from jaxtyping import PyTree
 
 from ._mesh import check_mesh, same_devices
 from ._state import TrainState, check_specs_match as _check_specs_match, mirror_specs as _mirror_specs, refuse_deleted
-from ._trees import is_array_like, is_none as _is_none, is_spec as _is_spec, named_leaves, path_parts
+from ._trees import is_array_like, is_none as _is_none, is_spec as _is_spec, path_parts
 from ._version import __version__
 from ._typing import floating_dtype
 
@@ -493,7 +493,7 @@ def save_checkpoint(
     path = Path(path).absolute()  # orbax refuses relative paths
     if path.exists():
         raise CheckpointError(f"{path} already exists; save to a new path or delete the old checkpoint first.")
-    refuse_deleted(named_leaves(state), "state")
+    refuse_deleted(state, "state")
     encoded = encode(state, metadata, dtype)
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
         write(checkpointer, path, encoded.args)

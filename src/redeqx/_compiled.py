@@ -24,7 +24,7 @@ from ._cpu import wait_for_program
 from ._loss import fn_name
 from ._mesh import DATA, mesh_text, same_devices
 from ._state import check_leaf, place, refuse_deleted
-from ._trees import CONCRETE_ARRAYS, named_leaves, path_str
+from ._trees import CONCRETE_ARRAYS, named_leaves
 from ._typing import short_repr, warn_user
 
 Placement = Callable[[Any, list[str], list], list[NamedSharding]]
@@ -126,14 +126,11 @@ class CompiledStep:
         return jax.jit(inner)
 
     def _lookup(self, tree, abstract: bool):
-        """``(jitted, arrays, shardings, paths, treedef, mask, constants)`` for ``tree``."""
-        flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-        paths = tuple(path_str(kp) for kp, _ in flat)
-        leaves = [x for _, x in flat]
+        """``(jitted, arrays, current, shardings, dyn_paths, treedef, mask,
+        constants)`` for ``tree``. Leaf paths are spelled out only when a
+        layout is seen for the first time: this runs on every step call."""
+        leaves, treedef = jax.tree.flatten(tree)
         dynamic = CONCRETE_ARRAYS + ((jax.ShapeDtypeStruct,) if abstract else ())
-        for path, x in zip(paths, leaves):
-            if not isinstance(x, dynamic):
-                check_leaf(path, x, self.what)
         mask = tuple(isinstance(x, dynamic) for x in leaves)
         arrays = [x for x, m in zip(leaves, mask) if m]
         constants = tuple(None if m else x for x, m in zip(leaves, mask))
@@ -145,6 +142,10 @@ class CompiledStep:
             key = (treedef, mask, tuple(map(id, constants)), current)
             hit = self._by_layout.get(key)
         if hit is None:
+            paths = tuple(path for path, _ in named_leaves(tree))
+            for path, x, m in zip(paths, leaves, mask):
+                if not m:
+                    check_leaf(path, x, self.what)
             hit = self._by_structure.get(key[:3])
             if hit is None:
                 dyn_paths = [p for p, m in zip(paths, mask) if m]
@@ -158,7 +159,7 @@ class CompiledStep:
     def _placed(self, arrays, current, shardings, paths) -> list:
         """``arrays`` where ``shardings`` say, moved (never sharing the caller's
         memory when donated) with a warning naming the moved leaves."""
-        refuse_deleted(zip(paths, arrays), self.what)
+        refuse_deleted(arrays, self.what, paths)
         moved, out = [], []
         for x, cur, s, path in zip(arrays, current, shardings, paths):
             if cur is not s and cur != s:
@@ -177,7 +178,7 @@ class CompiledStep:
 
     def _args(self, args):
         for i, arg in enumerate(args):
-            refuse_deleted(named_leaves(arg), f"step's argument {i + 2}")
+            refuse_deleted(arg, f"step's argument {i + 2}")
         if not self.batch_args:
             if jax.process_count() > 1:
                 _refuse_local_arrays(args)

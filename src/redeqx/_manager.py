@@ -50,7 +50,6 @@ from ._checkpoint import (
 )
 from ._mesh import DATA
 from ._state import refuse_deleted
-from ._trees import named_leaves
 from ._typing import positive_int
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -427,7 +426,7 @@ class CheckpointManager:
         a write that fails a `CheckpointError`: nothing is skipped silently.
         """
         self._check_open()
-        refuse_deleted(named_leaves(state), "state")
+        refuse_deleted(state, "state")
         if step is None:
             step = step_of(state)
             if step is None:

@@ -476,11 +476,16 @@ def apply_gradients(
                                step=state.step + 1)
 
 
-def refuse_deleted(named_leaves, what: str) -> None:
+def refuse_deleted(tree, what: str, paths=None) -> None:
     """A step given an array whose buffer an earlier donating call took would
     crash the process (XLA:CPU segfaults executing it) or fail deep in JAX:
-    name the leaf and the usual cause instead."""
-    for path, x in named_leaves:
+    name the leaf and the usual cause instead. (Paths are spelled out only
+    when a leaf was deleted, unless ``paths`` already name ``tree``'s leaves:
+    this runs on every step call.)"""
+    leaves = jax.tree.leaves(tree)
+    if not any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves):
+        return
+    for path, x in zip(paths, leaves) if paths is not None else named_leaves(tree):
         if isinstance(x, jax.Array) and x.is_deleted():
             raise ValueError(
                 f"leaf '{path}' of the {what} was deleted: an earlier step was given it and donated its memory (a train "
