@@ -24,6 +24,12 @@ Sections (``--sections``):
 - ``step``: step time (median over alternating steps) and temporaries of a
   smaller LLaMA (hidden 512, 8 layers, 256 tokens) on 8 simulated CPU
   devices, listed and stacked, each with and without `redeqx.remat`.
+- ``user``: a user's own stack (tests/stacked_gpt.py: ``eqx.nn`` blocks
+  built by ``eqx.filter_vmap``, run by ``lax.scan``; width 256, 8 layers, 256
+  tokens, vocab 8192, 16 sequences per data shard) against the same weights
+  listed, at n_model_shards 2 and 4, without remat and under `redeqx.remat`
+  keeping ``"dots"`` or ``"nothing"``, on both compilers: temporaries and
+  collective bytes.
 - ``table1``: OPT-66B with fsdp on 64 devices (n_model_shards 8), stacked, by
   XLA:CPU and by libtpu, next to the listed rows of "redco Table 1 ... by the
   TPU v4 compiler".
@@ -230,6 +236,34 @@ def step_worker(stacked: bool, remat: bool, rounds: int) -> dict:
     return dict(temp=temp, times=times, loss=float(metrics["loss"]))
 
 
+def user_worker(platform: str, k: int, stacked: bool, remat: str) -> dict:
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import redeqx
+
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    from stacked_gpt import GPT, loss_fn, unstacked
+
+    mesh = redeqx.make_mesh(k, devices=_devices(platform))
+
+    def make():
+        model = GPT(vocab=8192, seq=256, width=256, layers=8, heads=4, key=jax.random.key(0))
+        return model if stacked else unstacked(model)
+
+    model = eqx.filter_eval_shape(make)
+    specs = redeqx.sharding_rules(model, mesh)
+    state = redeqx.init_state(model, optax.adamw(1e-4), mesh, specs, key=jax.random.key(0))
+    loss = loss_fn if remat == "no" else redeqx.remat(loss_fn, keep=remat)
+    step = redeqx.make_train_step(loss, optax.adamw(1e-4), mesh, specs)
+    batch = {"tokens": jax.ShapeDtypeStruct((16 * mesh.shape["data"], 257), jnp.int32)}
+    compiled = step.lower(state, batch).compile()
+    return dict(temp=compiled.memory_analysis().temp_size_in_bytes,
+                collectives=sum(v["bytes"] for v in redeqx.collective_summary(compiled.as_text()).values()))
+
+
 def table1_worker(platform: str) -> dict:
     import jax
     import jax.numpy as jnp
@@ -292,6 +326,23 @@ def compile_section() -> str:
     return "\n".join(lines + ["", "; ".join(notes) + "."])
 
 
+def user_section() -> str:
+    lines = ["| compiler | K | remat | temporaries listed / stacked (ratio) | collective bytes listed / stacked (ratio) |",
+             "|---|---|---|---|---|"]
+    for platform in ("cpu", "tpu"):
+        for k in (2, 4):
+            for remat in ("no", "dots", "nothing"):
+                a, b = (_run("user", [platform, str(k), str(int(stacked)), remat], platform)
+                        for stacked in (False, True))
+                row = (f"| {'XLA:CPU' if platform == 'cpu' else 'libtpu'} | {k} | {remat if remat == 'no' else f'keep={remat!r}'} "
+                       f"| {a['temp'] / 2**20:.1f} / {b['temp'] / 2**20:.1f} MiB ({b['temp'] / a['temp']:.2f}) "
+                       f"| {a['collectives'] / 2**20:.2f} / {b['collectives'] / 2**20:.2f} MiB "
+                       f"({b['collectives'] / max(a['collectives'], 1):.3f}) |")
+                print(row, flush=True)
+                lines.append(row)
+    return "\n".join(lines)
+
+
 def step_section(rounds: int) -> str:
     results = {}
     for r in range(2):  # alternate the variants, twice
@@ -310,7 +361,7 @@ def step_section(rounds: int) -> str:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sections", default="compile,families,plan70b,step,table1")
+    parser.add_argument("--sections", default="compile,families,user,plan70b,step,table1")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
@@ -323,6 +374,8 @@ def main():
             out = family_worker(rest[0], rest[1], bool(int(rest[2])), bool(int(rest[3])))
         elif kind == "plan70b":
             out = plan70b_worker()
+        elif kind == "user":
+            out = user_worker(rest[0], int(rest[1]), bool(int(rest[2])), rest[3])
         elif kind == "step":
             out = step_worker(bool(int(rest[0])), bool(int(rest[1])), int(rest[2]))
         else:
@@ -338,6 +391,10 @@ def main():
         parts += ["", "Each family at hidden 512, 16 layers (per stack), 512 tokens, 4 sequences per data shard, "
                       "n_model_shards 4 on 8 devices, AdamW, compiled on abstract shapes: listed against stacked "
                       "(collectives and FLOPs counted once per loop iteration):", "", families_section()]
+    if "user" in wanted:
+        parts += ["", "A user's own stack (tests/stacked_gpt.py: eqx.nn blocks built by eqx.filter_vmap and run by "
+                      "lax.scan; width 256, 8 layers, 256 tokens, vocab 8192, 16 sequences per data shard, AdamW) "
+                      "against the same weights listed, on 8 devices:", "", user_section()]
     if "plan70b" in wanted:
         r = _run("plan70b", [])
         print(r["plan"])
