@@ -237,3 +237,82 @@ def test_collectives_match_a_hand_placed_plan():
         by_hand = redeqx.sharding_rules(model, mesh, overrides=head + stacks)
         assert jax.tree.leaves(rules) == jax.tree.leaves(by_hand)
         assert collective_bytes(model, mesh, rules) <= collective_bytes(model, mesh, by_hand)
+
+
+class MoEBlock(eqx.Module):
+    """A transformer-ish block holding experts: a projection, a router Linear and expert stacks."""
+
+    proj: eqx.nn.Linear
+    router: eqx.nn.Linear
+    w_in: jax.Array
+    w_out: jax.Array
+
+    def __init__(self, n_experts, *, key):
+        k = jax.random.split(key, 4)
+        self.proj = eqx.nn.Linear(DIM, DIM, key=k[0])
+        self.router = eqx.nn.Linear(DIM, n_experts, key=k[1])
+        self.w_in = jax.random.normal(k[2], (n_experts, HIDDEN, DIM)) / DIM**0.5
+        self.w_out = jax.random.normal(k[3], (n_experts, DIM, HIDDEN)) / HIDDEN**0.5
+
+    def __call__(self, x):
+        x = x + jax.vmap(self.proj)(x)
+        gates = jax.nn.softmax(jax.vmap(self.router)(x), axis=-1)
+        h = jax.nn.gelu(jnp.einsum("td,efd->tef", x, self.w_in))
+        return x + jnp.einsum("tef,edf,te->td", h, self.w_out, gates)
+
+
+class VmappedExperts(eqx.Module):
+    """Experts as one ``eqx.nn.Linear`` pair built by ``eqx.filter_vmap`` (an (E, ...) axis on each), a 2-D gate."""
+
+    gate: eqx.nn.Linear
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
+
+    def __init__(self, n_experts, *, key):
+        k = jax.random.split(key, 3)
+        self.gate = eqx.nn.Linear(DIM, n_experts, use_bias=False, key=k[0])
+        keys = jax.random.split(k[1], n_experts)
+        self.up = eqx.filter_vmap(lambda kk: eqx.nn.Linear(DIM, HIDDEN, key=kk))(keys)
+        self.down = eqx.filter_vmap(lambda kk: eqx.nn.Linear(HIDDEN, DIM, key=kk))(jax.random.split(k[2], n_experts))
+
+    def __call__(self, x):
+        gates = jax.nn.softmax(jax.vmap(self.gate)(x), axis=-1)
+        h = jax.nn.gelu(jnp.einsum("td,efd->tef", x, self.up.weight) + self.up.bias)
+        return jnp.einsum("tef,edf,te->td", h, self.down.weight, gates) + jnp.einsum("ed,te->td", self.down.bias, gates)
+
+
+class StackedMoELM(eqx.Module):
+    embed: eqx.nn.Embedding
+    blocks: MoEBlock
+    lm_head: eqx.nn.Linear
+
+    def __init__(self, n_experts, layers=3, *, key):
+        k = jax.random.split(key, 3)
+        self.embed = eqx.nn.Embedding(VOCAB, DIM, key=k[0])
+        self.blocks = eqx.filter_vmap(lambda kk: MoEBlock(n_experts, key=kk))(jax.random.split(k[1], layers))
+        self.lm_head = eqx.nn.Linear(DIM, VOCAB, use_bias=False, key=k[2])
+
+    def __call__(self, tokens):
+        arrays, static = eqx.partition(self.blocks, eqx.is_array)
+        x, _ = jax.lax.scan(lambda x, b: (eqx.combine(b, static)(x), None), jax.vmap(self.embed)(tokens), arrays)
+        return jax.vmap(self.lm_head)(x)
+
+
+def test_a_stack_of_moe_blocks_peels_the_layer_axis_from_every_leaf(devices):
+    """A stack of blocks that hold experts: the layer axis (3) is not an expert
+    axis for the block's other layers or its router (it was taken for one: the
+    projection and router split as "3 experts not divisible"), while the
+    expert stacks behind it get expert parallelism; the same training as one device."""
+    model = StackedMoELM(4, key=jax.random.key(0))
+    specs = redeqx.sharding_rules(model, redeqx.make_mesh(2))
+    assert specs.blocks.router.weight == P()
+    assert specs.blocks.proj.weight in (P(None, "model", None), P(None, None, "model"))
+    assert specs.blocks.w_in == specs.blocks.w_out == P(None, "model", None, None)
+    explained = redeqx.explain(model, specs, redeqx.make_mesh(2))
+    assert "3 experts" not in explained and "layer axis (L=3)" in explained
+    ref_losses, ref_model = train(model, 1, devices[:1])
+    losses, trained = train(model, 2, devices)
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
+    # experts built with eqx.filter_vmap beside an unstacked gate keep their leading axis as the experts'
+    specs = redeqx.sharding_rules(VmappedExperts(4, key=jax.random.key(0)), redeqx.make_mesh(2))
+    assert specs.gate.weight == P() and specs.up.weight == specs.down.weight == P("model", None, None)

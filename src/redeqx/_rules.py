@@ -388,13 +388,29 @@ def _compile_overrides(overrides, mesh: Mesh) -> list:
     return compiled
 
 
-def _peeled(parts, chain, leaf, n: int) -> int:
-    """How many of a leaf's ``n`` leading stacked axes are layer axes: none
-    when the leading axis is a mixture of experts' (experts built with
-    ``eqx.filter_vmap`` look like a stack of layers)."""
+def _router_axes(parts, chain, axes: dict[str, int]) -> int | None:
+    """How many layer axes the router of the nearest module holding experts
+    above the leaf carries (``axes``: each array path's count), or None when
+    no such module or router is found."""
+    for j in range(len(chain) - 1, -1, -1):
+        if chain[j] is not None and _holds_experts(chain[j]):
+            for f, v in _fields(chain[j]).items():
+                if f.lower() in ROUTER_NAMES:
+                    path = ".".join([*parts[:j], f] + (["weight"] if hasattr(v, "weight") else []))
+                    return axes.get(path)
+            return None
+    return None
+
+
+def _peeled(parts, chain, leaf, n: int, axes: dict[str, int]) -> int:
+    """How many of a leaf's ``n`` leading stacked axes are layer axes. Experts
+    built with ``eqx.filter_vmap`` look like a stack of layers too: a leading
+    axis that makes the leaf an expert stack is the experts' axis, unless the
+    experts' router is stacked alike (then a stack of whole mixture-of-experts
+    blocks was built, and each block's router and layers carry the layer axis)."""
     if n and _moe_role(parts, chain, tuple(leaf.shape)) == "stack" and \
             _moe_role(parts, chain, tuple(leaf.shape[n:])) != "stack":
-        return 0
+        return min(n, _router_axes(parts, chain, axes) or 0)
     return n
 
 
@@ -444,9 +460,10 @@ def leaf_specs(model, mesh: Mesh, overrides: Sequence[tuple[str, P]] = (), fsdp:
     # Stacked layers: each leaf is decided as one layer of its stack (`layer`, its leading
     # layer axes peeled off), and its spec gets None on those axes (`_lifted`).
     arrays, stacked = [], {}
-    for (i, (kp, leaf)), n in zip([(i, x) for i, x in enumerate(leaves_with_path) if is_array_like(x[1])],
-                                  layer_axes(model)):
-        n = _peeled(path_parts(kp), _ancestors(model, kp), leaf, n)
+    with_axes = list(zip([(i, x) for i, x in enumerate(leaves_with_path) if is_array_like(x[1])], layer_axes(model)))
+    axes = {path_str(kp): n for (_, (kp, _)), n in with_axes}
+    for (i, (kp, leaf)), n in with_axes:
+        n = _peeled(path_parts(kp), _ancestors(model, kp), leaf, n, axes)
         if n:
             stacked[i] = (n, tuple(leaf.shape[:n]))
             leaf = jax.ShapeDtypeStruct(leaf.shape[n:], leaf.dtype)  # one layer
