@@ -25,7 +25,10 @@ INIT_STD = 0.02  # the initializer_range of the Hugging Face configs
 # by a lax.scan) rather than listed. A stack compiles as one layer whatever the depth; its step does
 # the same collectives and a few % more FLOPs (a stacked layer recomputes its elementwise
 # intermediates in the backward pass) in no more activation memory than listed layers on XLA:CPU,
-# and about as much on libtpu (less with redeqx.remat): benchmarks/RESULTS.md, "Stacked layers".
+# and about as much on libtpu (less with redeqx.remat) but for one gradient's bytes, which a scan
+# holds whole before the update where listed layers let libtpu update each layer as its gradient
+# comes: it shows at small batches (benchmarks/RESULTS.md, "Stacked layers" and "Where a stack's
+# extra temporaries on libtpu come from"); scan_layers=False lists the layers.
 SCAN_LAYERS = True
 
 # Hugging Face's names for the feed-forward activations.
