@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ._mesh import DATA
+from ._remat import ScanResiduals, scans_keep_products
 from ._state import trainable_params
 from ._trees import is_floating
 from ._typing import short_repr
@@ -159,10 +160,15 @@ def split_trainable(model, trainable):
 # ----------------------------------------------------------------------------- gradient functions
 
 
-def loss_and_grads(loss_fn, compute_dtype=None, *, inference: bool = False) -> GradFn:
+def loss_and_grads(loss_fn, compute_dtype=None, *, inference: bool = False,
+                   scan_residuals: ScanResiduals = "products") -> GradFn:
     """The gradient function of ``loss_fn``: model and batch floats cast to
     ``compute_dtype`` for the computation (gradients come back in the
-    parameters' own dtypes); ``inference=True`` with dropout off."""
+    parameters' own dtypes); ``inference=True`` with dropout off;
+    ``scan_residuals="products"``: ``loss_fn``'s scans keep only their
+    non-elementwise results for the backward pass (`scans_keep_products`)."""
+    if scan_residuals == "products":
+        loss_fn = scans_keep_products(loss_fn)
 
     def grads_of(params, static, batch, key, model_state):
         def loss_of(params):

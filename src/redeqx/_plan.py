@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ._hlo import collective_summary, loop_factor
 from ._mesh import DATA, MODEL, check_mesh, make_mesh
 from ._optimizers import with_opt_state_dtype
-from ._remat import remat as remat_loss
+from ._remat import ScanResiduals, check_scan_residuals, remat as remat_loss
 from ._rules import sharding_rules
 from ._state import abstract_model, init_state, is_constructor
 from ._trees import human_bytes, per_device_shape
@@ -98,6 +98,8 @@ class Plan:
             parts.append(f"{np.dtype(s['opt_state_dtype']).name} optimizer state")
         if s.get("accumulate", 1) > 1:
             parts.append(f"accumulate={s['accumulate']}")
+        if s.get("scan_residuals", "products") != "products":
+            parts.append(f"scan_residuals={s['scan_residuals']!r}")
         return ", ".join(parts)
 
     def __str__(self) -> str:
@@ -166,7 +168,7 @@ def _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, settings, device_m
     state = init_state(abstract, optimizer, mesh, specs, key=key, trainable=trainable)
     step = make_train_step(remat_loss(loss_fn) if settings["remat"] else loss_fn, optimizer, mesh, specs,
                            accumulate=settings["accumulate"], compute_dtype=settings["compute_dtype"],
-                           trainable=trainable)
+                           trainable=trainable, scan_residuals=settings["scan_residuals"])
     batch = _abstract_batch(batch, mesh)
     params = _leaf_bytes(state.model)
     trainable_params = _leaf_bytes(eqx.filter(state.model, trainable)) if trainable is not None else params
@@ -257,6 +259,7 @@ def plan(
     trainable: Any = None,
     device_memory: Any = None,
     explore: bool = True,
+    scan_residuals: ScanResiduals = "products",
 ) -> Plan:
     """Compile the training step for ``model`` on ``mesh`` without allocating
     anything, and report per device: parameters, optimizer state, batch,
@@ -270,7 +273,7 @@ def plan(
       (``per_device_batch_size * data`` rows).
     - ``fsdp``, ``overrides``: as in `sharding_rules`; ``remat``: the loss
       through `redeqx.remat`; ``accumulate``, ``compute_dtype``, ``trainable``:
-      as in `make_train_step`; ``opt_state_dtype``: the optimizer state kept in
+      ``scan_residuals``: as in `make_train_step`; ``opt_state_dtype``: the optimizer state kept in
       that dtype (`with_opt_state_dtype`).
 
     When it does not fit and ``explore`` is true, each of fsdp, remat,
@@ -299,6 +302,7 @@ def plan(
     redco's TPU rows this way).
     """
     mesh = check_mesh(mesh)
+    check_scan_residuals(scan_residuals)
     key = jax.random.key(0) if key is None else key
     if is_constructor(model):
         abstract = abstract_model(model, key)
@@ -306,7 +310,8 @@ def plan(
         abstract = eqx.filter_eval_shape(lambda: model)
     device_memory = parse_bytes(device_memory)
     settings = dict(fsdp=fsdp, remat=remat, accumulate=accumulate, compute_dtype=compute_dtype,
-                    opt_state_dtype=opt_state_dtype, overrides=tuple(overrides), trainable=trainable)
+                    opt_state_dtype=opt_state_dtype, overrides=tuple(overrides), trainable=trainable,
+                    scan_residuals=scan_residuals)
     first = _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, settings, device_memory)
     if first.fits is not False or not explore:
         return first

@@ -5,7 +5,9 @@ them from the forward pass, trades about one more forward pass of compute for
 the activation memory of every block but one. `remat(loss_fn)` does it for
 any Equinox model without touching its code: each iteration of every
 ``jax.lax.scan`` in the loss (a stack of layers) and each block of a list of
-repeated blocks is recomputed.
+repeated blocks is recomputed. `scans_keep_products` is what every train
+step does to the scans of a loss by default: they keep only the results of
+their non-elementwise operations.
 """
 
 from __future__ import annotations
@@ -22,7 +24,26 @@ from ._cpu import on_cpu, tied_checkpoint
 from ._typing import typechecked
 
 Keep = Literal["nothing", "dots"]
-_POLICIES = {"nothing": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+# Primitives whose results a scan's backward pass recomputes under
+# keep="products": elementwise arithmetic and moves of data, cheap to redo
+# from the values they read. Anything else (products, reductions, gathers,
+# sorts, collectives, custom kernels, any primitive not named here) is kept.
+_RECOMPUTED = frozenset("""
+    abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp conj convert_element_type copy cos cosh
+    div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag integer_pow is_finite le log log1p logistic lt max
+    min mul ne neg nextafter not or pow real reduce_precision rem round rsqrt select_n shift_left
+    shift_right_arithmetic shift_right_logical sign sin sinh sqrt square sub tan tanh xor
+    broadcast_in_dim concatenate expand_dims iota pad reshape rev slice squeeze transpose
+""".split())
+
+
+def _products_saveable(prim, *_, **__) -> bool:
+    return prim.name not in _RECOMPUTED
+
+
+_POLICIES = {"nothing": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+             "products": _products_saveable}
 
 
 def _check_keep(keep) -> None:
@@ -116,23 +137,42 @@ def _sub_jaxpr_params(eqn) -> list[str]:
     return []
 
 
+def _inner_jaxprs(eqn):
+    """Every jaxpr in ``eqn``'s params (a scan's body, a cond's branches...)."""
+    for value in eqn.params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(v, jex.ClosedJaxpr):
+                yield v.jaxpr
+            elif isinstance(v, jex.Jaxpr):
+                yield v
+
+
+def _checkpoints(jaxpr: jex.Jaxpr) -> bool:
+    """Whether ``jaxpr`` runs a ``jax.checkpoint`` anywhere: its author has
+    said what its backward pass keeps."""
+    return any(eqn.primitive.name in ("remat2", "checkpoint") or any(map(_checkpoints, _inner_jaxprs(eqn)))
+               for eqn in jaxpr.eqns)
+
+
 def _avals(closed):
     return [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False)) for a in closed.in_avals]
 
 
-def _recomputed_scans(closed: jex.ClosedJaxpr, policy) -> tuple[jex.ClosedJaxpr, int]:
+def _recomputed_scans(closed: jex.ClosedJaxpr, policy, leave_checkpointed: bool) -> tuple[jex.ClosedJaxpr, int]:
     """``closed`` with the body of every scan in it (and in the calls it
-    makes) under ``jax.checkpoint``, and how many scans that was."""
+    makes) under ``jax.checkpoint``, and how many scans that was; with
+    ``leave_checkpointed``, a scan whose body already checkpoints is left
+    as it is."""
     eqns, found = [], 0
     for eqn in closed.jaxpr.eqns:
-        if eqn.primitive.name == "scan":
-            body, inner = _recomputed_scans(eqn.params["jaxpr"], policy)
+        if eqn.primitive.name == "scan" and not (leave_checkpointed and _checkpoints(eqn.params["jaxpr"].jaxpr)):
+            body, inner = _recomputed_scans(eqn.params["jaxpr"], policy, leave_checkpointed)
             run = jax.checkpoint(jex.jaxpr_as_fun(body), policy=policy, prevent_cse=True)
             eqn = eqn.replace(params={**eqn.params, "jaxpr": jax.make_jaxpr(run)(*_avals(body))})
             found += 1 + inner
         else:
             for name in _sub_jaxpr_params(eqn):
-                sub, inner = _recomputed_scans(eqn.params[name], policy)
+                sub, inner = _recomputed_scans(eqn.params[name], policy, leave_checkpointed)
                 if inner:
                     eqn = eqn.replace(params={**eqn.params, name: sub})
                     found += inner
@@ -140,25 +180,57 @@ def _recomputed_scans(closed: jex.ClosedJaxpr, policy) -> tuple[jex.ClosedJaxpr,
     return jex.ClosedJaxpr(closed.jaxpr.replace(eqns=eqns), closed.consts), found
 
 
+def _scans_rewritten(fn: Callable, policy, leave_checkpointed: bool) -> Callable:
+    """``fn``, traced once, with every ``jax.lax.scan`` it runs keeping what
+    ``policy`` says for the backward pass (`_recomputed_scans`). Non-array
+    arguments are constants; non-array results come back as they were."""
+
+    @functools.wraps(fn)
+    def rewritten(*args):
+        closed, out_arrays, out_static = eqx.filter_make_jaxpr(fn)(*args)  # fn runs once, here
+        closed, _ = _recomputed_scans(closed, policy, leave_checkpointed)
+        leaves = jax.tree.leaves(eqx.filter(args, eqx.is_array))
+        outs = jex.jaxpr_as_fun(closed)(*leaves)
+        return eqx.combine(jax.tree.unflatten(jax.tree.structure(out_arrays), outs), out_static)
+
+    return rewritten
+
+
 def recompute_scans(fn: Callable, keep: Keep = "nothing") -> Callable:
     """``fn`` (of arrays and constants) with every ``jax.lax.scan`` it runs
     recomputing each iteration in the backward pass: the forward pass keeps
     only each iteration's carry (and its dots, with ``keep="dots"``)."""
-    policy = _POLICIES[keep]
+    return _scans_rewritten(fn, _POLICIES[keep], leave_checkpointed=False)
 
-    @functools.wraps(fn)
-    def recomputed(*args):
-        arrays, static = eqx.partition(args, eqx.is_array)
-        leaves, treedef = jax.tree.flatten(arrays)
 
-        def flat(*leaves):
-            return fn(*eqx.combine(jax.tree.unflatten(treedef, leaves), static))
+ScanResiduals = Literal["products", "all"]
 
-        closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*leaves)  # fn runs once, here
-        closed, _ = _recomputed_scans(closed, policy)
-        return jax.tree.unflatten(jax.tree.structure(out_shape), jex.jaxpr_as_fun(closed)(*leaves))
 
-    return recomputed
+def scans_keep_products(fn: Callable) -> Callable:
+    """``fn`` whose ``jax.lax.scan`` s keep, for the backward pass, the results
+    of their non-elementwise operations (matrix products, reductions,
+    gathers, collectives, custom kernels) and recompute the elementwise ones
+    (activations, norms' scalings, softmax's exponentials) from them.
+
+    Left alone, JAX's scan keeps every intermediate its body's derivative
+    reads: a GELU alone keeps six arrays the size of its input per layer,
+    which a compiler fuses away in the same layers unrolled but cannot
+    across a loop's iterations. This is what `make_train_step`'s
+    ``scan_residuals="products"`` applies to ``loss_fn``; a scan whose body
+    already runs ``jax.checkpoint`` (``redeqx.remat``, or the user's own)
+    is left as written. Values and gradients do not change.
+    """
+    return _scans_rewritten(fn, _products_saveable, leave_checkpointed=True)
+
+
+def check_scan_residuals(value) -> None:
+    if value not in ("products", "all"):
+        raise ValueError(
+            f"scan_residuals={value!r}: say what a jax.lax.scan in loss_fn keeps for its backward pass: "
+            "'products' (the results of matrix products, reductions and other non-elementwise operations; "
+            "elementwise ones are recomputed, as a compiler does for layers unrolled) or 'all' (every "
+            "intermediate, JAX's own choice)."
+        )
 
 
 # ----------------------------------------------------------------------------- remat
