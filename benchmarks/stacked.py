@@ -31,6 +31,9 @@ Sections (``--sections``):
   its products, ``scan_residuals="products"``), JAX's own scan
   (``scan_residuals="all"``), and under `redeqx.remat` keeping ``"dots"`` or
   ``"nothing"``, on both compilers: temporaries and collective bytes.
+- ``residuals``: step time on CPU of the user's stack with
+  ``scan_residuals="products"`` (the default) and ``"all"``, alternated
+  step by step in one process.
 - ``table1``: OPT-66B with fsdp on 64 devices (n_model_shards 8), stacked, by
   XLA:CPU and by libtpu, next to the listed rows of "redco Table 1 ... by the
   TPU v4 compiler".
@@ -237,6 +240,39 @@ def step_worker(stacked: bool, remat: bool, rounds: int) -> dict:
     return dict(temp=temp, times=times, loss=float(metrics["loss"]))
 
 
+def residuals_worker(rounds: int) -> dict:
+    """The user's stack on 8 simulated CPU devices (n_model_shards 2), its
+    step with scan_residuals "products" and "all", alternated step by step
+    in this one process: median seconds per step and temporaries."""
+    import jax
+    import numpy as np
+    import optax
+
+    import redeqx
+
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    from stacked_gpt import GPT, batch, loss_fn
+
+    mesh = redeqx.make_mesh(2)
+    model = GPT(vocab=1024, seq=128, width=128, layers=8, heads=4, key=jax.random.key(0))
+    specs = redeqx.sharding_rules(model, mesh)
+    data = batch(16 * mesh.shape["data"], seq=128, vocab=1024)
+    variants = ("products", "all")
+    states, steps, temps, times = {}, {}, {}, {v: [] for v in variants}
+    for v in variants:
+        states[v] = redeqx.init_state(model, optax.adamw(1e-3), mesh, specs, key=jax.random.key(1))
+        steps[v] = redeqx.make_train_step(loss_fn, optax.adamw(1e-3), mesh, specs, scan_residuals=v)
+        temps[v] = steps[v].lower(states[v], data).compile().memory_analysis().temp_size_in_bytes
+        states[v], _ = steps[v](states[v], data)  # compile
+    for i in range(rounds):
+        for v in variants if i % 2 == 0 else variants[::-1]:
+            t = time.perf_counter()
+            states[v], metrics = steps[v](states[v], data)
+            jax.block_until_ready(metrics)
+            times[v].append(time.perf_counter() - t)
+    return {v: dict(s=float(np.median(times[v])), temp=temps[v], loss=float(metrics["loss"])) for v in variants}
+
+
 def user_worker(platform: str, k: int, stacked: bool, remat: str) -> dict:
     import equinox as eqx
     import jax
@@ -365,7 +401,7 @@ def step_section(rounds: int) -> str:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sections", default="compile,families,user,plan70b,step,table1")
+    parser.add_argument("--sections", default="compile,families,user,residuals,plan70b,step,table1")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
@@ -380,6 +416,8 @@ def main():
             out = plan70b_worker()
         elif kind == "user":
             out = user_worker(rest[0], int(rest[1]), bool(int(rest[2])), rest[3])
+        elif kind == "residuals":
+            out = residuals_worker(int(rest[0]))
         elif kind == "step":
             out = step_worker(bool(int(rest[0])), bool(int(rest[1])), int(rest[2]))
         else:
@@ -399,6 +437,14 @@ def main():
         parts += ["", "A user's own stack (tests/stacked_gpt.py: eqx.nn blocks built by eqx.filter_vmap and run by "
                       "lax.scan; width 256, 8 layers, 256 tokens, vocab 8192, 16 sequences per data shard, AdamW) "
                       "against the same weights listed, on 8 devices:", "", user_section()]
+    if "residuals" in wanted:
+        r = _run("residuals", [str(4 * args.rounds)])
+        lines = ["| scan_residuals | s / step (median) | temporaries |", "|---|---|---|"]
+        lines += [f"| {v!r} | {got['s']:.3f} | {got['temp'] / 2**20:.1f} MiB |" for v, got in r.items()]
+        parts += ["", "The user's stack (width 128, 8 layers, 128 tokens, vocab 1024, 16 sequences per data shard, "
+                      "n_model_shards 2) on 8 simulated CPU devices, both steps in one process, alternated step by "
+                      f"step, {4 * args.rounds} steps each: products / all = "
+                      f"{r['products']['s'] / r['all']['s']:.2f}x the time.", "", "\n".join(lines)]
     if "plan70b" in wanted:
         r = _run("plan70b", [])
         print(r["plan"])
