@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ._hlo import collective_summary, loop_factor
 from ._mesh import DATA, MODEL, check_mesh, make_mesh
 from ._optimizers import with_opt_state_dtype
-from ._remat import ScanResiduals, check_scan_residuals, remat as remat_loss
+from ._remat import ScanResiduals, remat as remat_loss
 from ._rules import sharding_rules
 from ._state import abstract_model, init_state, is_constructor
 from ._trees import human_bytes, per_device_shape
@@ -272,9 +272,9 @@ def plan(
     - ``batch``: one global batch, as arrays or ``jax.ShapeDtypeStruct``\\ s
       (``per_device_batch_size * data`` rows).
     - ``fsdp``, ``overrides``: as in `sharding_rules`; ``remat``: the loss
-      through `redeqx.remat`; ``accumulate``, ``compute_dtype``, ``trainable``:
-      ``scan_residuals``: as in `make_train_step`; ``opt_state_dtype``: the optimizer state kept in
-      that dtype (`with_opt_state_dtype`).
+      through `redeqx.remat`; ``accumulate``, ``compute_dtype``, ``trainable``,
+      ``scan_residuals``: as in `make_train_step`; ``opt_state_dtype``: the
+      optimizer state kept in that dtype (`with_opt_state_dtype`).
 
     When it does not fit and ``explore`` is true, each of fsdp, remat,
     bfloat16 compute, a bfloat16 optimizer state, a smaller micro-batch
@@ -302,7 +302,6 @@ def plan(
     redco's TPU rows this way).
     """
     mesh = check_mesh(mesh)
-    check_scan_residuals(scan_residuals)
     key = jax.random.key(0) if key is None else key
     if is_constructor(model):
         abstract = abstract_model(model, key)

@@ -42,8 +42,7 @@ def _products_saveable(prim, *_, **__) -> bool:
     return prim.name not in _RECOMPUTED
 
 
-_POLICIES = {"nothing": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-             "products": _products_saveable}
+_POLICIES = {"nothing": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
 def _check_keep(keep) -> None:
@@ -221,16 +220,6 @@ def scans_keep_products(fn: Callable) -> Callable:
     is left as written. Values and gradients do not change.
     """
     return _scans_rewritten(fn, _products_saveable, leave_checkpointed=True)
-
-
-def check_scan_residuals(value) -> None:
-    if value not in ("products", "all"):
-        raise ValueError(
-            f"scan_residuals={value!r}: say what a jax.lax.scan in loss_fn keeps for its backward pass: "
-            "'products' (the results of matrix products, reductions and other non-elementwise operations; "
-            "elementwise ones are recomputed, as a compiler does for layers unrolled) or 'all' (every "
-            "intermediate, JAX's own choice)."
-        )
 
 
 # ----------------------------------------------------------------------------- remat

@@ -42,7 +42,7 @@ from ._loss import (
     split_trainable,
 )
 from ._mesh import DATA, check_mesh
-from ._remat import ScanResiduals, check_scan_residuals
+from ._remat import ScanResiduals
 from ._shard_mean import check_whole_over_data, gradient_gap, judge, shard_mean
 from ._state import Optimizer, TrainState, as_optimizer, check_specs, check_specs_match, mirror_specs
 from ._trees import is_array_like, leaves_with_specs
@@ -229,7 +229,6 @@ def make_train_step(
     mesh = _check_step_args(loss_fn, "loss_fn", LOSS_CALL, LOSS_EXAMPLE, mesh, specs, compute_dtype)
     accumulate = positive_int(accumulate, "accumulate")
     optimizer = as_optimizer(optimizer)
-    check_scan_residuals(scan_residuals)
     grads_of = loss_and_grads(loss_fn, compute_dtype, scan_residuals=scan_residuals)
     if shard_mean_loss:
         check_whole_over_data(specs)
