@@ -3,17 +3,20 @@ vs a hand-written jax.jit + optax loop on the same model, on whatever
 accelerator is present (a GPU when there is one, else the CPU).
 
     python benchmarks/throughput.py                       # CPU: a small model, tokens/s only
-    python benchmarks/throughput.py --size 1b --seq 2048 --batch 8 --json out.json   # on a GPU
+    python benchmarks/throughput.py --size 1b --seq 2048 --batch 8 --no-hand --json out.json   # on a GPU
     python benchmarks/throughput.py --from-json out.json  # write a GPU run's results to RESULTS.md
 
 Variants, alternated in rounds: redeqx in bfloat16 compute (fp32 master
-weights and AdamW state), the same with remat, and the hand-written step in
-bfloat16. MFU counts the model's FLOPs (6 x non-embedding parameters x tokens,
-plus attention's 12 x layers x tokens x seq x hidden, causal halved) over the
-device's peak; the compiler's own FLOPs (cost analysis, remat's recomputation
-included) give the hardware utilisation beside it. On a GPU the step must
-use cuDNN's flash attention: the script checks the compiled program for it.
-The planner's peak memory is compared with the device's measured peak.
+weights and AdamW state) with the zoo LLaMA's layers stacked (scan_layers=True,
+run by a lax.scan) and listed, each with and without remat, and the
+hand-written step in bfloat16 on the first layout. Each layout's first step
+starts from the same weights (its loss is shown), and its compile time is
+taken from that first call. MFU counts the model's FLOPs (6 x non-embedding
+parameters x tokens, plus attention's 12 x layers x tokens x seq x hidden,
+causal halved) over the device's peak. On a GPU the step must use cuDNN's
+flash attention: the script checks the lowered program for it. The
+planner's peak memory is compared with the device's measured peak (first
+variant only, while it is the only state alive).
 """
 
 import os
@@ -25,6 +28,8 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import equinox as eqx  # noqa: E402
@@ -88,53 +93,77 @@ def hand_written(optimizer, static):
 
 
 def run(args) -> dict:
-    config = models.LlamaConfig(**SIZES[args.size], max_position_embeddings=max(2048, args.seq))
-    make = lambda key: models.LlamaForCausalLM(config, key=key)  # noqa: E731
     mesh = redeqx.make_mesh(1)
     optimizer = optax.adamw(1e-4, weight_decay=0.1)
     rng = np.random.default_rng(0)
+    layouts = args.layouts.split(",")
+    configs = {layout: models.LlamaConfig(**SIZES[args.size], max_position_embeddings=max(2048, args.seq),
+                                          scan_layers=layout == "stacked") for layout in layouts}
+    config = configs[layouts[0]]
     batch = {"ids": rng.integers(0, config.vocab_size, (args.batch, args.seq + 1)).astype(np.int32)}
     tokens = args.batch * args.seq
     out = {"device": jax.devices()[0].device_kind, "platform": jax.devices()[0].platform, "jax": jax.__version__,
            "size": args.size, "seq": args.seq, "batch": args.batch, "tokens_per_step": tokens,
            "model_flops_per_step": model_flops_per_token(config, args.seq) * tokens, "variants": {}}
-    model = redeqx.init_model(make, mesh, key=jax.random.key(0))
-    specs = redeqx.sharding_rules(model, mesh)
-    out["parameters"] = int(sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))))
 
-    steps, states = {}, {}
-    chosen = [(n, r) for n, r in (("redeqx bf16", False), ("redeqx bf16 + remat", True))
-              if n == "redeqx bf16" or args.remat]
-    for i, (name, remat) in enumerate(chosen):
-        fn = redeqx.remat(loss_fn) if remat else loss_fn
-        plan = redeqx.plan(make, fn, optimizer, batch, mesh, compute_dtype=jnp.bfloat16, explore=False)
+    # One state per layout, shared by that layout's steps (each step donates it and returns the next).
+    steps, states, calls, first = {}, {}, {}, True
+    for layout in layouts:
+        make = lambda key, c=configs[layout]: models.LlamaForCausalLM(c, key=key)  # noqa: E731
+        model = redeqx.init_model(make, mesh, key=jax.random.key(0))
+        specs = redeqx.sharding_rules(model, mesh)
+        out["parameters"] = int(sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))))
+        if first:  # what the planner expects of the first step, compiled before anything is placed
+            plan = redeqx.plan(make, loss_fn, optimizer, batch, mesh, compute_dtype=jnp.bfloat16, explore=False)
         base = (jax.devices()[0].memory_stats() or {}).get("bytes_in_use", 0)
-        states[name] = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
-        steps[name] = redeqx.make_train_step(fn, optimizer, mesh, specs, compute_dtype=jnp.bfloat16)
-        lowered = steps[name].lower(states[name], batch).as_text().lower()
-        v = out["variants"][name] = {"plan_peak_bytes": plan.peak, "compiled_flops_per_step": plan.flops,
-                                     "flash_attention": "fmha" in lowered or "cudnn" in lowered}
-        if i == 0:  # the only state alive: the device's peak is this step's
-            states[name], metrics = steps[name](states[name], batch)
-            jax.block_until_ready(metrics)
-            peak_in_use = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
-            if peak_in_use:
-                v["measured_peak_bytes"] = peak_in_use - base
-    params, static = eqx.partition(redeqx.shard(model, specs, mesh), eqx.is_inexact_array)
-    opt_state = optimizer.init(params)
-    hand = hand_written(optimizer, static)
-    hand_state = {"params": params, "opt_state": opt_state}
-    out["variants"]["hand-written jax.jit bf16"] = {}
+        states[layout] = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
+        for remat in (False, True) if args.remat else (False,):
+            name = f"redeqx bf16, {layout}" + (" + remat" if remat else "")
+            fn = redeqx.remat(loss_fn) if remat else loss_fn
+            v = out["variants"][name] = {}
+            try:  # a variant that fails to build is reported as such; the others still run (a GPU lease is short)
+                steps[name] = redeqx.make_train_step(fn, optimizer, mesh, specs, compute_dtype=jnp.bfloat16)
+                lowered = steps[name].lower(states[layout], batch).as_text().lower()
+                v["flash_attention"] = "fmha" in lowered or "cudnn" in lowered
+                t = time.perf_counter()
+                states[layout], metrics = steps[name](states[layout], batch)  # compiles
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                v["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                continue
+            calls[name] = layout
+            if not remat:  # the layout's first step, from the same initial weights in either layout
+                v["first_loss"] = float(metrics["loss"])
+            v["compile_s"] = time.perf_counter() - t
+            if first:  # the only state alive: the device's peak is this step's
+                v.update(plan_peak_bytes=plan.peak, compiled_flops_per_step=plan.flops)
+                peak_in_use = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+                if peak_in_use:
+                    v["measured_peak_bytes"] = peak_in_use - base
+                first = False
+        del model
+    if args.hand:
+        layout = layouts[0]
+        model = models.LlamaForCausalLM(configs[layout], key=jax.random.key(0))
+        specs = redeqx.sharding_rules(model, mesh)
+        params, static = eqx.partition(redeqx.shard(model, specs, mesh), eqx.is_inexact_array)
+        del model
+        hand = hand_written(optimizer, static)
+        hand_state = {"params": params, "opt_state": optimizer.init(params)}
+        name = f"hand-written jax.jit bf16, {layout}"
+        out["variants"][name] = {}
+        calls[name] = None
 
     def call(name):
-        if name.startswith("redeqx"):
-            states[name], metrics = steps[name](states[name], batch)
+        if calls[name] is not None:
+            layout = calls[name]
+            states[layout], metrics = steps[name](states[layout], batch)
             return metrics["loss"]
         hand_state["params"], hand_state["opt_state"], loss = hand(hand_state["params"], hand_state["opt_state"], batch)
         return loss
 
-    names = list(out["variants"])
-    for name in names:  # compile and warm up
+    names = list(calls)
+    for name in names:  # compile (the hand-written step) and warm up
         timed(lambda: call(name), 2)
     samples = {name: [] for name in names}
     for r in range(args.rounds):
@@ -148,8 +177,6 @@ def run(args) -> dict:
         v.update(step_s=t, tokens_per_s=tokens / t)
         if peak:
             v["mfu"] = out["model_flops_per_step"] / t / peak
-            if "compiled_flops_per_step" in v:
-                v["hfu"] = v["compiled_flops_per_step"] / t / peak
     out["device_peak_bytes_in_use"] = stats.get("peak_bytes_in_use")
     out["device_peak_flops"] = peak
     return out
@@ -159,15 +186,21 @@ def table(out: dict) -> str:
     lines = [f"LLaMA-style {out['size']} ({out['parameters'] / 1e9:.2f}B parameters), batch {out['batch']} x "
              f"{out['seq']} tokens, AdamW with fp32 master weights, bf16 compute; {out['device']} ({out['platform']}), "
              f"jax {out['jax']}; medians over alternating rounds.", "",
-             "| variant | step | tokens/s | MFU | flash attention | planned peak |",
-             "|---|---|---|---|---|---|"]
+             "| variant | step | tokens/s | MFU | flash attention | compile + first step | first loss | planned peak |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, v in out["variants"].items():
+        if "error" in v:
+            lines.append(f"| {name} | failed: {v['error']} | | | | | | |")
+            continue
         mfu = f"{v['mfu']:.1%}" if "mfu" in v else "n/a"
         flash = {True: "yes", False: "no"}.get(v.get("flash_attention"), "n/a")
         planned = f"{v['plan_peak_bytes'] / 2**30:.1f} GiB" if "plan_peak_bytes" in v else "n/a"
         if "measured_peak_bytes" in v:
             planned += f" (measured {v['measured_peak_bytes'] / 2**30:.1f} GiB)"
-        lines.append(f"| {name} | {v['step_s'] * 1e3:.1f} ms | {v['tokens_per_s']:,.0f} | {mfu} | {flash} | {planned} |")
+        compile_s = f"{v['compile_s']:.1f} s" if "compile_s" in v else "n/a"
+        loss = f"{v['first_loss']:.5f}" if "first_loss" in v else ""
+        lines.append(f"| {name} | {v['step_s'] * 1e3:.1f} ms | {v['tokens_per_s']:,.0f} | {mfu} | {flash} | {compile_s} "
+                     f"| {loss} | {planned} |")
     lines += ["", "MFU counts the model's FLOPs (6 x parameters x tokens + attention's, causal half) against the "
                   "device's dense bf16 peak. (The compiled program's own FLOP count is no guide on a GPU: XLA counts "
                   "nothing inside cuDNN's attention and cuBLAS calls.)"]
@@ -184,7 +217,11 @@ def main():
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--no-remat", dest="remat", action="store_false", help="leave out the remat variant")
+    parser.add_argument("--no-remat", dest="remat", action="store_false", help="leave out the remat variants")
+    parser.add_argument("--layouts", default="stacked,listed",
+                        help="the zoo LLaMA's layers stacked (scan_layers=True, the default) and/or listed")
+    parser.add_argument("--no-hand", dest="hand", action="store_false",
+                        help="leave out the hand-written step (on the first layout)")
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--from-json", nargs="+",
                         help="write RESULTS.md from runs' JSON files (e.g. made on a GPU machine), one table each")
