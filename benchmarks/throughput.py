@@ -3,20 +3,21 @@ vs a hand-written jax.jit + optax loop on the same model, on whatever
 accelerator is present (a GPU when there is one, else the CPU).
 
     python benchmarks/throughput.py                       # CPU: a small model, tokens/s only
-    python benchmarks/throughput.py --size 1b --seq 2048 --batch 8 --no-hand --json out.json   # on a GPU
+    python benchmarks/throughput.py --size 1b --seq 2048 --batch 8 --no-hand --json out.json  # on a GPU
     python benchmarks/throughput.py --from-json out.json  # write a GPU run's results to RESULTS.md
 
-Variants, alternated in rounds: redeqx in bfloat16 compute (fp32 master
-weights and AdamW state) with the zoo LLaMA's layers stacked (scan_layers=True,
-run by a lax.scan) and listed, each with and without remat, and the
-hand-written step in bfloat16 on the first layout. Each layout's first step
-starts from the same weights (its loss is shown), and its compile time is
-taken from that first call. MFU counts the model's FLOPs (6 x non-embedding
-parameters x tokens, plus attention's 12 x layers x tokens x seq x hidden,
-causal halved) over the device's peak. On a GPU the step must use cuDNN's
-flash attention: the script checks the lowered program for it. The
-planner's peak memory is compared with the device's measured peak (first
-variant only, while it is the only state alive).
+Variants (--variants), alternated in rounds: redeqx in bfloat16 compute (fp32
+master weights and AdamW state) with the zoo LLaMA's layers stacked
+(scan_layers=True, run by a lax.scan; ":N" sets the scan's scan_unroll, else
+the family's per-platform default) or listed, each with or without remat,
+and the hand-written step in bfloat16 on the first variant's model. Each
+model's first step starts from the same weights (its loss is shown); trace +
+compile time and temporaries are the compiled program's. MFU counts the
+model's FLOPs (6 x non-embedding parameters x tokens, plus attention's 12 x
+layers x tokens x seq x hidden, causal halved) over the device's peak. On a
+GPU the step must use cuDNN's flash attention: the script checks the lowered
+program for it. The planner's peak memory is compared with the device's
+measured peak (first variant only, while it is the only state alive).
 """
 
 import os
@@ -92,72 +93,90 @@ def hand_written(optimizer, static):
     return jax.jit(step, donate_argnums=(0, 1))
 
 
+def parse_variant(text: str) -> tuple[str, str, int | bool | None, bool]:
+    """``"stacked:2+remat"`` -> (the text, "stacked", 2, True)."""
+    spec, remat = text.strip().removesuffix("+remat"), text.strip().endswith("+remat")
+    layout, _, unroll = spec.partition(":")
+    if layout not in ("stacked", "listed") or (unroll and (layout == "listed" or not unroll.isdigit())):
+        raise SystemExit(f"--variants: {text!r} is not stacked[:N][+remat] or listed[+remat]")
+    return text.strip(), layout, int(unroll) if unroll else None, remat
+
+
 def run(args) -> dict:
     mesh = redeqx.make_mesh(1)
     optimizer = optax.adamw(1e-4, weight_decay=0.1)
     rng = np.random.default_rng(0)
-    layouts = args.layouts.split(",")
-    configs = {layout: models.LlamaConfig(**SIZES[args.size], max_position_embeddings=max(2048, args.seq),
-                                          scan_layers=layout == "stacked") for layout in layouts}
-    config = configs[layouts[0]]
+    # each variant: "stacked" or "listed", then ":N" (the stack's scan_unroll; default: the family's
+    # per-platform choice), then "+remat"
+    variants = [parse_variant(v) for v in args.variants.split(",")]
+    configs = {spec: models.LlamaConfig(**SIZES[args.size], max_position_embeddings=max(2048, args.seq),
+                                        scan_layers=layout == "stacked", scan_unroll=unroll)
+               for spec, layout, unroll, _ in variants}  # equal configs are one config (a frozen dataclass)
+    config = next(iter(configs.values()))
     batch = {"ids": rng.integers(0, config.vocab_size, (args.batch, args.seq + 1)).astype(np.int32)}
     tokens = args.batch * args.seq
     out = {"device": jax.devices()[0].device_kind, "platform": jax.devices()[0].platform, "jax": jax.__version__,
            "size": args.size, "seq": args.seq, "batch": args.batch, "tokens_per_step": tokens,
            "model_flops_per_step": model_flops_per_token(config, args.seq) * tokens, "variants": {}}
 
-    # One state per layout, shared by that layout's steps (each step donates it and returns the next).
+    # One state per config (the layout and the stack's unroll, which lives in the model's static
+    # config), shared by its steps with and without remat (each step donates it and returns the next).
     steps, states, calls, first = {}, {}, {}, True
-    for layout in layouts:
-        make = lambda key, c=configs[layout]: models.LlamaForCausalLM(c, key=key)  # noqa: E731
-        model = redeqx.init_model(make, mesh, key=jax.random.key(0))
-        specs = redeqx.sharding_rules(model, mesh)
-        out["parameters"] = int(sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))))
+    for spec, layout, unroll, remat in variants:
+        config = configs[spec]
+        make = lambda key, c=config: models.LlamaForCausalLM(c, key=key)  # noqa: E731
+        fn = redeqx.remat(loss_fn) if remat else loss_fn
         if first:  # what the planner expects of the first step, compiled before anything is placed
-            plan = redeqx.plan(make, loss_fn, optimizer, batch, mesh, compute_dtype=jnp.bfloat16, explore=False)
+            plan = redeqx.plan(make, fn, optimizer, batch, mesh, compute_dtype=jnp.bfloat16, explore=False)
         base = (jax.devices()[0].memory_stats() or {}).get("bytes_in_use", 0)
-        states[layout] = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
-        for remat in (False, True) if args.remat else (False,):
-            name = f"redeqx bf16, {layout}" + (" + remat" if remat else "")
-            fn = redeqx.remat(loss_fn) if remat else loss_fn
-            v = out["variants"][name] = {}
-            try:  # a variant that fails to build is reported as such; the others still run (a GPU lease is short)
-                steps[name] = redeqx.make_train_step(fn, optimizer, mesh, specs, compute_dtype=jnp.bfloat16)
-                lowered = steps[name].lower(states[layout], batch).as_text().lower()
-                v["flash_attention"] = "fmha" in lowered or "cudnn" in lowered
-                t = time.perf_counter()
-                states[layout], metrics = steps[name](states[layout], batch)  # compiles
-            except Exception as e:  # noqa: BLE001
-                traceback.print_exc()
-                v["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                continue
-            calls[name] = layout
-            if not remat:  # the layout's first step, from the same initial weights in either layout
-                v["first_loss"] = float(metrics["loss"])
-            v["compile_s"] = time.perf_counter() - t
-            if first:  # the only state alive: the device's peak is this step's
-                v.update(plan_peak_bytes=plan.peak, compiled_flops_per_step=plan.flops)
-                peak_in_use = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
-                if peak_in_use:
-                    v["measured_peak_bytes"] = peak_in_use - base
-                first = False
-        del model
+        if config not in states:
+            model = redeqx.init_model(make, mesh, key=jax.random.key(0))
+            out["parameters"] = int(sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))))
+            states[config] = redeqx.init_state(model, optimizer, mesh, redeqx.sharding_rules(model, mesh),
+                                               key=jax.random.key(1))
+            del model
+        specs = redeqx.sharding_rules(states[config].model, mesh)
+        name = f"redeqx bf16, {spec}"
+        v = out["variants"][name] = {}
+        try:  # a variant that fails to build is reported as such; the others still run (a GPU lease is short)
+            steps[name] = redeqx.make_train_step(fn, optimizer, mesh, specs, compute_dtype=jnp.bfloat16)
+            t = time.perf_counter()
+            lowered = steps[name].lower(states[config], batch)
+            compiled = lowered.compile()
+            v["compile_s"] = time.perf_counter() - t  # trace + compile
+            text = lowered.as_text().lower()
+            v["flash_attention"] = "fmha" in text or "cudnn" in text
+            v["temp_bytes"] = compiled.memory_analysis().temp_size_in_bytes
+            states[config], metrics = steps[name](states[config], batch)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            v["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            continue
+        calls[name] = config
+        if config not in {calls[n] for n in list(calls)[:-1]}:  # the state's first step: the initial weights
+            v["first_loss"] = float(metrics["loss"])
+        if first:  # the only state alive: the device's peak is this step's
+            v.update(plan_peak_bytes=plan.peak, compiled_flops_per_step=plan.flops)
+            peak_in_use = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+            if peak_in_use:
+                v["measured_peak_bytes"] = peak_in_use - base
+            first = False
     if args.hand:
-        layout = layouts[0]
-        model = models.LlamaForCausalLM(configs[layout], key=jax.random.key(0))
+        spec, layout = variants[0][:2]
+        model = models.LlamaForCausalLM(configs[spec], key=jax.random.key(0))
         specs = redeqx.sharding_rules(model, mesh)
         params, static = eqx.partition(redeqx.shard(model, specs, mesh), eqx.is_inexact_array)
         del model
         hand = hand_written(optimizer, static)
         hand_state = {"params": params, "opt_state": optimizer.init(params)}
-        name = f"hand-written jax.jit bf16, {layout}"
+        name = f"hand-written jax.jit bf16, {spec}"
         out["variants"][name] = {}
         calls[name] = None
 
     def call(name):
         if calls[name] is not None:
-            layout = calls[name]
-            states[layout], metrics = steps[name](states[layout], batch)
+            config = calls[name]
+            states[config], metrics = steps[name](states[config], batch)
             return metrics["loss"]
         hand_state["params"], hand_state["opt_state"], loss = hand(hand_state["params"], hand_state["opt_state"], batch)
         return loss
@@ -186,11 +205,11 @@ def table(out: dict) -> str:
     lines = [f"LLaMA-style {out['size']} ({out['parameters'] / 1e9:.2f}B parameters), batch {out['batch']} x "
              f"{out['seq']} tokens, AdamW with fp32 master weights, bf16 compute; {out['device']} ({out['platform']}), "
              f"jax {out['jax']}; medians over alternating rounds.", "",
-             "| variant | step | tokens/s | MFU | flash attention | compile + first step | first loss | planned peak |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| variant | step | tokens/s | MFU | flash attention | trace + compile | temporaries | first loss "
+             "| planned peak |", "|---|---|---|---|---|---|---|---|---|"]
     for name, v in out["variants"].items():
         if "error" in v:
-            lines.append(f"| {name} | failed: {v['error']} | | | | | | |")
+            lines.append(f"| {name} | failed: {v['error']} | | | | | | | |")
             continue
         mfu = f"{v['mfu']:.1%}" if "mfu" in v else "n/a"
         flash = {True: "yes", False: "no"}.get(v.get("flash_attention"), "n/a")
@@ -198,9 +217,10 @@ def table(out: dict) -> str:
         if "measured_peak_bytes" in v:
             planned += f" (measured {v['measured_peak_bytes'] / 2**30:.1f} GiB)"
         compile_s = f"{v['compile_s']:.1f} s" if "compile_s" in v else "n/a"
+        temps = f"{v['temp_bytes'] / 2**30:.2f} GiB" if "temp_bytes" in v else "n/a"
         loss = f"{v['first_loss']:.5f}" if "first_loss" in v else ""
         lines.append(f"| {name} | {v['step_s'] * 1e3:.1f} ms | {v['tokens_per_s']:,.0f} | {mfu} | {flash} | {compile_s} "
-                     f"| {loss} | {planned} |")
+                     f"| {temps} | {loss} | {planned} |")
     lines += ["", "MFU counts the model's FLOPs (6 x parameters x tokens + attention's, causal half) against the "
                   "device's dense bf16 peak. (The compiled program's own FLOP count is no guide on a GPU: XLA counts "
                   "nothing inside cuDNN's attention and cuBLAS calls.)"]
@@ -217,9 +237,9 @@ def main():
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--no-remat", dest="remat", action="store_false", help="leave out the remat variants")
-    parser.add_argument("--layouts", default="stacked,listed",
-                        help="the zoo LLaMA's layers stacked (scan_layers=True, the default) and/or listed")
+    parser.add_argument("--variants", default="stacked,stacked+remat,listed,listed+remat",
+                        help="comma-separated: the zoo LLaMA's layers stacked[:scan_unroll] or listed, +remat for "
+                             "redeqx.remat; the stack's default scan_unroll is the family's per-platform choice")
     parser.add_argument("--no-hand", dest="hand", action="store_false",
                         help="leave out the hand-written step (on the first layout)")
     parser.add_argument("--json", help="also write the results here")

@@ -134,3 +134,77 @@ def test_stacked_llama_trains_with_lora_init_model_and_checkpoints(tmp_path):
     restored = redeqx.restore_checkpoint(tmp_path / "ckpt", eqx.filter_eval_shape(lambda: state), mesh, specs)
     for a, b in zip(jax.tree.leaves(restored.model), jax.tree.leaves(state.model)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def scan_unrolls(fn, *args) -> list:
+    """The ``unroll`` of every ``lax.scan`` in ``fn``'s program, "all" where it
+    unrolls every iteration (JAX writes that as the scan's length or more)."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "scan":
+                unroll = eqn.params["unroll"]
+                found.append("all" if unroll is True or unroll >= eqn.params["length"] else unroll)
+            for value in eqn.params.values():
+                for v in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(v, jax.extend.core.ClosedJaxpr):
+                        walk(v.jaxpr)
+                    elif isinstance(v, jax.extend.core.Jaxpr):
+                        walk(v)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_scan_unroll_compiles_the_stack_differently_and_computes_the_same(family, monkeypatch):
+    """scan_unroll is the stack's lax.scan unroll (None: SCAN_UNROLL's choice
+    for the platform, a loop on CPU); the logits and gradients do not change."""
+    cls, config = CONFIGS[family]
+    x = ids()
+    grads = lambda m: eqx.filter_grad(lambda m: forward(m, family, x).astype(jnp.float32).std())(m)  # noqa: E731
+    expected = None
+    # BART's decoder has 2 layers: unroll=2 unrolls it whole, so 2 is tried on its 3-layer encoder alone
+    for unroll, platform_choice, seen in ((None, None, {1}), (2, None, {2, "all"}), (True, None, {"all"}),
+                                          (None, True, {"all"})):
+        if platform_choice is not None:
+            monkeypatch.setitem(models._layers.SCAN_UNROLL, "cpu", platform_choice)
+        model = cls(dataclasses.replace(config, scan_layers=True, scan_unroll=unroll), key=jax.random.key(0))
+        unrolls = scan_unrolls(lambda m: forward(m, family, x), model)
+        assert unrolls and set(unrolls) <= seen and (unroll != 2 or 2 in unrolls), (unroll, unrolls)
+        got = forward(model, family, x), jax.tree.leaves(grads(model))
+        if expected is None:
+            expected = got
+            continue
+        np.testing.assert_allclose(got[0], expected[0], atol=2e-6, rtol=0)
+        for a, b in zip(got[1], expected[1]):
+            np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "all"])
+def test_a_bad_scan_unroll_is_refused_with_the_choices(bad):
+    for cls, config in CONFIGS.values():
+        with pytest.raises(ValueError, match=rf"{type(config).__name__}\.scan_unroll={bad!r}.*None.*True.*positive int"):
+            dataclasses.replace(config, scan_unroll=bad)
+
+
+def test_from_pretrained_and_a_train_step_take_scan_unroll(tmp_path):
+    """from_pretrained sets the loaded config's scan_unroll; a train step
+    under redeqx.remat keeps the user's unroll on the stack's scan and
+    computes what the loop computes."""
+    mesh = redeqx.make_mesh(2)
+    models.save_pretrained(build("llama", True), tmp_path / "llama")
+    batch = {"ids": ids(3, n=8)}
+    losses = {}
+    for unroll in (None, True):
+        model = models.from_pretrained(tmp_path / "llama", mesh, scan_layers=True, scan_unroll=unroll)
+        assert model.config.scan_unroll == unroll
+        assert scan_unrolls(lambda m: redeqx.remat(lm_loss)(m, batch, None), model) == [1 if unroll is None else "all"]
+        specs = redeqx.sharding_rules(model, mesh)
+        state = redeqx.init_state(model, optax.sgd(0.1), mesh, specs, key=jax.random.key(0))
+        step = redeqx.make_train_step(redeqx.remat(lm_loss), optax.sgd(0.1), mesh, specs)
+        for i in range(2):
+            state, metrics = step(state, {"ids": ids(i, n=8)})
+        losses[unroll] = float(metrics["loss"])
+    np.testing.assert_allclose(losses[True], losses[None], rtol=1e-6)

@@ -16,17 +16,13 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from ._mesh import traced_platform
 from ._trees import is_array, is_floating
 
 
 def on_cpu() -> bool:
-    """Whether the computation being built runs on CPUs: the platform of the
-    mesh in context (a redeqx step traces under its mesh, which may describe
-    an accelerator this machine lacks), else of JAX's default devices."""
-    mesh = jax.sharding.get_abstract_mesh()
-    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
-    platform = device.platform if device is not None else jax.devices()[0].platform
-    return platform == "cpu"
+    """Whether the computation being built runs on CPUs (`traced_platform`)."""
+    return traced_platform() == "cpu"
 
 
 # ----------------------------------------------------------------------------- one program at a time

@@ -122,6 +122,16 @@ def check_mesh(mesh, name: str = "mesh") -> Mesh:
     return mesh
 
 
+def traced_platform() -> str:
+    """The platform ("cpu", "gpu", "tpu") of the computation being built: that
+    of the mesh in context (a redeqx step traces under its mesh, which may
+    describe an accelerator this machine lacks), else of JAX's default
+    devices."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+    return device.platform if device is not None else jax.devices()[0].platform
+
+
 def same_devices(a: Mesh, b: Mesh) -> bool:
     """Whether two meshes hold the same devices in the same grid (whatever
     their axis names or types)."""

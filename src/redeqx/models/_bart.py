@@ -51,7 +51,9 @@ from ._layers import (
     causal_mask,
     check_positions,
     check_positive_ints,
+    check_scan_unroll,
     run_layers,
+    scan_unroll,
 )
 from ._safetensors import HFTensor, leaf_tensors
 from ._seq2seq import EncoderDecoderLM, cache_slots, layer_caches, shift_right
@@ -66,6 +68,8 @@ class BartConfig:
 
     ``scan_layers=True`` (the default) stacks the layers, run by a ``lax.scan``: compile time
     flat in depth, the same step (`redeqx.models._layers.SCAN_LAYERS` says why); False lists them.
+    ``scan_unroll`` is the scan's ``unroll``: by default every layer on a GPU (a loop there costs
+    about 9 % of the step) and a loop elsewhere (`redeqx.models._layers.SCAN_UNROLL`).
     """
 
     vocab_size: int = 50265
@@ -88,8 +92,10 @@ class BartConfig:
     forced_bos_token_id: int | None = None  # kept for config.json; redeqx's generate does not force tokens
     forced_eos_token_id: int | None = 2
     scan_layers: bool = SCAN_LAYERS  # layers stacked and run by a lax.scan (see SCAN_LAYERS); False: a list
+    scan_unroll: int | bool | None = None  # the stack's lax.scan unroll; None: per platform (SCAN_UNROLL)
 
     def __post_init__(self):
+        check_scan_unroll(self)
         check_positive_ints(self, ("vocab_size", "max_position_embeddings", "d_model", "encoder_layers",
                                    "decoder_layers", "encoder_attention_heads", "decoder_attention_heads",
                                    "encoder_ffn_dim", "decoder_ffn_dim"))
@@ -304,7 +310,8 @@ class BartForConditionalGeneration(EncoderDecoderLM):
         valid = jnp.ones((s,), bool) if attention_mask is None else attention_mask.astype(bool)
         x = self._embed(input_ids, jnp.arange(s), self.model.encoder)
         mask = jnp.broadcast_to(valid[None, :], (s, s))
-        x, _ = run_layers(self.model.encoder.layers, x, None, lambda layer, x, _: (layer(x, mask), None))
+        x, _ = run_layers(self.model.encoder.layers, x, None, lambda layer, x, _: (layer(x, mask), None),
+                          unroll=scan_unroll(self.config))
         return x
 
     def _logits(self, x):
@@ -331,7 +338,8 @@ class BartForConditionalGeneration(EncoderDecoderLM):
         mask = causal_mask(jnp.ones((t,), bool), 0, t)
         source_mask = jnp.broadcast_to(valid[None, :], (t, s))
         x, _ = run_layers(self.model.decoder.layers, x, None,
-                          lambda layer, x, _: layer(x, mask, source, source_mask))
+                          lambda layer, x, _: layer(x, mask, source, source_mask),
+                          unroll=scan_unroll(self.config))
         return self._logits(x)
 
     # -- cached decoding (EncoderDecoderLM)
@@ -357,7 +365,7 @@ class BartForConditionalGeneration(EncoderDecoderLM):
             return layer(x, mask, cross, source_mask, self_cache, cache.index)
 
         caches = layer_caches(self.model.decoder.layers, cache.self_attention, cache.cross_attention)
-        x, self_attention = run_layers(self.model.decoder.layers, x, caches, step)
+        x, self_attention = run_layers(self.model.decoder.layers, x, caches, step, unroll=scan_unroll(self.config))
         return self._logits(x), self_attention
 
     def hf_tensors(self) -> list[HFTensor]:

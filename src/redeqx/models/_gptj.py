@@ -48,9 +48,11 @@ from ._layers import (
     attention,
     build_layers,
     check_positive_ints,
+    check_scan_unroll,
     heads,
     inv_sqrt,
     run_layers,
+    scan_unroll,
     summed_linears,
     update_cache,
 )
@@ -64,6 +66,8 @@ class GPTJConfig:
 
     ``scan_layers=True`` (the default) stacks the layers, run by a ``lax.scan``: compile time
     flat in depth, the same step (`redeqx.models._layers.SCAN_LAYERS` says why); False lists them.
+    ``scan_unroll`` is the scan's ``unroll``: by default every layer on a GPU (a loop there costs
+    about 9 % of the step) and a loop elsewhere (`redeqx.models._layers.SCAN_UNROLL`).
     """
 
     vocab_size: int = 50400
@@ -79,8 +83,10 @@ class GPTJConfig:
     eos_token_id: int | None = 50256
     pad_token_id: int | None = None
     scan_layers: bool = SCAN_LAYERS  # layers stacked and run by a lax.scan (see SCAN_LAYERS); False: a list
+    scan_unroll: int | bool | None = None  # the stack's lax.scan unroll; None: per platform (SCAN_UNROLL)
 
     def __post_init__(self):
+        check_scan_unroll(self)
         check_positive_ints(self, ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"))
         if self.n_embd % self.n_head:
             raise ValueError(f"GPTJConfig: n_embd={self.n_embd} must be a multiple of n_head={self.n_head}.")
@@ -269,5 +275,6 @@ class GPTJForCausalLM(CausalLM):
         x = constrain(t.wte(ids), P())  # vocab-split lookup: one all-reduce
         index = None if cache is None else cache.index
         x, new_layers = run_layers(t.h, x, None if cache is None else cache.layers,
-                                   lambda block, x, lc: block(x, positions, mask, lc, index))
+                                   lambda block, x, lc: block(x, positions, mask, lc, index),
+                                   unroll=scan_unroll(self.config))
         return constrain(self.lm_head(t.ln_f(x)), P(None, MODEL)), new_layers  # vocab parallel

@@ -17,7 +17,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._constrain import constrain
 from .._typing import positive_int
-from .._mesh import MODEL
+from .._mesh import MODEL, traced_platform
 
 INIT_STD = 0.02  # the initializer_range of the Hugging Face configs
 
@@ -30,6 +30,15 @@ INIT_STD = 0.02  # the initializer_range of the Hugging Face configs
 # comes: it shows at small batches (benchmarks/RESULTS.md, "Stacked layers" and "Where a stack's
 # extra temporaries on libtpu come from"); scan_layers=False lists the layers.
 SCAN_LAYERS = True
+
+# How a stack's lax.scan is compiled when a config leaves scan_unroll=None: one layer per loop
+# iteration (1) on TPUs and CPUs, where the loop keeps compile time flat in depth; every layer
+# unrolled (True) on GPUs, where XLA's while loop costs step time: the 1B LLaMA (22 layers, 8 x 2048
+# tokens, bf16, cuDNN attention) took 246.5 ms a step as a loop, 247.9 unrolled by 2, 225.5 fully
+# unrolled and 228.1 listed on one H200, compiling in 2.0, 2.1, 6.0 and 18.3 s (benchmarks/RESULTS.md,
+# "Stacked layers on a GPU"). Either way the parameters keep the stacked layout, so a checkpoint,
+# a plan's specs and the rules do not depend on where the model runs.
+SCAN_UNROLL = {"gpu": True}
 
 # Hugging Face's names for the feed-forward activations.
 ACTIVATIONS = {
@@ -189,9 +198,29 @@ def layer_at(layers, i: int):
     return jax.tree.map(lambda a: a[i] if eqx.is_array(a) else a, layers) if is_stacked(layers) else layers[i]
 
 
-def run_layers(layers, x, caches, step: Callable):
+def check_scan_unroll(config) -> None:
+    """A clear error for a config's ``scan_unroll`` that ``lax.scan`` would not take."""
+    u = config.scan_unroll
+    if not (u is None or isinstance(u, bool) or (isinstance(u, int) and u >= 1)):
+        raise ValueError(
+            f"{type(config).__name__}.scan_unroll={u!r}: pass None (unrolled on GPUs, a loop elsewhere), True "
+            "(every layer unrolled), or a positive int (that many layers per loop iteration; 1 is a plain loop)."
+        )
+
+
+def scan_unroll(config) -> int | bool:
+    """The ``unroll`` of the ``lax.scan`` that runs ``config``'s stacked
+    layers: ``config.scan_unroll``, or when it is None, `SCAN_UNROLL`'s
+    choice for the platform the step is compiled for (1 where it names none)."""
+    if config.scan_unroll is not None:
+        return config.scan_unroll
+    return SCAN_UNROLL.get(traced_platform(), 1)
+
+
+def run_layers(layers, x, caches, step: Callable, *, unroll: int | bool = 1):
     """``x`` through each layer in turn, ``step(layer, x, cache) -> (x,
-    new_cache)``: a Python loop over a list, a ``lax.scan`` over a stack,
+    new_cache)``: a Python loop over a list, a ``lax.scan`` over a stack
+    (``unroll`` layers per loop iteration; True: all of them, no loop),
     each stacked layer keeping only its matrix products (without batch dims)
     for the backward pass and recomputing the rest. ``caches`` has the
     layers' form (a list, a stacked cache) or is None; returns ``x`` and the
@@ -212,7 +241,7 @@ def run_layers(layers, x, caches, step: Callable):
     # chose, where an unrolled compile fuses the elementwise ones away: keep the projections'
     # outputs and recompute the rest (benchmarks/RESULTS.md, "Stacked layers").
     body = jax.checkpoint(body, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable, prevent_cse=False)
-    return jax.lax.scan(body, x, (arrays, caches))
+    return jax.lax.scan(body, x, (arrays, caches), unroll=unroll)
 
 
 class Cache(eqx.Module):

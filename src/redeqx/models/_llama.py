@@ -36,10 +36,12 @@ from ._layers import (
     attention,
     build_layers,
     check_positive_ints,
+    check_scan_unroll,
     default_head_dim,
     heads,
     inv_sqrt,
     run_layers,
+    scan_unroll,
     update_cache,
 )
 
@@ -59,6 +61,8 @@ class LlamaConfig:
 
     ``scan_layers=True`` (the default) stacks the layers, run by a ``lax.scan``: compile time
     flat in depth, the same step (`redeqx.models._layers.SCAN_LAYERS` says why); False lists them.
+    ``scan_unroll`` is the scan's ``unroll``: by default every layer on a GPU (a loop there costs
+    about 9 % of the step) and a loop elsewhere (`redeqx.models._layers.SCAN_UNROLL`).
     """
 
     vocab_size: int = 32000
@@ -83,8 +87,10 @@ class LlamaConfig:
     sliding_window: int | None = None  # attention span when use_sliding_window (Mistral)
     use_sliding_window: bool = False
     scan_layers: bool = SCAN_LAYERS  # layers stacked and run by a lax.scan (see SCAN_LAYERS); False: a list
+    scan_unroll: int | bool | None = None  # the stack's lax.scan unroll; None: per platform (SCAN_UNROLL)
 
     def __post_init__(self):
+        check_scan_unroll(self)
         check_positive_ints(
             self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
         )
@@ -354,7 +360,8 @@ class LlamaForCausalLM(CausalLM):
         x = constrain(self.model.embed_tokens(ids), P())
         index = None if cache is None else cache.index
         x, new_layers = run_layers(self.model.layers, x, None if cache is None else cache.layers,
-                                   lambda layer, x, lc: layer(x, positions, mask, inv_freq, lc, index))
+                                   lambda layer, x, lc: layer(x, positions, mask, inv_freq, lc, index),
+                                   unroll=scan_unroll(c))
         x = self.model.norm(x)
         logits = self.model.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
         return constrain(logits, P(None, MODEL)), new_layers  # vocab parallel

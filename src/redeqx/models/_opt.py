@@ -41,8 +41,10 @@ from ._layers import (
     Linear,
     build_layers,
     check_positive_ints,
+    check_scan_unroll,
     default_head_dim,
     run_layers,
+    scan_unroll,
 )
 from ._safetensors import HFTensor, leaf_tensors
 
@@ -58,6 +60,8 @@ class OPTConfig:
 
     ``scan_layers=True`` (the default) stacks the layers, run by a ``lax.scan``: compile time
     flat in depth, the same step (`redeqx.models._layers.SCAN_LAYERS` says why); False lists them.
+    ``scan_unroll`` is the scan's ``unroll``: by default every layer on a GPU (a loop there costs
+    about 9 % of the step) and a loop elsewhere (`redeqx.models._layers.SCAN_UNROLL`).
     """
 
     vocab_size: int = 50272
@@ -78,8 +82,10 @@ class OPTConfig:
     eos_token_id: int | None = 2
     hf_prefix: str = "model."  # prefix of the checkpoint's tensor names ("" in the hub's OPTModel files)
     scan_layers: bool = SCAN_LAYERS  # layers stacked and run by a lax.scan (see SCAN_LAYERS); False: a list
+    scan_unroll: int | bool | None = None  # the stack's lax.scan unroll; None: per platform (SCAN_UNROLL)
 
     def __post_init__(self):
+        check_scan_unroll(self)
         check_positive_ints(self, ("vocab_size", "hidden_size", "num_hidden_layers", "ffn_dim",
                                    "num_attention_heads", "max_position_embeddings"))
         default_head_dim(self.hidden_size, self.num_attention_heads)
@@ -262,7 +268,7 @@ class OPTForCausalLM(CausalLM):
         x = constrain(x + d.embed_positions(positions + POSITION_OFFSET), P())
         index = None if cache is None else cache.index
         x, new_layers = run_layers(d.layers, x, None if cache is None else cache.layers,
-                                   lambda layer, x, lc: layer(x, mask, lc, index))
+                                   lambda layer, x, lc: layer(x, mask, lc, index), unroll=scan_unroll(c))
         if d.final_layer_norm is not None:
             x = d.final_layer_norm(x)
         if d.project_out is not None:

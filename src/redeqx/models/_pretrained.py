@@ -90,7 +90,8 @@ def _write_layer(sharding):
                    out_shardings=sharding, donate_argnums=0)
 
 
-def from_pretrained(local_dir: str | os.PathLike, mesh: Mesh, specs=None, *, dtype=None, scan_layers: bool | None = None):
+def from_pretrained(local_dir: str | os.PathLike, mesh: Mesh, specs=None, *, dtype=None, scan_layers: bool | None = None,
+                    scan_unroll: int | bool | None = None):
     """Load a Hugging Face checkpoint from a local directory, sharded over ``mesh``.
 
     Reads ``config.json`` and ``*.safetensors`` (one file, or several with
@@ -100,7 +101,8 @@ def from_pretrained(local_dir: str | os.PathLike, mesh: Mesh, specs=None, *, dty
     ``dtype`` casts floating tensors (e.g. ``jnp.bfloat16``); by default each
     keeps the checkpoint's dtype. ``scan_layers`` overrides the family's
     default layout (True: the layers stacked, for ``lax.scan``; False: a
-    list). Missing, unexpected or mis-shaped tensors raise an error listing them.
+    list), and ``scan_unroll`` how that scan is compiled (the config's
+    ``scan_unroll``; None leaves the family's per-platform default). Missing, unexpected or mis-shaped tensors raise an error listing them.
 
     Supported ``model_type``: ``llama``, ``mistral``, ``qwen2``, ``gpt2``, ``t5``, ``opt``, ``gptj``,
     ``bart``.
@@ -136,6 +138,8 @@ def from_pretrained(local_dir: str | os.PathLike, mesh: Mesh, specs=None, *, dty
     config = config_cls.from_hf(hf_config) if from_checkpoint is None else from_checkpoint(hf_config, frozenset(entries))
     if scan_layers is not None:
         config = dataclasses.replace(config, scan_layers=scan_layers)
+    if scan_unroll is not None:
+        config = dataclasses.replace(config, scan_unroll=scan_unroll)
     skeleton = _skeleton(model_cls, config, dtype)
     if specs is None:
         specs = sharding_rules(skeleton, mesh)

@@ -44,9 +44,11 @@ from ._layers import (
     build_layers,
     causal_mask,
     check_positive_ints,
+    check_scan_unroll,
     heads,
     is_stacked,
     run_layers,
+    scan_unroll,
     update_cache,
 )
 from ._safetensors import HFTensor
@@ -71,6 +73,8 @@ class T5Config:
 
     ``scan_layers=True`` (the default) stacks the layers, run by a ``lax.scan``: compile time
     flat in depth, the same step (`redeqx.models._layers.SCAN_LAYERS` says why); False lists them.
+    ``scan_unroll`` is the scan's ``unroll``: by default every layer on a GPU (a loop there costs
+    about 9 % of the step) and a loop elsewhere (`redeqx.models._layers.SCAN_UNROLL`).
     """
 
     vocab_size: int = 32128
@@ -91,8 +95,10 @@ class T5Config:
     decoder_start_token_id: int = 0  # T5 starts decoding from the pad token
     initializer_factor: float = 1.0  # scales T5's initialisation (below); Transformers' name
     scan_layers: bool = SCAN_LAYERS  # layers stacked and run by a lax.scan (see SCAN_LAYERS); False: a list
+    scan_unroll: int | bool | None = None  # the stack's lax.scan unroll; None: per platform (SCAN_UNROLL)
 
     def __post_init__(self):
+        check_scan_unroll(self)
         if isinstance(self.initializer_factor, bool) or not isinstance(self.initializer_factor, (int, float)) \
                 or not self.initializer_factor > 0:
             raise ValueError(f"T5Config.initializer_factor must be a positive number, got {self.initializer_factor!r}.")
@@ -454,7 +460,8 @@ class T5ForConditionalGeneration(EncoderDecoderLM):
         pos = jnp.arange(s)
         bias = self.encoder.bias(pos, pos, bidirectional=True)
         mask = jnp.broadcast_to(valid[None, :], (s, s))
-        x, _ = run_layers(self.encoder.block, x, None, lambda block, x, _: block(x, mask, bias))
+        x, _ = run_layers(self.encoder.block, x, None, lambda block, x, _: block(x, mask, bias),
+                          unroll=scan_unroll(self.config))
         return self.encoder.final_layer_norm(x)
 
     def _logits(self, x):
@@ -482,7 +489,8 @@ class T5ForConditionalGeneration(EncoderDecoderLM):
         pos = jnp.arange(t)
         bias = self.decoder.bias(pos, pos, bidirectional=False)
         mask = causal_mask(jnp.ones((t,), bool), 0, t)
-        x, _ = run_layers(self.decoder.block, x, None, lambda block, x, _: block(x, mask, bias, (source, None, valid)))
+        x, _ = run_layers(self.decoder.block, x, None, lambda block, x, _: block(x, mask, bias, (source, None, valid)),
+                          unroll=scan_unroll(self.config))
         return self._logits(x)
 
     # -- cached decoding (EncoderDecoderLM)
@@ -509,7 +517,7 @@ class T5ForConditionalGeneration(EncoderDecoderLM):
             return block(x, mask, bias, (None, cross, cache.source_valid), self_cache, cache.index)
 
         caches = layer_caches(self.decoder.block, cache.self_attention, cache.cross_attention)
-        x, self_attention = run_layers(self.decoder.block, x, caches, step)
+        x, self_attention = run_layers(self.decoder.block, x, caches, step, unroll=scan_unroll(self.config))
         return self._logits(x), self_attention
 
     def hf_stacked(self, tensor: HFTensor) -> HFTensor:
