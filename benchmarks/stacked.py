@@ -53,6 +53,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 GIB = 2**30
 
+DEPTHS = (4, 8, 16, 32)  # the depth section's layer counts
 COMPILE_LAYERS = (4, 16, 32, 80)
 
 
@@ -273,7 +274,7 @@ def residuals_worker(rounds: int) -> dict:
     return {v: dict(s=float(np.median(times[v])), temp=temps[v], loss=float(metrics["loss"])) for v in variants}
 
 
-def user_worker(platform: str, k: int, stacked: bool, remat: str) -> dict:
+def user_worker(platform: str, k: int, stacked: bool, remat: str, layers: int = 8) -> dict:
     import equinox as eqx
     import jax
     import jax.numpy as jnp
@@ -287,7 +288,7 @@ def user_worker(platform: str, k: int, stacked: bool, remat: str) -> dict:
     mesh = redeqx.make_mesh(k, devices=_devices(platform))
 
     def make():
-        model = GPT(vocab=8192, seq=256, width=256, layers=8, heads=4, key=jax.random.key(0))
+        model = GPT(vocab=8192, seq=256, width=256, layers=layers, heads=4, key=jax.random.key(0))
         return model if stacked else unstacked(model)
 
     model = eqx.filter_eval_shape(make)
@@ -383,6 +384,19 @@ def user_section() -> str:
     return "\n".join(lines)
 
 
+def depth_section() -> str:
+    """The user's stack against its layers listed, by depth, on libtpu (default step)."""
+    lines = ["| K | layers | temporaries listed | stacked | ratio |", "|---|---|---|---|---|"]
+    for k in (2, 4):
+        for layers in DEPTHS:
+            a, b = (_run("user", ["tpu", str(k), str(int(stacked)), "no", str(layers)], "tpu") for stacked in (False, True))
+            row = (f"| {k} | {layers} | {a['temp'] / 2**20:.1f} MiB | {b['temp'] / 2**20:.1f} MiB "
+                   f"| {b['temp'] / a['temp']:.3f} |")
+            print(row, flush=True)
+            lines.append(row)
+    return "\n".join(lines)
+
+
 def step_section(rounds: int) -> str:
     results = {}
     for r in range(2):  # alternate the variants, twice
@@ -401,7 +415,8 @@ def step_section(rounds: int) -> str:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sections", default="compile,families,user,residuals,plan70b,step,table1")
+    parser.add_argument("--sections", default="compile,families,user,residuals,plan70b,step,table1,depth",
+                        help="depth is written to a section of its own")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
@@ -415,7 +430,7 @@ def main():
         elif kind == "plan70b":
             out = plan70b_worker()
         elif kind == "user":
-            out = user_worker(rest[0], int(rest[1]), bool(int(rest[2])), rest[3])
+            out = user_worker(rest[0], int(rest[1]), bool(int(rest[2])), rest[3], *map(int, rest[4:]))
         elif kind == "residuals":
             out = residuals_worker(int(rest[0]))
         elif kind == "step":
@@ -467,12 +482,21 @@ def main():
                              f"| {r['compile_s']:.0f} s |")
         parts += ["", "OPT-66B on 64 devices (n_model_shards 8 x data 8, 512 tokens, one sequence per data shard), "
                       "stacked layers, planned whole:", "", *lines]
-    report = "\n".join(parts)
-    print(report)
-    if not args.no_write:
-        from _common import write_section
+    from _common import write_section
 
-        write_section("Stacked layers (benchmarks/stacked.py)", report)
+    if parts:
+        report = "\n".join(parts)
+        print(report)
+        if not args.no_write:
+            write_section("Stacked layers (benchmarks/stacked.py)", report)
+    if "depth" in wanted:
+        report = "\n".join([
+            "The user's stack of \"Stacked layers\" (tests/stacked_gpt.py, width 256, 256 tokens, vocab 8192, 16 "
+            "sequences per data shard, AdamW, the default step) against the same weights listed, compiled by libtpu "
+            "for 8 TPU v4 chips at n_model_shards K, by depth:", "", depth_section()])
+        print(report)
+        if not args.no_write:
+            write_section("A user's stack by depth on libtpu (benchmarks/stacked.py --sections depth)", report)
 
 
 if __name__ == "__main__":
