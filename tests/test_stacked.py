@@ -211,6 +211,22 @@ def test_a_scan_keeps_only_its_products_by_default():
     out = keep_products(lambda w, x: (stack(w, x, False), {"layers": 3, "name": "stack"}))(w, x)
     assert out[1] == {"layers": 3, "name": "stack"}
 
+    def unrolls(f, *args):  # the unroll of every scan in f's program
+        def walk(jaxpr):
+            for eqn in jaxpr.eqns:
+                yield from [eqn.params["unroll"]] if eqn.primitive.name == "scan" else []
+                for inner in redeqx._remat._inner_jaxprs(eqn):
+                    yield from walk(inner)
+
+        return list(walk(jax.make_jaxpr(f)(*args).jaxpr))
+
+    def unrolled(w, x):  # a user's scan unrolled whole (what a GPU runs fastest)
+        return jax.lax.scan(lambda c, wi: (jnp.tanh(c @ wi), None), x, w, unroll=True)[0].sum()
+
+    assert unrolls(unrolled, w, x) == [3]
+    assert unrolls(keep_products(unrolled), w, x) == [3]
+    assert unrolls(redeqx.remat(lambda w, x, key: unrolled(w, x)), w, x, None) == [3]
+
     mesh = redeqx.make_mesh(2)
     specs = redeqx.sharding_rules(model, mesh)
     with pytest.raises(TypeError, match="scan_residuals='every'.*'products' or 'all'"):
