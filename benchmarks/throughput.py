@@ -122,7 +122,7 @@ def run(args) -> dict:
     # One state per config (the layout and the stack's unroll, which lives in the model's static
     # config), shared by its steps with and without remat (each step donates it and returns the next).
     steps, states, calls, first = {}, {}, {}, True
-    for spec, layout, unroll, remat in variants:
+    for spec, _, _, remat in variants:
         config = configs[spec]
         make = lambda key, c=config: models.LlamaForCausalLM(c, key=key)  # noqa: E731
         fn = redeqx.remat(loss_fn) if remat else loss_fn
@@ -151,6 +151,7 @@ def run(args) -> dict:
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             v["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            first = False  # the plan and the device's peak belonged to this variant
             continue
         calls[name] = config
         if config not in {calls[n] for n in list(calls)[:-1]}:  # the state's first step: the initial weights
@@ -162,7 +163,7 @@ def run(args) -> dict:
                 v["measured_peak_bytes"] = peak_in_use - base
             first = False
     if args.hand:
-        spec, layout = variants[0][:2]
+        spec = variants[0][0]
         model = models.LlamaForCausalLM(configs[spec], key=jax.random.key(0))
         specs = redeqx.sharding_rules(model, mesh)
         params, static = eqx.partition(redeqx.shard(model, specs, mesh), eqx.is_inexact_array)

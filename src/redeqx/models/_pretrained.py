@@ -102,7 +102,8 @@ def from_pretrained(local_dir: str | os.PathLike, mesh: Mesh, specs=None, *, dty
     keeps the checkpoint's dtype. ``scan_layers`` overrides the family's
     default layout (True: the layers stacked, for ``lax.scan``; False: a
     list), and ``scan_unroll`` how that scan is compiled (the config's
-    ``scan_unroll``; None leaves the family's per-platform default). Missing, unexpected or mis-shaped tensors raise an error listing them.
+    ``scan_unroll``; None leaves the family's per-platform default).
+    Missing, unexpected or mis-shaped tensors raise an error listing them.
 
     Supported ``model_type``: ``llama``, ``mistral``, ``qwen2``, ``gpt2``, ``t5``, ``opt``, ``gptj``,
     ``bart``.
