@@ -19,7 +19,7 @@ def total_bytes(model):
 
 
 def test_init_model_equals_one_device_build_and_is_sharded(monkeypatch):
-    monkeypatch.setattr(redeqx._rules, "FSDP_MIN_SIZE", 1)
+    monkeypatch.setattr(redeqx.sharding._specs, "FSDP_MIN_SIZE", 1)
     mesh = redeqx.make_mesh(2)
     model = redeqx.init_model(make, mesh, key=jax.random.key(0), fsdp=True)
     reference = make(jax.random.key(0))
@@ -33,7 +33,7 @@ def test_construction_holds_about_total_over_n_devices(monkeypatch):
     """From the compiled constructor's own figures: each device's output is
     total / 8 with fsdp (total / 2 without), and even with the random numbers
     in flight the peak stays a fraction of the whole model."""
-    monkeypatch.setattr(redeqx._rules, "FSDP_MIN_SIZE", 1)
+    monkeypatch.setattr(redeqx.sharding._specs, "FSDP_MIN_SIZE", 1)
     mesh = redeqx.make_mesh(2)
     key = jax.random.key(0)
     total = total_bytes(eqx.filter_eval_shape(make, key))

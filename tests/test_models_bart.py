@@ -15,7 +15,7 @@ from accelerator_count import accelerator_collectives
 from megatron_count import megatron_bytes_encoder_decoder
 
 import redeqx
-from redeqx._rules import path_str
+from redeqx._trees import path_str
 from redeqx.models import (
     BartConfig,
     BartForConditionalGeneration,

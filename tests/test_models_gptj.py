@@ -13,7 +13,7 @@ import pytest
 from megatron_count import step_at_4_shards_vs_one_device
 
 import redeqx
-from redeqx._rules import path_str
+from redeqx._trees import path_str
 from redeqx.models import GPTJConfig, GPTJForCausalLM, from_pretrained, generate, save_pretrained
 from redeqx.models._pretrained import _skeleton, hf_tensors
 

@@ -15,7 +15,7 @@ from accelerator_count import accelerator_collectives
 from megatron_count import megatron_bytes
 
 import redeqx
-from redeqx._rules import path_str
+from redeqx._trees import path_str
 from redeqx.models import OPTConfig, OPTForCausalLM, from_pretrained, generate, save_pretrained
 from redeqx.models._pretrained import _skeleton, hf_tensors
 

@@ -146,12 +146,14 @@ def test_indivisible_dims_replicated_with_one_warning(getkey):
 def test_overrides_win(getkey):
     mesh = redeqx.make_mesh(2)
     lm = TinyLM(key=getkey())
-    specs = redeqx.sharding_rules(lm, mesh, overrides=[(r"attn\.wo\.weight$", P("model", None)), (r"^embed\.", P())])
+    overrides = [(r"attn\.wo\.weight$", P("model", None)), (r"^embed\.", P())]
+    specs = redeqx.sharding_rules(lm, mesh, overrides=overrides)
     for b in specs.blocks:
         assert b.attn.wo.weight == P("model", None)
     assert specs.embed.weight == P()
     assert specs.lm_head.weight == P("model", None)
-    rows = {line.split()[0]: line for line in redeqx.explain(lm, specs, mesh).splitlines() if line}
+    rows = {line.split()[0]: line for line in redeqx.explain(lm, specs, mesh, overrides=overrides).splitlines()
+            if line}
     # explain names the override and what the rules alone would have said
     assert rows["blocks.0.attn.wo.weight"].endswith(r"override 'attn\.wo\.weight$' (rules: attention output: dim 1)")
     assert rows["blocks.0.attn.wq.weight"].endswith("attention Q/K/V: dim 0")
@@ -295,10 +297,11 @@ def test_lm_head_is_said_of_vocabulary_sized_heads_only(getkey):
 def test_overrides_are_final_and_checked(getkey):
     mesh = redeqx.make_mesh(2)
     model = eqx.nn.MLP(256, 256, 256, depth=1, key=getkey())
-    specs = redeqx.sharding_rules(model, mesh, overrides=[(r"layers\.0\.weight", P("model", None))], fsdp=True)
+    overrides = [(r"layers\.0\.weight", P("model", None))]
+    specs = redeqx.sharding_rules(model, mesh, overrides=overrides, fsdp=True)
     assert specs.layers[0].weight == P("model", None)  # fsdp did not re-split it
     assert specs.layers[1].weight == P("data", "model")
-    table = redeqx.explain(model, specs, mesh)
+    table = redeqx.explain(model, specs, mesh, overrides=overrides)
     assert "+ fsdp over data" in table and "override 'layers\\.0\\.weight'" in table and "given" not in table
     with pytest.raises(ValueError, match=re.escape("override 'layer\\.0\\.weight' matches no array path") + ".*layers.0.weight"):
         redeqx.sharding_rules(model, mesh, overrides=[(r"layer\.0\.weight", P())])

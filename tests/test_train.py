@@ -49,7 +49,7 @@ def test_matches_single_device(reference, n_model_shards, accumulate, devices):
 
 
 def test_fsdp_matches_single_device(reference, devices, monkeypatch):
-    monkeypatch.setattr(redeqx._rules, "FSDP_MIN_SIZE", 1)  # this tiny model's leaves count as large
+    monkeypatch.setattr(redeqx.sharding._specs, "FSDP_MIN_SIZE", 1)  # this tiny model's leaves count as large
     ref_losses, ref_state = reference[1]
     losses, state = train(2, devices, fsdp=True)
     assert state.model.blocks[0].mlp.fc1.weight.sharding.spec == jax.sharding.PartitionSpec("model", "data")

@@ -19,7 +19,7 @@ from ._optimizers import with_opt_state_dtype as with_opt_state_dtype
 from ._plan import Plan as Plan, plan as plan
 from ._preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE, Preempted as Preempted
 from ._remat import checkpoint as checkpoint, remat as remat
-from ._rules import explain as explain, sharding_rules as sharding_rules
+from .sharding import explain as explain, sharding_rules as sharding_rules
 from ._schedules import lr_schedule as lr_schedule
 from ._state import (
     TrainState as TrainState,

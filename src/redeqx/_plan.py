@@ -30,7 +30,7 @@ from ._hlo import collective_summary, loop_factor
 from ._mesh import DATA, MODEL, check_mesh, make_mesh
 from ._optimizers import with_opt_state_dtype
 from ._remat import ScanResiduals, remat as remat_loss
-from ._rules import sharding_rules
+from .sharding import sharding_rules
 from ._state import abstract_model, init_state, is_constructor
 from ._trees import human_bytes, per_device_shape
 from ._steps import make_train_step

@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from ._mesh import check_mesh
-from ._rules import sharding_rules
+from .sharding import sharding_rules
 from ._trees import is_array, is_array_like, is_floating, is_none, is_spec, leaves_with_specs, named_leaves, path_str
 from ._typing import short_repr, typechecked
 

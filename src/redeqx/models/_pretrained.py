@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from .._rules import sharding_rules
+from ..sharding import sharding_rules
 from .._trees import leaves_with_specs, named_leaves, replace_array_leaves
 from ._bart import BartConfig, BartForConditionalGeneration
 from ._gpt2 import GPT2Config, GPT2LMHeadModel

@@ -1,0 +1,13 @@
+"""The rules: an Equinox model (and, given, the program it runs in) -> PartitionSpecs.
+
+- `_program` reads each weight's role from the jaxpr of ``loss_fn`` (with
+  `_contract` for matmuls and convs, `_facts` for what it records);
+- `_roles` turns the program's facts into splits, an ordered table of rules;
+- `_names`, `_names_special`, `_name_rules`: the name hints, an ordered table;
+- `_decide` gives each leaf its spec (override, program, names), `_specs` the
+  pieces (fsdp, overrides, stacked leaves, spec -> NamedSharding);
+- `_public`: `sharding_rules` and `explain`.
+"""
+
+from ._public import explain as explain, sharding_rules as sharding_rules
+from ._specs import named_shardings as named_shardings, sharding_of as sharding_of

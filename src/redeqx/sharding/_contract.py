@@ -1,0 +1,119 @@
+"""Contractions: where a weight meets an activation (``dot_general``, convs).
+
+For a weight and an activation, the weight's dims contracted with the
+activation are its input, its dims that reach the output are its output, and
+its dims that are batch dims of the contraction (an ``(E, in, out)`` expert
+stack under ``einsum("ecd,edf->ecf")``) are an expert axis. Each such use is a
+seed: its output split on the weight's first output dim. A split activation
+contracted by a weight finds its row-parallel partner; contracted with
+another activation (a split dim summed between two activations) it is blocked;
+kept as a batch or free dim (attention's heads) it goes on.
+"""
+
+from __future__ import annotations
+
+
+def _out_positions(lhs_nd: int, rhs_nd: int, dn) -> tuple[dict[int, int], dict[int, int]]:
+    """Each operand dim's position in a ``dot_general`` output (batch, lhs free, rhs free)."""
+    (lc, rc), (lb, rb) = dn
+    lhs = {d: i for i, d in enumerate(lb)}
+    rhs = {d: i for i, d in enumerate(rb)}
+    k = len(lb)
+    for d in range(lhs_nd):
+        if d not in lc and d not in lb:
+            lhs[d] = k
+            k += 1
+    for d in range(rhs_nd):
+        if d not in rc and d not in rb:
+            rhs[d] = k
+            k += 1
+    return lhs, rhs
+
+
+def contract(r, eqn) -> None:
+    from ._program import _shape
+
+    lhs, rhs = eqn.invars
+    (lc, rc), (lb, rb) = dn = eqn.params["dimension_numbers"]
+    lpos, rpos = _out_positions(len(_shape(lhs)), len(_shape(rhs)), dn)
+    lv, rv = r.view(lhs), r.view(rhs)
+    out = eqn.outvars[0]
+    if lv is not None and rv is not None:  # weights times weights (a merged adapter): still weights
+        from ._program import View
+
+        parts = [(leaf, _through(dims, lpos, len(_shape(out)))) for leaf, dims in lv.parts]
+        parts += [(leaf, _through(dims, rpos, len(_shape(out)))) for leaf, dims in rv.parts]
+        r.views[out] = View(tuple(parts))
+        return
+    sides = [(lhs, lv, lc, lb, lpos, rc, rb), (rhs, rv, rc, rb, rpos, lc, lb)]
+    tags: dict[int, int] = {}
+    for var, vw, contracting, batch, pos, other_c, other_b in sides:
+        other_view = rv if var is lhs else lv
+        for seed, d in r.tag(var).items():
+            if d in contracting:
+                partner = other_c[contracting.index(d)]
+                if other_view is None:
+                    r.facts.block(seed, "contracted with another activation on its split dim")
+                for leaf, dims in (other_view.parts if other_view is not None else ()):
+                    if dims[partner] is not None:
+                        r.facts.row(seed, leaf, dims[partner], "contracts the split activation")
+            else:
+                tags[seed] = pos[d]
+                if d in batch and other_view is not None:
+                    for leaf, dims in other_view.parts:
+                        partner = other_b[batch.index(d)]
+                        if dims[partner] is not None:
+                            r.facts.follow(seed, leaf, dims[partner], "a batch dim beside the split activation")
+    for var, vw, contracting, batch, pos, _, _ in sides:
+        if vw is None:
+            continue
+        for leaf, dims in vw.parts:
+            known = lambda ds: tuple(dims[d] for d in ds if dims[d] is not None)  # noqa: E731
+            produced = [d for d in range(len(dims)) if d not in contracting and d not in batch]
+            seed = r.facts.use(leaf, known(contracting), known(produced), known(batch), "matmul")
+            outs = [d for d in produced if dims[d] is not None]
+            if seed is not None and outs:
+                tags[seed] = pos[outs[0]]
+                r.facts.seed_dim[seed] = dims[outs[0]]
+    r.set_tags(out, tags, "dot_general")
+
+
+def _through(dims, pos, nd):
+    new = [None] * nd
+    for d, leaf_dim in enumerate(dims):
+        if d in pos:
+            new[pos[d]] = leaf_dim
+    return tuple(new)
+
+
+def convolve(r, eqn) -> None:
+    """A conv: the kernel's in-feature dim is its input, its out-feature dim its
+    output; grouped convs (``feature_group_count > 1``) keep whole groups."""
+    lhs, rhs = eqn.invars
+    dn = eqn.params["dimension_numbers"]
+    groups = eqn.params["feature_group_count"]
+    kv, out = r.view(rhs), eqn.outvars[0]
+    in_feature, out_feature = dn.lhs_spec[1], dn.out_spec[1]
+    k_out, k_in = dn.rhs_spec[0], dn.rhs_spec[1]
+    tags: dict[int, int] = {}
+    for seed, d in r.tag(lhs).items():
+        if d != in_feature or kv is None:
+            r.facts.block(seed, "reaches a conv other than on its channels")
+            continue
+        for leaf, dims in kv.parts:
+            if groups == 1 and dims[k_in] is not None:
+                r.facts.row(seed, leaf, dims[k_in], "conv contracts the split channels")
+            elif dims[k_out] is not None:
+                r.facts.follow(seed, leaf, dims[k_out], f"grouped conv ({groups} groups) on the split channels")
+                tags[seed] = out_feature
+    if kv is not None and not r.tag(lhs):
+        for leaf, dims in kv.parts:
+            spatial = tuple(dims[d] for d in dn.rhs_spec[2:] if dims[d] is not None)
+            contracted = tuple(x for x in (dims[k_in],) if x is not None) + spatial
+            seed = r.facts.use(leaf, contracted, tuple(x for x in (dims[k_out],) if x is not None), (), "conv")
+            if seed is not None and dims[k_out] is not None:
+                tags[seed] = out_feature
+                r.facts.seed_dim[seed] = dims[k_out]
+                if groups > 1:
+                    r.facts.groups(seed, groups)
+    r.set_tags(out, tags, "conv")

@@ -1,0 +1,153 @@
+"""`leaf_specs`: every array leaf's spec and reason, in three passes.
+
+1. weights (rank >= 2, floating): an override, else the program's role, else
+   the name rules (whose unknown layers alternate 0, 1, 0, ... under their
+   parent; an override does not interrupt the alternation);
+2. the other leaves: an override, else the program's role (a bias beside a
+   split activation), else they follow their layer's weight;
+3. overrides that never applied are an error.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from .._mesh import MODEL
+from .._trees import is_array_like, path_parts
+from ._name_rules import UNPLACED, classify
+from ._names import _ancestors
+from ._roles import Role, decide
+from ._specs import (
+    LeafSpec, Overrides, axes_of, check_mesh_model, fsdp_spec, is_weight, lifted, small_leaf_spec, split_spec,
+    stacked_leaves, vocab_sizes, weight_layer,
+)
+
+
+class _Decider:
+    def __init__(self, model, mesh: Mesh, overrides, fsdp: bool, name: str | None, facts):
+        self.model, self.fsdp, self.name, self.facts = model, fsdp, name, facts
+        self.mesh, self.n_model = check_mesh_model(mesh)
+        self.prefix = f"{name}." if name else ""
+        self.overrides = Overrides(overrides, self.mesh, self.prefix)
+        self.roles: dict[int, Role] = decide(facts, self.n_model) if facts is not None else {}
+        self.leaves = stacked_leaves(model, facts)
+        self.arrays = [x for x in jax.tree_util.tree_leaves(model) if is_array_like(x)]
+        self.vocab = vocab_sizes(model, self.leaves, self.n_model)
+        self.counters: dict[str, int] = {}
+        self.weight_dims: dict[str, int] = {}  # layer path -> dim split by 'model' (for its bias and adapters)
+        self.fallbacks: list[tuple[str, str, bool]] = []  # (leaf, why, loud)
+        self.unplaced: list[str] = []
+        self.decided: dict[int, LeafSpec] = {}
+
+    # -- recording ------------------------------------------------------------------
+    def finish(self, k: int, spec: P, reason: str, *, whole: bool = False) -> None:
+        """``spec`` is one layer's (lifted over the layer axes) unless ``whole``."""
+        i, kp, one, n = self.leaves[k]
+        full = self._full(k)
+        if not whole:
+            spec = lifted(spec, n)
+        if self.fsdp and not reason.startswith("override"):
+            spec, did = fsdp_spec(spec, full.shape, self.mesh, keep=set(range(n)))
+            if did:
+                reason += " + fsdp over data"
+        if n:
+            reason = f"layer axis (L={' x '.join(map(str, full.shape[:n]))}), each layer: {reason}"
+        self.decided[i] = LeafSpec(".".join(path_parts(kp)), tuple(full.shape), full.dtype, spec, reason)
+
+    def _full(self, k: int):
+        return self.arrays[k]
+
+    def fall_back(self, k: int, loud: bool, reason: str, why: str, *, whole: bool = False) -> None:
+        _, kp, one, _ = self.leaves[k]
+        shape = tuple(self._full(k).shape) if whole else tuple(one.shape)
+        self.fallbacks.append((f"{self.prefix}{'.'.join(path_parts(kp))} {shape}", why, loud))
+        self.finish(k, P(), f"{reason}: replicated, {why}", whole=whole)
+
+    # -- passes ---------------------------------------------------------------------
+    def run(self) -> None:
+        later = []
+        for k, (i, kp, one, n) in enumerate(self.leaves):
+            parts = path_parts(kp)
+            hit = self.overrides.find(".".join(parts), self._full(k))
+            if not is_weight(parts, one):
+                if hit is not None:
+                    self.finish(k, hit[0], hit[1], whole=True)
+                else:
+                    later.append(k)
+                continue
+            self.weight(k, parts, one, hit)
+        for k in later:
+            self.small(k)
+        self.overrides.check_all_used([".".join(path_parts(kp)) for _, kp, _, _ in self.leaves], self.name)
+
+    def weight(self, k: int, parts, one, hit) -> None:
+        role = self.roles.get(k)
+        layer = ".".join(weight_layer(parts))
+        if role is not None and hit is None:
+            return self.from_program(k, role, layer)
+        rule = classify(parts, _ancestors(self.model, self.leaves[k][1]), tuple(one.shape), self.vocab, self.n_model)
+        dim, reason = self._alternate(rule, parts)
+        if hit is not None:
+            n = self.leaves[k][3]  # the override names the whole leaf: its out dim follows the layer axes
+            if len(hit[0]) > n and hit[0][n] is not None and MODEL in axes_of(hit[0][n]):
+                self.weight_dims[layer] = 0  # its bias and adapters follow the override
+            return self.finish(k, hit[0], f"{hit[1]} (rules: {role.reason if role else reason})", whole=True)
+        if rule.refuse is not None:
+            return self.fall_back(k, self.n_model > 1, reason, rule.refuse)
+        if dim == -1:
+            if reason == UNPLACED and self.facts is None and sum(d > 1 for d in one.shape) >= 2:
+                self.unplaced.append(f"{self.prefix}{'.'.join(parts)} {tuple(one.shape)}")
+            return self.finish(k, P(), reason)
+        if rule.whole is not None and rule.whole[0] % self.n_model:
+            count, what = rule.whole
+            return self.fall_back(k, True, reason.split(":")[0], f"{count} {what} not divisible by "
+                                  f"n_model_shards={self.n_model} ({what} are never split)")
+        if one.shape[dim] % self.n_model:  # a dim of 1 (a value head's output) has nothing to split: quiet
+            return self.fall_back(k, one.shape[dim] >= self.n_model, reason,
+                                  f"dim {dim} ({one.shape[dim]}) not divisible by n_model_shards={self.n_model}")
+        self.weight_dims[layer] = dim
+        self.finish(k, split_spec(one.ndim, dim), reason)
+
+    def _alternate(self, rule, parts) -> tuple[int, str]:
+        layer = weight_layer(parts)
+        group = ".".join(layer[:-1])
+        dim, reason = rule.dim, rule.reason
+        if dim is None:
+            dim = rule.alternation[self.counters.get(group, 0) % 2]
+            self.counters[group] = self.counters.get(group, 0) + 1
+            reason = f"{reason + ': ' if reason else ''}alternating under '{group or '<root>'}': dim {dim}"
+        elif rule.counts and dim in rule.alternation:
+            self.counters[group] = rule.alternation.index(dim) + 1  # a named layer advances its parent's too
+        return dim, reason
+
+    def from_program(self, k: int, role: Role, layer: str) -> None:
+        full = self._full(k)
+        if role.refused is not None:
+            return self.fall_back(k, True, role.reason.rsplit(", replicated", 1)[0], role.refused, whole=True)
+        if role.dim is None:
+            return self.finish(k, P(), role.reason, whole=True)
+        self.weight_dims[layer] = role.dim - self.leaves[k][3]
+        self.finish(k, split_spec(full.ndim, role.dim), role.reason, whole=True)
+
+    def small(self, k: int) -> None:
+        _, kp, one, n = self.leaves[k]
+        parts = path_parts(kp)
+        role = self.roles.get(k)
+        if role is not None:
+            return self.from_program(k, role, ".".join(parts[:-1]))
+        dim = self.weight_dims.get(".".join(parts[:-1]))
+        spec, reason = small_leaf_spec(parts, one, dim, self.vocab, self.n_model)
+        self.finish(k, spec, reason)
+
+
+def leaf_specs(model, mesh: Mesh, overrides=(), fsdp: bool = False, name: str | None = None, facts=None):
+    """Returns ``(treedef, [LeafSpec | None per leaf], fallbacks, unplaced)``; ``fallbacks``
+    are ``(path and shape, why, loud)`` for leaves replicated because
+    ``n_model_shards`` cannot split them as the rules would, ``unplaced`` the
+    weights names alone could not place (without a program)."""
+    decider = _Decider(model, mesh, overrides, fsdp, name, facts)
+    decider.run()
+    flat, treedef = jax.tree_util.tree_flatten(model)
+    decided = [decider.decided.get(i) for i in range(len(flat))]
+    return treedef, decided, decider.fallbacks, decider.unplaced

@@ -1,0 +1,170 @@
+"""What the program reader learned about each weight: the facts `_roles` decides from.
+
+A *seed* is one use of a weight in a matmul or conv with an activation, whose
+output is split on the weight's output dim. Seeds whose splits meet (added,
+multiplied, or contracted on a shared batch dim such as attention's heads) are
+one group: a Megatron block, split together. For each group the reader
+records its row-parallel partners (weights that contract the split), its
+followers (biases and per-channel weights applied to the split activation),
+the reductions over the split dim it reaches (a vocabulary-parallel loss),
+what blocked it, and the counts that must stay whole (heads, groups).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass
+class Use:
+    """One use of a weight: which of its dims are the contraction's input,
+    output and batch (expert) dims."""
+
+    leaf: int
+    contracted: tuple[int, ...]
+    produced: tuple[int, ...]
+    batch: tuple[int, ...]
+    kind: str
+
+
+@dataclasses.dataclass
+class Whole:
+    """A reshape after the split: ``size`` split ``n`` ways must land on whole
+    ``count`` blocks (heads), i.e. ``(size / n) * inner_in`` a multiple of ``inner_out``."""
+
+    size: int
+    inner_in: int
+    inner_out: int
+    count: int
+    text: str
+
+    def holds(self, n: int) -> bool:
+        return self.size % n == 0 and (self.size // n * self.inner_in) % self.inner_out == 0
+
+
+class Facts:
+    def __init__(self, paths: list[str], shapes: list[tuple[int, ...]]):
+        self.paths, self.shapes = paths, shapes
+        self.uses: list[Use] = []
+        self.seed_use: list[int] = []  # seed -> index in uses
+        self.seed_dim: dict[int, int] = {}  # seed -> the leaf dim its output split comes from
+        self.parent: list[int] = []
+        self.blocked: dict[int, str] = {}
+        self.reduced: dict[int, str] = {}
+        self.rows: list[tuple[int, int, int, str]] = []  # (seed, leaf, dim, why)
+        self.follows: list[tuple[int, int, int, str]] = []
+        self.wholes: dict[int, list[Whole]] = {}
+        self.group_counts: dict[int, int] = {}
+        self.layer_dims: dict[int, dict[int, str]] = {}
+        self.lookups: dict[int, list[tuple[int, bool]]] = {}
+        self._leaf_seed: dict[int, int] = {}
+
+    # -- recording ---------------------------------------------------------------
+    def use(self, leaf, contracted, produced, batch, kind) -> int | None:
+        self.uses.append(Use(leaf, contracted, produced, batch, kind))
+        if not produced:
+            return None
+        seed = len(self.seed_use)
+        self.seed_use.append(len(self.uses) - 1)
+        self.parent.append(seed)
+        if leaf in self._leaf_seed:  # one weight used twice is split one way
+            self.union(seed, self._leaf_seed[leaf])
+        else:
+            self._leaf_seed[leaf] = seed
+        return seed
+
+    def block(self, seed: int, why: str) -> None:
+        self.blocked.setdefault(seed, why)
+
+    def reduce(self, seed: int, why: str) -> None:
+        self.reduced.setdefault(seed, why)
+
+    def row(self, seed, leaf, dim, why) -> None:
+        self.rows.append((seed, leaf, dim, why))
+
+    def follow(self, seed, leaf, dim, why) -> None:
+        self.follows.append((seed, leaf, dim, why))
+
+    def whole(self, seed, size, inner_in, inner_out, count, text) -> None:
+        self.wholes.setdefault(seed, []).append(Whole(size, inner_in, inner_out, count, text))
+
+    def groups(self, seed, count) -> None:
+        self.group_counts[seed] = count
+
+    def layer_dim(self, leaf, dim, why) -> None:
+        self.layer_dims.setdefault(leaf, {}).setdefault(dim, why)
+
+    def lookup(self, leaf, dim, positional: bool) -> None:
+        self.lookups.setdefault(leaf, []).append((dim, positional))
+
+    # -- groups --------------------------------------------------------------------
+    def find(self, s: int) -> int:
+        while self.parent[s] != s:
+            self.parent[s] = self.parent[self.parent[s]]
+            s = self.parent[s]
+        return s
+
+    def union(self, a: int, b: int) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[max(ra, rb)] = min(ra, rb)
+
+    def checked(self, tags: dict[int, int], where: str) -> dict[int, int]:
+        """Seeds on one dim of one value are one group; one group on two dims is blocked."""
+        by_dim: dict[int, int] = {}
+        for seed, dim in tags.items():
+            if dim in by_dim:
+                self.union(seed, by_dim[dim])
+            else:
+                by_dim[dim] = seed
+        roots: dict[int, int] = {}
+        for seed, dim in tags.items():
+            r = self.find(seed)
+            if roots.setdefault(r, dim) != dim:
+                self.block(seed, f"{where}: its split lands on two dims of one value")
+        return tags
+
+    def leaf_seeds(self, leaf: int) -> list[int]:
+        return [s for s, u in enumerate(self.seed_use) if self.uses[u].leaf == leaf]
+
+    def size(self, leaf: int) -> int:
+        return math.prod(self.shapes[leaf])
+
+
+def reshape_target(old: tuple[int, ...], new: tuple[int, ...], d: int) -> tuple[int, int, int] | None:
+    """Where dim ``d`` of ``old`` goes when reshaped to ``new``: ``(t, inner_in,
+    inner_out)`` with ``t`` the output dim it becomes the leading factor of, and
+    the sizes of the dims after it in its reshape group on each side; None when
+    other non-unit dims come before it in its group (a split of ``d`` would not
+    be a split of any output dim)."""
+    i = j = 0
+    while i < len(old) and j < len(new):
+        a, b = [i], [j]
+        pa, pb = old[i], new[j]
+        i, j = i + 1, j + 1
+        while pa != pb:
+            if pa < pb and i < len(old):
+                a.append(i)
+                pa *= old[i]
+                i += 1
+            elif j < len(new):
+                b.append(j)
+                pb *= new[j]
+                j += 1
+            else:
+                return None
+        while i < len(old) and old[i] == 1 and (j >= len(new) or new[j] != 1):
+            a.append(i)
+            i += 1
+        if d in a:
+            if any(old[x] != 1 for x in a[:a.index(d)]):
+                return None
+            big = [x for x in b if new[x] != 1]
+            if not big:
+                return None
+            t = big[0]
+            inner_in = math.prod(old[x] for x in a[a.index(d) + 1:])
+            inner_out = math.prod(new[x] for x in b[b.index(t) + 1:])
+            return t, inner_in, inner_out
+    return None

@@ -1,0 +1,441 @@
+"""The program reader: each weight's role, read from the jaxpr of ``loss_fn``.
+
+`read_program` traces ``loss_fn(model, batch, key)`` on abstract shapes
+(nothing is computed or allocated) and walks its jaxpr once, nested calls
+included (``jit``, ``remat``, ``custom_jvp``/``custom_vjp``, ``scan``,
+``while``, ``cond``). It follows two kinds of values:
+
+- a *view* of weights: a weight as read, transposed, cast, scaled, sliced by
+  a ``scan`` (its layer axis) or indexed; each of the view's dims says which
+  dim of which weight it is;
+- an activation *split* by a candidate column-parallel layer: every matmul or
+  conv of a weight with an activation is a *seed* whose output is split on the
+  weight's produced dim. The split is carried forward through the ops that
+  keep it local (elementwise ops, transposes, reshapes that keep it the
+  leading factor, batched contractions such as attention's, reductions over
+  other dims) until it reaches a weight that contracts it (a row-parallel
+  partner), a reduction over it (a vocabulary-parallel loss), or an op that
+  would need the whole activation (then the seed is blocked, with the reason).
+
+The facts it returns are independent of the mesh; `_roles` turns them into
+specs for one ``n_model_shards``. Each handler below is one primitive family.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import equinox as eqx
+import jax
+from jax.extend import core as jcore
+
+from ._facts import Facts, reshape_target
+
+ELEMENTWISE = frozenset(
+    "add sub mul div rem pow max min neg exp exp2 log log1p expm1 tanh logistic sin cos tan sqrt rsqrt cbrt "
+    "abs sign floor ceil round integer_pow square erf erfc erf_inv atan2 convert_element_type select_n clamp "
+    "stop_gradient copy copy_p reduce_precision is_finite eq ne lt le gt ge and or not xor nextafter real imag "
+    "conj sharding_constraint mesh_cast reshard add_any pvary".split()
+)
+REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split())
+ORDERED = frozenset("cumsum cumprod cummax cummin cumlogsumexp sort top_k".split())  # need the whole dim
+SCALING = frozenset("mul div neg convert_element_type copy copy_p reduce_precision sharding_constraint "
+                    "mesh_cast reshard pvary".split())
+
+
+@dataclasses.dataclass(frozen=True)
+class View:
+    """A value made of weights: ``parts[k] = (leaf, dims)``, ``dims[d]`` the
+    leaf dim behind the value's dim ``d`` (None: not one dim of that leaf)."""
+
+    parts: tuple[tuple[int, tuple[int | None, ...]], ...]
+
+    def mapped(self, fn) -> View:
+        return View(tuple((leaf, fn(dims)) for leaf, dims in self.parts))
+
+
+class Reader:
+    """Walks a jaxpr with, for each variable, a `View`, a dict ``{seed: dim}``
+    of the splits it carries, and whether it depends on no input (``static``:
+    iota and constants, e.g. positions)."""
+
+    def __init__(self, facts: Facts):
+        self.facts = facts
+        self.views: dict[Any, View] = {}
+        self.tags: dict[Any, dict[int, int]] = {}
+        self.static: set = set()
+
+    # -- values ---------------------------------------------------------------
+    def view(self, v):
+        return None if isinstance(v, jcore.Literal) else self.views.get(v)
+
+    def tag(self, v) -> dict[int, int]:
+        return {} if isinstance(v, jcore.Literal) else self.tags.get(v, {})
+
+    def is_static(self, v) -> bool:
+        return isinstance(v, jcore.Literal) or v in self.static
+
+    def set_tags(self, var, tags: dict[int, int], where: str) -> None:
+        if tags:
+            self.tags[var] = self.facts.checked(tags, where)
+
+    def block_all(self, eqn, why: str) -> None:
+        for v in eqn.invars:
+            for seed in self.tag(v):
+                self.facts.block(seed, why)
+
+    # -- walking --------------------------------------------------------------
+    def run(self, jaxpr, views, tags, static) -> tuple[list, list, list]:
+        for var, vw, tg, st in zip(jaxpr.invars, views, tags, static):
+            if vw is not None:
+                self.views[var] = vw
+            if tg:
+                self.tags[var] = tg
+            if st:
+                self.static.add(var)
+        for eqn in jaxpr.eqns:
+            self.step(eqn)
+        outs = jaxpr.outvars
+        return [self.view(v) for v in outs], [self.tag(v) for v in outs], [self.is_static(v) for v in outs]
+
+    def step(self, eqn) -> None:
+        name = eqn.primitive.name
+        if eqn.invars and all(self.is_static(v) for v in eqn.invars) or name == "iota":
+            self.static.update(eqn.outvars)
+        handler = HANDLERS.get(name)
+        if handler is None:
+            handler = call if _sub_jaxprs(eqn) else unknown
+        handler(self, eqn)
+
+    def inputs(self, vars_):
+        return [self.view(v) for v in vars_], [self.tag(v) for v in vars_], [self.is_static(v) for v in vars_]
+
+    def bind(self, outvars, views, tags, static) -> None:
+        for var, vw, tg, st in zip(outvars, views, tags, static):
+            if vw is not None:
+                self.views[var] = vw
+            if tg:
+                self.tags[var] = tg
+            if st:
+                self.static.add(var)
+
+
+def _sub_jaxprs(eqn) -> list:
+    found = []
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+                found.append(item)
+    return found
+
+
+def _open(j):
+    return j.jaxpr if isinstance(j, jcore.ClosedJaxpr) else j
+
+
+def _shape(v) -> tuple[int, ...]:
+    return tuple(getattr(v.aval, "shape", ()))
+
+
+# -- handlers ------------------------------------------------------------------
+def elementwise(r: Reader, eqn) -> None:
+    out = eqn.outvars[0]
+    nd = len(_shape(out))
+    views = [(v, r.view(v)) for v in eqn.invars]
+    acts = [v for v, vw in views if vw is None and not r.is_static(v) and len(_shape(v)) == nd and nd]
+    weights = [vw for _, vw in views if vw is not None and len(_shape(_var(eqn, vw, views))) == nd]
+    if weights and not acts and (eqn.primitive.name in SCALING or len(weights) > 1 or len(views) == 1):
+        r.views[out] = View(tuple(p for w in weights for p in w.parts))  # still the weights: W * s, W + delta
+        return
+    tags: dict[int, int] = {}
+    where = f"{eqn.primitive.name}"
+    for v in eqn.invars:
+        for seed, dim in r.tag(v).items():
+            if tags.get(seed, dim) != dim:
+                r.facts.block(seed, f"{where} meets its split on two dims")
+            tags[seed] = dim
+    for seed, dim in tags.items():  # a weight applied elementwise to a split activation follows the split
+        for w in weights:
+            for leaf, dims in w.parts:
+                if dims[dim] is not None:
+                    r.facts.follow(seed, leaf, dims[dim], f"{eqn.primitive.name} with the split activation")
+    r.set_tags(out, tags, where)
+
+
+def _var(eqn, vw, views):
+    return next(v for v, w in views if w is vw)
+
+
+def transpose(r: Reader, eqn) -> None:
+    perm = eqn.params["permutation"]
+    (src,), out = eqn.invars, eqn.outvars[0]
+    if (vw := r.view(src)) is not None:
+        r.views[out] = vw.mapped(lambda dims: tuple(dims[p] for p in perm))
+    r.set_tags(out, {s: perm.index(d) for s, d in r.tag(src).items()}, "transpose")
+
+
+def broadcast_in_dim(r: Reader, eqn) -> None:
+    src, out = eqn.invars[0], eqn.outvars[0]
+    bd, nd = eqn.params["broadcast_dimensions"], len(eqn.params["shape"])
+
+    def place(dims):
+        new = [None] * nd
+        for i, d in zip(bd, dims):
+            new[i] = d
+        return tuple(new)
+
+    if (vw := r.view(src)) is not None:
+        r.views[out] = vw.mapped(place)
+    r.set_tags(out, {s: bd[d] for s, d in r.tag(src).items()}, "broadcast")
+
+
+def reshape(r: Reader, eqn) -> None:
+    src, out = eqn.invars[0], eqn.outvars[0]
+    old, new = _shape(src), _shape(out)
+    if (vw := r.view(src)) is not None:
+        def keep(dims):
+            moved = [None] * len(new)
+            for d, leaf_dim in enumerate(dims):
+                t = reshape_target(old, new, d)
+                if t is not None and t[1] == t[2] == 1 and old[d] == new[t[0]]:
+                    moved[t[0]] = leaf_dim
+                elif leaf_dim is not None and old[d] == 1:
+                    pass
+            return tuple(moved)
+        r.views[out] = vw.mapped(keep)
+        _indexed(r, vw, old, new)
+    tags = {}
+    for seed, d in r.tag(src).items():
+        t = reshape_target(old, new, d)
+        if t is None:
+            r.facts.block(seed, f"reshape {old} -> {new} moves its split dim off a leading factor")
+            continue
+        tags[seed] = t[0]
+        if t[1] != 1 or t[2] != 1:
+            r.facts.whole(seed, old[d], t[1], t[2], new[t[0]], f"reshape {old} -> {new}")
+    r.set_tags(out, tags, "reshape")
+
+
+def _indexed(r: Reader, vw: View, old, new) -> None:
+    """A size-1 dim of a weight view dropped by a reshape was one index of a
+    leaf dim (``W[i]`` of a stack): that leaf dim is a layer axis."""
+    if len(new) < len(old):
+        for leaf, dims in vw.parts:
+            for d, leaf_dim in enumerate(dims):
+                if old[d] == 1 and leaf_dim is not None:
+                    r.facts.layer_dim(leaf, leaf_dim, "indexed one layer at a time")
+
+
+def squeeze(r: Reader, eqn) -> None:
+    src, out = eqn.invars[0], eqn.outvars[0]
+    gone = set(d % len(_shape(src)) for d in eqn.params["dimensions"])
+    if (vw := r.view(src)) is not None:
+        for leaf, dims in vw.parts:
+            for d in gone:
+                if dims[d] is not None:
+                    r.facts.layer_dim(leaf, dims[d], "indexed one layer at a time")
+        r.views[out] = vw.mapped(lambda dims: tuple(x for d, x in enumerate(dims) if d not in gone))
+    shift = {d: d - sum(g < d for g in gone) for d in range(len(_shape(src))) if d not in gone}
+    r.set_tags(out, {s: shift[d] for s, d in r.tag(src).items() if d in shift}, "squeeze")
+
+
+def slicing(r: Reader, eqn) -> None:
+    """slice, dynamic_slice, pad: a dim whose size changes is no longer a whole dim."""
+    src, out = eqn.invars[0], eqn.outvars[0]
+    old, new = _shape(src), _shape(out)
+    changed = {d for d in range(len(old)) if old[d] != new[d] or eqn.primitive.name == "pad" and _padded(eqn, d)}
+    if (vw := r.view(src)) is not None:
+        r.views[out] = vw.mapped(lambda dims: tuple(
+            x if d not in changed or new[d] == 1 else None for d, x in enumerate(dims)))
+    tags = {}
+    for seed, d in r.tag(src).items():
+        if d in changed:
+            r.facts.block(seed, f"{eqn.primitive.name} cuts its split dim ({old[d]} -> {new[d]})")
+        else:
+            tags[seed] = d
+    r.set_tags(out, tags, eqn.primitive.name)
+
+
+def _padded(eqn, d) -> bool:
+    lo, hi, interior = eqn.params["padding_config"][d]
+    return bool(lo or hi or interior)
+
+
+def reduction(r: Reader, eqn) -> None:
+    src, out = eqn.invars[0], eqn.outvars[0]
+    axes = set(eqn.params.get("axes", ()))
+    tags = {}
+    for seed, d in r.tag(src).items():
+        if d in axes:
+            r.facts.reduce(seed, f"{eqn.primitive.name} over the split dim")
+        else:
+            tags[seed] = d - sum(a < d for a in axes)
+    r.set_tags(out, tags, eqn.primitive.name)
+
+
+def ordered(r: Reader, eqn) -> None:
+    src = eqn.invars[0]
+    nd = len(_shape(src))
+    axis = eqn.params.get("axis", eqn.params.get("dimension", nd - 1)) % max(nd, 1)
+    for seed, d in r.tag(src).items():
+        if d == axis:
+            r.facts.block(seed, f"{eqn.primitive.name} needs the whole split dim")
+    for out in eqn.outvars:
+        if len(_shape(out)) == nd:
+            r.set_tags(out, {s: d for s, d in r.tag(src).items() if d != axis}, eqn.primitive.name)
+
+
+def concatenate(r: Reader, eqn) -> None:
+    axis, out = eqn.params["dimension"], eqn.outvars[0]
+    tags: dict[int, int] = {}
+    for v in eqn.invars:
+        for seed, d in r.tag(v).items():
+            if d == axis:
+                r.facts.block(seed, "concatenated along its split dim")
+            else:
+                tags[seed] = d
+    r.set_tags(out, tags, "concatenate")
+
+
+def gather(r: Reader, eqn) -> None:
+    table, indices = eqn.invars[0], eqn.invars[1]
+    dn = eqn.params["dimension_numbers"]
+    if (vw := r.view(table)) is not None:
+        for leaf, dims in vw.parts:
+            for d in dn.start_index_map:
+                if dims[d] is not None:
+                    r.facts.lookup(leaf, dims[d], positional=r.is_static(indices))
+    r.block_all(eqn, "gathered from")
+
+
+def dot_general(r: Reader, eqn) -> None:
+    from ._contract import contract
+
+    contract(r, eqn)
+
+
+def conv(r: Reader, eqn) -> None:
+    from ._contract import convolve
+
+    convolve(r, eqn)
+
+
+def call(r: Reader, eqn) -> None:
+    """A call with one body (jit, remat, custom_jvp/vjp, shard_map...): the body sees the arguments."""
+    body = _sub_jaxprs(eqn)[0]
+    jaxpr = _open(body)
+    n = len(jaxpr.invars)
+    args = eqn.invars[len(eqn.invars) - n:] if len(eqn.invars) >= n else eqn.invars
+    r.bind(eqn.outvars, *r.run(jaxpr, *r.inputs(args)))
+
+
+def scan(r: Reader, eqn) -> None:
+    jaxpr = _open(eqn.params["jaxpr"])
+    nc, ncarry = eqn.params["num_consts"], eqn.params["num_carry"]
+    views, tags, static = r.inputs(eqn.invars)
+    for i in range(nc + ncarry, len(eqn.invars)):  # xs: sliced on axis 0, one layer per iteration
+        if views[i] is not None:
+            for leaf, dims in views[i].parts:
+                if dims[0] is not None:
+                    r.facts.layer_dim(leaf, dims[0], f"scan axis (L={_shape(eqn.invars[i])[0]})")
+            views[i] = views[i].mapped(lambda dims: dims[1:])
+        if tags[i]:
+            tags[i] = _shift_tags(r, tags[i], -1, "scanned over its split dim")
+    for i in range(nc, nc + ncarry):
+        _carried(r, tags[i])
+        tags[i], views[i] = {}, None
+    out_views, out_tags, out_static = r.run(jaxpr, views, tags, static)
+    for i in range(ncarry):
+        _carried(r, out_tags[i])
+        out_tags[i], out_views[i] = {}, None
+    for i in range(ncarry, len(out_tags)):  # ys: stacked on a new axis 0
+        out_tags[i] = {s: d + 1 for s, d in out_tags[i].items()}
+        out_views[i] = None
+    r.bind(eqn.outvars, out_views, out_tags, out_static)
+
+
+def _shift_tags(r, tags, by, why):
+    out = {}
+    for s, d in tags.items():
+        if d + by < 0:
+            r.facts.block(s, why)
+        else:
+            out[s] = d + by
+    return out
+
+
+def _carried(r: Reader, tags) -> None:
+    for seed in tags:
+        r.facts.block(seed, "carried through a loop")
+
+
+def while_loop(r: Reader, eqn) -> None:
+    for key in ("cond_jaxpr", "body_jaxpr"):
+        jaxpr = _open(eqn.params[key])
+        n = len(jaxpr.invars)
+        nconsts = eqn.params["cond_nconsts" if key == "cond_jaxpr" else "body_nconsts"]
+        consts = eqn.invars[:nconsts] if key == "cond_jaxpr" else \
+            eqn.invars[eqn.params["cond_nconsts"]:eqn.params["cond_nconsts"] + nconsts]
+        carry = eqn.invars[eqn.params["cond_nconsts"] + eqn.params["body_nconsts"]:]
+        views, tags, static = r.inputs(list(consts) + list(carry))
+        for i in range(len(consts), n):
+            _carried(r, tags[i])
+            tags[i], views[i] = {}, None
+        r.run(jaxpr, views[:n], tags[:n], static[:n])
+
+
+def cond(r: Reader, eqn) -> None:
+    results = [r.run(_open(b), *r.inputs(eqn.invars[1:])) for b in eqn.params["branches"]]
+    views, tags, static = results[0]
+    for other in results[1:]:
+        for i, t in enumerate(other[1]):
+            tags[i] = {**tags[i], **t}
+        views = [v if v == w else None for v, w in zip(views, other[0])]
+    r.bind(eqn.outvars, views, tags, [False] * len(tags))
+
+
+def unknown(r: Reader, eqn) -> None:
+    r.block_all(eqn, f"passes through {eqn.primitive.name}")
+
+
+HANDLERS = {name: elementwise for name in ELEMENTWISE}
+HANDLERS.update({name: reduction for name in REDUCTIONS})
+HANDLERS.update({name: ordered for name in ORDERED})
+HANDLERS.update({
+    "transpose": transpose, "broadcast_in_dim": broadcast_in_dim, "reshape": reshape, "squeeze": squeeze,
+    "slice": slicing, "dynamic_slice": slicing, "pad": slicing, "concatenate": concatenate, "gather": gather,
+    "dot_general": dot_general, "conv_general_dilated": conv, "scan": scan, "while": while_loop, "cond": cond,
+})
+
+
+def read_program(model, loss_fn, batch, paths: list[str]) -> Facts:
+    """The facts of ``loss_fn(model, batch, key)``'s program about each array
+    leaf of ``model`` (flatten order, as in ``paths``), read on abstract shapes."""
+    params, static = eqx.partition(model, _is_leaf)
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, batch)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+
+    def program(flat, b, k):
+        return loss_fn(eqx.combine(jax.tree_util.tree_unflatten(treedef, flat), static), b, k)
+
+    closed = jax.make_jaxpr(program)(abstract, batch, key)
+    facts = Facts(paths, [tuple(x.shape) for x in abstract])
+    reader = Reader(facts)
+    jaxpr = closed.jaxpr
+    n = len(abstract)
+    views = [View(((i, tuple(range(len(x.shape)))),)) for i, x in enumerate(abstract)]
+    views += [None] * (len(jaxpr.invars) - n)
+    _, out_tags, _ = reader.run(jaxpr, views, [{}] * len(jaxpr.invars), [False] * len(jaxpr.invars))
+    for tags in out_tags:
+        for seed in tags:
+            facts.reduce(seed, "reaches the loss's outputs split")
+    return facts
+
+
+def _is_leaf(x) -> bool:
+    from .._trees import is_array_like
+
+    return is_array_like(x)

@@ -1,0 +1,179 @@
+"""`sharding_rules` and `explain`: the public face of the rules."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+from .._mesh import DATA, MODEL, check_mesh
+from .._trees import human_bytes, is_array_like, path_parts, path_str, per_device_shape
+from .._typing import typechecked, warn_user
+from ._decide import leaf_specs
+from ._program import read_program
+from ._specs import unplaced_warning
+
+
+def read(model, loss_fn, batch):
+    """The program's facts about ``model``'s leaves, or None without a program;
+    an error naming what to pass when only half of it is given."""
+    if loss_fn is None and batch is None:
+        return None
+    if loss_fn is None or batch is None:
+        given, missing = ("loss_fn", "batch") if batch is None else ("batch", "loss_fn")
+        raise ValueError(
+            f"sharding_rules got {given}= but not {missing}=: the rules read each weight's role from the "
+            f"program loss_fn(model, batch, key), so pass both (the same pair as make_train_step and plan), "
+            "or neither (the name rules alone)."
+        )
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn={loss_fn!r} is not callable; pass loss_fn(model, batch, key) -> loss.")
+    paths = [path_str(kp) for kp, x in jax.tree_util.tree_flatten_with_path(model)[0] if is_array_like(x)]
+    try:
+        return read_program(model, loss_fn, batch, paths)
+    except Exception as e:
+        raise ProgramError(
+            f"sharding_rules traced loss_fn(model, batch, key) on abstract shapes to read each weight's role, "
+            f"and it raised: {e}. Pass the loss_fn and a batch (arrays or jax.ShapeDtypeStruct of the global "
+            "batch) exactly as make_train_step receives them."
+        ) from e
+
+
+class ProgramError(ValueError):
+    """``loss_fn`` could not be traced on the model and batch given to the rules."""
+
+
+def _warn(fallbacks, unplaced, mesh, name) -> None:
+    who = f"(name={name!r})" if name else ""
+    loud = [(leaf, why) for leaf, why, is_loud in fallbacks if is_loud]
+    if loud:
+        by_why: dict[str, list[str]] = {}  # one reason said once for every leaf it holds for
+        for leaf, why in loud:
+            by_why.setdefault(why, []).append(leaf)
+        warn_user(
+            f"redeqx.sharding_rules{who}: {len(loud)} leaf/leaves replicated, as n_model_shards="
+            f"{mesh.shape[MODEL]} cannot split them as the rules would: "
+            + "; ".join(", ".join(leaves) + ": " + why for why, leaves in by_why.items())
+            + ". Where a dim or count does not divide, pick n_model_shards that divides it; or pass "
+            "overrides=[(regex, spec)]."
+        )
+    if unplaced and mesh.shape[MODEL] > 1:
+        warn_user(unplaced_warning(unplaced, who))
+
+
+@typechecked
+def sharding_rules(model, mesh: Mesh, *, loss_fn: Callable | None = None, batch: Any = None,
+                   overrides: Sequence = (), fsdp: bool = False, name: str | None = None):
+    """PartitionSpecs for every array in ``model``, from the two rules.
+
+    Returns a tree with ``model``'s structure: a ``PartitionSpec`` at each array
+    leaf and ``None`` elsewhere. ``model`` may be abstract (``jax.ShapeDtypeStruct``
+    leaves from ``eqx.filter_eval_shape``), so a model too large for one device
+    gets its plan before it exists.
+
+    - ``loss_fn`` and ``batch`` (the pair `make_train_step` and `plan` take;
+      ``batch`` as arrays or ``jax.ShapeDtypeStruct``s of the global batch):
+      each weight's role is read from the program ``loss_fn(model, batch, key)``
+      traced on abstract shapes (nothing computed): which dims its matmul
+      contracts, which layer contracts its output (a Megatron pair: column
+      then row), how its output splits into heads, which axis a ``scan``
+      slices. Whatever the weights are named or however they are stored.
+      Without them, the name rules decide (and warn about weights they cannot
+      place).
+    - ``overrides`` is a list of ``(regex, spec)``; the first regex found in a
+      leaf's path (e.g. ``"blocks.0.attn.wq.weight"``, see `explain`) sets its
+      spec, finally (``fsdp`` does not re-split it). A regex that matches no
+      path, or only paths an earlier one took, is an error.
+    - ``fsdp=True`` also splits each large leaf's largest free dim over
+      ``data`` (ZeRO-3 style), so parameter and optimizer memory falls with
+      every device.
+    - ``name`` (e.g. ``"critic"``) prefixes the paths in warnings and errors.
+
+    Attention is split on whole heads only; leaves whose split dim
+    ``n_model_shards`` does not divide are replicated, said in one warning
+    (pointing at your line) and in `explain`.
+
+    **Example:**
+
+    ```python
+    mesh = redeqx.make_mesh(n_model_shards=2)
+    model = eqx.nn.MLP(784, 10, 256, depth=2, key=jax.random.key(0))
+    batch = {"x": np.zeros((16, 784), np.float32), "y": np.zeros(16, np.int32)}
+    specs = redeqx.sharding_rules(model, mesh, loss_fn=loss_fn, batch=batch)
+    print(redeqx.explain(model, specs, mesh, loss_fn=loss_fn, batch=batch))
+    ```
+    """
+    mesh = check_mesh(mesh)
+    facts = read(model, loss_fn, batch)
+    treedef, decided, fallbacks, unplaced = leaf_specs(model, mesh, overrides, fsdp, name, facts)
+    _warn(fallbacks, unplaced, mesh, name)
+    return jax.tree_util.tree_unflatten(treedef, [p.spec if p is not None else None for p in decided])
+
+
+@typechecked
+def explain(model, specs, mesh: Mesh, *, loss_fn: Callable | None = None, batch: Any = None,
+            overrides: Sequence = (), fsdp: bool | None = None) -> str:
+    """A table of where each array of ``model`` lives under ``specs``.
+
+    One row per array: path, shape, dtype, spec, bytes per device, and why:
+    what the program showed (``x @ W`` contracts dim 0 -> column parallel, the
+    scan axis, the heads' reshape) when ``loss_fn`` and ``batch`` are given
+    as to `sharding_rules`, the name rule otherwise, the override or
+    ``fsdp``; ``given`` where ``specs`` differ from anything the rules would
+    say (e.g. edited by hand). Totals at the bottom.
+
+    **Example:**
+
+    ```python
+    specs = redeqx.sharding_rules(model, mesh, loss_fn=loss_fn, batch=batch)
+    print(redeqx.explain(model, specs, mesh, loss_fn=loss_fn, batch=batch))
+    ```
+    """
+    mesh = check_mesh(mesh)
+    facts = read(model, loss_fn, batch)
+    candidates = [leaf_specs(model, mesh, overrides, f, None, facts)[1]
+                  for f in ((False, True) if fsdp is None else (fsdp,))]
+    by_path = [{p.path: p for p in decided if p is not None} for decided in candidates]
+    m_leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: x is None)[0]
+    s_leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P) or x is None)
+    if len(m_leaves) != len(s_leaves):
+        raise ValueError(
+            f"specs has {len(s_leaves)} leaves but model has {len(m_leaves)}; "
+            "pass the specs made by redeqx.sharding_rules(model, mesh) for this model."
+        )
+    rows = [("path", "shape", "dtype", "spec", "per device", "why")]
+    total = per_dev = n_arrays = 0
+    for (kp, leaf), spec in zip(m_leaves, s_leaves):
+        if not is_array_like(leaf):
+            continue
+        path = ".".join(path_parts(kp))
+        spec = P() if spec is None else spec
+        found = [d[path] for d in by_path if path in d]
+        why = next((p.reason for p in found if p.spec == spec), None)
+        if why is None:
+            why = f"given (rules: {found[0].spec}, {found[0].reason})" if found else "given"
+        itemsize = np.dtype(leaf.dtype).itemsize
+        dev = math.prod(per_device_shape(leaf.shape, spec, mesh)) * itemsize
+        total += math.prod(leaf.shape) * itemsize
+        per_dev += dev
+        n_arrays += 1
+        rows.append((path, str(tuple(leaf.shape)), str(np.dtype(leaf.dtype)), str(spec), human_bytes(dev), why))
+    return _table(rows, total, per_dev, n_arrays, mesh)
+
+
+def _table(rows, total, per_dev, n_arrays, mesh) -> str:
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    n_data = mesh.shape[DATA]
+    lines.append("")
+    lines.append(
+        f"total {human_bytes(total)} in {n_arrays} arrays; per device {human_bytes(per_dev)} "
+        f"(mesh data={n_data}, model={mesh.shape[MODEL]}); a step's global batch is "
+        f"per_device_batch_size x {n_data} (data) rows"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,177 @@
+"""From the program's facts to each weight's split, for one ``n_model_shards``.
+
+An ordered table of small rules (`RULES`), each deciding some leaves from the
+facts and leaving the rest to the next:
+
+1. ``experts``: a weight with a batch dim in its contraction with activations
+   (an expert stack) is split on that axis when ``n_model_shards`` divides it;
+2. ``blocks``: each group of seeds that reaches row-parallel partners through
+   ops that keep the split (a Megatron block: column then row), or only
+   reductions over the split (a vocabulary-parallel head and its loss), is
+   split as a whole; larger groups first, a weight in one group only;
+3. ``lookups``: a table gathered by data (token ids) is split on the gathered
+   dim (vocab); one gathered at positions computed in the program (iota) is
+   replicated;
+4. ``read``: any other weight the program contracts is replicated, with the
+   reason its groups were refused.
+
+Weights the program does not contract or gather (norm scales, biases it does
+not see beside a split, unused leaves) are left to the name rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ._facts import Facts
+
+
+@dataclasses.dataclass(frozen=True)
+class Role:
+    """A program-derived decision for one leaf: the dim split over ``model``
+    (None: replicated), why, and ``refused`` when replication was forced by a
+    count ``n_model_shards`` does not divide (said in the warning)."""
+
+    dim: int | None
+    reason: str
+    refused: str | None = None
+
+
+@dataclasses.dataclass
+class Group:
+    seeds: list[int]
+    members: dict[int, tuple[int, str]]  # leaf -> (dim, role text)
+    why_not: str | None
+    kind: str  # "block" or "head"
+    size: int
+
+
+def _groups(facts: Facts) -> list[Group]:
+    by_root: dict[int, list[int]] = {}
+    for seed in range(len(facts.seed_use)):
+        by_root.setdefault(facts.find(seed), []).append(seed)
+    rows = {}
+    for seed, leaf, dim, why in facts.rows:
+        rows.setdefault(facts.find(seed), []).append((leaf, dim))
+    follows = {}
+    for seed, leaf, dim, why in facts.follows:
+        follows.setdefault(facts.find(seed), []).append((leaf, dim))
+    out = []
+    for root, seeds in by_root.items():
+        members: dict[int, tuple[int, str]] = {}
+        why_not = next((facts.blocked[s] for s in seeds if s in facts.blocked), None)
+        entries = [(facts.uses[facts.seed_use[s]].leaf, facts.seed_dim.get(s), "column") for s in seeds]
+        entries += [(leaf, dim, "follows") for leaf, dim in follows.get(root, [])]
+        entries += [(leaf, dim, "row") for leaf, dim in rows.get(root, [])]
+        for leaf, dim, text in entries:
+            if dim is None:
+                continue
+            if leaf in members and members[leaf][0] != dim:
+                why_not = why_not or f"{facts.paths[leaf]} would be split on dims {members[leaf][0]} and {dim}"
+            members.setdefault(leaf, (dim, text))
+        reduced = [facts.reduced[s] for s in seeds if s in facts.reduced]
+        has_rows = root in rows
+        if why_not is None and has_rows and reduced:
+            why_not = f"its output {reduced[0]} before reaching a row-parallel layer (a norm or the residual stream)"
+        if why_not is None and not has_rows and not reduced:
+            why_not = "its output reaches no layer that contracts it"
+        kind = "block" if has_rows else "head"
+        out.append(Group(seeds, members, why_not, kind, sum(facts.size(leaf) for leaf in members)))
+    out.sort(key=lambda g: (-g.size, g.seeds[0]))
+    return out
+
+
+def _refusal(facts: Facts, group: Group, n: int) -> str | None:
+    for leaf, (dim, _) in group.members.items():
+        size = facts.shapes[leaf][dim]
+        if size % n:
+            return f"{facts.paths[leaf]} dim {dim} ({size}) not divisible by n_model_shards={n}"
+    for seed in group.seeds:
+        for whole in facts.wholes.get(seed, []):
+            if not whole.holds(n):
+                return (f"{whole.text} after {facts.paths[facts.uses[facts.seed_use[seed]].leaf]}: "
+                        f"{whole.count} heads not divisible by n_model_shards={n} (heads are never split)")
+        count = facts.group_counts.get(seed)
+        if count is not None and count % n:
+            return f"{count} conv groups not divisible by n_model_shards={n} (groups are never split)"
+    return None
+
+
+def _describe(facts: Facts, group: Group, leaf: int, dim: int, text: str) -> str:
+    heads = [w for s in group.seeds for w in facts.wholes.get(s, [])]
+    extra = f"; heads: {heads[0].text}" if heads and text != "follows" else ""
+    if group.kind == "head":
+        return f"program: output dim {dim} split, its loss reduces over it (vocabulary parallel){extra}"
+    role = {"column": "column parallel", "row": "row parallel", "follows": "follows its split activation"}[text]
+    partners = sorted({facts.paths[m] for m, (_, t) in group.members.items() if t == "row"})
+    cols = sorted({facts.paths[m] for m, (_, t) in group.members.items() if t == "column"})
+    if text == "column":
+        return f"program: {role} on dim {dim}; feeds {', '.join(partners[:3])}{'...' if len(partners) > 3 else ''}{extra}"
+    if text == "row":
+        return f"program: {role} on dim {dim} (contracts the split output of {', '.join(cols[:3])})"
+    return f"program: dim {dim}, {role} ({', '.join(cols[:2])})"
+
+
+def experts(facts: Facts, n: int, decided: dict[int, Role]) -> None:
+    for use in facts.uses:
+        if use.batch and use.leaf not in decided:
+            axis = use.batch[0]
+            e = facts.shapes[use.leaf][axis]
+            if e % n == 0:
+                decided[use.leaf] = Role(axis, f"program: expert axis dim {axis} (a batch dim of its contraction): "
+                                               f"{e} experts -> {e // n} per device")
+
+
+def blocks(facts: Facts, n: int, decided: dict[int, Role]) -> None:
+    for group in _groups(facts):
+        if group.why_not is not None:
+            continue
+        if any(leaf in decided and decided[leaf].dim != dim for leaf, (dim, _) in group.members.items()):
+            continue
+        refusal = _refusal(facts, group, n)
+        for leaf, (dim, text) in group.members.items():
+            if refusal is not None:
+                decided[leaf] = Role(None, f"program: {text}, replicated", refused=refusal)
+            else:
+                decided[leaf] = Role(dim, _describe(facts, group, leaf, dim, text))
+
+
+def lookups(facts: Facts, n: int, decided: dict[int, Role]) -> None:
+    for leaf, found in facts.lookups.items():
+        dim, positional = found[0]
+        if leaf in decided:
+            if decided[leaf].dim == dim:
+                decided[leaf] = Role(dim, decided[leaf].reason + "; also looked up (tied embedding)")
+            continue
+        if all(p for _, p in found):
+            decided[leaf] = Role(None, "program: looked up at positions the program computes: replicated")
+        elif facts.shapes[leaf][dim] % n:
+            decided[leaf] = Role(None, "program: embedding", refused=(
+                f"dim {dim} ({facts.shapes[leaf][dim]}) not divisible by n_model_shards={n}"))
+        else:
+            decided[leaf] = Role(dim, f"program: embedding, looked up by data on dim {dim} (vocab)")
+
+
+def read(facts: Facts, n: int, decided: dict[int, Role]) -> None:
+    groups = _groups(facts)
+    for use in facts.uses:
+        if use.leaf in decided:
+            continue
+        mine = [g for g in groups if use.leaf in g.members]
+        why = next((g.why_not for g in mine if g.why_not), None)
+        if why is None:
+            why = "its other role is taken by a larger block" if mine else "no output dim to split"
+        decided[use.leaf] = Role(None, f"program: {use.kind} input dims {use.contracted}, replicated: {why}")
+
+
+RULES = (experts, blocks, lookups, read)
+
+
+def decide(facts: Facts, n: int) -> dict[int, Role]:
+    """Each leaf the program decides, by the first rule in `RULES` that does."""
+    decided: dict[int, Role] = {}
+    if n == 1:
+        n = 1
+    for rule in RULES:
+        rule(facts, n, decided)
+    return decided
