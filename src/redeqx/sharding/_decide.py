@@ -39,6 +39,7 @@ class _Decider:
         self.fallbacks: list[tuple[str, str, bool]] = []  # (leaf, why, loud)
         self.unplaced: list[str] = []
         self.decided: dict[int, LeafSpec] = {}
+        self.program_layers: set[str] = set()  # layers whose weight the program placed
 
     # -- recording ------------------------------------------------------------------
     def finish(self, k: int, spec: P, reason: str, *, whole: bool = False) -> None:
@@ -123,11 +124,11 @@ class _Decider:
 
     def from_program(self, k: int, role: Role, layer: str) -> None:
         full = self._full(k)
+        self.program_layers.add(layer)
         if role.refused is not None:
             return self.fall_back(k, True, role.reason.rsplit(", replicated", 1)[0], role.refused, whole=True)
         if role.dim is None:
             return self.finish(k, P(), role.reason, whole=True)
-        self.weight_dims[layer] = role.dim - self.leaves[k][3]
         self.finish(k, split_spec(full.ndim, role.dim), role.reason, whole=True)
 
     def small(self, k: int) -> None:
@@ -136,6 +137,8 @@ class _Decider:
         role = self.roles.get(k)
         if role is not None:
             return self.from_program(k, role, ".".join(parts[:-1]))
+        if ".".join(parts[:-1]) in self.program_layers:  # not beside its layer's split output
+            return self.finish(k, P(), "replicated (the program applies it to an activation that is not split)")
         dim = self.weight_dims.get(".".join(parts[:-1]))
         spec, reason = small_leaf_spec(parts, one, dim, self.vocab, self.n_model)
         self.finish(k, spec, reason)

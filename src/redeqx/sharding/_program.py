@@ -213,8 +213,15 @@ def reshape(r: Reader, eqn) -> None:
             continue
         tags[seed] = t[0]
         if t[1] != 1 or t[2] != 1:
-            r.facts.whole(seed, old[d], t[1], t[2], new[t[0]], f"reshape {old} -> {new}")
+            r.facts.whole(seed, old[d], t[1], t[2], new[t[0]], _reshape_text(old, new))
     r.set_tags(out, tags, "reshape")
+
+
+def _reshape_text(old, new) -> str:
+    k = 0
+    while k < min(len(old), len(new)) - 1 and old[k] == new[k]:
+        k += 1
+    return f"reshape to {new[k:]} after"
 
 
 def _indexed(r: Reader, vw: View, old, new) -> None:

@@ -89,7 +89,7 @@ def _refusal(facts: Facts, group: Group, n: int) -> str | None:
     for seed in group.seeds:
         for whole in facts.wholes.get(seed, []):
             if not whole.holds(n):
-                return (f"{whole.text} after {facts.paths[facts.uses[facts.seed_use[seed]].leaf]}: "
+                return (f"{whole.text} {facts.paths[facts.uses[facts.seed_use[seed]].leaf]}: "
                         f"{whole.count} heads not divisible by n_model_shards={n} (heads are never split)")
         count = facts.group_counts.get(seed)
         if count is not None and count % n:
@@ -99,7 +99,8 @@ def _refusal(facts: Facts, group: Group, n: int) -> str | None:
 
 def _describe(facts: Facts, group: Group, leaf: int, dim: int, text: str) -> str:
     heads = [w for s in group.seeds for w in facts.wholes.get(s, [])]
-    extra = f"; heads: {heads[0].text}" if heads and text != "follows" else ""
+    extra = f"; heads: {heads[0].text} {facts.paths[facts.uses[facts.seed_use[group.seeds[0]]].leaf]}" \
+        if heads and text != "follows" else ""
     if group.kind == "head":
         return f"program: output dim {dim} split, its loss reduces over it (vocabulary parallel){extra}"
     role = {"column": "column parallel", "row": "row parallel", "follows": "follows its split activation"}[text]
@@ -170,8 +171,6 @@ RULES = (experts, blocks, lookups, read)
 def decide(facts: Facts, n: int) -> dict[int, Role]:
     """Each leaf the program decides, by the first rule in `RULES` that does."""
     decided: dict[int, Role] = {}
-    if n == 1:
-        n = 1
     for rule in RULES:
         rule(facts, n, decided)
     return decided
