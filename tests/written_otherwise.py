@@ -24,10 +24,14 @@ import optax
 from user_gpt import GPT
 
 
+def row(v, x):  # a (C,) vector broadcast over x's leading dims (the tests raise on rank promotion)
+    return v.reshape((1,) * (x.ndim - 1) + v.shape)
+
+
 def layer_norm(x, g, b):
     mean = x.mean(-1, keepdims=True)
     var = ((x - mean) ** 2).mean(-1, keepdims=True)
-    return (x - mean) * jax.lax.rsqrt(var + 1e-5) * g + b
+    return (x - mean) * jax.lax.rsqrt(var + 1e-5) * row(g, x) + row(b, x)
 
 
 def attend(q, k, v, heads):  # (T, C) each -> (T, C), causal
@@ -86,7 +90,8 @@ class Dense(eqx.Module):
         self.bias = jnp.zeros(n_out)
 
     def __call__(self, x):
-        return x @ self.kernel + self.bias
+        y = x @ self.kernel
+        return y + row(self.bias, y)
 
 
 class FlaxBlock(eqx.Module):

@@ -99,7 +99,8 @@ def run_task(name, args, mesh, key):
 
     model_key, state_key, data_key = jax.random.split(key, 3)
     model = MLP([train_x.shape[1], args.hidden, args.hidden, n_out], args.dropout, key=model_key)
-    specs = redeqx.sharding_rules(model, mesh)
+    batch = collate_fn(train[:args.per_device_batch_size * mesh.shape["data"]])  # one global batch: its shapes
+    specs = redeqx.sharding_rules(model, mesh, loss_fn=loss_fn, batch=batch)  # each weight's role, from the program
     schedule = redeqx.lr_schedule(len(train), args.per_device_batch_size, args.n_epochs, args.learning_rate, mesh,
                                   schedule_type="cosine", warmup_ratio=0.05)
     optimizer = optax.adamw(schedule, weight_decay=args.weight_decay)

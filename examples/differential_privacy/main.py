@@ -158,7 +158,8 @@ def main():
     steps_per_epoch = round(1 / rate)
     model_key, state_key, data_key = jax.random.split(jax.random.key(args.seed), 3)
     model = MLP([64, args.hidden, args.hidden, 10], key=model_key)
-    specs = redeqx.sharding_rules(model, mesh)
+    batch = collate_fn(train[:expected])  # one global batch: the program loss_fn runs on it shows each weight's role
+    specs = redeqx.sharding_rules(model, mesh, loss_fn=loss_fn, batch=batch)
     log(f"{len(jax.devices())} devices, mesh {dict(mesh.shape)}; {len(train)} train / {len(test)} test examples; "
         f"sampling rate {rate:.4f} ({expected} expected, {capacity * n_data} rows per step), "
         f"noise multiplier {args.noise_multiplier}, clip norm {args.clip_norm}")

@@ -139,7 +139,8 @@ def main():
     model_key, state_key, data_key, central_key = jax.random.split(jax.random.key(args.seed), 4)
     mesh = redeqx.make_mesh(args.n_model_shards)
     model = MLP([64, args.hidden, args.hidden, 10], key=model_key)  # McMahan et al.'s "2NN"
-    specs = redeqx.sharding_rules(model, mesh)
+    batch = collate_fn(train[:args.local_batch_size * mesh.shape["data"]])  # a centralised step's batch
+    specs = redeqx.sharding_rules(model, mesh, loss_fn=loss_fn, batch=batch)  # each weight's role, from the program
     eval_step = redeqx.make_eval_step(loss_fn, mesh, specs)
     evaluate = lambda m: redeqx.evaluate(eval_step, m, test, collate_fn, 8, mesh, key=data_key)  # noqa: E731
     per_round = args.per_device_batch_size * mesh.shape["data"]

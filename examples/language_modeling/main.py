@@ -140,12 +140,13 @@ def main():
         model = models.LlamaForCausalLM(config, key=model_key)
     train = to_blocks(tokenizer, train_texts, args.seq_len)
     test = to_blocks(tokenizer, eval_texts, args.seq_len)
-    specs = redeqx.sharding_rules(model, mesh)
+    batch = collate_fn(train[:args.per_device_batch_size * mesh.shape["data"]])  # one global batch: its shapes
+    specs = redeqx.sharding_rules(model, mesh, loss_fn=loss_fn, batch=batch)  # each weight's role, from the program
     n_params = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
     log(f"{len(jax.devices())} devices in {jax.process_count()} process(es), mesh {dict(mesh.shape)}; "
         f"{len(train)} train / {len(test)} held-out blocks of {args.seq_len + 1} tokens; "
         f"{n_params / 1e6:.2f}M parameters")
-    log(redeqx.explain(model, specs, mesh).splitlines()[-1])
+    log(redeqx.explain(model, specs, mesh, loss_fn=loss_fn, batch=batch).splitlines()[-1])
 
     schedule = redeqx.lr_schedule(len(train), args.per_device_batch_size, args.n_epochs, args.learning_rate, mesh,
                                   schedule_type="cosine", warmup_ratio=0.05)

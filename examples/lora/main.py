@@ -100,8 +100,9 @@ def base_model(args, source, mesh, key):
                                 eos_token_id=eot, pad_token_id=eot)
     model_key, state_key, data_key = jax.random.split(key, 3)
     model = models.LlamaForCausalLM(config, key=model_key)
-    specs = redeqx.sharding_rules(model, mesh)
     blocks = to_blocks(tokenizer, source, args.seq_len)
+    batch = collate_fn(blocks[:args.per_device_batch_size * mesh.shape["data"]])  # one global batch: its shapes
+    specs = redeqx.sharding_rules(model, mesh, loss_fn=loss_fn, batch=batch)  # each weight's role, from the program
     schedule = redeqx.lr_schedule(len(blocks), args.per_device_batch_size, args.pretrain_epochs, 2e-3, mesh,
                                   schedule_type="cosine", warmup_ratio=0.05)
     optimizer = optax.adamw(schedule, b2=0.95, weight_decay=0.1)
@@ -157,7 +158,8 @@ def main():
 
     model = models.lora(base, args.targets, rank=args.rank, alpha=args.alpha, key=lora_key)
     trainable = models.lora_trainable(model)  # True at every lora_a / lora_b
-    specs = redeqx.sharding_rules(model, mesh)
+    batch = collate_fn(train[:args.per_device_batch_size * mesh.shape["data"]])
+    specs = redeqx.sharding_rules(model, mesh, loss_fn=loss_fn, batch=batch)  # adapters split with their layer
     n_train = sum(x.size for x in jax.tree.leaves(eqx.filter(model, trainable)))
     n_total = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
     log(f"{len(jax.devices())} devices, mesh {dict(mesh.shape)}; docs: {len(train)} train / {len(test)} held-out "

@@ -93,9 +93,10 @@ def main():
 
     mesh = redeqx.make_mesh(args.n_model_shards)
     model = Classifier(args.hidden, key=model_key)
-    specs = redeqx.sharding_rules(model, mesh)
+    batch = collate_fn(train[:args.per_device_batch_size * mesh.shape["data"]])  # one global batch: its shapes
+    specs = redeqx.sharding_rules(model, mesh, loss_fn=loss_fn, batch=batch)  # each weight's role, from the program
     log(f"{len(jax.devices())} devices, mesh {dict(mesh.shape)}; {len(train)} train / {len(test)} test examples")
-    log(redeqx.explain(model, specs, mesh))
+    log(redeqx.explain(model, specs, mesh, loss_fn=loss_fn, batch=batch))
 
     schedule = redeqx.lr_schedule(len(train), args.per_device_batch_size, args.n_epochs, args.learning_rate, mesh,
                                   schedule_type="cosine", warmup_ratio=0.05)

@@ -168,7 +168,8 @@ def main():
 
     mesh = redeqx.make_mesh(args.n_model_shards)
     model = Denoiser(args.d_model, args.n_blocks, key=model_key)
-    specs = redeqx.sharding_rules(model, mesh)
+    batch = collate_fn(train[:args.per_device_batch_size * mesh.shape["data"]])  # one global batch: its shapes
+    specs = redeqx.sharding_rules(model, mesh, loss_fn=loss_fn, batch=batch)  # each weight's role, from the program
     log(f"{len(jax.devices())} devices, mesh {dict(mesh.shape)}; {len(train)} train / {len(test)} test images; "
         f"judge accuracy on real test digits {judge.score([e['image'].reshape(-1) for e in test], [e['label'] for e in test]):.3f}")
 

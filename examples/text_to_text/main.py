@@ -147,7 +147,8 @@ def main():
                              d_ff=4 * args.d_model, num_layers=args.n_layers, num_heads=args.d_model // 32,
                              feed_forward_proj="gated-gelu")
     model = models.T5ForConditionalGeneration(config, key=model_key)  # T5's own init, as Transformers draws it
-    specs = redeqx.sharding_rules(model, mesh)
+    batch = collate(train[:args.per_device_batch_size * mesh.shape["data"]])  # one global batch: its shapes
+    specs = redeqx.sharding_rules(model, mesh, loss_fn=loss_fn, batch=batch)  # each weight's role, from the program
     log(f"{len(jax.devices())} devices, mesh {dict(mesh.shape)}; {len(train)} train / {len(test)} test examples; "
         f"{sum(x.size for x in jax.tree.leaves(model))} parameters")
 

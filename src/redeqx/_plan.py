@@ -30,7 +30,7 @@ from ._hlo import collective_summary, loop_factor
 from ._mesh import DATA, MODEL, check_mesh, make_mesh
 from ._optimizers import with_opt_state_dtype
 from ._remat import ScanResiduals, remat as remat_loss
-from .sharding import sharding_rules
+from .sharding._public import read as read_program, specs_from
 from ._state import abstract_model, init_state, is_constructor
 from ._trees import human_bytes, per_device_shape
 from ._steps import make_train_step
@@ -161,7 +161,7 @@ def _flops(compiled) -> float:
 
 
 def _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, settings, device_memory) -> Plan:
-    specs = sharding_rules(abstract, mesh, overrides=settings["overrides"], fsdp=settings["fsdp"])
+    specs = specs_from(abstract, mesh, settings["facts"], settings["overrides"], settings["fsdp"])
     if settings["opt_state_dtype"] is not None:
         optimizer = with_opt_state_dtype(optimizer, settings["opt_state_dtype"])
     trainable = settings["trainable"]
@@ -174,7 +174,7 @@ def _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, settings, device_m
     trainable_params = _leaf_bytes(eqx.filter(state.model, trainable)) if trainable is not None else params
     common = dict(
         mesh=dict(mesh.shape),
-        settings={k: v for k, v in settings.items() if k not in ("overrides", "trainable")},
+        settings={k: v for k, v in settings.items() if k not in ("overrides", "trainable", "facts")},
         global_batch=int(jax.tree.leaves(batch)[0].shape[0]),
         parameters=params,
         optimizer=_leaf_bytes(state.opt_state),
@@ -310,7 +310,7 @@ def plan(
     device_memory = parse_bytes(device_memory)
     settings = dict(fsdp=fsdp, remat=remat, accumulate=accumulate, compute_dtype=compute_dtype,
                     opt_state_dtype=opt_state_dtype, overrides=tuple(overrides), trainable=trainable,
-                    scan_residuals=scan_residuals)
+                    scan_residuals=scan_residuals, facts=read_program(abstract, loss_fn, batch))
     first = _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, settings, device_memory)
     if first.fits is not False or not explore:
         return first

@@ -293,6 +293,32 @@ def ordered(r: Reader, eqn) -> None:
             r.set_tags(out, {s: d for s, d in r.tag(src).items() if d != axis}, eqn.primitive.name)
 
 
+def split(r: Reader, eqn) -> None:
+    """``jnp.split``: pieces of one axis (RoPE's halves); the other dims go on whole."""
+    src, axis = eqn.invars[0], eqn.params["axis"]
+    vw = r.view(src)
+    for out in eqn.outvars:
+        if vw is not None:
+            r.views[out] = vw.mapped(lambda dims: tuple(None if d == axis else x for d, x in enumerate(dims)))
+        tags = {}
+        for seed, d in r.tag(src).items():
+            if d == axis:
+                r.facts.block(seed, "split along its split dim")
+            else:
+                tags[seed] = d
+        r.set_tags(out, tags, "split")
+
+
+def stack(r: Reader, eqn) -> None:
+    """``jnp.stack``: a new axis; the operands' splits meet on their shifted dims."""
+    axis, out = eqn.params["axis"], eqn.outvars[0]
+    tags: dict[int, int] = {}
+    for v in eqn.invars:
+        for seed, d in r.tag(v).items():
+            tags[seed] = d + (d >= axis)
+    r.set_tags(out, tags, "stack")
+
+
 def concatenate(r: Reader, eqn) -> None:
     axis, out = eqn.params["dimension"], eqn.outvars[0]
     tags: dict[int, int] = {}
@@ -313,7 +339,23 @@ def gather(r: Reader, eqn) -> None:
             for d in dn.start_index_map:
                 if dims[d] is not None:
                     r.facts.lookup(leaf, dims[d], positional=r.is_static(indices))
-    r.block_all(eqn, "gathered from")
+        out = eqn.outvars[0]
+        kept = [d for d in range(len(_shape(table))) if d not in dn.collapsed_slice_dims]
+        whole = [d for d in kept if eqn.params["slice_sizes"][d] == _shape(table)[d]]
+        if len(kept) == len(dn.offset_dims):
+            def rows(dims):
+                new = [None] * len(_shape(out))
+                for pos, d in zip(dn.offset_dims, kept):
+                    new[pos] = dims[d] if d in whole else None
+                return tuple(new)
+            r.views[out] = vw.mapped(rows)
+    for seed, d in r.tag(table).items():  # one entry per index along the split dim: a masked local pick
+        if d in dn.collapsed_slice_dims:
+            r.facts.reduce(seed, "picked one entry of the split dim (a label's logit)")
+        else:
+            r.facts.block(seed, "gathered along another dim")
+    for seed in r.tag(indices):
+        r.facts.block(seed, "used as gather indices")
 
 
 def dot_general(r: Reader, eqn) -> None:
@@ -412,6 +454,7 @@ HANDLERS.update({name: ordered for name in ORDERED})
 HANDLERS.update({
     "transpose": transpose, "broadcast_in_dim": broadcast_in_dim, "reshape": reshape, "squeeze": squeeze,
     "slice": slicing, "dynamic_slice": slicing, "pad": slicing, "concatenate": concatenate, "gather": gather,
+    "split": split, "stack": stack,
     "dot_general": dot_general, "conv_general_dilated": conv, "scan": scan, "while": while_loop, "cond": cond,
 })
 

@@ -107,8 +107,11 @@ def sharding_rules(model, mesh: Mesh, *, loss_fn: Callable | None = None, batch:
     print(redeqx.explain(model, specs, mesh, loss_fn=loss_fn, batch=batch))
     ```
     """
-    mesh = check_mesh(mesh)
-    facts = read(model, loss_fn, batch)
+    return specs_from(model, check_mesh(mesh), read(model, loss_fn, batch), overrides, fsdp, name)
+
+
+def specs_from(model, mesh: Mesh, facts, overrides=(), fsdp: bool = False, name: str | None = None):
+    """`sharding_rules` from facts already read (`read`): the planner reads the program once for every mesh."""
     treedef, decided, fallbacks, unplaced = leaf_specs(model, mesh, overrides, fsdp, name, facts)
     _warn(fallbacks, unplaced, mesh, name)
     return jax.tree_util.tree_unflatten(treedef, [p.spec if p is not None else None for p in decided])

@@ -41,6 +41,7 @@ class Role:
 class Group:
     seeds: list[int]
     members: dict[int, tuple[int, str]]  # leaf -> (dim, role text)
+    reached: dict[int, set[int]]  # leaf -> the seeds that made it a member
     why_not: str | None
     kind: str  # "block" or "head"
     size: int
@@ -50,25 +51,26 @@ def _groups(facts: Facts) -> list[Group]:
     by_root: dict[int, list[int]] = {}
     for seed in range(len(facts.seed_use)):
         by_root.setdefault(facts.find(seed), []).append(seed)
-    rows = {}
+    rows, follows = {}, {}
     for seed, leaf, dim, why in facts.rows:
-        rows.setdefault(facts.find(seed), []).append((leaf, dim))
-    follows = {}
+        rows.setdefault(facts.find(seed), []).append((leaf, dim, seed))
     for seed, leaf, dim, why in facts.follows:
-        follows.setdefault(facts.find(seed), []).append((leaf, dim))
+        follows.setdefault(facts.find(seed), []).append((leaf, dim, seed))
     out = []
     for root, seeds in by_root.items():
         members: dict[int, tuple[int, str]] = {}
+        reached: dict[int, set[int]] = {}
         why_not = next((facts.blocked[s] for s in seeds if s in facts.blocked), None)
-        entries = [(facts.uses[facts.seed_use[s]].leaf, facts.seed_dim.get(s), "column") for s in seeds]
-        entries += [(leaf, dim, "follows") for leaf, dim in follows.get(root, [])]
-        entries += [(leaf, dim, "row") for leaf, dim in rows.get(root, [])]
-        for leaf, dim, text in entries:
+        entries = [(facts.uses[facts.seed_use[s]].leaf, facts.seed_dim.get(s), "column", s) for s in seeds]
+        entries += [(leaf, dim, "follows", s) for leaf, dim, s in follows.get(root, [])]
+        entries += [(leaf, dim, "row", s) for leaf, dim, s in rows.get(root, [])]
+        for leaf, dim, text, seed in entries:
             if dim is None:
                 continue
             if leaf in members and members[leaf][0] != dim:
                 why_not = why_not or f"{facts.paths[leaf]} would be split on dims {members[leaf][0]} and {dim}"
             members.setdefault(leaf, (dim, text))
+            reached.setdefault(leaf, set()).add(seed)
         reduced = [facts.reduced[s] for s in seeds if s in facts.reduced]
         has_rows = root in rows
         if why_not is None and has_rows and reduced:
@@ -76,9 +78,21 @@ def _groups(facts: Facts) -> list[Group]:
         if why_not is None and not has_rows and not reduced:
             why_not = "its output reaches no layer that contracts it"
         kind = "block" if has_rows else "head"
-        out.append(Group(seeds, members, why_not, kind, sum(facts.size(leaf) for leaf in members)))
+        out.append(Group(seeds, members, reached, why_not, kind, sum(facts.size(leaf) for leaf in members)))
     out.sort(key=lambda g: (-g.size, g.seeds[0]))
     return out
+
+
+def _seed_refusal(facts: Facts, seed: int, n: int) -> str | None:
+    """Why ``seed``'s own output cannot be split ``n`` ways (its heads or groups), or None."""
+    for whole in facts.wholes.get(seed, []):
+        if not whole.holds(n):
+            return (f"{whole.text} {facts.paths[facts.uses[facts.seed_use[seed]].leaf]}: "
+                    f"{whole.count} heads not divisible by n_model_shards={n} (heads are never split)")
+    count = facts.group_counts.get(seed)
+    if count is not None and count % n:
+        return f"{count} conv groups not divisible by n_model_shards={n} (groups are never split)"
+    return None
 
 
 def _refusal(facts: Facts, group: Group, n: int) -> str | None:
@@ -86,15 +100,15 @@ def _refusal(facts: Facts, group: Group, n: int) -> str | None:
         size = facts.shapes[leaf][dim]
         if size % n:
             return f"{facts.paths[leaf]} dim {dim} ({size}) not divisible by n_model_shards={n}"
-    for seed in group.seeds:
-        for whole in facts.wholes.get(seed, []):
-            if not whole.holds(n):
-                return (f"{whole.text} {facts.paths[facts.uses[facts.seed_use[seed]].leaf]}: "
-                        f"{whole.count} heads not divisible by n_model_shards={n} (heads are never split)")
-        count = facts.group_counts.get(seed)
-        if count is not None and count % n:
-            return f"{count} conv groups not divisible by n_model_shards={n} (groups are never split)"
     return None
+
+
+def _without(group: Group, dropped: set[int]) -> Group:
+    """``group`` less the members only ``dropped`` seeds reached: K/V with fewer heads than
+    devices stay whole (each device keeps every kv head) while Q and the output split."""
+    keep = {leaf for leaf, seeds in group.reached.items() if seeds - dropped}
+    return Group([s for s in group.seeds if s not in dropped], {k: v for k, v in group.members.items() if k in keep},
+                 {k: v for k, v in group.reached.items() if k in keep}, group.why_not, group.kind, group.size)
 
 
 def _describe(facts: Facts, group: Group, leaf: int, dim: int, text: str) -> str:
@@ -129,8 +143,15 @@ def blocks(facts: Facts, n: int, decided: dict[int, Role]) -> None:
             continue
         if any(leaf in decided and decided[leaf].dim != dim for leaf, (dim, _) in group.members.items()):
             continue
-        refusal = _refusal(facts, group, n)
-        for leaf, (dim, text) in group.members.items():
+        failing = {s: why for s in group.seeds if (why := _seed_refusal(facts, s, n)) is not None}
+        kept = _without(group, set(failing)) if failing and len(failing) < len(group.seeds) else group
+        if kept is not group and not any(t == "row" for _, t in kept.members.values()) and kept.kind == "block":
+            kept = group
+        refusal = _refusal(facts, kept, n) or (next(iter(failing.values())) if kept is group and failing else None)
+        for leaf in set(group.members) - set(kept.members):
+            why = next(failing[s] for s in group.reached[leaf] if s in failing)
+            decided[leaf] = Role(None, f"program: {group.members[leaf][1]}, replicated", refused=why)
+        for leaf, (dim, text) in kept.members.items():
             if refusal is not None:
                 decided[leaf] = Role(None, f"program: {text}, replicated", refused=refusal)
             else:

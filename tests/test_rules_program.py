@@ -1,0 +1,177 @@
+"""The rules read each weight's role from the program (issue 29): a model
+written the ways people write them (raw arrays named W, Flax's (in, out)
+kernels used as x @ w, an unannotated stack under lax.scan, a conv patch
+embedding, Meta-style grouped-query attention, nested Sequential) gets the
+Megatron plan's collective bytes, and trains like one device."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import redeqx
+import written_otherwise as w
+from accelerator_count import accelerator_collectives
+from redeqx._trees import is_spec, named_leaves
+from user_gpt import collate_fn, loss_fn, make_examples
+
+GPT_BATCH = collate_fn(make_examples(16, seq=16, vocab=64))
+RNG = np.random.default_rng(0)
+IMAGES = {"x": RNG.normal(size=(16, 3, 16, 16)).astype(np.float32), "y": RNG.integers(0, 10, 16).astype(np.int32)}
+VECTORS = {"x": RNG.normal(size=(16, 16)).astype(np.float32), "y": RNG.integers(0, 10, 16).astype(np.int32)}
+TOKENS = {"tokens": RNG.integers(0, 64, (16, 17)).astype(np.int32)}
+
+
+def step_bytes(model, loss, data, n, **rules):
+    mesh = redeqx.make_mesh(n)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        specs = redeqx.sharding_rules(model, mesh, **rules)
+    optimizer = optax.sgd(0.1)
+    state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
+    step = redeqx.make_train_step(loss, optimizer, mesh, specs)
+    return sum(v["bytes"] for v in accelerator_collectives(step, state, data).values()), specs
+
+
+@pytest.fixture(scope="module")
+def reference_bytes():
+    model = w.reference_gpt(jax.random.key(0))
+    return {n: step_bytes(model, loss_fn, GPT_BATCH, n)[0] for n in (2, 4)}
+
+
+@pytest.mark.parametrize("kind", ["raw", "flax", "scan"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_gpt_written_otherwise_moves_the_megatron_bytes(kind, n, reference_bytes):
+    model = w.OtherGPT(kind, key=jax.random.key(0))
+    program, specs = step_bytes(model, w.gpt_loss, GPT_BATCH, n, loss_fn=w.gpt_loss, batch=GPT_BATCH)
+    assert program <= 1.15 * reference_bytes[n], (program, reference_bytes[n])
+    layers = specs.blocks if kind == "scan" else specs.blocks[0]
+    if kind == "flax":  # (in, out) kernels: the column splits dim 1, the row dim 0
+        assert layers.Dense_0.kernel == P(None, "model") and layers.Dense_1.kernel == P("model", None)
+        assert layers.Dense_0.bias == P("model") and layers.Dense_1.bias == P()
+    elif kind == "raw":
+        assert (layers.Wq, layers.Wo, layers.W1, layers.W2) == (P("model", None), P(None, "model"),
+                                                                P("model", None), P(None, "model"))
+    else:  # the scan's axis is a layer axis, never split
+        assert layers.fc_in == P(None, "model", None) and layers.fc_out == P(None, None, "model")
+
+
+@pytest.mark.parametrize("kind", ["raw", "scan"])
+def test_a_gpt_written_otherwise_trains_like_one_device(kind, devices):
+    def run(n, devs):
+        mesh = redeqx.make_mesh(n, devices=devs)
+        model = w.OtherGPT(kind, key=jax.random.key(0))
+        batch = collate_fn(make_examples(8, seq=16, vocab=64))
+        specs = redeqx.sharding_rules(model, mesh, loss_fn=w.gpt_loss, batch=batch)
+        optimizer = optax.sgd(0.1, momentum=0.9)
+        state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
+        step = redeqx.make_train_step(w.gpt_loss, optimizer, mesh, specs)
+        losses = []
+        for i in range(3):
+            state, metrics = step(state, collate_fn(make_examples(8, seq=16, vocab=64, seed=i)))
+            losses.append(float(metrics["loss"]))
+        return losses
+
+    np.testing.assert_allclose(run(4, devices), run(1, devices[:1]), rtol=2e-5, atol=2e-6)
+
+
+def test_names_alone_warn_about_weights_they_cannot_place():
+    model = w.OtherGPT("raw", key=jax.random.key(0))
+    with pytest.warns(UserWarning, match="loss_fn= and batch="):
+        specs = redeqx.sharding_rules(model, redeqx.make_mesh(2))
+    assert specs.blocks[0].Wq == P()  # 'wq' outside an attention module: names cannot tell
+    assert specs.blocks[0].W1 == P("model", None)  # names are read whatever their case
+
+
+def test_a_conv_patch_embedding_does_not_split_the_residual_stream():
+    model = w.ViT(key=jax.random.key(0))
+    for n in (2, 4):
+        hand, _ = step_bytes(model, w.image_loss, IMAGES, n, overrides=[(r"^patch\.", P())])
+        program, specs = step_bytes(model, w.image_loss, IMAGES, n, loss_fn=w.image_loss, batch=IMAGES)
+        assert specs.patch.weight == P() and program <= 1.15 * hand, (program, hand)
+
+
+def test_grouped_query_attention_splits_whole_kv_heads():
+    model = w.MetaLM(key=jax.random.key(0))  # 8 query heads, 2 kv heads
+    megatron = [(r"wq\.", P("model", None)), (r"wk\.", P("model", None)), (r"wv\.", P("model", None)),
+                (r"wo\.", P(None, "model")), (r"w[13]\.", P("model", None)), (r"w2\.", P(None, "model")),
+                (r"^(tok_embeddings|output)\.", P("model", None))]
+    hand, _ = step_bytes(model, w.gpt_loss, TOKENS, 2, overrides=megatron)
+    program, specs = step_bytes(model, w.gpt_loss, TOKENS, 2, loss_fn=w.gpt_loss, batch=TOKENS)
+    assert specs.layers[0].attention.wk.weight == P("model", None) and program <= 1.15 * hand
+    with pytest.warns(UserWarning, match="2 heads not divisible by n_model_shards=4"):
+        specs = redeqx.sharding_rules(model, redeqx.make_mesh(4), loss_fn=w.gpt_loss, batch=TOKENS)
+    assert specs.layers[0].attention.wk.weight == P()  # never mid-head
+    assert specs.layers[0].w1.weight == P("model", None)
+
+
+def test_nested_sequential_pairs_follow_the_data_flow():
+    model = w.nested_mlp(jax.random.key(0))
+    specs = redeqx.sharding_rules(model, redeqx.make_mesh(2), loss_fn=w.vector_loss, batch=VECTORS)
+    dims = [specs.layers[0].weight, specs.layers[2].layers[0].weight, specs.layers[2].layers[1].weight,
+            specs.layers[3].weight]
+    assert dims == [P("model", None), P(None, "model"), P("model", None), P(None, "model")]
+    names, _ = step_bytes(model, w.vector_loss, VECTORS, 2)
+    program, _ = step_bytes(model, w.vector_loss, VECTORS, 2, loss_fn=w.vector_loss, batch=VECTORS)
+    assert program < names
+
+
+def test_explain_says_what_the_program_showed():
+    model = w.OtherGPT("scan", key=jax.random.key(0))
+    mesh = redeqx.make_mesh(2)
+    specs = redeqx.sharding_rules(model, mesh, loss_fn=w.gpt_loss, batch=GPT_BATCH)
+    table = redeqx.explain(model, specs, mesh, loss_fn=w.gpt_loss, batch=GPT_BATCH)
+    rows = {line.split()[0]: line for line in table.splitlines() if line}
+    assert "layer axis (L=2)" in rows["blocks.wq"] and "column parallel" in rows["blocks.wq"]
+    assert "heads: reshape to (4, 8)" in rows["blocks.wq"]
+    assert "row parallel" in rows["blocks.wo"] and "(tied embedding)" in rows["emb"]
+    assert "positions the program computes" in rows["pos"]
+
+
+def test_remat_cond_and_custom_jvp_are_read_through():
+    import equinox as eqx
+
+    model = eqx.nn.MLP(16, 10, 64, depth=2, activation=jax.nn.relu, key=jax.random.key(0))
+
+    def loss(m, batch, key):
+        def one(x):
+            x = jax.checkpoint(lambda x: jax.nn.relu(m.layers[0](x)))(x)
+            x = jax.lax.cond(x.sum() > 0, lambda x: x, lambda x: -x, x)
+            return m.layers[2](jax.nn.relu(m.layers[1](x)))
+        logits = jax.vmap(one)(batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    specs = redeqx.sharding_rules(model, redeqx.make_mesh(2), loss_fn=loss, batch=VECTORS)
+    # x.sum() reduces the first layer's split output before its row partner: it stays whole
+    assert specs.layers[0].weight == P()
+    assert specs.layers[1].weight == P("model", None) and specs.layers[2].weight == P(None, "model")
+
+
+def test_half_a_program_and_a_broken_loss_are_clear_errors():
+    model = w.OtherGPT("raw", key=jax.random.key(0))
+    with pytest.raises(ValueError, match="pass both"):
+        redeqx.sharding_rules(model, redeqx.make_mesh(2), loss_fn=w.gpt_loss)
+    with pytest.raises(ValueError, match="traced loss_fn"):
+        redeqx.sharding_rules(model, redeqx.make_mesh(2), loss_fn=w.gpt_loss, batch={"wrong": GPT_BATCH["tokens"]})
+
+
+@pytest.mark.parametrize("family", ["gpt2", "opt", "gptj", "t5", "bart", "llama"])
+@pytest.mark.parametrize("stacked", [False, True])
+def test_the_zoo_gets_the_same_plan_from_its_program(family, stacked):
+    import test_models_stacked as zoo
+
+    model = zoo.build(family, stacked)
+    x = zoo.ids()
+
+    def loss(m, batch, key):
+        labels = batch["x"] if family not in zoo.ENC_DEC else batch["x"][:, :6]
+        return optax.softmax_cross_entropy_with_integer_labels(zoo.forward(m, family, batch["x"]), labels).mean()
+
+    mesh = redeqx.make_mesh(2)
+    names = named_leaves(redeqx.sharding_rules(model, mesh), is_leaf=is_spec)
+    program = jax.tree.leaves(redeqx.sharding_rules(model, mesh, loss_fn=loss, batch={"x": x}), is_leaf=is_spec)
+    assert [(p, s) for (p, s), t in zip(names, program) if s != t] == []
