@@ -168,6 +168,7 @@ def main():
     mesh = redeqx.make_mesh(args.n_model_shards)
     actor = Actor(n_obs, n_act, args.hidden, float(envs.single_action_space.high[0]), key=actor_key)
     critic = Critic(n_obs, n_act, args.hidden, key=critic_key)
+    # name rules only: the actor's loss runs through the critic, the critic's through the targets (no one-model loss_fn)
     a_specs = redeqx.sharding_rules(actor, mesh, name="actor")
     c_specs = redeqx.sharding_rules(critic, mesh, name="critic")
     log(f"{len(jax.devices())} devices, mesh {dict(mesh.shape)}")

@@ -13,6 +13,7 @@ then run a few epochs of minibatch updates over the rollout.
 """
 
 import argparse
+import functools
 import os
 
 # On a machine with no accelerator, pretend to have 8 devices (must precede `import jax`).
@@ -44,25 +45,28 @@ def collate_fn(examples):
     return {k: np.stack([e[k] for e in examples]) for k in examples[0]}
 
 
+def actor_loss(actor, batch, key, *, clip, ent_coef):  # the clipped surrogate; batch["advantage"] normalised
+    adv = batch["advantage"]
+    logp_all = jax.nn.log_softmax(jax.vmap(actor)(batch["obs"]))  # (B, n_actions)
+    logp = jnp.take_along_axis(logp_all, batch["action"][:, None], 1)[:, 0]
+    ratio = jnp.exp(logp - batch["logp"])
+    surrogate = jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - clip, 1 + clip) * adv)
+    entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, -1).mean()
+    clipped = jnp.mean(jnp.abs(ratio - 1) > clip)
+    return -surrogate.mean() - ent_coef * entropy, {"entropy": entropy, "clip_fraction": clipped}
+
+
+def critic_loss(critic, batch, key):
+    return 0.5 * jnp.mean((jax.vmap(critic)(batch["obs"]) - batch["ret"]) ** 2)
+
+
 def make_ppo_step(actor_opt, critic_opt, clip, ent_coef):
     def ppo_step(state, batch):
         adv = batch["advantage"]
-        adv = (adv - adv.mean()) / (adv.std() + 1e-8)  # normalised over the whole (sharded) minibatch
-
-        def actor_loss(actor):
-            logp_all = jax.nn.log_softmax(jax.vmap(actor)(batch["obs"]))  # (B, n_actions)
-            logp = jnp.take_along_axis(logp_all, batch["action"][:, None], 1)[:, 0]
-            ratio = jnp.exp(logp - batch["logp"])
-            surrogate = jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - clip, 1 + clip) * adv)
-            entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, -1).mean()
-            clipped = jnp.mean(jnp.abs(ratio - 1) > clip)
-            return -surrogate.mean() - ent_coef * entropy, {"entropy": entropy, "clip_fraction": clipped}
-
-        def critic_loss(critic):
-            return 0.5 * jnp.mean((jax.vmap(critic)(batch["obs"]) - batch["ret"]) ** 2)
-
-        (a_loss, aux), a_grads = eqx.filter_value_and_grad(actor_loss, has_aux=True)(state["actor"].model)
-        c_loss, c_grads = eqx.filter_value_and_grad(critic_loss)(state["critic"].model)
+        batch = {**batch, "advantage": (adv - adv.mean()) / (adv.std() + 1e-8)}  # over the whole (sharded) minibatch
+        a_loss_fn = functools.partial(actor_loss, batch=batch, key=None, clip=clip, ent_coef=ent_coef)
+        (a_loss, aux), a_grads = eqx.filter_value_and_grad(a_loss_fn, has_aux=True)(state["actor"].model)
+        c_loss, c_grads = eqx.filter_value_and_grad(critic_loss)(state["critic"].model, batch, None)
         new_state = {"actor": redeqx.apply_gradients(state["actor"], a_grads, actor_opt),
                      "critic": redeqx.apply_gradients(state["critic"], c_grads, critic_opt)}
         return new_state, {"actor_loss": a_loss, "critic_loss": c_loss, **aux}
@@ -145,14 +149,18 @@ def main():
     mesh = redeqx.make_mesh(args.n_model_shards)
     actor = eqx.nn.MLP(n_obs, n_actions, args.hidden, depth=2, activation=jnp.tanh, key=actor_key)
     critic = eqx.nn.MLP(n_obs, "scalar", args.hidden, depth=2, activation=jnp.tanh, key=critic_key)
-    specs = {"actor": redeqx.sharding_rules(actor, mesh, name="actor"),
-             "critic": redeqx.sharding_rules(critic, mesh, name="critic")}
+    minibatch = args.per_device_batch_size * mesh.shape["data"]
+    batch = {k: jax.ShapeDtypeStruct((minibatch, *shape), dtype) for k, shape, dtype in (  # a minibatch's shapes
+        ("obs", (n_obs,), jnp.float32), ("action", (), jnp.int32), ("logp", (), jnp.float32),
+        ("advantage", (), jnp.float32), ("ret", (), jnp.float32))}
+    a_loss_fn = functools.partial(actor_loss, clip=args.clip, ent_coef=args.ent_coef)
+    specs = {"actor": redeqx.sharding_rules(actor, mesh, loss_fn=a_loss_fn, batch=batch, name="actor"),
+             "critic": redeqx.sharding_rules(critic, mesh, loss_fn=critic_loss, batch=batch, name="critic")}
     log(f"{len(jax.devices())} devices, mesh {dict(mesh.shape)}")
-    log(redeqx.explain(actor, specs["actor"], mesh))
+    log(redeqx.explain(actor, specs["actor"], mesh, loss_fn=a_loss_fn, batch=batch))
 
     rollout_size = args.n_envs * args.n_steps
     n_iters = args.total_steps // rollout_size
-    minibatch = args.per_device_batch_size * mesh.shape["data"]
     n_updates = n_iters * args.update_epochs * (rollout_size // minibatch)
     optimizer = optax.chain(optax.clip_by_global_norm(0.5),
                             optax.adam(optax.linear_schedule(args.learning_rate, 0.0, n_updates)))

@@ -200,8 +200,6 @@ def reshape(r: Reader, eqn) -> None:
                 t = reshape_target(old, new, d)
                 if t is not None and t[1] == t[2] == 1 and old[d] == new[t[0]]:
                     moved[t[0]] = leaf_dim
-                elif leaf_dim is not None and old[d] == 1:
-                    pass
             return tuple(moved)
         r.views[out] = vw.mapped(keep)
         _indexed(r, vw, old, new)
@@ -212,9 +210,27 @@ def reshape(r: Reader, eqn) -> None:
             r.facts.block(seed, f"reshape {old} -> {new} moves its split dim off a leading factor")
             continue
         tags[seed] = t[0]
-        if t[1] != 1 or t[2] != 1:
+        if _regroups_heads(old, new, d, t):
+            # (T, Hq, D) -> (T, Hkv, G, D): whole heads regrouped (grouped-query attention), so any
+            # split of Hq into whole heads stays whole heads (Shardy splits Hkv x G by sub-axes)
+            r.facts.whole(seed, old[d] * t[1], 1, 1, old[d] * t[1], _reshape_text(old, new))
+        elif t[1] != 1 or t[2] != 1:
             r.facts.whole(seed, old[d], t[1], t[2], new[t[0]], _reshape_text(old, new))
     r.set_tags(out, tags, "reshape")
+
+
+def _regroups_heads(old, new, d, t) -> bool:
+    """Dims regrouped in front of dims that pass unchanged (a head's features):
+    (Hq) <-> (Hkv, G) before D. The units of the split were whole heads already."""
+    group = old[d] * t[1]  # the split dim and the input dims it merges with
+    k = d + 1
+    size = old[d]
+    while size < group and k < len(old):
+        size *= old[k]
+        k += 1
+    rest = old[k:]
+    return (t[1] != 1 or t[2] != 1) and bool(rest) and any(x > 1 for x in rest) \
+        and tuple(new[len(new) - len(rest):]) == tuple(rest)
 
 
 def _reshape_text(old, new) -> str:
