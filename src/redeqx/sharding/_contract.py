@@ -12,6 +12,8 @@ kept as a batch or free dim (attention's heads) it goes on.
 
 from __future__ import annotations
 
+from ._reader import View, _shape
+
 
 def _out_positions(lhs_nd: int, rhs_nd: int, dn) -> tuple[dict[int, int], dict[int, int]]:
     """Each operand dim's position in a ``dot_general`` output (batch, lhs free, rhs free)."""
@@ -31,16 +33,12 @@ def _out_positions(lhs_nd: int, rhs_nd: int, dn) -> tuple[dict[int, int], dict[i
 
 
 def contract(r, eqn) -> None:
-    from ._program import _shape
-
     lhs, rhs = eqn.invars
     (lc, rc), (lb, rb) = dn = eqn.params["dimension_numbers"]
     lpos, rpos = _out_positions(len(_shape(lhs)), len(_shape(rhs)), dn)
     lv, rv = r.view(lhs), r.view(rhs)
     out = eqn.outvars[0]
     if lv is not None and rv is not None:  # weights times weights (a merged adapter): still weights
-        from ._program import View
-
         parts = [(leaf, _through(dims, lpos, len(_shape(out)))) for leaf, dims in lv.parts]
         parts += [(leaf, _through(dims, rpos, len(_shape(out)))) for leaf, dims in rv.parts]
         r.views[out] = View(tuple(parts))

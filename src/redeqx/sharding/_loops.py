@@ -1,0 +1,82 @@
+"""Calls and loops: the body of a ``jit``/``remat``/``custom_jvp``/``custom_vjp``/
+``shard_map`` sees its arguments; a ``scan`` slices its ``xs`` on axis 0 (a
+weight sliced there has a layer axis); a split carried through a loop's carry
+is blocked (each iteration would need it whole)."""
+
+from __future__ import annotations
+
+from ._reader import Reader, _open, _shape, _sub_jaxprs
+
+
+def call(r: Reader, eqn) -> None:
+    """A call with one body (jit, remat, custom_jvp/vjp, shard_map...): the body sees the arguments."""
+    body = _sub_jaxprs(eqn)[0]
+    jaxpr = _open(body)
+    n = len(jaxpr.invars)
+    args = eqn.invars[len(eqn.invars) - n:] if len(eqn.invars) >= n else eqn.invars
+    r.bind(eqn.outvars, *r.run(jaxpr, *r.inputs(args)))
+
+
+def scan(r: Reader, eqn) -> None:
+    jaxpr = _open(eqn.params["jaxpr"])
+    nc, ncarry = eqn.params["num_consts"], eqn.params["num_carry"]
+    views, tags, static = r.inputs(eqn.invars)
+    for i in range(nc + ncarry, len(eqn.invars)):  # xs: sliced on axis 0, one layer per iteration
+        if views[i] is not None:
+            for leaf, dims in views[i].parts:
+                if dims[0] is not None:
+                    r.facts.layer_dim(leaf, dims[0], f"scan axis (L={_shape(eqn.invars[i])[0]})")
+            views[i] = views[i].mapped(lambda dims: dims[1:])
+        if tags[i]:
+            tags[i] = _shift_tags(r, tags[i], -1, "scanned over its split dim")
+    for i in range(nc, nc + ncarry):
+        _carried(r, tags[i])
+        tags[i], views[i] = {}, None
+    out_views, out_tags, out_static = r.run(jaxpr, views, tags, static)
+    for i in range(ncarry):
+        _carried(r, out_tags[i])
+        out_tags[i], out_views[i] = {}, None
+    for i in range(ncarry, len(out_tags)):  # ys: stacked on a new axis 0
+        out_tags[i] = {s: d + 1 for s, d in out_tags[i].items()}
+        out_views[i] = None
+    r.bind(eqn.outvars, out_views, out_tags, out_static)
+
+
+def _shift_tags(r, tags, by, why):
+    out = {}
+    for s, d in tags.items():
+        if d + by < 0:
+            r.facts.block(s, why)
+        else:
+            out[s] = d + by
+    return out
+
+
+def _carried(r: Reader, tags) -> None:
+    for seed in tags:
+        r.facts.block(seed, "carried through a loop")
+
+
+def while_loop(r: Reader, eqn) -> None:
+    for key in ("cond_jaxpr", "body_jaxpr"):
+        jaxpr = _open(eqn.params[key])
+        n = len(jaxpr.invars)
+        nconsts = eqn.params["cond_nconsts" if key == "cond_jaxpr" else "body_nconsts"]
+        consts = eqn.invars[:nconsts] if key == "cond_jaxpr" else \
+            eqn.invars[eqn.params["cond_nconsts"]:eqn.params["cond_nconsts"] + nconsts]
+        carry = eqn.invars[eqn.params["cond_nconsts"] + eqn.params["body_nconsts"]:]
+        views, tags, static = r.inputs(list(consts) + list(carry))
+        for i in range(len(consts), n):
+            _carried(r, tags[i])
+            tags[i], views[i] = {}, None
+        r.run(jaxpr, views[:n], tags[:n], static[:n])
+
+
+def cond(r: Reader, eqn) -> None:
+    results = [r.run(_open(b), *r.inputs(eqn.invars[1:])) for b in eqn.params["branches"]]
+    views, tags, static = results[0]
+    for other in results[1:]:
+        for i, t in enumerate(other[1]):
+            tags[i] = {**tags[i], **t}
+        views = [v if v == w else None for v, w in zip(views, other[0])]
+    r.bind(eqn.outvars, views, tags, [False] * len(tags))

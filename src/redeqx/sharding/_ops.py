@@ -1,0 +1,263 @@
+"""How each primitive moves weights' views and activations' splits (shape ops,
+elementwise ops, reductions, gathers). A split goes on where the op keeps it
+local, and is blocked, with the reason, where the op needs the whole dim."""
+
+from __future__ import annotations
+
+from ._facts import reshape_target
+from ._reader import Reader, View, _shape
+
+ELEMENTWISE = frozenset(
+    "add sub mul div rem pow max min neg exp exp2 log log1p expm1 tanh logistic sin cos tan sqrt rsqrt cbrt "
+    "abs sign floor ceil round integer_pow square erf erfc erf_inv atan2 convert_element_type select_n clamp "
+    "stop_gradient copy copy_p reduce_precision is_finite eq ne lt le gt ge and or not xor nextafter real imag "
+    "conj sharding_constraint mesh_cast reshard add_any pvary".split()
+)
+REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split())
+ORDERED = frozenset("cumsum cumprod cummax cummin cumlogsumexp sort top_k".split())  # need the whole dim
+SCALING = frozenset("mul div neg convert_element_type copy copy_p reduce_precision sharding_constraint "
+                    "mesh_cast reshard pvary".split())
+
+
+
+
+def elementwise(r: Reader, eqn) -> None:
+    out = eqn.outvars[0]
+    nd = len(_shape(out))
+    views = [(v, r.view(v)) for v in eqn.invars]
+    acts = [v for v, vw in views if vw is None and not r.is_static(v) and len(_shape(v)) == nd and nd]
+    weights = [vw for _, vw in views if vw is not None and len(_shape(_var(eqn, vw, views))) == nd]
+    if weights and not acts and (eqn.primitive.name in SCALING or len(weights) > 1 or len(views) == 1):
+        r.views[out] = View(tuple(p for w in weights for p in w.parts))  # still the weights: W * s, W + delta
+        return
+    tags: dict[int, int] = {}
+    where = f"{eqn.primitive.name}"
+    for v in eqn.invars:
+        for seed, dim in r.tag(v).items():
+            if tags.get(seed, dim) != dim:
+                r.facts.block(seed, f"{where} meets its split on two dims")
+            tags[seed] = dim
+    for seed, dim in tags.items():  # a weight applied elementwise to a split activation follows the split
+        for w in weights:
+            for leaf, dims in w.parts:
+                if dims[dim] is not None:
+                    r.facts.follow(seed, leaf, dims[dim], f"{eqn.primitive.name} with the split activation")
+    r.set_tags(out, tags, where)
+
+
+def _var(eqn, vw, views):
+    return next(v for v, w in views if w is vw)
+
+
+def transpose(r: Reader, eqn) -> None:
+    perm = eqn.params["permutation"]
+    (src,), out = eqn.invars, eqn.outvars[0]
+    if (vw := r.view(src)) is not None:
+        r.views[out] = vw.mapped(lambda dims: tuple(dims[p] for p in perm))
+    r.set_tags(out, {s: perm.index(d) for s, d in r.tag(src).items()}, "transpose")
+
+
+def broadcast_in_dim(r: Reader, eqn) -> None:
+    src, out = eqn.invars[0], eqn.outvars[0]
+    bd, nd = eqn.params["broadcast_dimensions"], len(eqn.params["shape"])
+
+    def place(dims):
+        new = [None] * nd
+        for i, d in zip(bd, dims):
+            new[i] = d
+        return tuple(new)
+
+    if (vw := r.view(src)) is not None:
+        r.views[out] = vw.mapped(place)
+    r.set_tags(out, {s: bd[d] for s, d in r.tag(src).items()}, "broadcast")
+
+
+def reshape(r: Reader, eqn) -> None:
+    src, out = eqn.invars[0], eqn.outvars[0]
+    old, new = _shape(src), _shape(out)
+    if (vw := r.view(src)) is not None:
+        def keep(dims):
+            moved = [None] * len(new)
+            for d, leaf_dim in enumerate(dims):
+                t = reshape_target(old, new, d)
+                if t is not None and t[1] == t[2] == 1 and old[d] == new[t[0]]:
+                    moved[t[0]] = leaf_dim
+            return tuple(moved)
+        r.views[out] = vw.mapped(keep)
+        _indexed(r, vw, old, new)
+    tags = {}
+    for seed, d in r.tag(src).items():
+        t = reshape_target(old, new, d)
+        if t is None:
+            r.facts.block(seed, f"reshape {old} -> {new} moves its split dim off a leading factor")
+            continue
+        tags[seed] = t[0]
+        if _regroups_heads(old, new, d, t):
+            # (T, Hq, D) -> (T, Hkv, G, D): whole heads regrouped (grouped-query attention), so any
+            # split of Hq into whole heads stays whole heads (Shardy splits Hkv x G by sub-axes)
+            r.facts.whole(seed, old[d] * t[1], 1, 1, old[d] * t[1], _reshape_text(old, new))
+        elif t[1] != 1 or t[2] != 1:
+            r.facts.whole(seed, old[d], t[1], t[2], new[t[0]], _reshape_text(old, new))
+    r.set_tags(out, tags, "reshape")
+
+
+def _regroups_heads(old, new, d, t) -> bool:
+    """Dims regrouped in front of dims that pass unchanged (a head's features):
+    (Hq) <-> (Hkv, G) before D. The units of the split were whole heads already."""
+    group = old[d] * t[1]  # the split dim and the input dims it merges with
+    k = d + 1
+    size = old[d]
+    while size < group and k < len(old):
+        size *= old[k]
+        k += 1
+    rest = old[k:]
+    return (t[1] != 1 or t[2] != 1) and bool(rest) and any(x > 1 for x in rest) \
+        and tuple(new[len(new) - len(rest):]) == tuple(rest)
+
+
+def _reshape_text(old, new) -> str:
+    k = 0
+    while k < min(len(old), len(new)) - 1 and old[k] == new[k]:
+        k += 1
+    return f"reshape to {new[k:]} after"
+
+
+def _indexed(r: Reader, vw: View, old, new) -> None:
+    """A size-1 dim of a weight view dropped by a reshape was one index of a
+    leaf dim (``W[i]`` of a stack): that leaf dim is a layer axis."""
+    if len(new) < len(old):
+        for leaf, dims in vw.parts:
+            for d, leaf_dim in enumerate(dims):
+                if old[d] == 1 and leaf_dim is not None:
+                    r.facts.layer_dim(leaf, leaf_dim, "indexed one layer at a time")
+
+
+def squeeze(r: Reader, eqn) -> None:
+    src, out = eqn.invars[0], eqn.outvars[0]
+    gone = set(d % len(_shape(src)) for d in eqn.params["dimensions"])
+    if (vw := r.view(src)) is not None:
+        for leaf, dims in vw.parts:
+            for d in gone:
+                if dims[d] is not None:
+                    r.facts.layer_dim(leaf, dims[d], "indexed one layer at a time")
+        r.views[out] = vw.mapped(lambda dims: tuple(x for d, x in enumerate(dims) if d not in gone))
+    shift = {d: d - sum(g < d for g in gone) for d in range(len(_shape(src))) if d not in gone}
+    r.set_tags(out, {s: shift[d] for s, d in r.tag(src).items() if d in shift}, "squeeze")
+
+
+def slicing(r: Reader, eqn) -> None:
+    """slice, dynamic_slice, pad: a dim whose size changes is no longer a whole dim."""
+    src, out = eqn.invars[0], eqn.outvars[0]
+    old, new = _shape(src), _shape(out)
+    changed = {d for d in range(len(old)) if old[d] != new[d] or eqn.primitive.name == "pad" and _padded(eqn, d)}
+    if (vw := r.view(src)) is not None:
+        r.views[out] = vw.mapped(lambda dims: tuple(
+            x if d not in changed or new[d] == 1 else None for d, x in enumerate(dims)))
+    tags = {}
+    for seed, d in r.tag(src).items():
+        if d in changed:
+            r.facts.block(seed, f"{eqn.primitive.name} cuts its split dim ({old[d]} -> {new[d]})")
+        else:
+            tags[seed] = d
+    r.set_tags(out, tags, eqn.primitive.name)
+
+
+def _padded(eqn, d) -> bool:
+    lo, hi, interior = eqn.params["padding_config"][d]
+    return bool(lo or hi or interior)
+
+
+def reduction(r: Reader, eqn) -> None:
+    src, out = eqn.invars[0], eqn.outvars[0]
+    axes = set(eqn.params.get("axes", ()))
+    tags = {}
+    for seed, d in r.tag(src).items():
+        if d in axes:
+            r.facts.reduce(seed, f"{eqn.primitive.name} over the split dim")
+        else:
+            tags[seed] = d - sum(a < d for a in axes)
+    r.set_tags(out, tags, eqn.primitive.name)
+
+
+def ordered(r: Reader, eqn) -> None:
+    src = eqn.invars[0]
+    nd = len(_shape(src))
+    axis = eqn.params.get("axis", eqn.params.get("dimension", nd - 1)) % max(nd, 1)
+    for seed, d in r.tag(src).items():
+        if d == axis:
+            r.facts.block(seed, f"{eqn.primitive.name} needs the whole split dim")
+    for out in eqn.outvars:
+        if len(_shape(out)) == nd:
+            r.set_tags(out, {s: d for s, d in r.tag(src).items() if d != axis}, eqn.primitive.name)
+
+
+def split(r: Reader, eqn) -> None:
+    """``jnp.split``: pieces of one axis (RoPE's halves); the other dims go on whole."""
+    src, axis = eqn.invars[0], eqn.params["axis"]
+    vw = r.view(src)
+    for out in eqn.outvars:
+        if vw is not None:
+            r.views[out] = vw.mapped(lambda dims: tuple(None if d == axis else x for d, x in enumerate(dims)))
+        tags = {}
+        for seed, d in r.tag(src).items():
+            if d == axis:
+                r.facts.block(seed, "split along its split dim")
+            else:
+                tags[seed] = d
+        r.set_tags(out, tags, "split")
+
+
+def stack(r: Reader, eqn) -> None:
+    """``jnp.stack``: a new axis; the operands' splits meet on their shifted dims."""
+    axis, out = eqn.params["axis"], eqn.outvars[0]
+    tags: dict[int, int] = {}
+    for v in eqn.invars:
+        for seed, d in r.tag(v).items():
+            tags[seed] = d + (d >= axis)
+    r.set_tags(out, tags, "stack")
+
+
+def concatenate(r: Reader, eqn) -> None:
+    axis, out = eqn.params["dimension"], eqn.outvars[0]
+    tags: dict[int, int] = {}
+    for v in eqn.invars:
+        for seed, d in r.tag(v).items():
+            if d == axis:
+                r.facts.block(seed, "concatenated along its split dim")
+            else:
+                tags[seed] = d
+    r.set_tags(out, tags, "concatenate")
+
+
+def gather(r: Reader, eqn) -> None:
+    table, indices = eqn.invars[0], eqn.invars[1]
+    dn = eqn.params["dimension_numbers"]
+    if (vw := r.view(table)) is not None:
+        for leaf, dims in vw.parts:
+            for d in dn.start_index_map:
+                if dims[d] is not None:
+                    r.facts.lookup(leaf, dims[d], positional=r.is_static(indices))
+        out = eqn.outvars[0]
+        kept = [d for d in range(len(_shape(table))) if d not in dn.collapsed_slice_dims]
+        whole = [d for d in kept if eqn.params["slice_sizes"][d] == _shape(table)[d]]
+        if len(kept) == len(dn.offset_dims):
+            def rows(dims):
+                new = [None] * len(_shape(out))
+                for pos, d in zip(dn.offset_dims, kept):
+                    new[pos] = dims[d] if d in whole else None
+                return tuple(new)
+            r.views[out] = vw.mapped(rows)
+    for seed, d in r.tag(table).items():  # one entry per index along the split dim: a masked local pick
+        if d in dn.collapsed_slice_dims:
+            r.facts.reduce(seed, "picked one entry of the split dim (a label's logit)")
+        else:
+            r.facts.block(seed, "gathered along another dim")
+    for seed in r.tag(indices):
+        r.facts.block(seed, "used as gather indices")
+
+
+
+
+def unknown(r: Reader, eqn) -> None:
+    r.block_all(eqn, f"passes through {eqn.primitive.name}")
+

@@ -1,0 +1,111 @@
+"""The program reader's state: a `View` of weights, and the `Reader` that walks a jaxpr.
+
+Each variable holds a `View` (it is made of weights), a dict ``{seed: dim}``
+of the splits it carries, and whether it depends on no input (``static``:
+iota and constants, e.g. positions). The handlers in `_ops` and `_loops`
+move these from an equation's inputs to its outputs; `_program` lists them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jax.extend import core as jcore
+
+from ._facts import Facts
+
+
+@dataclasses.dataclass(frozen=True)
+class View:
+    """A value made of weights: ``parts[k] = (leaf, dims)``, ``dims[d]`` the
+    leaf dim behind the value's dim ``d`` (None: not one dim of that leaf)."""
+
+    parts: tuple[tuple[int, tuple[int | None, ...]], ...]
+
+    def mapped(self, fn) -> View:
+        return View(tuple((leaf, fn(dims)) for leaf, dims in self.parts))
+
+
+class Reader:
+    """Walks a jaxpr with, for each variable, a `View`, a dict ``{seed: dim}``
+    of the splits it carries, and whether it depends on no input (``static``:
+    iota and constants, e.g. positions)."""
+
+    def __init__(self, facts: Facts, handlers: dict):
+        self.facts, self.handlers = facts, handlers
+        self.views: dict[Any, View] = {}
+        self.tags: dict[Any, dict[int, int]] = {}
+        self.static: set = set()
+
+    # -- values ---------------------------------------------------------------
+    def view(self, v):
+        return None if isinstance(v, jcore.Literal) else self.views.get(v)
+
+    def tag(self, v) -> dict[int, int]:
+        return {} if isinstance(v, jcore.Literal) else self.tags.get(v, {})
+
+    def is_static(self, v) -> bool:
+        return isinstance(v, jcore.Literal) or v in self.static
+
+    def set_tags(self, var, tags: dict[int, int], where: str) -> None:
+        if tags:
+            self.tags[var] = self.facts.checked(tags, where)
+
+    def block_all(self, eqn, why: str) -> None:
+        for v in eqn.invars:
+            for seed in self.tag(v):
+                self.facts.block(seed, why)
+
+    # -- walking --------------------------------------------------------------
+    def run(self, jaxpr, views, tags, static) -> tuple[list, list, list]:
+        for var, vw, tg, st in zip(jaxpr.invars, views, tags, static):
+            if vw is not None:
+                self.views[var] = vw
+            if tg:
+                self.tags[var] = tg
+            if st:
+                self.static.add(var)
+        for eqn in jaxpr.eqns:
+            self.step(eqn)
+        outs = jaxpr.outvars
+        return [self.view(v) for v in outs], [self.tag(v) for v in outs], [self.is_static(v) for v in outs]
+
+    def step(self, eqn) -> None:
+        name = eqn.primitive.name
+        if eqn.invars and all(self.is_static(v) for v in eqn.invars) or name == "iota":
+            self.static.update(eqn.outvars)
+        handler = self.handlers.get(name)
+        if handler is None:
+            handler = self.handlers["<call>"] if _sub_jaxprs(eqn) else self.handlers["<unknown>"]
+        handler(self, eqn)
+
+    def inputs(self, vars_):
+        return [self.view(v) for v in vars_], [self.tag(v) for v in vars_], [self.is_static(v) for v in vars_]
+
+    def bind(self, outvars, views, tags, static) -> None:
+        for var, vw, tg, st in zip(outvars, views, tags, static):
+            if vw is not None:
+                self.views[var] = vw
+            if tg:
+                self.tags[var] = tg
+            if st:
+                self.static.add(var)
+
+
+def _sub_jaxprs(eqn) -> list:
+    found = []
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+                found.append(item)
+    return found
+
+
+def _open(j):
+    return j.jaxpr if isinstance(j, jcore.ClosedJaxpr) else j
+
+
+def _shape(v) -> tuple[int, ...]:
+    return tuple(getattr(v.aval, "shape", ()))
+
