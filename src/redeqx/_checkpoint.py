@@ -57,6 +57,7 @@ from ._state import TrainState, check_specs_match as _check_specs_match, mirror_
 from ._trees import is_array_like, is_none as _is_none, is_spec as _is_spec, path_parts
 from ._version import __version__
 from ._typing import floating_dtype
+from .sharding._specs import sharding_of
 
 FORMAT = "redeqx-checkpoint"
 FORMAT_VERSION = 1  # raise it when the layout on disk changes; readers refuse a newer one
@@ -535,7 +536,7 @@ def _leaves_to_read(like, mesh: Mesh, specs) -> dict[str, list[tuple[tuple[str, 
         m_leaves = jax.tree_util.tree_flatten_with_path(like, is_leaf=_is_none)[0]
         for (kp, x), spec in zip(m_leaves, jax.tree.leaves(specs, is_leaf=_is_spec), strict=True):
             if is_array_like(x):
-                out.append((tuple(path_parts(kp)), stored(x), NamedSharding(mesh, P() if spec is None else spec)))
+                out.append((tuple(path_parts(kp)), stored(x), sharding_of(spec, mesh)))
         return {"model": out}
     if specs is None:
         return {"model": live(like.model), "train": live(_train_view(like))}
@@ -545,7 +546,7 @@ def _leaves_to_read(like, mesh: Mesh, specs) -> dict[str, list[tuple[tuple[str, 
     for (kp, x), spec in zip(jax.tree_util.tree_flatten_with_path(like.opt_state, is_leaf=_is_none)[0],
                              jax.tree.leaves(os_specs, is_leaf=_is_spec), strict=True):
         if is_array_like(x):
-            train.append((("opt_state", *path_parts(kp)), x, NamedSharding(mesh, spec)))
+            train.append((("opt_state", *path_parts(kp)), x, sharding_of(spec, mesh)))
     for parts, x in _array_leaves(like.model_state):
         sh = getattr(x, "sharding", None)
         keep = isinstance(sh, NamedSharding) and sh.mesh == mesh

@@ -35,6 +35,7 @@ from ._state import abstract_model, init_state, is_constructor
 from ._trees import human_bytes, per_device_shape
 from ._steps import make_train_step
 from ._typing import typechecked
+from .sharding._specs import sharding_of
 
 _UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -147,7 +148,7 @@ def _abstract_batch(batch, mesh: Mesh):
     def one(x):
         shape, dtype = tuple(np.shape(x)), x.dtype
         spec = P(DATA, *([None] * (len(shape) - 1))) if shape and shape[0] % n_data == 0 else P()
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding_of(spec, mesh))
 
     return jax.tree.map(one, batch)
 

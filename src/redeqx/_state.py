@@ -20,11 +20,7 @@ from ._mesh import check_mesh
 from .sharding import sharding_rules
 from ._trees import is_array, is_array_like, is_floating, is_none, is_spec, leaves_with_specs, named_leaves, path_str
 from ._typing import short_repr, typechecked
-
-
-def named_shardings(specs, mesh: Mesh):
-    """PartitionSpec tree -> NamedSharding tree (``None`` stays ``None``)."""
-    return jax.tree.map(lambda s: None if s is None else NamedSharding(mesh, s), specs, is_leaf=is_spec)
+from .sharding._specs import named_shardings, sharding_of
 
 
 def check_specs(specs, mesh: Mesh, name: str = "specs") -> None:
@@ -150,7 +146,7 @@ def _place_tree(tree, specs, mesh: Mesh, *, copy: bool, what: str):
     placed = []
     for (path, leaf), spec in zip(named_leaves(tree, is_leaf=is_none), jax.tree.leaves(specs, is_leaf=is_spec)):
         check_leaf(path, leaf, what)
-        placed.append(place(leaf, NamedSharding(mesh, P() if spec is None else spec), copy=copy) if is_array(leaf)
+        placed.append(place(leaf, sharding_of(spec, mesh), copy=copy) if is_array(leaf)
                       else leaf)
     return jax.tree.unflatten(jax.tree.structure(tree, is_leaf=is_none), placed)
 
@@ -375,7 +371,7 @@ def constructor(make_model, mesh: Mesh, specs, key):
     leaves, treedef = jax.tree.flatten(arrays, is_leaf=is_none)
     spec_leaves = jax.tree.leaves(specs, is_leaf=is_spec)
     shardings = jax.tree.unflatten(treedef, [
-        None if x is None else NamedSharding(mesh, P() if s is None else s) for x, s in zip(leaves, spec_leaves)
+        None if x is None else sharding_of(s, mesh) for x, s in zip(leaves, spec_leaves)
     ])
 
     def build(k):
@@ -430,7 +426,7 @@ def _abstract_state(model, optimizer, mesh: Mesh, specs, key, trainable, model_s
 
     def with_sharding(x, spec):
         if is_array_like(x):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P() if spec is None else spec))
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding_of(spec, mesh))
         return x
 
     leaves, treedef = jax.tree.flatten(model, is_leaf=is_none)

@@ -18,7 +18,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from ._compiled import (
     CompiledStep,
@@ -47,6 +47,7 @@ from ._shard_mean import check_whole_over_data, gradient_gap, judge, shard_mean
 from ._state import Optimizer, TrainState, as_optimizer, check_specs, check_specs_match, mirror_specs
 from ._trees import is_array_like, leaves_with_specs
 from ._typing import floating_dtype, positive_int, short_repr, typechecked
+from .sharding._specs import sharding_of
 
 # ----------------------------------------------------------------------------- make_step
 
@@ -116,7 +117,7 @@ def _model_placement(mesh: Mesh, specs):
 
     def placement(model, paths, leaves):
         check_specs_match(model, specs, "model")
-        return [NamedSharding(mesh, spec) for _, _, spec in leaves_with_specs(model, specs)]
+        return [sharding_of(spec, mesh) for _, _, spec in leaves_with_specs(model, specs)]
 
     return placement
 
@@ -137,7 +138,7 @@ def _train_state_placement(mesh: Mesh, specs):
             lambda x: where_it_is("model_state", x, mesh).spec if is_array_like(x) else None, state.model_state)
         spec_state = TrainState(model=specs, opt_state=mirror_specs(state.opt_state, state.model, specs), step=P(),
                                 key=P(), model_state=model_state_specs)
-        return [NamedSharding(mesh, spec) for _, _, spec in leaves_with_specs(state, spec_state)]
+        return [sharding_of(spec, mesh) for _, _, spec in leaves_with_specs(state, spec_state)]
 
     return placement
 

@@ -33,6 +33,7 @@ from ._lora import LoRALinear
 from ._opt import OPTConfig, OPTForCausalLM
 from ._safetensors import Entry, HFTensor, checkpoint_files, leaf_tensors, read_header, read_tensor, write_checkpoint
 from ._t5 import T5Config, T5ForConditionalGeneration
+from ..sharding._specs import sharding_of
 
 FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -154,7 +155,7 @@ def from_pretrained(local_dir: str | os.PathLike, mesh: Mesh, specs=None, *, dty
         for path, part in zip(t.paths, t.split(full)):
             leaf, spec = by_path[path]
             target = np.dtype(leaf.dtype) if dtype is not None or not np.issubdtype(part.dtype, np.floating) else part.dtype
-            sharding = NamedSharding(mesh, spec)
+            sharding = sharding_of(spec, mesh)
             if t.layer is None:
                 placed[path] = _placed(part, leaf.shape, sharding, target)
                 continue
