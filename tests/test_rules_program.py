@@ -180,3 +180,17 @@ def test_the_zoo_gets_the_same_plan_from_its_program(family, stacked):
             names = named_leaves(redeqx.sharding_rules(model, mesh), is_leaf=is_spec)
             program = jax.tree.leaves(redeqx.sharding_rules(model, mesh, loss_fn=loss, batch={"x": x}), is_leaf=is_spec)
         assert [(p, s) for (p, s), t in zip(names, program) if s != t] == []
+
+
+def test_init_model_and_plan_read_the_program():
+    mesh = redeqx.make_mesh(2)
+
+    def make(key):
+        return w.OtherGPT("raw", key=key)
+
+    model = redeqx.init_model(make, mesh, key=jax.random.key(0), loss_fn=w.gpt_loss, batch=GPT_BATCH)
+    assert model.blocks[0].Wo.sharding.spec == P(None, "model")
+    optimizer = optax.sgd(0.1)
+    raw = redeqx.plan(make, w.gpt_loss, optimizer, GPT_BATCH, mesh, explore=False)
+    reference = redeqx.plan(w.reference_gpt, loss_fn, optimizer, GPT_BATCH, mesh, explore=False)
+    assert raw.parameters <= 1.05 * reference.parameters  # split as the reference is, not replicated

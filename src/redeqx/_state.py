@@ -388,12 +388,14 @@ def init_model(
     key: PRNGKeyArray,
     overrides: Sequence = (),
     fsdp: bool = False,
+    loss_fn: Callable | None = None,
+    batch: Any = None,
 ) -> PyTree:
     """Build ``make_model(key)`` straight into its shards.
 
     The constructor runs compiled, with the shardings of
-    ``sharding_rules(model, mesh, overrides=overrides, fsdp=fsdp)`` (found on the
-    abstract model, nothing allocated) as its outputs: a model too large for
+    ``sharding_rules(model, mesh, loss_fn=loss_fn, batch=batch, overrides=overrides,
+    fsdp=fsdp)`` (found on the abstract model, nothing allocated) as its outputs: a model too large for
     one device is never whole anywhere, and with ``fsdp=True`` each device holds
     about ``1 / n_devices`` of it. The values are those ``make_model(key)``
     gives on one device.
@@ -414,7 +416,8 @@ def init_model(
     """
     mesh = check_mesh(mesh)
     _check_key(key)
-    specs = sharding_rules(abstract_model(make_model, key), mesh, overrides=overrides, fsdp=fsdp)
+    specs = sharding_rules(abstract_model(make_model, key), mesh, loss_fn=loss_fn, batch=batch,
+                           overrides=overrides, fsdp=fsdp)
     jitted, static = constructor(make_model, mesh, specs, key)
     return eqx.combine(jitted(key), static)
 

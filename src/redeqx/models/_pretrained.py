@@ -92,12 +92,13 @@ def _write_layer(sharding):
 
 
 def from_pretrained(local_dir: str | os.PathLike, mesh: Mesh, specs=None, *, dtype=None, scan_layers: bool | None = None,
-                    scan_unroll: int | bool | None = None):
+                    scan_unroll: int | bool | None = None, loss_fn=None, batch=None):
     """Load a Hugging Face checkpoint from a local directory, sharded over ``mesh``.
 
     Reads ``config.json`` and ``*.safetensors`` (one file, or several with
     ``model.safetensors.index.json``). Each tensor goes straight to its place
-    under ``specs`` (default: `redeqx.sharding_rules` of the model), one tensor
+    under ``specs`` (default: `redeqx.sharding_rules` of the model, reading
+    the program of ``loss_fn`` on ``batch`` when both are given), one tensor
     at a time: each process reads and places only the shards its devices hold.
     ``dtype`` casts floating tensors (e.g. ``jnp.bfloat16``); by default each
     keeps the checkpoint's dtype. ``scan_layers`` overrides the family's
@@ -144,7 +145,7 @@ def from_pretrained(local_dir: str | os.PathLike, mesh: Mesh, specs=None, *, dty
         config = dataclasses.replace(config, scan_unroll=scan_unroll)
     skeleton = _skeleton(model_cls, config, dtype)
     if specs is None:
-        specs = sharding_rules(skeleton, mesh)
+        specs = sharding_rules(skeleton, mesh, loss_fn=loss_fn, batch=batch)
     tensors = hf_tensors(skeleton)
     by_path = {path: (leaf, spec) for path, leaf, spec in leaves_with_specs(skeleton, specs)}
     _check_tensors(tensors, entries, by_path, getattr(model_cls, "hf_ignore", ()), local_dir)
