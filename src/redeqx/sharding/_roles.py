@@ -22,6 +22,7 @@ not see beside a split, unused leaves) are left to the name rules.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 from ._facts import Facts
 
@@ -45,6 +46,30 @@ class Group:
     why_not: str | None
     kind: str  # "block" or "head"
     size: int
+    left_whole: dict[int, str] = dataclasses.field(default_factory=dict)  # leaf -> why its seed was dropped
+
+
+def _bad_seeds(facts: Facts, seeds: list[int], has_rows: bool) -> dict[int, str]:
+    """Seeds of a group that cannot be split with it: blocked ones, and in a block (with
+    row partners) those whose own output is reduced over the split first (a norm, a router's
+    softmax). Left whole, their output meets the others' split where it is sliced for free.
+    A weight with one such use keeps all its uses whole."""
+    bad = {s: facts.blocked[s] for s in seeds if s in facts.blocked}
+    if has_rows:
+        bad.update({s: f"its output {facts.reduced[s]} before reaching a row-parallel layer (a norm or the "
+                       "residual stream)" for s in seeds if s in facts.reduced and s not in bad})
+    leaves = {facts.uses[facts.seed_use[s]].leaf for s in bad}
+    for s in seeds:
+        if s not in bad and facts.uses[facts.seed_use[s]].leaf in leaves:
+            bad[s] = "another use of the same weight cannot be split"
+    return bad
+
+
+def _follows(facts: Facts, leaf: int) -> bool:
+    """A weight applied elementwise beside a split may follow it unless it has uses of its
+    own that need it whole (a token table looked up by data, a matmul)."""
+    return not any(u.leaf == leaf for u in facts.uses) and not any(
+        not positional for _, positional in facts.lookups.get(leaf, []))
 
 
 def _groups(facts: Facts) -> list[Group]:
@@ -55,15 +80,18 @@ def _groups(facts: Facts) -> list[Group]:
     for seed, leaf, dim, why in facts.rows:
         rows.setdefault(facts.find(seed), []).append((leaf, dim, seed))
     for seed, leaf, dim, why in facts.follows:
-        follows.setdefault(facts.find(seed), []).append((leaf, dim, seed))
+        if _follows(facts, leaf):
+            follows.setdefault(facts.find(seed), []).append((leaf, dim, seed))
     out = []
     for root, seeds in by_root.items():
+        bad = _bad_seeds(facts, seeds, root in rows)
+        good = [s for s in seeds if s not in bad]
         members: dict[int, tuple[int, str]] = {}
         reached: dict[int, set[int]] = {}
-        why_not = next((facts.blocked[s] for s in seeds if s in facts.blocked), None)
-        entries = [(facts.uses[facts.seed_use[s]].leaf, facts.seed_dim.get(s), "column", s) for s in seeds]
-        entries += [(leaf, dim, "follows", s) for leaf, dim, s in follows.get(root, [])]
-        entries += [(leaf, dim, "row", s) for leaf, dim, s in rows.get(root, [])]
+        why_not = next(iter(bad.values())) if not good else None
+        entries = [(facts.uses[facts.seed_use[s]].leaf, facts.seed_dim.get(s), "column", s) for s in good]
+        entries += [(leaf, dim, "follows", s) for leaf, dim, s in follows.get(root, []) if s not in bad]
+        entries += [(leaf, dim, "row", s) for leaf, dim, s in rows.get(root, []) if s not in bad]
         for leaf, dim, text, seed in entries:
             if dim is None:
                 continue
@@ -71,14 +99,13 @@ def _groups(facts: Facts) -> list[Group]:
                 why_not = why_not or f"{facts.paths[leaf]} would be split on dims {members[leaf][0]} and {dim}"
             members.setdefault(leaf, (dim, text))
             reached.setdefault(leaf, set()).add(seed)
-        reduced = [facts.reduced[s] for s in seeds if s in facts.reduced]
-        has_rows = root in rows
-        if why_not is None and has_rows and reduced:
-            why_not = f"its output {reduced[0]} before reaching a row-parallel layer (a norm or the residual stream)"
-        if why_not is None and not has_rows and not reduced:
+        has_rows = any(t == "row" for _, t in members.values())
+        if why_not is None and not has_rows and not any(s in facts.reduced for s in good):
             why_not = "its output reaches no layer that contracts it"
         kind = "block" if has_rows else "head"
-        out.append(Group(seeds, members, reached, why_not, kind, sum(facts.size(leaf) for leaf in members)))
+        whole = {facts.uses[facts.seed_use[s]].leaf: why for s, why in bad.items()}
+        out.append(Group(good or seeds, members, reached, why_not, kind, sum(facts.size(leaf) for leaf in members),
+                         whole))
     out.sort(key=lambda g: (-g.size, g.seeds[0]))
     return out
 
@@ -137,25 +164,90 @@ def experts(facts: Facts, n: int, decided: dict[int, Role]) -> None:
                                                f"{e} experts -> {e // n} per device")
 
 
+class _Fit(NamedTuple):
+    """A group fitted to ``n`` shards: what splits, what stays whole for a count ``n`` does not divide."""
+
+    group: Group
+    kept: Group
+    dropped: dict[int, Role]
+    refusal: str | None
+
+    def wants(self) -> dict[int, int | None]:
+        return {**{leaf: None for leaf in self.dropped}, **{leaf: d for leaf, (d, _) in self.kept.members.items()}}
+
+
+def _fit(facts: Facts, group: Group, n: int) -> _Fit:
+    failing = {s: why for s in group.seeds if (why := _seed_refusal(facts, s, n)) is not None}
+    kept = _without(group, set(failing)) if failing and len(failing) < len(group.seeds) else group
+    if kept is not group and not any(t == "row" for _, t in kept.members.values()) and kept.kind == "block":
+        kept = group
+    refusal = _refusal(facts, kept, n) or (next(iter(failing.values())) if kept is group and failing else None)
+    dropped: dict[int, Role] = {}
+    for leaf in set(group.members) - set(kept.members):
+        why = next(failing[s] for s in group.reached[leaf] if s in failing)
+        dropped[leaf] = Role(None, f"program: {group.members[leaf][1]}, replicated", refused=why)
+    return _Fit(group, kept, dropped, refusal)
+
+
+def _conflict(a: _Fit, b: _Fit) -> bool:
+    wa, wb = a.wants(), b.wants()
+    return any(wa[leaf] != wb[leaf] for leaf in wa.keys() & wb.keys())
+
+
+def _choose(fits: list[_Fit]) -> list[_Fit]:
+    """The groups to split: no weight in two with different splits, the most
+    weight split. Exact over each small set of groups that compete (a chain
+    of layers, a layer and its adapter), else in program order (which, for a
+    long chain of layers, alternates from the first, as Megatron pairs them)."""
+    chosen, seen = [], set()
+    for i in range(len(fits)):
+        if i in seen:
+            continue
+        component, todo = [], [i]
+        seen.add(i)
+        while todo:
+            j = todo.pop()
+            component.append(j)
+            for k in range(len(fits)):
+                if k not in seen and _conflict(fits[j], fits[k]):
+                    seen.add(k)
+                    todo.append(k)
+        chosen += _best(sorted(component, key=lambda j: fits[j].group.seeds[0]), fits)
+    return [fits[j] for j in sorted(chosen)]
+
+
+def _best(component: list[int], fits: list[_Fit]) -> list[int]:
+    if len(component) > 12:
+        picked: list[int] = []
+        for j in component:
+            if not any(_conflict(fits[j], fits[k]) for k in picked):
+                picked.append(j)
+        return picked
+    best, best_weight = [], -1
+    for mask in range(1 << len(component)):
+        pick = [component[b] for b in range(len(component)) if mask >> b & 1]
+        if any(_conflict(fits[a], fits[b]) for x, a in enumerate(pick) for b in pick[x + 1:]):
+            continue
+        weight = sum(fits[j].kept.size for j in pick)
+        if weight > best_weight:
+            best, best_weight = pick, weight
+    return best
+
+
 def blocks(facts: Facts, n: int, decided: dict[int, Role]) -> None:
+    fits = []
     for group in _groups(facts):
-        if group.why_not is not None:
-            continue
-        if any(leaf in decided and decided[leaf].dim != dim for leaf, (dim, _) in group.members.items()):
-            continue
-        failing = {s: why for s in group.seeds if (why := _seed_refusal(facts, s, n)) is not None}
-        kept = _without(group, set(failing)) if failing and len(failing) < len(group.seeds) else group
-        if kept is not group and not any(t == "row" for _, t in kept.members.values()) and kept.kind == "block":
-            kept = group
-        refusal = _refusal(facts, kept, n) or (next(iter(failing.values())) if kept is group and failing else None)
-        for leaf in set(group.members) - set(kept.members):
-            why = next(failing[s] for s in group.reached[leaf] if s in failing)
-            decided[leaf] = Role(None, f"program: {group.members[leaf][1]}, replicated", refused=why)
-        for leaf, (dim, text) in kept.members.items():
-            if refusal is not None:
-                decided[leaf] = Role(None, f"program: {text}, replicated", refused=refusal)
-            else:
-                decided[leaf] = Role(dim, _describe(facts, group, leaf, dim, text))
+        if group.why_not is None and not any(
+                leaf in decided and decided[leaf].dim != dim for leaf, (dim, _) in group.members.items()):
+            fits.append(_fit(facts, group, n))
+    for fit in _choose([f for f in fits if f.refusal is None]):
+        decided.update(fit.dropped)
+        for leaf, (dim, text) in fit.kept.members.items():
+            decided[leaf] = Role(dim, _describe(facts, fit.group, leaf, dim, text))
+    for fit in fits:  # a block no n_model_shards split fits: whole, and said so
+        if fit.refusal is not None:
+            for leaf, (dim, text) in fit.group.members.items():
+                decided.setdefault(leaf, Role(None, f"program: {text}, replicated", refused=fit.refusal))
 
 
 def lookups(facts: Facts, n: int, decided: dict[int, Role]) -> None:
@@ -180,7 +272,8 @@ def read(facts: Facts, n: int, decided: dict[int, Role]) -> None:
         if use.leaf in decided:
             continue
         mine = [g for g in groups if use.leaf in g.members]
-        why = next((g.why_not for g in mine if g.why_not), None)
+        why = next((g.left_whole[use.leaf] for g in groups if use.leaf in g.left_whole), None)
+        why = why or next((g.why_not for g in mine if g.why_not), None)
         if why is None:
             why = "its other role is taken by a larger block" if mine else "no output dim to split"
         decided[use.leaf] = Role(None, f"program: {use.kind} input dims {use.contracted}, replicated: {why}")
