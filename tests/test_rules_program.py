@@ -194,3 +194,21 @@ def test_init_model_and_plan_read_the_program():
     raw = redeqx.plan(make, w.gpt_loss, optimizer, GPT_BATCH, mesh, explore=False)
     reference = redeqx.plan(w.reference_gpt, loss_fn, optimizer, GPT_BATCH, mesh, explore=False)
     assert raw.parameters <= 1.05 * reference.parameters  # split as the reference is, not replicated
+
+
+def test_a_program_the_reader_cannot_untangle_is_said_out_loud():
+    import equinox as eqx
+
+    model = eqx.nn.MLP(8, 8, 64, depth=2, key=jax.random.key(0))
+    batch = {"x": jax.ShapeDtypeStruct((16, 8), jnp.float32)}
+
+    def plain(m, b, k):
+        return jnp.mean(jax.vmap(m)(b["x"]) ** 2)
+
+    def inner_step(m, b, k):  # MAML: one inner gradient step inside the loss
+        g = eqx.filter_grad(plain)(m, b, k)
+        return plain(eqx.apply_updates(m, jax.tree.map(lambda g: -0.01 * g, g)), b, k)
+
+    with pytest.warns(UserWarning, match="split none of the weights it contracts"):
+        specs = redeqx.sharding_rules(model, redeqx.make_mesh(2), loss_fn=inner_step, batch=batch)
+    assert specs.layers[0].weight == P()

@@ -38,6 +38,7 @@ class _Decider:
         self.weight_dims: dict[str, int] = {}  # layer path -> dim split by 'model' (for its bias and adapters)
         self.fallbacks: list[tuple[str, str, bool]] = []  # (leaf, why, loud)
         self.unplaced: list[str] = []
+        self.unread: tuple[int, str] | None = None  # the program split none of the weights it contracts
         self.decided: dict[int, LeafSpec] = {}
         self.program_layers: set[str] = set()  # layers whose weight the program placed
 
@@ -81,6 +82,16 @@ class _Decider:
         for k in later:
             self.small(k)
         self.overrides.check_all_used([".".join(path_parts(kp)) for _, kp, _, _ in self.leaves], self.name)
+        self.check_program_placed()
+
+    def check_program_placed(self) -> None:
+        """With a program, at least one weight it contracts is split, or a warning says why none is."""
+        if self.facts is None or self.n_model == 1:
+            return
+        used = {u.leaf for u in self.facts.uses}
+        roles = [self.roles[k] for k in used if k in self.roles]
+        if roles and all(r.dim is None and r.refused is None for r in roles):
+            self.unread = (len(roles), roles[0].reason)
 
     def weight(self, k: int, parts, one, hit) -> None:
         role = self.roles.get(k)
@@ -153,4 +164,8 @@ def leaf_specs(model, mesh: Mesh, overrides=(), fsdp: bool = False, name: str | 
     decider.run()
     flat, treedef = jax.tree_util.tree_flatten(model)
     decided = [decider.decided.get(i) for i in range(len(flat))]
-    return treedef, decided, decider.fallbacks, decider.unplaced
+    unplaced = decider.unplaced
+    if decider.unread is not None:
+        count, reason = decider.unread
+        unplaced = [f"<program> {count} weights contracted, none split (first: {reason})"]
+    return treedef, decided, decider.fallbacks, unplaced

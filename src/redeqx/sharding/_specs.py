@@ -207,6 +207,13 @@ def weight_layer(parts: list[str]) -> list[str]:
 
 
 def unplaced_warning(leaves: list[str], who: str) -> str:
+    if leaves and leaves[0].startswith("<program> "):
+        return (
+            f"redeqx.sharding_rules{who}: reading the program, the rules split none of the weights it contracts: "
+            f"{leaves[0][len('<program> '):]}. A loss that differentiates inside (an inner gradient step, as in "
+            "MAML) shows each weight in two roles, which the reader does not untangle yet: drop loss_fn= and "
+            "batch= to use the name rules, or pass overrides=[(regex, spec)]."
+        )
     return (
         f"redeqx.sharding_rules{who}: {len(leaves)} weight(s) of rank >= 2 whose names say nothing of their "
         f"role are replicated: {', '.join(leaves[:6])}{'...' if len(leaves) > 6 else ''}. Pass loss_fn= and "
