@@ -113,5 +113,5 @@ def convolve(r, eqn) -> None:
                 tags[seed] = out_feature
                 r.facts.seed_dim[seed] = dims[k_out]
                 if groups > 1:
-                    r.facts.groups(seed, groups)
+                    r.facts.conv_groups(seed, groups)
     r.set_tags(out, tags, "conv")

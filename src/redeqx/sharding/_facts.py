@@ -89,7 +89,7 @@ class Facts:
     def whole(self, seed, size, inner_in, inner_out, count, text) -> None:
         self.wholes.setdefault(seed, []).append(Whole(size, inner_in, inner_out, count, text))
 
-    def groups(self, seed, count) -> None:
+    def conv_groups(self, seed, count) -> None:
         self.group_counts[seed] = count
 
     def layer_dim(self, leaf, dim, why) -> None:
@@ -124,9 +124,6 @@ class Facts:
             if roots.setdefault(r, dim) != dim:
                 self.block(seed, f"{where}: its split lands on two dims of one value")
         return tags
-
-    def leaf_seeds(self, leaf: int) -> list[int]:
-        return [s for s, u in enumerate(self.seed_use) if self.uses[u].leaf == leaf]
 
     def size(self, leaf: int) -> int:
         return math.prod(self.shapes[leaf])

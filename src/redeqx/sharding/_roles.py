@@ -8,7 +8,9 @@ facts and leaving the rest to the next:
 2. ``blocks``: each group of seeds that reaches row-parallel partners through
    ops that keep the split (a Megatron block: column then row), or only
    reductions over the split (a vocabulary-parallel head and its loss), is
-   split as a whole; larger groups first, a weight in one group only;
+   split as a whole, less the seeds whose own output is reduced or blocked
+   first (left whole); among groups that would split one weight two ways,
+   those that split the most weight;
 3. ``lookups``: a table gathered by data (token ids) is split on the gathered
    dim (vocab); one gathered at positions computed in the program (iota) is
    replicated;
