@@ -40,11 +40,11 @@ def step_bytes(model, loss, data, n, **rules):
 @pytest.fixture(scope="module")
 def reference_bytes():
     model = w.reference_gpt(jax.random.key(0))
-    return {n: step_bytes(model, loss_fn, GPT_BATCH, n)[0] for n in (2, 4)}
+    return {n: step_bytes(model, loss_fn, GPT_BATCH, n)[0] for n in (2, 4, 8)}
 
 
 @pytest.mark.parametrize("kind", ["raw", "flax", "scan"])
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, 4, 8])
 def test_a_gpt_written_otherwise_moves_the_megatron_bytes(kind, n, reference_bytes):
     model = w.OtherGPT(kind, key=jax.random.key(0))
     program, specs = step_bytes(model, w.gpt_loss, GPT_BATCH, n, loss_fn=w.gpt_loss, batch=GPT_BATCH)
@@ -53,30 +53,46 @@ def test_a_gpt_written_otherwise_moves_the_megatron_bytes(kind, n, reference_byt
     if kind == "flax":  # (in, out) kernels: the column splits dim 1, the row dim 0
         assert layers.Dense_0.kernel == P(None, "model") and layers.Dense_1.kernel == P("model", None)
         assert layers.Dense_0.bias == P("model") and layers.Dense_1.bias == P()
-    elif kind == "raw":
-        assert (layers.Wq, layers.Wo, layers.W1, layers.W2) == (P("model", None), P(None, "model"),
-                                                                P("model", None), P(None, "model"))
+    elif kind == "raw":  # at 8 shards the 4 heads stay whole, the MLP splits
+        attention = (P("model", None), P(None, "model")) if n <= 4 else (P(), P())
+        assert (layers.Wq, layers.Wo) == attention
+        assert (layers.W1, layers.W2) == (P("model", None), P(None, "model"))
     else:  # the scan's axis is a layer axis, never split
         assert layers.fc_in == P(None, "model", None) and layers.fc_out == P(None, None, "model")
 
 
-@pytest.mark.parametrize("kind", ["raw", "scan"])
-def test_a_gpt_written_otherwise_trains_like_one_device(kind, devices):
+WRITTEN_OTHERWISE = {
+    "raw": (lambda k: w.OtherGPT("raw", key=k), w.gpt_loss, GPT_BATCH),
+    "flax": (lambda k: w.OtherGPT("flax", key=k), w.gpt_loss, GPT_BATCH),
+    "scan": (lambda k: w.OtherGPT("scan", key=k), w.gpt_loss, GPT_BATCH),
+    "vit": (lambda k: w.ViT(key=k), w.image_loss, IMAGES),
+    "gqa": (lambda k: w.MetaLM(key=k), w.gpt_loss, TOKENS),
+    "nested": (w.nested_mlp, w.vector_loss, VECTORS),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WRITTEN_OTHERWISE))
+def test_a_model_written_otherwise_trains_like_one_device(case, devices):
+    make, loss, batch = WRITTEN_OTHERWISE[case]
+
     def run(n, devs):
         mesh = redeqx.make_mesh(n, devices=devs)
-        model = w.OtherGPT(kind, key=jax.random.key(0))
-        batch = collate_fn(make_examples(8, seq=16, vocab=64))
-        specs = redeqx.sharding_rules(model, mesh, loss_fn=w.gpt_loss, batch=batch)
+        model = make(jax.random.key(0))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            specs = redeqx.sharding_rules(model, mesh, loss_fn=loss, batch=batch)
         optimizer = optax.sgd(0.1, momentum=0.9)
         state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
-        step = redeqx.make_train_step(w.gpt_loss, optimizer, mesh, specs)
+        step = redeqx.make_train_step(loss, optimizer, mesh, specs)
         losses = []
-        for i in range(3):
-            state, metrics = step(state, collate_fn(make_examples(8, seq=16, vocab=64, seed=i)))
+        for _ in range(3):
+            state, metrics = step(state, batch)
             losses.append(float(metrics["loss"]))
         return losses
 
-    np.testing.assert_allclose(run(4, devices), run(1, devices[:1]), rtol=2e-5, atol=2e-6)
+    reference = run(1, devices[:1])
+    for n in (2, 4):
+        np.testing.assert_allclose(run(n, devices), reference, rtol=2e-5, atol=2e-6, err_msg=f"{n} shards")
 
 
 def test_names_alone_warn_about_weights_they_cannot_place():

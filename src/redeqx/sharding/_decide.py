@@ -96,10 +96,10 @@ class _Decider:
     def weight(self, k: int, parts, one, hit) -> None:
         role = self.roles.get(k)
         layer = ".".join(weight_layer(parts))
-        if role is not None and hit is None:
-            return self.from_program(k, role, layer)
         rule = classify(parts, _ancestors(self.model, self.leaves[k][1]), tuple(one.shape), self.vocab, self.n_model)
         dim, reason = self._alternate(rule, parts)
+        if role is not None and hit is None:
+            return self.from_program(k, self._against_names(k, role, dim, reason), layer)
         if hit is not None:
             n = self.leaves[k][3]  # the override names the whole leaf: its out dim follows the layer axes
             if len(hit[0]) > n and hit[0][n] is not None and MODEL in axes_of(hit[0][n]):
@@ -132,6 +132,15 @@ class _Decider:
         elif rule.counts and dim in rule.alternation:
             self.counters[group] = rule.alternation.index(dim) + 1  # a named layer advances its parent's too
         return dim, reason
+
+    def _against_names(self, k: int, role: Role, dim: int, reason: str) -> Role:
+        """The program's role, saying so where the names would have split the leaf otherwise."""
+        n = self.leaves[k][3]
+        by_names = None if dim == -1 else dim + n
+        if role.dim == by_names or not reason:
+            return role
+        said = "replicated" if by_names is None else f"dim {by_names}"
+        return Role(role.dim, f"{role.reason} (names said {said}: {reason}; the program wins)", role.refused)
 
     def from_program(self, k: int, role: Role, layer: str) -> None:
         full = self._full(k)
