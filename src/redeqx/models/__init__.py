@@ -18,6 +18,13 @@ from ._gpt2 import GPT2Config as GPT2Config, GPT2LMHeadModel as GPT2LMHeadModel
 from ._gptj import GPTJConfig as GPTJConfig, GPTJForCausalLM as GPTJForCausalLM
 from ._llama import LlamaConfig as LlamaConfig, LlamaForCausalLM as LlamaForCausalLM
 from ._lora import LoRALinear as LoRALinear, lora as lora, lora_trainable as lora_trainable, merge_lora as merge_lora
+from ._moe import (
+    MoE as MoE,
+    RouterStats as RouterStats,
+    expert_outputs as expert_outputs,
+    route as route,
+    router_stats as router_stats,
+)
 from ._opt import OPTConfig as OPTConfig, OPTForCausalLM as OPTForCausalLM
 from ._pretrained import from_pretrained as from_pretrained, save_pretrained as save_pretrained
 from ._seq2seq import shift_right as shift_right

@@ -1,0 +1,307 @@
+"""A mixture-of-experts feed-forward block: dropless top-k routing computed by
+grouped matmuls (``jax.lax.ragged_dot``), never a dense pass of every token
+through every expert.
+
+How a block runs on the tokens ``x`` of one sequence (``T`` tokens, ``k``
+experts each):
+
+1. the router scores every token against every expert (``(T, E)`` logits, a
+   small matmul) and keeps each token's ``k`` best;
+2. the ``T * k`` (token, expert) assignments are sorted by expert, so that each
+   expert's tokens sit together: their rows of ``x`` are gathered in that
+   order and ``bincount`` gives each expert's group size;
+3. three grouped matmuls (gate, up, down) multiply each group by its own
+   expert's weights only: ``T * k`` rows of FLOPs, not ``T * E``, and no token
+   is ever dropped (no capacity factor);
+4. the outputs go back to assignment order and each token's ``k`` outputs are
+   summed with its routing weights.
+
+``jax.lax.ragged_dot`` cannot be vmapped over its rows here (its batching
+rule needs every operand batched, the weights too, which would copy each
+expert per sequence). Since nothing in steps 2-4 mixes tokens, a batch of
+sequences is routed as one long sequence: under ``jax.vmap`` the expert
+computation (`expert_outputs`) flattens the batch into its token axis
+(``jax.custom_batching.custom_vmap``), and its gradient is written with
+``jax.custom_vjp`` (``custom_vmap`` has no reverse mode of its own), the
+backward pass recomputing the grouped forward matmuls of the block rather
+than storing them.
+
+The load-balancing loss (Switch Transformer, eqs. 4-6; what Mixtral and
+Qwen3-MoE train with) and the router z-loss (ST-MoE, eq. 5) come out as
+`RouterStats`: sums per sequence that `RouterStats.load_balancing_loss` and
+`RouterStats.z_loss` combine over the whole batch, as Transformers'
+``load_balancing_loss_func`` does.
+
+Layout: ``gate_proj``/``up_proj`` ``(E, intermediate, hidden)`` and
+``down_proj`` ``(E, hidden, intermediate)`` (each expert's PyTorch layout),
+under a field named ``experts`` beside a router named ``gate``: the sharding
+rules split every stack on its expert axis when ``n_model_shards`` divides
+``E`` (on the hidden units otherwise) and replicate the router.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+
+from .._typing import positive_int, typechecked
+from ._layers import ACTIVATIONS, INIT_STD, Linear
+
+# ----------------------------------------------------------------------------- the grouped expert computation
+
+# ragged_dot's dimension numbers for rows (N, in) against weights (E, out, in): contract `in`
+# with the weights' last dim, the rows' dim 0 ragged over the weights' groups (dim 0).
+_ROWS_BY_OUT_IN = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
+)
+
+
+def _grouped(rows: Float[Array, "n in"], w: Float[Array, "experts out in"], sizes: Int[Array, " experts"]):
+    """Rows ``sizes[0]`` first times expert 0's ``w[0].T``, the next ``sizes[1]`` times ``w[1].T``, ..."""
+    return jax.lax.ragged_dot_general(rows, w, sizes, _ROWS_BY_OUT_IN)
+
+
+def _flat(activation: str, x, idx, gate_w, up_w, down_w):
+    """Every assignment's expert output, ``(T, k, hidden)``, for tokens ``x``
+    ``(T, hidden)`` and their experts ``idx`` ``(T, k)``: sorted, grouped, unsorted."""
+    t, k = idx.shape
+    n_experts = gate_w.shape[0]
+    expert = idx.reshape(-1)  # (T*k,) the expert of each assignment, token-major
+    order = jnp.argsort(expert, stable=True)  # assignments grouped by expert
+    sizes = jnp.bincount(expert, length=n_experts).astype(jnp.int32)  # (E,)
+    rows = jnp.take(x, order // k, axis=0)  # (T*k, H) each assignment's token, in expert order
+    h = ACTIVATIONS[activation](_grouped(rows, gate_w, sizes)) * _grouped(rows, up_w, sizes)  # (T*k, I)
+    y = _grouped(h, down_w, sizes)  # (T*k, H)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    return jnp.take(y, inverse, axis=0).reshape(t, k, -1)  # back to assignment order
+
+
+def _batched_rule(fn, n_tokens: int, per_token: tuple[bool, ...]):
+    """A ``custom_vmap`` rule for ``fn(*token_args, *weights) -> outs`` whose first
+    ``n_tokens`` arguments are per token (leading token axis) and whose outputs
+    are per token (``per_token``: the same leading axis) or sums over tokens
+    (the weights' gradients). A batch of sequences is one longer run of tokens; weights that
+    are themselves batched (a vmap over models) go one batch entry at a time."""
+
+    def rule(axis_size, in_batched, *args):
+        tokens, weights = args[:n_tokens], args[n_tokens:]
+        if any(in_batched[n_tokens:]):  # per-entry weights: no shared experts to group by
+            full = [a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in zip(args, in_batched)]
+            outs = jax.lax.map(lambda xs: fn(*xs), tuple(full))
+            return outs, jax.tree.map(lambda _: True, outs)
+        full = [a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in zip(tokens, in_batched)]
+        t = full[0].shape[1]
+        outs = fn(*(a.reshape(axis_size * t, *a.shape[2:]) for a in full), *weights)
+        outs = tuple(o.reshape(axis_size, t, *o.shape[1:]) if p else o for o, p in zip(outs, per_token))
+        return outs, per_token
+
+    return rule
+
+
+@functools.lru_cache(maxsize=None)
+def _expert_outputs_fn(activation: str):
+    """``expert_outputs`` for one activation: a ``custom_vjp`` whose forward and
+    backward are each a ``custom_vmap`` flattening a batch into tokens."""
+
+    @jax.custom_batching.custom_vmap
+    def forward(x, idx, gate_w, up_w, down_w):
+        return (_flat(activation, x, idx, gate_w, up_w, down_w),)
+
+    forward.def_vmap(_batched_rule(forward, 2, (True,)))
+
+    @jax.custom_batching.custom_vmap
+    def backward(x, idx, ct, gate_w, up_w, down_w):
+        _, vjp = jax.vjp(lambda x, g, u, d: _flat(activation, x, idx, g, u, d), x, gate_w, up_w, down_w)
+        return vjp(ct)  # (dx, dgate, dup, ddown): dx per token, the weights' summed over tokens
+
+    backward.def_vmap(_batched_rule(backward, 3, (True, False, False, False)))
+
+    @jax.custom_vjp
+    def outputs(x, idx, gate_w, up_w, down_w):
+        return forward(x, idx, gate_w, up_w, down_w)[0]
+
+    def fwd(x, idx, gate_w, up_w, down_w):
+        return outputs(x, idx, gate_w, up_w, down_w), (x, idx, gate_w, up_w, down_w)
+
+    def bwd(res, ct):
+        x, idx, gate_w, up_w, down_w = res
+        dx, dg, du, dd = backward(x, idx, ct, gate_w, up_w, down_w)
+        return dx, None, dg, du, dd
+
+    outputs.defvjp(fwd, bwd)
+    return outputs
+
+
+def expert_outputs(
+    x: Float[Array, "seq hidden"],
+    expert_index: Int[Array, "seq k"],
+    gate_proj: Float[Array, "experts intermediate hidden"],
+    up_proj: Float[Array, "experts intermediate hidden"],
+    down_proj: Float[Array, "experts hidden intermediate"],
+    *,
+    activation: str = "silu",
+) -> Float[Array, "seq k hidden"]:
+    """``down[e] @ (act(gate[e] @ x_t) * (up[e] @ x_t))`` for each token ``t``
+    and each of its experts ``e = expert_index[t, j]``, by grouped matmuls
+    over the tokens sorted by expert (dropless: every assignment computed,
+    only its own expert's). Under ``jax.vmap`` the batch is routed as one run
+    of tokens, so no expert's weights are copied per sequence."""
+    f = _expert_outputs_fn(activation)
+    return f(x, expert_index, gate_proj.astype(x.dtype), up_proj.astype(x.dtype), down_proj.astype(x.dtype))
+
+
+# ----------------------------------------------------------------------------- router statistics and auxiliary losses
+
+
+class RouterStats(eqx.Module):
+    """What the auxiliary losses need from the routers, summed over the tokens
+    (and mixture-of-experts layers) of one sequence; under ``jax.vmap`` every
+    field gains the batch axes, and the losses sum over all of them first.
+
+    - ``tokens_per_expert``: top-k assignments each expert got;
+    - ``probs_per_expert``: router probabilities each expert got, summed;
+    - ``rows``: tokens routed (padding excluded), once per layer;
+    - ``z``: the sum of ``logsumexp(router_logits) ** 2``.
+    """
+
+    tokens_per_expert: Float[Array, "*batch experts"]
+    probs_per_expert: Float[Array, "*batch experts"]
+    rows: Float[Array, "*batch"]
+    z: Float[Array, "*batch"]
+
+    @staticmethod
+    def zeros(n_experts: int) -> "RouterStats":
+        z = jnp.zeros((), jnp.float32)
+        return RouterStats(jnp.zeros((n_experts,), jnp.float32), jnp.zeros((n_experts,), jnp.float32), z, z)
+
+    def __add__(self, other: "RouterStats") -> "RouterStats":
+        return jax.tree.map(jnp.add, self, other)
+
+    def _totals(self):
+        def lead(a, keep):  # sum every leading (batch / layer) axis
+            return jnp.sum(a, axis=tuple(range(a.ndim - keep)))
+
+        return (lead(self.tokens_per_expert, 1), lead(self.probs_per_expert, 1), lead(self.rows, 0),
+                lead(self.z, 0))
+
+    def load_balancing_loss(self) -> Float[Array, ""]:
+        """Switch Transformer's auxiliary loss, ``E * sum_e f_e * P_e``: ``f_e``
+        the share of top-k assignments expert ``e`` got, ``P_e`` its mean router
+        probability, over every token of the batch and every layer (as
+        Transformers' ``load_balancing_loss_func``; 1.0 when balanced at k=1)."""
+        counts, probs, rows, _ = self._totals()
+        rows = jnp.maximum(rows, 1.0)
+        return counts.shape[-1] * jnp.sum((counts / rows) * (probs / rows))
+
+    def z_loss(self) -> Float[Array, ""]:
+        """ST-MoE's router z-loss: the mean over tokens (and layers) of
+        ``logsumexp(router_logits) ** 2``, which keeps the router's logits small."""
+        _, _, rows, z = self._totals()
+        return z / jnp.maximum(rows, 1.0)
+
+
+def route(
+    logits: Float[Array, "seq experts"], k: int, *, normalize: bool
+) -> tuple[Float[Array, "seq k"], Int[Array, "seq k"]]:
+    """Each token's ``k`` most probable experts and their weights: softmax
+    probabilities over all experts, renormalised over the ``k`` kept when
+    ``normalize`` (Mixtral; Qwen3-MoE's ``norm_topk_prob``)."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, index = jax.lax.top_k(probs, k)
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, index
+
+
+def router_stats(logits: Float[Array, "seq experts"], index: Int[Array, "seq k"],
+                 valid: Bool[Array, " seq"] | None = None) -> RouterStats:
+    """The `RouterStats` of one layer's routing of one sequence (``valid``
+    False: a padding token, not counted)."""
+    logits = logits.astype(jnp.float32)
+    w = jnp.ones(logits.shape[:1], jnp.float32) if valid is None else valid.astype(jnp.float32)
+    n_experts = logits.shape[-1]
+    counts = jnp.einsum("tke,t->e", jax.nn.one_hot(index, n_experts, dtype=jnp.float32), w)
+    probs = jnp.einsum("te,t->e", jax.nn.softmax(logits, axis=-1), w)
+    z = jnp.sum(w * jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+    return RouterStats(jax.lax.stop_gradient(counts), probs, jnp.sum(w), z)
+
+
+# ----------------------------------------------------------------------------- the block
+
+
+class Experts(eqx.Module):
+    """``E`` SwiGLU experts, each expert's weights a slice of the stacks."""
+
+    gate_proj: Float[Array, "experts intermediate hidden"]
+    up_proj: Float[Array, "experts intermediate hidden"]
+    down_proj: Float[Array, "experts hidden intermediate"]
+
+    def __init__(self, n_experts: int, hidden: int, intermediate: int, *, key: PRNGKeyArray, dtype=jnp.float32,
+                 std: float = INIT_STD):
+        kg, ku, kd = jax.random.split(key, 3)
+        self.gate_proj = std * jax.random.normal(kg, (n_experts, intermediate, hidden), dtype)
+        self.up_proj = std * jax.random.normal(ku, (n_experts, intermediate, hidden), dtype)
+        self.down_proj = std * jax.random.normal(kd, (n_experts, hidden, intermediate), dtype)
+
+
+class MoE(eqx.Module):
+    """A mixture-of-experts feed-forward block for one sequence: top-``k``
+    routing, dropless, computed by grouped matmuls (the module docstring says
+    how). Returns the output and the `RouterStats` of this call, from which
+    the load-balancing and z losses are read.
+
+    ``normalize_top_k``: renormalise each token's ``k`` routing weights to sum
+    to 1 (Mixtral does; Qwen3-MoE when ``norm_topk_prob``). ``activation``:
+    a Hugging Face activation name (``"silu"``: SwiGLU experts).
+
+    **Example** (in a user's own transformer block):
+
+    ```python
+    moe = redeqx.models.MoE(hidden=64, intermediate=128, n_experts=8, k=2, key=jax.random.key(0))
+    y, stats = moe(x)                                   # x: (seq, 64)
+    ys, stats = jax.vmap(moe)(xs)                       # xs: (batch, seq, 64); one routing for the batch
+    aux = 0.01 * stats.load_balancing_loss() + 0.001 * stats.z_loss()
+    ```
+    """
+
+    gate: Linear  # the router, (E, hidden): replicated by the rules
+    experts: Experts
+    k: int = eqx.field(static=True)
+    normalize_top_k: bool = eqx.field(static=True)
+    activation: str = eqx.field(static=True)
+
+    @typechecked
+    def __init__(self, hidden: int, intermediate: int, n_experts: int, k: int, *, key: PRNGKeyArray,
+                 normalize_top_k: bool = True, activation: str = "silu", dtype=jnp.float32):
+        for name, value in (("hidden", hidden), ("intermediate", intermediate), ("n_experts", n_experts), ("k", k)):
+            positive_int(value, f"MoE {name}")
+        if k > n_experts:
+            raise ValueError(f"MoE k={k} is more experts per token than n_experts={n_experts}; pass k <= n_experts.")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"MoE activation={activation!r}; pass one of {sorted(ACTIVATIONS)}.")
+        kr, ke = jax.random.split(key)
+        self.gate = Linear(hidden, n_experts, bias=False, key=kr, dtype=dtype)
+        self.experts = Experts(n_experts, hidden, intermediate, key=ke, dtype=dtype)
+        self.k = k
+        self.normalize_top_k = normalize_top_k
+        self.activation = activation
+
+    @property
+    def n_experts(self) -> int:
+        return self.gate.weight.shape[-2]
+
+    def __call__(
+        self, x: Float[Array, "seq hidden"], *, valid: Bool[Array, " seq"] | None = None
+    ) -> tuple[Float[Array, "seq hidden"], RouterStats]:
+        """``x`` through each token's ``k`` experts, weighted; ``valid`` marks
+        real tokens for the statistics (padding is routed but not counted)."""
+        logits = x.astype(jnp.float32) @ self.gate.weight.T.astype(jnp.float32)  # (T, E), in float32
+        weights, index = route(logits, self.k, normalize=self.normalize_top_k)  # (T, k) each
+        e = self.experts
+        outs = expert_outputs(x, index, e.gate_proj, e.up_proj, e.down_proj, activation=self.activation)  # (T, k, H)
+        y = jnp.einsum("tkh,tk->th", outs, weights.astype(outs.dtype))
+        return y, router_stats(logits, index, valid)
