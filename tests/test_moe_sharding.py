@@ -1,0 +1,99 @@
+"""Mixtral's expert stacks under the current sharding rules: on the expert axis
+when n_model_shards divides the expert count (the router whole), on the
+experts' hidden units when not; either way the same logits and the same three
+training steps (load-balancing loss included) as one device, with fsdp too."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import redeqx
+from redeqx.models import MixtralConfig, MixtralForCausalLM
+
+VOCAB = 64
+
+
+def _model(n_experts=8, scan_layers=True):
+    config = MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+                           num_attention_heads=8, num_key_value_heads=8, num_local_experts=n_experts,
+                           num_experts_per_tok=2, router_aux_loss_coef=0.01, scan_layers=scan_layers)
+    model = MixtralForCausalLM(config, key=jax.random.key(0))
+    # routers that decide (the default init's logits are all near 0)
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: x * 50 if "gate" in jax.tree_util.keystr(p) and "experts" not in jax.tree_util.keystr(p) else x,
+        model)
+
+
+def loss_fn(model, batch, key):
+    ids = batch["input_ids"]
+    logits, stats = jax.vmap(model.with_aux)(ids[:, :-1])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+    aux = stats.load_balancing_loss()
+    return ce + model.config.router_aux_loss_coef * aux + 1e-3 * stats.z_loss(), {"aux_loss": aux}
+
+
+BATCH = {"input_ids": np.random.RandomState(0).randint(0, VOCAB, (16, 9)).astype(np.int32)}
+
+
+def _run(model, n_model, devices=None, fsdp=False, n_steps=3):
+    mesh = redeqx.make_mesh(n_model, devices=devices)
+    specs = redeqx.sharding_rules(model, mesh, fsdp=fsdp)
+    optimizer = optax.adam(1e-2)
+    state = redeqx.init_state(jax.tree.map(lambda x: jnp.array(x, copy=True), model), optimizer, mesh, specs,
+                              key=jax.random.key(1))
+    batch = jax.device_put({k: jnp.asarray(v) for k, v in BATCH.items()}, NamedSharding(mesh, P("data")))
+    logits = jax.jit(jax.vmap(state.model))(batch["input_ids"])
+    step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs)
+    losses = []
+    for _ in range(n_steps):
+        state, metrics = step(state, batch)
+        losses.append((float(metrics["loss"]), float(metrics["aux_loss"])))
+    return np.asarray(logits), np.asarray(losses), state.model, specs
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return {n: _run(_model(n), 1, jax.devices()[:1]) for n in (8, 6)}
+
+
+@pytest.mark.parametrize("n_model,fsdp", [(1, False), (2, False), (4, False), (8, False), (2, True), (8, True)])
+def test_expert_parallel_matches_one_device(one_device, n_model, fsdp):
+    """8 experts: each stack split on E over n_model_shards, trained 3 steps like one device."""
+    logits, losses, model, specs = _run(_model(8), n_model, fsdp=fsdp)
+    want_logits, want_losses, want_model, _ = one_device[8]
+    np.testing.assert_allclose(logits, want_logits, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    assert want_losses[0, 1] > 1.05  # a routing far enough from balanced that the aux loss is live
+    for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(want_model)):
+        np.testing.assert_allclose(a, b, atol=1e-4)  # Adam magnifies float noise in tiny gradients
+    block = specs.model.layers.block_sparse_moe
+    if n_model > 1:
+        assert block.experts.gate_proj[:2] == (None, "model") and block.experts.down_proj[:2] == (None, "model")
+    assert block.gate.weight in (P(), P(None, None, None)) or "model" not in tuple(block.gate.weight)
+
+
+def test_tensor_parallel_experts_when_the_count_does_not_divide(one_device):
+    """6 experts over 4 shards: the experts' hidden units split instead (the rules' fallback), same steps."""
+    logits, losses, model, specs = _run(_model(6), 4)
+    want_logits, want_losses, want_model, _ = one_device[6]
+    np.testing.assert_allclose(logits, want_logits, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(want_model)):
+        np.testing.assert_allclose(a, b, atol=1e-4)  # Adam magnifies float noise in tiny gradients
+    e = specs.model.layers.block_sparse_moe.experts
+    assert e.gate_proj == e.up_proj == P(None, None, "model", None) and e.down_proj == P(None, None, None, "model")
+
+
+@pytest.mark.parametrize("n_model", [2, 4, 8])
+def test_explain_says_expert_parallel(n_model):
+    model = _model(8, scan_layers=False)
+    mesh = redeqx.make_mesh(n_model)
+    rows = {r.split()[0]: r for r in redeqx.explain(model, redeqx.sharding_rules(model, mesh), mesh).splitlines()
+            if r.strip()}
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        row = rows[f"model.layers.0.block_sparse_moe.experts.{name}"]
+        assert "expert stack: dim 0 (8 experts, expert parallel)" in row
+    assert "MoE router: replicated" in rows["model.layers.0.block_sparse_moe.gate.weight"]
