@@ -21,7 +21,8 @@ rule needs every operand batched, the weights too, which would copy each
 expert per sequence). Since nothing in steps 2-4 mixes tokens, a batch of
 sequences is routed as one long sequence: under ``jax.vmap`` the expert
 computation (`expert_outputs`) flattens the batch into its token axis
-(``jax.custom_batching.custom_vmap``), and its gradient is written with
+(``jax.custom_batching.custom_vmap``), one run per ``data`` shard when traced
+under a mesh (as redeqx's steps are), and its gradient is written with
 ``jax.custom_vjp`` (``custom_vmap`` has no reverse mode of its own), the
 backward pass recomputing the grouped forward matmuls of the block rather
 than storing them.
@@ -46,8 +47,10 @@ import functools
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
+from .._mesh import DATA
 from .._typing import positive_int, typechecked
 from ._layers import ACTIVATIONS, INIT_STD, Linear
 
@@ -80,12 +83,34 @@ def _flat(activation: str, x, idx, gate_w, up_w, down_w):
     return jnp.take(y, inverse, axis=0).reshape(t, k, -1)  # back to assignment order
 
 
+def _data_shards(batch: int) -> int:
+    """How many ``data`` shards a vmapped batch of ``batch`` entries is routed in:
+    the ``data`` axis of the mesh a step is traced under (`redeqx.make_step` sets
+    it), when it divides the batch and is not already manual; else 1."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or DATA not in mesh.axis_names or DATA in mesh.manual_axes:
+        return 1
+    n = mesh.shape[DATA]
+    return n if n > 1 and batch % n == 0 else 1
+
+
 def _batched_rule(fn, n_tokens: int, per_token: tuple[bool, ...]):
     """A ``custom_vmap`` rule for ``fn(*token_args, *weights) -> outs`` whose first
     ``n_tokens`` arguments are per token (leading token axis) and whose outputs
     are per token (``per_token``: the same leading axis) or sums over tokens
-    (the weights' gradients). A batch of sequences is one longer run of tokens; weights that
+    (the weights' gradients).
+
+    A batch of sequences is one longer run of tokens; under a mesh with a
+    ``data`` axis, one run per data shard (a ``shard_map`` over ``data`` only,
+    ``model`` left to the partitioner), so each shard routes its own rows and
+    the expert FLOPs divide over ``data`` as the rest of the step's do (one
+    global sort would hand every shard the whole batch's tokens). Weights that
     are themselves batched (a vmap over models) go one batch entry at a time."""
+
+    def flat(tokens, weights):
+        b, t = tokens[0].shape[:2]
+        outs = fn(*(a.reshape(b * t, *a.shape[2:]) for a in tokens), *weights)
+        return tuple(o.reshape(b, t, *o.shape[1:]) if p else o for o, p in zip(outs, per_token))
 
     def rule(axis_size, in_batched, *args):
         tokens, weights = args[:n_tokens], args[n_tokens:]
@@ -93,10 +118,21 @@ def _batched_rule(fn, n_tokens: int, per_token: tuple[bool, ...]):
             full = [a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in zip(args, in_batched)]
             outs = jax.lax.map(lambda xs: fn(*xs), tuple(full))
             return outs, jax.tree.map(lambda _: True, outs)
-        full = [a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in zip(tokens, in_batched)]
-        t = full[0].shape[1]
-        outs = fn(*(a.reshape(axis_size * t, *a.shape[2:]) for a in full), *weights)
-        outs = tuple(o.reshape(axis_size, t, *o.shape[1:]) if p else o for o, p in zip(outs, per_token))
+        tokens = tuple(a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in zip(tokens, in_batched))
+        if _data_shards(axis_size) == 1:
+            return flat(tokens, weights), per_token
+
+        def on_shard(tokens, weights):
+            outs = flat(tokens, weights)
+            return tuple(o if p else jax.lax.psum(o, DATA) for o, p in zip(outs, per_token))
+
+        specs = tuple(P(DATA) if p else P() for p in per_token)
+        # check_vma=False: custom_vmap_call types its outputs as invariant over `data` whatever its inputs,
+        # so under checking the psum above would read the weights' gradients as already summed and
+        # multiply them by the shard count (JAX 0.10).
+        # (under jit: called eagerly, a partly manual shard_map trips over the model axis)
+        outs = jax.jit(jax.shard_map(on_shard, in_specs=(P(DATA), P()), out_specs=specs, axis_names={DATA},
+                                     check_vma=False))(tokens, weights)
         return outs, per_token
 
     return rule
