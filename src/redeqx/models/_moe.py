@@ -124,7 +124,9 @@ def _batched_rule(fn, n_tokens: int, per_token: tuple[bool, ...]):
 
         def on_shard(tokens, weights):
             outs = flat(tokens, weights)
-            return tuple(o if p else jax.lax.psum(o, DATA) for o, p in zip(outs, per_token))
+            # the weights' gradients summed in float32: XLA:CPU aborts on this bf16 all-reduce (JAX 0.10)
+            return tuple(o if p else jax.lax.psum(o.astype(jnp.float32), DATA).astype(o.dtype)
+                         for o, p in zip(outs, per_token))
 
         specs = tuple(P(DATA) if p else P() for p in per_token)
         # check_vma=False: custom_vmap_call types its outputs as invariant over `data` whatever its inputs,
