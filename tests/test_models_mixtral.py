@@ -150,7 +150,7 @@ def test_cached_generate_and_beam_search(checkpoints, kind):
 def _tiny(cls, **kw):
     if cls is MixtralConfig:
         return MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, **kw)
+                             num_attention_heads=4, num_key_value_heads=4, num_local_experts=8, **kw)
     return Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, moe_intermediate_size=24,
                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=8,
                           num_experts=8, num_experts_per_tok=2, **kw)

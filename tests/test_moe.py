@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from redeqx.models import MoE, RouterStats, expert_outputs
+from redeqx.models import MoE, RouterStats, mix_experts
 from redeqx.models._moe import route, router_stats
 
 H, I, E = 8, 12, 6
@@ -76,17 +76,17 @@ def test_a_vmapped_batch_is_one_grouped_matmul_over_its_tokens():
     assert f"f32[3,{E},{I},{H}]" not in text and f"f32[3,10,{E},{I}]" not in text
 
 
-def test_expert_outputs_per_assignment():
-    kx, ki, kw = jax.random.split(jax.random.key(0), 3)
+def test_mix_experts_token_by_token():
+    kx, ki, kw, kg = jax.random.split(jax.random.key(0), 4)
     x = jax.random.normal(kx, (5, H))
     idx = jax.random.randint(ki, (5, 2), 0, E)
+    w = jax.random.uniform(kg, (5, 2))
     g, u, d = (jax.random.normal(k, s) for k, s in zip(jax.random.split(kw, 3), [(E, I, H), (E, I, H), (E, H, I)]))
-    got = expert_outputs(x, idx, g, u, d, activation="gelu")
+    got = mix_experts(x, idx, w, g, u, d, activation="gelu")
     for t in range(5):
-        for j in range(2):
-            e = int(idx[t, j])
-            want = d[e] @ (jax.nn.gelu(g[e] @ x[t], approximate=False) * (u[e] @ x[t]))
-            np.testing.assert_allclose(got[t, j], want, atol=1e-4, rtol=1e-5)
+        want = sum(w[t, j] * (d[e] @ (jax.nn.gelu(g[e] @ x[t], approximate=False) * (u[e] @ x[t])))
+                   for j, e in enumerate(np.asarray(idx[t])))
+        np.testing.assert_allclose(got[t], want, atol=1e-4, rtol=1e-5)
 
 
 def test_bad_arguments_are_named():
@@ -128,8 +128,9 @@ def test_load_balancing_loss_matches_transformers(padded):
 
 
 def test_under_a_mesh_each_data_shard_routes_its_own_rows():
-    """Traced under a mesh with data=4 (as redeqx's steps are), each data shard sorts and computes
-    only its own sequences' rows (B/4*T*k of them), and values and gradients stay those of one run."""
+    """Traced under a mesh with data=4, model=2 (as redeqx's steps are), each data shard sorts
+    only its own sequences' rows (B/4*T*k of them) and each device computes only its own 3 of the
+    6 experts' groups; values and gradients stay those of one run."""
     import redeqx
     from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -148,3 +149,4 @@ def test_under_a_mesh_each_data_shard_routes_its_own_rows():
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
     assert "shard_map" in text and f"f32[20,{I}] = ragged_dot_general" in text  # 2 sequences x 5 tokens x k=2
+    assert f"f32[{E // 2},{I},{H}]" in text  # each device's own experts, inside the shard_map

@@ -22,7 +22,7 @@ from ._mixtral import MixtralConfig as MixtralConfig, MixtralForCausalLM as Mixt
 from ._moe import (
     MoE as MoE,
     RouterStats as RouterStats,
-    expert_outputs as expert_outputs,
+    mix_experts as mix_experts,
     route as route,
     router_stats as router_stats,
 )

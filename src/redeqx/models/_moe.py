@@ -14,13 +14,13 @@ experts each):
    expert's weights only: ``T * k`` rows of FLOPs, not ``T * E``, and no token
    is ever dropped (no capacity factor);
 4. the outputs go back to assignment order and each token's ``k`` outputs are
-   summed with its routing weights.
+   summed with its routing weights (`mix_experts` does steps 2-4).
 
 ``jax.lax.ragged_dot`` cannot be vmapped over its rows here (its batching
 rule needs every operand batched, the weights too, which would copy each
 expert per sequence). Since nothing in steps 2-4 mixes tokens, a batch of
 sequences is routed as one long sequence: under ``jax.vmap`` the expert
-computation (`expert_outputs`) flattens the batch into its token axis
+computation (`mix_experts`) flattens the batch into its token axis
 (``jax.custom_batching.custom_vmap``), one run per ``data`` shard when traced
 under a mesh (as redeqx's steps are), and its gradient is written with
 ``jax.custom_vjp`` (``custom_vmap`` has no reverse mode of its own), the
@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from .._mesh import DATA
+from .._mesh import DATA, MODEL, traced_platform
 from .._typing import positive_int, typechecked
 from ._layers import ACTIVATIONS, INIT_STD, Linear
 
@@ -68,128 +68,177 @@ def _grouped(rows: Float[Array, "n in"], w: Float[Array, "experts out in"], size
     return jax.lax.ragged_dot_general(rows, w, sizes, _ROWS_BY_OUT_IN)
 
 
-def _flat(activation: str, x, idx, gate_w, up_w, down_w):
-    """Every assignment's expert output, ``(T, k, hidden)``, for tokens ``x``
-    ``(T, hidden)`` and their experts ``idx`` ``(T, k)``: sorted, grouped, unsorted."""
+def _flat(activation: str, shards: int, x, idx, w, gate_w, up_w, down_w):
+    """Each token's experts' outputs weighted by ``w`` and summed, ``(T, hidden)``,
+    for tokens ``x`` ``(T, hidden)``, their experts ``idx`` and weights ``w``
+    ``(T, k)``: the assignments sorted, grouped, unsorted.
+
+    With ``shards > 1`` (inside a ``shard_map`` manual over ``model``) the
+    weights are this device's ``E / shards`` experts: only their assignments
+    are computed (a contiguous run of the sorted rows, rolled to the front so
+    the grouped matmuls start at it), the others come out zero, and a sum over
+    ``model`` completes the output."""
     t, k = idx.shape
-    n_experts = gate_w.shape[0]
+    local = gate_w.shape[0]
     expert = idx.reshape(-1)  # (T*k,) the expert of each assignment, token-major
     order = jnp.argsort(expert, stable=True)  # assignments grouped by expert
-    sizes = jnp.bincount(expert, length=n_experts).astype(jnp.int32)  # (E,)
+    sizes = jnp.bincount(expert, length=local * shards).astype(jnp.int32)  # (E,)
     rows = jnp.take(x, order // k, axis=0)  # (T*k, H) each assignment's token, in expert order
+    if shards > 1:
+        first = jax.lax.axis_index(MODEL) * local  # this device's first expert
+        start = jnp.sum(jnp.where(jnp.arange(sizes.shape[0]) < first, sizes, 0))  # its first row
+        sizes = jax.lax.dynamic_slice_in_dim(sizes, first, local)
+        rows = jnp.roll(rows, -start, axis=0)
     h = ACTIVATIONS[activation](_grouped(rows, gate_w, sizes)) * _grouped(rows, up_w, sizes)  # (T*k, I)
-    y = _grouped(h, down_w, sizes)  # (T*k, H)
+    y = _grouped(h, down_w, sizes)  # (T*k, H), zero past this device's groups
+    if shards > 1:
+        y = jnp.roll(y, start, axis=0)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-    return jnp.take(y, inverse, axis=0).reshape(t, k, -1)  # back to assignment order
+    y = jnp.take(y, inverse, axis=0).reshape(t, k, -1)  # back to assignment order, (T, k, H)
+    return jnp.einsum("tkh,tk->th", y, w.astype(y.dtype))
 
 
-def _data_shards(batch: int) -> int:
-    """How many ``data`` shards a vmapped batch of ``batch`` entries is routed in:
-    the ``data`` axis of the mesh a step is traced under (`redeqx.make_step` sets
-    it), when it divides the batch and is not already manual; else 1."""
+def _shards(axis: str, n: int) -> int:
+    """How many shards of mesh axis ``axis`` (of the mesh a step is traced under:
+    `redeqx.make_step` sets it) split ``n`` things: its size when that divides
+    ``n`` and the axis is not manual already; else 1."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or DATA not in mesh.axis_names or DATA in mesh.manual_axes:
+    if mesh.empty or axis not in mesh.axis_names or axis in mesh.manual_axes:
         return 1
-    n = mesh.shape[DATA]
-    return n if n > 1 and batch % n == 0 else 1
+    size = mesh.shape[axis]
+    return size if size > 1 and n % size == 0 else 1
 
 
-def _batched_rule(fn, n_tokens: int, per_token: tuple[bool, ...]):
-    """A ``custom_vmap`` rule for ``fn(*token_args, *weights) -> outs`` whose first
-    ``n_tokens`` arguments are per token (leading token axis) and whose outputs
-    are per token (``per_token``: the same leading axis) or sums over tokens
-    (the weights' gradients).
+def _psum(x, axis: str):
+    # in float32 on CPU: XLA:CPU aborts on a bfloat16 all-reduce here (AllReducePromotion, JAX 0.10)
+    if x.dtype == jnp.float32 or traced_platform() != "cpu":
+        return jax.lax.psum(x, axis)
+    return jax.lax.psum(x.astype(jnp.float32), axis).astype(x.dtype)
 
-    A batch of sequences is one longer run of tokens; under a mesh with a
-    ``data`` axis, one run per data shard (a ``shard_map`` over ``data`` only,
-    ``model`` left to the partitioner), so each shard routes its own rows and
-    the expert FLOPs divide over ``data`` as the rest of the step's do (one
-    global sort would hand every shard the whole batch's tokens). Weights that
-    are themselves batched (a vmap over models) go one batch entry at a time."""
 
-    def flat(tokens, weights):
+# What each custom_vmap function takes and gives: (how many leading arguments are per token,
+# which outputs are per token; the others are the weights' gradients, sums over tokens).
+_FORWARD = (3, (True,))
+_BACKWARD = (4, (True, True, False, False, False))
+
+
+def _batched_rule(activation: str, shards: int, kind):
+    """A ``custom_vmap`` rule for the forward or backward function (``kind``)
+    of `_functions(activation, shards)`, whose first arguments are per token
+    and whose others are the expert weights.
+
+    A batch of sequences is one longer run of tokens. Under a mesh, that run is
+    cut by a ``shard_map``: over ``data`` (when it divides the batch) each data
+    shard routes its own rows, so the expert FLOPs divide over ``data`` as the
+    rest of the step's do; over ``model`` (when it divides the experts, as the
+    rules then split the stacks) each device computes only its own experts'
+    rows and one sum over ``model`` completes the output, as a row-parallel
+    layer's all-reduce does. Tokens need no all-to-all: the activations are
+    already on every device of a model group. Weights that are themselves
+    batched (a vmap over models) go one batch entry at a time."""
+    n_tokens, per_token = kind
+
+    def flat(fn, tokens, weights):
         b, t = tokens[0].shape[:2]
         outs = fn(*(a.reshape(b * t, *a.shape[2:]) for a in tokens), *weights)
         return tuple(o.reshape(b, t, *o.shape[1:]) if p else o for o, p in zip(outs, per_token))
 
     def rule(axis_size, in_batched, *args):
+        fn = _functions(activation, shards)[kind is _BACKWARD]
         tokens, weights = args[:n_tokens], args[n_tokens:]
         if any(in_batched[n_tokens:]):  # per-entry weights: no shared experts to group by
             full = [a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in zip(args, in_batched)]
             outs = jax.lax.map(lambda xs: fn(*xs), tuple(full))
             return outs, jax.tree.map(lambda _: True, outs)
         tokens = tuple(a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in zip(tokens, in_batched))
-        if _data_shards(axis_size) == 1:
-            return flat(tokens, weights), per_token
+        data = _shards(DATA, axis_size)
+        model = _shards(MODEL, weights[0].shape[0]) if shards == 1 else 1
+        if data == 1 and model == 1:
+            return flat(fn, tokens, weights), per_token
+        inner = _functions(activation, model if model > 1 else shards)[kind is _BACKWARD]
 
         def on_shard(tokens, weights):
-            outs = flat(tokens, weights)
-            # the weights' gradients summed in float32: XLA:CPU aborts on this bf16 all-reduce (JAX 0.10)
-            return tuple(o if p else jax.lax.psum(o.astype(jnp.float32), DATA).astype(o.dtype)
+            outs = flat(inner, tokens, weights)
+            return tuple((_psum(o, MODEL) if model > 1 else o) if p else (_psum(o, DATA) if data > 1 else o)
                          for o, p in zip(outs, per_token))
 
-        specs = tuple(P(DATA) if p else P() for p in per_token)
-        # check_vma=False: custom_vmap_call types its outputs as invariant over `data` whatever its inputs,
-        # so under checking the psum above would read the weights' gradients as already summed and
-        # multiply them by the shard count (JAX 0.10).
-        # (under jit: called eagerly, a partly manual shard_map trips over the model axis)
-        outs = jax.jit(jax.shard_map(on_shard, in_specs=(P(DATA), P()), out_specs=specs, axis_names={DATA},
-                                     check_vma=False))(tokens, weights)
+        rows, stacks = P(DATA) if data > 1 else P(), P(MODEL) if model > 1 else P()
+        axes = {a for a, n in ((DATA, data), (MODEL, model)) if n > 1}
+        # check_vma=False: custom_vmap_call types its outputs as invariant whatever its inputs, so under
+        # checking a psum would read the weights' gradients as already summed and multiply them by the
+        # shard count (JAX 0.10). Under jit: called eagerly, a partly manual shard_map trips over the
+        # other axis.
+        outs = jax.jit(jax.shard_map(on_shard, in_specs=(rows, stacks), axis_names=axes, check_vma=False,
+                                     out_specs=tuple(rows if p else stacks for p in per_token)))(tokens, weights)
         return outs, per_token
 
     return rule
 
 
 @functools.lru_cache(maxsize=None)
-def _expert_outputs_fn(activation: str):
-    """``expert_outputs`` for one activation: a ``custom_vjp`` whose forward and
-    backward are each a ``custom_vmap`` flattening a batch into tokens."""
+def _functions(activation: str, shards: int):
+    """The forward and backward of `mix_experts` for one activation, each a
+    ``custom_vmap`` (`_batched_rule`); ``shards > 1``: on one device's share
+    of the experts inside a ``shard_map`` over ``model`` (`_flat`)."""
 
     @jax.custom_batching.custom_vmap
-    def forward(x, idx, gate_w, up_w, down_w):
-        return (_flat(activation, x, idx, gate_w, up_w, down_w),)
+    def forward(x, idx, w, gate_w, up_w, down_w):
+        return (_flat(activation, shards, x, idx, w, gate_w, up_w, down_w),)
 
-    forward.def_vmap(_batched_rule(forward, 2, (True,)))
+    forward.def_vmap(_batched_rule(activation, shards, _FORWARD))
 
     @jax.custom_batching.custom_vmap
-    def backward(x, idx, ct, gate_w, up_w, down_w):
-        _, vjp = jax.vjp(lambda x, g, u, d: _flat(activation, x, idx, g, u, d), x, gate_w, up_w, down_w)
-        return vjp(ct)  # (dx, dgate, dup, ddown): dx per token, the weights' summed over tokens
+    def backward(x, idx, w, ct, gate_w, up_w, down_w):
+        _, vjp = jax.vjp(lambda x, w, g, u, d: _flat(activation, shards, x, idx, w, g, u, d),
+                         x, w, gate_w, up_w, down_w)
+        return vjp(ct)  # (dx, dw, dgate, dup, ddown): dx, dw per token, the stacks' summed over tokens
 
-    backward.def_vmap(_batched_rule(backward, 3, (True, False, False, False)))
+    backward.def_vmap(_batched_rule(activation, shards, _BACKWARD))
+    return forward, backward
+
+
+@functools.lru_cache(maxsize=None)
+def _mix_experts_fn(activation: str):
+    """`mix_experts` for one activation: a ``custom_vjp`` (``custom_vmap``
+    has no reverse mode) whose forward and backward are `_functions`'."""
+    forward, backward = _functions(activation, 1)
 
     @jax.custom_vjp
-    def outputs(x, idx, gate_w, up_w, down_w):
-        return forward(x, idx, gate_w, up_w, down_w)[0]
+    def outputs(x, idx, w, gate_w, up_w, down_w):
+        return forward(x, idx, w, gate_w, up_w, down_w)[0]
 
-    def fwd(x, idx, gate_w, up_w, down_w):
-        return outputs(x, idx, gate_w, up_w, down_w), (x, idx, gate_w, up_w, down_w)
+    def fwd(x, idx, w, gate_w, up_w, down_w):
+        return outputs(x, idx, w, gate_w, up_w, down_w), (x, idx, w, gate_w, up_w, down_w)
 
     def bwd(res, ct):
-        x, idx, gate_w, up_w, down_w = res
-        dx, dg, du, dd = backward(x, idx, ct, gate_w, up_w, down_w)
-        return dx, None, dg, du, dd
+        x, idx, w, gate_w, up_w, down_w = res
+        dx, dw, dg, du, dd = backward(x, idx, w, ct, gate_w, up_w, down_w)
+        return dx, None, dw, dg, du, dd
 
     outputs.defvjp(fwd, bwd)
     return outputs
 
 
-def expert_outputs(
+def mix_experts(
     x: Float[Array, "seq hidden"],
     expert_index: Int[Array, "seq k"],
+    expert_weights: Float[Array, "seq k"],
     gate_proj: Float[Array, "experts intermediate hidden"],
     up_proj: Float[Array, "experts intermediate hidden"],
     down_proj: Float[Array, "experts hidden intermediate"],
     *,
     activation: str = "silu",
-) -> Float[Array, "seq k hidden"]:
-    """``down[e] @ (act(gate[e] @ x_t) * (up[e] @ x_t))`` for each token ``t``
-    and each of its experts ``e = expert_index[t, j]``, by grouped matmuls
-    over the tokens sorted by expert (dropless: every assignment computed,
-    only its own expert's). Under ``jax.vmap`` the batch is routed as one run
-    of tokens, so no expert's weights are copied per sequence."""
-    f = _expert_outputs_fn(activation)
-    return f(x, expert_index, gate_proj.astype(x.dtype), up_proj.astype(x.dtype), down_proj.astype(x.dtype))
+) -> Float[Array, "seq hidden"]:
+    """``sum_j w[t, j] * down[e] @ (act(gate[e] @ x_t) * (up[e] @ x_t))`` with
+    ``e = expert_index[t, j]`` and ``w = expert_weights``, for each token ``t``:
+    grouped matmuls over the assignments sorted by expert (dropless: each
+    computed, by its own expert only). Differentiable in ``x``, the weights and
+    the stacks. Under ``jax.vmap`` the batch is routed as one run of tokens (one
+    per data shard under a mesh, each device computing its own experts when
+    ``model`` divides them), so no expert's weights are copied per sequence."""
+    f = _mix_experts_fn(activation)
+    return f(x, expert_index, expert_weights, gate_proj.astype(x.dtype), up_proj.astype(x.dtype),
+             down_proj.astype(x.dtype))
 
 
 # ----------------------------------------------------------------------------- router statistics and auxiliary losses
@@ -340,6 +389,5 @@ class MoE(eqx.Module):
         logits = x.astype(jnp.float32) @ self.gate.weight.T.astype(jnp.float32)  # (T, E), in float32
         weights, index = route(logits, self.k, normalize=self.normalize_top_k)  # (T, k) each
         e = self.experts
-        outs = expert_outputs(x, index, e.gate_proj, e.up_proj, e.down_proj, activation=self.activation)  # (T, k, H)
-        y = jnp.einsum("tkh,tk->th", outs, weights.astype(outs.dtype))
+        y = mix_experts(x, index, weights, e.gate_proj, e.up_proj, e.down_proj, activation=self.activation)
         return y, router_stats(logits, index, valid)
