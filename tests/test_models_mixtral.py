@@ -180,3 +180,23 @@ def test_configs_name_the_bad_value():
         _tiny(MixtralConfig, num_experts_per_tok=9)
     with pytest.raises(TypeError, match="MixtralConfig"):
         MixtralForCausalLM(_tiny(Qwen3MoeConfig), key=jax.random.key(0))
+
+
+def test_mixtral_sliding_window(tmp_path):
+    """A window of 4: logits as Transformers' eager attention, greedy tokens as its greedy loop,
+    and the window written back to config.json."""
+    torch.manual_seed(0)
+    config = _hf_config("mixtral")
+    config.sliding_window = 4
+    config._attn_implementation = "eager"
+    hf = transformers.MixtralForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path)
+    model = from_pretrained(tmp_path, _one_device())
+    assert model.config.sliding_window == 4
+    ids = _ids()
+    np.testing.assert_allclose(jax.vmap(model)(jnp.asarray(ids)), _torch(hf, ids).logits.numpy(), atol=1e-4, rtol=0)
+    prompt = _ids(batch=1, seq=5, seed=3)
+    ours = np.asarray(jax.jit(lambda m, p: generate(m, p, max_new_tokens=6))(model, jnp.asarray(prompt)))
+    np.testing.assert_array_equal(ours, _hf_greedy(hf, prompt, 6))
+    save_pretrained(model, tmp_path / "again")
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "again").sliding_window == 4

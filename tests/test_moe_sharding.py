@@ -5,6 +5,8 @@ training steps (load-balancing loss included) as one device, with fsdp too.
 Plain SGD, not Adam: Adam's normalised steps hide a gradient off by a constant
 factor (a data-shard sum counted 4 times went unseen under Adam)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -106,3 +108,22 @@ def test_bfloat16_steps_follow_float32(one_device):
     XLA:CPU aborts on that all-reduce in bfloat16) stays within bfloat16's error of float32."""
     _, losses, _, _ = _run(_model(8), 2, compute_dtype=jnp.bfloat16, n_steps=2)
     np.testing.assert_allclose(losses[:, 0], one_device[8][1][:2, 0], rtol=2e-2)
+
+
+def test_a_step_sums_one_output_per_moe_layer_over_model():
+    """At data=2, model=4 the step's collectives hold no gathered expert stack and no grouped
+    intermediate: each device multiplies its own experts' rows, and the block's (tokens x hidden)
+    output is what crosses model (plus the data shards' sum of the stacks' gradients)."""
+    model = _model(8)
+    mesh = redeqx.make_mesh(4)
+    specs = redeqx.sharding_rules(model, mesh)
+    optimizer = optax.sgd(0.5)
+    state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
+    batch = jax.device_put({k: jnp.asarray(v) for k, v in BATCH.items()}, NamedSharding(mesh, P("data")))
+    hlo = redeqx.make_train_step(loss_fn, optimizer, mesh, specs).lower(state, batch).compile().as_text()
+    moved = [line for line in hlo.splitlines() if re.search(r"= \S+ (all-gather|all-reduce|all-to-all)\(", line)
+             or re.search(r"= \(.*\) all-reduce\(", line)]
+    rows = 16 // 2 * 8 * 2  # a data shard's sequences x tokens x k
+    assert not [m for m in moved if f"[{rows}," in m]  # no grouped rows or intermediates
+    assert not [m for m in moved if "all-gather" in m and ",24,32]" in m]  # no expert stack gathered
+    assert [m for m in moved if "f32[8,8,32]" in m and "{{0,1,2,3},{4,5,6,7}}" in m]  # the outputs, over model
