@@ -127,3 +127,28 @@ def test_a_step_sums_one_output_per_moe_layer_over_model():
     assert not [m for m in moved if f"[{rows}," in m]  # no grouped rows or intermediates
     assert not [m for m in moved if "all-gather" in m and ",24,32]" in m]  # no expert stack gathered
     assert [m for m in moved if "f32[8,8,32]" in m and "{{0,1,2,3},{4,5,6,7}}" in m]  # the outputs, over model
+
+
+def test_sharded_decoding_matches_one_device():
+    """generate and beam_search in a predict step at n_model_shards=2 (the batch over data, the
+    experts over model, a left-padded prompt) give one device's tokens."""
+    from redeqx.models import beam_search, generate
+
+    prompts = {"input_ids": np.random.RandomState(1).randint(0, VOCAB, (8, 5)).astype(np.int32),
+               "attention_mask": np.ones((8, 5), bool)}
+    prompts["attention_mask"][0, :2] = False
+
+    def pred_fn(model, batch, key):
+        kw = dict(attention_mask=batch["attention_mask"])
+        return (generate(model, batch["input_ids"], max_new_tokens=5, **kw),
+                beam_search(model, batch["input_ids"], max_new_tokens=3, num_beams=2, **kw))
+
+    def tokens(n_model, devices=None):
+        mesh = redeqx.make_mesh(n_model, devices=devices)
+        specs = redeqx.sharding_rules(_model(8), mesh)
+        model = redeqx.shard(_model(8), specs, mesh)
+        batch = jax.device_put({k: jnp.asarray(v) for k, v in prompts.items()}, NamedSharding(mesh, P("data")))
+        return [np.asarray(t) for t in redeqx.make_predict_step(pred_fn, mesh, specs)(model, batch, jax.random.key(0))]
+
+    for got, want in zip(tokens(2), tokens(1, jax.devices()[:1])):
+        np.testing.assert_array_equal(got, want)
