@@ -21,11 +21,14 @@ rule needs every operand batched, the weights too, which would copy each
 expert per sequence). Since nothing in steps 2-4 mixes tokens, a batch of
 sequences is routed as one long sequence: under ``jax.vmap`` the expert
 computation (`mix_experts`) flattens the batch into its token axis
-(``jax.custom_batching.custom_vmap``), one run per ``data`` shard when traced
-under a mesh (as redeqx's steps are), and its gradient is written with
+(``jax.custom_batching.custom_vmap``), and its gradient is written with
 ``jax.custom_vjp`` (``custom_vmap`` has no reverse mode of its own), the
 backward pass recomputing the grouped forward matmuls of the block rather
-than storing them.
+than storing them. Traced under a mesh (as redeqx's steps are), the run is
+one per ``data`` shard, and when ``model`` divides the experts (the rules
+then split the stacks on E) each device multiplies only its own experts'
+rows, one all-reduce over ``model`` of the block's output completing it
+(`_batched_rule`).
 
 The load-balancing loss (Switch Transformer, eqs. 4-6; what Mixtral and
 Qwen3-MoE train with) and the router z-loss (ST-MoE, eq. 5) come out as
