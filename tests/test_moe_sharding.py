@@ -152,3 +152,46 @@ def test_sharded_decoding_matches_one_device():
 
     for got, want in zip(tokens(2), tokens(1, jax.devices()[:1])):
         np.testing.assert_array_equal(got, want)
+
+
+def test_lora_on_the_attention_and_the_experts(tmp_path):
+    """LoRA on q/v and on the experts (a pair of adapters per expert and stack): the model is
+    unchanged at first, 3 adapter-only steps at 4 model shards match one device, the base
+    weights stay frozen, and merge_lora folds the adapters back for save_pretrained."""
+    from redeqx.models import LoRAExperts, from_pretrained, lora, lora_trainable, merge_lora, save_pretrained
+
+    base = _model(8)
+    model = lora(base, r"self_attn\.(q_proj|v_proj)$|experts$", rank=4, alpha=8, key=jax.random.key(2))
+    experts = model.model.layers.block_sparse_moe.experts
+    assert isinstance(experts, LoRAExperts) and experts.gate_proj_lora.lora_a.shape == (2, 8, 4, 32)
+    ids = jnp.asarray(BATCH["input_ids"][:2])
+    np.testing.assert_array_equal(jax.vmap(model)(ids), jax.vmap(base)(ids))
+    trainable = lora_trainable(model)
+
+    def train(n_model, devices=None):
+        mesh = redeqx.make_mesh(n_model, devices=devices)
+        specs = redeqx.sharding_rules(model, mesh)
+        optimizer = optax.sgd(0.5)
+        state = redeqx.init_state(jax.tree.map(lambda x: jnp.array(x, copy=True), model), optimizer, mesh, specs,
+                                  key=jax.random.key(1), trainable=trainable)
+        batch = jax.device_put({k: jnp.asarray(v) for k, v in BATCH.items()}, NamedSharding(mesh, P("data")))
+        step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs, trainable=trainable)
+        losses = []
+        for _ in range(3):
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+        return np.asarray(losses), state.model
+
+    losses, trained = train(4)
+    want_losses, want = train(1, jax.devices()[:1])
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    moved = trained.model.layers.block_sparse_moe.experts
+    assert float(jnp.abs(moved.down_proj_lora.lora_b).max()) > 0
+    np.testing.assert_array_equal(moved.gate_proj, experts.gate_proj)
+    merged = merge_lora(trained)
+    np.testing.assert_allclose(jax.vmap(merged)(ids), jax.vmap(trained)(ids), atol=1e-5)
+    save_pretrained(merged, tmp_path)
+    again = from_pretrained(tmp_path, redeqx.make_mesh(1, devices=jax.devices()[:1]))
+    np.testing.assert_allclose(jax.vmap(again)(ids), jax.vmap(merged)(ids), atol=1e-6)

@@ -20,6 +20,8 @@ from ._llama import LlamaConfig as LlamaConfig, LlamaForCausalLM as LlamaForCaus
 from ._lora import LoRALinear as LoRALinear, lora as lora, lora_trainable as lora_trainable, merge_lora as merge_lora
 from ._mixtral import MixtralConfig as MixtralConfig, MixtralForCausalLM as MixtralForCausalLM
 from ._moe import (
+    Experts as Experts,
+    LoRAExperts as LoRAExperts,
     MoE as MoE,
     RouterStats as RouterStats,
     mix_experts as mix_experts,

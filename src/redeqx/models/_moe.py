@@ -16,6 +16,9 @@ experts each):
 4. the outputs go back to assignment order and each token's ``k`` outputs are
    summed with its routing weights (`mix_experts` does steps 2-4).
 
+(``ragged_dot`` is XLA's grouped matmul on GPUs and TPUs; on CPUs JAX 0.10
+lowers it as a masked product over every group, E times the FLOPs.)
+
 ``jax.lax.ragged_dot`` cannot be vmapped over its rows here (its batching
 rule needs every operand batched, the weights too, which would copy each
 expert per sequence). Since nothing in steps 2-4 mixes tokens, a batch of
@@ -337,6 +340,64 @@ class Experts(eqx.Module):
         self.up_proj = std * jax.random.normal(ku, (n_experts, intermediate, hidden), dtype)
         self.down_proj = std * jax.random.normal(kd, (n_experts, hidden, intermediate), dtype)
 
+    def stacks(self):
+        """The ``(gate_proj, up_proj, down_proj)`` stacks the experts multiply by."""
+        return self.gate_proj, self.up_proj, self.down_proj
+
+
+class LowRank(eqx.Module):
+    """One stack's LoRA adapters, one pair per expert: ``A`` ``(E, rank, in)``, ``B`` ``(E, out, rank)``."""
+
+    lora_a: Float[Array, "*experts rank in"]
+    lora_b: Float[Array, "*experts out rank"]
+
+
+class LoRAExperts(eqx.Module):
+    """`Experts` with LoRA adapters (`redeqx.models.lora` puts it in place):
+    each expert multiplies by ``W + scale * B A``, its own pair of adapters,
+    ``B`` zero at first; the stacks keep their paths, so the rules and
+    checkpoint names do not move, and `redeqx.models.merge_lora` folds it back."""
+
+    gate_proj: Float[Array, "experts intermediate hidden"]
+    up_proj: Float[Array, "experts intermediate hidden"]
+    down_proj: Float[Array, "experts hidden intermediate"]
+    gate_proj_lora: LowRank
+    up_proj_lora: LowRank
+    down_proj_lora: LowRank
+    scale: float = eqx.field(static=True)
+    base: eqx.Module = eqx.field(static=True)  # the replaced Experts with abstract arrays, for merge_lora
+
+    def stacks(self):
+        """The adapted stacks, ``W + scale * B A`` per expert (formed per step: the grouped
+        matmuls then run once per stack, and the adapters' gradients come through this sum)."""
+
+        def adapted(w, low: LowRank):
+            delta = jnp.einsum("...eor,...eri->...eoi", low.lora_b.astype(w.dtype), low.lora_a.astype(w.dtype))
+            return w + jnp.asarray(self.scale, w.dtype) * delta
+
+        return (adapted(self.gate_proj, self.gate_proj_lora), adapted(self.up_proj, self.up_proj_lora),
+                adapted(self.down_proj, self.down_proj_lora))
+
+    def merged(self) -> Experts:
+        g, u, d = (jnp.asarray(w, jnp.float32) for w in self.stacks())
+        return eqx.tree_at(lambda e: (e.gate_proj, e.up_proj, e.down_proj), self.base,
+                           (g.astype(self.gate_proj.dtype), u.astype(self.up_proj.dtype), d.astype(self.down_proj.dtype)))
+
+
+def lora_experts(experts: Experts, *, rank: int, alpha: float, key: PRNGKeyArray) -> LoRAExperts:
+    """``experts`` with a LoRA pair per expert and stack (``A`` Kaiming-uniform as PEFT, ``B`` zero)."""
+
+    def low(w, k):
+        *lead, out_features, in_features = w.shape  # lead: (layers,) experts
+        bound = 1.0 / in_features**0.5
+        a = jax.random.uniform(k, (*lead, rank, in_features), jnp.float32, -bound, bound).astype(w.dtype)
+        return LowRank(a, jnp.zeros((*lead, out_features, rank), w.dtype))
+
+    kg, ku, kd = jax.random.split(key, 3)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if eqx.is_array(a) else a, experts)
+    return LoRAExperts(experts.gate_proj, experts.up_proj, experts.down_proj, low(experts.gate_proj, kg),
+                       low(experts.up_proj, ku), low(experts.down_proj, kd), float(alpha) / rank, abstract)
+
 
 class MoE(eqx.Module):
     """A mixture-of-experts feed-forward block for one sequence: top-``k``
@@ -359,7 +420,7 @@ class MoE(eqx.Module):
     """
 
     gate: Linear  # the router, (E, hidden): replicated by the rules
-    experts: Experts
+    experts: Experts | LoRAExperts
     k: int = eqx.field(static=True)
     normalize_top_k: bool = eqx.field(static=True)
     activation: str = eqx.field(static=True)
@@ -391,6 +452,6 @@ class MoE(eqx.Module):
         real tokens for the statistics (padding is routed but not counted)."""
         logits = x.astype(jnp.float32) @ self.gate.weight.T.astype(jnp.float32)  # (T, E), in float32
         weights, index = route(logits, self.k, normalize=self.normalize_top_k)  # (T, k) each
-        e = self.experts
-        y = mix_experts(x, index, weights, e.gate_proj, e.up_proj, e.down_proj, activation=self.activation)
+        gate_proj, up_proj, down_proj = self.experts.stacks()
+        y = mix_experts(x, index, weights, gate_proj, up_proj, down_proj, activation=self.activation)
         return y, router_stats(logits, index, valid)

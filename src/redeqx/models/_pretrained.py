@@ -31,6 +31,7 @@ from ._gptj import GPTJConfig, GPTJForCausalLM
 from ._llama import LlamaConfig, LlamaForCausalLM
 from ._lora import LoRALinear
 from ._mixtral import MixtralConfig, MixtralForCausalLM
+from ._moe import LoRAExperts
 from ._opt import OPTConfig, OPTForCausalLM
 from ._qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from ._safetensors import Entry, HFTensor, checkpoint_files, leaf_tensors, read_header, read_tensor, write_checkpoint
@@ -239,7 +240,8 @@ def save_pretrained(model, local_dir: str | os.PathLike, *, max_shard_bytes: int
     """
     if not hasattr(model, "config") or not hasattr(model.config, "to_hf"):
         raise TypeError(f"model must be a redeqx.models model (with a config), got {type(model).__name__}.")
-    if any(isinstance(x, LoRALinear) for x in jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, LoRALinear))):
+    adapted = (LoRALinear, LoRAExperts)
+    if any(isinstance(x, adapted) for x in jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, adapted))):
         raise ValueError(
             "model has LoRA adapters, which a Hugging Face checkpoint of this family has no place for: fold them "
             "into the weights first, save_pretrained(redeqx.models.merge_lora(model), ...)."
