@@ -225,6 +225,7 @@ def _mix_experts_fn(activation: str):
     return outputs
 
 
+@typechecked
 def mix_experts(
     x: Float[Array, "seq hidden"],
     expert_index: Int[Array, "seq k"],
@@ -297,6 +298,7 @@ class RouterStats(eqx.Module):
         return z / jnp.maximum(rows, 1.0)
 
 
+@typechecked
 def route(
     logits: Float[Array, "seq experts"], k: int, *, normalize: bool
 ) -> tuple[Float[Array, "seq k"], Int[Array, "seq k"]]:
@@ -310,6 +312,7 @@ def route(
     return weights, index
 
 
+@typechecked
 def router_stats(logits: Float[Array, "seq experts"], index: Int[Array, "seq k"],
                  valid: Bool[Array, " seq"] | None = None) -> RouterStats:
     """The `RouterStats` of one layer's routing of one sequence (``valid``
