@@ -370,21 +370,25 @@ class LoRAExperts(eqx.Module):
     scale: float = eqx.field(static=True)
     base: eqx.Module = eqx.field(static=True)  # the replaced Experts with abstract arrays, for merge_lora
 
-    def stacks(self):
-        """The adapted stacks, ``W + scale * B A`` per expert (formed per step: the grouped
-        matmuls then run once per stack, and the adapters' gradients come through this sum)."""
-
+    def _adapted(self, dtype=None):
         def adapted(w, low: LowRank):
-            delta = jnp.einsum("...eor,...eri->...eoi", low.lora_b.astype(w.dtype), low.lora_a.astype(w.dtype))
-            return w + jnp.asarray(self.scale, w.dtype) * delta
+            dt = dtype or w.dtype
+            delta = jnp.einsum("...eor,...eri->...eoi", low.lora_b.astype(dt), low.lora_a.astype(dt))
+            return w.astype(dt) + jnp.asarray(self.scale, dt) * delta
 
         return (adapted(self.gate_proj, self.gate_proj_lora), adapted(self.up_proj, self.up_proj_lora),
                 adapted(self.down_proj, self.down_proj_lora))
 
+    def stacks(self):
+        """The adapted stacks, ``W + scale * B A`` per expert (formed per step: the grouped
+        matmuls then run once per stack, and the adapters' gradients come through this sum)."""
+        return self._adapted()
+
     def merged(self) -> Experts:
-        g, u, d = (jnp.asarray(w, jnp.float32) for w in self.stacks())
-        return eqx.tree_at(lambda e: (e.gate_proj, e.up_proj, e.down_proj), self.base,
-                           (g.astype(self.gate_proj.dtype), u.astype(self.up_proj.dtype), d.astype(self.down_proj.dtype)))
+        """The plain `Experts` these adapters fold into, summed in float32 (`redeqx.models.merge_lora`)."""
+        owns = (self.gate_proj, self.up_proj, self.down_proj)
+        stacks = tuple(w.astype(own.dtype) for w, own in zip(self._adapted(jnp.float32), owns))
+        return eqx.tree_at(lambda e: (e.gate_proj, e.up_proj, e.down_proj), self.base, stacks)
 
 
 def lora_experts(experts: Experts, *, rank: int, alpha: float, key: PRNGKeyArray) -> LoRAExperts:

@@ -121,7 +121,8 @@ class Qwen3MoeConfig:
         ``num_experts``); a model mixing dense and sparse layers gets ``scan_layers=False``."""
         fields = dict(
             **llama_fields(d), intermediate_size=d["intermediate_size"],
-            moe_intermediate_size=d["moe_intermediate_size"], num_experts=d.get("num_experts", d.get("num_local_experts")),
+            moe_intermediate_size=d["moe_intermediate_size"],
+            num_experts=d.get("num_experts", d.get("num_local_experts")),
             num_experts_per_tok=d["num_experts_per_tok"], norm_topk_prob=bool(d.get("norm_topk_prob", False)),
             decoder_sparse_step=d.get("decoder_sparse_step", 1), mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
             router_aux_loss_coef=d.get("router_aux_loss_coef", 0.001),
@@ -134,7 +135,8 @@ class Qwen3MoeConfig:
         """A Hugging Face ``config.json`` dict that Transformers loads as is (``num_experts``, the name
         Transformers 4 reads and 5 maps to its ``num_local_experts``)."""
         d = attention_config(self).to_hf()
-        d.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", intermediate_size=self.intermediate_size,
+        d.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                 intermediate_size=self.intermediate_size,
                  moe_intermediate_size=self.moe_intermediate_size, num_experts=self.num_experts,
                  num_experts_per_tok=self.num_experts_per_tok, norm_topk_prob=self.norm_topk_prob,
                  decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers),
