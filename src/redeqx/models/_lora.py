@@ -25,6 +25,7 @@ from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 from .._stacks import declared_ndim
 from .._trees import path_parts
 from .._typing import positive_int, typechecked
+from ._moe import Experts, LoRAExperts, lora_experts
 
 
 class LoRALinear(eqx.Module):
@@ -65,7 +66,10 @@ def _abstract(module):
 @typechecked
 def lora(model: PyTree, pattern: str, *, rank: int, alpha: float, key: PRNGKeyArray) -> PyTree:
     """``model`` with a `LoRALinear` in place of every linear layer whose path
-    (e.g. ``model.layers.0.self_attn.q_proj``) matches the regex ``pattern``.
+    (e.g. ``model.layers.0.self_attn.q_proj``) matches the regex ``pattern``,
+    and a `redeqx.models.LoRAExperts` (a pair of adapters per expert and
+    stack) in place of every mixture-of-experts block's experts whose path
+    matches (``model.layers.0.mlp.experts``).
 
     ``rank`` is the adapters' inner size and ``alpha / rank`` their scale (as in
     the LoRA paper and PEFT). Train with ``trainable=lora_trainable(model)``;
@@ -87,8 +91,8 @@ def lora(model: PyTree, pattern: str, *, rank: int, alpha: float, key: PRNGKeyAr
         rx = re.compile(pattern)
     except re.error as e:
         raise ValueError(f"pattern {pattern!r} is not a valid regular expression ({e}).") from None
-    leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_linear)[0]
-    layers = [".".join(path_parts(kp)) for kp, x in leaves if _is_linear(x)]
+    leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=_adaptable)[0]
+    layers = [".".join(path_parts(kp)) for kp, x in leaves if _adaptable(x)]
     hits = [p for p in layers if rx.search(p)]
     if not hits:
         near = difflib.get_close_matches(pattern, layers, n=5, cutoff=0.2) or layers[:5]
@@ -97,8 +101,10 @@ def lora(model: PyTree, pattern: str, *, rank: int, alpha: float, key: PRNGKeyAr
 
     def adapt(kp, x):
         path = ".".join(path_parts(kp))
-        if not (_is_linear(x) and path in keys):
+        if not (_adaptable(x) and path in keys):
             return x
+        if isinstance(x, Experts):
+            return lora_experts(x, rank=rank, alpha=alpha, key=keys[path])
         *layers, out_features, in_features = x.weight.shape  # stacked layers: a pair of adapters per layer
         bound = 1.0 / in_features**0.5  # PEFT's default: Kaiming-uniform A, zero B
         a = jax.random.uniform(keys[path], (*layers, rank, in_features), jnp.float32, -bound, bound)
@@ -106,7 +112,12 @@ def lora(model: PyTree, pattern: str, *, rank: int, alpha: float, key: PRNGKeyAr
         return LoRALinear(weight=x.weight, bias=x.bias, lora_a=a.astype(x.weight.dtype), lora_b=b,
                           scale=float(alpha) / rank, base=_abstract(x))
 
-    return jax.tree_util.tree_map_with_path(adapt, model, is_leaf=_is_linear)
+    return jax.tree_util.tree_map_with_path(adapt, model, is_leaf=_adaptable)
+
+
+def _adaptable(x) -> bool:
+    """A linear layer, or the experts of a mixture-of-experts block."""
+    return _is_linear(x) or isinstance(x, Experts)
 
 
 def lora_trainable(model: PyTree) -> PyTree:
@@ -138,6 +149,8 @@ def merge_lora(model: PyTree) -> PyTree:
     """
 
     def merge(x):
+        if isinstance(x, LoRAExperts):
+            return x.merged()
         if not isinstance(x, LoRALinear):
             return x
         delta = x.scale * (x.lora_b.astype(jnp.float32) @ x.lora_a.astype(jnp.float32))  # per layer when stacked
@@ -146,4 +159,4 @@ def merge_lora(model: PyTree) -> PyTree:
             return eqx.tree_at(lambda m: m.weight, x.base, weight)
         return eqx.tree_at(lambda m: (m.weight, m.bias), x.base, (weight, x.bias))
 
-    return jax.tree.map(merge, model, is_leaf=lambda x: isinstance(x, LoRALinear))
+    return jax.tree.map(merge, model, is_leaf=lambda x: isinstance(x, (LoRALinear, LoRAExperts)))

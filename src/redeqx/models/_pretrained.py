@@ -30,7 +30,10 @@ from ._gpt2 import GPT2Config, GPT2LMHeadModel
 from ._gptj import GPTJConfig, GPTJForCausalLM
 from ._llama import LlamaConfig, LlamaForCausalLM
 from ._lora import LoRALinear
+from ._mixtral import MixtralConfig, MixtralForCausalLM
+from ._moe import LoRAExperts
 from ._opt import OPTConfig, OPTForCausalLM
+from ._qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from ._safetensors import Entry, HFTensor, checkpoint_files, leaf_tensors, read_header, read_tensor, write_checkpoint
 from ._t5 import T5Config, T5ForConditionalGeneration
 from ..sharding._specs import sharding_of
@@ -44,6 +47,8 @@ FAMILIES = {
     "opt": (OPTConfig, OPTForCausalLM),
     "gptj": (GPTJConfig, GPTJForCausalLM),
     "bart": (BartConfig, BartForConditionalGeneration),
+    "mixtral": (MixtralConfig, MixtralForCausalLM),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
 }
 
 
@@ -75,8 +80,8 @@ def _skeleton(cls, config, dtype):
 
 
 def _leaf_shape(leaf, tensor: HFTensor) -> tuple[int, ...]:
-    """The shape a tensor's part must have: the leaf's, or one layer's of a stacked leaf."""
-    return tuple(leaf.shape[1:] if tensor.layer is not None else leaf.shape)
+    """The shape a tensor's part must have: the leaf's, or one layer's (one expert's) slice of it."""
+    return tuple(leaf.shape[len(tensor.at):])
 
 
 @functools.lru_cache(maxsize=None)
@@ -85,10 +90,14 @@ def _zeros(shape, dtype, sharding):
 
 
 @functools.lru_cache(maxsize=None)
-def _write_layer(sharding):
-    """``stack`` with ``layer`` written at index ``i``, in place (donated)."""
-    return jax.jit(lambda stack, layer, i: jax.lax.dynamic_update_index_in_dim(stack, layer, i, 0),
-                   out_shardings=sharding, donate_argnums=0)
+def _write_at(sharding):
+    """``stack`` with ``part`` written at leading indices ``at`` (a layer, an expert), in place (donated)."""
+
+    def write(stack, part, at):
+        starts = (*at, *(jnp.zeros((), jnp.int32) for _ in part.shape))
+        return jax.lax.dynamic_update_slice(stack, part.reshape((1,) * len(at) + part.shape), starts)
+
+    return jax.jit(write, out_shardings=sharding, donate_argnums=0)
 
 
 def from_pretrained(local_dir: str | os.PathLike, mesh: Mesh, specs=None, *, dtype=None, scan_layers: bool | None = None,
@@ -108,7 +117,7 @@ def from_pretrained(local_dir: str | os.PathLike, mesh: Mesh, specs=None, *, dty
     Missing, unexpected or mis-shaped tensors raise an error listing them.
 
     Supported ``model_type``: ``llama``, ``mistral``, ``qwen2``, ``gpt2``, ``t5``, ``opt``, ``gptj``,
-    ``bart``.
+    ``bart``, ``mixtral``, ``qwen3_moe``.
 
     **Example:**
 
@@ -157,13 +166,14 @@ def from_pretrained(local_dir: str | os.PathLike, mesh: Mesh, specs=None, *, dty
             leaf, spec = by_path[path]
             target = np.dtype(leaf.dtype) if dtype is not None or not np.issubdtype(part.dtype, np.floating) else part.dtype
             sharding = sharding_of(spec, mesh)
-            if t.layer is None:
+            at = t.at
+            if not at:
                 placed[path] = _placed(part, leaf.shape, sharding, target)
                 continue
-            if path not in placed:  # the first layer of this stacked leaf
+            if path not in placed:  # the first slice (layer, expert) of this stacked leaf
                 placed[path] = _zeros(tuple(leaf.shape), target, sharding)()
-            piece = _placed(part, leaf.shape[1:], NamedSharding(mesh, P(*spec[1:])), target)
-            placed[path] = _write_layer(sharding)(placed[path], piece, t.layer)
+            piece = _placed(part, leaf.shape[len(at):], NamedSharding(mesh, P(*spec[len(at):])), target)
+            placed[path] = _write_at(sharding)(placed[path], piece, tuple(jnp.int32(i) for i in at))
         del full
     return replace_array_leaves(skeleton, [placed[path] for path in by_path])
 
@@ -232,7 +242,8 @@ def save_pretrained(model, local_dir: str | os.PathLike, *, max_shard_bytes: int
     """
     if not hasattr(model, "config") or not hasattr(model.config, "to_hf"):
         raise TypeError(f"model must be a redeqx.models model (with a config), got {type(model).__name__}.")
-    if any(isinstance(x, LoRALinear) for x in jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, LoRALinear))):
+    adapted = (LoRALinear, LoRAExperts)
+    if any(isinstance(x, adapted) for x in jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, adapted))):
         raise ValueError(
             "model has LoRA adapters, which a Hugging Face checkpoint of this family has no place for: fold them "
             "into the weights first, save_pretrained(redeqx.models.merge_lora(model), ...)."
@@ -248,7 +259,7 @@ def save_pretrained(model, local_dir: str | os.PathLike, *, max_shard_bytes: int
             if abstract:
                 yield jax.ShapeDtypeStruct(_leaf_shape(x, t), x.dtype)
             else:
-                yield _to_host(x if t.layer is None else x[t.layer])
+                yield _to_host(x[t.at] if t.at else x)
 
     shapes = [(t.name, jax.eval_shape(lambda *xs, t=t: t.join(*xs), *parts(t, abstract=True))) for t in tensors]
     if writer:

@@ -46,7 +46,9 @@ class HFTensor:
     ``split`` turns the checkpoint array into one array per path in ``paths``
     (views where possible: a transpose, a column slice); ``join`` is its
     inverse, for `save_pretrained`. With ``layer=i`` the leaves are stacked
-    layers (a leading layer axis) and this tensor is their slice ``i``.
+    layers (a leading layer axis) and this tensor is their slice ``i``. A
+    non-empty ``index`` says the tensor is only slice ``index`` of each leaf
+    (after the layer axis): one expert's weight of an ``(experts, ...)`` stack.
     """
 
     name: str
@@ -54,6 +56,12 @@ class HFTensor:
     split: Callable[[np.ndarray], tuple[np.ndarray, ...]] = _one
     join: Callable[..., Any] = _same
     layer: int | None = None
+    index: tuple[int, ...] = ()
+
+    @property
+    def at(self) -> tuple[int, ...]:
+        """Where in each leaf this tensor sits: its layer (stacked layers), then ``index``."""
+        return ((self.layer,) if self.layer is not None else ()) + self.index
 
     def stacked(self, stacks: Sequence[str]) -> HFTensor:
         """This tensor for a model whose layer lists at paths ``stacks`` are

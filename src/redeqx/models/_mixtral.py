@@ -1,0 +1,163 @@
+"""Mixtral: a Mistral decoder whose feed-forward block is a mixture of SwiGLU
+experts, each token sent to its ``num_experts_per_tok`` best (weights
+renormalised over them), by `redeqx.models.MoE`'s dropless grouped matmuls.
+
+Attribute paths are Hugging Face's tensor names (``model.layers.0.self_attn.q_proj.weight``,
+``model.layers.0.block_sparse_moe.gate.weight``) but for the experts, held as
+stacks ``block_sparse_moe.experts.gate_proj`` ``(E, intermediate, hidden)``
+(``w1`` of every expert), ``up_proj`` (``w3``) and ``down_proj`` ``(E, hidden,
+intermediate)`` (``w2``): `redeqx.sharding_rules` puts each stack's experts on
+``model`` when ``n_model_shards`` divides their count and keeps the router whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import equinox as eqx
+import jax
+from jaxtyping import PRNGKeyArray
+
+from ._layers import SCAN_LAYERS, Embedding, Linear, RMSNorm, build_layers, check_positive_ints, check_scan_unroll
+from ._llama import LlamaAttention
+from ._moe import MoE
+from ._moe_lm import MoECausalLM, attention_config, llama_fields, sparse_block
+
+
+@dataclasses.dataclass(frozen=True)
+
+
+class MixtralConfig:
+    """Sizes and options of a Mixtral model; names follow Hugging Face's ``config.json``.
+
+    ``intermediate_size`` is each expert's; ``router_aux_loss_coef`` weighs the
+    load-balancing loss (`redeqx.models.RouterStats.load_balancing_loss`) that
+    a training loss adds (Transformers adds it when given labels).
+    ``router_jitter_noise`` (training noise on the router's input) is not
+    applied. ``scan_layers``/``scan_unroll`` as in `redeqx.models.LlamaConfig`.
+    """
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 14336
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = 8
+    head_dim: int | None = None
+    num_local_experts: int = 8
+    num_experts_per_tok: int = 2
+    router_aux_loss_coef: float = 0.001
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 1e6
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    sliding_window: int | None = None  # attention span of every layer; None: the whole sequence
+    bos_token_id: int | None = 1
+    eos_token_id: int | tuple[int, ...] | None = 2
+    pad_token_id: int | None = None
+    scan_layers: bool = SCAN_LAYERS
+    scan_unroll: int | bool | None = None
+    model_type: str = "mixtral"
+
+    def __post_init__(self):
+        check_scan_unroll(self)
+        check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                   "num_attention_heads", "num_local_experts", "num_experts_per_tok"))
+        if self.num_experts_per_tok > self.num_local_experts:
+            raise ValueError(
+                f"MixtralConfig: num_experts_per_tok={self.num_experts_per_tok} exceeds num_local_experts="
+                f"{self.num_local_experts}; pass num_experts_per_tok <= num_local_experts."
+            )
+        if self.model_type != "mixtral":
+            raise ValueError(f"MixtralConfig.model_type must be 'mixtral', got {self.model_type!r}.")
+        attention_config(self)  # LLaMA's checks of heads, head_dim, window
+
+    @property
+    def n_experts(self) -> int:
+        return self.num_local_experts
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "MixtralConfig":
+        """From a Hugging Face ``config.json`` dict (Transformers 4 or 5 layout)."""
+        return cls(**llama_fields(d), intermediate_size=d["intermediate_size"],
+                   num_local_experts=d["num_local_experts"], num_experts_per_tok=d["num_experts_per_tok"],
+                   router_aux_loss_coef=d.get("router_aux_loss_coef", 0.001), sliding_window=d.get("sliding_window"))
+
+    def to_hf(self) -> dict:
+        """A Hugging Face ``config.json`` dict that Transformers loads as is."""
+        d = attention_config(self).to_hf()
+        d.update(architectures=["MixtralForCausalLM"], model_type="mixtral", intermediate_size=self.intermediate_size,
+                 num_local_experts=self.num_local_experts, num_experts_per_tok=self.num_experts_per_tok,
+                 router_aux_loss_coef=self.router_aux_loss_coef, sliding_window=self.sliding_window,
+                 attention_bias=self.attention_bias)
+        return d
+
+
+class MixtralDecoderLayer(eqx.Module):
+    self_attn: LlamaAttention
+    block_sparse_moe: MoE
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+
+    def __init__(self, config: MixtralConfig, *, key: PRNGKeyArray):
+        ka, km = jax.random.split(key)
+        c = config
+        self.self_attn = LlamaAttention(attention_config(c), key=ka)
+        self.block_sparse_moe = MoE(c.hidden_size, c.intermediate_size, c.num_local_experts, c.num_experts_per_tok,
+                                    key=km)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def __call__(self, x, positions, mask, inv_freq, cache, index, valid):
+        a, cache = self.self_attn(self.input_layernorm(x), positions, mask, inv_freq, cache, index)
+        x = x + a
+        y, stats = sparse_block(self.post_attention_layernorm(x), self.block_sparse_moe, valid)
+        return x + y, cache, stats
+
+
+class MixtralModel(eqx.Module):
+    embed_tokens: Embedding
+    layers: list[MixtralDecoderLayer] | MixtralDecoderLayer  # stacked: one layer, every array (layers, ...)
+    norm: RMSNorm
+
+    def __init__(self, config: MixtralConfig, *, key: PRNGKeyArray):
+        keys = jax.random.split(key, config.num_hidden_layers + 1)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, key=keys[0])
+        self.layers = build_layers(lambda k: MixtralDecoderLayer(config, key=k), keys[1:], stacked=config.scan_layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class MixtralForCausalLM(MoECausalLM):
+    """A Mixtral causal LM for one sequence (batch with ``jax.vmap``); ``with_aux``
+    also returns the routers' statistics for the load-balancing loss.
+
+    **Example:**
+
+    ```python
+    config = MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
+    model = MixtralForCausalLM(config, key=jax.random.key(0))
+    logits = jax.vmap(model)(tokens)                       # (batch, seq) -> (batch, seq, vocab)
+    logits, stats = jax.vmap(model.with_aux)(tokens)       # and the routers' statistics
+    aux = config.router_aux_loss_coef * stats.load_balancing_loss()
+    ```
+    """
+
+    model: MixtralModel
+    lm_head: Linear | None
+    config: MixtralConfig = eqx.field(static=True)
+
+    hf_experts = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+    def __init__(self, config: MixtralConfig, *, key: PRNGKeyArray):
+        if not isinstance(config, MixtralConfig):
+            raise TypeError(f"config must be a redeqx.models.MixtralConfig, got {type(config).__name__}.")
+        km, kh = jax.random.split(key)
+        self.model = MixtralModel(config, key=km)
+        self.lm_head = None if config.tie_word_embeddings else Linear(
+            config.hidden_size, config.vocab_size, bias=False, key=kh
+        )
+        self.config = config

@@ -1,0 +1,138 @@
+"""What the mixture-of-experts decoder families (Mixtral, Qwen3-MoE) share
+beyond a LLaMA: decoder layers that also return their routers' `RouterStats`,
+the forward that returns them as the model's auxiliary output (`MoECausalLM.with_aux`),
+and checkpoint names for expert stacks (each expert's weight is one tensor of a
+Hugging Face checkpoint, one slice of an ``(experts, ...)`` stack here)."""
+
+from __future__ import annotations
+
+import re
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+
+from .._constrain import constrain
+from .._mesh import MODEL
+from .._trees import is_array_like, named_leaves
+from ._layers import Cache, CausalLM, CausalMask, causal_mask, is_stacked, run_layers, scan_unroll
+from ._llama import LlamaConfig, rope_frequencies
+from ._moe import MoE, RouterStats
+from ._safetensors import HFTensor
+
+# The fields a mixture-of-experts family shares with LlamaConfig, read and written alike.
+LLAMA_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings",
+                "tie_word_embeddings", "attention_bias", "bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def llama_fields(d: dict) -> dict:
+    """The LLaMA fields of a Hugging Face ``config.json`` dict, parsed as `LlamaConfig.from_hf` does
+    (RoPE in the Transformers 4 or 5 layout, token ids)."""
+    c = LlamaConfig.from_hf({**d, "model_type": "llama", "intermediate_size": d.get("intermediate_size") or 1})
+    return {f: getattr(c, f) for f in LLAMA_FIELDS}
+
+
+def attention_config(config) -> LlamaConfig:
+    """The `LlamaConfig` that LLaMA's attention and RoPE read, from a family config with `LLAMA_FIELDS`."""
+    window = config.sliding_window
+    return LlamaConfig(**{f: getattr(config, f) for f in LLAMA_FIELDS}, intermediate_size=1, model_type="mistral",
+                       sliding_window=window, use_sliding_window=window is not None, scan_layers=False)
+
+
+def sparse_block(x, block, valid):
+    """A layer's feed-forward block: a `MoE` gives its output and stats; a dense MLP, zero stats."""
+    if isinstance(block, MoE):
+        y, stats = block(x, valid=valid)
+        return constrain(y, P()), stats
+    return block(x), None
+
+
+class MoECausalLM(CausalLM):
+    """A decoder-only LM whose layers return ``(x, cache, stats)``; subclasses
+    hold ``model.embed_tokens``, ``model.layers``, ``model.norm``, ``lm_head``
+    and a ``config`` with ``n_experts``."""
+
+    def _run_aux(self, ids, positions, mask, cache: Cache | None, valid):
+        c = self.config
+        inv_freq = rope_frequencies(attention_config(c))
+        x = constrain(self.model.embed_tokens(ids), P())
+        index = None if cache is None else cache.index
+        empty = RouterStats.zeros(c.n_experts)
+
+        def step(layer, x, lc):
+            x, lc, stats = layer(x, positions, mask, inv_freq, lc, index, valid)
+            return x, (lc, empty if stats is None else stats)
+
+        layers = self.model.layers
+        x, out = run_layers(layers, x, None if cache is None else cache.layers, step, unroll=scan_unroll(c))
+        if is_stacked(layers):
+            new_layers, stats = out
+            stats = jax.tree.map(lambda a: jnp.sum(a, axis=0), stats)  # over the layers
+        else:
+            new_layers = [lc for lc, _ in out]
+            stats = sum((s for _, s in out), empty)
+        x = self.model.norm(x)
+        logits = self.model.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
+        return constrain(logits, P(None, MODEL)), new_layers, stats  # vocab parallel
+
+    def _run(self, ids, positions, mask, cache):
+        logits, new_layers, _ = self._run_aux(ids, positions, mask, cache, None)
+        return logits, new_layers
+
+    def _window(self):
+        return self.config.sliding_window
+
+    def _kv_shape(self):
+        a = attention_config(self.config)
+        return a.num_hidden_layers, a.n_kv_heads, a.dim_head
+
+    def with_aux(
+        self,
+        input_ids: Int[Array, " seq"],
+        *,
+        attention_mask: Bool[Array, " seq"] | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> tuple[Float[Array, "seq vocab"], RouterStats]:
+        """The logits (as ``__call__``) and the auxiliary output: the routers'
+        `RouterStats` summed over every mixture-of-experts layer, padding
+        (``attention_mask`` False) not counted. Under ``jax.vmap`` the stats
+        gain the batch axis; their losses combine the whole batch:
+
+        ```python
+        logits, stats = jax.vmap(model.with_aux)(input_ids)
+        loss = cross_entropy(logits, labels) + model.config.router_aux_loss_coef * stats.load_balancing_loss()
+        ```
+        """
+        del key
+        t = input_ids.shape[0]
+        if attention_mask is None and self._window() is None:
+            logits, _, stats = self._run_aux(input_ids, jnp.arange(t), CausalMask(t), None, None)
+            return logits, stats
+        valid = jnp.ones((t,), bool) if attention_mask is None else attention_mask.astype(bool)
+        positions = jnp.maximum(jnp.cumsum(valid) - 1, 0)
+        logits, _, stats = self._run_aux(input_ids, positions, causal_mask(valid, 0, t, self._window()), None, valid)
+        return logits, stats
+
+    # Checkpoint tensors that carry nothing new: a tied head saved anyway, old rotary buffers.
+    hf_ignore = (r"lm_head\.weight", r".*rotary_emb\.inv_freq")
+    hf_stacks = ("model.layers",)  # the layer lists, stacked when config.scan_layers
+    hf_experts: ClassVar[dict[str, str]] = {}  # the stacks' field names -> each expert's tensor name
+
+    def hf_tensors(self) -> list[HFTensor]:
+        """Checkpoint tensors of the listed-layer model: each leaf under its
+        own path, but an expert stack ``<block>.experts.<field>`` ``(E, ...)``
+        as ``E`` tensors ``<block>.experts.<e>.<name>.weight``, one per expert."""
+        out = []
+        for path, x in named_leaves(self):
+            if not is_array_like(x):
+                continue
+            m = re.fullmatch(r"(.*\.experts)\.(\w+)", path)
+            if m and m.group(2) in self.hf_experts:
+                name = self.hf_experts[m.group(2)]
+                out += [HFTensor(f"{m.group(1)}.{e}.{name}.weight", (path,), index=(e,)) for e in range(x.shape[0])]
+            else:
+                out.append(HFTensor(path, (path,)))
+        return out

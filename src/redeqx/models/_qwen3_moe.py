@@ -1,0 +1,255 @@
+"""Qwen3-MoE: a LLaMA-style decoder with RMS-normed queries and keys (per head,
+before RoPE) whose feed-forward blocks are mixtures of SwiGLU experts
+(`redeqx.models.MoE`), in every ``decoder_sparse_step``-th layer not listed in
+``mlp_only_layers`` (the others keep a dense SwiGLU MLP); the top-k weights are
+renormalised when ``norm_topk_prob``.
+
+Attribute paths are Hugging Face's tensor names, but for the experts, held as
+stacks ``mlp.experts.gate_proj``/``up_proj`` ``(E, moe_intermediate, hidden)``
+and ``down_proj`` ``(E, hidden, moe_intermediate)`` beside the router
+``mlp.gate``: `redeqx.sharding_rules` puts the experts on ``model`` when
+``n_model_shards`` divides their count and keeps the router whole. A model
+mixing dense and sparse layers has layers of two shapes, which one stack
+cannot hold: it lists its layers (``scan_layers=False``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import equinox as eqx
+import jax
+from jax.sharding import PartitionSpec as P
+from jaxtyping import PRNGKeyArray
+
+from .._constrain import constrain
+from .._mesh import MODEL
+from ._layers import (
+    SCAN_LAYERS,
+    Embedding,
+    KVCache,
+    Linear,
+    RMSNorm,
+    attention,
+    build_layers,
+    check_positive_ints,
+    check_scan_unroll,
+    heads,
+    inv_sqrt,
+    update_cache,
+)
+from ._llama import LlamaConfig, LlamaMLP, apply_rope
+from ._moe import MoE
+from ._moe_lm import MoECausalLM, attention_config, llama_fields, sparse_block
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3MoeConfig:
+    """Sizes and options of a Qwen3-MoE model; names follow Hugging Face's ``config.json``.
+
+    ``moe_intermediate_size`` is each expert's, ``intermediate_size`` the dense
+    MLP's (layers in ``mlp_only_layers``, or off the ``decoder_sparse_step``).
+    ``router_aux_loss_coef`` weighs the load-balancing loss
+    (`redeqx.models.RouterStats.load_balancing_loss`). ``sliding_window``: the
+    attention span of every layer (None: the whole sequence; Transformers'
+    ``use_sliding_window``). ``scan_layers`` must be False when the layers mix
+    dense and sparse blocks.
+    """
+
+    vocab_size: int = 151936
+    hidden_size: int = 2048
+    intermediate_size: int = 6144
+    moe_intermediate_size: int = 768
+    num_hidden_layers: int = 48
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = 4
+    head_dim: int | None = 128
+    num_experts: int = 128
+    num_experts_per_tok: int = 8
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.001
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    max_position_embeddings: int = 40960
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+    scan_layers: bool = SCAN_LAYERS
+    scan_unroll: int | bool | None = None
+    model_type: str = "qwen3_moe"
+
+    def __post_init__(self):
+        check_scan_unroll(self)
+        check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+                                   "num_hidden_layers", "num_attention_heads", "num_experts", "num_experts_per_tok",
+                                   "decoder_sparse_step"))
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"Qwen3MoeConfig: num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts="
+                f"{self.num_experts}; pass num_experts_per_tok <= num_experts."
+            )
+        if self.model_type != "qwen3_moe":
+            raise ValueError(f"Qwen3MoeConfig.model_type must be 'qwen3_moe', got {self.model_type!r}.")
+        if self.scan_layers and len(set(self.sparse_layers)) > 1:
+            raise ValueError(
+                f"Qwen3MoeConfig: layers {[i for i, s in enumerate(self.sparse_layers) if not s]} are dense "
+                f"(mlp_only_layers={self.mlp_only_layers}, decoder_sparse_step={self.decoder_sparse_step}) and the "
+                "others sparse, which one stack of layers cannot hold; pass scan_layers=False (a list of layers)."
+            )
+        attention_config(self)  # LLaMA's checks of heads, head_dim, window
+
+    @property
+    def n_experts(self) -> int:
+        return self.num_experts
+
+    @property
+    def sparse_layers(self) -> tuple[bool, ...]:
+        """Whether each layer's feed-forward block is a mixture of experts (Transformers' rule)."""
+        return tuple(i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+                     for i in range(self.num_hidden_layers))
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "Qwen3MoeConfig":
+        """From a Hugging Face ``config.json`` dict (Transformers 5 says ``num_local_experts``, 4
+        ``num_experts``); a model mixing dense and sparse layers gets ``scan_layers=False``."""
+        fields = dict(
+            **llama_fields(d), intermediate_size=d["intermediate_size"],
+            moe_intermediate_size=d["moe_intermediate_size"],
+            num_experts=d.get("num_experts", d.get("num_local_experts")),
+            num_experts_per_tok=d["num_experts_per_tok"], norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+            decoder_sparse_step=d.get("decoder_sparse_step", 1), mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
+            router_aux_loss_coef=d.get("router_aux_loss_coef", 0.001),
+            sliding_window=d.get("sliding_window") if d.get("use_sliding_window") else None,
+        )
+        mixed = len(set(cls(**fields, scan_layers=False).sparse_layers)) > 1
+        return cls(**fields, scan_layers=SCAN_LAYERS and not mixed)
+
+    def to_hf(self) -> dict:
+        """A Hugging Face ``config.json`` dict that Transformers loads as is (``num_experts``, the name
+        Transformers 4 reads and 5 maps to its ``num_local_experts``)."""
+        d = attention_config(self).to_hf()
+        d.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                 intermediate_size=self.intermediate_size,
+                 moe_intermediate_size=self.moe_intermediate_size, num_experts=self.num_experts,
+                 num_experts_per_tok=self.num_experts_per_tok, norm_topk_prob=self.norm_topk_prob,
+                 decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers),
+                 router_aux_loss_coef=self.router_aux_loss_coef, attention_bias=self.attention_bias,
+                 use_sliding_window=self.sliding_window is not None, sliding_window=self.sliding_window)
+        return d
+
+
+class Qwen3MoeAttention(eqx.Module):
+    """LLaMA's attention with ``q_norm``/``k_norm``: each head's query and key RMS-normed before RoPE."""
+
+    q_proj: Linear
+    k_proj: Linear
+    v_proj: Linear
+    o_proj: Linear
+    q_norm: RMSNorm
+    k_norm: RMSNorm
+    config: LlamaConfig = eqx.field(static=True)
+
+    def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray):
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        c, d, b = config, config.dim_head, config.attention_bias
+        self.q_proj = Linear(c.hidden_size, c.n_heads * d, bias=b, key=kq)
+        self.k_proj = Linear(c.hidden_size, c.n_kv_heads * d, bias=b, key=kk)
+        self.v_proj = Linear(c.hidden_size, c.n_kv_heads * d, bias=b, key=kv)
+        self.o_proj = Linear(c.n_heads * d, c.hidden_size, bias=b, key=ko)
+        self.q_norm = RMSNorm(d, c.rms_norm_eps)
+        self.k_norm = RMSNorm(d, c.rms_norm_eps)
+        self.config = config
+
+    def __call__(self, x, positions, mask, inv_freq, cache: KVCache | None, index):
+        c = self.config
+        q = apply_rope(self.q_norm(heads(self.q_proj(x), c.n_heads)), positions, inv_freq)  # (T, Hq, D)
+        k = apply_rope(self.k_norm(heads(self.k_proj(x), c.n_kv_heads)), positions, inv_freq)  # (T, Hkv, D)
+        v = heads(self.v_proj(x), c.n_kv_heads)
+        if cache is not None:
+            cache = update_cache(cache, k, v, index)
+            k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
+        out = attention(q, k, v, mask, scale=inv_sqrt(c.dim_head))  # (T, Hq, D)
+        out = constrain(out.reshape(out.shape[0], -1), P(None, MODEL))
+        return constrain(self.o_proj(out), P()), cache  # row parallel: one all-reduce
+
+
+class Qwen3MoeDecoderLayer(eqx.Module):
+    self_attn: Qwen3MoeAttention
+    mlp: MoE | LlamaMLP
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+
+    def __init__(self, config: Qwen3MoeConfig, sparse: bool, *, key: PRNGKeyArray):
+        ka, km = jax.random.split(key)
+        c = config
+        self.self_attn = Qwen3MoeAttention(attention_config(c), key=ka)
+        if sparse:
+            self.mlp = MoE(c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok,
+                           normalize_top_k=c.norm_topk_prob, key=km)
+        else:
+            dense = dataclasses.replace(attention_config(c), intermediate_size=c.intermediate_size)
+            self.mlp = LlamaMLP(dense, key=km)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def __call__(self, x, positions, mask, inv_freq, cache, index, valid):
+        a, cache = self.self_attn(self.input_layernorm(x), positions, mask, inv_freq, cache, index)
+        x = x + a
+        y, stats = sparse_block(self.post_attention_layernorm(x), self.mlp, valid)
+        return x + y, cache, stats
+
+
+class Qwen3MoeModel(eqx.Module):
+    embed_tokens: Embedding
+    layers: list[Qwen3MoeDecoderLayer] | Qwen3MoeDecoderLayer  # stacked: one layer, every array (layers, ...)
+    norm: RMSNorm
+
+    def __init__(self, config: Qwen3MoeConfig, *, key: PRNGKeyArray):
+        keys = jax.random.split(key, config.num_hidden_layers + 1)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, key=keys[0])
+        sparse = config.sparse_layers
+        if config.scan_layers:  # every layer alike (checked by the config)
+            self.layers = build_layers(lambda k: Qwen3MoeDecoderLayer(config, sparse[0], key=k), keys[1:], stacked=True)
+        else:
+            self.layers = [Qwen3MoeDecoderLayer(config, s, key=k) for s, k in zip(sparse, keys[1:])]
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Qwen3MoeForCausalLM(MoECausalLM):
+    """A Qwen3-MoE causal LM for one sequence (batch with ``jax.vmap``); ``with_aux``
+    also returns the routers' statistics for the load-balancing loss.
+
+    **Example:**
+
+    ```python
+    config = Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            num_experts=8, num_experts_per_tok=2)
+    model = Qwen3MoeForCausalLM(config, key=jax.random.key(0))
+    logits, stats = jax.vmap(model.with_aux)(tokens)       # (batch, seq) -> (batch, seq, vocab), stats
+    aux = config.router_aux_loss_coef * stats.load_balancing_loss()
+    ```
+    """
+
+    model: Qwen3MoeModel
+    lm_head: Linear | None
+    config: Qwen3MoeConfig = eqx.field(static=True)
+
+    hf_experts = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
+
+    def __init__(self, config: Qwen3MoeConfig, *, key: PRNGKeyArray):
+        if not isinstance(config, Qwen3MoeConfig):
+            raise TypeError(f"config must be a redeqx.models.Qwen3MoeConfig, got {type(config).__name__}.")
+        km, kh = jax.random.split(key)
+        self.model = Qwen3MoeModel(config, key=km)
+        self.lm_head = None if config.tie_word_embeddings else Linear(
+            config.hidden_size, config.vocab_size, bias=False, key=kh
+        )
+        self.config = config
