@@ -265,13 +265,18 @@ class LlamaAttention(eqx.Module):
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # column parallel
         q = apply_rope(heads(q, c.n_heads), positions, inv_freq)  # (T, Hq, D)
         k = apply_rope(heads(k, c.n_kv_heads), positions, inv_freq)  # (T, Hkv, D)
-        v = heads(v, c.n_kv_heads)
-        if cache is not None:
-            cache = update_cache(cache, k, v, index)
-            k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
-        out = attention(q, k, v, mask, scale=inv_sqrt(c.dim_head))  # (T, Hq, D)
-        out = constrain(out.reshape(out.shape[0], -1), P(None, MODEL))
-        return constrain(self.o_proj(out), P()), cache  # row parallel: one all-reduce
+        return attend_and_project(self.o_proj, q, k, heads(v, c.n_kv_heads), mask, c.dim_head, cache, index)
+
+
+def attend_and_project(o_proj, q, k, v, mask, head_dim: int, cache: KVCache | None, index):
+    """Grouped-query attention of heads ``q`` (T, Hq, D) over ``k``/``v`` (T, Hkv, D), appended to
+    ``cache`` when given, then the output projection (row parallel: one all-reduce)."""
+    if cache is not None:
+        cache = update_cache(cache, k, v, index)
+        k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
+    out = attention(q, k, v, mask, scale=inv_sqrt(head_dim))  # (T, Hq, D)
+    out = constrain(out.reshape(out.shape[0], -1), P(None, MODEL))
+    return constrain(o_proj(out), P()), cache
 
 
 class LlamaMLP(eqx.Module):

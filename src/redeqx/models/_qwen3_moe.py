@@ -20,26 +20,20 @@ from typing import Any
 
 import equinox as eqx
 import jax
-from jax.sharding import PartitionSpec as P
 from jaxtyping import PRNGKeyArray
 
-from .._constrain import constrain
-from .._mesh import MODEL
 from ._layers import (
     SCAN_LAYERS,
     Embedding,
     KVCache,
     Linear,
     RMSNorm,
-    attention,
     build_layers,
     check_positive_ints,
     check_scan_unroll,
     heads,
-    inv_sqrt,
-    update_cache,
 )
-from ._llama import LlamaConfig, LlamaMLP, apply_rope
+from ._llama import LlamaConfig, LlamaMLP, apply_rope, attend_and_project
 from ._moe import MoE
 from ._moe_lm import MoECausalLM, attention_config, llama_fields, sparse_block
 
@@ -171,13 +165,8 @@ class Qwen3MoeAttention(eqx.Module):
         c = self.config
         q = apply_rope(self.q_norm(heads(self.q_proj(x), c.n_heads)), positions, inv_freq)  # (T, Hq, D)
         k = apply_rope(self.k_norm(heads(self.k_proj(x), c.n_kv_heads)), positions, inv_freq)  # (T, Hkv, D)
-        v = heads(self.v_proj(x), c.n_kv_heads)
-        if cache is not None:
-            cache = update_cache(cache, k, v, index)
-            k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
-        out = attention(q, k, v, mask, scale=inv_sqrt(c.dim_head))  # (T, Hq, D)
-        out = constrain(out.reshape(out.shape[0], -1), P(None, MODEL))
-        return constrain(self.o_proj(out), P()), cache  # row parallel: one all-reduce
+        return attend_and_project(self.o_proj, q, k, heads(self.v_proj(x), c.n_kv_heads), mask, c.dim_head,
+                                  cache, index)
 
 
 class Qwen3MoeDecoderLayer(eqx.Module):
