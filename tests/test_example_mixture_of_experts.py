@@ -23,7 +23,7 @@ def test_a_tiny_mixtral_learns_and_exports(tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     text = out.stdout
     assert "8 devices, mesh {'data': 2, 'model': 4}" in text
-    assert "expert stack: dim 0 (8 experts, expert parallel)" in text
+    assert "expert stack: dim 0, experts 8 -> 2 per device (expert parallel)" in text
     first = float(re.search(r"step 0: held-out loss ([0-9.]+)", text).group(1))
     last = float(re.search(r"final held-out loss ([0-9.]+)", text).group(1))
     assert last < first - 1.0, text[-2000:]

@@ -99,7 +99,7 @@ def test_explain_says_expert_parallel(n_model):
             if r.strip()}
     for name in ("gate_proj", "up_proj", "down_proj"):
         row = rows[f"model.layers.0.block_sparse_moe.experts.{name}"]
-        assert "expert stack: dim 0 (8 experts, expert parallel)" in row
+        assert f"expert stack: dim 0, experts 8 -> {8 // n_model} per device (expert parallel)" in row
     assert "MoE router: replicated" in rows["model.layers.0.block_sparse_moe.gate.weight"]
 
 

@@ -131,7 +131,7 @@ def test_expert_parallel_when_the_experts_divide():
     assert specs.w1 == specs.w2 == specs.w3 == P("model", None, None) and specs.gate.weight == P()
     moe = MoE(6, key=jax.random.key(0))
     rows = {r.split()[0]: r for r in redeqx.explain(moe, redeqx.sharding_rules(moe, mesh), mesh).splitlines() if r}
-    assert rows["w_in"].endswith("expert stack: dim 0 (6 experts, expert parallel)")
+    assert rows["w_in"].endswith("expert stack: dim 0, experts 6 -> 3 per device (expert parallel)")
     assert rows["router"].endswith("MoE router: replicated (every device routes every token)")
 
 

@@ -61,7 +61,8 @@ def experts(x: Leaf):
     if moe == "stack":
         n_experts, last = x.shape[0], len(x.shape) - 1
         if n_experts % x.n_model == 0:
-            return _Rule(0, f"expert stack: dim 0 ({n_experts} experts, expert parallel)")
+            return _Rule(0, f"expert stack: dim 0, experts {n_experts} -> {n_experts // x.n_model} per device "
+                            "(expert parallel)")
         why = f"tensor parallel: {n_experts} experts not divisible by n_model_shards={x.n_model}"
         role = (1 if x.lname in UP_NAMES or "in" in x.toks else
                 last if x.lname in DOWN_NAMES or "out" in x.toks else None)
