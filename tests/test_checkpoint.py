@@ -374,3 +374,36 @@ def test_an_async_save_in_flight_survives_the_end_of_the_script(tmp_path):
     manager = redeqx.CheckpointManager(tmp_path)
     assert manager.steps() == [0], done.stderr[-2000:]
     manager.close()
+
+
+def test_a_damaged_newest_checkpoint_skipped_by_restore_is_replaced_and_never_keeps_out_a_good_one(tmp_path):
+    """Before: the damaged step 20 counted towards keep_last, so saving step 15
+    pruned the good step 10 (and 15 itself); reaching step 20 again either
+    rewrote only its metadata beside the damaged arrays, or (with a slightly
+    different state, as a GPU gives) raised "one step number, two states" on
+    every restart."""
+    mesh = redeqx.make_mesh(2)
+    state, specs = trained_state(mesh)
+    with redeqx.CheckpointManager(tmp_path, keep_last=2) as manager:
+        manager.save(at_step(state, 10))
+        manager.save(at_step(state, 20))
+    biggest = _data_files(manager.path(20))[-1]
+    biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
+
+    manager = redeqx.CheckpointManager(tmp_path, keep_last=1)
+    with pytest.warns(UserWarning, match="skipping .*step_000000020"):
+        restored, meta = manager.restore(state, mesh, specs)
+    assert meta["step"] == 10 and manager.latest == manager.path(10)
+    manager.save(at_step(state, 15))
+    manager.wait()
+    assert manager.steps() == [15, 20]  # the good one kept, the damaged one not counted
+    other = eqx.tree_at(lambda s: s.model.layers[0].bias, state, state.model.layers[0].bias + 1)  # not what 20 held
+    with pytest.warns(UserWarning, match="replacing .*step_000000020"):
+        assert manager.save(at_step(other, 20))
+    manager.close()
+    assert manager.steps() == [20]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again, meta = redeqx.CheckpointManager(tmp_path).restore(state, mesh, specs)
+    assert meta["step"] == 20
+    assert_same(again, at_step(other, 20))

@@ -205,7 +205,9 @@ class CheckpointManager:
       even with SIGKILL, never leaves a half checkpoint that `latest` or
       `best` would pick; leftovers are removed when the next manager starts.
       `restore` skips a checkpoint that is unreadable (truncated, corrupted)
-      with a warning naming it, and falls back to the previous one.
+      with a warning naming it, and falls back to the previous one; the
+      skipped one never counts towards ``keep_last`` (so the last good one is
+      not pruned for it), and a later save of its step replaces it whole.
     - Preemption: from its first `save` to `close`, the manager listens for
       the SIGTERM a scheduler sends before killing a job (with several
       processes, JAX's preemption service does, and every process agrees on
@@ -302,6 +304,7 @@ class CheckpointManager:
         self._lock = threading.Lock()
         self._calls = 0  # save() calls, the count every process agrees on for a preemption
         self._ours = overwrite  # whether the checkpoints on disk are this run's (set by restore or a first save)
+        self._unreadable: set[str] = set()  # checkpoints `restore` skipped: never counted as kept, replaced when saved again
         self._clean_leftovers()
         if overwrite and jax.process_index() == 0 and (old := self.steps()):
             warnings.warn(f"redeqx.CheckpointManager(overwrite=True): deleting the checkpoints of steps "
@@ -334,8 +337,8 @@ class CheckpointManager:
 
     @property
     def latest(self) -> Path | None:
-        """The newest complete checkpoint, or None."""
-        steps = self.steps()
+        """The newest complete checkpoint (not one `restore` found unreadable), or None."""
+        steps = [s for s in self.steps() if self.path(s).name not in self._unreadable]
         return self.path(steps[-1]) if steps else None
 
     def _metadata(self, path: Path) -> dict | None:
@@ -464,6 +467,8 @@ class CheckpointManager:
                 "Lower the learning rate, clip gradients (optax.clip_by_global_norm), or skip bad updates "
                 "(optax.apply_if_finite); CheckpointManager(..., allow_nonfinite=True) saves such a state anyway."
             )
+        if path.name in self._unreadable and path.exists():
+            self._replace_unreadable(path)
         if path.exists():
             self._record(path, encoded.metadata)
         else:
@@ -482,6 +487,21 @@ class CheckpointManager:
             raise _preemption.Preempted(path, step)
         return True
 
+    def _replace_unreadable(self, path: Path) -> None:
+        """The run reached again the step of a checkpoint `restore` skipped as
+        unreadable: delete it, so the state at hand is written in full (not
+        just its metadata beside the damaged arrays)."""
+        if jax.process_index() == 0:
+            warnings.warn(f"redeqx.CheckpointManager: replacing {path}, which restore() skipped as unreadable, "
+                          "with the state saved now.", stacklevel=3)
+            self._delete(path)
+        if jax.process_count() > 1:  # nobody writes the new one before the old one is gone
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"redeqx replace {path.name}")
+        self._unreadable.discard(path.name)
+        self._meta.pop(path.name, None)
+
     def _record(self, path: Path, meta: dict) -> None:
         """``path`` (a complete checkpoint of this step) gets ``meta``: the
         arrays must be the ones on disk; the position and metrics are the
@@ -496,7 +516,8 @@ class CheckpointManager:
         if checksums(meta) != checksums(old):
             raise CheckpointError(
                 f"step {meta['step']} is already saved in {path} with other arrays than this state's: one step "
-                "number, two states. Save each state at its own step (state.step counts optimizer updates)."
+                "number, two states. Save each state at its own step (state.step counts optimizer updates). If "
+                f"{path.name} is damaged, restore() skips it and the next save of step {meta['step']} replaces it."
             )
         if jax.process_index() == 0:
             file = metadata_file(path)
@@ -539,8 +560,10 @@ class CheckpointManager:
     def _prune(self) -> None:
         if jax.process_index() != 0:
             return
-        # checkpoints whose metadata cannot be read are neither counted nor deleted
-        paths = [p for p in (self.path(s) for s in self.steps()) if self._metadata(p) is not None]
+        # checkpoints whose metadata cannot be read, or that restore() found unreadable, are neither counted
+        # (a damaged newest one must not push the last good one out) nor deleted (a save of that step replaces it)
+        paths = [p for p in (self.path(s) for s in self.steps())
+                 if p.name not in self._unreadable and self._metadata(p) is not None]
         keep = retained([self._step(p) for p in paths], self._metrics(paths), keep_last=self.keep_last,
                         best=self.best_modes)
         for p in paths:
@@ -609,6 +632,7 @@ class CheckpointManager:
                 raise
             except CheckpointError as e:
                 failures.append(str(e))
+                self._unreadable.add(path.name)
                 warnings.warn(f"redeqx.CheckpointManager: skipping {path}: {e}", stacklevel=2)
         if failures:
             raise CheckpointError(f"no readable checkpoint in {self.directory}:\n" + "\n".join(failures))
