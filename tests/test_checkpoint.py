@@ -404,6 +404,47 @@ def test_a_damaged_newest_checkpoint_skipped_by_restore_is_replaced_and_never_ke
     assert manager.steps() == [20]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        again, meta = redeqx.CheckpointManager(tmp_path).restore(state, mesh, specs)
+        with redeqx.CheckpointManager(tmp_path) as manager:
+            again, meta = manager.restore(state, mesh, specs)
     assert meta["step"] == 20
     assert_same(again, at_step(other, 20))
+
+
+def _rewritten_with(tmp_path, state, change):
+    """A checkpoint of ``state`` whose model files were replaced by valid files
+    (orbax's own, well compressed) holding ``change(state)``: damage no
+    decompressor sees, under the original metadata."""
+    redeqx.save_checkpoint(tmp_path / "c", state)
+    redeqx.save_checkpoint(tmp_path / "d", change(state))
+    import shutil
+    shutil.rmtree(tmp_path / "c" / "model")
+    shutil.copytree(tmp_path / "d" / "model", tmp_path / "c" / "model")
+    return tmp_path / "c"
+
+
+@pytest.mark.parametrize("damage", ["two values swapped", "two signs flipped"])
+def test_values_swapped_or_signs_flipped_in_valid_files_are_caught(tmp_path, damage):
+    """Before: the checksum was a sum of 32-bit words, which a swap of two
+    values, or two sign flips in one array, leaves unchanged: the damaged
+    arrays restored without a word."""
+    mesh = redeqx.make_mesh(2)
+    state, specs = trained_state(mesh)
+    w = state.model.layers[1].weight
+
+    def change(s):
+        if damage == "two values swapped":
+            new = w.at[0, 0].set(w[0, 1]).at[0, 1].set(w[0, 0])
+        else:
+            new = w.at[0, 0].set(-w[0, 0]).at[3, 5].set(-w[3, 5])
+        assert not np.array_equal(np.asarray(new), np.asarray(w))
+        return eqx.tree_at(lambda t: t.model.layers[1].weight, s, new)
+
+    path = _rewritten_with(tmp_path, state, change)
+    with pytest.raises(redeqx.CheckpointError, match=r"corrupted: the data of model/layers\.1\.weight does not"):
+        redeqx.restore_checkpoint(path, state, mesh, specs)
+    # on another layout (one device holds every piece) the hashes are checked too
+    mesh1 = redeqx.make_mesh(1, devices=jax.devices()[:1])
+    like, specs1 = abstract_like(mesh1)
+    with pytest.raises(redeqx.CheckpointError, match=r"model/layers\.1\.weight"):
+        redeqx.restore_checkpoint(path, like, mesh1, specs1)
+    assert redeqx.read_metadata(path)["redeqx"]["leaves"]["model"]["layers.1.weight"]["xxh3_128"]

@@ -31,6 +31,7 @@ from jaxtyping import PyTree
 
 from . import _preemption
 from ._checkpoint import (
+    HASH,
     TMP_MARKER,
     CheckpointError,
     NewerFormatError,
@@ -510,10 +511,24 @@ class CheckpointManager:
         if old is None:
             raise CheckpointError(f"{path} exists but its metadata cannot be read; delete it to save step "
                                   f"{meta['step']} again.")
-        def checksums(m):
-            return {item: {k: v["checksum"] for k, v in leaves.items()} for item, leaves in m["redeqx"]["leaves"].items()}
+        def same_arrays(new, saved) -> bool:
+            """The word sums agree, and so do the content hashes where both were
+            taken over the same pieces (an older checkpoint has none; one saved
+            on another layout hashed other pieces)."""
+            a, b = new["redeqx"]["leaves"], saved["redeqx"]["leaves"]
+            if {i: set(leaves) for i, leaves in a.items()} != {i: set(leaves) for i, leaves in b.items()}:
+                return False
+            for item, leaves in a.items():
+                for name, x in leaves.items():
+                    y = b[item][name]
+                    if x["checksum"] != y["checksum"]:
+                        return False
+                    hx, hy = x.get(HASH), y.get(HASH)
+                    if hx and hy and set(hx) == set(hy) and hx != hy:
+                        return False
+            return True
 
-        if checksums(meta) != checksums(old):
+        if not same_arrays(meta, old):
             raise CheckpointError(
                 f"step {meta['step']} is already saved in {path} with other arrays than this state's: one step "
                 "number, two states. Save each state at its own step (state.step counts optimizer updates). If "
