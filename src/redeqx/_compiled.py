@@ -276,6 +276,28 @@ def _refuse_local_arrays(args) -> None:
             )
 
 
+def narrow_64bit(arr: np.ndarray, where: str) -> np.ndarray:
+    """``arr`` as JAX will hold it: with 64-bit types off (JAX's default),
+    ``jnp.asarray`` turns int64 into int32 by dropping the high bits, so
+    ``2**32 + 5`` arrives as ``5``. A 64-bit integer array whose values all
+    fit 32 bits is narrowed here (what JAX would do, said); one that does not
+    is refused, naming ``where`` and the values' range."""
+    if jax.config.jax_enable_x64 or arr.dtype not in (np.int64, np.uint64) or arr.size == 0:
+        return arr
+    narrow = np.dtype(np.int32 if arr.dtype == np.int64 else np.uint32)
+    lo, hi = arr.min(), arr.max()
+    info = np.iinfo(narrow)
+    if lo < info.min or hi > info.max:
+        raise ValueError(
+            f"{where} is {arr.dtype} with values from {lo} to {hi}, outside {narrow}'s range [{info.min}, {info.max}]; "
+            f"JAX (64-bit types off, its default) would keep only the low 32 bits, so {hi} would arrive as "
+            f"{int(np.asarray(hi).astype(narrow))}. Map the values into {narrow}'s range in collate_fn (e.g. ids "
+            "modulo the vocabulary, a hash bucket, or two int32 columns), or turn 64-bit types on with "
+            "jax.config.update('jax_enable_x64', True) before building anything."
+        )
+    return arr.astype(narrow)
+
+
 def place_batch(batch, mesh: Mesh):
     """Batch arrays onto ``mesh``: arrays on it stay; arrays on the same
     devices under another mesh object (an ``Explicit`` twin) keep their
@@ -285,7 +307,9 @@ def place_batch(batch, mesh: Mesh):
     n_data = mesh.shape[DATA]
     one_process = jax.process_count() == 1
 
-    def one(x):
+    def one(kp, x):
+        if isinstance(x, np.ndarray):  # a NumPy batch made without redeqx.batches: same 64-bit check
+            x = narrow_64bit(x, f"batch{jax.tree_util.keystr(kp)}")
         sh = getattr(x, "sharding", None)
         if isinstance(x, jax.ShapeDtypeStruct) and sh is None:  # an abstract batch, for lowering
             spec = P(DATA, *([None] * (x.ndim - 1))) if x.ndim and x.shape[0] % n_data == 0 else P()
@@ -302,4 +326,4 @@ def place_batch(batch, mesh: Mesh):
                 return jax.device_put(x, sharding)
         return x
 
-    return jax.tree.map(one, batch)
+    return jax.tree_util.tree_map_with_path(one, batch)
