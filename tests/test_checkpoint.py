@@ -448,3 +448,32 @@ def test_values_swapped_or_signs_flipped_in_valid_files_are_caught(tmp_path, dam
     with pytest.raises(redeqx.CheckpointError, match=r"model/layers\.1\.weight"):
         redeqx.restore_checkpoint(path, like, mesh1, specs1)
     assert redeqx.read_metadata(path)["redeqx"]["leaves"]["model"]["layers.1.weight"]["xxh3_128"]
+
+
+@pytest.mark.parametrize("damage", ["an edited shape", "no leaves section", "a shape that is no list"])
+def test_damaged_metadata_that_is_still_json_is_a_checkpoint_error_and_the_manager_falls_back(tmp_path, damage):
+    """Before: an edited shape read as "the checkpoint holds another model" (a
+    ValueError, so the manager did not fall back), a missing 'leaves' section
+    as a bare KeyError: 'leaves'."""
+    mesh = redeqx.make_mesh(2)
+    state, specs = trained_state(mesh)
+    with redeqx.CheckpointManager(tmp_path, keep_last=2) as manager:
+        manager.save(at_step(state, 1))
+        manager.save(at_step(state, 2))
+    file = manager.path(2) / "metadata" / "metadata"
+    meta = json.loads(file.read_text())
+    if damage == "an edited shape":
+        meta["redeqx"]["leaves"]["model"]["layers.1.weight"]["shape"] = [16, 17]
+        match = r"says model/layers\.1\.weight has shape \(16, 17\), but its array files hold \(16, 16\)"
+    elif damage == "no leaves section":
+        del meta["redeqx"]["leaves"]
+        match = "its 'leaves' section .* is missing"
+    else:
+        meta["redeqx"]["leaves"]["train"]["step"]["shape"] = "()"
+        match = r"leaves/train/step has shape '\(\)'"
+    file.write_text(json.dumps(meta))
+    with pytest.raises(redeqx.CheckpointError, match=match):
+        redeqx.restore_checkpoint(manager.path(2), state, mesh, specs)
+    with redeqx.CheckpointManager(tmp_path) as manager, pytest.warns(UserWarning, match="skipping .*step_000000002"):
+        _, meta = manager.restore(state, mesh, specs)
+    assert meta["step"] == 1

@@ -357,7 +357,36 @@ def raw_metadata(path: Path) -> dict:
             f"checkpoint at {path} is in format version {version}, written by redeqx {section.get('version')}; "
             f"this redeqx ({__version__}) reads format versions up to {FORMAT_VERSION}. Upgrade redeqx to restore it."
         )
+    if (damage := _damaged_section(section)) is not None:
+        raise CheckpointError(f"checkpoint at {path} has damaged metadata ({metadata_file(path)}): {damage}. "
+                              "Restore an earlier checkpoint.")
     return meta
+
+
+def _damaged_section(section: dict) -> str | None:
+    """What is wrong with a ``redeqx`` metadata section that parses as
+    JSON, or None: the parts a restore reads must be there and well formed."""
+    if section.get("kind") not in ("train_state", "model"):
+        return f"'kind' is {section.get('kind')!r}, not 'train_state' or 'model'"
+    leaves = section.get("leaves")
+    if not isinstance(leaves, dict) or "model" not in leaves or not all(isinstance(v, dict) for v in leaves.values()):
+        return "its 'leaves' section (each array's shape, dtype and checksum) is missing or not a table per item"
+    for item, entries in leaves.items():
+        for name, e in entries.items():
+            where = f"leaves/{item}/{name}"
+            if not isinstance(e, dict):
+                return f"{where} is {e!r}, not a table"
+            shape = e.get("shape")
+            if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                                      for n in shape):
+                return f"{where} has shape {shape!r}, not a list of sizes"
+            try:
+                jnp.dtype(e.get("dtype"))
+            except TypeError:
+                return f"{where} has dtype {e.get('dtype')!r}, which is no dtype"
+            if not isinstance(e.get("checksum"), int) or isinstance(e.get("checksum"), bool):
+                return f"{where} has checksum {e.get('checksum')!r}, not a number"
+    return None
 
 
 def read_metadata(path: str | os.PathLike) -> dict:
@@ -668,6 +697,7 @@ def _check_match(path: Path, meta: dict, to_read) -> None:
         problems += [f"{item}/{name}: in the checkpoint {tuple(saved[name]['shape'])}, not in like"
                      for name in saved if name not in names]
     if problems:
+        _refuse_damaged_shapes(path, meta, to_read)
         first, rest = problems[0], problems[1:]
         more = len(rest) - _SHOWN_DIFFERENCES
         shown = "".join(f"\n  {p}" for p in rest[:_SHOWN_DIFFERENCES])
@@ -677,6 +707,49 @@ def _check_match(path: Path, meta: dict, to_read) -> None:
             "checkpoint holds another model (another size, depth or architecture): build like from the same model "
             "code and config the checkpoint was saved with (e.g. eqx.filter_eval_shape(make_model, key))."
         )
+
+
+def _refuse_damaged_shapes(path: Path, meta: dict, to_read) -> None:
+    """A shape in the metadata that differs from ``like`` while the array
+    files (orbax's own record of them) hold ``like``'s shape: the metadata
+    is damaged, not the model another (a `CheckpointError`, so a manager
+    falls back to the previous checkpoint)."""
+    saved = meta["redeqx"]["leaves"]
+    for item, wanted in to_read.items():
+        try:
+            with _quiet_absl():
+                on_disk = ocp.PyTreeCheckpointer().metadata(path / item).item_metadata.tree
+        except Exception:
+            continue
+        for parts, x, _ in wanted:
+            name = ".".join(parts)
+            if name not in saved.get(item, {}):
+                continue
+            try:
+                stored = tuple(_get(on_disk, parts).shape)
+            except (KeyError, TypeError, AttributeError):
+                continue
+            if tuple(saved[item][name]["shape"]) != stored:
+                raise CheckpointError(
+                    f"checkpoint at {path} has damaged metadata: it says {item}/{name} has shape "
+                    f"{tuple(saved[item][name]['shape'])}, but its array files hold {stored}. Restore an earlier "
+                    "checkpoint."
+                )
+
+
+@contextlib.contextmanager
+def _quiet_absl():
+    """orbax logs a warning through absl for every item directory it reads
+    metadata from without its own metadata file; nothing a user can act on."""
+    import logging
+
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _is_key_data(item, parts, saved) -> bool:
