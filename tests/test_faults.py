@@ -330,3 +330,15 @@ def test_a_relative_workdir_saves_and_restores(tmp_path, setup, monkeypatch):
     assert redeqx.CheckpointManager("runs/mnist").restore(state, mesh, specs)[1]["step"] == 3
     redeqx.save_checkpoint("one", model)
     assert_same(model, redeqx.restore_checkpoint("one", model, mesh, specs))
+
+
+def test_a_batch_that_changes_a_feature_size_names_the_key_and_the_change(setup):
+    """Before: the error came from inside the model (dot_general ... (8,) and
+    (7,)), naming neither the batch key nor what changed."""
+    mesh, model, specs, step = setup
+    state, _ = step(fresh_state(setup), BATCH)
+    narrow = {"x": jnp.ones((8, 7)), "y": jnp.zeros((8, 4))}
+    with pytest.raises(TypeError) as e:
+        step(state, narrow)
+    notes = "".join(getattr(e.value, "__notes__", []))
+    assert "batch['x'] (8, 8) -> (8, 7)" in notes and "batch['y']" not in notes, notes

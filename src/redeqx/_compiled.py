@@ -89,6 +89,7 @@ class CompiledStep:
         self.donate, self.returns_state, self.batch_args, self.warn_moves = donate, returns_state, batch_args, warn_moves
         self._by_structure: dict[Any, tuple] = {}  # (treedef, mask, constants) -> (jitted, shardings, paths)
         self._by_layout: dict[Any, tuple] = {}  # the same, plus the leaves' current shardings
+        self._last_batch: dict[str, tuple] | None = None  # the batch shapes of the last call that ran
 
     def _jit(self, treedef, constants, mask, shardings, paths):
         fn, what, returns_state = self.fn, self.what, self.returns_state
@@ -185,11 +186,21 @@ class CompiledStep:
             return args
         return tuple(place_batch(a, self.mesh) if i in self.batch_args else a for i, a in enumerate(args))
 
+    def _batch_shapes(self, args) -> dict[str, tuple]:
+        return {f"batch{jax.tree_util.keystr(kp)}": tuple(x.shape) for i in self.batch_args if i < len(args)
+                for kp, x in jax.tree_util.tree_flatten_with_path(args[i])[0] if hasattr(x, "shape")}
+
     def __call__(self, tree, *args):
         jitted, arrays, current, shardings, paths, treedef, mask, constants = self._lookup(tree, abstract=False)
         arrays = self._placed(arrays, current, shardings, paths)
-        with jax.set_mesh(self.mesh):  # so redeqx.constrain inside user code sees the mesh
-            result = wait_for_program(jitted(arrays, self._args(args)))
+        shapes = self._batch_shapes(args) if self.batch_args else None
+        try:
+            with jax.set_mesh(self.mesh):  # so redeqx.constrain inside user code sees the mesh
+                result = wait_for_program(jitted(arrays, self._args(args)))
+        except Exception as e:
+            _note_changed_batch(e, self._last_batch, shapes)
+            raise
+        self._last_batch = shapes
         if not self.returns_state:
             return result
         new_arrays, out = result
@@ -205,6 +216,24 @@ class CompiledStep:
                   for x, s in zip(arrays, shardings)]
         with jax.set_mesh(self.mesh):
             return jitted.lower(arrays, self._args(args))
+
+
+def _note_changed_batch(error: Exception, before: dict[str, tuple] | None, now: dict[str, tuple] | None) -> None:
+    """A step that ran fails on a batch of other shapes: the error comes
+    from deep in the model (``dot_general ... (8,) and (7,)``); add a note
+    naming the batch keys whose shapes changed, and how."""
+    if not before or now is None or not hasattr(error, "add_note"):
+        return
+    changed = [f"{k} {before.get(k)} -> {now.get(k)}" for k in sorted(set(before) | set(now))
+               if before.get(k) != now.get(k)]
+    if not changed:
+        return
+    error.add_note(
+        "redeqx: the batch of this call differs from the previous call's, which ran: " + "; ".join(changed[:8])
+        + (" ..." if len(changed) > 8 else "") + ". A collate_fn whose arrays change a feature size from one batch "
+        "to the next (an example of another width, a missing column) fails inside the model like this: make every "
+        "batch the same shape past the batch dim (pad or check the examples)."
+    )
 
 
 class FirstCallCheck:
