@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import math
 import os
 import re
@@ -545,9 +546,39 @@ def _probe(directory: Path) -> None:
             probe.unlink()
 
 
+class _OwnWriteErrors(logging.Filter):
+    """Drops the records orbax's writer threads log, with their whole
+    traceback (~100 lines each, several per failed save), for a failure of
+    a save redeqx is making: the same error reaches the caller as one
+    `CheckpointError` naming the path and the cause. Any other record, and
+    any other save's, passes. Installed on the ``absl`` logger by the first
+    `write` (a visible call, never at import)."""
+
+    def __init__(self):
+        super().__init__()
+        self.paths: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR or not self.paths:
+            return True
+        text = record.getMessage() + (f" {record.exc_info[1]}" if record.exc_info and record.exc_info[1] else "")
+        return not any(p in text for p in self.paths)
+
+
+_OWN_WRITE_ERRORS = _OwnWriteErrors()
+
+
+def _mute_orbax_errors_for(path: Path) -> None:
+    if not _OWN_WRITE_ERRORS.paths:
+        for name in ("absl", "asyncio"):  # orbax's errors; its tasks' "Task exception was never retrieved"
+            logging.getLogger(name).addFilter(_OWN_WRITE_ERRORS)
+    _OWN_WRITE_ERRORS.paths.add(str(path))  # orbax names the checkpoint or its temporary directory
+
+
 def write(checkpointer, path: Path, args) -> None:
     """Starts (an async checkpointer) or does the write of ``args`` to ``path``;
     a failure removes what it left and raises a `CheckpointError`."""
+    _mute_orbax_errors_for(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         _probe(path.parent)
@@ -741,8 +772,6 @@ def _refuse_damaged_shapes(path: Path, meta: dict, to_read) -> None:
 def _quiet_absl():
     """orbax logs a warning through absl for every item directory it reads
     metadata from without its own metadata file; nothing a user can act on."""
-    import logging
-
     logger = logging.getLogger("absl")
     level = logger.level
     logger.setLevel(logging.ERROR)
