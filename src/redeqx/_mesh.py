@@ -36,8 +36,9 @@ def make_mesh(
     each candidate mesh, 1, 2, 4, ... model shards, each compiled on
     abstract shapes, and the first whose plan fits is returned.
 
-    Both axes are ``Auto``: the sharding rules only place parameters, and XLA's
-    GSPMD propagation then decides the layout of every activation. ``Explicit``
+    Both axes are ``Auto``: the sharding rules only place parameters, and the
+    partitioner's propagation (Shardy, this JAX's default) then decides the
+    layout of every activation. ``Explicit``
     axes (this JAX's default for ``jax.make_mesh``) would make every user's
     ``loss_fn`` spell out ``out_sharding`` for each row-parallel matmul, which
     breaks the promise that any Equinox model works unchanged; the equivalence
@@ -117,7 +118,7 @@ def check_mesh(mesh, name: str = "mesh") -> Mesh:
     types = tuple(getattr(mesh, "axis_types", ()) or ())
     if types and any(t != AxisType.Auto for t in types):
         # Explicit (or Manual) axes put shardings into array types, which users' loss
-        # functions would then have to spell out; redeqx's rules rely on GSPMD (Auto).
+        # functions would then have to spell out; redeqx's rules rely on propagation (Auto axes, Shardy).
         return _auto(mesh)
     return mesh
 
