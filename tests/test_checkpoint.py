@@ -477,3 +477,22 @@ def test_damaged_metadata_that_is_still_json_is_a_checkpoint_error_and_the_manag
     with redeqx.CheckpointManager(tmp_path) as manager, pytest.warns(UserWarning, match="skipping .*step_000000002"):
         _, meta = manager.restore(state, mesh, specs)
     assert meta["step"] == 1
+
+
+def test_a_mid_epoch_position_on_another_mesh_is_quiet_when_the_global_batch_was_kept(tmp_path):
+    """Before: restoring onto another data size warned that examples would be
+    skipped or repeated even when per_device_batch_size was scaled as the
+    warning said (the resumed run matched the uninterrupted one)."""
+    state, specs = trained_state(redeqx.make_mesh(2))  # data = 4
+    with redeqx.CheckpointManager(tmp_path, keep_last=5, async_save=False) as manager:
+        manager.save(at_step(state, 7), epoch=1, batch=3, per_device_batch_size=2)  # global batch 8
+    mesh4 = redeqx.make_mesh(4)  # data = 2
+    specs4 = redeqx.sharding_rules(make_model(jax.random.key(0)), mesh4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with redeqx.CheckpointManager(tmp_path) as manager:
+            _, meta = manager.restore(state, mesh4, specs4, per_device_batch_size=4)  # 4 x 2 = 8: the same batches
+    assert meta["per_device_batch_size"] == 2
+    with redeqx.CheckpointManager(tmp_path) as manager, \
+            pytest.warns(UserWarning, match=r"start at example 12, not 24.*Example 24 starts batches\(\.\.\., start=6\)"):
+        manager.restore(state, mesh4, specs4, per_device_batch_size=2)  # 2 x 2 = 4: another batch

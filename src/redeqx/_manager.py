@@ -160,18 +160,40 @@ def _data_shards_of(state) -> int | None:
     return None
 
 
-def _warn_moved_position(meta: dict, mesh: Mesh, path: Path) -> None:
+def _warn_moved_position(meta: dict, mesh: Mesh, path: Path, per_device_batch_size: int | None) -> None:
     """A mid-epoch position is a batch index, and a batch is
-    ``per_device_batch_size * data`` examples: on another ``data`` size,
-    ``batches(..., start=batch)`` starts at another example."""
-    saved, now = meta.get("data_shards"), mesh.shape[DATA]
-    if meta.get("batch", 0) and saved is not None and saved != now:
+    ``per_device_batch_size * data`` examples: with another global batch,
+    ``batches(..., start=batch)`` starts at another example. When both runs
+    said their ``per_device_batch_size`` the global batches are compared (a
+    scaled one that keeps the global batch is quiet); otherwise only the
+    ``data`` sizes can be, and the warning says what it could not check."""
+    batch, saved, now = meta.get("batch", 0), meta.get("data_shards"), mesh.shape[DATA]
+    saved_pdbs = meta.get("per_device_batch_size")
+    if not batch or saved is None:
+        return
+    if saved_pdbs is not None and per_device_batch_size is not None:
+        before, after = saved_pdbs * saved, per_device_batch_size * now
+        if before == after:
+            return
+        first = batch * before
+        exact = f"batches(..., start={first // after})" if first % after == 0 else "no start (it falls mid-batch)"
         warnings.warn(
-            f"redeqx.CheckpointManager: {path.name} was saved mid-epoch (next batch {meta['batch']}) on a mesh with "
+            f"redeqx.CheckpointManager: {path.name} was saved mid-epoch (next batch {batch}) with a global batch of "
+            f"{before} examples (per_device_batch_size={saved_pdbs} x data={saved}); here it is {after} "
+            f"(per_device_batch_size={per_device_batch_size} x data={now}), so batches(..., start={batch}) would "
+            f"start at example {batch * after}, not {first}, skipping or repeating examples of this epoch. "
+            f"Example {first} starts {exact}; or keep the global batch ({before}), or restart the epoch (start=0).",
+            stacklevel=3,
+        )
+        return
+    if saved != now:
+        warnings.warn(
+            f"redeqx.CheckpointManager: {path.name} was saved mid-epoch (next batch {batch}) on a mesh with "
             f"data={saved}, and this mesh has data={now}: with the same per_device_batch_size a batch is "
-            f"{now}/{saved} as many examples, so batches(..., start={meta['batch']}) would skip or repeat examples "
+            f"{now}/{saved} as many examples, so batches(..., start={batch}) would skip or repeat examples "
             "of this epoch. Resume on the same data size to finish the epoch, scale per_device_batch_size by "
-            f"{saved}/{now}, or restart the epoch (start=0).",
+            f"{saved}/{now}, or restart the epoch (start=0). (Pass per_device_batch_size= to save() and restore() "
+            "and this is checked exactly, quiet when the global batch is the same.)",
             stacklevel=3,
         )
 
@@ -416,6 +438,7 @@ class CheckpointManager:
         metadata: Mapping[str, Any] | None = None,
         step: int | None = None,
         force: bool = False,
+        per_device_batch_size: int | None = None,
     ) -> bool:
         """Save ``state`` if due (see the class docstring); returns whether it
         wrote (or, for a step already saved, recorded) a checkpoint.
@@ -423,6 +446,8 @@ class CheckpointManager:
         ``epoch``/``batch``/``data_key`` are where to resume the data (the next
         batch to run), ``metrics`` what to rank by, ``metadata`` anything else
         JSON-able. ``step`` defaults to ``state.step`` (give it for a bare model).
+        ``per_device_batch_size`` (the one `batches` used) lets `restore`
+        check a mid-epoch ``batch`` exactly on another mesh.
 
         At a preemption (SIGTERM) it saves whatever ``every`` says, waits for
         the write, and raises `Preempted` (exit status 143). A state holding
@@ -456,6 +481,8 @@ class CheckpointManager:
         meta = {**dict(metadata or {}), "step": step, "epoch": epoch, "batch": batch, "metrics": metrics}
         if data_key is not None:
             meta["data_key"] = data_key
+        if per_device_batch_size is not None:
+            meta["per_device_batch_size"] = positive_int(per_device_batch_size, "per_device_batch_size")
         if (n_data := _data_shards_of(state)) is not None:
             meta["data_shards"] = n_data
         encoded = encode(state, meta, self.dtype)
@@ -617,14 +644,19 @@ class CheckpointManager:
 
     # -- reading
 
-    def restore(self, like: PyTree, mesh: Mesh, specs: PyTree = None, *, best: str | None = None):
+    def restore(self, like: PyTree, mesh: Mesh, specs: PyTree = None, *, best: str | None = None,
+                per_device_batch_size: int | None = None):
         """``(state, metadata)`` from the latest complete checkpoint (or the
         best by metric ``best``), or None if there is none yet. A checkpoint
         that cannot be read is skipped with a warning naming it and the next
         one (older, or next best) is tried. ``like``/``mesh``/``specs`` are as
         in `restore_checkpoint` (a model as ``like`` restores parameters only).
         After it, the manager's saves continue this run (see ``overwrite``).
+        ``per_device_batch_size`` (this run's) checks a mid-epoch position
+        against the one saved with it (see `save`).
         """
+        if per_device_batch_size is not None:
+            per_device_batch_size = positive_int(per_device_batch_size, "per_device_batch_size")
         if self._checkpointer is not None:
             self._finish()
         self._ours = True
@@ -641,7 +673,7 @@ class CheckpointManager:
             try:
                 state = restore_checkpoint(path, like, mesh, specs)
                 meta = read_metadata(path)
-                _warn_moved_position(meta, mesh, path)
+                _warn_moved_position(meta, mesh, path, per_device_batch_size)
                 return state, meta
             except NewerFormatError:
                 raise
