@@ -32,6 +32,7 @@ import numpy as np
 from ._typing import typechecked
 
 HUNG_EXIT_CODE = 124  # what `timeout` returns for a command that ran too long
+_EXIT_DELAY = 2.0  # seconds between printing and exiting: the other processes print theirs meanwhile
 
 
 def _positive(name: str, value, minimum: float = 0.0) -> float:
@@ -166,4 +167,8 @@ class StepWatchdog:
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stdout.flush()
         sys.stderr.flush()
+        # The other processes' watchdogs see the same stall within a poll or two; a launcher or a
+        # scheduler stops them all once one exits, so wait a little for theirs to print too (the
+        # stack of the process that hung is the one that says where).
+        time.sleep(_EXIT_DELAY)
         os._exit(HUNG_EXIT_CODE)  # the main thread is stuck in a collective: nothing else would end it
