@@ -51,6 +51,8 @@ class StepWatchdog:
     - ``min_seconds``: never sooner than this (a step of milliseconds may
       well take a second now and then: a garbage collection, a slow read).
     - ``warmup``: steps not counted in the median (the first compiles).
+      Nothing is judged before there is a median: a hang in the first
+      ``warmup + 2`` steps is not caught.
     - A step is the time from one `beat` to the next: the loop's whole body,
       data, logging and checkpoint saves included. Wrap what is not a step
       and may take long (evaluation, a restore) in ``with watchdog.paused():``.
