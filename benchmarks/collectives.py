@@ -190,7 +190,7 @@ def main():
               "has no data axis to split over and changes nothing. The ZeRO-3 count gathers every fsdp-split "
               "parameter twice (forward and backward; the last column once) and reduce-scatters its gradient. "
               "XLA:CPU emits no reduce-scatter: it all-reduces the gradients whole (result bytes = the full "
-              "gradient, not its 1/data slice), and GSPMD does not keep to ZeRO-3's layout: for some matmuls it "
+              "gradient, not its 1/data slice), and the partitioner (Shardy) does not keep to ZeRO-3's layout: for some matmuls it "
               "reshards activations over `data` instead of gathering the weight (all-gathers of whole-batch "
               "activations such as f32[8,512,2816] and all-to-alls of attention heads at 1 x 8), so the "
               "kinds differ from the analytic plan more than the totals do. Gathered per pass vs measured "

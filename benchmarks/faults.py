@@ -10,8 +10,9 @@ with real processes and real signals on 8 simulated CPU devices:
 - the divergence check: `Logger.log`'s time per call with the check of the
   values it fetches, against the same call with the check off, next to the
   step time of the same loop;
-- a process raising mid-run, and one ending its script early, under the
-  launcher: seconds until the launcher exits;
+- a process raising mid-run, one ending its script early, and one hanging
+  in a step under a `StepWatchdog`, under the launcher: seconds until the
+  launcher exits; two signals 50 ms apart to the launcher (issue 30);
 - a read-only workdir under an async save (a tmpfs remounted read-only, when
   this process may mount one): seconds until the save raises and the
   process exits.
@@ -36,9 +37,10 @@ from _common import cpu8_env, write_section  # noqa: E402
 WORKER = ROOT / "tests" / "resume_worker.py"
 
 
-def preemption(n_processes: int, signal_at: int = 4) -> dict:
+def preemption(n_processes: int, signal_at: int = 4, second: int | None = None) -> dict:
     """Runs tests/resume_worker.py (every=1000, 0.3 s after each step) and
-    SIGTERMs it after step ``signal_at``; seconds from the signal to exit."""
+    SIGTERMs it after step ``signal_at`` (then sends ``second`` 50 ms later,
+    if given); seconds from the first signal to exit."""
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [str(WORKER), tmp, "1000", "0.3"]
         cmd = [sys.executable, "-m", "redeqx.launch", "-n", str(n_processes), *cmd] if n_processes > 1 else \
@@ -49,10 +51,16 @@ def preemption(n_processes: int, signal_at: int = 4) -> dict:
             if sent is None and re.search(rf"step {signal_at}$", line.strip()):
                 proc.send_signal(signal.SIGTERM)
                 sent = time.perf_counter()
+                if second is not None:
+                    time.sleep(0.05)
+                    proc.send_signal(second)
         rc = proc.wait()
         elapsed = time.perf_counter() - sent
         saved = sorted(int(p.name.split("_")[1]) for p in (Path(tmp) / "checkpoints").glob("step_*"))
-    return {"exit status": rc, "signal after step": signal_at, "saved step": saved, "seconds to exit": elapsed}
+        left = [p.name for p in (Path(tmp) / "checkpoints").iterdir() if not re.match(r"^step_\d+$", p.name)]
+        said = "nothing was saved" in proc.stderr.read()
+    return {"exit status": rc, "signal after step": signal_at, "saved step": saved, "seconds to exit": elapsed,
+            "left": left, "said nothing saved": said}
 
 
 def divergence_check(n_calls: int = 2000) -> dict:
@@ -97,9 +105,11 @@ def divergence_check(n_calls: int = 2000) -> dict:
     return {"step": statistics.median(step_times), **times}
 
 
-def launcher_fault(action: str, *extra: str) -> dict:
-    """Process 1 of 2 runs ``action`` at step 3 of a collective loop; seconds
-    from then until the launcher exits, and its status."""
+def launcher_fault(action: str, *extra: str, watchdog: bool = False, at: int = 3) -> dict:
+    """Process 1 of 2 runs ``action`` at step ``at`` of a collective loop; seconds
+    from then until the launcher exits, and its status. ``watchdog``: the
+    loop runs under a `StepWatchdog(factor=5, min_seconds=3)`."""
+    start = "redeqx.StepWatchdog(factor=5, min_seconds=3).start()" if watchdog else "None"
     body = textwrap.dedent(f"""
         import sys, time
         import jax, jax.numpy as jnp, numpy as np
@@ -109,12 +119,15 @@ def launcher_fault(action: str, *extra: str) -> dict:
         x = jax.make_array_from_callback((8,), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")),
                                          lambda idx: np.ones(8, np.float32)[idx])
         total = jax.jit(jnp.sum)
+        watchdog = {start}
         for step in range(10**6):
             total(x).block_until_ready()
-            if step == 3 and jax.process_index() == 1:
+            if step == {at} and jax.process_index() == 1:
                 print(f"FAULT AT {{time.time()}}", flush=True)
                 {action}
             time.sleep(0.05)
+            if watchdog is not None:
+                watchdog.beat(step)
     """)
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "script.py"
@@ -124,7 +137,8 @@ def launcher_fault(action: str, *extra: str) -> dict:
         end = time.time()
     at = float(re.search(r"FAULT AT ([0-9.]+)", done.stdout).group(1))
     return {"exit status": done.returncode, "seconds to exit": end - at,
-            "tracebacks shown": done.stderr.count("Traceback")}
+            "tracebacks shown": done.stderr.count("Traceback"),
+            "watchdog reports": done.stderr.count("redeqx.StepWatchdog: process")}
 
 
 READ_ONLY = """
@@ -180,6 +194,19 @@ def main():
         rows.append(f"| SIGTERM, {n} process(es){' under redeqx.launch' if n > 1 else ''} | exit {r['exit status']} "
                     f"| {r['seconds to exit']:.1f} s after the signal | signal after step {r['signal after step']}, "
                     f"checkpoint of step {', '.join(map(str, r['saved step']))} |")
+    for second in (signal.SIGTERM, signal.SIGINT):
+        r = preemption(2, second=second)
+        print("two signals", second, r, flush=True)
+        outcome = (f"checkpoint of step {', '.join(map(str, r['saved step']))}" if r["saved step"]
+                   else "nothing saved" + (", and said so" if r["said nothing saved"] else ", NOT said"))
+        rows.append(f"| SIGTERM then {signal.Signals(second).name} 50 ms later, redeqx.launch | exit "
+                    f"{r['exit status']} | {r['seconds to exit']:.1f} s after the first | {outcome}; "
+                    f"{'no' if not r['left'] else ', '.join(r['left'])} unfinished save left |")
+    r = launcher_fault("time.sleep(600)", watchdog=True, at=8)  # after the warm-up, with a median to judge by
+    print("hang", r, flush=True)
+    rows.append(f"| process 1 of 2 hangs in a step, StepWatchdog(factor=5, min_seconds=3), redeqx.launch | exit "
+                f"{r['exit status']} | {r['seconds to exit']:.1f} s after the hang | stacks printed by "
+                f"{r['watchdog reports']} of 2 processes |")
     r = launcher_fault('raise RuntimeError("boom")')
     print("raise", r, flush=True)
     rows.append(f"| process 1 of 2 raises mid-run, redeqx.launch | exit {r['exit status']} | "

@@ -374,3 +374,125 @@ def test_an_async_save_in_flight_survives_the_end_of_the_script(tmp_path):
     manager = redeqx.CheckpointManager(tmp_path)
     assert manager.steps() == [0], done.stderr[-2000:]
     manager.close()
+
+
+def test_a_damaged_newest_checkpoint_skipped_by_restore_is_replaced_and_never_keeps_out_a_good_one(tmp_path):
+    """Before: the damaged step 20 counted towards keep_last, so saving step 15
+    pruned the good step 10 (and 15 itself); reaching step 20 again either
+    rewrote only its metadata beside the damaged arrays, or (with a slightly
+    different state, as a GPU gives) raised "one step number, two states" on
+    every restart."""
+    mesh = redeqx.make_mesh(2)
+    state, specs = trained_state(mesh)
+    with redeqx.CheckpointManager(tmp_path, keep_last=2) as manager:
+        manager.save(at_step(state, 10))
+        manager.save(at_step(state, 20))
+    biggest = _data_files(manager.path(20))[-1]
+    biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
+
+    manager = redeqx.CheckpointManager(tmp_path, keep_last=1)
+    with pytest.warns(UserWarning, match="skipping .*step_000000020"):
+        restored, meta = manager.restore(state, mesh, specs)
+    assert meta["step"] == 10 and manager.latest == manager.path(10)
+    manager.save(at_step(state, 15))
+    manager.wait()
+    assert manager.steps() == [15, 20]  # the good one kept, the damaged one not counted
+    other = eqx.tree_at(lambda s: s.model.layers[0].bias, state, state.model.layers[0].bias + 1)  # not what 20 held
+    with pytest.warns(UserWarning, match="replacing .*step_000000020"):
+        assert manager.save(at_step(other, 20))
+    manager.close()
+    assert manager.steps() == [20]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with redeqx.CheckpointManager(tmp_path) as manager:
+            again, meta = manager.restore(state, mesh, specs)
+    assert meta["step"] == 20
+    assert_same(again, at_step(other, 20))
+
+
+def _rewritten_with(tmp_path, state, change):
+    """A checkpoint of ``state`` whose model files were replaced by valid files
+    (orbax's own, well compressed) holding ``change(state)``: damage no
+    decompressor sees, under the original metadata."""
+    redeqx.save_checkpoint(tmp_path / "c", state)
+    redeqx.save_checkpoint(tmp_path / "d", change(state))
+    import shutil
+    shutil.rmtree(tmp_path / "c" / "model")
+    shutil.copytree(tmp_path / "d" / "model", tmp_path / "c" / "model")
+    return tmp_path / "c"
+
+
+@pytest.mark.parametrize("damage", ["two values swapped", "two signs flipped"])
+def test_values_swapped_or_signs_flipped_in_valid_files_are_caught(tmp_path, damage):
+    """Before: the checksum was a sum of 32-bit words, which a swap of two
+    values, or two sign flips in one array, leaves unchanged: the damaged
+    arrays restored without a word."""
+    mesh = redeqx.make_mesh(2)
+    state, specs = trained_state(mesh)
+    w = state.model.layers[1].weight
+
+    def change(s):
+        if damage == "two values swapped":
+            new = w.at[0, 0].set(w[0, 1]).at[0, 1].set(w[0, 0])
+        else:
+            new = w.at[0, 0].set(-w[0, 0]).at[3, 5].set(-w[3, 5])
+        assert not np.array_equal(np.asarray(new), np.asarray(w))
+        return eqx.tree_at(lambda t: t.model.layers[1].weight, s, new)
+
+    path = _rewritten_with(tmp_path, state, change)
+    with pytest.raises(redeqx.CheckpointError, match=r"corrupted: the data of model/layers\.1\.weight does not"):
+        redeqx.restore_checkpoint(path, state, mesh, specs)
+    # on another layout (one device holds every piece) the hashes are checked too
+    mesh1 = redeqx.make_mesh(1, devices=jax.devices()[:1])
+    like, specs1 = abstract_like(mesh1)
+    with pytest.raises(redeqx.CheckpointError, match=r"model/layers\.1\.weight"):
+        redeqx.restore_checkpoint(path, like, mesh1, specs1)
+    assert redeqx.read_metadata(path)["redeqx"]["leaves"]["model"]["layers.1.weight"]["xxh3_128"]
+
+
+@pytest.mark.parametrize("damage", ["an edited shape", "no leaves section", "a shape that is no list"])
+def test_damaged_metadata_that_is_still_json_is_a_checkpoint_error_and_the_manager_falls_back(tmp_path, damage):
+    """Before: an edited shape read as "the checkpoint holds another model" (a
+    ValueError, so the manager did not fall back), a missing 'leaves' section
+    as a bare KeyError: 'leaves'."""
+    mesh = redeqx.make_mesh(2)
+    state, specs = trained_state(mesh)
+    with redeqx.CheckpointManager(tmp_path, keep_last=2) as manager:
+        manager.save(at_step(state, 1))
+        manager.save(at_step(state, 2))
+    file = manager.path(2) / "metadata" / "metadata"
+    meta = json.loads(file.read_text())
+    if damage == "an edited shape":
+        meta["redeqx"]["leaves"]["model"]["layers.1.weight"]["shape"] = [16, 17]
+        match = r"says model/layers\.1\.weight has shape \(16, 17\), but its array files hold \(16, 16\)"
+    elif damage == "no leaves section":
+        del meta["redeqx"]["leaves"]
+        match = "its 'leaves' section .* is missing"
+    else:
+        meta["redeqx"]["leaves"]["train"]["step"]["shape"] = "()"
+        match = r"leaves/train/step has shape '\(\)'"
+    file.write_text(json.dumps(meta))
+    with pytest.raises(redeqx.CheckpointError, match=match):
+        redeqx.restore_checkpoint(manager.path(2), state, mesh, specs)
+    with redeqx.CheckpointManager(tmp_path) as manager, pytest.warns(UserWarning, match="skipping .*step_000000002"):
+        _, meta = manager.restore(state, mesh, specs)
+    assert meta["step"] == 1
+
+
+def test_a_mid_epoch_position_on_another_mesh_is_quiet_when_the_global_batch_was_kept(tmp_path):
+    """Before: restoring onto another data size warned that examples would be
+    skipped or repeated even when per_device_batch_size was scaled as the
+    warning said (the resumed run matched the uninterrupted one)."""
+    state, specs = trained_state(redeqx.make_mesh(2))  # data = 4
+    with redeqx.CheckpointManager(tmp_path, keep_last=5, async_save=False) as manager:
+        manager.save(at_step(state, 7), epoch=1, batch=3, per_device_batch_size=2)  # global batch 8
+    mesh4 = redeqx.make_mesh(4)  # data = 2
+    specs4 = redeqx.sharding_rules(make_model(jax.random.key(0)), mesh4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with redeqx.CheckpointManager(tmp_path) as manager:
+            _, meta = manager.restore(state, mesh4, specs4, per_device_batch_size=4)  # 4 x 2 = 8: the same batches
+    assert meta["per_device_batch_size"] == 2
+    with redeqx.CheckpointManager(tmp_path) as manager, \
+            pytest.warns(UserWarning, match=r"start at example 12, not 24.*Example 24 starts batches\(\.\.\., start=6\)"):
+        manager.restore(state, mesh4, specs4, per_device_batch_size=2)  # 2 x 2 = 4: another batch

@@ -1,6 +1,7 @@
 """Collective bytes as an accelerator's XLA moves them, read on CPU, and the
-budget a user's own GPT is held to: GSPMD alone must move the Megatron plan's
-bytes (issue 11), which XLA:CPU hides behind two passes it does not run."""
+budget a user's own GPT is held to: the partitioner alone (Shardy, this
+JAX's default) must move the Megatron plan's bytes (issue 11), which XLA:CPU
+hides behind two passes it does not run."""
 
 import equinox as eqx
 import jax
@@ -11,6 +12,13 @@ import redeqx
 from accelerator_count import _replica_groups, accelerator_collectives, reassociated_collectives
 from megatron_count import megatron_bytes
 from user_gpt import GPT, collate_fn, loss_fn, make_examples
+
+
+def test_the_partitioner_measured_here_is_the_one_users_get():
+    """The README's and docstrings' claims about how activations are laid out
+    (propagation over Auto axes) and the collective counts below hold for
+    Shardy, this JAX's default; GSPMD is being retired."""
+    assert jax.config.jax_use_shardy_partitioner
 
 
 def test_the_three_replica_group_notations_read_alike():

@@ -393,3 +393,26 @@ def test_progress_bar_shows_the_global_batch_and_the_data_axis(devices, capsys):
     redeqx.evaluate(redeqx.make_eval_step(loss_fn, mesh, specs), redeqx.shard(model, specs, mesh), examples(32),
                     collate, 2, mesh, key=jax.random.key(0), desc="eval")
     assert "eval [global batch 16 = 2 x data 8]" in capsys.readouterr().err
+
+
+def test_int64_beyond_32_bits_is_refused_with_the_key_and_range_and_smaller_ones_arrive_intact(devices):
+    """Before: JAX's default has 64-bit types off, so 2**32 + 5 from a
+    collate_fn arrived as 5, silently."""
+    mesh = redeqx.make_mesh(2)
+
+    def big_ids(es):
+        return {"x": np.stack([e["x"] for e in es]), "id": np.array([2**32 + e["id"] for e in es], np.int64)}
+
+    with pytest.raises(ValueError, match=r"\['id'\] is int64 with values from 4294967296 to 42949672\d\d, outside int32"):
+        next(redeqx.batches(examples(8), big_ids, 1, mesh))
+    from redeqx._compiled import place_batch  # a NumPy batch given to a step directly meets the same check
+
+    with pytest.raises(ValueError, match=r"batch\['id'\] is int64"):
+        place_batch(big_ids(examples(8)), mesh)
+
+    def small_ids(es):
+        return {"x": np.stack([e["x"] for e in es]), "id": np.array([-(2**31) + e["id"] for e in es], np.int64)}
+
+    got = next(redeqx.batches(examples(8), small_ids, 1, mesh))
+    assert got["id"].dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got["id"]), -(2**31) + np.arange(4))  # data=4, one row each

@@ -165,7 +165,10 @@ def test_a_full_disk_names_the_directory_and_the_cause_and_the_state_trains_on(t
     manager.close()
 
 
-def test_an_async_save_failing_midway_surfaces_at_the_next_save(tmp_path, setup):
+def test_an_async_save_failing_midway_surfaces_at_the_next_save(tmp_path, setup, caplog):
+    """Also: orbax's own error records of that save (each with a ~100-line
+    traceback, several per save) are not printed; the CheckpointError is
+    the one report."""
     mesh = setup[0]
     model = eqx.nn.MLP(64, 64, 128, depth=2, key=jax.random.key(0))  # files larger than the limit below
     specs = redeqx.sharding_rules(model, mesh)
@@ -177,15 +180,19 @@ def test_an_async_save_failing_midway_surfaces_at_the_next_save(tmp_path, setup)
     old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (8192, hard))  # the write probe passes; the arrays do not
     try:
-        manager.save(at_step(state, 2))  # async: returns before the failure
-        with pytest.raises(redeqx.CheckpointError, match=r"step_000000002: a file grew past the size limit \(EFBIG; "):
-            manager.save(at_step(state, 3))
+        with caplog.at_level("ERROR"):
+            manager.save(at_step(state, 2))  # async: returns before the failure
+            with pytest.raises(redeqx.CheckpointError, match=r"step_000000002: a file grew past the size limit \(EFBIG; "):
+                manager.save(at_step(state, 3))
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, old_handler)
     assert manager.steps() == [1]
     assert_same(at_step(state, 1), manager.restore(state, mesh, specs)[0])
     manager.close()
+    echoes = [r for r in caplog.records if r.name in ("absl", "asyncio")
+              and "step_000000002" in r.getMessage() + str(r.exc_info and r.exc_info[1])]
+    assert not echoes, [r.getMessage()[:200] for r in echoes]
 
 
 def test_an_unwritable_workdir_is_refused_at_once(tmp_path, setup):
@@ -223,6 +230,26 @@ def test_a_logger_that_cannot_write_raises_instead_of_hanging(tmp_path):
     assert not worker.is_alive(), "Logger.log hung"
     assert isinstance(outcome[0], OSError) and "Logger could not write to" in str(outcome[0]), outcome
     assert str(tmp_path) in str(outcome[0])
+
+
+def test_logger_info_and_close_on_a_full_disk_name_the_file(tmp_path):
+    """Before: info() printed the logging module's "--- Logging error ---"
+    traceback and went on, and close() then raised an OSError naming no file."""
+    logger = redeqx.Logger(tmp_path, tensorboard=False)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))
+    try:
+        with pytest.raises(OSError, match=r"Logger could not write to .*log\.txt: a file grew past the size limit"):
+            logger.info("x" * 100_000)
+        try:  # what is left in a buffer fails again, or was dropped with the failed write
+            logger.close()
+        except OSError as e:
+            assert "Logger could not write to" in str(e) and "log.txt" in str(e), e
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old_handler)
+    logger.close()  # closed: a second close does nothing
 
 
 # ----------------------------------------------------------------------------- another model, another tool
@@ -330,3 +357,15 @@ def test_a_relative_workdir_saves_and_restores(tmp_path, setup, monkeypatch):
     assert redeqx.CheckpointManager("runs/mnist").restore(state, mesh, specs)[1]["step"] == 3
     redeqx.save_checkpoint("one", model)
     assert_same(model, redeqx.restore_checkpoint("one", model, mesh, specs))
+
+
+def test_a_batch_that_changes_a_feature_size_names_the_key_and_the_change(setup):
+    """Before: the error came from inside the model (dot_general ... (8,) and
+    (7,)), naming neither the batch key nor what changed."""
+    mesh, model, specs, step = setup
+    state, _ = step(fresh_state(setup), BATCH)
+    narrow = {"x": jnp.ones((8, 7)), "y": jnp.zeros((8, 4))}
+    with pytest.raises(TypeError) as e:
+        step(state, narrow)
+    notes = "".join(getattr(e.value, "__notes__", []))
+    assert "batch['x'] (8, 8) -> (8, 7)" in notes and "batch['y']" not in notes, notes

@@ -5,6 +5,7 @@ written when a script ends without ``close()`` is finished, or its loss is an
 exit status other than 0."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -91,6 +92,8 @@ def test_a_save_in_flight_at_the_end_of_a_script_is_finished_or_its_loss_is_an_e
         assert "a checkpoint was lost; exiting with status 1" in done.stderr
         # the cause: the size limit, or (when the write was slower than the script) Python's exit
         assert "a file grew past the size limit" in done.stderr or "Python was exiting" in done.stderr
+        # redeqx's report is the one: not orbax's logged tracebacks, nor tensorstore's closed-loop echoes
+        assert "_SignalingThread" not in done.stderr and "Event loop is closed" not in done.stderr, done.stderr[-3000:]
     else:  # the write may finish before Python stops its threads, or not; never exit 0 without it
         assert (done.returncode == 0) == bool(saved), (done.returncode, saved, done.stderr[-3000:])
         if done.returncode != 0:
@@ -138,3 +141,60 @@ def test_a_read_only_workdir_fails_the_save_at_once_and_the_process_exits(tmp_pa
         subprocess.run(["umount", str(mount)], capture_output=True)
     assert done.returncode == 1 and elapsed < 60, (done.returncode, elapsed, done.stderr[-3000:])
     assert "step_000000001: the file system is read-only (EROFS" in done.stderr, done.stderr[-3000:]
+
+
+HANG = """
+    import sys, time
+    import jax, jax.numpy as jnp, numpy as np, equinox as eqx, optax
+    import redeqx
+    redeqx.initialize()
+    mesh = redeqx.make_mesh(2)
+    model = eqx.nn.MLP(8, 4, 16, depth=2, key=jax.random.key(0))
+    specs = redeqx.sharding_rules(model, mesh)
+    state = redeqx.init_state(model, optax.adam(1e-3), mesh, specs, key=jax.random.key(1))
+    train_step = redeqx.make_train_step(lambda m, b, k: jnp.mean(jax.vmap(m)(b["x"]) ** 2), optax.adam(1e-3), mesh,
+                                        specs)
+    batch = {"x": np.ones((8, 8), np.float32)}
+
+    def step(state, batch):  # process 1 stops inside step 7: the other waits for it in the step's collectives
+        if int(state.step) == 6 and jax.process_index() == 1:
+            print(f"hang at {time.time()}", flush=True)
+            time.sleep(600)
+        return train_step(state, batch)
+
+    with redeqx.CheckpointManager(sys.argv[1], keep_last=1) as manager, \\
+            redeqx.StepWatchdog(factor=5, min_seconds=3) as watchdog:
+        for _ in range(100):
+            state, _ = step(state, batch)
+            manager.save(state)
+            watchdog.beat(int(state.step))
+            time.sleep(0.05)
+"""
+
+
+def test_a_step_that_hangs_on_one_process_ends_the_job_with_every_stack_and_the_step(tmp_path):
+    """Before: nothing noticed; both processes waited forever (the heartbeat
+    sees them alive). With a StepWatchdog both print their stacks within
+    seconds of the limit, naming the step, and the job exits non-zero; the
+    last checkpoint is intact."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(HANG))
+    done = subprocess.run([sys.executable, "-m", "redeqx.launch", "-n", "2", "--devices", "8", str(script),
+                           str(tmp_path / "run")], capture_output=True, text=True, timeout=PROCESS_TIMEOUT, env=ENV)
+    ended = time.time()
+    out = done.stdout + done.stderr
+    hung_at = float(re.search(r"hang at ([\d.]+)", out).group(1))
+    print(f"hang to launcher exit: {ended - hung_at:.1f} s")
+    assert done.returncode == 124, (done.returncode, out[-3000:])
+    for i in (0, 1):
+        assert f"StepWatchdog: process {i}: the step after step 6 has run" in out, out[-4000:]
+    assert re.search(r'File ".*script\.py", line \d+ in step', out), out[-4000:]  # where process 1 stopped
+    assert ended - hung_at < 30, ended - hung_at
+    latest = sorted((tmp_path / "run" / "checkpoints").glob("step_*"))
+    assert latest[-1].name == "step_000000006", latest  # (step 5 is pruned by the next save, which never came)
+    assert redeqx_metadata_step(latest[-1]) == 6
+
+
+def redeqx_metadata_step(path):
+    import json
+    return json.loads((path / "metadata" / "metadata").read_text())["step"]

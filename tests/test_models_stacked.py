@@ -209,3 +209,42 @@ def test_from_pretrained_and_a_train_step_take_scan_unroll(tmp_path):
             state, metrics = step(state, {"ids": ids(i, n=8)})
         losses[unroll] = float(metrics["loss"])
     np.testing.assert_allclose(losses[True], losses[None], rtol=1e-6)
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_a_stack_is_indexed_like_a_layer_list_and_a_changed_layer_goes_back(family):
+    """Before: ``model.model.layers[0]`` on a stacked model (the default) was
+    ``TypeError: 'LlamaDecoderLayer' object is not subscriptable``."""
+    listed, stacked = build(family, False), build(family, True)
+    stacks = type(stacked).hf_stacks
+
+    def get(model, dotted):
+        for part in dotted.split("."):
+            model = getattr(model, part)
+        return model
+
+    for name in stacks:
+        stack, layers = get(stacked, name), get(listed, name)
+        if family == "t5":  # listed, block 0 holds the bias table that a stack keeps beside it
+            layers = layers[1:]
+            pairs = [(stack[i + 1], layer) for i, layer in enumerate(layers)]
+        else:
+            pairs = [(stack[i], layer) for i, layer in enumerate(layers)] + [(stack[-1], layers[-1])]
+        for got, want in pairs:
+            assert type(got) is type(want)
+            for a, b in zip(jax.tree.leaves(eqx.filter(got, eqx.is_array)), jax.tree.leaves(eqx.filter(want, eqx.is_array)),
+                            strict=True):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        with pytest.raises(IndexError, match=r"use 0 to \d"):
+            stack[len(layers) + 5]
+        with pytest.raises(TypeError, match="is one layer, not a stack"):
+            stack[0][0]
+    # a changed layer put back: the model then computes what the listed model with that layer changed does
+    name = stacks[0]
+    first = get(stacked, name)[1]
+    scaled = lambda layer: jax.tree.map(lambda a: a * 1.5 if eqx.is_array(a) else a, layer)  # noqa: E731
+    new_stacked = eqx.tree_at(lambda m: get(m, name), stacked, get(stacked, name).with_layer(1, scaled(first)))
+    new_listed = eqx.tree_at(lambda m: get(m, name)[1], listed, scaled(get(listed, name)[1]))
+    x = ids()
+    np.testing.assert_allclose(forward(new_stacked, family, x), forward(new_listed, family, x), atol=5e-5, rtol=1e-5)
+    assert not np.array_equal(forward(new_stacked, family, x), forward(stacked, family, x))

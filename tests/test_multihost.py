@@ -181,8 +181,8 @@ def test_launcher_forwards_sigterm(tmp_path):
         time.sleep(600)
         """,
     )
-    proc = subprocess.Popen([sys.executable, "-m", "redeqx.launch", "-n", "2", "--devices", "2", script, str(tmp_path)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "redeqx.launch", "-n", "2", "--devices", "2", "--grace", "5", script,
+                             str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_for_files([tmp_path / "ready_0", tmp_path / "ready_1"], [proc])
         pids = [int((tmp_path / f"ready_{i}").read_text()) for i in range(2)]
@@ -191,7 +191,9 @@ def test_launcher_forwards_sigterm(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert rc == 128 + signal.SIGTERM
+    # the script saves nothing, so the processes are killed after --grace: not 143, which means "saved"
+    assert rc == 128 + signal.SIGKILL
+    assert "nothing was saved for this preemption" in proc.stderr.read()
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
@@ -304,3 +306,29 @@ def test_launcher_rejects_an_uneven_device_split(tmp_path, capsys):
     with pytest.raises(SystemExit):
         launch.main(["-n", "3", "--devices", "8", script])
     assert "--devices=8 cannot be split evenly over -n 3" in capsys.readouterr().err
+
+
+ROLL_CALL = """
+import sys, redeqx
+redeqx.initialize("127.0.0.1", int(sys.argv[1]), n_processes=3, process_id=int(sys.argv[2]), timeout=4)
+"""
+
+
+def test_a_process_that_never_comes_is_named_by_every_process_within_the_timeout(tmp_path):
+    """Before: process 0 waited in JAX's runtime and aborted (status 134,
+    "DEADLINE_EXCEEDED", a C++ stack) naming nobody; the default timeout was
+    60 s, too short for a large job's cold start."""
+    assert _distributed.DEFAULT_TIMEOUT >= 1800
+    script = tmp_path / "roll.py"
+    script.write_text(ROLL_CALL)
+    port = launch.free_port()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    start = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, str(script), str(port), str(i)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in (0, 1)]  # process 2 never starts
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    elapsed = time.monotonic() - start
+    assert [p.returncode for p in procs] == [1, 1], outputs
+    assert "process 0 waited 4s for process 2 (of 3), which never connected" in outputs[0], outputs[0][-2000:]
+    assert "process 1 reached process 0, which waited 4s for process 2 (of 3)" in outputs[1], outputs[1][-2000:]
+    assert elapsed < 60, elapsed

@@ -90,3 +90,29 @@ def test_an_optimizer_state_of_another_optimizer_is_named():
     step = redeqx.make_train_step(loss_fn, optax.MultiSteps(optax.adam(0.1), 2), mesh, specs)
     with pytest.raises(ValueError, match="state.opt_state does not match"):
         step(state, batches(1)[0])
+
+
+def test_with_multisteps_state_step_counts_batches_and_the_parameters_move_every_kth(devices):
+    """What the README says `state.step` counts: after 4 batches with
+    optax.MultiSteps(k=2), state.step is 4 and the parameters moved twice."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import redeqx
+
+    mesh = redeqx.make_mesh(2)
+    model = eqx.nn.MLP(8, 4, 16, depth=1, key=jax.random.key(0))
+    specs = redeqx.sharding_rules(model, mesh)
+    optimizer = optax.MultiSteps(optax.sgd(0.1), 2)
+    state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
+    step = redeqx.make_train_step(lambda m, b, k: jnp.mean(jax.vmap(m)(b["x"]) ** 2), optimizer, mesh, specs)
+    weights, moves = np.asarray(state.model.layers[0].weight), 0
+    for _ in range(4):
+        state, _ = step(state, {"x": jnp.ones((8, 8))})
+        now = np.asarray(state.model.layers[0].weight)
+        moves += not np.array_equal(now, weights)
+        weights = now
+    assert int(state.step) == 4 and moves == 2 and int(state.opt_state.gradient_step) == 2

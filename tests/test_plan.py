@@ -124,3 +124,30 @@ def test_a_compiler_that_refuses_the_step_means_it_does_not_fit(monkeypatch):
                         lambda self, *a, **k: (_ for _ in ()).throw(jax.errors.JaxRuntimeError("INTERNAL: boom")))
     with pytest.raises(jax.errors.JaxRuntimeError, match="boom"):
         redeqx.plan(make, lm_loss, optax.adamw(1e-3), BATCH, mesh)
+
+
+def test_auto_plans_each_candidate_once_and_explores_only_at_the_end(monkeypatch):
+    """Before: make_mesh("auto", planner=partial(redeqx.plan, ...)) ran plan's
+    whole exploration (a dozen compiles) for every candidate that did not fit,
+    its "tried" list showed fsdp=True twice, kept options that raised the
+    peak, and said "more devices are needed" without trying the most model
+    shards the devices allow."""
+    from redeqx import _plan
+
+    compiles = []
+    real = _plan._one_plan
+    monkeypatch.setattr(_plan, "_one_plan", lambda *a, **k: compiles.append(a[4].shape["model"]) or real(*a, **k))
+    devices = jax.devices()[:4]
+    planner = functools.partial(redeqx.plan, make, lm_loss, optax.adamw(1e-3), BATCH, device_memory=1000)
+    with pytest.raises(ValueError, match="no n_model_shards fits on these 4 devices") as e:
+        redeqx.make_mesh("auto", devices=devices, planner=planner)
+    assert compiles[:3] == [1, 2, 4], compiles
+    assert len(compiles) <= 3 + 12, compiles  # one exploration, at the last candidate
+    assert "what redeqx.plan tried" in str(e.value)
+
+    tried = str(e.value).split("tried:\n")[1].split("\nnothing tried fits")[0].splitlines()
+    labels = [line.split(" peak ")[0].strip() for line in tried]
+    assert labels and len(labels) == len(set(labels)), labels  # fsdp=True was listed twice
+    settings = dict(fsdp=False, remat=False, accumulate=1, compute_dtype=None, opt_state_dtype=None)
+    options = [label for label, _, _ in _plan._options(settings, redeqx.make_mesh(1, devices=devices), 16)]
+    assert "n_model_shards=2" in options and "n_model_shards=4" in options, options  # the most there are, too

@@ -123,3 +123,47 @@ def test_sigterm_two_processes_to_one_or_both_saves_and_resumes(tmp_path, refere
     lines, err, rc = finish(start(tmp_path, launch=True))
     assert rc == 0 and lines[0].startswith(f"resumed at step {second[0]},"), (lines, err[-3000:])
     assert_final(tmp_path, reference, exact=False)
+
+
+def signal_twice(proc, signal_at, second):
+    """``finish``, sending SIGTERM to the launcher at ``signal_at`` and then
+    ``second`` 50 ms later (a scheduler that signals twice, or Ctrl-C after a
+    SIGTERM). Returns (lines, stderr, exit status, seconds from the first
+    signal to the launcher's exit)."""
+    lines, sent = [], None
+    for line in proc.stdout:
+        found = re.search(r"(step \d+|resumed at step \d+, epoch \d+, batch \d+)$", line.strip())
+        if found is None:
+            continue
+        lines.append(found.group(1))
+        if sent is None and lines[-1] == f"step {signal_at}":
+            os.kill(proc.pid, signal.SIGTERM)
+            sent = time.monotonic()
+            time.sleep(0.05)
+            os.kill(proc.pid, second)
+    proc.wait(timeout=TIMEOUT)
+    return lines, proc.stderr.read(), proc.returncode, time.monotonic() - sent
+
+
+@pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_two_signals_50ms_apart_to_the_launcher_save_or_say_nothing_was_saved(tmp_path, second):
+    """Before: any second signal SIGKILLed the processes at once, the save in
+    flight was left as a tmp directory, and the launcher still exited 143
+    ("saved a checkpoint") without a word. A repeated SIGTERM is the same
+    notice: the checkpoint is saved and nothing is left half-written. A
+    Ctrl-C after it kills at once, and the exit status and output say that
+    nothing was saved."""
+    at = random.randrange(2, N_STEPS - 6)
+    lines, err, rc, elapsed = signal_twice(start(tmp_path, launch=True, pace=PACE), at, second)
+    print(f"{signal.Signals(second).name} 50 ms after SIGTERM: exit {rc} {elapsed:.1f} s after the first signal")
+    tmp = [p.name for p in (tmp_path / "checkpoints").iterdir() if not re.match(r"^step_\d+$", p.name)]
+    if second == signal.SIGTERM:
+        assert rc == 143, (rc, err[-3000:])
+        saved = saved_steps(tmp_path)
+        assert len(saved) == 1 and at < saved[0] < N_STEPS and not tmp, (at, saved, tmp, lines)
+        assert f"preempted (SIGTERM): saved step {saved[0]}" in err
+    else:
+        assert rc not in (0, 143), (rc, err[-3000:])
+        assert "nothing was saved" in err, err[-3000:]
+        assert not saved_steps(tmp_path)  # every=1000: only a preemption's save could have written one
+    assert elapsed < 30, elapsed

@@ -36,3 +36,4 @@ from ._steps import (
     make_train_step as make_train_step,
 )
 from ._version import __version__ as __version__
+from ._watchdog import HUNG_EXIT_CODE as HUNG_EXIT_CODE, StepWatchdog as StepWatchdog

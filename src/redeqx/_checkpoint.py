@@ -12,7 +12,9 @@ process is done), holding three items:
   raw ``uint32`` data) when a `TrainState` was saved;
 - ``metadata/metadata``: strict JSON with ``step``, the caller's fields
   (``epoch``, ``batch``, ``metrics``, ...), and a ``redeqx`` section: format
-  and its version, redeqx's version, each leaf's shape, dtype and checksum.
+  and its version, redeqx's version, each leaf's shape, dtype, checksum (a
+  sum of its words, the same on any layout) and content hash (``xxh3_128``
+  of each piece the saving devices held, keyed by its place in the array).
   Strict JSON has no NaN: a non-finite number is written as the string
   ``"NaN"``, ``"Infinity"`` or ``"-Infinity"`` (``float(s)`` reads it back).
 
@@ -35,10 +37,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import math
 import os
 import re
 import shutil
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -49,6 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+import xxhash
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import PyTree
 
@@ -149,6 +154,90 @@ def _fingerprints(leaves: list) -> tuple[jax.Array, jax.Array]:
     if not leaves:
         return jnp.zeros((0,), jnp.uint32), jnp.zeros((0,), jnp.bool_)
     return jnp.stack([checksum(x) for x in leaves]), jnp.stack([finite(x) for x in leaves])
+
+
+# ----------------------------------------------------------------------------- content hashes
+#
+# The word sum above catches flipped bits but not two values swapped or two
+# sign flips; a real hash does. Hashing needs the bytes on the host, and each
+# process holds only its shards, so each piece a saving device held
+# (replica 0 of each) is hashed on its own and stored under its place in the
+# array, "0:8,0:16". A restore re-checks every piece it holds whole: all of
+# them in one process (slicing the restored array) or on the layout it was
+# saved with; a piece of another layout spread over processes is left to the
+# word sum. xxh3_128 runs at ~10 GB/s on one core, a few % of a save
+# (benchmarks/checkpoint.py); blake2b's 0.8 GB/s would cost most of one.
+
+HASH = "xxh3_128"
+
+
+def _hash(x: np.ndarray) -> str:
+    return xxhash.xxh3_128(np.ascontiguousarray(x).reshape(-1).view(np.uint8)).hexdigest()
+
+
+def _index_key(index: tuple, shape: tuple[int, ...]) -> str:
+    return ",".join(f"{sl.start or 0}:{n if sl.stop is None else sl.stop}" for sl, n in zip(index, shape))
+
+
+def _index_slices(key: str) -> tuple[slice, ...]:
+    return tuple(slice(*map(int, part.split(":"))) for part in key.split(",")) if key else ()
+
+
+def _all_processes(local: list) -> list:
+    """``local`` (JSON-able, one per process) from every process, in process order."""
+    if jax.process_count() == 1:
+        return [local]
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(json.dumps(local).encode(), np.uint8)
+    sizes = multihost_utils.process_allgather(np.array([data.size], np.int64)).reshape(-1)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[: data.size] = data
+    every = multihost_utils.process_allgather(padded)
+    return [json.loads(bytes(row[: int(n)]).decode()) for row, n in zip(every, sizes)]
+
+
+def content_hashes(leaves: list[jax.Array]) -> list[dict[str, str]]:
+    """Per leaf, ``{place in the array: xxh3_128 hex digest}`` of each
+    piece its devices hold (one entry for a replicated leaf), gathered from
+    every process."""
+    local = []
+    for x in leaves:
+        pieces = [sh for sh in x.addressable_shards if sh.replica_id == 0]
+        data = jax.device_get([sh.data for sh in pieces])  # one leaf on the host at a time
+        local.append({_index_key(sh.index, x.shape): _hash(d) for sh, d in zip(pieces, data)})
+    merged: list[dict[str, str]] = [{} for _ in leaves]
+    for per_process in _all_processes(local):
+        for out, found in zip(merged, per_process):
+            out.update(found)
+    return merged
+
+
+def unmatched_hashes(leaves: list[jax.Array], saved: list[dict[str, str] | None]) -> list[bool]:
+    """Per leaf, whether a piece this process can see whole has another
+    hash than the one saved (checkpoints without hashes pass), agreed over
+    every process."""
+    bad = []
+    for x, want in zip(leaves, saved):
+        wrong = False
+        if want:
+            held = {_index_key(sh.index, x.shape): sh for sh in x.addressable_shards}
+            whole = None
+            for key, digest in want.items():
+                if key in held:
+                    got = _hash(np.asarray(held[key].data))
+                elif x.is_fully_addressable:
+                    whole = np.asarray(x) if whole is None else whole
+                    got = _hash(whole[_index_slices(key)])
+                else:
+                    continue  # spread over processes on this layout: the word sum checks it
+                if got != digest:
+                    wrong = True
+                    break
+        bad.append(wrong)
+    if jax.process_count() > 1:
+        return [any(column) for column in zip(*_all_processes(bad))]
+    return bad
 
 
 def _cast(x, dtype):
@@ -271,7 +360,36 @@ def raw_metadata(path: Path) -> dict:
             f"checkpoint at {path} is in format version {version}, written by redeqx {section.get('version')}; "
             f"this redeqx ({__version__}) reads format versions up to {FORMAT_VERSION}. Upgrade redeqx to restore it."
         )
+    if (damage := _damaged_section(section)) is not None:
+        raise CheckpointError(f"checkpoint at {path} has damaged metadata ({metadata_file(path)}): {damage}. "
+                              "Restore an earlier checkpoint.")
     return meta
+
+
+def _damaged_section(section: dict) -> str | None:
+    """What is wrong with a ``redeqx`` metadata section that parses as
+    JSON, or None: the parts a restore reads must be there and well formed."""
+    if section.get("kind") not in ("train_state", "model"):
+        return f"'kind' is {section.get('kind')!r}, not 'train_state' or 'model'"
+    leaves = section.get("leaves")
+    if not isinstance(leaves, dict) or "model" not in leaves or not all(isinstance(v, dict) for v in leaves.values()):
+        return "its 'leaves' section (each array's shape, dtype and checksum) is missing or not a table per item"
+    for item, entries in leaves.items():
+        for name, e in entries.items():
+            where = f"leaves/{item}/{name}"
+            if not isinstance(e, dict):
+                return f"{where} is {e!r}, not a table"
+            shape = e.get("shape")
+            if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                                      for n in shape):
+                return f"{where} has shape {shape!r}, not a list of sizes"
+            try:
+                jnp.dtype(e.get("dtype"))
+            except TypeError:
+                return f"{where} has dtype {e.get('dtype')!r}, which is no dtype"
+            if not isinstance(e.get("checksum"), int) or isinstance(e.get("checksum"), bool):
+                return f"{where} has checksum {e.get('checksum')!r}, not a number"
+    return None
 
 
 def read_metadata(path: str | os.PathLike) -> dict:
@@ -340,9 +458,10 @@ def encode(state, metadata, dtype) -> Encoded:
         )
     named = [(name, ".".join(parts), x) for name, pairs in items.items() for parts, x in pairs]
     sums, finite = (np.asarray(a).tolist() for a in jax.device_get(_fingerprints([x for _, _, x in named])))
+    hashes = content_hashes([x for _, _, x in named])
     info: dict[str, dict] = {name: {} for name in items}
-    for (name, path, x), checksum in zip(named, sums):
-        entry = {"shape": list(x.shape), "dtype": str(x.dtype), "checksum": checksum}
+    for (name, path, x), checksum, digests in zip(named, sums, hashes):
+        entry = {"shape": list(x.shape), "dtype": str(x.dtype), "checksum": checksum, HASH: digests}
         impl = impls.get(name, {}).get(path)
         if impl is not None:
             entry["prng_key"] = impl
@@ -429,9 +548,60 @@ def _probe(directory: Path) -> None:
             probe.unlink()
 
 
+class _OwnWriteErrors(logging.Filter):
+    """Drops the records orbax's writer threads log, with their whole
+    traceback (~100 lines each, several per failed save), for a failure of
+    a save redeqx is making: the same error reaches the caller as one
+    `CheckpointError` naming the path and the cause. Any other record, and
+    any other save's, passes. Installed on the ``absl`` logger by the first
+    `write` (a visible call, never at import)."""
+
+    def __init__(self):
+        super().__init__()
+        self.paths: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR or not self.paths:
+            return True
+        text = record.getMessage() + (f" {record.exc_info[1]}" if record.exc_info and record.exc_info[1] else "")
+        if "_SignalingThread.run() raised" in text and "after interpreter shutdown" in text:
+            return False  # a save cut off by Python's exit, which names no path: redeqx's exit hook reports it
+        return not any(p in text for p in self.paths)
+
+
+_OWN_WRITE_ERRORS = _OwnWriteErrors()
+
+
+def _mute_orbax_errors_for(path: Path) -> None:
+    if not _OWN_WRITE_ERRORS.paths:
+        for name in ("absl", "asyncio"):  # orbax's errors; its tasks' "Task exception was never retrieved"
+            logging.getLogger(name).addFilter(_OWN_WRITE_ERRORS)
+        sys.unraisablehook = _without_closed_loop_echoes(sys.unraisablehook)
+    _OWN_WRITE_ERRORS.paths.add(str(path))  # orbax names the checkpoint or its temporary directory
+
+
+def _without_closed_loop_echoes(previous):
+    """``sys.unraisablehook`` less one echo: when a save fails, orbax closes
+    its event loop while tensorstore's threads still complete that save's
+    other writes; each of their callbacks then fails with "Event loop is
+    closed", reported as an unraisable exception with no object (a bare
+    traceback, dozens of them). The failure itself reaches the caller as one
+    `CheckpointError`. Installed with the logging filter above, by the first
+    `write`; every other unraisable exception goes to ``previous``."""
+
+    def hook(unraisable):
+        if (unraisable.object is None and unraisable.exc_type is RuntimeError
+                and str(unraisable.exc_value) == "Event loop is closed"):
+            return
+        previous(unraisable)
+
+    return hook
+
+
 def write(checkpointer, path: Path, args) -> None:
     """Starts (an async checkpointer) or does the write of ``args`` to ``path``;
     a failure removes what it left and raises a `CheckpointError`."""
+    _mute_orbax_errors_for(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         _probe(path.parent)
@@ -581,6 +751,7 @@ def _check_match(path: Path, meta: dict, to_read) -> None:
         problems += [f"{item}/{name}: in the checkpoint {tuple(saved[name]['shape'])}, not in like"
                      for name in saved if name not in names]
     if problems:
+        _refuse_damaged_shapes(path, meta, to_read)
         first, rest = problems[0], problems[1:]
         more = len(rest) - _SHOWN_DIFFERENCES
         shown = "".join(f"\n  {p}" for p in rest[:_SHOWN_DIFFERENCES])
@@ -590,6 +761,47 @@ def _check_match(path: Path, meta: dict, to_read) -> None:
             "checkpoint holds another model (another size, depth or architecture): build like from the same model "
             "code and config the checkpoint was saved with (e.g. eqx.filter_eval_shape(make_model, key))."
         )
+
+
+def _refuse_damaged_shapes(path: Path, meta: dict, to_read) -> None:
+    """A shape in the metadata that differs from ``like`` while the array
+    files (orbax's own record of them) hold ``like``'s shape: the metadata
+    is damaged, not the model another (a `CheckpointError`, so a manager
+    falls back to the previous checkpoint)."""
+    saved = meta["redeqx"]["leaves"]
+    for item, wanted in to_read.items():
+        try:
+            with _quiet_absl():
+                on_disk = ocp.PyTreeCheckpointer().metadata(path / item).item_metadata.tree
+        except Exception:
+            continue
+        for parts, x, _ in wanted:
+            name = ".".join(parts)
+            if name not in saved.get(item, {}):
+                continue
+            try:
+                stored = tuple(_get(on_disk, parts).shape)
+            except (KeyError, TypeError, AttributeError):
+                continue
+            if tuple(saved[item][name]["shape"]) != stored:
+                raise CheckpointError(
+                    f"checkpoint at {path} has damaged metadata: it says {item}/{name} has shape "
+                    f"{tuple(saved[item][name]['shape'])}, but its array files hold {stored}. Restore an earlier "
+                    "checkpoint."
+                )
+
+
+@contextlib.contextmanager
+def _quiet_absl():
+    """orbax logs a warning through absl for every item directory it reads
+    metadata from without its own metadata file; nothing a user can act on."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _is_key_data(item, parts, saved) -> bool:
@@ -655,18 +867,16 @@ def restore_checkpoint(path: str | os.PathLike, like: PyTree, mesh: Mesh, specs:
             f"checkpoint at {path} is truncated or corrupted: orbax could not read it ({type(e).__name__}: {e})."
         ) from e
     arrays = {item: [_get(restored[item], parts) for parts, _, _ in wanted] for item, wanted in to_read.items()}
-    sums = np.asarray(jax.device_get(_fingerprints([x for xs in arrays.values() for x in xs])[0])).tolist()
-    sums_it = iter(sums)
-    bad = [
-        f"{item}/{'.'.join(parts)}"
-        for item, wanted in to_read.items()
-        for parts, _, _ in wanted
-        if next(sums_it) != saved[item][".".join(parts)]["checksum"]
-    ]
+    flat = [x for xs in arrays.values() for x in xs]
+    entries = [saved[item][".".join(parts)] for item, wanted in to_read.items() for parts, _, _ in wanted]
+    sums = np.asarray(jax.device_get(_fingerprints(flat)[0])).tolist()
+    unmatched = unmatched_hashes(flat, [e.get(HASH) for e in entries])
+    names = [f"{item}/{'.'.join(parts)}" for item, wanted in to_read.items() for parts, _, _ in wanted]
+    bad = [name for name, total, e, wrong in zip(names, sums, entries, unmatched) if wrong or total != e["checksum"]]
     if bad:
         raise CheckpointError(
             f"checkpoint at {path} is corrupted: the data of {', '.join(bad[:10])}{' ...' if len(bad) > 10 else ''} "
-            "does not match the checksum written with it. Restore an earlier checkpoint."
+            f"does not match the checksum and {HASH} content hash written with it. Restore an earlier checkpoint."
         )
     for item, wanted in to_read.items():
         dtypes = [None if jnp.issubdtype(like_leaf.dtype, jax.dtypes.prng_key) or _is_key_data(item, parts, saved)

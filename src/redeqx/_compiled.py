@@ -89,6 +89,7 @@ class CompiledStep:
         self.donate, self.returns_state, self.batch_args, self.warn_moves = donate, returns_state, batch_args, warn_moves
         self._by_structure: dict[Any, tuple] = {}  # (treedef, mask, constants) -> (jitted, shardings, paths)
         self._by_layout: dict[Any, tuple] = {}  # the same, plus the leaves' current shardings
+        self._last_batch: dict[str, tuple] | None = None  # the batch shapes of the last call that ran
 
     def _jit(self, treedef, constants, mask, shardings, paths):
         fn, what, returns_state = self.fn, self.what, self.returns_state
@@ -185,11 +186,21 @@ class CompiledStep:
             return args
         return tuple(place_batch(a, self.mesh) if i in self.batch_args else a for i, a in enumerate(args))
 
+    def _batch_shapes(self, args) -> dict[str, tuple]:
+        return {f"batch{jax.tree_util.keystr(kp)}": tuple(x.shape) for i in self.batch_args if i < len(args)
+                for kp, x in jax.tree_util.tree_flatten_with_path(args[i])[0] if hasattr(x, "shape")}
+
     def __call__(self, tree, *args):
         jitted, arrays, current, shardings, paths, treedef, mask, constants = self._lookup(tree, abstract=False)
         arrays = self._placed(arrays, current, shardings, paths)
-        with jax.set_mesh(self.mesh):  # so redeqx.constrain inside user code sees the mesh
-            result = wait_for_program(jitted(arrays, self._args(args)))
+        shapes = self._batch_shapes(args) if self.batch_args else None
+        try:
+            with jax.set_mesh(self.mesh):  # so redeqx.constrain inside user code sees the mesh
+                result = wait_for_program(jitted(arrays, self._args(args)))
+        except Exception as e:
+            _note_changed_batch(e, self._last_batch, shapes)
+            raise
+        self._last_batch = shapes
         if not self.returns_state:
             return result
         new_arrays, out = result
@@ -205,6 +216,24 @@ class CompiledStep:
                   for x, s in zip(arrays, shardings)]
         with jax.set_mesh(self.mesh):
             return jitted.lower(arrays, self._args(args))
+
+
+def _note_changed_batch(error: Exception, before: dict[str, tuple] | None, now: dict[str, tuple] | None) -> None:
+    """A step that ran fails on a batch of other shapes: the error comes
+    from deep in the model (``dot_general ... (8,) and (7,)``); add a note
+    naming the batch keys whose shapes changed, and how."""
+    if not before or now is None or not hasattr(error, "add_note"):
+        return
+    changed = [f"{k} {before.get(k)} -> {now.get(k)}" for k in sorted(set(before) | set(now))
+               if before.get(k) != now.get(k)]
+    if not changed:
+        return
+    error.add_note(
+        "redeqx: the batch of this call differs from the previous call's, which ran: " + "; ".join(changed[:8])
+        + (" ..." if len(changed) > 8 else "") + ". A collate_fn whose arrays change a feature size from one batch "
+        "to the next (an example of another width, a missing column) fails inside the model like this: make every "
+        "batch the same shape past the batch dim (pad or check the examples)."
+    )
 
 
 class FirstCallCheck:
@@ -276,6 +305,28 @@ def _refuse_local_arrays(args) -> None:
             )
 
 
+def narrow_64bit(arr: np.ndarray, where: str) -> np.ndarray:
+    """``arr`` as JAX will hold it: with 64-bit types off (JAX's default),
+    ``jnp.asarray`` turns int64 into int32 by dropping the high bits, so
+    ``2**32 + 5`` arrives as ``5``. A 64-bit integer array whose values all
+    fit 32 bits is narrowed here (what JAX would do, said); one that does not
+    is refused, naming ``where`` and the values' range."""
+    if jax.config.jax_enable_x64 or arr.dtype not in (np.int64, np.uint64) or arr.size == 0:
+        return arr
+    narrow = np.dtype(np.int32 if arr.dtype == np.int64 else np.uint32)
+    lo, hi = arr.min(), arr.max()
+    info = np.iinfo(narrow)
+    if lo < info.min or hi > info.max:
+        raise ValueError(
+            f"{where} is {arr.dtype} with values from {lo} to {hi}, outside {narrow}'s range [{info.min}, {info.max}]; "
+            f"JAX (64-bit types off, its default) would keep only the low 32 bits, so {hi} would arrive as "
+            f"{int(np.asarray(hi).astype(narrow))}. Map the values into {narrow}'s range in collate_fn (e.g. ids "
+            "modulo the vocabulary, a hash bucket, or two int32 columns), or turn 64-bit types on with "
+            "jax.config.update('jax_enable_x64', True) before building anything."
+        )
+    return arr.astype(narrow)
+
+
 def place_batch(batch, mesh: Mesh):
     """Batch arrays onto ``mesh``: arrays on it stay; arrays on the same
     devices under another mesh object (an ``Explicit`` twin) keep their
@@ -285,7 +336,9 @@ def place_batch(batch, mesh: Mesh):
     n_data = mesh.shape[DATA]
     one_process = jax.process_count() == 1
 
-    def one(x):
+    def one(kp, x):
+        if isinstance(x, np.ndarray):  # a NumPy batch made without redeqx.batches: same 64-bit check
+            x = narrow_64bit(x, f"batch{jax.tree_util.keystr(kp)}")
         sh = getattr(x, "sharding", None)
         if isinstance(x, jax.ShapeDtypeStruct) and sh is None:  # an abstract batch, for lowering
             spec = P(DATA, *([None] * (x.ndim - 1))) if x.ndim and x.shape[0] % n_data == 0 else P()
@@ -302,4 +355,4 @@ def place_batch(batch, mesh: Mesh):
                 return jax.device_put(x, sharding)
         return x
 
-    return jax.tree.map(one, batch)
+    return jax.tree_util.tree_map_with_path(one, batch)

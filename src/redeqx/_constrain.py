@@ -1,7 +1,8 @@
 """Pin the sharding of an activation inside a model: `constrain`.
 
-The sharding rules only place parameters. GSPMD then propagates layouts to
-every activation, and on its own it tends to gather activations around a
+The sharding rules only place parameters. XLA's partitioner (Shardy, the
+default in this JAX; GSPMD before it) then propagates layouts to every
+activation, and on its own it may gather activations around a
 row-parallel matmul instead of all-reducing them. A few pins (the head dim of
 Q/K/V on ``model``, the residual stream replicated over ``model``) give the
 Megatron-LM plan: two all-reduces per layer forward, two backward.

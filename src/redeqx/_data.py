@@ -44,6 +44,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
+from ._compiled import narrow_64bit
 from ._mesh import DATA, check_mesh
 from ._steps import EvalStep
 from ._typing import positive_int, typechecked
@@ -87,8 +88,9 @@ def collate(collate_fn: Callable, examples: list, n_rows: int):
                 f"{where} has shape {arr.shape}, but collate_fn got {n_rows} examples: every array needs one row "
                 "per example as its leading dim."
             )
-        checked.append(arr)
+        checked.append(narrow_64bit(arr, where))
     return jax.tree.unflatten(treedef, checked)
+
 
 
 def local_rows(mesh: Mesh, global_batch: int) -> tuple[int, int]:

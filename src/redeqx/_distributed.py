@@ -10,12 +10,13 @@ itself (SLURM, Open MPI, Kubernetes, Cloud TPU):
     REDEQX_N_PROCESSES        number of processes
     REDEQX_PROCESS_ID         this process's index, 0 .. n_processes - 1
     REDEQX_LOCAL_DEVICE_IDS   devices this process uses, e.g. "0,1,2,3"
-    REDEQX_INIT_TIMEOUT       seconds to wait for every process to connect (default 60)
+    REDEQX_INIT_TIMEOUT       seconds to wait for every process to connect (default 1800)
     REDEQX_HEARTBEAT_TIMEOUT  seconds of silence after which a process counts as dead (default 100)
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -32,7 +33,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 DEFAULT_PORT = 12321
-DEFAULT_TIMEOUT = 60
+# A cold start of a large job (containers pulled, a filesystem mounted, thousands of processes
+# scheduled) can take many minutes: JAX's own default is 300 s, and large runs raise it to 1,800 s.
+# Waiting longer costs nothing when the processes do come; when one does not, the roll call
+# (`_roll_call`) names it.
+DEFAULT_TIMEOUT = 1800
 DEFAULT_HEARTBEAT_TIMEOUT = 100
 
 ENV = {
@@ -186,8 +191,12 @@ def initialize(
       ``"10.0.0.1:1234"``. ``host0_port`` defaults to 12321.
     - ``local_device_ids``: the accelerators this process uses (one process per
       GPU: ``local_device_ids=[local_rank]``).
-    - ``timeout``: seconds to wait for all processes to connect (default 60),
-      so a wrong address fails in a minute, not JAX's five.
+    - ``timeout``: seconds to wait for all processes to connect (default
+      1,800, enough for the cold start of a large job). With an address,
+      process 0 first takes a roll call on its port: when the time is up it
+      raises an error naming the processes that never connected, and every
+      process that did connect raises the same (rather than JAX aborting
+      with ``DEADLINE_EXCEEDED``, naming nobody).
     - ``heartbeat_timeout``: seconds after which a silent process counts as
       dead; the others then stop with an error naming it (default 100).
 
@@ -238,8 +247,8 @@ def _start(config: _Config, *, by: str, explicit=()) -> None:
     if config.host0_address is not None:
         address = f"{config.host0_address}:{config.host0_port or DEFAULT_PORT}"
     nothing_given = address is None and config.n_processes is None and config.process_id is None
-    if address is not None and config.process_id not in (None, 0):
-        _wait_for_host0(config)
+    if address is not None and config.n_processes is not None and config.process_id is not None:
+        _roll_call(config)  # a late call on process 0 is refused by JAX after it (no public way to ask first)
     _use_cpu_collectives()
     try:
         jax.distributed.initialize(
@@ -281,15 +290,91 @@ def _start(config: _Config, *, by: str, explicit=()) -> None:
     preflight()
 
 
-def _wait_for_host0(config: _Config) -> None:
-    """Waits until process 0's port accepts connections, so that a wrong
-    address fails with an error here rather than with JAX's fatal abort."""
+_ROLL_CALL = b"redeqx-roll-call"
+
+
+def _roll_call(config: _Config) -> None:
+    """Every process checks in with process 0 on ``host0_port`` before JAX's
+    runtime starts there, so that a process that never comes is named: JAX's
+    own wait ends in a fatal ``DEADLINE_EXCEEDED`` abort that names nobody.
+    Process 0 listens until all ``n_processes`` have checked in (then tells
+    them to go on, waits for them to hang up, and frees the port for JAX), or
+    until ``timeout``, when it and every process that checked in raise an
+    error naming the missing ones."""
+    if config.process_id == 0:
+        _call_the_roll(config)
+    else:
+        _answer_the_roll(config)
+
+
+def _call_the_roll(config: _Config) -> None:
+    n, port = config.n_processes, config.host0_port or DEFAULT_PORT
+    family = socket.AF_INET6 if socket.has_dualstack_ipv6() else socket.AF_INET
+    try:
+        server = socket.create_server(("", port), family=family, dualstack_ipv6=family == socket.AF_INET6)
+    except OSError as e:
+        raise RuntimeError(f"redeqx.initialize: process 0 cannot listen on port {port} ({e}): another program uses "
+                           "it; give another host0_port (the same on every process).") from None
+    present: dict[int, socket.socket] = {}
+    deadline = time.monotonic() + config.timeout
+    try:
+        while len(present) < n - 1 and time.monotonic() < deadline:
+            server.settimeout(min(1.0, max(0.01, deadline - time.monotonic())))
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            conn.settimeout(10)
+            try:
+                words = conn.recv(256).decode(errors="replace").split()
+            except OSError:
+                conn.close()
+                continue
+            if len(words) != 3 or words[0] != _ROLL_CALL.decode() or not words[1].isdigit():
+                conn.close()  # not one of ours
+                continue
+            pid, their_n = int(words[1]), words[2]
+            if their_n != str(n):
+                conn.sendall(f"refused n_processes={n} at process 0\n".encode())
+                conn.close()
+                raise RuntimeError(f"redeqx.initialize: process {pid} was started with n_processes={their_n}, "
+                                   f"process 0 with n_processes={n}: give every process the same n_processes.")
+            present[pid] = conn
+        missing = [i for i in range(1, n) if i not in present]
+        if missing:
+            text = _missing_text(missing, n, config.timeout)
+            for conn in present.values():
+                with contextlib.suppress(OSError):
+                    conn.sendall(f"missing {','.join(map(str, missing))}\n".encode())
+            raise RuntimeError(
+                f"redeqx.initialize: process 0 {text}. Check that they were started, with host0_address / "
+                f"host0_port pointing at this host (port {port}), the same n_processes={n} and their own "
+                "process_id; raise timeout= (or REDEQX_INIT_TIMEOUT) if the job's processes start far apart."
+            )
+        for conn in present.values():
+            conn.sendall(b"go\n")
+        for conn in present.values():  # they hang up first, so the port is free at once for JAX's service
+            with contextlib.suppress(OSError):
+                conn.recv(16)
+    finally:
+        for conn in present.values():
+            conn.close()
+        server.close()
+
+
+def _missing_text(missing: list[int], n: int, timeout: int) -> str:
+    who = ("process " if len(missing) == 1 else "processes ") + ", ".join(map(str, missing[:20]))
+    who += f" ... ({len(missing)} in all)" if len(missing) > 20 else ""
+    return f"waited {timeout}s for {who} (of {n}), which never connected"
+
+
+def _answer_the_roll(config: _Config) -> None:
     host, port = config.host0_address.strip("[]"), config.host0_port or DEFAULT_PORT
     deadline = time.monotonic() + config.timeout
     while True:
         try:
-            socket.create_connection((host, port), timeout=2).close()
-            return
+            conn = socket.create_connection((host, port), timeout=2)
+            break
         except OSError as e:
             if time.monotonic() > deadline:
                 raise RuntimeError(
@@ -299,6 +384,24 @@ def _wait_for_host0(config: _Config) -> None:
                     "is open between the hosts; raise timeout= if the hosts start far apart."
                 ) from None
             time.sleep(0.5)
+    with conn:
+        conn.sendall(f"{_ROLL_CALL.decode()} {config.process_id} {config.n_processes}\n".encode())
+        conn.settimeout(max(1.0, deadline - time.monotonic()) + 30)  # process 0 answers by its own deadline
+        try:
+            reply = conn.recv(4096).decode(errors="replace").strip()
+        except OSError as e:
+            reply = f"no answer ({e})"
+    if reply == "go":
+        return
+    if reply.startswith("missing "):
+        missing = [int(x) for x in reply.split()[1].split(",")]
+        raise RuntimeError(
+            f"redeqx.initialize: process {config.process_id} reached process 0, which "
+            f"{_missing_text(missing, config.n_processes, config.timeout)}. Check that they were started with the "
+            "same host0_address, host0_port and n_processes; raise timeout= if the job's processes start far apart."
+        )
+    raise RuntimeError(f"redeqx.initialize: process {config.process_id} checked in with process 0 at {host}:{port}, "
+                       f"which answered {reply!r}.")
 
 
 def _cluster_hint() -> str | None:

@@ -24,7 +24,7 @@ import sys
 import time
 import warnings
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -52,6 +52,20 @@ def _watched(name: str) -> bool:
     """The metrics whose NaN or inf means the run diverged: `make_train_step`'s
     ``loss`` and ``grad_norm``, and any ``*_loss`` / ``*_grad_norm``."""
     return name in ("loss", "grad_norm") or name.endswith(("_loss", "_grad_norm"))
+
+
+class _RaisingFileHandler(logging.FileHandler):
+    """``log.txt``: a write that fails raises (the logging module would
+    print a "Logging error" traceback and go on, the message lost)."""
+
+    def handleError(self, record) -> None:
+        raise  # the OSError being handled, for `Logger.info` to name the file
+
+
+def _write_failed(where: Path, e: OSError, also: Sequence[Path] = ()) -> OSError:
+    more = f" (and {', '.join(map(str, also))})" if also else ""
+    return OSError(e.errno, f"Logger could not write to {where}{more}: {describe_failure(e)}. Free space or fix the "
+                   "permissions, or pass another workdir.")
 
 
 class _EventFile:
@@ -156,7 +170,7 @@ class Logger:
         self._log.propagate = False
         self._log.handlers.clear()
         fmt = logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%d %H:%M:%S")
-        self._file = logging.FileHandler(self.workdir / "log.txt")
+        self._file = _RaisingFileHandler(self.workdir / "log.txt")
         self._console = logging.StreamHandler(sys.stdout)
         for handler in (self._file, self._console):
             handler.setFormatter(fmt)
@@ -216,8 +230,7 @@ class Logger:
                 where = self.workdir / "tensorboard"
                 self._tb.add(scalars, step)
         except OSError as e:
-            raise OSError(e.errno, f"Logger could not write to {where}: {describe_failure(e)}. Free space or fix "
-                          "the permissions, or pass another workdir.") from e
+            raise _write_failed(where, e) from e
         if self._wandb is not None:
             self._wandb.log(values, step=int(step))
         bar = self._bar if self._bar is not None else (ACTIVE_BARS[-1] if ACTIVE_BARS else None)
@@ -229,10 +242,13 @@ class Logger:
         """Print ``msg`` (above any progress bar) and append it to ``log.txt``."""
         if not self.active:
             return
-        if self._bar is None:
-            self._log.info(str(msg))
-            return
-        self._file.handle(self._log.makeRecord(self._log.name, logging.INFO, __file__, 0, str(msg), None, None))
+        try:
+            if self._bar is None:
+                self._log.info(str(msg))
+                return
+            self._file.handle(self._log.makeRecord(self._log.name, logging.INFO, __file__, 0, str(msg), None, None))
+        except OSError as e:
+            raise _write_failed(self.workdir / "log.txt", e) from e
         tqdm.write(str(msg))  # keeps the bar intact
 
     def save_outputs(self, outputs: Any, name: str, step: int) -> Path | None:
@@ -261,20 +277,33 @@ class Logger:
             self._bar = None
 
     def close(self) -> None:
-        """Flush and close every file (also done at interpreter exit)."""
+        """Flush and close every file (also done at interpreter exit). Every
+        file is closed even when one cannot be flushed (a full disk); then an
+        ``OSError`` names the first that failed and the cause."""
         if not self.active:
             return
+        failed: list[tuple[Path, OSError]] = []
+
+        def closing(where: Path, close) -> None:
+            try:
+                close()
+            except OSError as e:
+                failed.append((where, e))
+
         if self._tb is not None:
-            self._tb.close()
+            closing(self.workdir / "tensorboard", self._tb.close)
             self._tb = None
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
         if not self._jsonl.closed:
-            self._jsonl.close()
+            closing(self.workdir / "metrics.jsonl", self._jsonl.close)
         for handler in list(self._log.handlers):
-            handler.close()
+            closing(self.workdir / "log.txt", handler.close)
             self._log.removeHandler(handler)
+        if failed:
+            where, e = failed[0]
+            raise _write_failed(where, e, also=[w for w, _ in failed[1:]]) from e
 
     def __enter__(self) -> Logger:
         return self

@@ -31,6 +31,7 @@ from jaxtyping import PyTree
 
 from . import _preemption
 from ._checkpoint import (
+    HASH,
     TMP_MARKER,
     CheckpointError,
     NewerFormatError,
@@ -159,18 +160,40 @@ def _data_shards_of(state) -> int | None:
     return None
 
 
-def _warn_moved_position(meta: dict, mesh: Mesh, path: Path) -> None:
+def _warn_moved_position(meta: dict, mesh: Mesh, path: Path, per_device_batch_size: int | None) -> None:
     """A mid-epoch position is a batch index, and a batch is
-    ``per_device_batch_size * data`` examples: on another ``data`` size,
-    ``batches(..., start=batch)`` starts at another example."""
-    saved, now = meta.get("data_shards"), mesh.shape[DATA]
-    if meta.get("batch", 0) and saved is not None and saved != now:
+    ``per_device_batch_size * data`` examples: with another global batch,
+    ``batches(..., start=batch)`` starts at another example. When both runs
+    said their ``per_device_batch_size`` the global batches are compared (a
+    scaled one that keeps the global batch is quiet); otherwise only the
+    ``data`` sizes can be, and the warning says what it could not check."""
+    batch, saved, now = meta.get("batch", 0), meta.get("data_shards"), mesh.shape[DATA]
+    saved_pdbs = meta.get("per_device_batch_size")
+    if not batch or saved is None:
+        return
+    if saved_pdbs is not None and per_device_batch_size is not None:
+        before, after = saved_pdbs * saved, per_device_batch_size * now
+        if before == after:
+            return
+        first = batch * before
+        exact = f"batches(..., start={first // after})" if first % after == 0 else "no start (it falls mid-batch)"
         warnings.warn(
-            f"redeqx.CheckpointManager: {path.name} was saved mid-epoch (next batch {meta['batch']}) on a mesh with "
+            f"redeqx.CheckpointManager: {path.name} was saved mid-epoch (next batch {batch}) with a global batch of "
+            f"{before} examples (per_device_batch_size={saved_pdbs} x data={saved}); here it is {after} "
+            f"(per_device_batch_size={per_device_batch_size} x data={now}), so batches(..., start={batch}) would "
+            f"start at example {batch * after}, not {first}, skipping or repeating examples of this epoch. "
+            f"Example {first} starts {exact}; or keep the global batch ({before}), or restart the epoch (start=0).",
+            stacklevel=3,
+        )
+        return
+    if saved != now:
+        warnings.warn(
+            f"redeqx.CheckpointManager: {path.name} was saved mid-epoch (next batch {batch}) on a mesh with "
             f"data={saved}, and this mesh has data={now}: with the same per_device_batch_size a batch is "
-            f"{now}/{saved} as many examples, so batches(..., start={meta['batch']}) would skip or repeat examples "
+            f"{now}/{saved} as many examples, so batches(..., start={batch}) would skip or repeat examples "
             "of this epoch. Resume on the same data size to finish the epoch, scale per_device_batch_size by "
-            f"{saved}/{now}, or restart the epoch (start=0).",
+            f"{saved}/{now}, or restart the epoch (start=0). (Pass per_device_batch_size= to save() and restore() "
+            "and this is checked exactly, quiet when the global batch is the same.)",
             stacklevel=3,
         )
 
@@ -205,7 +228,9 @@ class CheckpointManager:
       even with SIGKILL, never leaves a half checkpoint that `latest` or
       `best` would pick; leftovers are removed when the next manager starts.
       `restore` skips a checkpoint that is unreadable (truncated, corrupted)
-      with a warning naming it, and falls back to the previous one.
+      with a warning naming it, and falls back to the previous one; the
+      skipped one never counts towards ``keep_last`` (so the last good one is
+      not pruned for it), and a later save of its step replaces it whole.
     - Preemption: from its first `save` to `close`, the manager listens for
       the SIGTERM a scheduler sends before killing a job (with several
       processes, JAX's preemption service does, and every process agrees on
@@ -302,6 +327,7 @@ class CheckpointManager:
         self._lock = threading.Lock()
         self._calls = 0  # save() calls, the count every process agrees on for a preemption
         self._ours = overwrite  # whether the checkpoints on disk are this run's (set by restore or a first save)
+        self._unreadable: set[str] = set()  # checkpoints `restore` skipped: never counted as kept, replaced when saved again
         self._clean_leftovers()
         if overwrite and jax.process_index() == 0 and (old := self.steps()):
             warnings.warn(f"redeqx.CheckpointManager(overwrite=True): deleting the checkpoints of steps "
@@ -334,8 +360,8 @@ class CheckpointManager:
 
     @property
     def latest(self) -> Path | None:
-        """The newest complete checkpoint, or None."""
-        steps = self.steps()
+        """The newest complete checkpoint (not one `restore` found unreadable), or None."""
+        steps = [s for s in self.steps() if self.path(s).name not in self._unreadable]
         return self.path(steps[-1]) if steps else None
 
     def _metadata(self, path: Path) -> dict | None:
@@ -412,6 +438,7 @@ class CheckpointManager:
         metadata: Mapping[str, Any] | None = None,
         step: int | None = None,
         force: bool = False,
+        per_device_batch_size: int | None = None,
     ) -> bool:
         """Save ``state`` if due (see the class docstring); returns whether it
         wrote (or, for a step already saved, recorded) a checkpoint.
@@ -419,6 +446,8 @@ class CheckpointManager:
         ``epoch``/``batch``/``data_key`` are where to resume the data (the next
         batch to run), ``metrics`` what to rank by, ``metadata`` anything else
         JSON-able. ``step`` defaults to ``state.step`` (give it for a bare model).
+        ``per_device_batch_size`` (the one `batches` used) lets `restore`
+        check a mid-epoch ``batch`` exactly on another mesh.
 
         At a preemption (SIGTERM) it saves whatever ``every`` says, waits for
         the write, and raises `Preempted` (exit status 143). A state holding
@@ -452,6 +481,8 @@ class CheckpointManager:
         meta = {**dict(metadata or {}), "step": step, "epoch": epoch, "batch": batch, "metrics": metrics}
         if data_key is not None:
             meta["data_key"] = data_key
+        if per_device_batch_size is not None:
+            meta["per_device_batch_size"] = positive_int(per_device_batch_size, "per_device_batch_size")
         if (n_data := _data_shards_of(state)) is not None:
             meta["data_shards"] = n_data
         encoded = encode(state, meta, self.dtype)
@@ -464,6 +495,8 @@ class CheckpointManager:
                 "Lower the learning rate, clip gradients (optax.clip_by_global_norm), or skip bad updates "
                 "(optax.apply_if_finite); CheckpointManager(..., allow_nonfinite=True) saves such a state anyway."
             )
+        if path.name in self._unreadable and path.exists():
+            self._replace_unreadable(path)
         if path.exists():
             self._record(path, encoded.metadata)
         else:
@@ -482,6 +515,21 @@ class CheckpointManager:
             raise _preemption.Preempted(path, step)
         return True
 
+    def _replace_unreadable(self, path: Path) -> None:
+        """The run reached again the step of a checkpoint `restore` skipped as
+        unreadable: delete it, so the state at hand is written in full (not
+        just its metadata beside the damaged arrays)."""
+        if jax.process_index() == 0:
+            warnings.warn(f"redeqx.CheckpointManager: replacing {path}, which restore() skipped as unreadable, "
+                          "with the state saved now.", stacklevel=3)
+            self._delete(path)
+        if jax.process_count() > 1:  # nobody writes the new one before the old one is gone
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"redeqx replace {path.name}")
+        self._unreadable.discard(path.name)
+        self._meta.pop(path.name, None)
+
     def _record(self, path: Path, meta: dict) -> None:
         """``path`` (a complete checkpoint of this step) gets ``meta``: the
         arrays must be the ones on disk; the position and metrics are the
@@ -490,13 +538,28 @@ class CheckpointManager:
         if old is None:
             raise CheckpointError(f"{path} exists but its metadata cannot be read; delete it to save step "
                                   f"{meta['step']} again.")
-        def checksums(m):
-            return {item: {k: v["checksum"] for k, v in leaves.items()} for item, leaves in m["redeqx"]["leaves"].items()}
+        def same_arrays(new, saved) -> bool:
+            """The word sums agree, and so do the content hashes where both were
+            taken over the same pieces (an older checkpoint has none; one saved
+            on another layout hashed other pieces)."""
+            a, b = new["redeqx"]["leaves"], saved["redeqx"]["leaves"]
+            if {i: set(leaves) for i, leaves in a.items()} != {i: set(leaves) for i, leaves in b.items()}:
+                return False
+            for item, leaves in a.items():
+                for name, x in leaves.items():
+                    y = b[item][name]
+                    if x["checksum"] != y["checksum"]:
+                        return False
+                    hx, hy = x.get(HASH), y.get(HASH)
+                    if hx and hy and set(hx) == set(hy) and hx != hy:
+                        return False
+            return True
 
-        if checksums(meta) != checksums(old):
+        if not same_arrays(meta, old):
             raise CheckpointError(
                 f"step {meta['step']} is already saved in {path} with other arrays than this state's: one step "
-                "number, two states. Save each state at its own step (state.step counts optimizer updates)."
+                "number, two states. Save each state at its own step (state.step counts optimizer updates). If "
+                f"{path.name} is damaged, restore() skips it and the next save of step {meta['step']} replaces it."
             )
         if jax.process_index() == 0:
             file = metadata_file(path)
@@ -539,8 +602,10 @@ class CheckpointManager:
     def _prune(self) -> None:
         if jax.process_index() != 0:
             return
-        # checkpoints whose metadata cannot be read are neither counted nor deleted
-        paths = [p for p in (self.path(s) for s in self.steps()) if self._metadata(p) is not None]
+        # checkpoints whose metadata cannot be read, or that restore() found unreadable, are neither counted
+        # (a damaged newest one must not push the last good one out) nor deleted (a save of that step replaces it)
+        paths = [p for p in (self.path(s) for s in self.steps())
+                 if p.name not in self._unreadable and self._metadata(p) is not None]
         keep = retained([self._step(p) for p in paths], self._metrics(paths), keep_last=self.keep_last,
                         best=self.best_modes)
         for p in paths:
@@ -579,14 +644,19 @@ class CheckpointManager:
 
     # -- reading
 
-    def restore(self, like: PyTree, mesh: Mesh, specs: PyTree = None, *, best: str | None = None):
+    def restore(self, like: PyTree, mesh: Mesh, specs: PyTree = None, *, best: str | None = None,
+                per_device_batch_size: int | None = None):
         """``(state, metadata)`` from the latest complete checkpoint (or the
         best by metric ``best``), or None if there is none yet. A checkpoint
         that cannot be read is skipped with a warning naming it and the next
         one (older, or next best) is tried. ``like``/``mesh``/``specs`` are as
         in `restore_checkpoint` (a model as ``like`` restores parameters only).
         After it, the manager's saves continue this run (see ``overwrite``).
+        ``per_device_batch_size`` (this run's) checks a mid-epoch position
+        against the one saved with it (see `save`).
         """
+        if per_device_batch_size is not None:
+            per_device_batch_size = positive_int(per_device_batch_size, "per_device_batch_size")
         if self._checkpointer is not None:
             self._finish()
         self._ours = True
@@ -603,12 +673,13 @@ class CheckpointManager:
             try:
                 state = restore_checkpoint(path, like, mesh, specs)
                 meta = read_metadata(path)
-                _warn_moved_position(meta, mesh, path)
+                _warn_moved_position(meta, mesh, path, per_device_batch_size)
                 return state, meta
             except NewerFormatError:
                 raise
             except CheckpointError as e:
                 failures.append(str(e))
+                self._unreadable.add(path.name)
                 warnings.warn(f"redeqx.CheckpointManager: skipping {path}: {e}", stacklevel=2)
         if failures:
             raise CheckpointError(f"no readable checkpoint in {self.directory}:\n" + "\n".join(failures))

@@ -36,8 +36,9 @@ def make_mesh(
     each candidate mesh, 1, 2, 4, ... model shards, each compiled on
     abstract shapes, and the first whose plan fits is returned.
 
-    Both axes are ``Auto``: the sharding rules only place parameters, and XLA's
-    GSPMD propagation then decides the layout of every activation. ``Explicit``
+    Both axes are ``Auto``: the sharding rules only place parameters, and the
+    partitioner's propagation (Shardy, this JAX's default) then decides the
+    layout of every activation. ``Explicit``
     axes (this JAX's default for ``jax.make_mesh``) would make every user's
     ``loss_fn`` spell out ``out_sharding`` for each row-parallel matmul, which
     breaks the promise that any Equinox model works unchanged; the equivalence
@@ -79,11 +80,14 @@ def _auto_mesh(devices: list, planner) -> Mesh:
             'n_model_shards="auto" needs planner=: e.g. planner=functools.partial(redeqx.plan, make_model, loss_fn, '
             'optimizer, batch, device_memory="40GB"), which make_mesh calls with each candidate mesh.'
         )
-    seen = []
+    # `plan` explores what would make a step fit (a dozen more compiles) when it does not: worth it
+    # once, for the advice, not for every candidate of the search
+    quiet = {"explore": False} if _takes(planner, "explore") else {}
+    seen, last = [], None
     for k in [d for d in range(1, len(devices) + 1) if len(devices) % d == 0]:
         mesh = make_mesh(k, devices=devices)
         try:
-            found = planner(mesh)
+            found = planner(mesh, **quiet)
         except ValueError as e:  # e.g. a global batch this data axis cannot split
             seen.append(f"n_model_shards={k}: {e}")
             continue
@@ -93,10 +97,26 @@ def _auto_mesh(devices: list, planner) -> Mesh:
         if fits:
             return mesh
         seen.append(f"n_model_shards={k}: peak {getattr(found, 'peak', '?')} bytes per device")
+        last = mesh
+    advice = ""
+    if quiet and last is not None:  # the most model shards that could run: what else would make it fit
+        explored = planner(last)
+        advice = f"\nAt n_model_shards={last.shape[MODEL]}, what redeqx.plan tried:\n{explored}"
     raise ValueError(
-        f"no n_model_shards fits on these {len(devices)} devices:\n  " + "\n  ".join(seen)
+        f"no n_model_shards fits on these {len(devices)} devices:\n  " + "\n  ".join(seen) + advice
         + "\nTry fsdp=True, remat=True, compute_dtype=jnp.bfloat16 or accumulate in the planner, or more devices."
     )
+
+
+def _takes(fn, name: str) -> bool:
+    """Whether ``fn`` (a function or a ``functools.partial`` of one) takes the keyword ``name``."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 _MESH_FIX = (
@@ -117,7 +137,7 @@ def check_mesh(mesh, name: str = "mesh") -> Mesh:
     types = tuple(getattr(mesh, "axis_types", ()) or ())
     if types and any(t != AxisType.Auto for t in types):
         # Explicit (or Manual) axes put shardings into array types, which users' loss
-        # functions would then have to spell out; redeqx's rules rely on GSPMD (Auto).
+        # functions would then have to spell out; redeqx's rules rely on propagation (Auto axes, Shardy).
         return _auto(mesh)
     return mesh
 

@@ -127,7 +127,8 @@ class Plan:
             if good:
                 lines.append(f"would fit with: {good[0]}")
             elif self.fits is False:
-                lines.append("nothing tried fits: more devices are needed (or a shorter sequence / smaller batch)")
+                lines.append("nothing tried fits, up to the most model shards these devices allow: more devices "
+                             "are needed (or a shorter sequence / smaller batch)")
         return "\n".join(lines)
 
 
@@ -237,8 +238,8 @@ def _options(settings: dict, mesh: Mesh, global_batch: int) -> list[tuple[str, d
             out.append((f"accumulate={settings['accumulate'] * k}", {"accumulate": settings["accumulate"] * k}, n_model))
             break
     bigger = [k for k in range(n_model + 1, n_dev + 1) if n_dev % k == 0 and global_batch % (n_dev // k) == 0]
-    if bigger:
-        out.append((f"n_model_shards={bigger[0]}", {}, bigger[0]))
+    for k in dict.fromkeys(bigger[:1] + bigger[-1:]):  # the next split, and the most these devices allow
+        out.append((f"n_model_shards={k}", {}, k))
     return out
 
 
@@ -323,14 +324,27 @@ def plan(
         tried.append((label, _one_plan(abstract, loss_fn, optimizer, batch, other_mesh, key,
                                        {**settings, **change}, device_memory)))
     if not any(p.fits for _, p in tried):
-        combined, label = dict(settings), []
-        for name, change, n_model in _options(settings, mesh, global_batch):
-            if n_model != mesh.shape[MODEL]:
-                continue  # fewer data shards change the run; say it on its own
-            combined.update(change)
-            label.append(name)
-            p = _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, combined, device_memory)
-            tried.append((" + ".join(label), p))
-            if p.fits:
-                break
+        # combine, on this mesh, the options that lowered the peak alone, best first; keep each that
+        # lowers the combination's peak further (one that raises it is left out, and said so)
+        alone = {label: p for label, p in tried}
+        helping = sorted(((name, change) for name, change, n_model in _options(settings, mesh, global_batch)
+                          if n_model == mesh.shape[MODEL] and alone[name].peak < first.peak),
+                         key=lambda nc: alone[nc[0]].peak)
+        combined, label, best = dict(settings), [], None
+        for name, change in helping:
+            if not label:  # the best one alone was compiled already
+                combined.update(change)
+                label.append(name)
+                best = alone[name]
+                continue
+            attempt = {**combined, **change}
+            p = _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, attempt, device_memory)
+            if p.peak < best.peak:
+                combined, best = attempt, p
+                label.append(name)
+                tried.append((" + ".join(label), p))
+                if p.fits:
+                    break
+            else:
+                tried.append((f"{' + '.join(label)} + {name} (raises the peak: left out)", p))
     return dataclasses.replace(first, tried=tuple(tried))

@@ -1,6 +1,6 @@
 """``make_train_step(..., shard_mean_loss=True)``: each data shard's gradients
 from its own rows, averaged with one all-reduce, as ``jax.pmap`` data
-parallelism does. Why: GSPMD reduces the terms of a parameter used twice
+parallelism does. Why: the partitioner (Shardy, this JAX's default) reduces the terms of a parameter used twice
 (a tied embedding's lookup and head) one after the other; averaging each
 shard's summed gradient reduces it once (benchmarks/RESULTS.md, "A tied
 embedding's gradient at one model shard").
@@ -49,7 +49,7 @@ def check_whole_over_data(specs) -> None:
 
 def shard_mean(grad_fn: GradFn, mesh: Mesh) -> GradFn:
     """``grad_fn`` run on each data shard's own rows (under ``jax.shard_map``
-    over ``data``; ``model`` stays GSPMD's inside), then one mean over
+    over ``data``; ``model`` stays the partitioner's inside), then one mean over
     ``data``. Dropout draws from ``fold_in(key, shard)``."""
 
     def grads_of(params, static, batch, key, model_state):

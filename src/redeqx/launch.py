@@ -12,7 +12,11 @@ a ``redeqx.initialize()`` call in it is then a no-op.
 Ctrl-C and SIGTERM reach every process. SIGTERM is a preemption notice:
 a script that calls `CheckpointManager.save` every step saves and exits with
 status 143 (`redeqx.Preempted`); processes still running ``--grace`` seconds
-(default 20) after the signal are killed. If one process fails or dies, the
+(default 20) after the signal are killed. A second SIGTERM while they save
+(a scheduler that signals twice) changes nothing; a second Ctrl-C kills them
+at once. The launcher exits with 143 only when a checkpoint was saved;
+otherwise it says that nothing was saved and exits with another status
+(137 when it had to kill, 130 after Ctrl-C). If one process fails or dies, the
 launcher stops the others (within a few seconds) and exits with that
 process's exit status; if one process ends its script while the others still
 run ``--exit-timeout`` seconds later (default 60; a ``sys.exit`` taken by one
@@ -226,6 +230,28 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return ns
 
 
+def _final_status(codes: list[int], received: list[int], preempted: bool, failed: list) -> int:
+    """The launcher's exit status once every process has ended. 143 means
+    "a preemption checkpoint was saved" (a process exits with it only after
+    the save every process agreed on is complete), so it is returned only
+    when some process did; a signal that ended the run without one gives
+    128 + SIGKILL when the launcher had to kill, 128 + SIGINT after Ctrl-C."""
+    if preempted or PREEMPTED_EXIT_CODE in codes:
+        return PREEMPTED_EXIT_CODE
+    if received:
+        if received[0] == signal.SIGINT:
+            return 128 + signal.SIGINT
+        if any(rc == -signal.SIGKILL for rc in codes):
+            return 128 + signal.SIGKILL
+        bad = [rc for rc in codes if rc != 0]
+        if not bad:
+            return 0  # every script finished before it had to stop
+        return bad[0] if bad[0] > 0 else 1
+    if failed:
+        return 128 - failed[0][1] if failed[0][1] < 0 else failed[0][1]
+    return 0
+
+
 def _names(indices) -> str:
     indices = list(indices)
     return ("process " if len(indices) == 1 else "processes ") + ", ".join(map(str, indices))
@@ -247,19 +273,29 @@ def main(argv: list[str] | None = None) -> int:
 
     received: list[int] = []
     received_at: list[float] = []
+    killed: list[str] = []  # why the launcher SIGKILLed processes, if it did
+
+    def say(text: str) -> None:
+        print(f"redeqx.launch: {text}", file=sys.stderr, flush=True)
+
+    def kill_all(why: str) -> None:
+        killed.append(why)
+        for p in procs:
+            if p.poll() is None:
+                _signal_group(p, signal.SIGKILL)
 
     def forward(sig, frame):
-        if received:  # a second signal: no more waiting
-            for p in procs:
-                _signal_group(p, signal.SIGKILL)
+        if received:
+            if sig == signal.SIGINT:  # Ctrl-C again: the person at the keyboard wants out now
+                kill_all("a second Ctrl-C")
+            # a repeated SIGTERM (a scheduler that signals twice, or every process of a job) is the
+            # same notice: the checkpoint it asked for is being written, so keep waiting for it
+            return
         received.append(sig)
         received_at.append(time.monotonic())
         for p in procs:
             if p.poll() is None:
                 _signal_group(p, sig)
-
-    def say(text: str) -> None:
-        print(f"redeqx.launch: {text}", file=sys.stderr, flush=True)
 
     handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     previous = {s: signal.signal(s, forward) for s in handled}
@@ -304,16 +340,16 @@ def main(argv: list[str] | None = None) -> int:
                 late = [i for i, rc in enumerate(codes) if rc is None]
                 say(f"{_names(late)} still ran {grace:g} s after the {'signal' if received else 'preemption'}; "
                     "killing them.")
-                for p in procs:
-                    if p.poll() is None:
-                        _signal_group(p, signal.SIGKILL)
+                kill_all(f"the end of the {grace:g} s grace period")
             if all(rc is not None for rc in codes):
-                if received:
-                    status = 128 + received[0]
-                elif preempted:
-                    status = PREEMPTED_EXIT_CODE
-                elif failed:
-                    status = 128 - failed[0][1] if failed[0][1] < 0 else failed[0][1]
+                status = _final_status(codes, received, bool(preempted), failed)
+                if received and received[0] == signal.SIGTERM and status != PREEMPTED_EXIT_CODE:
+                    why = f" (killed at {killed[0]})" if killed else ""
+                    say(f"no process saved a checkpoint after the SIGTERM{why}: nothing was saved for this "
+                        f"preemption; exiting with status {status}, not {PREEMPTED_EXIT_CODE}. A restart resumes "
+                        "from the last complete checkpoint (an unfinished save is never picked).")
+                elif killed and status != PREEMPTED_EXIT_CODE:
+                    say(f"killed every process at {killed[0]}: nothing was saved; exiting with status {status}.")
                 break
             time.sleep(0.1)
     finally:

@@ -40,6 +40,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from .._constrain import constrain
 from .._mesh import MODEL
 from ._layers import (
+    Stackable,
     SCAN_LAYERS,
     ACTIVATIONS,
     Attention,
@@ -156,7 +157,7 @@ def _feed_forward(fc1: Linear, fc2: Linear, activation: str, x: Float[Array, "se
     return constrain(fc2(h), P())  # row parallel: one all-reduce
 
 
-class BartEncoderLayer(eqx.Module):
+class BartEncoderLayer(Stackable):
     self_attn: Attention
     self_attn_layer_norm: LayerNorm
     fc1: Linear
@@ -179,7 +180,7 @@ class BartEncoderLayer(eqx.Module):
         return self.final_layer_norm(x + _feed_forward(self.fc1, self.fc2, self.activation, x))
 
 
-class BartDecoderLayer(eqx.Module):
+class BartDecoderLayer(Stackable):
     self_attn: Attention
     self_attn_layer_norm: LayerNorm
     encoder_attn: Attention

@@ -22,6 +22,7 @@ from jaxtyping import PRNGKeyArray
 from .._constrain import constrain
 from .._mesh import MODEL
 from ._layers import (
+    Stackable,
     SCAN_LAYERS,
     Cache,
     CausalLM,
@@ -142,7 +143,7 @@ class GPT2MLP(eqx.Module):
         return constrain(self.c_proj(h), P())  # row parallel: one all-reduce
 
 
-class GPT2Block(eqx.Module):
+class GPT2Block(Stackable):
     ln_1: LayerNorm
     attn: GPT2Attention
     ln_2: LayerNorm

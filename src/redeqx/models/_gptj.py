@@ -37,6 +37,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from .._constrain import constrain
 from .._mesh import MODEL
 from ._layers import (
+    Stackable,
     SCAN_LAYERS,
     ACTIVATIONS,
     Cache,
@@ -202,7 +203,7 @@ class GPTJMLP(eqx.Module):
         self.fc_out = Linear(config.inner, config.n_embd, bias=True, key=k2)
 
 
-class GPTJBlock(eqx.Module):
+class GPTJBlock(Stackable):
     ln_1: LayerNorm
     attn: GPTJAttention
     mlp: GPTJMLP

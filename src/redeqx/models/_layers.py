@@ -12,6 +12,7 @@ from collections.abc import Callable
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
@@ -183,6 +184,63 @@ def build_layers(make: Callable[[PRNGKeyArray], eqx.Module], keys: PRNGKeyArray,
     if stacked:
         return eqx.filter_vmap(make)(keys)
     return [make(k) for k in keys]
+
+
+def stack_depth(layer) -> int | None:
+    """The number of layers in a zoo stack (one layer whose every array has
+    a leading layer axis), or None for one layer: a zoo layer always holds a
+    1-D array (a norm's weight, a bias), so in a stack every array is at
+    least 2-D, all with the same leading size."""
+    arrays = jax.tree.leaves(eqx.filter(layer, eqx.is_array))
+    sizes = {a.shape[0] for a in arrays if a.ndim >= 2}
+    if not arrays or any(a.ndim < 2 for a in arrays) or len(sizes) != 1:
+        return None
+    return sizes.pop()
+
+
+class Stackable(eqx.Module):
+    """A zoo layer class, which `build_layers` may stack: a stack (what
+    ``model.model.layers`` is with ``scan_layers=True``, the default) is
+    indexed like Transformers' layer list, and a changed layer put back.
+
+    ```python
+    layer = model.model.layers[3]                      # layer 3: its arrays sliced from the stack
+    layer = eqx.tree_at(lambda l: l.mlp.down_proj.weight, layer, new_weight)
+    model = eqx.tree_at(lambda m: m.model.layers, model, model.model.layers.with_layer(3, layer))
+    ```
+    """
+
+    def _depth(self, what: str) -> int:
+        n = stack_depth(self)
+        if n is None:
+            raise TypeError(
+                f"{what} of a {type(self).__name__} that is one layer, not a stack of them: index the layer list of "
+                "a model built with scan_layers=False, or the stack of one built with scan_layers=True (the default)."
+            )
+        return n
+
+    def __getitem__(self, i: int):
+        n = self._depth("indexing")
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+            raise TypeError(f"a stack of {n} {type(self).__name__}s takes one int index (0 to {n - 1}), got {i!r}; "
+                            "eqx.tree_at or jax.tree.map over the stacked arrays change several layers at once.")
+        if not -n <= i < n:
+            raise IndexError(f"layer {i} of a stack of {n} {type(self).__name__}s: use 0 to {n - 1} (or -{n} to -1).")
+        return layer_at(self, int(i) % n)
+
+    def with_layer(self, i: int, layer) -> Stackable:
+        """This stack with layer ``i`` replaced by ``layer`` (one layer of the
+        same structure and shapes, e.g. ``stack[i]`` changed)."""
+        n = self._depth("with_layer")
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not -n <= i < n:
+            raise IndexError(f"with_layer({i!r}, ...) on a stack of {n} {type(self).__name__}s: use 0 to {n - 1}.")
+        stack, one = eqx.filter(self, eqx.is_array), eqx.filter(layer, eqx.is_array)
+        if jax.tree.structure(stack) != jax.tree.structure(one) or any(
+                s.shape[1:] != a.shape for s, a in zip(jax.tree.leaves(stack), jax.tree.leaves(one))):
+            raise ValueError(f"with_layer({i}, layer): layer must be one {type(self).__name__} of this stack's "
+                             "structure and shapes, as stack[i] gives it (change it with eqx.tree_at).")
+        arrays = jax.tree.map(lambda s, a: s.at[int(i) % n].set(a.astype(s.dtype)), stack, one)
+        return eqx.combine(arrays, self)
 
 
 def is_stacked(layers) -> bool:

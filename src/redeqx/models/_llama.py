@@ -26,6 +26,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from .._constrain import constrain
 from .._mesh import MODEL
 from ._layers import (
+    Stackable,
     SCAN_LAYERS,
     Cache,
     CausalLM,
@@ -296,7 +297,7 @@ class LlamaMLP(eqx.Module):
         return constrain(self.down_proj(jax.nn.silu(gate) * up), P())  # row parallel: one all-reduce
 
 
-class LlamaDecoderLayer(eqx.Module):
+class LlamaDecoderLayer(Stackable):
     self_attn: LlamaAttention
     mlp: LlamaMLP
     input_layernorm: RMSNorm

@@ -31,6 +31,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from .._constrain import constrain
 from .._mesh import MODEL
 from ._layers import (
+    Stackable,
     SCAN_LAYERS,
     ACTIVATIONS,
     Attention,
@@ -161,7 +162,7 @@ class OPTConfig:
         }
 
 
-class OPTDecoderLayer(eqx.Module):
+class OPTDecoderLayer(Stackable):
     self_attn: Attention
     self_attn_layer_norm: LayerNorm
     fc1: Linear

@@ -35,6 +35,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from .._constrain import constrain
 from .._mesh import MODEL
 from ._layers import (
+    Stackable,
     SCAN_LAYERS,
     Embedding,
     KVCache,
@@ -353,7 +354,7 @@ class T5LayerFF(eqx.Module):
         return x + self.DenseReluDense(self.layer_norm(x))
 
 
-class T5Block(eqx.Module):
+class T5Block(Stackable):
     """Encoder block: ``layer = [self-attention, FF]``; decoder block:
     ``layer = [self-attention, cross attention, FF]`` (Hugging Face's order)."""
 
