@@ -248,7 +248,9 @@ def _start(config: _Config, *, by: str, explicit=()) -> None:
         address = f"{config.host0_address}:{config.host0_port or DEFAULT_PORT}"
     nothing_given = address is None and config.n_processes is None and config.process_id is None
     if address is not None and config.n_processes is not None and config.process_id is not None:
-        _roll_call(config)  # a late call on process 0 is refused by JAX after it (no public way to ask first)
+        if config.process_id == 0 and _backend_started():  # else its roll call would wait first
+            raise RuntimeError(_BACKEND_STARTED)
+        _roll_call(config)
     _use_cpu_collectives()
     try:
         jax.distributed.initialize(
@@ -288,6 +290,20 @@ def _start(config: _Config, *, by: str, explicit=()) -> None:
     if jax.process_count() > 1:
         _fail_fast_on_uncaught_exceptions()
     preflight()
+
+
+def _backend_started() -> bool:
+    """Whether JAX's backend already runs here, so that `jax.distributed`
+    can no longer start. Asked before the roll call, which would otherwise
+    wait ``timeout`` seconds for processes before JAX says so. JAX has no
+    public question for it: the one private call in redeqx, guarded (without
+    it, JAX's own error comes after the roll call)."""
+    try:
+        from jax._src import xla_bridge
+    except ImportError:
+        return False
+    started = getattr(xla_bridge, "backends_are_initialized", None)
+    return bool(started()) if callable(started) else False
 
 
 _ROLL_CALL = b"redeqx-roll-call"
