@@ -564,7 +564,7 @@ class _OwnWriteErrors(logging.Filter):
         if record.levelno < logging.ERROR or not self.paths:
             return True
         text = record.getMessage() + (f" {record.exc_info[1]}" if record.exc_info and record.exc_info[1] else "")
-        if "_SignalingThread.run() raised" in text and "after interpreter shutdown" in text:
+        if "_SignalingThread.run() raised" in text and any(m in text for m in _AT_EXIT):
             return False  # a save cut off by Python's exit, which names no path: redeqx's exit hook reports it
         return not any(p in text for p in self.paths)
 
