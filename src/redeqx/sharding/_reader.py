@@ -59,17 +59,10 @@ class Reader:
 
     # -- walking --------------------------------------------------------------
     def run(self, jaxpr, views, tags, static) -> tuple[list, list, list]:
-        for var, vw, tg, st in zip(jaxpr.invars, views, tags, static):
-            if vw is not None:
-                self.views[var] = vw
-            if tg:
-                self.tags[var] = tg
-            if st:
-                self.static.add(var)
+        self.bind(jaxpr.invars, views, tags, static)
         for eqn in jaxpr.eqns:
             self.step(eqn)
-        outs = jaxpr.outvars
-        return [self.view(v) for v in outs], [self.tag(v) for v in outs], [self.is_static(v) for v in outs]
+        return self.inputs(jaxpr.outvars)
 
     def step(self, eqn) -> None:
         name = eqn.primitive.name
