@@ -7,9 +7,13 @@ Names that differ only in case (`plan` and `Plan`) share a page, so the site
 builds the same on case-insensitive file systems."""
 
 import importlib
+import sys
 import types
+from pathlib import Path
 
 from mkdocs.structure.files import File
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # the checkout's redeqx, as mkdocstrings reads
 
 PACKAGES = {"redeqx": "api", "redeqx.models": "api/models"}
 
