@@ -41,7 +41,7 @@ def on_config(config):
     api = [{package: entries} for package, entries in sections.items()]
     for entry in config["nav"]:
         if isinstance(entry, dict) and "API reference" in entry:
-            entry["API reference"] = ["api/index.md", *api]
+            entry["API reference"] = [{"Overview": "api/index.md"}, *api]
     return config
 
 
