@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 LOOP = DOCS / "guides" / "loop.md"
 sys.path.insert(0, str(DOCS))
-from hooks import api_pages  # noqa: E402  (the pages the site generates, one per public name)
+from api_pages import api_pages  # noqa: E402  (the pages the site generates, one per public name)
 
 
 @pytest.mark.slow
@@ -52,7 +52,6 @@ def fresh_copy(tree):
 def test_docs_python_blocks_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # "out/..." and "runs/..." paths land here
     loop = run_blocks(python_blocks(LOOP.read_text()), {}, "docs/guides/loop.md", tmp_path)
-    loop |= {"workdir": str(tmp_path / "run"), "key": jax.random.key(0)}
     ran = []
     for page in sorted(DOCS.rglob("*.md")):
         blocks = python_blocks(page.read_text())

@@ -54,7 +54,9 @@ def run_blocks(blocks: list[str], namespace: dict, source: str, tmp_path: Path) 
 
 def test_readme_python_blocks_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # "out/..." paths land here
-    blocks = python_blocks((ROOT / "README.md").read_text())
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250, "the README is a landing page: guides go to docs/guides/"
+    blocks = python_blocks(readme)
     assert blocks, "the README lost its loop?"
     # the loop's block defines train, test and n_epochs itself (it did not: a reader's NameError)
     namespace = run_blocks(blocks, {}, "README.md", tmp_path)
