@@ -25,6 +25,8 @@ from pathlib import Path
 import jax
 
 PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM  # 143: "ended by SIGTERM", as a shell reports it
+"""The exit status (143) of a script that `Preempted` ended after its checkpoint was saved:
+"ended by SIGTERM", as a shell reports it, so a scheduler requeues the job."""
 
 
 class Preempted(SystemExit):
