@@ -42,7 +42,6 @@ import math
 import os
 import re
 import shutil
-import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -57,6 +56,7 @@ import xxhash
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import PyTree
 
+from . import _hooks
 from ._mesh import check_mesh, same_devices
 from ._state import TrainState, check_specs_match as _check_specs_match, mirror_specs as _mirror_specs, refuse_deleted
 from ._trees import is_array_like, is_none as _is_none, is_spec as _is_spec, path_parts
@@ -553,8 +553,8 @@ class _OwnWriteErrors(logging.Filter):
     traceback (~100 lines each, several per failed save), for a failure of
     a save redeqx is making: the same error reaches the caller as one
     `CheckpointError` naming the path and the cause. Any other record, and
-    any other save's, passes. Installed on the ``absl`` logger by the first
-    `write` (a visible call, never at import)."""
+    any other save's, passes. Installed on the ``absl`` and ``asyncio``
+    loggers by the first `write` (``_hooks.quiet_orbax_echoes``)."""
 
     def __init__(self):
         super().__init__()
@@ -573,29 +573,8 @@ _OWN_WRITE_ERRORS = _OwnWriteErrors()
 
 
 def _mute_orbax_errors_for(path: Path) -> None:
-    if not _OWN_WRITE_ERRORS.paths:
-        for name in ("absl", "asyncio"):  # orbax's errors; its tasks' "Task exception was never retrieved"
-            logging.getLogger(name).addFilter(_OWN_WRITE_ERRORS)
-        sys.unraisablehook = _without_closed_loop_echoes(sys.unraisablehook)
+    _hooks.quiet_orbax_echoes(_OWN_WRITE_ERRORS)  # the first write installs it
     _OWN_WRITE_ERRORS.paths.add(str(path))  # orbax names the checkpoint or its temporary directory
-
-
-def _without_closed_loop_echoes(previous):
-    """``sys.unraisablehook`` less one echo: when a save fails, orbax closes
-    its event loop while tensorstore's threads still complete that save's
-    other writes; each of their callbacks then fails with "Event loop is
-    closed", reported as an unraisable exception with no object (a bare
-    traceback, dozens of them). The failure itself reaches the caller as one
-    `CheckpointError`. Installed with the logging filter above, by the first
-    `write`; every other unraisable exception goes to ``previous``."""
-
-    def hook(unraisable):
-        if (unraisable.object is None and unraisable.exc_type is RuntimeError
-                and str(unraisable.exc_value) == "Event loop is closed"):
-            return
-        previous(unraisable)
-
-    return hook
 
 
 def write(checkpointer, path: Path, args) -> None:

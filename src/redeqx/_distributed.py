@@ -20,7 +20,6 @@ import contextlib
 import json
 import os
 import socket
-import sys
 import time
 import zlib
 from collections import Counter
@@ -31,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from . import _hooks
 
 DEFAULT_PORT = 12321
 # A cold start of a large job (containers pulled, a filesystem mounted, thousands of processes
@@ -288,7 +289,7 @@ def _start(config: _Config, *, by: str, explicit=()) -> None:
         ) from None
     _started_by, _started_with = by, config
     if jax.process_count() > 1:
-        _fail_fast_on_uncaught_exceptions()
+        _hooks.stop_process_on_uncaught_exception()
     preflight()
 
 
@@ -453,25 +454,6 @@ def _use_cpu_collectives() -> None:
     collectives fail. It changes nothing for GPUs and TPUs."""
     if not jax.config.jax_cpu_collectives_implementation:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-
-
-def _fail_fast_on_uncaught_exceptions() -> None:
-    previous = sys.excepthook
-
-    def hook(kind, value, tb):
-        previous(kind, value, tb)
-        print(
-            f"redeqx: process {jax.process_index()} stops on this uncaught {kind.__name__}; "
-            "the other processes will stop too.",
-            file=sys.stderr,
-        )
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # Skip JAX's shutdown barrier, which would wait for the other processes
-        # (busy or blocked on this one) for minutes.
-        os._exit(1)
-
-    sys.excepthook = hook
 
 
 def _facts() -> dict:

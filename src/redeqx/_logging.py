@@ -15,7 +15,6 @@ never a writer thread that dies quietly and leaves later calls waiting.
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import math
@@ -23,7 +22,6 @@ import os
 import sys
 import time
 import warnings
-import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -32,6 +30,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from . import _hooks
 from ._checkpoint import describe_failure, strict_json
 from ._data import ACTIVE_BARS
 
@@ -177,8 +176,7 @@ class Logger:
             self._log.addHandler(handler)
         if tensorboard:
             self._tb = _EventFile(self.workdir / "tensorboard")
-        ref = weakref.ref(self)
-        atexit.register(lambda: ref() is not None and ref().close())
+        _hooks.close_at_exit(self)  # held weakly: a logger dropped earlier is not kept alive
         if wandb is not None:
             try:
                 import wandb as wandb_module

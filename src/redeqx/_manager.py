@@ -10,7 +10,6 @@ back past unreadable checkpoints). The format of one checkpoint is
 
 from __future__ import annotations
 
-import atexit
 import json
 import math
 import os
@@ -29,7 +28,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 from jaxtyping import PyTree
 
-from . import _preemption
+from . import _hooks, _preemption
 from ._checkpoint import (
     HASH,
     TMP_MARKER,
@@ -90,10 +89,10 @@ def retained(steps: Sequence[int], metrics: Mapping[int, Mapping[str, float]], *
 
 
 # ----------------------------------------------------------------------------- exit
+# (`_hooks.finish_saves_on_exit` runs `finish_in_flight` at exit and on an uncaught exception)
 
 # Managers with a save in flight, kept alive until it is written even if the caller drops them.
 _IN_FLIGHT: set[CheckpointManager] = set()
-_HOOKED: list[bool] = []
 
 
 def finish_in_flight(why: str) -> list[str]:
@@ -105,39 +104,6 @@ def finish_in_flight(why: str) -> list[str]:
         except Exception as e:
             failures.append(f"redeqx.CheckpointManager ({why}): {e}")
     return failures
-
-
-def _excepthook(previous):
-    """An uncaught exception ends the script: finish the saves in flight
-    first (the writer still runs then), then report as before."""
-
-    def hook(kind, value, tb):
-        for line in finish_in_flight("the script ended with an uncaught exception"):
-            print(line, file=sys.stderr)
-        previous(kind, value, tb)
-
-    return hook
-
-
-def _at_exit() -> None:
-    """A save still in flight when the interpreter exits without `close`:
-    Python has stopped the writer's worker threads by now (before any atexit
-    hook runs), so it is lost. Say so and exit non-zero, never 0."""
-    failures = finish_in_flight("at exit, without close()")
-    if failures:
-        for line in failures:
-            print(line, file=sys.stderr)
-        print("redeqx.CheckpointManager: a checkpoint was lost; exiting with status 1.", file=sys.stderr, flush=True)
-        os._exit(1)
-
-
-atexit.register(_at_exit)  # registered at import, so it runs after the atexit hooks of later objects (a Logger)
-
-
-def _hook_exceptions() -> None:
-    if not _HOOKED:
-        sys.excepthook = _excepthook(sys.excepthook)
-        _HOOKED.append(True)
 
 
 # ----------------------------------------------------------------------------- the manager
@@ -337,7 +303,7 @@ class CheckpointManager:
         handler = ocp.CompositeCheckpointHandler()
         self._checkpointer = ocp.AsyncCheckpointer(handler) if async_save else ocp.Checkpointer(handler)
         self._watching = False  # listening for SIGTERM from the first save on: before it there is nothing to save
-        _hook_exceptions()
+        _hooks.finish_saves_on_exit(finish_in_flight)  # at exit and on an uncaught exception
 
     # -- what is on disk
 
