@@ -9,9 +9,10 @@ from ._checkpoint import (
     save_checkpoint as save_checkpoint,
 )
 from ._constrain import constrain as constrain
-from ._data import batches as batches, evaluate as evaluate, predict as predict, shuffled as shuffled
+from ._data import batches as batches, shuffled as shuffled
 from ._distributed import initialize as initialize, preflight as preflight
 from ._hlo import collective_summary as collective_summary
+from ._inference import evaluate as evaluate, predict as predict
 from ._logging import Logger as Logger
 from ._manager import CheckpointManager as CheckpointManager
 from ._mesh import check_mesh as check_mesh, make_mesh as make_mesh
