@@ -109,8 +109,8 @@ def test_batches_progress_bar_shows_loss_and_learning_rate(tmp_path):
     shown = []
     for i, batch in enumerate(redeqx.batches(examples, collate, 1, mesh, desc="epoch 0")):
         logger.log({"loss": 1.0 / (i + 1), "learning_rate": 1e-3}, i)
-        bar = redeqx._data.ACTIVE_BARS[-1]
+        bar = redeqx._progress.innermost()
         shown.append(bar.postfix)
-    assert not redeqx._data.ACTIVE_BARS  # the bar is gone with its loop
+    assert redeqx._progress.innermost() is None  # the bar is gone with its loop
     assert "loss=0.5" in shown[1] and "learning_rate=0.001" in shown[1]
     logger.close()

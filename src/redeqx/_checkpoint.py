@@ -35,12 +35,9 @@ Reading one without redeqx (plain orbax and NumPy)::
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
-import math
 import os
-import re
 import shutil
 import time
 from collections.abc import Mapping
@@ -57,6 +54,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import PyTree
 
 from . import _hooks
+from ._failures import describe_failure
+from ._json import from_json as _from_json, is_key as _is_key, to_json as _to_json
 from ._mesh import check_mesh, same_devices
 from ._state import TrainState, check_specs_match as _check_specs_match, mirror_specs as _mirror_specs, refuse_deleted
 from ._trees import is_array_like, is_none as _is_none, is_spec as _is_spec, path_parts
@@ -101,10 +100,6 @@ def _get(nested: dict, parts: tuple[str, ...]):
     for p in parts:
         nested = nested[p]
     return nested
-
-
-def _is_key(x) -> bool:
-    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def _train_view(state: TrainState) -> dict:
@@ -247,60 +242,7 @@ def _cast(x, dtype):
 
 
 # ----------------------------------------------------------------------------- metadata
-
-_NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
-
-
-def strict_json(value):
-    """``value`` with every non-finite float replaced by ``"NaN"``,
-    ``"Infinity"`` or ``"-Infinity"``: strict JSON (RFC 8259) has no NaN, and
-    strict readers (JavaScript, jq, many JSON libraries) reject a bare one."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-    if isinstance(value, dict):
-        return {k: strict_json(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [strict_json(v) for v in value]
-    return value
-
-
-def _to_json(value, where: str):
-    """Metadata values -> strict JSON; PRNG keys become ``{"prng_key": impl, "data": [...]}``."""
-    if _is_key(value):
-        return {"prng_key": str(jax.random.key_impl(value)), "data": np.asarray(jax.random.key_data(value)).tolist()}
-    if isinstance(value, (jax.Array, np.ndarray, np.generic)):
-        return strict_json(np.asarray(value).tolist())
-    if isinstance(value, Mapping):
-        return {str(k): _to_json(v, f"{where}[{k!r}]") for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_to_json(v, f"{where}[{i}]") for i, v in enumerate(value)]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return strict_json(value)
-    raise TypeError(
-        f"{where} = {value!r} ({type(value).__name__}) cannot be stored as JSON; pass numbers, strings, lists, "
-        "dicts, arrays or PRNG keys."
-    )
-
-
-def _from_json(value):
-    if isinstance(value, dict):
-        if set(value) == {"prng_key", "data"}:
-            return jax.random.wrap_key_data(np.asarray(value["data"], np.uint32), impl=value["prng_key"])
-        return {k: _from_json(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_from_json(v) for v in value]
-    return value
-
-
-def as_number(value) -> float | None:
-    """A metric as stored in metadata -> a float (``"NaN"`` etc. included), or
-    None for anything that is not a number."""
-    if isinstance(value, str):
-        return _NON_FINITE.get(value)
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    return None
-
+# (encoded to strict JSON by ``_json.py``, the one encoder of what redeqx writes)
 
 def metadata_file(path: Path) -> Path:
     return path / "metadata" / "metadata"
@@ -482,39 +424,6 @@ def encode(state, metadata, dtype) -> Encoded:
     args["metadata"] = ocp.args.JsonSave(meta)
     non_finite = [f"{name}/{path}" for (name, path, _), ok in zip(named, finite) if not ok]
     return Encoded(ocp.args.Composite(**args), meta, non_finite)
-
-
-_OS_CAUSES = {
-    errno.ENOSPC: "the disk is full",
-    errno.EDQUOT: "the disk quota is exceeded",
-    errno.EROFS: "the file system is read-only",
-    errno.EACCES: "permission denied",
-    errno.EPERM: "permission denied",
-    errno.ENOTDIR: "a file stands where a directory is needed",
-    errno.EFBIG: "a file grew past the size limit",
-}
-
-
-def describe_failure(e: BaseException) -> str:
-    """``e`` as a cause a user can act on: the operating system's error (the
-    disk is full, read-only, no permission) when one is in its chain, as an
-    ``OSError`` or as the ``os_error_code`` tensorstore writes into its
-    messages; then the original error, shortened."""
-    text = f"{type(e).__name__}: {e}"
-    text = text if len(text) <= 400 else text[:397] + "..."
-    seen, todo = set(), [e]
-    while todo:
-        x = todo.pop()
-        if x is None or id(x) in seen:
-            continue
-        seen.add(id(x))
-        code = x.errno if isinstance(x, OSError) else None
-        if code is None and (found := re.search(r"os_error_code='?(\d+)", str(x))):
-            code = int(found.group(1))
-        if code in _OS_CAUSES:
-            return f"{_OS_CAUSES[code]} ({errno.errorcode[code]}; {text})"
-        todo += [x.__cause__, x.__context__, *(a for a in getattr(x, "args", ()) if isinstance(a, BaseException))]
-    return text
 
 
 _AT_EXIT = ("after shutdown", "after interpreter shutdown", "Event loop is closed")

@@ -44,14 +44,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
+from . import _progress
 from ._compiled import narrow_64bit
 from ._mesh import DATA, check_mesh
 from ._typing import positive_int, typechecked
-
-
-# progress bars of the `batches` loops now running, innermost last: `Logger.log`
-# shows the loss and learning rate on the innermost one
-ACTIVE_BARS: list = []
 
 
 def _fn_name(fn) -> str:
@@ -302,7 +298,7 @@ def _padded_batches(rows: Iterator[tuple[list, int]], collate_fn, per_device_bat
                desc=None if desc is None else _bar_title(desc, per_device_batch_size, mesh),
                disable=desc is None or jax.process_index() != 0, leave=False, dynamic_ncols=True)
     if not bar.disable:
-        ACTIVE_BARS.append(bar)
+        _progress.opened(bar)  # where `Logger.log` shows the loss
     batches = _prefetched(made(), prefetch)
     try:
         for item in batches:
@@ -310,8 +306,7 @@ def _padded_batches(rows: Iterator[tuple[list, int]], collate_fn, per_device_bat
             bar.update(1)
     finally:
         batches.close()
-        if bar in ACTIVE_BARS:
-            ACTIVE_BARS.remove(bar)
+        _progress.closed(bar)
         bar.close()
 
 

@@ -10,7 +10,6 @@ back past unreadable checkpoints). The format of one checkpoint is
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -34,7 +33,6 @@ from ._checkpoint import (
     TMP_MARKER,
     CheckpointError,
     NewerFormatError,
-    as_number,
     check_dtype,
     describe_failure,
     encode,
@@ -48,6 +46,7 @@ from ._checkpoint import (
     write,
     write_failed,
 )
+from ._json import as_number, dumps
 from ._mesh import DATA
 from ._state import refuse_deleted
 from ._typing import positive_int
@@ -531,7 +530,7 @@ class CheckpointManager:
             file = metadata_file(path)
             tmp = file.with_name(file.name + ".redeqx-tmp")
             try:
-                tmp.write_text(json.dumps(meta))
+                tmp.write_text(dumps(meta, "metadata"))
                 os.replace(tmp, file)  # atomic: the checkpoint is complete before and after
             except OSError as e:
                 raise CheckpointError(f"could not record the metrics of step {meta['step']} in {file}: "
