@@ -57,7 +57,9 @@ from . import _hooks
 from ._failures import describe_failure
 from ._json import from_json as _from_json, is_key as _is_key, to_json as _to_json
 from ._mesh import check_mesh, same_devices
-from ._state import TrainState, check_specs_match as _check_specs_match, mirror_specs as _mirror_specs, refuse_deleted
+from ._opt_state import mirror_specs as _mirror_specs
+from ._spec_checks import check_specs_match as _check_specs_match, refuse_deleted
+from ._state import TrainState
 from ._trees import is_array_like, is_none as _is_none, is_spec as _is_spec, path_parts
 from ._version import __version__
 from ._typing import floating_dtype

@@ -48,7 +48,7 @@ from ._checkpoint import (
 )
 from ._json import as_number, dumps
 from ._mesh import DATA
-from ._state import refuse_deleted
+from ._spec_checks import refuse_deleted
 from ._typing import positive_int
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
