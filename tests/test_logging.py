@@ -96,7 +96,7 @@ def test_bad_input(tmp_path):
         logger.log({"loss": 1.0}, 1, examples=-1)
     with pytest.raises(ValueError, match="name must be a plain file name"):
         logger.save_outputs([], "../x", 1)
-    with pytest.raises(TypeError, match="wandb must be a dict"):
+    with pytest.raises(TypeError, match="argument wandb='my-project' is a str, expected Mapping"):
         redeqx.Logger(tmp_path, wandb="my-project")
     logger.close()
 

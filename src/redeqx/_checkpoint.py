@@ -62,7 +62,7 @@ from ._spec_checks import check_specs_match as _check_specs_match, refuse_delete
 from ._state import TrainState
 from ._trees import is_array_like, is_none as _is_none, is_spec as _is_spec, path_parts
 from ._version import __version__
-from ._typing import floating_dtype
+from ._typing import floating_dtype, typechecked
 from .sharding._specs import sharding_of
 
 FORMAT = "redeqx-checkpoint"
@@ -336,6 +336,7 @@ def _damaged_section(section: dict) -> str | None:
     return None
 
 
+@typechecked
 def read_metadata(path: str | os.PathLike) -> dict:
     """The JSON metadata of the checkpoint at ``path``: ``step``, whatever
     ``metadata=`` was saved (PRNG keys come back as keys; non-finite numbers
@@ -518,6 +519,7 @@ def remove_partial(path: Path) -> None:
         time.sleep(0.05)
 
 
+@typechecked
 def save_checkpoint(
     path: str | os.PathLike,
     state: PyTree,
@@ -704,6 +706,7 @@ def _cast_to(tree, dtypes):
     return jax.tree.map(lambda x, d: x.astype(d), tree, dtypes)
 
 
+@typechecked
 def restore_checkpoint(path: str | os.PathLike, like: PyTree, mesh: Mesh, specs: PyTree = None) -> PyTree:
     """Read the checkpoint at ``path`` into the structure of ``like``, placed
     on ``mesh`` by ``specs``.

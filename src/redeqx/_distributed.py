@@ -32,6 +32,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from . import _hooks
+from ._typing import typechecked
 
 DEFAULT_PORT = 12321
 # A cold start of a large job (containers pulled, a filesystem mounted, thousands of processes
@@ -162,6 +163,7 @@ def _resolve(host0_address, host0_port, n_processes, process_id, local_device_id
     )
 
 
+@typechecked
 def initialize(
     host0_address: str | None = None,
     host0_port: int | None = None,
@@ -483,6 +485,7 @@ def _facts() -> dict:
 _FACT_BYTES = 1024
 
 
+@typechecked
 def preflight() -> None:
     """Checks that every process sees the same devices, device kind and
     library versions, and that an all-reduce over every device works.

@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 from . import _hooks, _progress
 from ._failures import describe_failure
 from ._json import dumps, to_json
+from ._typing import typechecked
 
 
 def _watched(name: str) -> bool:
@@ -124,6 +125,7 @@ class Logger:
     ```
     """
 
+    @typechecked
     def __init__(
         self,
         workdir: str | os.PathLike,
@@ -132,8 +134,6 @@ class Logger:
         wandb: Mapping[str, Any] | None = None,
         nonfinite: Literal["raise", "warn"] = "raise",
     ):
-        if nonfinite not in ("raise", "warn"):
-            raise ValueError(f"nonfinite must be 'raise' or 'warn', got {nonfinite!r}.")
         self.nonfinite = nonfinite
         self.workdir = Path(workdir)
         self.active = jax.process_index() == 0
@@ -142,8 +142,6 @@ class Logger:
         self._bar = None
         self._tb = None
         self._wandb = None
-        if wandb is not None and not isinstance(wandb, Mapping):
-            raise TypeError(f"wandb must be a dict of wandb.init keyword arguments or None, got {wandb!r}.")
         if not self.active:
             return
         try:

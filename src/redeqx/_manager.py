@@ -49,7 +49,7 @@ from ._checkpoint import (
 from ._json import as_number, dumps
 from ._mesh import DATA
 from ._spec_checks import refuse_deleted
-from ._typing import positive_int
+from ._typing import positive_int, typechecked
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _DELETING = ".deleting"
@@ -233,6 +233,7 @@ class CheckpointManager:
     ```
     """
 
+    @typechecked
     def __init__(
         self,
         workdir: str | os.PathLike,
