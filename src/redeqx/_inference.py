@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from ._data import DEFAULT_PREFETCH, _fn_name, _global_batch_size, _every_example, local_rows, to_global, to_host
+from ._data import DEFAULT_PREFETCH, _every_example, _fn_name, _global_batch_size, local_rows, to_global, to_host
 from ._mesh import check_mesh
 from ._steps import EvalStep
 from ._typing import typechecked
