@@ -88,3 +88,69 @@ def test_loggers_and_managers_install_each_hook_once(seen):
     assert [m for m in seen["registered_after"] if m.startswith("redeqx")] == ["redeqx._hooks"]
     assert seen["hook_is_redeqx"]  # one excepthook replacement, not one per manager
     assert made["signals"] == imported["signals"]  # SIGTERM is watched from a manager's first save, not before
+
+
+# ----------------------------------------------------------------------------- the hooks themselves, in this process
+
+
+def test_the_excepthook_finishes_saves_then_reports_then_stops_the_process(monkeypatch, capsys):
+    from redeqx import _hooks
+
+    calls = []
+    monkeypatch.setattr(_hooks._EXIT, "finish_saves", lambda why: calls.append("finish") or ["a save failed"])
+    monkeypatch.setattr(_hooks._UNCAUGHT, "previous", lambda kind, value, tb: calls.append("report"))
+    monkeypatch.setattr(_hooks._UNCAUGHT, "stop_process", False)
+    _hooks._excepthook(ValueError, ValueError("boom"), None)
+    assert calls == ["finish", "report"]
+    assert "a save failed" in capsys.readouterr().err
+
+    monkeypatch.setattr(_hooks._UNCAUGHT, "stop_process", True)  # after initialize() joined several processes
+    monkeypatch.setattr(_hooks.os, "_exit", lambda code: calls.append(f"exit {code}"))
+    _hooks._excepthook(ValueError, ValueError("boom"), None)
+    assert calls[2:] == ["finish", "report", "exit 1"]
+    assert "stops on this uncaught ValueError" in capsys.readouterr().err
+
+
+def test_at_exit_closes_loggers_newest_first_then_checks_saves(monkeypatch, capsys):
+    import weakref
+
+    from redeqx import _hooks
+
+    closed = []
+
+    class Closing:
+        def __init__(self, name, fail=False):
+            self.name, self.fail = name, fail
+
+        def close(self):
+            closed.append(self.name)
+            if self.fail:
+                raise OSError("disk full")
+
+    objects = [Closing("old"), Closing("failing", fail=True), Closing("new")]
+    monkeypatch.setattr(_hooks._EXIT, "closers", [weakref.ref(o) for o in objects])
+    monkeypatch.setattr(_hooks._EXIT, "finish_saves", lambda why: closed.append("saves") or [])
+    _hooks._at_exit()
+    assert closed == ["new", "failing", "old", "saves"]  # a close that fails stops neither the others nor the check
+    assert "disk full" in capsys.readouterr().err
+
+
+def test_the_sigterm_handler_is_installed_once_and_the_previous_one_put_back():
+    import signal
+
+    from redeqx import _hooks
+
+    def mine(signum, frame):
+        pass
+
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        _hooks.watch_sigterm()
+        _hooks.watch_sigterm()  # a second manager
+        assert signal.getsignal(signal.SIGTERM) == _hooks._SIGTERM.handler
+        _hooks.unwatch_sigterm()
+        assert signal.getsignal(signal.SIGTERM) == _hooks._SIGTERM.handler  # the other manager still listens
+        _hooks.unwatch_sigterm()
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, previous)
