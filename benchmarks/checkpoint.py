@@ -1,9 +1,10 @@
 """Checkpoint save/restore time and size, synchronous vs asynchronous, and the
 training time an asynchronous save costs.
 
-    python benchmarks/checkpoint.py                 # 100M parameters; writes benchmarks/RESULTS.md
-    python benchmarks/checkpoint.py --width 2048    # 25M parameters, for a smaller machine
-    python benchmarks/checkpoint.py --hash-cost     # what the content hash adds to a save (its own section)
+    python -m benchmarks.checkpoint                 # 100M parameters; writes benchmarks/RESULTS.md
+    python -m benchmarks.checkpoint --width 2048    # 25M parameters, for a smaller machine
+    python -m benchmarks.checkpoint --width 256 --depth 1 --steps 2 --no-write   # a quick try
+    python -m benchmarks.checkpoint --hash-cost     # what the content hash adds to a save (its own section)
 
 At n_model_shards=1 every one of the 8 simulated devices holds a full copy of
 the parameters and both Adam moments, all in host memory: 100M parameters
@@ -23,16 +24,15 @@ A TrainState (MLP of ``depth + 1`` square ``width`` layers, adamw: parameters
 """
 
 import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from benchmarks._common import cpu_devices, parser, report
 
-import argparse  # noqa: E402
-import shutil  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+cpu_devices(8)
 
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
@@ -40,9 +40,6 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import redeqx  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import write_section  # noqa: E402
 
 
 def dir_bytes(path: Path) -> int:
@@ -170,20 +167,16 @@ def main_hash_cost(args):
                      f"{100 * r['hash_s'] / r['save_s']:.1f} % |")
     lines += ["", "For comparison, hashlib's blake2b hashes ~0.8 GB/s on this machine (xxh3_128: ~10 GB/s), which "
               "would have been ~60 % of the save at n_model_shards=4."]
-    body = "\n".join(lines)
-    print(body)
-    if not args.no_write:
-        write_section("Checkpoint content hash (benchmarks/checkpoint.py --hash-cost)", body)
+    report(args, "Checkpoint content hash (benchmarks/checkpoint.py --hash-cost)", "\n".join(lines))
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=4096)
-    parser.add_argument("--depth", type=int, default=5, help="hidden layers; depth + 1 square linear layers")
-    parser.add_argument("--steps", type=int, default=4, help="steps timed with and without a save in flight")
-    parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
-    parser.add_argument("--hash-cost", action="store_true", help="only the content hash's share of a save")
-    args = parser.parse_args()
+    p = parser(__doc__)
+    p.add_argument("--width", type=int, default=4096)
+    p.add_argument("--depth", type=int, default=5, help="hidden layers; depth + 1 square linear layers")
+    p.add_argument("--steps", type=int, default=4, help="steps timed with and without a save in flight")
+    p.add_argument("--hash-cost", action="store_true", help="only the content hash's share of a save")
+    args = p.parse_args()
     if args.hash_cost:
         return main_hash_cost(args)
     rows = []
@@ -217,10 +210,7 @@ def main():
         "CPU the background writer competes with the steps for the same two cores, so the ratio here is an upper "
         "bound; on a GPU the steps run on the device and overlap better.",
     ]
-    body = "\n".join(lines)
-    print(body)
-    if not args.no_write:
-        write_section("Checkpoints (benchmarks/checkpoint.py)", body)
+    report(args, "Checkpoints (benchmarks/checkpoint.py)", "\n".join(lines))
 
 
 if __name__ == "__main__":

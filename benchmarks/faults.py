@@ -1,8 +1,8 @@
 """What the faults of issue 24 cost and how long each takes to end, measured
 with real processes and real signals on 8 simulated CPU devices:
 
-    python benchmarks/faults.py              # writes its section of benchmarks/RESULTS.md
-    python benchmarks/faults.py --no-write   # prints only
+    python -m benchmarks.faults              # writes its section of benchmarks/RESULTS.md
+    python -m benchmarks.faults --no-write   # prints only (about 2 minutes)
 
 - preemption: SIGTERM sent to a run that calls `CheckpointManager.save` every
   step (``every`` larger than the run): seconds from the signal to the exit
@@ -18,7 +18,6 @@ with real processes and real signals on 8 simulated CPU devices:
   process exits.
 """
 
-import argparse
 import os
 import re
 import signal
@@ -30,9 +29,7 @@ import textwrap
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import cpu8_env, write_section  # noqa: E402
+from benchmarks._common import ROOT, cpu8_env, parser, report
 
 WORKER = ROOT / "tests" / "resume_worker.py"
 
@@ -183,9 +180,7 @@ def read_only_workdir() -> dict | None:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
-    args = parser.parse_args()
+    args = parser(__doc__).parse_args()
 
     rows = []
     for n in (1, 2):
@@ -242,9 +237,7 @@ def main():
         f"| without | {d['without'] * 1e6:.1f} us |",
         f"| the train step itself (MLP 64-256-256-10, batch 32, 8 devices) | {d['step'] * 1e3:.2f} ms |",
     ])
-    print(body)
-    if not args.no_write:
-        write_section("Faults (benchmarks/faults.py)", body)
+    report(args, "Faults (benchmarks/faults.py)", body)
 
 
 if __name__ == "__main__":

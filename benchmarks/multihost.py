@@ -1,6 +1,7 @@
 """Step time of 2 processes x 4 devices vs 1 process x 8 devices, same global batch.
 
-    python benchmarks/multihost.py            # writes the ratio to benchmarks/RESULTS.md
+    python -m benchmarks.multihost            # writes the ratio to benchmarks/RESULTS.md
+    python -m benchmarks.multihost --rounds 1 --steps 2 --no-write
 
 Both settings train the same TinyLM with n_model_shards=2 (mesh data=4 x
 model=2) on the same global batch, on 8 simulated CPU devices; only the split
@@ -10,7 +11,6 @@ memory copies). Both run under ``python -m redeqx.launch`` (``-n 1`` and
 ``-n 2``), alternating in rounds so both see the same machine noise.
 """
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -19,10 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_tiny_lm_args, write_section  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks._common import ROOT, add_tiny_lm_args, parser, report, worker_env
 
 
 def worker(args) -> None:
@@ -32,7 +29,6 @@ def worker(args) -> None:
 
     import redeqx
 
-    sys.path.insert(0, str(ROOT / "tests"))
     from tiny_transformer import TinyLM, collate_tokens, lm_loss, token_examples
 
     redeqx.initialize()  # a no-op under redeqx.launch
@@ -63,17 +59,17 @@ def launch(n_processes: int, args, out: Path) -> dict:
     cmd = [sys.executable, "-m", "redeqx.launch", "-n", str(n_processes), "--devices", "8", __file__,
            "--worker", str(out), "--dim", str(args.dim), "--layers", str(args.layers), "--vocab", str(args.vocab),
            "--seq", str(args.seq), "--batch", str(args.batch), "--steps", str(args.steps)]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=worker_env())
     if done.returncode:
         sys.exit(f"{n_processes}-process run failed:\n{done.stderr[-3000:]}")
     return json.loads(out.read_text())
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    add_tiny_lm_args(parser, rounds=3)
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    p = parser(__doc__)
+    add_tiny_lm_args(p, rounds=3)
+    p.add_argument("--worker", default=None, help="(a launched process: write its times to this file)")
+    args = p.parse_args()
     if args.worker:
         return worker(args)
 
@@ -104,8 +100,7 @@ def main():
         "On CPU the second process turns every collective into loopback TCP through gloo, and the two processes",
         "share this machine's cores; the ratio measures that overhead, not what NCCL between GPU hosts costs.",
     ])
-    if not args.no_write:
-        write_section("Multi-host step time (benchmarks/multihost.py)", body)
+    report(args, "Multi-host step time (benchmarks/multihost.py)", body)
 
 
 if __name__ == "__main__":

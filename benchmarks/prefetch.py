@@ -1,7 +1,7 @@
 """Prefetch: does collating the next batch overlap the running step?
 
-    python benchmarks/prefetch.py            # writes its section of benchmarks/RESULTS.md
-    python benchmarks/prefetch.py --no-write
+    python -m benchmarks.prefetch            # writes its section of benchmarks/RESULTS.md
+    python -m benchmarks.prefetch --rounds 1 --steps 3 --step-ms 5 --collate-ms 4 --no-write
 
 A step of fixed cost (8 jitted matmuls, sized to take ~50 ms) fed by
 redeqx.batches with a collate_fn that sleeps ~40 ms (a stand-in for decoding,
@@ -16,23 +16,18 @@ done; the numbers are medians over rounds.
 """
 
 import os
+import statistics
+import time
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from benchmarks._common import cpu_devices, parser, report
 
-import argparse  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+cpu_devices(8)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import redeqx  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import write_section  # noqa: E402
 
 
 def make_step(n: int, reps: int = 8):
@@ -90,15 +85,11 @@ def one_round(step, examples, collate_fn, per_device, mesh, prefetch, n_steps, w
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--step-ms", type=float, default=50.0)
-    parser.add_argument("--collate-ms", type=float, default=40.0)
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--per-device", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
-    args = parser.parse_args()
+    p = parser(__doc__)
+    for name, kind, default in (("step-ms", float, 50.0), ("collate-ms", float, 40.0), ("dim", int, 256),
+                                ("per-device", int, 8), ("steps", int, 12), ("rounds", int, 8)):
+        p.add_argument(f"--{name}", type=kind, default=default)
+    args = p.parse_args()
 
     mesh = redeqx.make_mesh(1)  # every device on the data axis
     size = args.per_device * mesh.shape["data"]
@@ -137,10 +128,7 @@ def main():
         for p in (0, 2):
             wall, cpu = results[wait][p]
             lines.append(f"| {label} | {p} | {wall:.4f} | {cpu:.4f} | {wall / base:.2f} |")
-    body = "\n".join(lines)
-    print(body)
-    if not args.no_write:
-        write_section("Prefetch (benchmarks/prefetch.py)", body)
+    report(args, "Prefetch (benchmarks/prefetch.py)", "\n".join(lines))
 
 
 if __name__ == "__main__":
