@@ -1,8 +1,8 @@
 """A ~0.5B-parameter LLaMA trained on 8 simulated devices with fsdp: no
 device ever holds more than its share.
 
-    python benchmarks/large_model.py               # writes its section of benchmarks/RESULTS.md
-    python benchmarks/large_model.py --no-write --steps 2
+    python -m benchmarks.large_model               # writes its section of benchmarks/RESULTS.md
+    python -m benchmarks.large_model --hidden 64 --layers 2 --heads 4 --intermediate 128 --vocab 256 --steps 2 --no-write
 
 fp32 weights and AdamW: about 2 GB of parameters, 4 GB of Adam moments and 2
 GB of gradients during a step, about 8 GB in all, held by 8 CPU devices that
@@ -19,20 +19,18 @@ It refuses to start when the machine has less free memory than the plan
 needs with a margin (``--min-free-gb``).
 """
 
-import os
+import collections
+import gc
+import math
+import resource
+import shutil
+import tempfile
+import time
+from pathlib import Path
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from benchmarks._common import cpu_devices, parser, report
 
-import argparse  # noqa: E402
-import collections  # noqa: E402
-import gc  # noqa: E402
-import math  # noqa: E402
-import resource  # noqa: E402
-import shutil  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+cpu_devices(8)
 
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
@@ -43,9 +41,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import redeqx  # noqa: E402
 from redeqx import models  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import write_section  # noqa: E402
 
 GB = 1e9
 
@@ -91,23 +86,17 @@ def loss_fn(model, batch, key):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--hidden", type=int, default=1280)
-    parser.add_argument("--layers", type=int, default=22)
-    parser.add_argument("--heads", type=int, default=20)
-    parser.add_argument("--intermediate", type=int, default=3456)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--n-model-shards", type=int, default=4,
-                        help="4 (x fsdp over 2): every weight split 8 ways; 1 (pure fsdp) plans 4.6 GB a device")
-    parser.add_argument("--min-free-gb", type=float, default=None,
-                        help="refuse to start below this much free memory (default: 8 x the planned peak + 3 GB)")
-    parser.add_argument("--no-others", action="store_true", help="do not plan the other n_model_shards")
-    parser.add_argument("--workdir", type=Path, default=None, help="where the checkpoint goes (default: a temp dir)")
-    parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
-    args = parser.parse_args()
+    p = parser(__doc__)
+    for name, default in (("hidden", 1280), ("layers", 22), ("heads", 20), ("intermediate", 3456), ("vocab", 32000),
+                          ("seq", 32), ("batch", 8), ("steps", 3)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--n-model-shards", type=int, default=4,
+                   help="4 (x fsdp over 2): every weight split 8 ways; 1 (pure fsdp) plans 4.6 GB a device")
+    p.add_argument("--min-free-gb", type=float, default=None,
+                   help="refuse to start below this much free memory (default: 8 x the planned peak + 3 GB)")
+    p.add_argument("--no-others", action="store_true", help="do not plan the other n_model_shards")
+    p.add_argument("--workdir", type=Path, default=None, help="where the checkpoint goes (default: a temp dir)")
+    args = p.parse_args()
 
     rss0 = current_rss()
     config = models.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
@@ -265,16 +254,7 @@ def main():
         for k, q in sorted({**others, args.n_model_shards: plan}.items()):
             lines.append(f"| {k} x {n_dev // k} | {q.parameters / GB:.3f} | {q.optimizer / GB:.3f} | "
                          f"{q.temporaries / GB:.3f} | {q.peak / GB:.3f} | {n_dev * q.peak / GB:.2f} |")
-        lines += ["", "With every device on `data` (pure fsdp, ZeRO-3) the state at rest is the smallest, but the "
-                  "step's temporaries hold about the whole model's weights gathered plus its whole gradients "
-                  "(XLA:CPU keeps each gathered weight from the forward pass to the backward pass and all-reduces "
-                  "the gradients whole, combined into one or two all-reduces, instead of reduce-scattering them "
-                  "layer by layer), so its peak is the largest: 8 of them need more memory than this 24 GB host "
-                  "has. That is why the run above splits the weights over `model` too."]
-    report = "\n".join(lines)
-    print(report)
-    if not args.no_write:
-        write_section("A 0.5B model on 8 devices with fsdp (benchmarks/large_model.py)", report)
+    report(args, "A 0.5B model on 8 devices with fsdp (benchmarks/large_model.py)", "\n".join(lines))
 
 
 if __name__ == "__main__":

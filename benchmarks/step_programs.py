@@ -1,9 +1,9 @@
 """The compiled programs of every train/eval/predict step option, as figures
 to compare before and after a change to how steps are built.
 
-    python benchmarks/step_programs.py --out before.json      # on the old code
-    python benchmarks/step_programs.py --out after.json       # on the new code
-    python benchmarks/step_programs.py --compare before.json after.json
+    python -m benchmarks.step_programs --out before.json      # on the old code
+    python -m benchmarks.step_programs --out after.json       # on the new code
+    python -m benchmarks.step_programs --compare before.json after.json
 
 For each option (accumulate, compute_dtype, trainable, shard_mean_loss,
 remat, a model with BatchNorm state, eval and predict) the step of a small
@@ -11,34 +11,30 @@ user GPT (tests/user_gpt.py) or MLP is compiled on abstract shapes for 8
 simulated CPU devices, and the compiled program's own figures are kept: the
 temporaries, argument and output bytes, FLOPs, the collectives (kind, count,
 bytes) and a fingerprint of the optimized HLO with names and source
-locations removed. ``--no-cpu-rewrites`` turns off the rewrites the old
-steps applied to users' modules on XLA:CPU (``x @ W.T`` linears, recomputed
-norms), so the old and new programs can be compared like for like.
+locations removed. It writes no section of RESULTS.md: it is a check for a
+change that should leave the programs as they are.
 """
 
 from __future__ import annotations
 
-import os
+import hashlib
+import json
+import re
+import sys
+from pathlib import Path
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from benchmarks._common import compiled_figures, cpu_devices, parser
 
-import argparse  # noqa: E402
-import hashlib  # noqa: E402
-import json  # noqa: E402
-import re  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
+cpu_devices(8)
 
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from user_gpt import GPT, loss_fn as gpt_loss  # noqa: E402
 
 import redeqx  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from user_gpt import GPT, loss_fn as gpt_loss  # noqa: E402
 
 
 class BN(eqx.Module):
@@ -81,13 +77,9 @@ def _fingerprint(text: str) -> str:
 def _figures(compiled) -> dict:
     from redeqx import collective_summary
 
-    mem = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    text = compiled.as_text()
-    return {"temp": mem.temp_size_in_bytes, "args": mem.argument_size_in_bytes, "out": mem.output_size_in_bytes,
-            "flops": float((cost or {}).get("flops", 0.0)), "collectives": collective_summary(text),
-            "hlo": _fingerprint(text)}
+    f, text = compiled_figures(compiled), compiled.as_text()
+    return {"temp": f["temporaries"], "args": f["arguments"], "out": f["outputs"], "flops": f["flops"],
+            "collectives": collective_summary(text), "hlo": _fingerprint(text)}
 
 
 def _gpt_state(mesh, optimizer, trainable=None):
@@ -111,14 +103,7 @@ def train_cases():
             yield f"train K={k} {name}", k, optimizer, kw
 
 
-def run(no_cpu_rewrites: bool) -> dict:
-    if no_cpu_rewrites:
-        try:
-            import redeqx._layout as layout
-
-            layout.as_computed = lambda model, platform: model
-        except ImportError:
-            pass
+def run() -> dict:
     out = {}
     for name, k, optimizer, kw in train_cases():
         mesh = redeqx.make_mesh(k)
@@ -169,14 +154,13 @@ def compare(before: dict, after: dict) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out")
-    parser.add_argument("--no-cpu-rewrites", action="store_true")
-    parser.add_argument("--compare", nargs=2)
-    args = parser.parse_args()
+    p = parser(__doc__)
+    p.add_argument("--out")
+    p.add_argument("--compare", nargs=2)
+    args = p.parse_args()
     if args.compare:
-        sys.exit(1 if compare(*(json.loads(Path(p).read_text()) for p in args.compare)) else 0)
-    figures = run(args.no_cpu_rewrites)
+        sys.exit(1 if compare(*(json.loads(Path(f).read_text()) for f in args.compare)) else 0)
+    figures = run()
     if args.out:
         Path(args.out).write_text(json.dumps(figures, indent=1))
 

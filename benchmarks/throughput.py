@@ -2,9 +2,9 @@
 vs a hand-written jax.jit + optax loop on the same model, on whatever
 accelerator is present (a GPU when there is one, else the CPU).
 
-    python benchmarks/throughput.py                       # CPU: a small model, tokens/s only
-    python benchmarks/throughput.py --size 1b --seq 2048 --batch 8 --no-hand --json out.json  # on a GPU
-    python benchmarks/throughput.py --from-json out.json  # write a GPU run's results to RESULTS.md
+    python -m benchmarks.throughput                       # CPU: a small model, tokens/s only
+    python -m benchmarks.throughput --size 1b --seq 2048 --batch 8 --no-hand --json out.json  # on a GPU
+    python -m benchmarks.throughput --from-json out.json  # write a GPU run's results to RESULTS.md
 
 Variants (--variants), alternated in rounds: redeqx in bfloat16 compute (fp32
 master weights and AdamW state) with the zoo LLaMA's layers stacked
@@ -22,13 +22,14 @@ measured peak (first variant only, while it is the only state alive).
 
 import os
 
+from benchmarks._common import timed, write_section
+
 if "cpu" in os.environ.get("JAX_PLATFORMS", "cpu") and not os.environ.get("REDEQX_BENCH_GPU"):
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -41,9 +42,6 @@ import optax  # noqa: E402
 
 import redeqx  # noqa: E402
 from redeqx import models  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import timed, write_section  # noqa: E402
 
 SIZES = {  # LLaMA-style shapes; 1b is TinyLlama-1.1B's
     "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
