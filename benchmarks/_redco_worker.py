@@ -1,4 +1,4 @@
-"""One redco 0.4.23 run for benchmarks/vs_redco.py: Hugging Face's Flax GPT-2
+"""One redco 0.4.23 run for `python -m benchmarks.vs_redco`: Hugging Face's Flax GPT-2
 trained by redco's Deployer + Trainer, as redco's users write it. Run by the
 redco virtual environment's python (see vs_redco.py --setup); nothing of
 redeqx is imported here, nor redco there: it writes one JSON file for the
@@ -96,7 +96,6 @@ def main():
     p.add_argument("--data", required=True, help=".npy of (n, seq + 1) int32 tokens")
     p.add_argument("--out", required=True)
     p.add_argument("--hlo", default=None, help="also write the compiled step's HLO text here")
-    p.add_argument("--profile", default=None, help="record the timed steps with jax.profiler into this folder")
     args = p.parse_args()
 
     tokens = np.load(args.data)
@@ -121,8 +120,7 @@ def main():
     deployer.marks = []
     # steps + 1 logged steps give `steps` step-to-step intervals
     timed = examples[args.warmup * args.batch: (args.warmup + args.steps + 1) * args.batch]
-    with jax.profiler.trace(args.profile, create_perfetto_trace=True) if args.profile else contextlib.nullcontext():
-        trainer.train(timed, per_device_batch_size=per_device, desc="timed")
+    trainer.train(timed, per_device_batch_size=per_device, desc="timed")
     marks = deployer.marks
     wall = [b[0] - a[0] for a, b in zip(marks, marks[1:])]
     cpu = [b[1] - a[1] for a, b in zip(marks, marks[1:])]
@@ -159,7 +157,6 @@ def main():
             f.write(compiled.as_text())
         with open(args.hlo + ".spmd", "w") as f:  # the driver counts its collectives as XLA:GPU/TPU move them
             f.write(partitioned_text(lowered))
-        # cost_analysis; this XLA:CPU's oneDNN matmul custom calls are not in it (the driver adds them)
         out["flops"] = flops_of(compiled)
         memory = compiled.memory_analysis()  # XLA:CPU allocates the temporaries afresh at every call
         out["temp_bytes"] = int(memory.temp_size_in_bytes) if memory is not None else None

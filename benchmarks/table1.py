@@ -2,78 +2,42 @@
 weights, AdamW) in the stated device memory, and what would fsdp + remat +
 bf16 compute buy?
 
-    python benchmarks/table1.py                           # every row and search; writes benchmarks/RESULTS.md
-    python benchmarks/table1.py --skip-slow               # no OPT-66B, no search over device counts
-    python benchmarks/table1.py --rows gpt2-large llama-7b --no-write
-    python benchmarks/table1.py --rows gpt2-large --quick # 2 layers of the same widths, no searches (CI)
-    python benchmarks/table1.py --cache /tmp/table1.json  # keep every probe's result; a rerun skips the done ones
-    python benchmarks/table1.py --extrapolate 2 4 --cache benchmarks/results/table1_probes.json  # RESULTS.md's run
-    python benchmarks/table1.py --setup-tpu               # once: benchmarks/.venv-tpu with libtpu (~140 MB)
-    python benchmarks/table1.py --compiler tpu-v4 --cache benchmarks/results/table1_probes.json  # the TPU rows
-
-``--compiler tpu-v4`` plans the rows redco ran on TPU v4 (T5-XXL, OPT-13B,
-OPT-66B) with libtpu's compiler for that slice, ahead of time: JAX describes
-the slice's chips without a TPU attached (``jax.experimental.topologies``)
-and `redeqx.plan` compiles on a mesh of them, so each figure is the TPU
-compiler's own buffer assignment. The probes run in benchmarks/.venv-tpu
-(this environment's packages plus the libtpu release JAX's ``tpu`` extra
-names), so libtpu never enters the main environment.
+    python -m benchmarks.table1                           # every row and search; writes benchmarks/RESULTS.md
+    python -m benchmarks.table1 --rows gpt2-large --quick # 2 layers of the same widths, no searches (the test's run)
+    python -m benchmarks.table1 --extrapolate 2 4 --cache benchmarks/results/table1_probes.json  # RESULTS.md's run
+    python -m benchmarks.table1 --setup-tpu               # once: benchmarks/.venv-tpu with libtpu (~140 MB)
+    python -m benchmarks.table1 --compiler tpu-v4 --cache benchmarks/results/table1_probes.json  # the TPU rows
 
 Each probe is one `redeqx.plan(..., explore=False)`: the real train step
-compiled on abstract shapes (nothing allocated) in a subprocess started with
-``XLA_FLAGS=--xla_force_host_platform_device_count=<devices>``, so its
-figures are XLA:CPU's buffer assignment for that many devices. This process
-imports no JAX; it only starts the probes and collects their JSON.
+compiled on abstract shapes in a fresh process with that many simulated CPU
+devices (``--compiler tpu-v4``: libtpu's compiler for the TPU v4 slice redco
+used, ahead of time, in benchmarks/.venv-tpu), so each figure is that
+compiler's own buffer assignment; this process imports no JAX.
 
-Per row (paper, Table 1: "Numbers inside the brackets are the maximum length
-in training. All the settings are with full precision (fp32) with AdamW"):
-
-- the redco setting: all of the server's devices on the ``model`` axis (as
-  redco ran Table 1: model parallelism, its data axis replicated), one
-  sequence per data shard, fp32 compute, no remat; peak per device vs the
-  stated memory;
-- (a) the fewest devices of that memory that fit with ``fsdp=True``, remat
-  and bf16 compute (fp32 master weights and Adam state), by bisection over
-  powers of two, shown beside the 16 bytes/parameter arithmetic (params 4 +
-  grads 4 + Adam 8, over the device count); a count where the state that
-  lives through the whole step (params 4 + Adam 8 bytes/parameter) already
-  exceeds the memory is ruled out without compiling (gradients are not a hard
-  floor: XLA frees each one once its update is applied);
-- (b) the longest sequence (multiples of 128) that fits on redco's own device
-  count with those options, by doubling then bisection; for a model with a
-  learned position table the search stops at the table's length and then
-  looks for the largest batch per data shard instead.
-
-Sequence-to-sequence rows (BART, T5) use the stated length for both the
-source and the target (the paper gives one number). Memory is given in GB
-(10^9 bytes) as the paper states it; the hardware has a little more (a
-1080Ti 11 GiB, an A100 40 GiB, a TPU v4 chip 32 GiB), so every margin here is
-on the safe side.
+Per row: the redco setting (every device on ``model``, one sequence per
+data shard, fp32, no remat) against the stated memory; then, with
+``fsdp=True``, remat and bf16 compute, (a) the fewest devices (powers of two)
+that fit, next to the 16 bytes/parameter arithmetic (a count where
+parameters + Adam alone, 12 bytes/parameter, exceed the memory is ruled out
+without compiling), and (b) the longest sequence (multiples of 128) on
+redco's device count, or at a learned position table's length the largest
+batch per data shard. Sequence-to-sequence rows use the stated length for
+source and target. Memory in GB (10^9 bytes), as the paper states it.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-GB = 1e9
+from benchmarks._common import (FAST_COMPILE, TPU_V4_SLICES, libtpu, parser, report, serve, setup_tpu,
+                                tpu_v4_devices, worker, worker_env)
 
-# XLA:CPU flags that make a probe compile 1.5-3x faster without changing its
-# buffer assignment: they only lower LLVM's effort on the code nobody runs
-# (the plan never executes the step). Checked here: the same peak, temporaries,
-# parameters and collectives to the byte with and without them (GPT-2 Large
-# widths at 6 and 8 layers, with and without fsdp/remat/bf16, 2 and 4 devices).
-# --xla-default-flags turns them off.
-FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-                "--xla_cpu_use_fusion_emitters=false")
+GB = 1e9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,42 +113,6 @@ def resident_bytes(params: float, n_devices: int) -> float:
 
 
 # ----------------------------------------------------------------------------- worker (imports JAX)
-
-# TPU v4 slices by chip count, as Cloud TPU names them (chips x, y, z), 4 chips per host as in redco's
-# servers ("2 hosts x 4 chips", "16 hosts x 4 chips"); one JAX device per chip (megacore), 32 GiB each.
-TPU_V4_SLICES = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8"}
-TPU_VENV = HERE / ".venv-tpu"
-
-
-def tpu_v4_devices(n: int) -> list:
-    """The ``n`` chips of a TPU v4 slice, with no TPU attached: libtpu's
-    compiler targets them ahead of time (``jax.experimental.topologies``), so
-    a step lowered on a mesh of them is compiled and buffer-assigned exactly as
-    on that slice; nothing can run on them."""
-    from jax.experimental import topologies
-
-    if n not in TPU_V4_SLICES:
-        raise ValueError(f"no TPU v4 slice of {n} chips here; choose one of {sorted(TPU_V4_SLICES)}")
-    topology = topologies.get_topology_desc(platform="tpu", topology_name=f"v4:{TPU_V4_SLICES[n]}",
-                                            chip_config_name="megacore", chips_per_host_bounds=(2, 2, 1),
-                                            num_slices=1)
-    return list(topology.devices)
-
-
-def setup_tpu() -> None:
-    """benchmarks/.venv-tpu: this environment's packages (redeqx, JAX) plus the
-    libtpu release JAX's ``tpu`` extra names, for ahead-of-time TPU compiles."""
-    import importlib.metadata
-
-    pins = [r.split(";")[0].strip() for r in importlib.metadata.requires("jax") or []
-            if r.startswith("libtpu") and "extra == \"tpu\"" in r]
-    if not pins:
-        sys.exit("this jax names no libtpu in its 'tpu' extra; install a jax with TPU support")
-    t = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "venv", "--clear", "--system-site-packages", str(TPU_VENV)], check=True)
-    subprocess.run([str(TPU_VENV / "bin" / "python"), "-m", "pip", "install", "-q", *pins], check=True)
-    print(f"TPU compiler venv ({' '.join(pins)}) ready at {TPU_VENV} in {time.perf_counter() - t:.0f} s")
-
 
 
 def _worker(task: dict) -> dict:
@@ -383,20 +311,10 @@ class Runner:
             result = self.cache[key]
             print(f"  (cached) {key}", flush=True)
         else:
-            env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={task['devices']} "
-                                             f"{self.xla_flags}".strip())
-            env.setdefault("PYTHONWARNINGS", "ignore::UserWarning")
             t0 = time.perf_counter()
-            python = sys.executable
-            if task.get("compiler") == "tpu-v4":
-                python = str(TPU_VENV / "bin" / "python")
-                # no TPU is attached: say which slice this is, so libtpu does not look for one
-                env.update(TPU_ACCELERATOR_TYPE=f"v4-{2 * task['devices']}", TPU_WORKER_HOSTNAMES="localhost",
-                           TPU_SKIP_MDS_QUERY="1")
-            proc = subprocess.run([python, __file__, "--worker", key], env=env, stdout=subprocess.PIPE, text=True)
-            if proc.returncode != 0:
-                raise RuntimeError(f"probe {key} failed (exit {proc.returncode}); its output is above")
-            result = json.loads(proc.stdout.strip().splitlines()[-1])
+            python, env = libtpu(task["devices"]) if task.get("compiler") == "tpu-v4" else (
+                sys.executable, worker_env(task["devices"], self.xla_flags, PYTHONWARNINGS="ignore::UserWarning"))
+            result = worker(__file__, "_worker", python=python, env=env, task=task)
             result["wall_s"] = time.perf_counter() - t0
             self.cache[key] = result
             if self.cache_path:
@@ -450,39 +368,33 @@ def fewest_devices(run: Runner, row: Row, params: float, upper: int, extra: dict
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
-    parser.add_argument("--skip-slow", action="store_true", help="skip OPT-66B and the searches over device counts")
-    parser.add_argument("--quick", action="store_true",
-                        help="each model cut to 2 layers (same widths), no searches, RESULTS.md left alone")
-    parser.add_argument("--no-search", action="store_true", help="only the redco setting of each row")
-    parser.add_argument("--layers", type=int, default=None, help="cut every model to this many layers (to try it out)")
-    parser.add_argument("--extrapolate", type=int, nargs=2, metavar=("L1", "L2"), default=None,
-                        help="plan every row at L1 and L2 layers and extend the line to all of its layers "
-                             "(as OPT-66B always is): much faster; compare a row with and without it for the error")
-    parser.add_argument("--search", choices=("both", "fewest", "longest"), default="both",
-                        help="which of the searches (a) and (b) to run (to run them in parallel processes)")
-    parser.add_argument("--seq-step", type=int, default=128)
-    parser.add_argument("--cache", type=Path, default=None, help="JSON file keeping each probe's result")
-    parser.add_argument("--json", type=Path, default=None, help="write the results here as JSON")
-    parser.add_argument("--xla-default-flags", action="store_true", help=f"compile without {FAST_COMPILE}")
-    parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
-    parser.add_argument("--compiler", choices=("cpu", "tpu-v4"), default="cpu",
-                        help="tpu-v4: plan Table 1's TPU rows with libtpu's own compiler for the TPU v4 slice "
-                             "redco used, ahead of time (no TPU needed; run --setup-tpu once)")
-    parser.add_argument("--setup-tpu", action="store_true", help=f"create {TPU_VENV.name} (libtpu) and exit")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-
-    if args.worker:
-        print(json.dumps(_worker(json.loads(args.worker))), flush=True)
+    if serve(globals()):
         return
+    p = parser(__doc__)
+    p.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
+    p.add_argument("--skip-slow", action="store_true", help="skip OPT-66B and the searches over device counts")
+    p.add_argument("--quick", action="store_true",
+                   help="each model cut to 2 layers (same widths), no searches, RESULTS.md left alone")
+    p.add_argument("--no-search", action="store_true", help="only the redco setting of each row")
+    p.add_argument("--layers", type=int, default=None, help="cut every model to this many layers (to try it out)")
+    p.add_argument("--extrapolate", type=int, nargs=2, metavar=("L1", "L2"), default=None,
+                   help="plan every row at L1 and L2 layers and extend the line to all of its layers "
+                        "(as OPT-66B always is): much faster; compare a row with and without it for the error")
+    p.add_argument("--search", choices=("both", "fewest", "longest"), default="both",
+                   help="which of the searches (a) and (b) to run (to run them in parallel processes)")
+    p.add_argument("--seq-step", type=int, default=128)
+    p.add_argument("--cache", type=Path, default=None, help="JSON file keeping each probe's result")
+    p.add_argument("--json", type=Path, default=None, help="write the results here as JSON")
+    p.add_argument("--xla-default-flags", action="store_true", help=f"compile without {FAST_COMPILE}")
+    p.add_argument("--compiler", choices=("cpu", "tpu-v4"), default="cpu",
+                   help="tpu-v4: plan Table 1's TPU rows with libtpu's compiler for the TPU v4 slice redco used, "
+                        "ahead of time (no TPU needed; run --setup-tpu once)")
+    p.add_argument("--setup-tpu", action="store_true", help="create benchmarks/.venv-tpu (libtpu) and exit")
+    args = p.parse_args()
     if args.setup_tpu:
-        setup_tpu()
-        return
+        return setup_tpu()
     if args.compiler == "tpu-v4":
-        tpu_main(args)
-        return
+        return tpu_main(args)
 
     rows = [ROWS[k] for k in args.rows if not (args.skip_slow and k in SLOW)]
     run = Runner(args.cache, "" if args.xla_default_flags else FAST_COMPILE)
@@ -521,16 +433,12 @@ def main():
 CPU_SECTION = "redco Table 1 by the planner (benchmarks/table1.py)"
 
 
-def report_out(args, results: list[dict], report: str, section: str) -> None:
+def report_out(args, results: list[dict], text: str, section: str) -> None:
     """Print the report; write the JSON and the RESULTS.md section when asked."""
-    print(report)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
-    if not (args.no_write or args.quick):
-        sys.path.insert(0, str(HERE))
-        from _common import write_section
-
-        write_section(section, report)
+    args.no_write = args.no_write or args.quick
+    report(args, section, text)
 
 
 def tpu_main(args) -> None:
@@ -538,15 +446,14 @@ def tpu_main(args) -> None:
     slice: the redco setting, fsdp (where there is a data axis to split
     over), and fsdp + remat + bf16 compute; then, with those three, half the
     chips (where parameters + Adam alone leave room) and the position table's
-    length, which stand in for the CPU section's searches (see TPU_NOTE)."""
-    if not (TPU_VENV / "bin" / "python").exists():
-        sys.exit(f"no {TPU_VENV}: run `python benchmarks/table1.py --setup-tpu` once (downloads libtpu, ~140 MB)")
+    length, which stand in for the CPU section's searches (see the section's notes)."""
+    libtpu()  # exits when benchmarks/.venv-tpu is missing
     rows = [ROWS[k] for k in args.rows if "TPU" in ROWS[k].server and not (args.skip_slow and k in SLOW)]
     run = Runner(args.cache, "")
     layers = 2 if args.quick else args.layers
     # Whole models by default: libtpu's peaks are not always linear in the layer count, so a line through
     # 2 and 4 layers can miss (it did on T5-XXL's longer sequences: 20.2, 20.0, 15.2, 24.7, 19.8 GB at
-    # 512 ... 8192 tokens); see TPU_NOTE.
+    # 512 ... 8192 tokens); see the section's notes.
     extra = {"compiler": "tpu-v4", **({"layers": layers} if layers else
                                       {"extrapolate": list(args.extrapolate)} if args.extrapolate else {})}
     results = []
@@ -592,24 +499,6 @@ TPU_SECTION = "redco Table 1's TPU rows by the TPU v4 compiler (benchmarks/table
 
 
 # ----------------------------------------------------------------------------- the report
-
-
-# Measured when these notes were written (same machine, jax 0.10.2); see the module docstring.
-EXTRAPOLATION_NOTE = (
-    "Figures marked extrapolated (every search probe, and OPT-66B throughout) plan the same model at 2 and 4 of "
-    "its identical layers and extend the line to all of them: peak = peak(4) + (L - 4) / 2 x (peak(4) - peak(2)). "
-    "Checked against whole-model compiles of the redco setting: LLaMA-7B 27.455 vs 27.436 GB (+0.07%), with "
-    "fsdp + remat + bf16 29.678 vs 29.678 GB (0.000%), OPT-13B 28.58 vs 28.58 GB, BART-Large equal to 200 bytes, "
-    "T5-XXL 21.45 vs 21.59 GB (-0.7%), GPT2-Large 7.53 vs 7.61 GB (-1.0%). A probe within 1% of the memory "
-    "may therefore fall on either side.")
-OPT66B_NOTE = (
-    "OPT-66B does not fit redco's 64 x 32 GB in these XLA:CPU plans, with or without fsdp, remat and bf16 (and "
-    "not on up to 256 devices). Its 16 B/param floor is 16.4 GB on 64 devices; parameters + Adam come to 12.4 GB "
-    "a device with fsdp as expected, but XLA:CPU's temporaries are 46 GB: its SPMD partitioner all-gathers each "
-    "layer's weights over `data` and keeps them, with a transposed copy, from the forward pass to the backward "
-    "(the live buffers at a 4-layer probe's peak are those gathers and copies). The TPU compiler partitions the "
-    "same step differently (the weights stay in place and the few activations move) and it fits: see the next "
-    "section, which plans the TPU rows on it.")
 
 
 def _gb(x) -> str:
@@ -702,8 +591,6 @@ def render(results: list[dict], run: Runner, *, quick: bool) -> str:
         row = ROWS[out["row"]]
         if row.why:
             lines += ["", f"{row.name}: n_model_shards={row.n_model_shards} because {row.why}."]
-    if not quick:
-        lines += ["", EXTRAPOLATION_NOTE, "", OPT66B_NOTE]
     if run.compiles:
         total = sum(c[1] for c in run.compiles)
         cpu = sum(c[2] for c in run.compiles)
@@ -761,42 +648,12 @@ def render_tpu(results: list[dict], run: Runner, *, quick: bool) -> str:
                     lines.append(f"| {row.name} | {n} | {p['mesh']['model']} x {p['mesh']['data']} | {p['seq']} "
                                  f"| {_gb(p['peak'])}{' (refused)' if p.get('refused') else ''} "
                                  f"| {'yes' if p['fits'] else '**no**'} | {_gb(floor_bytes(out['params'], n))} |")
-    lines += ["", TPU_NOTE]
     if run.compiles:
         total = sum(c[1] for c in run.compiles)
         cpu = sum(c[2] for c in run.compiles)
         lines += ["", f"Compile times: {len(run.compiles)} compiles, {total / 60:.1f} min wall, {cpu / 60:.1f} min "
                   "CPU, on this 2-core machine."]
     return "\n".join(lines)
-
-
-# Measured when these notes were written (2026-11-23, jax 0.10.2, libtpu 0.0.42.1); see tpu_main.
-TPU_NOTE = (
-    "On the TPU compiler every TPU row of Table 1 fits redco's slice, OPT-66B included: with fsdp (mp 8 x fsdp "
-    "over data 8, fp32, no remat) a step needs 30.75 GB a chip, of which parameters + Adam are 12.39 GB, where "
-    "XLA:CPU plans 57.08 GB for the same step (its partitioner gathers the weights over `data` and keeps them for "
-    "the backward pass; libtpu's leaves them in place and moves the activations, 8 rows x 512 tokens). Without "
-    "fsdp, the whole state split only 8 ways over `model`, it fits nowhere: libtpu refuses it, asking for 105.5 GB "
-    "of temporaries on top of 98.8 GB of parameters + Adam. redco's 64-way split of the state is what fsdp gives "
-    "here. With fsdp + remat + bf16 compute OPT-66B needs 14.78 GB a chip, below its 16 B/param arithmetic "
-    "(16.43 GB on 64 chips): the temporaries (2.38 GB) are fewer than its sharded gradients alone (4.1 GB), so "
-    "the compiler never holds every gradient at once. T5-XXL and OPT-13B fit on both compilers; libtpu's peaks "
-    "are 3 % and 16 % below XLA:CPU's.\n\n"
-    "Whole models, not extrapolated: libtpu's peaks are not always linear in the layer count (likely its "
-    "scheduling and rematerialisation against the chip's memory limit; not investigated further). Measured: "
-    "OPT-66B with fsdp, from 2 and 4 layers 30.90 GB (+0.5 %), from 4 and 8 layers 31.08 GB (+1.1 %); T5-XXL "
-    "from 2 and 4 layers 21.43 GB (+2.8 %), with fsdp + remat + bf16 20.23 GB (+2.7 %); but T5-XXL's "
-    "extrapolated peaks with fsdp + remat + bf16 at 512, 1024, 2048, 4096 and 8192 tokens went 20.2, 20.0, "
-    "15.2, 24.7, 19.8 GB, so the section above's searches (each probe a whole-model compile of 1-3 minutes "
-    "here) are replaced by two probes that answer them where they can. Half the chips: OPT-66B fits on 32 "
-    "(31.14 GB with fsdp + remat + bf16; 16 are ruled out by parameters + Adam alone, 49.3 GB), so 32 chips "
-    "is the fewest TPU v4 slice for it, half of redco's; T5-XXL and OPT-13B on 4 chips are ruled out the "
-    "same way (33.4 and 38.6 GB). The position table: OPT-13B and OPT-66B train at its full 2048 tokens on "
-    "redco's slices (23.35 and 24.03 GB). The whole OPT-66B step compiles in under 3 minutes and 6.8 GB of "
-    "host memory.\n\n"
-    "What this does not show: a TPU run. These are the figures of the compiler that would build the step for "
-    "that slice, as the planner's figures on an H100 were the measured device peak to the byte (section "
-    "Throughput above); no TPU was available to run one.")
 
 
 if __name__ == "__main__":
