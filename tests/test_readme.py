@@ -34,7 +34,7 @@ def test_readme_python_blocks_run(tmp_path, monkeypatch):
             code = code.replace("(8, 1025)", "(8, 17)")
         if "get_topology_desc" in code and importlib.util.find_spec("libtpu") is None:
             # planning for a TPU slice needs libtpu (not a dependency); without it the same block
-            # plans on this machine's devices (benchmarks/table1.py --compiler tpu-v4 runs it as written)
+            # plans on this machine's devices (python -m benchmarks.table1 --compiler tpu-v4 runs it as written)
             code = re.sub(r"topologies\.get_topology_desc\(.*?\)\.devices", "jax.devices()", code, flags=re.S)
         if "path/to/llama-checkpoint" in code:
             exec("models.save_pretrained(make_llama(jax.random.key(0)), CHECKPOINT)",
