@@ -51,7 +51,6 @@ class Row:
     n_model_shards: int
     kind: str  # "causal", "t5" or "bart"
     config: dict  # the Hugging Face config's sizes, as redeqx.models config fields
-    hf_params: float  # the published parameter count, to check the config against
     max_len: int | None  # learned position table: no longer sequence exists
     why: str = ""  # why this n_model_shards
     extrapolate: tuple[int, int] | None = None  # too large to compile whole here: plan these layer counts
@@ -63,33 +62,26 @@ class Row:
 
 ROWS = {r.key: r for r in [
     Row("gpt2-large", "GPT2-Large", "2 x 1080Ti", 2, "10GB", 512, 2, "causal",
-        dict(cls="GPT2", n_embd=1280, n_layer=36, n_head=20, vocab_size=50257, n_positions=1024),
-        0.774e9, 1024),
+        dict(cls="GPT2", n_embd=1280, n_layer=36, n_head=20, vocab_size=50257, n_positions=1024), 1024),
     Row("bart-large", "BART-Large", "2 x 1080Ti", 2, "10GB", 1024, 2, "bart",
         dict(cls="Bart", d_model=1024, encoder_layers=12, decoder_layers=12, encoder_attention_heads=16,
              decoder_attention_heads=16, encoder_ffn_dim=4096, decoder_ffn_dim=4096, vocab_size=50265,
-             max_position_embeddings=1024),
-        0.406e9, 1024),
+             max_position_embeddings=1024), 1024),
     Row("llama-7b", "LLaMA-7B", "4 x A100", 4, "40GB", 1024, 4, "causal",
         dict(cls="Llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-             num_attention_heads=32, max_position_embeddings=2048),
-        6.74e9, None),
+             num_attention_heads=32, max_position_embeddings=2048), None),
     Row("gpt-j-6b", "GPT-J-6B", "4 x A100", 4, "40GB", 1024, 4, "causal",
-        dict(cls="GPTJ", vocab_size=50400, n_embd=4096, n_layer=28, n_head=16, rotary_dim=64, n_positions=2048),
-        6.05e9, None),
+        dict(cls="GPTJ", vocab_size=50400, n_embd=4096, n_layer=28, n_head=16, rotary_dim=64, n_positions=2048), None),
     Row("t5-xxl", "T5-XXL-11B (v1.1)", "2 x TPU-v4 (2 hosts x 4 chips)", 8, "32GB", 512, 8, "t5",
         dict(cls="T5", d_model=4096, d_ff=10240, num_layers=24, num_decoder_layers=24, num_heads=64, d_kv=64,
-             vocab_size=32128, feed_forward_proj="gated-gelu", tie_word_embeddings=False),
-        11.1e9, None),
+             vocab_size=32128, feed_forward_proj="gated-gelu", tie_word_embeddings=False), None),
     Row("opt-13b", "OPT-13B", "2 x TPU-v4 (2 hosts x 4 chips)", 8, "32GB", 1024, 8, "causal",
         dict(cls="OPT", hidden_size=5120, num_hidden_layers=40, ffn_dim=20480, num_attention_heads=40,
-             vocab_size=50272, max_position_embeddings=2048),
-        12.85e9, 2048),
+             vocab_size=50272, max_position_embeddings=2048), 2048),
     Row("opt-66b", "OPT-66B", "16 x TPU-v4 (16 hosts x 4 chips)", 64, "32GB", 512, 8, "causal",
         dict(cls="OPT", hidden_size=9216, num_hidden_layers=64, ffn_dim=36864, num_attention_heads=72,
              vocab_size=50272, max_position_embeddings=2048),
-        65.7e9, 2048,
-        why="72 heads: 8 divides them, 16, 32 and 64 do not (redeqx splits attention on whole heads, so those "
+        2048, why="72 heads: 8 divides them, 16, 32 and 64 do not (redeqx splits attention on whole heads, so those "
             "would replicate Q/K/V/O); data parallel over the other 8",
         extrapolate=(2, 4)),
 ]}
@@ -98,17 +90,14 @@ LAYER_FIELDS = ("n_layer", "num_hidden_layers", "num_layers", "num_decoder_layer
 
 
 def floor_bytes(params: float, n_devices: int) -> float:
-    """fp32 weights 4 + gradients 4 + Adam's two moments 8 bytes per parameter,
-    split over every device (fsdp). Not a strict floor: XLA may apply a
-    leaf's update as soon as its gradient exists and free it, so not every
-    gradient is alive at once (T5-XXL plans below it)."""
+    """fp32 weights 4 + gradients 4 + Adam 8 bytes per parameter over every
+    device (fsdp); not strict: XLA frees each gradient once it is applied."""
     return 16 * params / n_devices
 
 
 def resident_bytes(params: float, n_devices: int) -> float:
-    """fp32 weights 4 + Adam 8 bytes per parameter, split over every device:
-    the step's arguments, alive from its start to its end. A device count
-    where this alone exceeds the memory cannot fit."""
+    """fp32 weights 4 + Adam 8 bytes per parameter over every device: alive
+    through the whole step, so a count where they exceed the memory cannot fit."""
     return 12 * params / n_devices
 
 
@@ -373,34 +362,27 @@ def main():
     p = parser(__doc__)
     p.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
     p.add_argument("--skip-slow", action="store_true", help="skip OPT-66B and the searches over device counts")
-    p.add_argument("--quick", action="store_true",
-                   help="each model cut to 2 layers (same widths), no searches, RESULTS.md left alone")
+    p.add_argument("--quick", action="store_true", help="each model cut to 2 layers, no searches, no RESULTS.md")
     p.add_argument("--no-search", action="store_true", help="only the redco setting of each row")
     p.add_argument("--layers", type=int, default=None, help="cut every model to this many layers (to try it out)")
     p.add_argument("--extrapolate", type=int, nargs=2, metavar=("L1", "L2"), default=None,
-                   help="plan every row at L1 and L2 layers and extend the line to all of its layers "
-                        "(as OPT-66B always is): much faster; compare a row with and without it for the error")
-    p.add_argument("--search", choices=("both", "fewest", "longest"), default="both",
-                   help="which of the searches (a) and (b) to run (to run them in parallel processes)")
-    p.add_argument("--seq-step", type=int, default=128)
+                   help="plan the searches' probes at L1 and L2 layers and extend the line to all of them")
     p.add_argument("--cache", type=Path, default=None, help="JSON file keeping each probe's result")
     p.add_argument("--json", type=Path, default=None, help="write the results here as JSON")
-    p.add_argument("--xla-default-flags", action="store_true", help=f"compile without {FAST_COMPILE}")
     p.add_argument("--compiler", choices=("cpu", "tpu-v4"), default="cpu",
-                   help="tpu-v4: plan Table 1's TPU rows with libtpu's compiler for the TPU v4 slice redco used, "
-                        "ahead of time (no TPU needed; run --setup-tpu once)")
+                   help="tpu-v4: the TPU rows by libtpu's compiler for redco's TPU v4 slice, ahead of time")
     p.add_argument("--setup-tpu", action="store_true", help="create benchmarks/.venv-tpu (libtpu) and exit")
     args = p.parse_args()
     if args.setup_tpu:
         return setup_tpu()
-    if args.compiler == "tpu-v4":
-        return tpu_main(args)
+    (tpu_main if args.compiler == "tpu-v4" else cpu_main)(args)
 
-    rows = [ROWS[k] for k in args.rows if not (args.skip_slow and k in SLOW)]
-    run = Runner(args.cache, "" if args.xla_default_flags else FAST_COMPILE)
+
+def cpu_main(args) -> None:
+    run = Runner(args.cache, FAST_COMPILE)
     layers = 2 if args.quick else args.layers
     results = []
-    for row in rows:
+    for row in (ROWS[k] for k in args.rows if not (args.skip_slow and k in SLOW)):
         print(f"== {row.name}: {row.devices} x {row.memory}, n_model_shards={row.n_model_shards}, seq {row.seq}",
               flush=True)
         # the redco setting is compiled whole (but for OPT-66B); --extrapolate speeds up the searches only
@@ -411,22 +393,15 @@ def main():
                     **extra)
         r = run(base)
         out = dict(row=row.key, name=row.name, params=r["params"], redco=r["plan"])
-        print(f"  redco setting: peak {r['plan']['peak'] / GB:.2f} GB of {row.memory}: "
-              f"{'fits' if r['plan']['fits'] else 'does NOT fit'}", flush=True)
         if row.key == "opt-66b":  # the closest to redco's 64-way split of the state: mp 8 x fsdp over data 8
             out["fsdp"] = run(dict(base, opts={"fsdp": True}))["plan"]
         if not (args.quick or args.no_search):
-            if not args.skip_slow and args.search != "longest":
+            if not args.skip_slow:
                 out["fewest"] = fewest_devices(run, row, r["params"], upper=4 * row.devices, extra=search_extra)
-            if args.search == "fewest":
-                results.append(out)
-                continue
-            print(f"  (b) longest sequence on {row.devices} devices with fsdp + remat + bf16", flush=True)
             out["longest"] = run(dict(task="longest", row=row.key, devices=row.devices,
-                                      n_model_shards=row.n_model_shards, seq=row.seq, step=args.seq_step,
+                                      n_model_shards=row.n_model_shards, seq=row.seq, step=128,
                                       opts=FSDP_REMAT_BF16, **search_extra))
         results.append(out)
-
     report_out(args, results, render(results, run, quick=args.quick), CPU_SECTION)
 
 
@@ -447,7 +422,6 @@ def tpu_main(args) -> None:
     over), and fsdp + remat + bf16 compute; then, with those three, half the
     chips (where parameters + Adam alone leave room) and the position table's
     length, which stand in for the CPU section's searches (see the section's notes)."""
-    libtpu()  # exits when benchmarks/.venv-tpu is missing
     rows = [ROWS[k] for k in args.rows if "TPU" in ROWS[k].server and not (args.skip_slow and k in SLOW)]
     run = Runner(args.cache, "")
     layers = 2 if args.quick else args.layers
@@ -505,154 +479,107 @@ def _gb(x) -> str:
     return f"{x / GB:.2f} GB"
 
 
-def render(results: list[dict], run: Runner, *, quick: bool) -> str:
-    lines = []
-    if quick:
-        lines.append("**Quick mode: every model cut to 2 layers (same widths); not Table 1's figures.**\n")
-    lines += [
-        "Each figure is one `redeqx.plan(..., explore=False)`: the real train step (AdamW, fp32 weights, one sequence "
-        "per data shard) compiled on abstract shapes for simulated CPU devices; peak = arguments + outputs - donated "
-        "+ temporaries per device, from XLA:CPU's buffer assignment. GB = 10^9 bytes, as the paper states memory.",
-        "",
-        "| model | params | server: devices x memory | n_model_shards x data | seq | peak / device | fits? | margin "
-        "| compile |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for out in results:
-        row, p = ROWS[out["row"]], out["redco"]
-        lines.append(
-            f"| {row.name} | {out['params'] / 1e9:.3f} B | {row.server}: {row.devices} x {row.memory} "
-            f"| {p['mesh']['model']} x {p['mesh']['data']} | {row.seq} | {_gb(p['peak'])} "
-            f"| {'yes' if p['fits'] else '**no**'} | {_gb(p['margin'])} | {p['compile_s']:.0f} s |")
-        if "fsdp" in out:
-            q = out["fsdp"]
-            lines.append(
-                f"| {row.name}, fsdp=True | | | {q['mesh']['model']} x {q['mesh']['data']} (fsdp) | {row.seq} "
-                f"| {_gb(q['peak'])} | {'yes' if q['fits'] else '**no**'} | {_gb(q['margin'])} "
-                f"| {q['compile_s']:.0f} s |")
+def _fits(p: dict) -> str:
+    return "yes" if p["fits"] else "**no**"
 
+
+QUICK = "**Quick mode: every model cut to 2 layers (same widths); not Table 1's figures.**\n"
+
+
+def render(results: list[dict], run: Runner, *, quick: bool) -> str:
+    lines = [QUICK] if quick else []
+    lines += ["| model | params | server: devices x memory | n_model_shards x data | seq | peak / device | fits? "
+              "| margin | compile |", "|---|---|---|---|---|---|---|---|---|"]
+    for out in results:
+        row = ROWS[out["row"]]
+        for key, name, server in (("redco", row.name, f"{row.server}: {row.devices} x {row.memory}"),
+                                  ("fsdp", f"{row.name}, fsdp=True", "")):
+            if key in out:
+                p, params = out[key], f"{out['params'] / 1e9:.3f} B"
+                lines.append(f"| {name} | {params if key == 'redco' else ''} "
+                             f"| {server} | {p['mesh']['model']} x {p['mesh']['data']}{' (fsdp)' if key == 'fsdp' else ''} "
+                             f"| {row.seq} | {_gb(p['peak'])} | {_fits(p)} | {_gb(p['margin'])} | {p['compile_s']:.0f} s |")
     searched = [o for o in results if "fewest" in o or "longest" in o]
     if searched:
         lines += ["", "With `fsdp=True`, remat (`redeqx.remat`) and bf16 compute (fp32 master weights and Adam "
                   "state), n_model_shards as in the row (at most the device count), one sequence per data shard:", "",
                   "| model | 16 B/param floor on redco's devices | fewest devices that fit | its peak | floor there "
-                  "| longest seq on redco's devices | its peak |",
-                  "|---|---|---|---|---|---|---|"]
-        for out in searched:
-            row = ROWS[out["row"]]
-            fewest = out.get("fewest")
-            if fewest is None:
-                few = ("skipped", "", "")
-            elif fewest["devices"] is None:
-                few = ("none up to " + str(4 * row.devices), "", "")
-            else:
-                n = fewest["devices"]
-                few = (f"{n} x {row.memory}", _gb(fewest["plan"]["peak"]), _gb(floor_bytes(out["params"], n)))
-            lg = out.get("longest")
-            if lg is None:
-                longest = ("", "")
-            else:
-                best = lg["best"]
-                if best is None:
-                    longest = ("none fits", "")
-                elif lg["capped"]:
-                    longest = (f"{lg['longest']} (the position table) x {lg['largest_batch']} per data shard",
-                               _gb(best["peak"]))
-                else:
-                    longest = (f"{lg['longest']}", _gb(best["peak"]))
-            lines.append(f"| {row.name} | {_gb(floor_bytes(out['params'], row.devices))} | {few[0]} | {few[1]} "
-                         f"| {few[2]} | {longest[0]} | {longest[1]} |")
-        lines += ["", "The arithmetic: fp32 parameters 4 + gradients 4 + Adam's two moments 8 = 16 bytes per "
-                  "parameter, divided by the device count (fsdp splits all three over every device); activations, "
-                  "the bf16 copies of the layers being computed and the batch come on top. The gradients are not a "
-                  "hard floor (XLA applies a leaf's update once its gradient exists and frees it, so they are not all "
-                  "alive at once): a count is ruled out without compiling only when parameters + Adam (12 bytes per "
-                  "parameter, alive through the whole step) exceed the memory.", ""]
-        for out in searched:
-            row, fewest = ROWS[out["row"]], out.get("fewest")
-            if not fewest:
-                continue
-            n, P_ = fewest["devices"], out["params"]
-            text = f"- {row.name}: 16 B x {P_ / 1e9:.3f} B = {16 * P_ / GB:.1f} GB"
-            if fewest["ruled_out"]:
-                m = max(fewest["ruled_out"])
-                text += (f"; on {m} devices 12 B x {P_ / 1e9:.3f} B / {m} = {resident_bytes(P_, m) / GB:.1f} GB "
-                         f">= {row.memory}: ruled out")
-            if n:
-                p = fewest["plan"]
-                text += (f"; on {n} devices 16 B x {P_ / 1e9:.3f} B / {n} = {floor_bytes(P_, n) / GB:.2f} GB, planned "
-                         f"peak {_gb(p['peak'])} = params {_gb(p['parameters'])} + Adam {_gb(p['optimizer'])} + batch "
-                         f"{_gb(p['batch'])} + temporaries {_gb(p['temporaries'])} (all gradients would be "
-                         f"{_gb(p['gradients'])})")
-            text += f"; compiled for {fewest['probed']} devices."
-            lines.append(text)
-
-    for out in results:
-        row = ROWS[out["row"]]
-        if row.why:
-            lines += ["", f"{row.name}: n_model_shards={row.n_model_shards} because {row.why}."]
+                  "| longest seq on redco's devices | its peak |", "|---|---|---|---|---|---|---|"]
+        lines += [_search_row(out) for out in searched] + [""] + [_arithmetic(o) for o in searched if o.get("fewest")]
+    lines += [f"\n{ROWS[o['row']].name}: n_model_shards={ROWS[o['row']].n_model_shards} because {ROWS[o['row']].why}."
+              for o in results if ROWS[o["row"]].why]
     if run.compiles:
-        total = sum(c[1] for c in run.compiles)
-        cpu = sum(c[2] for c in run.compiles)
         by_row = {}
         for k, w, c in run.compiles:
             by_row.setdefault(k, []).append((w, c))
         per = ", ".join(f"{ROWS[k].name} {len(v)} x {sum(w for w, _ in v) / len(v):.0f} s "
                         f"({sum(c for _, c in v) / len(v):.0f} s CPU)" for k, v in by_row.items())
         lines += ["", f"Compile times (wall, with the machine shared; CPU seconds in brackets): {len(run.compiles)} "
-                  f"probes, {total / 60:.1f} min wall, {cpu / 60:.1f} min CPU; per probe: {per}."]
+                  f"probes, {sum(c[1] for c in run.compiles) / 60:.1f} min wall, "
+                  f"{sum(c[2] for c in run.compiles) / 60:.1f} min CPU; per probe: {per}."]
     return "\n".join(lines)
 
 
+def _search_row(out: dict) -> str:
+    row, fewest, lg = ROWS[out["row"]], out.get("fewest"), out.get("longest")
+    few = (("skipped",) if fewest is None else (f"none up to {4 * row.devices}",) if fewest["devices"] is None else
+           (f"{fewest['devices']} x {row.memory}", _gb(fewest["plan"]["peak"]),
+            _gb(floor_bytes(out["params"], fewest["devices"]))))
+    few += ("",) * (3 - len(few))
+    best = lg and lg["best"]
+    longest = ("", "") if lg is None else ("none fits", "") if best is None else (
+        f"{lg['longest']}" + (f" (the position table) x {lg['largest_batch']} per data shard" if lg["capped"] else ""),
+        _gb(best["peak"]))
+    return (f"| {row.name} | {_gb(floor_bytes(out['params'], row.devices))} | {few[0]} | {few[1]} | {few[2]} "
+            f"| {longest[0]} | {longest[1]} |")
+
+
+def _arithmetic(out: dict) -> str:
+    row, fewest, n, P_ = ROWS[out["row"]], out["fewest"], out["fewest"]["devices"], out["params"]
+    text = f"- {row.name}: 16 B x {P_ / 1e9:.3f} B = {16 * P_ / GB:.1f} GB"
+    if fewest["ruled_out"]:
+        m = max(fewest["ruled_out"])
+        text += (f"; on {m} devices 12 B x {P_ / 1e9:.3f} B / {m} = {resident_bytes(P_, m) / GB:.1f} GB "
+                 f">= {row.memory}: ruled out")
+    if n:
+        p = fewest["plan"]
+        text += (f"; on {n} devices 16 B x {P_ / 1e9:.3f} B / {n} = {floor_bytes(P_, n) / GB:.2f} GB, planned "
+                 f"peak {_gb(p['peak'])} = params {_gb(p['parameters'])} + Adam {_gb(p['optimizer'])} + batch "
+                 f"{_gb(p['batch'])} + temporaries {_gb(p['temporaries'])} (all gradients would be "
+                 f"{_gb(p['gradients'])})")
+    return text + f"; compiled for {fewest['probed']} devices."
+
+
 def render_tpu(results: list[dict], run: Runner, *, quick: bool) -> str:
-    lines = []
-    if quick:
-        lines.append("**Quick mode: every model cut to 2 layers (same widths); not Table 1's figures.**\n")
-    lines += [
-        "The same train steps as the section above (AdamW, fp32 weights, one sequence per data shard), compiled "
-        "by libtpu's TPU compiler for the TPU v4 slices redco used (4 chips per host, one JAX device per chip), "
-        "ahead of time on this CPU-only machine (`jax.experimental.topologies`: no TPU attached, nothing runs), "
-        "each model whole. Peak = arguments + outputs - donated + temporaries per chip, from the TPU compiler's "
-        "own buffer assignment. libtpu refuses a step whose temporaries exceed the chip's 30.75 GiB of usable HBM; "
-        "such a row shows parameters + Adam + the temporaries it asked for. fits? is against the paper's 32 GB.",
-        "",
-        "| model | slice | n_model_shards x data | seq | setting | peak / chip (TPU compiler) | fits 32 GB? "
-        "| margin | of which params + Adam | temporaries | XLA:CPU's peak, same step | compile |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    lines = [QUICK] if quick else []
+    lines += ["| model | slice | n_model_shards x data | seq | setting | peak / chip (TPU compiler) | fits 32 GB? "
+              "| margin | of which params + Adam | temporaries | XLA:CPU's peak, same step | compile |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for out in results:
         row = ROWS[out["row"]]
         for key, label in (("redco", "fp32, no fsdp"), ("fsdp", "fsdp=True"), ("all", "fsdp + remat + bf16")):
-            if key not in out:
-                continue
-            p = out[key]
-            cpu = out.get("cpu", {}).get(key)
-            peak = _gb(p["peak"]) + (" (refused)" if p.get("refused") else "")
-            lines.append(
-                f"| {row.name} | {row.devices} x v4 ({TPU_V4_SLICES[row.devices]}) | {p['mesh']['model']} x "
-                f"{p['mesh']['data']} | {row.seq} | {label} | {peak} | {'yes' if p['fits'] else '**no**'} "
-                f"| {_gb(p['margin'])} | {_gb(p['parameters'] + p['optimizer'])} | {_gb(p['temporaries'])} "
-                f"| {_gb(cpu['peak']) if cpu else ''} | {p['compile_s']:.0f} s |")
-    searched = [o for o in results if "half" in o or "table" in o]
+            if key in out:
+                p, cpu = out[key], out.get("cpu", {}).get(key)
+                lines.append(
+                    f"| {row.name} | {row.devices} x v4 ({TPU_V4_SLICES[row.devices]}) | {p['mesh']['model']} x "
+                    f"{p['mesh']['data']} | {row.seq} | {label} | {_gb(p['peak'])}{' (refused)' if p.get('refused') else ''} "
+                    f"| {_fits(p)} | {_gb(p['margin'])} | {_gb(p['parameters'] + p['optimizer'])} "
+                    f"| {_gb(p['temporaries'])} | {_gb(cpu['peak']) if cpu else ''} | {p['compile_s']:.0f} s |")
+    searched = [(o, key) for o in results for key in ("half", "table") if key in o]
     if searched:
         lines += ["", "With fsdp + remat + bf16 compute, on half the chips (where parameters + Adam alone leave room) "
                   "and at the position table's length on redco's slice:", "",
                   "| model | chips | n_model_shards x data | seq | peak / chip | fits 32 GB? | 16 B/param there |",
                   "|---|---|---|---|---|---|---|"]
-        for out in searched:
-            row = ROWS[out["row"]]
-            for key in ("half", "table"):
-                if key in out:
-                    p = out[key]
-                    n = p["mesh"]["model"] * p["mesh"]["data"]
-                    lines.append(f"| {row.name} | {n} | {p['mesh']['model']} x {p['mesh']['data']} | {p['seq']} "
-                                 f"| {_gb(p['peak'])}{' (refused)' if p.get('refused') else ''} "
-                                 f"| {'yes' if p['fits'] else '**no**'} | {_gb(floor_bytes(out['params'], n))} |")
+        for out, key in searched:
+            p = out[key]
+            n = p["mesh"]["model"] * p["mesh"]["data"]
+            lines.append(f"| {ROWS[out['row']].name} | {n} | {p['mesh']['model']} x {p['mesh']['data']} | {p['seq']} "
+                         f"| {_gb(p['peak'])}{' (refused)' if p.get('refused') else ''} | {_fits(p)} "
+                         f"| {_gb(floor_bytes(out['params'], n))} |")
     if run.compiles:
-        total = sum(c[1] for c in run.compiles)
-        cpu = sum(c[2] for c in run.compiles)
-        lines += ["", f"Compile times: {len(run.compiles)} compiles, {total / 60:.1f} min wall, {cpu / 60:.1f} min "
-                  "CPU, on this 2-core machine."]
+        lines += ["", f"Compile times: {len(run.compiles)} compiles, {sum(c[1] for c in run.compiles) / 60:.1f} min "
+                  f"wall, {sum(c[2] for c in run.compiles) / 60:.1f} min CPU, on this 2-core machine."]
     return "\n".join(lines)
 
 
