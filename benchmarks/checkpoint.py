@@ -2,25 +2,15 @@
 training time an asynchronous save costs.
 
     python -m benchmarks.checkpoint                 # 100M parameters; writes benchmarks/RESULTS.md
-    python -m benchmarks.checkpoint --width 2048    # 25M parameters, for a smaller machine
     python -m benchmarks.checkpoint --width 256 --depth 1 --steps 2 --no-write   # a quick try
     python -m benchmarks.checkpoint --hash-cost     # what the content hash adds to a save (its own section)
 
-At n_model_shards=1 every one of the 8 simulated devices holds a full copy of
-the parameters and both Adam moments, all in host memory: 100M parameters
-peak near 17 GB of host memory (the restore runs last, after the training
-state is freed, so only one full state exists at a time).
-
-A TrainState (MLP of ``depth + 1`` square ``width`` layers, adamw: parameters
-+ two moments) on 8 simulated CPU devices at n_model_shards 1 and 4:
-
-- sync save: `save_checkpoint` wall time, and the bytes on disk;
-- restore: `restore_checkpoint` into an abstract target (nothing built first);
-- async save: how long `CheckpointManager.save` blocks the loop (copying the
-  arrays off the devices), and how long until the write is on disk;
-- steps while the async write runs, against steps with no save in flight, as
-  a ratio; and the whole cost of one async save in step-times
-  (blocking + extra step time) against the sync save's.
+A TrainState (MLP of ``depth + 1`` square ``width`` layers, AdamW) on 8
+simulated CPU devices at n_model_shards 1 and 4 (at 1 every device holds a
+full copy in host memory: 100M parameters peak near 17 GB): the sync save's
+time and bytes on disk, a restore into an abstract target, how long
+`CheckpointManager.save` blocks and how long until its write is on disk, and
+the steps run while it is written against steps with no save in flight.
 """
 
 import os
@@ -60,15 +50,18 @@ def timed_steps(train_step, state, batch, n):
     return state, times
 
 
-def bench(n_model_shards, width, depth, n_steps, root: Path):
+def mlp_state(n_model_shards, width, depth):
+    """The MLP's train state (AdamW) on ``n_model_shards``: (state, mesh, specs, make, optimizer, n_params)."""
     mesh = redeqx.make_mesh(n_model_shards)
     make = lambda key: eqx.nn.MLP(width, width, width, depth=depth, use_bias=False, key=key)  # noqa: E731
-    model = make(jax.random.key(0))
-    n_params = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+    model, optimizer = make(jax.random.key(0)), optax.adamw(1e-4)
     specs = redeqx.sharding_rules(model, mesh)
-    optimizer = optax.adamw(1e-4)
     state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
-    del model
+    return state, mesh, specs, make, optimizer, sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+
+
+def bench(n_model_shards, width, depth, n_steps, root: Path):
+    state, mesh, specs, make, optimizer, n_params = mlp_state(n_model_shards, width, depth)
     train_step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs)
     rows = mesh.shape["data"]
     batch = next(redeqx.batches([{"x": jnp.ones(width)}] * rows, lambda es: {"x": jnp.stack([e["x"] for e in es])},
@@ -123,11 +116,7 @@ def hash_cost(n_model_shards, width, depth, root: Path, repeats: int = 3):
     ``xxh3_128`` of every piece a device holds, fetched to the host), medians of ``repeats``."""
     from redeqx import _checkpoint
 
-    mesh = redeqx.make_mesh(n_model_shards)
-    model = eqx.nn.MLP(width, width, width, depth=depth, use_bias=False, key=jax.random.key(0))
-    specs = redeqx.sharding_rules(model, mesh)
-    state = redeqx.init_state(model, optax.adamw(1e-4), mesh, specs, key=jax.random.key(1))
-    del model
+    state, *_, n_params = mlp_state(n_model_shards, width, depth)
     leaves = [x for xs in _checkpoint._items(state).values() for _, x in xs]
     leaves = [jax.random.key_data(x) if _checkpoint._is_key(x) else x for x in leaves]
     saves, hashes = [], []
@@ -139,7 +128,6 @@ def hash_cost(n_model_shards, width, depth, root: Path, repeats: int = 3):
         t = time.perf_counter()
         _checkpoint.content_hashes(leaves)
         hashes.append(time.perf_counter() - t)
-    n_params = sum(x.size for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_array)))
     return {"n_model_shards": n_model_shards, "params": n_params, "save_s": statistics.median(saves[1:]),
             "hash_s": statistics.median(hashes[1:])}
 

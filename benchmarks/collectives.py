@@ -4,28 +4,15 @@ the analytic count of the plan it should be.
     python -m benchmarks.collectives             # writes the table to benchmarks/RESULTS.md
     python -m benchmarks.collectives --hidden 64 --heads 4 --intermediate 128 --vocab 256 --seq 32 --no-write
 
-The zoo's LLaMA (hidden 1024, 4 layers, 16 heads, vocab 32000, a batch of 8
-sequences of 512 tokens, AdamW) on 8 simulated CPU devices at
-n_model_shards 1, 2, 4, 8, each without and with ``fsdp=True``; every step is
-compiled by `redeqx.plan` on abstract shapes and its collectives read off the
-HLO (``plan.collectives``: per device, the bytes of each collective's result,
-summed over the step).
-
-The analytic counts, in the same convention (result bytes per device):
-
-- Megatron-LM (tests/megatron_count.py): over ``model`` (when > 1), the
-  embedding lookup, two all-reduces per layer forward and two backward, the
-  LM head's input gradient, and 3 reductions for the vocab-split
-  cross-entropy; over ``data`` (when > 1), the all-reduce of each device's
-  gradient shard (the parameter bytes it holds).
-- ZeRO-3 (``fsdp=True`` with data > 1): the Megatron activation terms over
-  ``model``, plus, over ``data``, an all-gather of every fsdp-split parameter
-  in the forward pass and again in the backward pass (result: the parameter
-  as ``model`` alone splits it), a reduce-scatter of its gradient (result:
-  the device's 1/data slice), and an all-reduce of the small leaves fsdp
-  leaves alone (norms). XLA may keep the forward gather for the backward
-  pass instead of gathering twice; the table shows the all-gather bytes so
-  that can be read off.
+The zoo's LLaMA (hidden 1024, 4 layers, a batch of 8 x 512 tokens, AdamW) on
+8 simulated CPU devices at n_model_shards 1, 2, 4, 8, without and with
+``fsdp=True``, layers listed and stacked: each step compiled by `redeqx.plan`
+on abstract shapes, its collectives read off the HLO (per device, the bytes
+of each collective's result), and counted again as XLA:GPU/TPU move them
+(tests/accelerator_count.py). The analytic counts, in the same convention:
+Megatron-LM (tests/megatron_count.py: activations over ``model``, each
+device's gradient shard over ``data``) and ZeRO-3 (an all-gather of every
+fsdp-split parameter forward and backward, a reduce-scatter of its gradient).
 """
 
 import itertools
