@@ -1,20 +1,13 @@
 """The benchmarks' harness: devices, workers, the libtpu ahead-of-time
-compile, alternated timing and benchmarks/RESULTS.md's sections, in one place.
+compile, alternated timing and benchmarks/RESULTS.md's sections.
 
-Every benchmark runs from the repository root as a module::
-
-    python -m benchmarks.NAME [--no-write] [its options]
-
-and starts from this module: ``cpu_devices(8)`` before JAX is imported for 8
-simulated CPU devices, ``parser(__doc__)`` for its options (``--no-write``
-included), ``worker``/``serve`` when a figure needs a fresh process (a device
-count of its own, the libtpu environment, a launched run), ``alternate`` to
-time variants side by side, and ``report`` to print a section and write it.
-
-The benchmarks build the tests' small models (tests/tiny_transformer.py,
-tests/user_gpt.py, ...); tests/ is a pytest root, not a package, so this
-module puts it on ``sys.path`` (the only place that does) and on the
-``PYTHONPATH`` of every worker it starts.
+Every benchmark runs from the repository root as ``python -m benchmarks.NAME``
+and starts here: ``cpu_devices(8)`` before importing JAX, ``parser(__doc__)``
+(with ``--no-write``), ``worker``/``serve`` for a figure that needs a fresh
+process (its own device count, the libtpu venv), ``alternate`` to time
+variants side by side, ``report`` to print a section and write it. tests/ is a
+pytest root, not a package: this module puts it on ``sys.path`` (the only
+place that does) and on every worker's ``PYTHONPATH``, for the tests' models.
 """
 
 from __future__ import annotations
@@ -74,8 +67,7 @@ def cpu8_env() -> dict:
 
 def libtpu(chips: int = 8) -> tuple[str, dict]:
     """The Python of benchmarks/.venv-tpu and an environment in which libtpu
-    compiles for a TPU v4 slice of ``chips`` with no TPU attached; exits if
-    the venv is missing (``python -m benchmarks.table1 --setup-tpu`` makes it)."""
+    compiles for a TPU v4 slice of ``chips``, no TPU attached; exits without it."""
     python = TPU_VENV / "bin" / "python"
     if not python.exists():
         sys.exit("no benchmarks/.venv-tpu: run `python -m benchmarks.table1 --setup-tpu` once")
@@ -84,10 +76,8 @@ def libtpu(chips: int = 8) -> tuple[str, dict]:
 
 
 def tpu_v4_devices(n: int = 8) -> list:
-    """The ``n`` chips of a TPU v4 slice with no TPU attached
-    (``jax.experimental.topologies``): a step lowered on a mesh of them is
-    compiled and buffer-assigned by libtpu exactly as on that slice; nothing
-    can run on them."""
+    """The ``n`` chips of a TPU v4 slice, no TPU attached: libtpu compiles a
+    step on a mesh of them as for that slice; nothing can run on them."""
     from jax.experimental import topologies
 
     if n not in TPU_V4_SLICES:
@@ -98,8 +88,7 @@ def tpu_v4_devices(n: int = 8) -> list:
 
 
 def setup_tpu() -> None:
-    """benchmarks/.venv-tpu: this environment's packages plus the libtpu
-    release JAX's ``tpu`` extra names, for ahead-of-time TPU compiles."""
+    """benchmarks/.venv-tpu: this environment plus the libtpu JAX's ``tpu`` extra names."""
     import importlib.metadata
 
     pins = [r.split(";")[0].strip() for r in importlib.metadata.requires("jax") or []
@@ -122,9 +111,8 @@ def compiled_figures(compiled) -> dict:
 # ----------------------------------------------------------------------------- workers
 
 def run_worker(python: str, script: str, args: list[str], env: dict | None = None, timeout: float | None = None):
-    """Run a worker and return the JSON of its last line of output. ``script``
-    is a module (``benchmarks.table1``) or a file; a file in benchmarks/ runs
-    as its module, from the repository root."""
+    """The JSON of the last line a worker prints. ``script``: a module, or a
+    file (one in benchmarks/ runs as its module), run from the repository root."""
     path = Path(script)
     if path.suffix != ".py":
         cmd = [python, "-m", script, *args]
@@ -139,8 +127,8 @@ def run_worker(python: str, script: str, args: list[str], env: dict | None = Non
 
 
 def worker(module: str, fn: str, *, python: str = sys.executable, env: dict | None = None, **kwargs):
-    """Call ``fn(**kwargs)`` of ``module`` (a benchmark's ``__file__``) in a fresh process (``serve`` answers it) and return its
-    JSON result; by default with 8 simulated CPU devices."""
+    """``fn(**kwargs)`` of ``module`` (a benchmark's ``__file__``) in a fresh
+    process that ``serve`` answers; 8 simulated CPU devices by default."""
     name = f"benchmarks.{Path(module).stem}" if module.endswith(".py") else module
     return run_worker(python, name, ["--worker", json.dumps({"fn": fn, "kwargs": kwargs})], env or cpu8_env())
 
@@ -187,10 +175,9 @@ def timed(fn, n: int) -> list[float]:
 
 
 def alternate(runners: dict, rounds: int, steps: int, *, warmup: int = 3, per_step: bool = True) -> dict:
-    """Median seconds per call of each runner, timed side by side: every
-    runner warmed up, then ``rounds`` rounds with the order rotating each
-    round; within a round the runners alternate call by call (``per_step``)
-    or run ``steps`` calls each. Returns {name: median}."""
+    """{name: median seconds per call}, timed side by side: ``rounds`` rounds,
+    the order rotating each round, the runners alternating call by call
+    (``per_step``) or ``steps`` calls each."""
     names = list(runners)
     for name in names:
         timed(runners[name], warmup)
@@ -216,9 +203,8 @@ def command() -> str:
 
 
 def write_section(title: str, body: str, *, cmd: str | None = None) -> None:
-    """Rewrite the section ``## title`` of RESULTS.md (appended if new),
-    naming the command that made it; text after the section's NOTES marker
-    is kept."""
+    """Rewrite (or append) RESULTS.md's ``## title`` with the command that
+    made it, keeping the hand-written text below its NOTES marker."""
     text = RESULTS.read_text() if RESULTS.exists() else HEADER
     stamp = f"_{datetime.date.today().isoformat()}, {platform.machine()}, {platform.node() or 'host'}_"
     pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
@@ -237,15 +223,3 @@ def report(args, title: str, body: str, *, cmd: str | None = None) -> None:
     print(f"## {title}\n\n{body}")
     if not getattr(args, "no_write", False):
         write_section(title, body, cmd=cmd)
-
-
-def median(xs) -> float:
-    return statistics.median(xs)
-
-
-def gib(x: float) -> str:
-    return f"{x / 2**30:.2f} GiB"
-
-
-def mib(x: float) -> str:
-    return f"{x / 2**20:.1f} MiB"

@@ -1,21 +1,14 @@
-"""What the faults of issue 24 cost and how long each takes to end, measured
-with real processes and real signals on 8 simulated CPU devices:
+"""What the faults of issue 24 cost and how long each takes to end, with real
+processes and signals on 8 simulated CPU devices:
 
-    python -m benchmarks.faults              # writes its section of benchmarks/RESULTS.md
-    python -m benchmarks.faults --no-write   # prints only (about 2 minutes)
+    python -m benchmarks.faults              # writes its section of benchmarks/RESULTS.md (about 2 minutes)
+    python -m benchmarks.faults --no-write   # prints only
 
-- preemption: SIGTERM sent to a run that calls `CheckpointManager.save` every
-  step (``every`` larger than the run): seconds from the signal to the exit
-  with status 143, in one process and in two under ``python -m redeqx.launch``;
-- the divergence check: `Logger.log`'s time per call with the check of the
-  values it fetches, against the same call with the check off, next to the
-  step time of the same loop;
-- a process raising mid-run, one ending its script early, and one hanging
-  in a step under a `StepWatchdog`, under the launcher: seconds until the
-  launcher exits; two signals 50 ms apart to the launcher (issue 30);
-- a read-only workdir under an async save (a tmpfs remounted read-only, when
-  this process may mount one): seconds until the save raises and the
-  process exits.
+SIGTERM to a run saving every step (one process, and two under
+``python -m redeqx.launch``, also with a second signal 50 ms later); a
+process raising, ending early or hanging under a `StepWatchdog` under the
+launcher; a read-only workdir under an async save (where this process may
+mount a tmpfs); and `Logger.log`'s divergence check against its step time.
 """
 
 import os

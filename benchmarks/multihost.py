@@ -3,12 +3,9 @@
     python -m benchmarks.multihost            # writes the ratio to benchmarks/RESULTS.md
     python -m benchmarks.multihost --rounds 1 --steps 2 --no-write
 
-Both settings train the same TinyLM with n_model_shards=2 (mesh data=4 x
-model=2) on the same global batch, on 8 simulated CPU devices; only the split
-of the devices into processes differs, so the ratio is the cost of crossing
-process boundaries (on CPU: gloo over loopback TCP instead of in-process
-memory copies). Both run under ``python -m redeqx.launch`` (``-n 1`` and
-``-n 2``), alternating in rounds so both see the same machine noise.
+The same TinyLM, n_model_shards=2, on 8 simulated CPU devices under
+``python -m redeqx.launch -n 1`` and ``-n 2``, alternating in rounds: the
+ratio is the cost of crossing processes (on CPU, gloo over loopback TCP).
 """
 
 import json

@@ -1,14 +1,12 @@
 """Step-time overhead of redeqx.make_train_step vs a hand-written jax.jit + optax step.
 
     python -m benchmarks.overhead            # writes the numbers to benchmarks/RESULTS.md
+    python -m benchmarks.overhead --rounds 1 --steps 2 --no-write
 
-The same small transformer, the same batch, the same placement, on 1 device and
-on 8 simulated CPU devices (n_model_shards=2); the steps alternate step by step
-(the order rotating each round) so both see the same machine noise. redeqx
-calls the model as written, so the ratio is the wrapper's own overhead
-(target <= 1.03). A third runner calls the jitted program inside redeqx's
-step directly, which splits that ratio into the program's difference (its
-step counter) and the Python wrapper's cost per call.
+The same small transformer, batch and placement, on 1 device and on 8
+simulated CPU devices (n_model_shards=2), the steps alternating step by step.
+A third runner calls the jitted program inside redeqx's step directly, which
+splits the ratio into the program's difference and the wrapper's Python.
 """
 
 from benchmarks._common import add_tiny_lm_args, alternate, cpu_devices, parser, report

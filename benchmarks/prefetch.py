@@ -1,18 +1,14 @@
 """Prefetch: does collating the next batch overlap the running step?
 
     python -m benchmarks.prefetch            # writes its section of benchmarks/RESULTS.md
-    python -m benchmarks.prefetch --rounds 1 --steps 3 --step-ms 5 --collate-ms 4 --no-write
+    python -m benchmarks.prefetch --rounds 1 --steps 3 --step-ms 5 --collate-ms 4 --per-device 2 --no-write
 
-A step of fixed cost (8 jitted matmuls, sized to take ~50 ms) fed by
-redeqx.batches with a collate_fn that sleeps ~40 ms (a stand-in for decoding,
-tokenising, augmenting). Two loops: one that reads the loss after every step,
-as Logger.log does, where without prefetch the step and the next collate take
-turns (~90 ms) and with prefetch they overlap (~50 ms); and one that never
-waits for a step, where JAX's asynchronous dispatch already overlaps them.
-Rounds alternate prefetch=0 and prefetch=2 (in both orders); each round's
-wall and process CPU time (all threads, XLA's included) per step run from
-the end of its first step (filling the pipeline) until its last step is
-done; the numbers are medians over rounds.
+A step of fixed cost (8 jitted matmuls sized to take ``--step-ms``) fed by
+redeqx.batches with a collate_fn that sleeps ``--collate-ms``. Two loops: one
+that reads the loss after every step (as Logger.log does), one that never
+waits for a step (JAX's asynchronous dispatch overlaps it already). Rounds
+alternate prefetch=0 and 2; wall and process CPU time per step from the end of
+the first step to the last, medians over rounds.
 """
 
 import os

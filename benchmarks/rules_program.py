@@ -1,15 +1,13 @@
 """The rules read from the program (issue 29) against the name rules alone.
 
-For every model of the tests (and the six ways of writing a model issue 29
-lists): the collective bytes of one training step as an accelerator's XLA
-moves them (tests/accelerator_count.py), with the specs of
-``sharding_rules(model, mesh)`` (names) and of ``sharding_rules(model, mesh,
-loss_fn=..., batch=...)`` (program), at 2 and 4 model shards; and how long
-reading the program of a LLaMA-70B-shaped zoo model (80 layers, stacked) and
-of the 1B one (22 layers, listed) takes, on abstract shapes.
-
     python -m benchmarks.rules_program            # writes its RESULTS.md section
     python -m benchmarks.rules_program --models 2 --no-write   # the first 2 models only
+
+For every model of the tests and the six ways of writing a model issue 29
+lists: the collective bytes of one training step as an accelerator moves them
+(tests/accelerator_count.py) with the specs of ``sharding_rules(model, mesh)``
+and of ``sharding_rules(model, mesh, loss_fn=..., batch=...)``, at 2 and 4
+model shards; and how long reading a 70B-shaped and a 1B program takes.
 """
 
 import itertools
