@@ -3,7 +3,6 @@ training time an asynchronous save costs.
 
     python -m benchmarks.checkpoint                 # 100M parameters; writes benchmarks/RESULTS.md
     python -m benchmarks.checkpoint --width 256 --depth 1 --steps 2 --no-write   # a quick try
-    python -m benchmarks.checkpoint --hash-cost     # what the content hash adds to a save (its own section)
 
 A TrainState (MLP of ``depth + 1`` square ``width`` layers, AdamW) on 8
 simulated CPU devices at n_model_shards 1 and 4 (at 1 every device holds a
@@ -111,62 +110,12 @@ def bench(n_model_shards, width, depth, n_steps, root: Path):
     }
 
 
-def hash_cost(n_model_shards, width, depth, root: Path, repeats: int = 3):
-    """Seconds of a sync save, and of the content hashes it takes (`_checkpoint.content_hashes`,
-    ``xxh3_128`` of every piece a device holds, fetched to the host), medians of ``repeats``."""
-    from redeqx import _checkpoint
-
-    state, *_, n_params = mlp_state(n_model_shards, width, depth)
-    leaves = [x for xs in _checkpoint._items(state).values() for _, x in xs]
-    leaves = [jax.random.key_data(x) if _checkpoint._is_key(x) else x for x in leaves]
-    saves, hashes = [], []
-    for i in range(repeats + 1):  # the first of each warms up
-        t = time.perf_counter()
-        redeqx.save_checkpoint(root / f"s{i}", state)
-        saves.append(time.perf_counter() - t)
-        shutil.rmtree(root / f"s{i}")
-        t = time.perf_counter()
-        _checkpoint.content_hashes(leaves)
-        hashes.append(time.perf_counter() - t)
-    return {"n_model_shards": n_model_shards, "params": n_params, "save_s": statistics.median(saves[1:]),
-            "hash_s": statistics.median(hashes[1:])}
-
-
-def main_hash_cost(args):
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for n in (4, 8):  # n=1 keeps 8 replicas of the state in host memory; only one of each piece is hashed
-            r = hash_cost(n, args.width, args.depth, Path(tmp) / f"h{n}")
-            print(r, flush=True)
-            rows.append(r)
-    lines = [
-        f"What the checkpoint content hash (`xxh3_128` of each piece a device holds, replica 0 only; added so that "
-        f"swapped values or sign flips are caught, which the word sum missed) adds to `save_checkpoint`: a "
-        f"TrainState of an MLP with {args.depth + 1} linear layers {args.width}x{args.width} "
-        f"({rows[0]['params'] / 1e6:.1f}M parameters, adamw: {3 * 4 * rows[0]['params'] / 2**20:,.0f} MiB of "
-        f"float32), {len(jax.devices())} simulated CPU devices on {os.cpu_count()} CPU cores; medians of 3. The save's "
-        "time includes the hashing.",
-        "",
-        "| n_model_shards | sync save | content hashes in it | share of the save |",
-        "|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(f"| {r['n_model_shards']} | {r['save_s']:.2f} s | {r['hash_s']:.3f} s | "
-                     f"{100 * r['hash_s'] / r['save_s']:.1f} % |")
-    lines += ["", "For comparison, hashlib's blake2b hashes ~0.8 GB/s on this machine (xxh3_128: ~10 GB/s), which "
-              "would have been ~60 % of the save at n_model_shards=4."]
-    report(args, "Checkpoint content hash (benchmarks/checkpoint.py --hash-cost)", "\n".join(lines))
-
-
 def main():
     p = parser(__doc__)
     p.add_argument("--width", type=int, default=4096)
     p.add_argument("--depth", type=int, default=5, help="hidden layers; depth + 1 square linear layers")
     p.add_argument("--steps", type=int, default=4, help="steps timed with and without a save in flight")
-    p.add_argument("--hash-cost", action="store_true", help="only the content hash's share of a save")
     args = p.parse_args()
-    if args.hash_cost:
-        return main_hash_cost(args)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for n in (1, 4):

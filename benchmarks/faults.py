@@ -14,7 +14,6 @@ mount a tmpfs); and `Logger.log`'s divergence check against its step time.
 import os
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -51,48 +50,6 @@ def preemption(n_processes: int, signal_at: int = 4, second: int | None = None) 
         said = "nothing was saved" in proc.stderr.read()
     return {"exit status": rc, "signal after step": signal_at, "saved step": saved, "seconds to exit": elapsed,
             "left": left, "said nothing saved": said}
-
-
-def divergence_check(n_calls: int = 2000) -> dict:
-    """`Logger.log` per call with and without the finiteness check, and the
-    train step of a small MLP for scale (all in this process)."""
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    import equinox as eqx
-    import jax
-    import jax.numpy as jnp
-    import optax
-
-    import redeqx
-    from redeqx import _logging
-
-    mesh = redeqx.make_mesh(2)
-    model = eqx.nn.MLP(64, 10, 256, depth=2, key=jax.random.key(0))
-    specs = redeqx.sharding_rules(model, mesh)
-    state = redeqx.init_state(model, optax.adam(1e-3), mesh, specs, key=jax.random.key(1))
-    step = redeqx.make_train_step(lambda m, b, k: jnp.mean(jax.vmap(m)(b["x"]) ** 2), optax.adam(1e-3), mesh, specs)
-    batch = {"x": jnp.ones((32, 64))}
-    state, metrics = step(state, batch)
-    jax.block_until_ready(metrics)
-    step_times = []
-    for _ in range(50):
-        t = time.perf_counter()
-        state, metrics = step(state, batch)
-        jax.block_until_ready(metrics)
-        step_times.append(time.perf_counter() - t)
-    metrics = jax.device_get(metrics)  # the check reads host values: time the check, not the fetch
-    watched = _logging._watched
-    times = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, check in (("with the check", watched), ("without", lambda _: False)):
-            _logging._watched = check
-            logger = redeqx.Logger(Path(tmp) / name, tensorboard=False)
-            t = time.perf_counter()
-            for i in range(n_calls):
-                logger.log(metrics, i)
-            times[name] = (time.perf_counter() - t) / n_calls
-            logger.close()
-    _logging._watched = watched
-    return {"step": statistics.median(step_times), **times}
 
 
 def launcher_fault(action: str, *extra: str, watchdog: bool = False, at: int = 3) -> dict:
@@ -209,8 +166,6 @@ def main():
         rows.append(f"| workdir remounted read-only, async save | exit {ro['exit status']} | error after "
                     f"{ro['seconds to the error']:.2f} s, exit after {ro['seconds to exit']:.1f} s | "
                     f"`{ro['error'][:90]}...` |")
-    d = divergence_check()
-    print("divergence", d, flush=True)
 
     body = "\n".join([
         "Real processes and signals on 8 simulated CPU devices (2 CPU cores). The same faults took, before issue 24: "
@@ -221,14 +176,6 @@ def main():
         "| fault | exit status | time | notes |",
         "|---|---|---|---|",
         *rows,
-        "",
-        "The divergence check reads the values `Logger.log` already fetched from the devices: no extra sync.",
-        "",
-        "| `Logger.log` of a train step's metrics | time per call |",
-        "|---|---|",
-        f"| with the NaN/inf check (default) | {d['with the check'] * 1e6:.1f} us |",
-        f"| without | {d['without'] * 1e6:.1f} us |",
-        f"| the train step itself (MLP 64-256-256-10, batch 32, 8 devices) | {d['step'] * 1e3:.2f} ms |",
     ])
     report(args, "Faults (benchmarks/faults.py)", body)
 
