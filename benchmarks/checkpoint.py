@@ -140,13 +140,6 @@ def main():
             f"{r['step_during_async_s']:.3f} s | {r['step_ratio']:.2f}x | "
             f"{r['async_lost_s']:.2f} s / {r['sync_save_s']:.2f} s = {r['async_lost_s'] / r['sync_save_s']:.2f} |"
         )
-    lines += [
-        "",
-        "\"ratio\" is the mean step time while the async write runs over the median step time with none. "
-        "\"time lost\" is the blocking part of the async save plus the extra step time while it is written. On "
-        "CPU the background writer competes with the steps for the same two cores, so the ratio here is an upper "
-        "bound; on a GPU the steps run on the device and overlap better.",
-    ]
     report(args, "Checkpoints (benchmarks/checkpoint.py)", "\n".join(lines))
 
 

@@ -168,10 +168,7 @@ def main():
                     f"`{ro['error'][:90]}...` |")
 
     body = "\n".join([
-        "Real processes and signals on 8 simulated CPU devices (2 CPU cores). The same faults took, before issue 24: "
-        "SIGTERM killed one process at once with nothing saved and was swallowed under the launcher; a read-only "
-        "workdir under an async save made the process take 305 s to exit; a process calling sys.exit(0) mid-run "
-        "under the launcher hung the others 307 s until SIGABRT.",
+        f"Real processes and signals on 8 simulated CPU devices ({os.cpu_count()} CPU cores).",
         "",
         "| fault | exit status | time | notes |",
         "|---|---|---|---|",

@@ -93,9 +93,6 @@ def main():
         "|---|---|---|",
         f"| 1 process x 8 devices | {one * 1e3:.2f} ms | 1.00 |",
         f"| 2 processes x 4 devices (gloo over 127.0.0.1) | {two * 1e3:.2f} ms | {two / one:.2f} |",
-        "",
-        "On CPU the second process turns every collective into loopback TCP through gloo, and the two processes",
-        "share this machine's cores; the ratio measures that overhead, not what NCCL between GPU hosts costs.",
     ])
     report(args, "Multi-host step time (benchmarks/multihost.py)", body)
 

@@ -106,10 +106,6 @@ def main():
     ]
     lines += [f"| {n} | {o * 1e3:.2f} ms | {h * 1e3:.2f} ms | {o / h:.3f} | {g * 1e3:.2f} ms | {g / h:.3f} |"
               for n, o, h, g in rows]
-    lines += ["", "The program alone differs from the hand-written one by the step counter; the rest of the first "
-              "ratio is the wrapper's Python per call (flattening the state, checking its layout and that no leaf "
-              "was donated away) and, with several CPU devices in one process, waiting for each step before the "
-              "next (`redeqx._cpu.wait_for_program`, a correctness fix for XLA:CPU's collectives)."]
     report(args, "Step overhead (benchmarks/overhead.py)", "\n".join(lines))
 
 

@@ -1,25 +1,17 @@
-"""Stacked layers (``scan_layers=True``: one layer's program in a ``lax.scan``)
-against listed layers (every layer compiled), compiled on abstract shapes by
-XLA:CPU (8 simulated devices) and by libtpu for a TPU v4 slice (ahead of
-time, no TPU attached; ``python -m benchmarks.table1 --setup-tpu`` once),
-each compile in a fresh process.
+"""Stacked layers (``scan_layers=True``, one layer's program in a ``lax.scan``)
+against listed layers, each step compiled on abstract shapes in a fresh
+process by XLA:CPU (8 simulated devices) and by libtpu for a TPU v4 slice
+(ahead of time; ``python -m benchmarks.table1 --setup-tpu`` once).
 
     python -m benchmarks.stacked                          # every section; writes RESULTS.md
     python -m benchmarks.stacked --sections families --compilers cpu --families llama --no-write
 
-Sections (``--sections``):
-
-- ``compile``: the zoo LLaMA (hidden 1024, 512 tokens, one sequence per data
-  shard, AdamW, n_model_shards 4) at 4, 16, 32 and 80 layers: trace and
-  compile time, temporaries;
-- ``families``: every zoo family at hidden 512, 16 layers, 4 sequences per
-  data shard, with and without `redeqx.remat`: compile time, temporaries,
-  FLOPs and collective bytes (a loop counted once per iteration);
-- ``user``: a user's own stack (tests/stacked_gpt.py, width 256, 8 layers,
-  256 tokens, 16 sequences per data shard) against the same weights listed,
-  at n_model_shards 2 and 4, with each ``scan_residuals`` and remat policy;
-- ``table1``: OPT-66B with fsdp on 64 devices (n_model_shards 8), stacked;
-- ``depth``: the user's stack by depth on libtpu (a section of its own).
+Sections: ``compile`` (the zoo LLaMA at 4-80 layers: compile time,
+temporaries), ``families`` (every zoo family at 16 layers, with and without
+remat: also FLOPs and collective bytes), ``user`` (a user's own stack,
+tests/stacked_gpt.py, with each ``scan_residuals`` and remat policy),
+``table1`` (OPT-66B with fsdp on 64 devices) and ``depth`` (the user's stack
+by depth on libtpu, a section of its own).
 """
 
 from __future__ import annotations

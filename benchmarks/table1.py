@@ -2,27 +2,18 @@
 weights, AdamW) in the stated device memory, and what would fsdp + remat +
 bf16 compute buy?
 
-    python -m benchmarks.table1                           # every row and search; writes benchmarks/RESULTS.md
-    python -m benchmarks.table1 --rows gpt2-large --quick # 2 layers of the same widths, no searches (the test's run)
     python -m benchmarks.table1 --extrapolate 2 4 --cache benchmarks/results/table1_probes.json  # RESULTS.md's run
+    python -m benchmarks.table1 --rows gpt2-large --quick # 2 layers of the same widths, no searches (the test's run)
     python -m benchmarks.table1 --setup-tpu               # once: benchmarks/.venv-tpu with libtpu (~140 MB)
     python -m benchmarks.table1 --compiler tpu-v4 --cache benchmarks/results/table1_probes.json  # the TPU rows
 
-Each probe is one `redeqx.plan(..., explore=False)`: the real train step
-compiled on abstract shapes in a fresh process with that many simulated CPU
-devices (``--compiler tpu-v4``: libtpu's compiler for the TPU v4 slice redco
-used, ahead of time, in benchmarks/.venv-tpu), so each figure is that
-compiler's own buffer assignment; this process imports no JAX.
-
-Per row: the redco setting (every device on ``model``, one sequence per
-data shard, fp32, no remat) against the stated memory; then, with
-``fsdp=True``, remat and bf16 compute, (a) the fewest devices (powers of two)
-that fit, next to the 16 bytes/parameter arithmetic (a count where
-parameters + Adam alone, 12 bytes/parameter, exceed the memory is ruled out
-without compiling), and (b) the longest sequence (multiples of 128) on
-redco's device count, or at a learned position table's length the largest
-batch per data shard. Sequence-to-sequence rows use the stated length for
-source and target. Memory in GB (10^9 bytes), as the paper states it.
+Each probe is one `redeqx.plan(..., explore=False)` in a fresh process with
+that many simulated CPU devices (``--compiler tpu-v4``: libtpu's compiler for
+redco's TPU v4 slice, ahead of time). Per row: the redco setting (every device
+on ``model``, one sequence per data shard, fp32) against the stated memory;
+then with fsdp + remat + bf16, (a) the fewest devices (powers of two) that fit
+and (b) the longest sequence (multiples of 128) on redco's devices, or at a
+learned position table's length the largest batch per data shard.
 """
 
 from __future__ import annotations
@@ -101,19 +92,13 @@ def resident_bytes(params: float, n_devices: int) -> float:
     return 12 * params / n_devices
 
 
-# ----------------------------------------------------------------------------- worker (imports JAX)
-
-
-def _worker(task: dict) -> dict:
-    import equinox as eqx
+def _model_and_loss(row: Row):
+    """(model_maker(layers), loss_fn, batch_of(n_rows, seq)) of a row's model."""
     import jax
     import jax.numpy as jnp
     import optax
-
-    import redeqx
     from redeqx import models
 
-    row = ROWS[task["row"]]
     config = dict(row.config)
     cls = config.pop("cls")
     config_cls = getattr(models, f"{cls}Config")
@@ -123,38 +108,38 @@ def _worker(task: dict) -> dict:
 
     def model_maker(layers=None):
         cfg = config_cls(**{**config, **({f: layers for f in LAYER_FIELDS if f in config} if layers else {})})
+        return lambda key: model_cls(cfg, key=key)
 
-        def make_model(key):
-            return model_cls(cfg, key=key)
+    def xent(logits, labels):
+        return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
 
-        return make_model
+    if row.kind == "causal":  # ids (B, T + 1): T tokens in, the next T out
+        return (model_maker, lambda model, batch, key: xent(jax.vmap(model)(batch["ids"][:, :-1]), batch["ids"][:, 1:]),
+                lambda n, seq: {"ids": jax.ShapeDtypeStruct((n, seq + 1), jnp.int32)})
+    shift, cfg = models.shift_right if row.kind == "t5" else models.shift_tokens_right, config_cls(**config)
 
-    cfg = config_cls(**config)  # token ids for teacher forcing; the layer count does not matter
-    if row.kind == "causal":
-        def loss_fn(model, batch, key):
-            ids = batch["ids"]  # (B, T + 1): T tokens in, the next T out
-            logits = jax.vmap(model)(ids[:, :-1])
-            return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), ids[:, 1:]).mean()
+    def loss_fn(model, batch, key):
+        return xent(jax.vmap(lambda s, t: model(s, shift(t, cfg)))(batch["src"], batch["tgt"]), batch["tgt"])
 
-        def batch_of(n_rows, seq):
-            return {"ids": jax.ShapeDtypeStruct((n_rows, seq + 1), jnp.int32)}
-    else:
-        shift = models.shift_right if row.kind == "t5" else models.shift_tokens_right
+    return model_maker, loss_fn, lambda n, seq: {k: jax.ShapeDtypeStruct((n, seq), jnp.int32) for k in ("src", "tgt")}
 
-        def loss_fn(model, batch, key):
-            logits = jax.vmap(lambda s, t: model(s, shift(t, cfg)))(batch["src"], batch["tgt"])
-            return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["tgt"]).mean()
 
-        def batch_of(n_rows, seq):  # the stated length for the source and the target alike
-            return {"src": jax.ShapeDtypeStruct((n_rows, seq), jnp.int32),
-                    "tgt": jax.ShapeDtypeStruct((n_rows, seq), jnp.int32)}
+def _worker(task: dict) -> dict:
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import optax
 
+    import redeqx
+
+    row = ROWS[task["row"]]
+    model_maker, loss_fn, batch_of = _model_and_loss(row)
     opts = task.get("opts", {})
     devices = tpu_v4_devices(task["devices"]) if task.get("compiler") == "tpu-v4" else None
     mesh = redeqx.make_mesh(task["n_model_shards"], devices=devices)
     n_data = mesh.shape["data"]
     optimizer = optax.adamw(1e-5)
-    full_layers = max(config.get(f, 0) for f in LAYER_FIELDS)
+    full_layers = max(row.config.get(f, 0) for f in LAYER_FIELDS)
     fewer = task.get("extrapolate")  # (L1, L2): plan with L1 and L2 layers, extrapolate to all of them
 
     def one_plan(seq, per_shard, layers):
@@ -279,9 +264,6 @@ def _longest(probe, row: Row, start: int, step: int) -> dict:
 def _opts_label(opts: dict) -> str:
     parts = [k for k in ("fsdp", "remat") if opts.get(k)] + (["bf16 compute"] if opts.get("bf16") else [])
     return " + ".join(parts) or "fp32, no fsdp, no remat"
-
-
-# ----------------------------------------------------------------------------- driver (no JAX)
 
 
 class Runner:
@@ -470,9 +452,6 @@ def _cpu_twin(run: Runner, task: dict, opts: dict | None) -> dict | None:
 
 
 TPU_SECTION = "redco Table 1's TPU rows by the TPU v4 compiler (benchmarks/table1.py --compiler tpu-v4)"
-
-
-# ----------------------------------------------------------------------------- the report
 
 
 def _gb(x) -> str:
