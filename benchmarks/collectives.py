@@ -120,15 +120,8 @@ def main():
                                     intermediate_size=args.intermediate, num_hidden_layers=args.layers,
                                     num_attention_heads=args.heads, max_position_embeddings=max(2048, args.seq),
                                     scan_layers=stacked)
-        r = measure(config, k, fsdp, args)
-        rows.append(r)
-        m = r["measured"]
-        print(f"n_model_shards={k} x data={r['n_data']} fsdp={fsdp}: "
-              + ", ".join(f"{kind} {v['count']} x = {mib(v['bytes'])} MiB" for kind, v in m.items() if v["count"])
-              + f"; total {mib(r['total'])} MiB vs {r['plan']} {mib(r['analytic'])} MiB "
-              f"-> {r['total'] / r['analytic'] if r['analytic'] else float('nan'):.3f}x; as an accelerator moves "
-              f"them {mib(r['accelerator'])} MiB ({r['compile_s']:.0f} s, {'stacked' if stacked else 'listed'})",
-              flush=True)
+        rows.append(measure(config, k, fsdp, args))
+        print({key: v for key, v in rows[-1].items() if key != "measured"}, flush=True)
 
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(eqx.filter_eval_shape(
         lambda key: models.LlamaForCausalLM(config, key=key), jax.random.key(0))) if isinstance(x, jax.ShapeDtypeStruct))

@@ -15,7 +15,7 @@ import os
 import statistics
 import time
 
-from benchmarks._common import cpu_devices, parser, report
+from benchmarks._common import cpu_devices, parser, report, timed
 
 cpu_devices(8)
 
@@ -42,25 +42,17 @@ def make_step(n: int, reps: int = 8):
     return lambda batch: step(w, batch)
 
 
-def timed_alone(step, batch, n):
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        jax.block_until_ready(step(batch))
-        times.append(time.perf_counter() - t)
-    return times
-
-
 def calibrate(batch, target_s):
     """The matrix size that makes one step take ``target_s`` (median of 5)."""
     n, took = 64, 0.0
     while took < target_s / 8 and n < 1 << 15:
         n *= 2
-        took = statistics.median(timed_alone(make_step(n), batch, 5))
+        step = make_step(n)
+        took = statistics.median(timed(lambda: step(batch), 5))
     for _ in range(2):  # the time is close to n^3: refine twice
         n = max(64, 32 * round(n * (target_s / took) ** (1 / 3) / 32))
         step = make_step(n)
-        took = statistics.median(timed_alone(step, batch, 5))
+        took = statistics.median(timed(lambda: step(batch), 5))
     return step, n
 
 
@@ -101,15 +93,14 @@ def main():
 
     results = {}
     for wait in (True, False):
-        got = {0: ([], []), 2: ([], [])}
+        got = {0: [], 2: []}
         for r in range(args.rounds):
             for prefetch in ((0, 2) if r % 2 == 0 else (2, 0)):
-                wall, cpu = one_round(step, examples, slow_collate, args.per_device, mesh, prefetch, args.steps, wait)
-                got[prefetch][0].append(wall)
-                got[prefetch][1].append(cpu)
-        results[wait] = {p: (statistics.median(w), statistics.median(c)) for p, (w, c) in got.items()}
+                got[prefetch].append(one_round(step, examples, slow_collate, args.per_device, mesh, prefetch,
+                                               args.steps, wait))
+        results[wait] = {p: tuple(map(statistics.median, zip(*runs))) for p, runs in got.items()}
 
-    step_alone = statistics.median(timed_alone(step, probe, 10))
+    step_alone = statistics.median(timed(lambda: step(probe), 10))
     lines = [
         f"{len(jax.devices())} x {jax.devices()[0].device_kind} ({jax.devices()[0].platform}; data = {mesh.shape['data']}), "
         f"{os.cpu_count()} CPU cores; global batch {size} x {args.dim}; step = 8 matmuls of {n} x {n}, "
