@@ -145,11 +145,10 @@ def serve(namespace: dict) -> bool:
 
 # ----------------------------------------------------------------------------- options and timing
 
-def parser(doc: str | None, **defaults) -> argparse.ArgumentParser:
+def parser(doc: str | None) -> argparse.ArgumentParser:
     """The benchmark's options, with ``--no-write`` (print only)."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
-    p.set_defaults(**defaults)
     return p
 
 

@@ -9,9 +9,8 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
-from benchmarks._common import parser, report
+from benchmarks._common import parser, report, timed
 
 import jax
 import jax.numpy as jnp
@@ -44,13 +43,8 @@ def decode_speed(new: int):
         return jax.lax.fori_loop(0, new, body, buf)[:, PROMPT:]
 
     def tokens_per_s(fn):
-        fn(model, prompt).block_until_ready()  # compile
-        best = float("inf")
-        for _ in range(3):
-            t = time.perf_counter()
-            out = fn(model, prompt).block_until_ready()
-            best = min(best, time.perf_counter() - t)
-        return BATCH * new / best, out
+        best = min(timed(lambda: fn(model, prompt), 4)[1:])  # the first compiles
+        return BATCH * new / best, fn(model, prompt)
 
     fast, a = tokens_per_s(cached)
     slow, b = tokens_per_s(recompute)

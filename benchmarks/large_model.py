@@ -177,10 +177,7 @@ def main():
     rss0 = proc_bytes("/proc/self/status", "VmRSS:")
     config = models.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
                                 num_hidden_layers=args.layers, num_attention_heads=args.heads)
-
-    def make_model(key):
-        return models.LlamaForCausalLM(config, key=key)
-
+    make_model = lambda key: models.LlamaForCausalLM(config, key=key)  # noqa: E731
     mesh, optimizer = redeqx.make_mesh(args.n_model_shards), optax.adamw(1e-4)
     abstract = eqx.filter_eval_shape(make_model, jax.random.key(0))
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract) if isinstance(x, jax.ShapeDtypeStruct))

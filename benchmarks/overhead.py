@@ -44,7 +44,6 @@ def measure(devices, n_model_shards, args):
     optimizer = optax.adamw(1e-3)
     batch = next(redeqx.batches(token_examples(args.batch, seq_len=args.seq, vocab=args.vocab), collate_tokens,
                                 args.batch // mesh.shape["data"], mesh))
-
     state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
     ours = redeqx.make_train_step(lm_loss, optimizer, mesh, specs)
 
@@ -56,8 +55,7 @@ def measure(devices, n_model_shards, args):
         hand_state = [params, other.opt_state, other.key]
 
         def run():
-            p, o, k, metrics = hand(hand_state[0], hand_state[1], batch, hand_state[2])
-            hand_state[:] = [p, o, k]
+            *hand_state[:], metrics = hand(hand_state[0], hand_state[1], batch, hand_state[2])
             return metrics
 
         return run

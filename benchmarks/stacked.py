@@ -149,7 +149,7 @@ def _run(fn: str, platform: str, devices: int = 8, **kwargs) -> dict:
 
 
 def _pair(fn: str, platform: str, **kwargs) -> tuple[dict, dict]:
-    return tuple(_run(fn, platform, stacked=stacked, **kwargs) for stacked in (False, True))
+    return _run(fn, platform, stacked=False, **kwargs), _run(fn, platform, stacked=True, **kwargs)
 
 
 def compile_section(compilers) -> list[str]:

@@ -1,23 +1,17 @@
 """Training throughput and model FLOPs utilisation of a LLaMA-style model, redeqx
-vs a hand-written jax.jit + optax loop on the same model, on whatever
-accelerator is present (a GPU when there is one, else the CPU).
+vs a hand-written jax.jit + optax loop, on whatever accelerator is present.
 
     python -m benchmarks.throughput                       # CPU: a small model, tokens/s only
     python -m benchmarks.throughput --size 1b --seq 2048 --batch 8 --no-hand --json out.json  # on a GPU
     python -m benchmarks.throughput --from-json out.json  # write a GPU run's results to RESULTS.md
 
-Variants (--variants), alternated in rounds: redeqx in bfloat16 compute (fp32
-master weights and AdamW state) with the zoo LLaMA's layers stacked
-(scan_layers=True, run by a lax.scan; ":N" sets the scan's scan_unroll, else
-the family's per-platform default) or listed, each with or without remat,
-and the hand-written step in bfloat16 on the first variant's model. Each
-model's first step starts from the same weights (its loss is shown); trace +
-compile time and temporaries are the compiled program's. MFU counts the
-model's FLOPs (6 x non-embedding parameters x tokens, plus attention's 12 x
-layers x tokens x seq x hidden, causal halved) over the device's peak. On a
-GPU the step must use cuDNN's flash attention: the script checks the lowered
-program for it. The planner's peak memory is compared with the device's
-measured peak (first variant only, while it is the only state alive).
+Variants (--variants), alternated in rounds: the zoo LLaMA in bf16 compute
+(fp32 master weights and AdamW) with its layers stacked (":N" sets
+scan_unroll) or listed, each with or without remat, and the hand-written step.
+MFU counts the model's FLOPs (6 x non-embedding parameters x tokens plus
+attention's, causal halved) over the device's peak; on a GPU the step must use
+cuDNN's flash attention (checked in the lowered program); the planner's peak
+is compared with the device's measured peak (first variant only).
 """
 
 import os
