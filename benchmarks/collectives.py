@@ -2,7 +2,7 @@
 the analytic count of the plan it should be.
 
     python -m benchmarks.collectives             # writes the table to benchmarks/RESULTS.md
-    python -m benchmarks.collectives --hidden 64 --heads 4 --intermediate 128 --vocab 256 --seq 32 --no-write
+    python -m benchmarks.collectives --ks 2 --hidden 64 --heads 4 --intermediate 128 --vocab 256 --seq 32 --no-write
 
 The zoo's LLaMA (hidden 1024, 4 layers, a batch of 8 x 512 tokens, AdamW) on
 8 simulated CPU devices at n_model_shards 1, 2, 4, 8, without and with
@@ -112,10 +112,11 @@ def main():
     for name, default in (("hidden", 1024), ("layers", 4), ("heads", 16), ("intermediate", 2816), ("vocab", 32000),
                           ("seq", 512), ("batch", 8)):  # batch: global, sequences per step
         p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--ks", default="1,2,4,8", help="n_model_shards values")
     args = p.parse_args()
 
     rows = []
-    for k, fsdp, stacked in itertools.product((1, 2, 4, 8), (False, True), (False, True)):
+    for k, fsdp, stacked in itertools.product(map(int, args.ks.split(",")), (False, True), (False, True)):
         config = models.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
                                     intermediate_size=args.intermediate, num_hidden_layers=args.layers,
                                     num_attention_heads=args.heads, max_position_embeddings=max(2048, args.seq),
