@@ -114,12 +114,8 @@ def run_worker(python: str, script: str, args: list[str], env: dict | None = Non
     """The JSON of the last line a worker prints. ``script``: a module, or a
     file (one in benchmarks/ runs as its module), run from the repository root."""
     path = Path(script)
-    if path.suffix != ".py":
-        cmd = [python, "-m", script, *args]
-    elif path.resolve().parent == HERE:
-        cmd = [python, "-m", f"benchmarks.{path.stem}", *args]
-    else:
-        cmd = [python, script, *args]
+    module = script if path.suffix != ".py" else f"benchmarks.{path.stem}" if path.resolve().parent == HERE else None
+    cmd = [python, *(["-m", module] if module else [script]), *args]
     proc = subprocess.run(cmd, env=env or worker_env(), cwd=ROOT, stdout=subprocess.PIPE, text=True, timeout=timeout)
     if proc.returncode:
         raise RuntimeError(f"{script} {' '.join(args)} failed (exit {proc.returncode}); its output is above")
@@ -212,7 +208,8 @@ def write_section(title: str, body: str, *, cmd: str | None = None) -> None:
     section = f"## {title}\n\n{stamp}\n\nCommand: `{cmd or command()}`\n\n{body.strip()}\n"
     if notes:
         section += f"\n{NOTES}\n\n{notes}\n"
-    text = pattern.sub(lambda _: section + "\n", text) if old else text.rstrip() + "\n\n" + section
+    head, history, tail = text.partition("\n## History")  # a new section goes before the History
+    text = pattern.sub(lambda _: section + "\n", text) if old else f"{head.rstrip()}\n\n{section}{history}{tail}"
     RESULTS.write_text(text.rstrip() + "\n")
     print(f"wrote section '{title}' of {RESULTS}")
 
