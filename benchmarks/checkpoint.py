@@ -31,10 +31,6 @@ import optax  # noqa: E402
 import redeqx  # noqa: E402
 
 
-def dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
 def loss_fn(model, batch, key):
     return jnp.mean(jax.vmap(model)(batch["x"]) ** 2)
 
@@ -73,7 +69,7 @@ def bench(n_model_shards, width, depth, n_steps, root: Path):
     t = time.perf_counter()
     redeqx.save_checkpoint(root / "sync", state)
     t_sync = time.perf_counter() - t
-    size = dir_bytes(root / "sync")
+    size = sum(f.stat().st_size for f in (root / "sync").rglob("*") if f.is_file())
 
     # steps with no save, and steps while an async save is written, interleaved
     manager = redeqx.CheckpointManager(root / "async", keep_last=1)

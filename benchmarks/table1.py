@@ -168,7 +168,7 @@ def _worker(task: dict) -> dict:
                 out[f] = type(b[f])(b[f] + t * (b[f] - a[f]))
             out["margin"] = row.memory_bytes - out["peak"]
             out["fits"] = out["peak"] <= row.memory_bytes
-            out["compile_s"], out["compile_cpu_s"] = a["compile_s"] + b["compile_s"], a["compile_cpu_s"] + b["compile_cpu_s"]
+            out["compile_s"], out["compile_cpu_s"] = (a[k] + b[k] for k in ("compile_s", "compile_cpu_s"))
             out["extrapolated_from"] = {str(n): {k: p[k] for k in ("peak", "temporaries", "parameters", "optimizer")}
                                         for n, p in zip(fewer, (a, b))}
         print(f"    [{row.key} {task['devices']} dev, mp {task['n_model_shards']}, {_opts_label(opts)}] "
@@ -462,6 +462,10 @@ def _fits(p: dict) -> str:
     return "yes" if p["fits"] else "**no**"
 
 
+def _refused(p: dict) -> str:
+    return " (refused)" if p.get("refused") else ""
+
+
 QUICK = "**Quick mode: every model cut to 2 layers (same widths); not Table 1's figures.**\n"
 
 
@@ -475,9 +479,9 @@ def render(results: list[dict], run: Runner, *, quick: bool) -> str:
                                   ("fsdp", f"{row.name}, fsdp=True", "")):
             if key in out:
                 p, params = out[key], f"{out['params'] / 1e9:.3f} B"
-                lines.append(f"| {name} | {params if key == 'redco' else ''} "
-                             f"| {server} | {p['mesh']['model']} x {p['mesh']['data']}{' (fsdp)' if key == 'fsdp' else ''} "
-                             f"| {row.seq} | {_gb(p['peak'])} | {_fits(p)} | {_gb(p['margin'])} | {p['compile_s']:.0f} s |")
+                lines.append(f"| {name} | {params if key == 'redco' else ''} | {server} | {p['mesh']['model']} x "
+                             f"{p['mesh']['data']}{' (fsdp)' if key == 'fsdp' else ''} | {row.seq} | {_gb(p['peak'])} "
+                             f"| {_fits(p)} | {_gb(p['margin'])} | {p['compile_s']:.0f} s |")
     searched = [o for o in results if "fewest" in o or "longest" in o]
     if searched:
         lines += ["", "With `fsdp=True`, remat (`redeqx.remat`) and bf16 compute (fp32 master weights and Adam "
@@ -541,7 +545,7 @@ def render_tpu(results: list[dict], run: Runner, *, quick: bool) -> str:
                 p, cpu = out[key], out.get("cpu", {}).get(key)
                 lines.append(
                     f"| {row.name} | {row.devices} x v4 ({TPU_V4_SLICES[row.devices]}) | {p['mesh']['model']} x "
-                    f"{p['mesh']['data']} | {row.seq} | {label} | {_gb(p['peak'])}{' (refused)' if p.get('refused') else ''} "
+                    f"{p['mesh']['data']} | {row.seq} | {label} | {_gb(p['peak'])}{_refused(p)} "
                     f"| {_fits(p)} | {_gb(p['margin'])} | {_gb(p['parameters'] + p['optimizer'])} "
                     f"| {_gb(p['temporaries'])} | {_gb(cpu['peak']) if cpu else ''} | {p['compile_s']:.0f} s |")
     searched = [(o, key) for o in results for key in ("half", "table") if key in o]
@@ -554,7 +558,7 @@ def render_tpu(results: list[dict], run: Runner, *, quick: bool) -> str:
             p = out[key]
             n = p["mesh"]["model"] * p["mesh"]["data"]
             lines.append(f"| {ROWS[out['row']].name} | {n} | {p['mesh']['model']} x {p['mesh']['data']} | {p['seq']} "
-                         f"| {_gb(p['peak'])}{' (refused)' if p.get('refused') else ''} | {_fits(p)} "
+                         f"| {_gb(p['peak'])}{_refused(p)} | {_fits(p)} "
                          f"| {_gb(floor_bytes(out['params'], n))} |")
     if run.compiles:
         lines += ["", f"Compile times: {len(run.compiles)} compiles, {sum(c[1] for c in run.compiles) / 60:.1f} min "
