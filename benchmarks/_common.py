@@ -1,45 +1,160 @@
-"""Shared by the benchmarks: the small transformer's size flags, timing a
-call, running a script's workers (on 8 simulated CPU devices, or in the
-libtpu virtual environment), and writing one benchmark's section of
-benchmarks/RESULTS.md while keeping the others."""
+"""The benchmarks' harness: devices, workers, the libtpu ahead-of-time
+compile, alternated timing and benchmarks/RESULTS.md's sections.
 
+Every benchmark runs from the repository root as ``python -m benchmarks.NAME``
+and starts here: ``cpu_devices(8)`` before importing JAX, ``parser(__doc__)``
+(with ``--no-write``), ``worker``/``serve`` for a figure that needs a fresh
+process (its own device count, the libtpu venv), ``alternate`` to time
+variants side by side, ``report`` to print a section and write it. tests/ is a
+pytest root, not a package: this module puts it on ``sys.path`` (the only
+place that does) and on every worker's ``PYTHONPATH``, for the tests' models.
+"""
+
+from __future__ import annotations
+
+import argparse
 import datetime
 import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
-HEADER = "# Benchmark results\n\nEach section is rewritten by the script named in its title; ratios are measured side by side in one run.\n"
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "RESULTS.md"
+if str(ROOT / "tests") not in sys.path:
+    sys.path.append(str(ROOT / "tests"))
+HEADER = ("# Benchmark results\n\nRun every benchmark from the repository root as `python -m benchmarks.NAME`; each "
+          "section names the command that rewrote it. Ratios are measured side by side in one run.\n")
+NOTES = "<!-- notes: written by hand, kept when the section is rewritten -->"
+TPU_VENV = HERE / ".venv-tpu"
+# XLA:CPU flags that make a compile 1.5-3x faster without changing its buffer assignment (they lower LLVM's
+# effort on code nobody runs: a plan never executes the step); checked to the byte on GPT-2 Large's widths.
+FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+                "--xla_cpu_use_fusion_emitters=false")
+# TPU v4 slices by chip count, as Cloud TPU names them; 4 chips per host, one JAX device per chip (megacore).
+TPU_V4_SLICES = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8"}
 
 
-def write_section(title: str, body: str) -> None:
-    text = RESULTS.read_text() if RESULTS.exists() else HEADER
-    stamp = f"_{datetime.date.today().isoformat()}, {platform.machine()}, {platform.node() or 'host'}_"
-    section = f"## {title}\n\n{stamp}\n\n{body.strip()}\n"
-    pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section + "\n", text)
-    else:
-        text = text.rstrip() + "\n\n" + section
-    RESULTS.write_text(text.rstrip() + "\n")
-    print(f"wrote section '{title}' of {RESULTS}")
+# ----------------------------------------------------------------------------- devices and environments
+
+def cpu_devices(n: int = 8) -> None:
+    """Simulate ``n`` CPU devices in this process; call before importing JAX."""
+    if "jax" in sys.modules:
+        raise RuntimeError("cpu_devices() must run before JAX is imported")
+    os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={n}")
+
+
+def worker_env(devices: int | None = None, xla_flags: str = "", **extra: str) -> dict:
+    """This process's environment for a worker: the repository and tests/ on
+    its ``PYTHONPATH``, and ``devices`` simulated CPU devices when given."""
+    env = dict(os.environ, **extra)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH")]))
+    if devices is not None:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} {xla_flags}".strip()
+    return env
+
+
+def cpu8_env() -> dict:
+    """A worker's environment with 8 simulated CPU devices."""
+    return worker_env(devices=8)
+
+
+def libtpu(chips: int = 8) -> tuple[str, dict]:
+    """The Python of benchmarks/.venv-tpu and an environment in which libtpu
+    compiles for a TPU v4 slice of ``chips``, no TPU attached; exits without it."""
+    python = TPU_VENV / "bin" / "python"
+    if not python.exists():
+        sys.exit("no benchmarks/.venv-tpu: run `python -m benchmarks.table1 --setup-tpu` once")
+    return str(python), worker_env(TPU_ACCELERATOR_TYPE=f"v4-{2 * chips}", TPU_WORKER_HOSTNAMES="localhost",
+                                   TPU_SKIP_MDS_QUERY="1")
+
+
+def tpu_v4_devices(n: int = 8) -> list:
+    """The ``n`` chips of a TPU v4 slice, no TPU attached: libtpu compiles a
+    step on a mesh of them as for that slice; nothing can run on them."""
+    from jax.experimental import topologies
+
+    if n not in TPU_V4_SLICES:
+        raise ValueError(f"no TPU v4 slice of {n} chips here; choose one of {sorted(TPU_V4_SLICES)}")
+    return list(topologies.get_topology_desc(platform="tpu", topology_name=f"v4:{TPU_V4_SLICES[n]}",
+                                             chip_config_name="megacore", chips_per_host_bounds=(2, 2, 1),
+                                             num_slices=1).devices)
+
+
+def setup_tpu() -> None:
+    """benchmarks/.venv-tpu: this environment plus the libtpu JAX's ``tpu`` extra names."""
+    import importlib.metadata
+
+    pins = [r.split(";")[0].strip() for r in importlib.metadata.requires("jax") or []
+            if r.startswith("libtpu") and "extra == \"tpu\"" in r]
+    if not pins:
+        sys.exit("this jax names no libtpu in its 'tpu' extra; install a jax with TPU support")
+    subprocess.run([sys.executable, "-m", "venv", "--clear", "--system-site-packages", str(TPU_VENV)], check=True)
+    subprocess.run([str(TPU_VENV / "bin" / "python"), "-m", "pip", "install", "-q", *pins], check=True)
+    print(f"TPU compiler venv ({' '.join(pins)}) ready at {TPU_VENV}")
+
+
+def compiled_figures(compiled) -> dict:
+    """A compiled program's temporaries, argument/output bytes and FLOPs."""
+    memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return dict(temporaries=memory.temp_size_in_bytes, arguments=memory.argument_size_in_bytes,
+                outputs=memory.output_size_in_bytes, flops=float((cost or {}).get("flops", 0.0)))
+
+
+# ----------------------------------------------------------------------------- workers
+
+def run_worker(python: str, script: str, args: list[str], env: dict | None = None, timeout: float | None = None):
+    """The JSON of the last line a worker prints. ``script``: a module, or a
+    file (one in benchmarks/ runs as its module), run from the repository root."""
+    path = Path(script)
+    module = script if path.suffix != ".py" else f"benchmarks.{path.stem}" if path.resolve().parent == HERE else None
+    cmd = [python, *(["-m", module] if module else [script]), *args]
+    proc = subprocess.run(cmd, env=env or worker_env(), cwd=ROOT, stdout=subprocess.PIPE, text=True, timeout=timeout)
+    if proc.returncode:
+        raise RuntimeError(f"{script} {' '.join(args)} failed (exit {proc.returncode}); its output is above")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def worker(module: str, fn: str, *, python: str = sys.executable, env: dict | None = None, **kwargs):
+    """``fn(**kwargs)`` of ``module`` (a benchmark's ``__file__``) in a fresh
+    process that ``serve`` answers; 8 simulated CPU devices by default."""
+    name = f"benchmarks.{Path(module).stem}" if module.endswith(".py") else module
+    return run_worker(python, name, ["--worker", json.dumps({"fn": fn, "kwargs": kwargs})], env or cpu8_env())
+
+
+def serve(namespace: dict) -> bool:
+    """In a worker started by ``worker``: run the function it names, print its
+    JSON result, and return True (the caller returns at once)."""
+    if len(sys.argv) < 3 or sys.argv[1] != "--worker":
+        return False
+    task = json.loads(sys.argv[2])
+    print(json.dumps(namespace[task["fn"]](**task["kwargs"])), flush=True)
+    return True
+
+
+# ----------------------------------------------------------------------------- options and timing
+
+def parser(doc: str | None) -> argparse.ArgumentParser:
+    """The benchmark's options, with ``--no-write`` (print only)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
+    return p
 
 
 def add_tiny_lm_args(parser, *, steps: int = 20, rounds: int = 5) -> None:
     """Size of the TinyLM (tests/tiny_transformer.py) and of the timing loop."""
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=steps)
-    parser.add_argument("--rounds", type=int, default=rounds)
-    parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
+    for name, default in (("dim", 128), ("layers", 2), ("vocab", 512), ("seq", 64), ("batch", 16),
+                          ("steps", steps), ("rounds", rounds)):
+        parser.add_argument(f"--{name}", type=int, default=default)
+    if not any("--no-write" in a.option_strings for a in parser._actions):
+        parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
 
 
 def timed(fn, n: int) -> list[float]:
@@ -54,24 +169,53 @@ def timed(fn, n: int) -> list[float]:
     return times
 
 
-def cpu8_env() -> dict:
-    """This process's environment with 8 simulated CPU devices."""
-    return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+def alternate(runners: dict, rounds: int, steps: int, *, warmup: int = 3, per_step: bool = True) -> dict:
+    """{name: median seconds per call}, timed side by side: ``rounds`` rounds,
+    the order rotating each round, the runners alternating call by call
+    (``per_step``) or ``steps`` calls each."""
+    names = list(runners)
+    for name in names:
+        timed(runners[name], warmup)
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        if per_step:
+            for _ in range(steps):
+                for name in order:
+                    times[name] += timed(runners[name], 1)
+        else:
+            for name in order:
+                times[name].append(statistics.median(timed(runners[name], steps)))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
-def libtpu() -> tuple[str, dict]:
-    """The Python of benchmarks/.venv-tpu and an environment in which libtpu
-    compiles for a TPU v4 slice with no TPU attached; exits if it is missing."""
-    python = Path(__file__).resolve().parent / ".venv-tpu" / "bin" / "python"
-    if not python.exists():
-        sys.exit("no benchmarks/.venv-tpu: run `python benchmarks/table1.py --setup-tpu` once")
-    return str(python), dict(os.environ, TPU_ACCELERATOR_TYPE="v4-16", TPU_WORKER_HOSTNAMES="localhost",
-                             TPU_SKIP_MDS_QUERY="1")
+# ----------------------------------------------------------------------------- RESULTS.md
+
+def command() -> str:
+    """The command that ran this benchmark, as a user types it (``--no-write`` left out)."""
+    args = [a for a in sys.argv[1:] if a != "--no-write"]
+    return " ".join(["python", "-m", f"benchmarks.{Path(sys.argv[0]).stem}", *args])
 
 
-def run_worker(python: str, script: str, args: list[str], env: dict):
-    """Run ``script args`` under ``python`` and return the JSON of its last line."""
-    proc = subprocess.run([python, script, *args], env=env, stdout=subprocess.PIPE, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"{Path(script).name} {' '.join(args)} failed (exit {proc.returncode}); its output is above")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def write_section(title: str, body: str, *, cmd: str | None = None) -> None:
+    """Rewrite (or append) RESULTS.md's ``## title`` with the command that
+    made it, keeping the hand-written text below its NOTES marker."""
+    text = RESULTS.read_text() if RESULTS.exists() else HEADER
+    stamp = f"_{datetime.date.today().isoformat()}, {platform.machine()}, {platform.node() or 'host'}_"
+    pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
+    old = pattern.search(text)
+    notes = old.group(0).split(NOTES, 1)[1].strip() if old and NOTES in old.group(0) else ""
+    section = f"## {title}\n\n{stamp}\n\nCommand: `{cmd or command()}`\n\n{body.strip()}\n"
+    if notes:
+        section += f"\n{NOTES}\n\n{notes}\n"
+    head, history, tail = text.partition("\n## History")  # a new section goes before the History
+    text = pattern.sub(lambda _: section + "\n", text) if old else f"{head.rstrip()}\n\n{section}{history}{tail}"
+    RESULTS.write_text(text.rstrip() + "\n")
+    print(f"wrote section '{title}' of {RESULTS}")
+
+
+def report(args, title: str, body: str, *, cmd: str | None = None) -> None:
+    """Print a section; write it to RESULTS.md unless ``--no-write``."""
+    print(f"## {title}\n\n{body}")
+    if not getattr(args, "no_write", False):
+        write_section(title, body, cmd=cmd)

@@ -1,38 +1,27 @@
 """Checkpoint save/restore time and size, synchronous vs asynchronous, and the
 training time an asynchronous save costs.
 
-    python benchmarks/checkpoint.py                 # 100M parameters; writes benchmarks/RESULTS.md
-    python benchmarks/checkpoint.py --width 2048    # 25M parameters, for a smaller machine
-    python benchmarks/checkpoint.py --hash-cost     # what the content hash adds to a save (its own section)
+    python -m benchmarks.checkpoint                 # 100M parameters; writes benchmarks/RESULTS.md
+    python -m benchmarks.checkpoint --width 256 --depth 1 --steps 2 --no-write   # a quick try
 
-At n_model_shards=1 every one of the 8 simulated devices holds a full copy of
-the parameters and both Adam moments, all in host memory: 100M parameters
-peak near 17 GB of host memory (the restore runs last, after the training
-state is freed, so only one full state exists at a time).
-
-A TrainState (MLP of ``depth + 1`` square ``width`` layers, adamw: parameters
-+ two moments) on 8 simulated CPU devices at n_model_shards 1 and 4:
-
-- sync save: `save_checkpoint` wall time, and the bytes on disk;
-- restore: `restore_checkpoint` into an abstract target (nothing built first);
-- async save: how long `CheckpointManager.save` blocks the loop (copying the
-  arrays off the devices), and how long until the write is on disk;
-- steps while the async write runs, against steps with no save in flight, as
-  a ratio; and the whole cost of one async save in step-times
-  (blocking + extra step time) against the sync save's.
+A TrainState (MLP of ``depth + 1`` square ``width`` layers, AdamW) on 8
+simulated CPU devices at n_model_shards 1 and 4 (at 1 every device holds a
+full copy in host memory: 100M parameters peak near 17 GB): the sync save's
+time and bytes on disk, a restore into an abstract target, how long
+`CheckpointManager.save` blocks and how long until its write is on disk, and
+the steps run while it is written against steps with no save in flight.
 """
 
 import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from benchmarks._common import cpu_devices, parser, report
 
-import argparse  # noqa: E402
-import shutil  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+cpu_devices(8)
 
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
@@ -40,13 +29,6 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import redeqx  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import write_section  # noqa: E402
-
-
-def dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def loss_fn(model, batch, key):
@@ -63,15 +45,18 @@ def timed_steps(train_step, state, batch, n):
     return state, times
 
 
-def bench(n_model_shards, width, depth, n_steps, root: Path):
+def mlp_state(n_model_shards, width, depth):
+    """The MLP's train state (AdamW) on ``n_model_shards``: (state, mesh, specs, make, optimizer, n_params)."""
     mesh = redeqx.make_mesh(n_model_shards)
     make = lambda key: eqx.nn.MLP(width, width, width, depth=depth, use_bias=False, key=key)  # noqa: E731
-    model = make(jax.random.key(0))
-    n_params = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+    model, optimizer = make(jax.random.key(0)), optax.adamw(1e-4)
     specs = redeqx.sharding_rules(model, mesh)
-    optimizer = optax.adamw(1e-4)
     state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
-    del model
+    return state, mesh, specs, make, optimizer, sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+
+
+def bench(n_model_shards, width, depth, n_steps, root: Path):
+    state, mesh, specs, make, optimizer, n_params = mlp_state(n_model_shards, width, depth)
     train_step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs)
     rows = mesh.shape["data"]
     batch = next(redeqx.batches([{"x": jnp.ones(width)}] * rows, lambda es: {"x": jnp.stack([e["x"] for e in es])},
@@ -84,7 +69,7 @@ def bench(n_model_shards, width, depth, n_steps, root: Path):
     t = time.perf_counter()
     redeqx.save_checkpoint(root / "sync", state)
     t_sync = time.perf_counter() - t
-    size = dir_bytes(root / "sync")
+    size = sum(f.stat().st_size for f in (root / "sync").rglob("*") if f.is_file())
 
     # steps with no save, and steps while an async save is written, interleaved
     manager = redeqx.CheckpointManager(root / "async", keep_last=1)
@@ -121,71 +106,12 @@ def bench(n_model_shards, width, depth, n_steps, root: Path):
     }
 
 
-def hash_cost(n_model_shards, width, depth, root: Path, repeats: int = 3):
-    """Seconds of a sync save, and of the content hashes it takes (`_checkpoint.content_hashes`,
-    ``xxh3_128`` of every piece a device holds, fetched to the host), medians of ``repeats``."""
-    from redeqx import _checkpoint
-
-    mesh = redeqx.make_mesh(n_model_shards)
-    model = eqx.nn.MLP(width, width, width, depth=depth, use_bias=False, key=jax.random.key(0))
-    specs = redeqx.sharding_rules(model, mesh)
-    state = redeqx.init_state(model, optax.adamw(1e-4), mesh, specs, key=jax.random.key(1))
-    del model
-    leaves = [x for xs in _checkpoint._items(state).values() for _, x in xs]
-    leaves = [jax.random.key_data(x) if _checkpoint._is_key(x) else x for x in leaves]
-    saves, hashes = [], []
-    for i in range(repeats + 1):  # the first of each warms up
-        t = time.perf_counter()
-        redeqx.save_checkpoint(root / f"s{i}", state)
-        saves.append(time.perf_counter() - t)
-        shutil.rmtree(root / f"s{i}")
-        t = time.perf_counter()
-        _checkpoint.content_hashes(leaves)
-        hashes.append(time.perf_counter() - t)
-    n_params = sum(x.size for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_array)))
-    return {"n_model_shards": n_model_shards, "params": n_params, "save_s": statistics.median(saves[1:]),
-            "hash_s": statistics.median(hashes[1:])}
-
-
-def main_hash_cost(args):
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for n in (4, 8):  # n=1 keeps 8 replicas of the state in host memory; only one of each piece is hashed
-            r = hash_cost(n, args.width, args.depth, Path(tmp) / f"h{n}")
-            print(r, flush=True)
-            rows.append(r)
-    lines = [
-        f"What the checkpoint content hash (`xxh3_128` of each piece a device holds, replica 0 only; added so that "
-        f"swapped values or sign flips are caught, which the word sum missed) adds to `save_checkpoint`: a "
-        f"TrainState of an MLP with {args.depth + 1} linear layers {args.width}x{args.width} "
-        f"({rows[0]['params'] / 1e6:.1f}M parameters, adamw: {3 * 4 * rows[0]['params'] / 2**20:,.0f} MiB of "
-        f"float32), {len(jax.devices())} simulated CPU devices on {os.cpu_count()} CPU cores; medians of 3. The save's "
-        "time includes the hashing.",
-        "",
-        "| n_model_shards | sync save | content hashes in it | share of the save |",
-        "|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(f"| {r['n_model_shards']} | {r['save_s']:.2f} s | {r['hash_s']:.3f} s | "
-                     f"{100 * r['hash_s'] / r['save_s']:.1f} % |")
-    lines += ["", "For comparison, hashlib's blake2b hashes ~0.8 GB/s on this machine (xxh3_128: ~10 GB/s), which "
-              "would have been ~60 % of the save at n_model_shards=4."]
-    body = "\n".join(lines)
-    print(body)
-    if not args.no_write:
-        write_section("Checkpoint content hash (benchmarks/checkpoint.py --hash-cost)", body)
-
-
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=4096)
-    parser.add_argument("--depth", type=int, default=5, help="hidden layers; depth + 1 square linear layers")
-    parser.add_argument("--steps", type=int, default=4, help="steps timed with and without a save in flight")
-    parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
-    parser.add_argument("--hash-cost", action="store_true", help="only the content hash's share of a save")
-    args = parser.parse_args()
-    if args.hash_cost:
-        return main_hash_cost(args)
+    p = parser(__doc__)
+    p.add_argument("--width", type=int, default=4096)
+    p.add_argument("--depth", type=int, default=5, help="hidden layers; depth + 1 square linear layers")
+    p.add_argument("--steps", type=int, default=4, help="steps timed with and without a save in flight")
+    args = p.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for n in (1, 4):
@@ -210,17 +136,7 @@ def main():
             f"{r['step_during_async_s']:.3f} s | {r['step_ratio']:.2f}x | "
             f"{r['async_lost_s']:.2f} s / {r['sync_save_s']:.2f} s = {r['async_lost_s'] / r['sync_save_s']:.2f} |"
         )
-    lines += [
-        "",
-        "\"ratio\" is the mean step time while the async write runs over the median step time with none. "
-        "\"time lost\" is the blocking part of the async save plus the extra step time while it is written. On "
-        "CPU the background writer competes with the steps for the same two cores, so the ratio here is an upper "
-        "bound; on a GPU the steps run on the device and overlap better.",
-    ]
-    body = "\n".join(lines)
-    print(body)
-    if not args.no_write:
-        write_section("Checkpoints (benchmarks/checkpoint.py)", body)
+    report(args, "Checkpoints (benchmarks/checkpoint.py)", "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -1,61 +1,39 @@
 """Bytes moved by one training step, read from the compiled program, against
 the analytic count of the plan it should be.
 
-    python benchmarks/collectives.py             # writes the table to benchmarks/RESULTS.md
-    python benchmarks/collectives.py --no-write
+    python -m benchmarks.collectives             # writes the table to benchmarks/RESULTS.md
+    python -m benchmarks.collectives --ks 2 --hidden 64 --heads 4 --intermediate 128 --vocab 256 --seq 32 --no-write
 
-The zoo's LLaMA (hidden 1024, 4 layers, 16 heads, vocab 32000, a batch of 8
-sequences of 512 tokens, AdamW) on 8 simulated CPU devices at
-n_model_shards 1, 2, 4, 8, each without and with ``fsdp=True``; every step is
-compiled by `redeqx.plan` on abstract shapes and its collectives read off the
-HLO (``plan.collectives``: per device, the bytes of each collective's result,
-summed over the step).
-
-The analytic counts, in the same convention (result bytes per device):
-
-- Megatron-LM (tests/megatron_count.py): over ``model`` (when > 1), the
-  embedding lookup, two all-reduces per layer forward and two backward, the
-  LM head's input gradient, and 3 reductions for the vocab-split
-  cross-entropy; over ``data`` (when > 1), the all-reduce of each device's
-  gradient shard (the parameter bytes it holds).
-- ZeRO-3 (``fsdp=True`` with data > 1): the Megatron activation terms over
-  ``model``, plus, over ``data``, an all-gather of every fsdp-split parameter
-  in the forward pass and again in the backward pass (result: the parameter
-  as ``model`` alone splits it), a reduce-scatter of its gradient (result:
-  the device's 1/data slice), and an all-reduce of the small leaves fsdp
-  leaves alone (norms). XLA may keep the forward gather for the backward
-  pass instead of gathering twice; the table shows the all-gather bytes so
-  that can be read off.
+The zoo's LLaMA (hidden 1024, 4 layers, a batch of 8 x 512 tokens, AdamW) on
+8 simulated CPU devices at n_model_shards 1, 2, 4, 8, without and with
+``fsdp=True``, layers listed and stacked: each step compiled by `redeqx.plan`
+on abstract shapes, its collectives read off the HLO (per device, the bytes
+of each collective's result), and counted again as XLA:GPU/TPU move them
+(tests/accelerator_count.py). The analytic counts, in the same convention:
+Megatron-LM (tests/megatron_count.py: activations over ``model``, each
+device's gradient shard over ``data``) and ZeRO-3 (an all-gather of every
+fsdp-split parameter forward and backward, a reduce-scatter of its gradient).
 """
 
-import os
+import itertools
+import math
+import time
+import warnings
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from benchmarks._common import cpu_devices, parser, report
 
-import argparse  # noqa: E402
-import itertools  # noqa: E402
-import math  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-import warnings  # noqa: E402
-from pathlib import Path  # noqa: E402
+cpu_devices(8)
 
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
+from accelerator_count import accelerator_collectives  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from megatron_count import megatron_bytes  # noqa: E402
 
 import redeqx  # noqa: E402
 from redeqx import models  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-from accelerator_count import accelerator_collectives  # noqa: E402
-from megatron_count import megatron_bytes  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from _common import write_section  # noqa: E402
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -130,32 +108,21 @@ def measure(config, n_model_shards, fsdp, args):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--intermediate", type=int, default=2816)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--seq", type=int, default=512)
-    parser.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
-    parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
-    args = parser.parse_args()
+    p = parser(__doc__)
+    for name, default in (("hidden", 1024), ("layers", 4), ("heads", 16), ("intermediate", 2816), ("vocab", 32000),
+                          ("seq", 512), ("batch", 8)):  # batch: global, sequences per step
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--ks", default="1,2,4,8", help="n_model_shards values")
+    args = p.parse_args()
 
     rows = []
-    for k, fsdp, stacked in itertools.product((1, 2, 4, 8), (False, True), (False, True)):
+    for k, fsdp, stacked in itertools.product(map(int, args.ks.split(",")), (False, True), (False, True)):
         config = models.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
                                     intermediate_size=args.intermediate, num_hidden_layers=args.layers,
                                     num_attention_heads=args.heads, max_position_embeddings=max(2048, args.seq),
                                     scan_layers=stacked)
-        r = measure(config, k, fsdp, args)
-        rows.append(r)
-        m = r["measured"]
-        print(f"n_model_shards={k} x data={r['n_data']} fsdp={fsdp}: "
-              + ", ".join(f"{kind} {v['count']} x = {mib(v['bytes'])} MiB" for kind, v in m.items() if v["count"])
-              + f"; total {mib(r['total'])} MiB vs {r['plan']} {mib(r['analytic'])} MiB "
-              f"-> {r['total'] / r['analytic'] if r['analytic'] else float('nan'):.3f}x; as an accelerator moves "
-              f"them {mib(r['accelerator'])} MiB ({r['compile_s']:.0f} s, {'stacked' if stacked else 'listed'})",
-              flush=True)
+        rows.append(measure(config, k, fsdp, args))
+        print({key: v for key, v in rows[-1].items() if key != "measured"}, flush=True)
 
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(eqx.filter_eval_shape(
         lambda key: models.LlamaForCausalLM(config, key=key), jax.random.key(0))) if isinstance(x, jax.ShapeDtypeStruct))
@@ -185,23 +152,11 @@ def main():
                      f"| {'yes' if r['fsdp'] else 'no'} | {cell('all-reduce')} "
                      f"| {cell('all-gather')} | {cell('reduce-scatter')} | {mib(other)} | {mib(r['total'])} "
                      f"| {mib(r['accelerator'])} | {mib(r['analytic'])} | {r['plan']} | {ratio} | {once} |")
-    lines += ["", "Counts of each kind in brackets. The Megatron count at data > 1 includes the gradient all-reduce "
-              "(each device's parameter bytes); at n_model_shards 1 there is no activation traffic; at 8 x 1 fsdp "
-              "has no data axis to split over and changes nothing. The ZeRO-3 count gathers every fsdp-split "
-              "parameter twice (forward and backward; the last column once) and reduce-scatters its gradient. "
-              "XLA:CPU emits no reduce-scatter: it all-reduces the gradients whole (result bytes = the full "
-              "gradient, not its 1/data slice), and the partitioner (Shardy) does not keep to ZeRO-3's layout: for some matmuls it "
-              "reshards activations over `data` instead of gathering the weight (all-gathers of whole-batch "
-              "activations such as f32[8,512,2816] and all-to-alls of attention heads at 1 x 8), so the "
-              "kinds differ from the analytic plan more than the totals do. Gathered per pass vs measured "
-              "all-gather: "
+    lines += ["", "Counts of each kind in brackets. Gathered per pass vs measured all-gather: "
               + "; ".join(f"{r['n_model_shards']} x {r['n_data']}: gathered {mib(r['gathered'])} MiB per pass, "
                           f"measured all-gather {mib(r['measured']['all-gather']['bytes'])} MiB"
                           for r in rows if r["plan"] == "ZeRO-3") + "."]
-    report = "\n".join(lines)
-    print(report)
-    if not args.no_write:
-        write_section("Collective bytes per step (benchmarks/collectives.py)", report)
+    report(args, "Collective bytes per step (benchmarks/collectives.py)", "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -1,28 +1,19 @@
-"""What the faults of issue 24 cost and how long each takes to end, measured
-with real processes and real signals on 8 simulated CPU devices:
+"""What the faults of issue 24 cost and how long each takes to end, with real
+processes and signals on 8 simulated CPU devices:
 
-    python benchmarks/faults.py              # writes its section of benchmarks/RESULTS.md
-    python benchmarks/faults.py --no-write   # prints only
+    python -m benchmarks.faults              # writes its section of benchmarks/RESULTS.md (about 2 minutes)
+    python -m benchmarks.faults --no-write   # prints only
 
-- preemption: SIGTERM sent to a run that calls `CheckpointManager.save` every
-  step (``every`` larger than the run): seconds from the signal to the exit
-  with status 143, in one process and in two under ``python -m redeqx.launch``;
-- the divergence check: `Logger.log`'s time per call with the check of the
-  values it fetches, against the same call with the check off, next to the
-  step time of the same loop;
-- a process raising mid-run, one ending its script early, and one hanging
-  in a step under a `StepWatchdog`, under the launcher: seconds until the
-  launcher exits; two signals 50 ms apart to the launcher (issue 30);
-- a read-only workdir under an async save (a tmpfs remounted read-only, when
-  this process may mount one): seconds until the save raises and the
-  process exits.
+SIGTERM to a run saving every step (one process, and two under
+``python -m redeqx.launch``, also with a second signal 50 ms later); a
+process raising, ending early or hanging under a `StepWatchdog` under the
+launcher; a read-only workdir under an async save (where this process may
+mount a tmpfs); and `Logger.log`'s divergence check against its step time.
 """
 
-import argparse
 import os
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,9 +21,7 @@ import textwrap
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import cpu8_env, write_section  # noqa: E402
+from benchmarks._common import ROOT, cpu8_env, parser, report
 
 WORKER = ROOT / "tests" / "resume_worker.py"
 
@@ -61,48 +50,6 @@ def preemption(n_processes: int, signal_at: int = 4, second: int | None = None) 
         said = "nothing was saved" in proc.stderr.read()
     return {"exit status": rc, "signal after step": signal_at, "saved step": saved, "seconds to exit": elapsed,
             "left": left, "said nothing saved": said}
-
-
-def divergence_check(n_calls: int = 2000) -> dict:
-    """`Logger.log` per call with and without the finiteness check, and the
-    train step of a small MLP for scale (all in this process)."""
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    import equinox as eqx
-    import jax
-    import jax.numpy as jnp
-    import optax
-
-    import redeqx
-    from redeqx import _logging
-
-    mesh = redeqx.make_mesh(2)
-    model = eqx.nn.MLP(64, 10, 256, depth=2, key=jax.random.key(0))
-    specs = redeqx.sharding_rules(model, mesh)
-    state = redeqx.init_state(model, optax.adam(1e-3), mesh, specs, key=jax.random.key(1))
-    step = redeqx.make_train_step(lambda m, b, k: jnp.mean(jax.vmap(m)(b["x"]) ** 2), optax.adam(1e-3), mesh, specs)
-    batch = {"x": jnp.ones((32, 64))}
-    state, metrics = step(state, batch)
-    jax.block_until_ready(metrics)
-    step_times = []
-    for _ in range(50):
-        t = time.perf_counter()
-        state, metrics = step(state, batch)
-        jax.block_until_ready(metrics)
-        step_times.append(time.perf_counter() - t)
-    metrics = jax.device_get(metrics)  # the check reads host values: time the check, not the fetch
-    watched = _logging._watched
-    times = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, check in (("with the check", watched), ("without", lambda _: False)):
-            _logging._watched = check
-            logger = redeqx.Logger(Path(tmp) / name, tensorboard=False)
-            t = time.perf_counter()
-            for i in range(n_calls):
-                logger.log(metrics, i)
-            times[name] = (time.perf_counter() - t) / n_calls
-            logger.close()
-    _logging._watched = watched
-    return {"step": statistics.median(step_times), **times}
 
 
 def launcher_fault(action: str, *extra: str, watchdog: bool = False, at: int = 3) -> dict:
@@ -183,9 +130,7 @@ def read_only_workdir() -> dict | None:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
-    args = parser.parse_args()
+    args = parser(__doc__).parse_args()
 
     rows = []
     for n in (1, 2):
@@ -221,30 +166,15 @@ def main():
         rows.append(f"| workdir remounted read-only, async save | exit {ro['exit status']} | error after "
                     f"{ro['seconds to the error']:.2f} s, exit after {ro['seconds to exit']:.1f} s | "
                     f"`{ro['error'][:90]}...` |")
-    d = divergence_check()
-    print("divergence", d, flush=True)
 
     body = "\n".join([
-        "Real processes and signals on 8 simulated CPU devices (2 CPU cores). The same faults took, before issue 24: "
-        "SIGTERM killed one process at once with nothing saved and was swallowed under the launcher; a read-only "
-        "workdir under an async save made the process take 305 s to exit; a process calling sys.exit(0) mid-run "
-        "under the launcher hung the others 307 s until SIGABRT.",
+        f"Real processes and signals on 8 simulated CPU devices ({os.cpu_count()} CPU cores).",
         "",
         "| fault | exit status | time | notes |",
         "|---|---|---|---|",
         *rows,
-        "",
-        "The divergence check reads the values `Logger.log` already fetched from the devices: no extra sync.",
-        "",
-        "| `Logger.log` of a train step's metrics | time per call |",
-        "|---|---|",
-        f"| with the NaN/inf check (default) | {d['with the check'] * 1e6:.1f} us |",
-        f"| without | {d['without'] * 1e6:.1f} us |",
-        f"| the train step itself (MLP 64-256-256-10, batch 32, 8 devices) | {d['step'] * 1e3:.2f} ms |",
     ])
-    print(body)
-    if not args.no_write:
-        write_section("Faults (benchmarks/faults.py)", body)
+    report(args, "Faults (benchmarks/faults.py)", body)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,16 @@
 """Cached greedy decoding vs recomputing the whole prefix, and the peak host
 memory of from_pretrained.
 
-    python benchmarks/generate.py          # ~2 minutes on a laptop CPU
-
-Prints the ratios and appends a section to benchmarks/RESULTS.md.
+    python -m benchmarks.generate          # ~2 minutes on a laptop CPU; writes its section of RESULTS.md
+    python -m benchmarks.generate --new 8 --no-write
 """
 
 import os
 import subprocess
 import sys
 import tempfile
-import time
+
+from benchmarks._common import parser, report, timed
 
 import jax
 import jax.numpy as jnp
@@ -18,38 +18,33 @@ import numpy as np
 
 from redeqx.models import LlamaConfig, LlamaForCausalLM, generate
 
-BATCH, PROMPT, NEW = 4, 64, 64
+BATCH, PROMPT = 4, 64
 
 
-def decode_speed():
+def decode_speed(new: int):
     config = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                          num_attention_heads=8, num_key_value_heads=4)
     model = LlamaForCausalLM(config, key=jax.random.key(0))
     prompt = jax.random.randint(jax.random.key(1), (BATCH, PROMPT), 0, config.vocab_size)
 
-    cached = jax.jit(lambda m, p: generate(m, p, max_new_tokens=NEW))
+    cached = jax.jit(lambda m, p: generate(m, p, max_new_tokens=new))
 
     @jax.jit
     def recompute(m, p):
         # the same greedy decoding without a cache: each step runs the whole
         # (fixed-size, causally masked) buffer and reads the logits at the end
-        buf = jnp.concatenate([p, jnp.zeros((BATCH, NEW), p.dtype)], axis=1)
+        buf = jnp.concatenate([p, jnp.zeros((BATCH, new), p.dtype)], axis=1)
 
         def body(i, buf):
-            logits = jax.vmap(m)(buf)  # (B, PROMPT + NEW, V)
+            logits = jax.vmap(m)(buf)  # (B, PROMPT + new, V)
             nxt = jnp.argmax(logits[:, PROMPT - 1 + i], axis=-1).astype(buf.dtype)
             return buf.at[:, PROMPT + i].set(nxt)
 
-        return jax.lax.fori_loop(0, NEW, body, buf)[:, PROMPT:]
+        return jax.lax.fori_loop(0, new, body, buf)[:, PROMPT:]
 
     def tokens_per_s(fn):
-        fn(model, prompt).block_until_ready()  # compile
-        best = float("inf")
-        for _ in range(3):
-            t = time.perf_counter()
-            out = fn(model, prompt).block_until_ready()
-            best = min(best, time.perf_counter() - t)
-        return BATCH * NEW / best, out
+        best = min(timed(lambda: fn(model, prompt), 4)[1:])  # the first compiles
+        return BATCH * new / best, fn(model, prompt)
 
     fast, a = tokens_per_s(cached)
     slow, b = tokens_per_s(recompute)
@@ -89,13 +84,15 @@ def load_memory():
 
 
 def main():
-    fast, slow = decode_speed()
+    p = parser(__doc__)
+    p.add_argument("--new", type=int, default=64, help="new tokens per row")
+    args = p.parse_args()
+    fast, slow = decode_speed(args.new)
     size, extra = load_memory()
-    lines = [
-        "## Generation (benchmarks/generate.py)",
-        "",
+    report(args, "Generation (benchmarks/generate.py)", "\n".join([
         f"Machine: {os.cpu_count()} CPU cores, jax {jax.__version__}, backend {jax.default_backend()}.",
-        f"LLaMA 4 layers, hidden 256, GQA 8/4 heads, vocab 1024; batch {BATCH}, prompt {PROMPT}, {NEW} new tokens.",
+        f"LLaMA 4 layers, hidden 256, GQA 8/4 heads, vocab 1024; batch {BATCH}, prompt {PROMPT}, {args.new} new "
+        "tokens.",
         "",
         "| greedy decoding | tokens/s |",
         "|---|---|",
@@ -106,14 +103,7 @@ def main():
         f"from_pretrained of a {size / 2**20:.0f} MiB float32 checkpoint (one file): peak host memory "
         f"above the process's footprint before loading = {extra / 2**20:.0f} MiB, "
         f"**{extra / size:.2f}x the checkpoint** (on CPU the loaded model itself lives in host memory, "
-        "so 1.0x is the floor).",
-        "",
-    ]
-    text = "\n".join(lines)
-    print(text)
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
-    with open(path, "a") as f:
-        f.write(("\n" if os.path.exists(path) and os.path.getsize(path) else "") + text)
+        "so 1.0x is the floor)."]))
 
 
 if __name__ == "__main__":

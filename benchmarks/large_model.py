@@ -1,38 +1,31 @@
 """A ~0.5B-parameter LLaMA trained on 8 simulated devices with fsdp: no
 device ever holds more than its share.
 
-    python benchmarks/large_model.py               # writes its section of benchmarks/RESULTS.md
-    python benchmarks/large_model.py --no-write --steps 2
+    python -m benchmarks.large_model               # writes its section of benchmarks/RESULTS.md
+    python -m benchmarks.large_model --hidden 64 --layers 2 --heads 4 --intermediate 128 --vocab 256 --no-write
 
-fp32 weights and AdamW: about 2 GB of parameters, 4 GB of Adam moments and 2
-GB of gradients during a step, about 8 GB in all, held by 8 CPU devices that
-share this process's memory. The model is built straight into its shards
-(`redeqx.init_model(..., fsdp=True)`), moved into the train state without a
-copy (`init_state(..., donate_model=True)`), trained for a few steps (batch 8,
-short sequences), saved with `redeqx.save_checkpoint` and restored into an
-abstract target. After each phase it measures, per device, the bytes of every
-live array (the sum of its ``addressable_shards`` on that device) against the
-device's share (total / 8), prints the planner's figures for the same step,
-and the process's peak RSS (``resource.getrusage``) against 8 x the share.
-
-It refuses to start when the machine has less free memory than the plan
-needs with a margin (``--min-free-gb``).
+fp32 weights and AdamW (about 8 GB in all during a step) held by 8 CPU
+devices sharing this process's memory: built straight into its shards
+(`init_model(..., fsdp=True)`), moved into the train state without a copy
+(`init_state(..., donate_model=True)`), trained a few steps, saved and
+restored into an abstract target. After each phase: per device, the bytes of
+every live array against the device's share (total / 8), and the process's
+RSS; beside them the planner's figures for the same step. It refuses to start
+with less free memory than the plan needs (``--min-free-gb``).
 """
 
-import os
+import collections
+import gc
+import math
+import resource
+import shutil
+import tempfile
+import time
+from pathlib import Path
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from benchmarks._common import cpu_devices, parser, report
 
-import argparse  # noqa: E402
-import collections  # noqa: E402
-import gc  # noqa: E402
-import math  # noqa: E402
-import resource  # noqa: E402
-import shutil  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+cpu_devices(8)
 
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
@@ -44,28 +37,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 import redeqx  # noqa: E402
 from redeqx import models  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import write_section  # noqa: E402
-
 GB = 1e9
 
 
-def peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
-
-def current_rss() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def mem_available() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return 0
+def proc_bytes(path: str, field: str) -> int:
+    """A ``kB`` field of a /proc file (VmRSS of /proc/self/status, MemAvailable of /proc/meminfo)."""
+    line = next(line for line in Path(path).read_text().splitlines() if line.startswith(field))
+    return int(line.split()[1]) * 1024
 
 
 def per_device(tree=None) -> dict[int, int]:
@@ -73,15 +51,9 @@ def per_device(tree=None) -> dict[int, int]:
     arrays = jax.live_arrays() if tree is None else [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
     out = collections.Counter({d.id: 0 for d in jax.devices()})
     for a in arrays:
-        if a.is_deleted():
-            continue
-        for s in a.addressable_shards:
+        for s in [] if a.is_deleted() else a.addressable_shards:
             out[s.device.id] += s.data.nbytes
     return dict(out)
-
-
-def total_bytes(tree) -> int:
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if isinstance(x, jax.Array))
 
 
 def loss_fn(model, batch, key):
@@ -90,191 +62,141 @@ def loss_fn(model, batch, key):
     return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--hidden", type=int, default=1280)
-    parser.add_argument("--layers", type=int, default=22)
-    parser.add_argument("--heads", type=int, default=20)
-    parser.add_argument("--intermediate", type=int, default=3456)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--n-model-shards", type=int, default=4,
-                        help="4 (x fsdp over 2): every weight split 8 ways; 1 (pure fsdp) plans 4.6 GB a device")
-    parser.add_argument("--min-free-gb", type=float, default=None,
-                        help="refuse to start below this much free memory (default: 8 x the planned peak + 3 GB)")
-    parser.add_argument("--no-others", action="store_true", help="do not plan the other n_model_shards")
-    parser.add_argument("--workdir", type=Path, default=None, help="where the checkpoint goes (default: a temp dir)")
-    parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
-    args = parser.parse_args()
+class Phases:
+    """Each phase's bytes per device and process memory, printed as measured."""
 
-    rss0 = current_rss()
-    config = models.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                                num_hidden_layers=args.layers, num_attention_heads=args.heads)
+    def __init__(self, n_devices: int):
+        self.n, self.rows, self.log = n_devices, [], []
 
-    def make_model(key):
-        return models.LlamaForCausalLM(config, key=key)
-
-    mesh = redeqx.make_mesh(args.n_model_shards)
-    n_dev = mesh.devices.size
-    optimizer = optax.adamw(1e-4)
-    abstract = eqx.filter_eval_shape(make_model, jax.random.key(0))
-    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract) if isinstance(x, jax.ShapeDtypeStruct))
-    batch_spec = {"ids": jax.ShapeDtypeStruct((args.batch, args.seq + 1), jnp.int32)}
-    log = []
-
-    def say(msg):
-        print(msg, flush=True)
-        log.append(msg)
-
-    say(f"LLaMA {n_params / 1e6:.0f} M parameters (hidden {args.hidden}, {args.layers} layers, intermediate "
-        f"{args.intermediate}, vocab {args.vocab}); mesh {dict(mesh.shape)}, fsdp=True; batch {args.batch} x "
-        f"{args.seq} tokens, AdamW, fp32")
-
-    t0 = time.perf_counter()
-    plan = redeqx.plan(make_model, loss_fn, optimizer, batch_spec, mesh, fsdp=True, explore=False)
-    plan_s = time.perf_counter() - t0
-    print(plan, flush=True)
-    others = {}  # the same run on the other splits of the 8 devices, planned only
-    for k in (1, 2, 4, 8):
-        if k != args.n_model_shards and not args.no_others:
-            others[k] = redeqx.plan(make_model, loss_fn, optimizer, batch_spec, redeqx.make_mesh(k), fsdp=True,
-                                    explore=False)
-            print(f"planned with n_model_shards={k}: peak {others[k].peak / GB:.3f} GB per device", flush=True)
-    need = n_dev * plan.peak + 3 * GB
-    floor = (args.min_free_gb * GB) if args.min_free_gb is not None else need
-    if mem_available() < floor:
-        raise SystemExit(f"only {mem_available() / GB:.1f} GB free; this run needs about {need / GB:.1f} GB "
-                         f"(8 x the planned peak {plan.peak / GB:.2f} GB + 3 GB); try later or pass --min-free-gb")
-
-    specs = redeqx.sharding_rules(abstract, mesh, fsdp=True)
-    phases = []
-
-    def record(name, tree, extra=""):
-        live = per_device()
-        mine = per_device(tree)
-        total = total_bytes(tree)
-        share = total / n_dev
-        row = dict(phase=name, total=total, share=share, max_tree=max(mine.values()), min_tree=min(mine.values()),
-                   max_live=max(live.values()), peak_rss=peak_rss(), rss=current_rss())
-        phases.append(row)
-        say(f"{name}: state {total / GB:.3f} GB in all, share {share / GB:.3f} GB per device; per device "
-            f"{row['min_tree'] / GB:.3f}-{row['max_tree'] / GB:.3f} GB of it "
-            f"({row['max_tree'] / share:.3f} x the share), all live arrays at most {row['max_live'] / GB:.3f} GB; "
-            f"RSS {row['rss'] / GB:.2f} GB, peak RSS {row['peak_rss'] / GB:.2f} GB{extra}")
+    def __call__(self, name: str, tree, extra: str = "") -> dict:
+        live, mine = per_device(), per_device(tree)
+        total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if isinstance(x, jax.Array))
+        row = dict(phase=name, total=total, share=total / self.n, max_tree=max(mine.values()),
+                   max_live=max(live.values()), rss=proc_bytes("/proc/self/status", "VmRSS:"),
+                   peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        self.rows.append(row)
+        print(f"{name}: state {total / GB:.3f} GB, share {row['share'] / GB:.3f} GB per device, largest "
+              f"{row['max_tree'] / GB:.3f} GB; all live arrays at most {row['max_live'] / GB:.3f} GB; RSS "
+              f"{row['rss'] / GB:.2f} GB, peak {row['peak_rss'] / GB:.2f} GB{extra}", flush=True)
         return row
 
-    # build straight into the shards
+
+def train_save_restore(args, make_model, mesh, optimizer, phases: Phases) -> dict:
     t0 = time.perf_counter()
     model = redeqx.init_model(make_model, mesh, key=jax.random.key(0), fsdp=True)
-    jax.block_until_ready(model)
-    record("after init_model", model, f" ({time.perf_counter() - t0:.0f} s)")
-
-    t0 = time.perf_counter()
+    phases("after init_model", jax.block_until_ready(model), f" ({time.perf_counter() - t0:.0f} s)")
+    specs = redeqx.sharding_rules(model, mesh, fsdp=True)
     state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1), donate_model=True)
     del model
-    jax.block_until_ready(state)
-    record("after init_state(donate_model=True)", state, f" ({time.perf_counter() - t0:.0f} s)")
-
+    phases("after init_state(donate_model=True)", jax.block_until_ready(state))
     step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs)
-    rs = np.random.RandomState(0)
-    losses, times = [], []
+    rs, losses, times = np.random.RandomState(0), [], []
     for i in range(args.steps):
         ids = rs.randint(0, args.vocab, (args.batch, args.seq + 1)).astype(np.int32)
-        batch = jax.device_put({"ids": ids}, NamedSharding(mesh, P("data")))
         t0 = time.perf_counter()
-        state, metrics = step(state, batch)
+        state, metrics = step(state, jax.device_put({"ids": ids}, NamedSharding(mesh, P("data"))))
         losses.append(float(metrics["loss"]))
         times.append(time.perf_counter() - t0)
-        say(f"step {i + 1}: loss {losses[-1]:.4f} ({times[-1]:.1f} s{', with compiling' if i == 0 else ''})")
-    del batch, metrics
+        print(f"step {i + 1}: loss {losses[-1]:.4f} ({times[-1]:.1f} s)", flush=True)
+    del metrics
     gc.collect()
-    after_steps = record(f"after {args.steps} steps", state)
+    after_steps = phases(f"after {args.steps} steps", state)
 
-    # checkpoint, then restore into an abstract target
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="redeqx_large_"))
     path = workdir / f"step_{int(state.step)}"
-
-    @eqx.filter_jit
-    def checksums(tree):
-        return [jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(eqx.filter(tree, eqx.is_inexact_array))]
-
-    before = [float(c) for c in checksums(state.model)]
+    checksums = eqx.filter_jit(lambda t: [jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(
+        eqx.filter(t, eqx.is_inexact_array))])
+    before, step_before = [float(c) for c in checksums(state.model)], int(state.step)
     like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
                         if isinstance(x, jax.Array) else x, state)
     t0 = time.perf_counter()
     redeqx.save_checkpoint(path, state, metadata={"benchmark": "large_model"})
-    save_s = time.perf_counter() - t0
-    on_disk = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-    record("after save_checkpoint", state, f" (save {save_s:.0f} s, {on_disk / GB:.2f} GB on disk)")
-    step_before = int(state.step)
+    save_s, on_disk = time.perf_counter() - t0, sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    phases("after save_checkpoint", state, f" (save {save_s:.0f} s)")
     del state
     gc.collect()
     t0 = time.perf_counter()
-    state = redeqx.restore_checkpoint(path, like, mesh, specs)
-    jax.block_until_ready(state)
+    state = jax.block_until_ready(redeqx.restore_checkpoint(path, like, mesh, specs))
     restore_s = time.perf_counter() - t0
-    after = [float(c) for c in checksums(state.model)]
-    same = int(state.step) == step_before and np.allclose(before, after, rtol=0, atol=0)
-    restored = record("after restore_checkpoint", state,
-                      f" (restore {restore_s:.0f} s; step {int(state.step)}, parameter checksums "
-                      f"{'identical' if same else 'DIFFER'})")
-    shutil.rmtree(path, ignore_errors=True)
-    if args.workdir is None:
-        shutil.rmtree(workdir, ignore_errors=True)
+    same = int(state.step) == step_before and before == [float(c) for c in checksums(state.model)]
+    restored = phases("after restore_checkpoint", state, f" (restore {restore_s:.0f} s)")
+    shutil.rmtree(path if args.workdir else workdir, ignore_errors=True)
+    return dict(losses=losses, times=times, after_steps=after_steps, restored=restored, save_s=save_s,
+                restore_s=restore_s, on_disk=on_disk, same=same)
 
-    share_all = after_steps["share"]
+
+def render(args, n_params, mesh, plan, plan_s, others, rss0, phases: Phases, r: dict) -> str:
+    n_dev, share = mesh.devices.size, r["after_steps"]["share"]
     lines = [
         f"LLaMA from `redeqx.models`: {n_params / 1e6:.0f} M parameters (hidden {args.hidden}, {args.layers} layers, "
         f"{args.heads} heads, intermediate {args.intermediate}, vocab {args.vocab}); 8 simulated CPU devices, mesh "
         f"{mesh.shape['data']} data x {mesh.shape['model']} model, `fsdp=True`; AdamW, fp32; batch {args.batch} x "
-        f"{args.seq} tokens; {args.steps} steps (losses {', '.join(f'{x:.3f}' for x in losses)}; "
-        f"{np.median(times[1:]) if len(times) > 1 else times[0]:.1f} s a step after the first).",
-        "",
+        f"{args.seq} tokens; {args.steps} steps (losses {', '.join(f'{x:.3f}' for x in r['losses'])}; "
+        f"{np.median(r['times'][1:] or r['times']):.1f} s a step after the first).", "",
         "| phase | params + Adam in all | share (total / 8) | largest on one device | / share | all live arrays, "
-        "largest device | process RSS | peak RSS |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in phases:
-        lines.append(f"| {r['phase']} | {r['total'] / GB:.3f} GB | {r['share'] / GB:.3f} GB | "
-                     f"{r['max_tree'] / GB:.3f} GB | {r['max_tree'] / r['share']:.3f} | {r['max_live'] / GB:.3f} GB | "
-                     f"{r['rss'] / GB:.2f} GB | {r['peak_rss'] / GB:.2f} GB |")
+        "largest device | process RSS | peak RSS |", "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {p['phase']} | {p['total'] / GB:.3f} GB | {p['share'] / GB:.3f} GB | {p['max_tree'] / GB:.3f} GB | "
+              f"{p['max_tree'] / p['share']:.3f} | {p['max_live'] / GB:.3f} GB | {p['rss'] / GB:.2f} GB | "
+              f"{p['peak_rss'] / GB:.2f} GB |" for p in phases.rows]
     lines += [
-        "",
-        f"The planner, for the same step (`redeqx.plan(..., fsdp=True)`, {plan_s:.0f} s to compile on abstract "
+        "", f"The planner, for the same step (`redeqx.plan(..., fsdp=True)`, {plan_s:.0f} s to compile on abstract "
         f"shapes): per device parameters {plan.parameters / GB:.3f} GB + optimizer state {plan.optimizer / GB:.3f} GB "
         f"= {(plan.parameters + plan.optimizer) / GB:.3f} GB (measured after the steps: "
-        f"{after_steps['max_tree'] / GB:.3f} GB), temporaries {plan.temporaries / GB:.3f} GB (gradients "
+        f"{r['after_steps']['max_tree'] / GB:.3f} GB), temporaries {plan.temporaries / GB:.3f} GB (gradients "
         f"{plan.gradients / GB:.3f} GB), peak {plan.peak / GB:.3f} GB; collectives "
         + ", ".join(f"{k} {v['count']} x = {v['bytes'] / GB:.3f} GB" for k, v in plan.collectives.items()) + ".",
-        "",
-        f"Process memory: peak RSS {restored['peak_rss'] / GB:.2f} GB over the whole run (at start, after importing "
-        f"JAX, {rss0 / GB:.2f} GB) against 8 x the planned per-device peak = {n_dev * plan.peak / GB:.2f} GB and "
-        f"8 x the share of params + Adam = {n_dev * share_all / GB:.2f} GB; the 8 simulated devices share this "
+        "", f"Process memory: peak RSS {r['restored']['peak_rss'] / GB:.2f} GB over the whole run (at start, after "
+        f"importing JAX, {rss0 / GB:.2f} GB) against 8 x the planned per-device peak = {n_dev * plan.peak / GB:.2f} GB "
+        f"and 8 x the share of params + Adam = {n_dev * share / GB:.2f} GB; the 8 simulated devices share this "
         "process's memory, so RSS is what all 8 hold together: a model or optimizer state gathered whole on any "
-        f"device would have added {share_all * (n_dev - 1) / GB:.2f} GB. Checkpoint: {on_disk / GB:.2f} GB on disk, "
-        f"saved in {save_s:.0f} s, restored in {restore_s:.0f} s into an abstract target with "
-        f"{'identical' if same else 'DIFFERENT'} parameter checksums and step.",
-    ]
+        f"device would have added {share * (n_dev - 1) / GB:.2f} GB. Checkpoint: {r['on_disk'] / GB:.2f} GB on disk, "
+        f"saved in {r['save_s']:.0f} s, restored in {r['restore_s']:.0f} s into an abstract target with "
+        f"{'identical' if r['same'] else 'DIFFERENT'} parameter checksums and step."]
     if others:
         lines += ["", "The planner for the same model, batch and `fsdp=True` on the other splits of the 8 devices "
-                  "(per device; GB):", "",
-                  "| n_model_shards x data | parameters | optimizer state | temporaries | peak | 8 x peak |",
-                  "|---|---|---|---|---|---|"]
-        for k, q in sorted({**others, args.n_model_shards: plan}.items()):
-            lines.append(f"| {k} x {n_dev // k} | {q.parameters / GB:.3f} | {q.optimizer / GB:.3f} | "
-                         f"{q.temporaries / GB:.3f} | {q.peak / GB:.3f} | {n_dev * q.peak / GB:.2f} |")
-        lines += ["", "With every device on `data` (pure fsdp, ZeRO-3) the state at rest is the smallest, but the "
-                  "step's temporaries hold about the whole model's weights gathered plus its whole gradients "
-                  "(XLA:CPU keeps each gathered weight from the forward pass to the backward pass and all-reduces "
-                  "the gradients whole, combined into one or two all-reduces, instead of reduce-scattering them "
-                  "layer by layer), so its peak is the largest: 8 of them need more memory than this 24 GB host "
-                  "has. That is why the run above splits the weights over `model` too."]
-    report = "\n".join(lines)
-    print(report)
-    if not args.no_write:
-        write_section("A 0.5B model on 8 devices with fsdp (benchmarks/large_model.py)", report)
+                  "(per device; GB):", "", "| n_model_shards x data | parameters | optimizer state | temporaries "
+                  "| peak | 8 x peak |", "|---|---|---|---|---|---|"]
+        lines += [f"| {k} x {n_dev // k} | {q.parameters / GB:.3f} | {q.optimizer / GB:.3f} | {q.temporaries / GB:.3f} "
+                  f"| {q.peak / GB:.3f} | {n_dev * q.peak / GB:.2f} |"
+                  for k, q in sorted({**others, args.n_model_shards: plan}.items())]
+    return "\n".join(lines)
+
+
+def main():
+    p = parser(__doc__)
+    for name, default in (("hidden", 1280), ("layers", 22), ("heads", 20), ("intermediate", 3456), ("vocab", 32000),
+                          ("seq", 32), ("batch", 8), ("steps", 3)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--n-model-shards", type=int, default=4,
+                   help="4 (x fsdp over 2): every weight split 8 ways; 1 (pure fsdp) plans 4.6 GB a device")
+    p.add_argument("--min-free-gb", type=float, default=None,
+                   help="refuse to start below this much free memory (default: 8 x the planned peak + 3 GB)")
+    p.add_argument("--no-others", action="store_true", help="do not plan the other n_model_shards")
+    p.add_argument("--workdir", type=Path, default=None, help="where the checkpoint goes (default: a temp dir)")
+    args = p.parse_args()
+    rss0 = proc_bytes("/proc/self/status", "VmRSS:")
+    config = models.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                                num_hidden_layers=args.layers, num_attention_heads=args.heads)
+    make_model = lambda key: models.LlamaForCausalLM(config, key=key)  # noqa: E731
+    mesh, optimizer = redeqx.make_mesh(args.n_model_shards), optax.adamw(1e-4)
+    abstract = eqx.filter_eval_shape(make_model, jax.random.key(0))
+    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract) if isinstance(x, jax.ShapeDtypeStruct))
+    batch = {"ids": jax.ShapeDtypeStruct((args.batch, args.seq + 1), jnp.int32)}
+    t0 = time.perf_counter()
+    plan = redeqx.plan(make_model, loss_fn, optimizer, batch, mesh, fsdp=True, explore=False)
+    plan_s = time.perf_counter() - t0
+    print(plan, flush=True)
+    others = {} if args.no_others else {  # the same run on the other splits of the 8 devices, planned only
+        k: redeqx.plan(make_model, loss_fn, optimizer, batch, redeqx.make_mesh(k), fsdp=True, explore=False)
+        for k in (1, 2, 4, 8) if k != args.n_model_shards}
+    need = mesh.devices.size * plan.peak + 3 * GB
+    if proc_bytes("/proc/meminfo", "MemAvailable:") < (args.min_free_gb * GB if args.min_free_gb else need):
+        raise SystemExit(f"too little free memory: this run needs about {need / GB:.1f} GB (8 x the planned peak "
+                         f"{plan.peak / GB:.2f} GB + 3 GB); try later or pass --min-free-gb")
+    phases = Phases(mesh.devices.size)
+    r = train_save_restore(args, make_model, mesh, optimizer, phases)
+    report(args, "A 0.5B model on 8 devices with fsdp (benchmarks/large_model.py)",
+           render(args, n_params, mesh, plan, plan_s, others, rss0, phases, r))
 
 
 if __name__ == "__main__":

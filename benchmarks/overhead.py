@@ -1,37 +1,24 @@
 """Step-time overhead of redeqx.make_train_step vs a hand-written jax.jit + optax step.
 
-    python benchmarks/overhead.py            # writes the numbers to benchmarks/RESULTS.md
+    python -m benchmarks.overhead            # writes the numbers to benchmarks/RESULTS.md
+    python -m benchmarks.overhead --rounds 1 --steps 2 --no-write
 
-The same small transformer, the same batch, the same placement, on 1 device and
-on 8 simulated CPU devices (n_model_shards=2); the steps alternate step by step
-(the order rotating each round) so both see the same machine noise. redeqx
-calls the model as written, so the ratio is the wrapper's own overhead
-(target <= 1.03). A third runner calls the jitted program inside redeqx's
-step directly, which splits that ratio into the program's difference (its
-step counter) and the Python wrapper's cost per call.
+The same small transformer, batch and placement, on 1 device and on 8
+simulated CPU devices (n_model_shards=2), the steps alternating step by step.
+A third runner calls the jitted program inside redeqx's step directly, which
+splits the ratio into the program's difference and the wrapper's Python.
 """
 
-import os
+from benchmarks._common import add_tiny_lm_args, alternate, cpu_devices, parser, report
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-
-import argparse  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
+cpu_devices(8)
 
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import optax  # noqa: E402
-
-import redeqx  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
 from tiny_transformer import TinyLM, collate_tokens, lm_loss, token_examples  # noqa: E402
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from _common import add_tiny_lm_args, timed, write_section  # noqa: E402
+import redeqx  # noqa: E402
 
 
 def hand_written_step(optimizer, static):
@@ -57,7 +44,6 @@ def measure(devices, n_model_shards, args):
     optimizer = optax.adamw(1e-3)
     batch = next(redeqx.batches(token_examples(args.batch, seq_len=args.seq, vocab=args.vocab), collate_tokens,
                                 args.batch // mesh.shape["data"], mesh))
-
     state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
     ours = redeqx.make_train_step(lm_loss, optimizer, mesh, specs)
 
@@ -69,8 +55,7 @@ def measure(devices, n_model_shards, args):
         hand_state = [params, other.opt_state, other.key]
 
         def run():
-            p, o, k, metrics = hand(hand_state[0], hand_state[1], batch, hand_state[2])
-            hand_state[:] = [p, o, k]
+            *hand_state[:], metrics = hand(hand_state[0], hand_state[1], batch, hand_state[2])
             return metrics
 
         return run
@@ -91,23 +76,15 @@ def measure(devices, n_model_shards, args):
 
         return run
 
-    runners = [run_ours, hand_runner(), program_runner()]
-    for run in runners:
-        timed(run, 3)  # compile and warm up
-    times = [[] for _ in runners]
-    for r in range(args.rounds):
-        order = list(range(len(runners)))
-        order = order[r % len(order):] + order[:r % len(order)]
-        for _ in range(args.steps):  # strictly alternating steps: all see the same machine load
-            for i in order:
-                times[i].append(timed(runners[i], 1)[0])
-    return tuple(statistics.median(t) for t in times)
+    medians = alternate({"ours": run_ours, "hand": hand_runner(), "program": program_runner()},
+                        args.rounds, args.steps)
+    return medians["ours"], medians["hand"], medians["program"]
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    add_tiny_lm_args(parser, rounds=10)
-    args = parser.parse_args()
+    p = parser(__doc__)
+    add_tiny_lm_args(p, rounds=10)
+    args = p.parse_args()
 
     rows = []
     for name, devices, k in [("1 device", jax.devices()[:1], 1), ("8 devices, n_model_shards=2", jax.devices(), 2)]:
@@ -127,12 +104,7 @@ def main():
     ]
     lines += [f"| {n} | {o * 1e3:.2f} ms | {h * 1e3:.2f} ms | {o / h:.3f} | {g * 1e3:.2f} ms | {g / h:.3f} |"
               for n, o, h, g in rows]
-    lines += ["", "The program alone differs from the hand-written one by the step counter; the rest of the first "
-              "ratio is the wrapper's Python per call (flattening the state, checking its layout and that no leaf "
-              "was donated away) and, with several CPU devices in one process, waiting for each step before the "
-              "next (`redeqx._cpu.wait_for_program`, a correctness fix for XLA:CPU's collectives)."]
-    if not args.no_write:
-        write_section("Step overhead (benchmarks/overhead.py)", "\n".join(lines))
+    report(args, "Step overhead (benchmarks/overhead.py)", "\n".join(lines))
 
 
 if __name__ == "__main__":

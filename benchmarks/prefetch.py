@@ -1,38 +1,29 @@
 """Prefetch: does collating the next batch overlap the running step?
 
-    python benchmarks/prefetch.py            # writes its section of benchmarks/RESULTS.md
-    python benchmarks/prefetch.py --no-write
+    python -m benchmarks.prefetch            # writes its section of benchmarks/RESULTS.md
+    python -m benchmarks.prefetch --rounds 1 --steps 3 --step-ms 5 --collate-ms 4 --per-device 2 --no-write
 
-A step of fixed cost (8 jitted matmuls, sized to take ~50 ms) fed by
-redeqx.batches with a collate_fn that sleeps ~40 ms (a stand-in for decoding,
-tokenising, augmenting). Two loops: one that reads the loss after every step,
-as Logger.log does, where without prefetch the step and the next collate take
-turns (~90 ms) and with prefetch they overlap (~50 ms); and one that never
-waits for a step, where JAX's asynchronous dispatch already overlaps them.
-Rounds alternate prefetch=0 and prefetch=2 (in both orders); each round's
-wall and process CPU time (all threads, XLA's included) per step run from
-the end of its first step (filling the pipeline) until its last step is
-done; the numbers are medians over rounds.
+A step of fixed cost (8 jitted matmuls sized to take ``--step-ms``) fed by
+redeqx.batches with a collate_fn that sleeps ``--collate-ms``. Two loops: one
+that reads the loss after every step (as Logger.log does), one that never
+waits for a step (JAX's asynchronous dispatch overlaps it already). Rounds
+alternate prefetch=0 and 2; wall and process CPU time per step from the end of
+the first step to the last, medians over rounds.
 """
 
 import os
+import statistics
+import time
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from benchmarks._common import cpu_devices, parser, report, timed
 
-import argparse  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+cpu_devices(8)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import redeqx  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import write_section  # noqa: E402
 
 
 def make_step(n: int, reps: int = 8):
@@ -51,25 +42,17 @@ def make_step(n: int, reps: int = 8):
     return lambda batch: step(w, batch)
 
 
-def timed_alone(step, batch, n):
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        jax.block_until_ready(step(batch))
-        times.append(time.perf_counter() - t)
-    return times
-
-
 def calibrate(batch, target_s):
     """The matrix size that makes one step take ``target_s`` (median of 5)."""
     n, took = 64, 0.0
     while took < target_s / 8 and n < 1 << 15:
         n *= 2
-        took = statistics.median(timed_alone(make_step(n), batch, 5))
+        step = make_step(n)
+        took = statistics.median(timed(lambda: step(batch), 5))
     for _ in range(2):  # the time is close to n^3: refine twice
         n = max(64, 32 * round(n * (target_s / took) ** (1 / 3) / 32))
         step = make_step(n)
-        took = statistics.median(timed_alone(step, batch, 5))
+        took = statistics.median(timed(lambda: step(batch), 5))
     return step, n
 
 
@@ -90,15 +73,11 @@ def one_round(step, examples, collate_fn, per_device, mesh, prefetch, n_steps, w
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--step-ms", type=float, default=50.0)
-    parser.add_argument("--collate-ms", type=float, default=40.0)
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--per-device", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
-    args = parser.parse_args()
+    p = parser(__doc__)
+    for name, kind, default in (("step-ms", float, 50.0), ("collate-ms", float, 40.0), ("dim", int, 256),
+                                ("per-device", int, 8), ("steps", int, 12), ("rounds", int, 8)):
+        p.add_argument(f"--{name}", type=kind, default=default)
+    args = p.parse_args()
 
     mesh = redeqx.make_mesh(1)  # every device on the data axis
     size = args.per_device * mesh.shape["data"]
@@ -114,15 +93,14 @@ def main():
 
     results = {}
     for wait in (True, False):
-        got = {0: ([], []), 2: ([], [])}
+        got = {0: [], 2: []}
         for r in range(args.rounds):
             for prefetch in ((0, 2) if r % 2 == 0 else (2, 0)):
-                wall, cpu = one_round(step, examples, slow_collate, args.per_device, mesh, prefetch, args.steps, wait)
-                got[prefetch][0].append(wall)
-                got[prefetch][1].append(cpu)
-        results[wait] = {p: (statistics.median(w), statistics.median(c)) for p, (w, c) in got.items()}
+                got[prefetch].append(one_round(step, examples, slow_collate, args.per_device, mesh, prefetch,
+                                               args.steps, wait))
+        results[wait] = {p: tuple(map(statistics.median, zip(*runs))) for p, runs in got.items()}
 
-    step_alone = statistics.median(timed_alone(step, probe, 10))
+    step_alone = statistics.median(timed(lambda: step(probe), 10))
     lines = [
         f"{len(jax.devices())} x {jax.devices()[0].device_kind} ({jax.devices()[0].platform}; data = {mesh.shape['data']}), "
         f"{os.cpu_count()} CPU cores; global batch {size} x {args.dim}; step = 8 matmuls of {n} x {n}, "
@@ -137,10 +115,7 @@ def main():
         for p in (0, 2):
             wall, cpu = results[wait][p]
             lines.append(f"| {label} | {p} | {wall:.4f} | {cpu:.4f} | {wall / base:.2f} |")
-    body = "\n".join(lines)
-    print(body)
-    if not args.no_write:
-        write_section("Prefetch (benchmarks/prefetch.py)", body)
+    report(args, "Prefetch (benchmarks/prefetch.py)", "\n".join(lines))
 
 
 if __name__ == "__main__":

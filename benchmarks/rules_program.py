@@ -1,28 +1,23 @@
 """The rules read from the program (issue 29) against the name rules alone.
 
-For every model of the tests (and the six ways of writing a model issue 29
-lists): the collective bytes of one training step as an accelerator's XLA
-moves them (tests/accelerator_count.py), with the specs of
-``sharding_rules(model, mesh)`` (names) and of ``sharding_rules(model, mesh,
-loss_fn=..., batch=...)`` (program), at 2 and 4 model shards; and how long
-reading the program of a LLaMA-70B-shaped zoo model (80 layers, stacked) and
-of the 1B one (22 layers, listed) takes, on abstract shapes.
+    python -m benchmarks.rules_program            # writes its RESULTS.md section
+    python -m benchmarks.rules_program --models 2 --no-write   # the first 2 models only
 
-    python benchmarks/rules_program.py            # writes its RESULTS.md section
+For every model of the tests and the six ways of writing a model issue 29
+lists: the collective bytes of one training step as an accelerator moves them
+(tests/accelerator_count.py) with the specs of ``sharding_rules(model, mesh)``
+and of ``sharding_rules(model, mesh, loss_fn=..., batch=...)``, at 2 and 4
+model shards; and how long reading a 70B-shaped and a 1B program takes.
 """
 
+import itertools
 import os
+import time
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+from benchmarks._common import cpu_devices, parser, report
+
+cpu_devices(8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -30,7 +25,6 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import redeqx  # noqa: E402
-from _common import write_section  # noqa: E402
 from redeqx import models  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -91,9 +85,9 @@ def cases():
             yield f"zoo {family}, {'stacked' if stacked else 'listed'}", zoo.build(family, stacked), zoo_loss, ids
 
 
-def bytes_table() -> str:
+def bytes_table(limit: int | None) -> str:
     rows = ["| model | n | names (KiB) | program (KiB) | program / names |", "|---|---|---|---|---|"]
-    for name, model, loss, batch in cases():
+    for name, model, loss, batch in itertools.islice(cases(), limit):
         for n in (2, 4):
             try:
                 by_names = step_bytes(model, loss, batch, n)
@@ -142,10 +136,13 @@ def read_times() -> str:
 
 
 def main():
+    p = parser(__doc__)
+    p.add_argument("--models", type=int, default=None, help="only the first this many models of the bytes table")
+    args = p.parse_args()
     times = read_times()
-    table = bytes_table()
-    write_section("Rules read from the program (issue 29)", f"""
-Command: `python benchmarks/rules_program.py`. Reading the program: `sharding_rules` with `loss_fn=` and
+    table = bytes_table(args.models)
+    report(args, "Rules read from the program (issue 29)", f"""
+Reading the program: `sharding_rules` with `loss_fn=` and
 `batch=` (a `jax.ShapeDtypeStruct` batch of 8 x 2048 tokens) traces the loss on abstract shapes (nothing
 computed) and walks its jaxpr once; the 70B model's scan body is walked once for its 80 layers.
 

@@ -2,78 +2,33 @@
 weights, AdamW) in the stated device memory, and what would fsdp + remat +
 bf16 compute buy?
 
-    python benchmarks/table1.py                           # every row and search; writes benchmarks/RESULTS.md
-    python benchmarks/table1.py --skip-slow               # no OPT-66B, no search over device counts
-    python benchmarks/table1.py --rows gpt2-large llama-7b --no-write
-    python benchmarks/table1.py --rows gpt2-large --quick # 2 layers of the same widths, no searches (CI)
-    python benchmarks/table1.py --cache /tmp/table1.json  # keep every probe's result; a rerun skips the done ones
-    python benchmarks/table1.py --extrapolate 2 4 --cache benchmarks/results/table1_probes.json  # RESULTS.md's run
-    python benchmarks/table1.py --setup-tpu               # once: benchmarks/.venv-tpu with libtpu (~140 MB)
-    python benchmarks/table1.py --compiler tpu-v4 --cache benchmarks/results/table1_probes.json  # the TPU rows
+    python -m benchmarks.table1 --extrapolate 2 4 --cache benchmarks/results/table1_probes.json  # RESULTS.md's run
+    python -m benchmarks.table1 --rows gpt2-large --quick # 2 layers of the same widths, no searches (the test's run)
+    python -m benchmarks.table1 --setup-tpu               # once: benchmarks/.venv-tpu with libtpu (~140 MB)
+    python -m benchmarks.table1 --compiler tpu-v4 --cache benchmarks/results/table1_probes.json  # the TPU rows
 
-``--compiler tpu-v4`` plans the rows redco ran on TPU v4 (T5-XXL, OPT-13B,
-OPT-66B) with libtpu's compiler for that slice, ahead of time: JAX describes
-the slice's chips without a TPU attached (``jax.experimental.topologies``)
-and `redeqx.plan` compiles on a mesh of them, so each figure is the TPU
-compiler's own buffer assignment. The probes run in benchmarks/.venv-tpu
-(this environment's packages plus the libtpu release JAX's ``tpu`` extra
-names), so libtpu never enters the main environment.
-
-Each probe is one `redeqx.plan(..., explore=False)`: the real train step
-compiled on abstract shapes (nothing allocated) in a subprocess started with
-``XLA_FLAGS=--xla_force_host_platform_device_count=<devices>``, so its
-figures are XLA:CPU's buffer assignment for that many devices. This process
-imports no JAX; it only starts the probes and collects their JSON.
-
-Per row (paper, Table 1: "Numbers inside the brackets are the maximum length
-in training. All the settings are with full precision (fp32) with AdamW"):
-
-- the redco setting: all of the server's devices on the ``model`` axis (as
-  redco ran Table 1: model parallelism, its data axis replicated), one
-  sequence per data shard, fp32 compute, no remat; peak per device vs the
-  stated memory;
-- (a) the fewest devices of that memory that fit with ``fsdp=True``, remat
-  and bf16 compute (fp32 master weights and Adam state), by bisection over
-  powers of two, shown beside the 16 bytes/parameter arithmetic (params 4 +
-  grads 4 + Adam 8, over the device count); a count where the state that
-  lives through the whole step (params 4 + Adam 8 bytes/parameter) already
-  exceeds the memory is ruled out without compiling (gradients are not a hard
-  floor: XLA frees each one once its update is applied);
-- (b) the longest sequence (multiples of 128) that fits on redco's own device
-  count with those options, by doubling then bisection; for a model with a
-  learned position table the search stops at the table's length and then
-  looks for the largest batch per data shard instead.
-
-Sequence-to-sequence rows (BART, T5) use the stated length for both the
-source and the target (the paper gives one number). Memory is given in GB
-(10^9 bytes) as the paper states it; the hardware has a little more (a
-1080Ti 11 GiB, an A100 40 GiB, a TPU v4 chip 32 GiB), so every margin here is
-on the safe side.
+Each probe is one `redeqx.plan(..., explore=False)` in a fresh process with
+that many simulated CPU devices (``--compiler tpu-v4``: libtpu's compiler for
+redco's TPU v4 slice, ahead of time). Per row: the redco setting (every device
+on ``model``, one sequence per data shard, fp32) against the stated memory;
+then with fsdp + remat + bf16, (a) the fewest devices (powers of two) that fit
+and (b) the longest sequence (multiples of 128) on redco's devices, or at a
+learned position table's length the largest batch per data shard.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-GB = 1e9
+from benchmarks._common import (FAST_COMPILE, TPU_V4_SLICES, libtpu, parser, report, serve, setup_tpu,
+                                tpu_v4_devices, worker, worker_env)
 
-# XLA:CPU flags that make a probe compile 1.5-3x faster without changing its
-# buffer assignment: they only lower LLVM's effort on the code nobody runs
-# (the plan never executes the step). Checked here: the same peak, temporaries,
-# parameters and collectives to the byte with and without them (GPT-2 Large
-# widths at 6 and 8 layers, with and without fsdp/remat/bf16, 2 and 4 devices).
-# --xla-default-flags turns them off.
-FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-                "--xla_cpu_use_fusion_emitters=false")
+GB = 1e9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +42,6 @@ class Row:
     n_model_shards: int
     kind: str  # "causal", "t5" or "bart"
     config: dict  # the Hugging Face config's sizes, as redeqx.models config fields
-    hf_params: float  # the published parameter count, to check the config against
     max_len: int | None  # learned position table: no longer sequence exists
     why: str = ""  # why this n_model_shards
     extrapolate: tuple[int, int] | None = None  # too large to compile whole here: plan these layer counts
@@ -99,33 +53,26 @@ class Row:
 
 ROWS = {r.key: r for r in [
     Row("gpt2-large", "GPT2-Large", "2 x 1080Ti", 2, "10GB", 512, 2, "causal",
-        dict(cls="GPT2", n_embd=1280, n_layer=36, n_head=20, vocab_size=50257, n_positions=1024),
-        0.774e9, 1024),
+        dict(cls="GPT2", n_embd=1280, n_layer=36, n_head=20, vocab_size=50257, n_positions=1024), 1024),
     Row("bart-large", "BART-Large", "2 x 1080Ti", 2, "10GB", 1024, 2, "bart",
         dict(cls="Bart", d_model=1024, encoder_layers=12, decoder_layers=12, encoder_attention_heads=16,
              decoder_attention_heads=16, encoder_ffn_dim=4096, decoder_ffn_dim=4096, vocab_size=50265,
-             max_position_embeddings=1024),
-        0.406e9, 1024),
+             max_position_embeddings=1024), 1024),
     Row("llama-7b", "LLaMA-7B", "4 x A100", 4, "40GB", 1024, 4, "causal",
         dict(cls="Llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-             num_attention_heads=32, max_position_embeddings=2048),
-        6.74e9, None),
+             num_attention_heads=32, max_position_embeddings=2048), None),
     Row("gpt-j-6b", "GPT-J-6B", "4 x A100", 4, "40GB", 1024, 4, "causal",
-        dict(cls="GPTJ", vocab_size=50400, n_embd=4096, n_layer=28, n_head=16, rotary_dim=64, n_positions=2048),
-        6.05e9, None),
+        dict(cls="GPTJ", vocab_size=50400, n_embd=4096, n_layer=28, n_head=16, rotary_dim=64, n_positions=2048), None),
     Row("t5-xxl", "T5-XXL-11B (v1.1)", "2 x TPU-v4 (2 hosts x 4 chips)", 8, "32GB", 512, 8, "t5",
         dict(cls="T5", d_model=4096, d_ff=10240, num_layers=24, num_decoder_layers=24, num_heads=64, d_kv=64,
-             vocab_size=32128, feed_forward_proj="gated-gelu", tie_word_embeddings=False),
-        11.1e9, None),
+             vocab_size=32128, feed_forward_proj="gated-gelu", tie_word_embeddings=False), None),
     Row("opt-13b", "OPT-13B", "2 x TPU-v4 (2 hosts x 4 chips)", 8, "32GB", 1024, 8, "causal",
         dict(cls="OPT", hidden_size=5120, num_hidden_layers=40, ffn_dim=20480, num_attention_heads=40,
-             vocab_size=50272, max_position_embeddings=2048),
-        12.85e9, 2048),
+             vocab_size=50272, max_position_embeddings=2048), 2048),
     Row("opt-66b", "OPT-66B", "16 x TPU-v4 (16 hosts x 4 chips)", 64, "32GB", 512, 8, "causal",
         dict(cls="OPT", hidden_size=9216, num_hidden_layers=64, ffn_dim=36864, num_attention_heads=72,
              vocab_size=50272, max_position_embeddings=2048),
-        65.7e9, 2048,
-        why="72 heads: 8 divides them, 16, 32 and 64 do not (redeqx splits attention on whole heads, so those "
+        2048, why="72 heads: 8 divides them, 16, 32 and 64 do not (redeqx splits attention on whole heads, so those "
             "would replicate Q/K/V/O); data parallel over the other 8",
         extrapolate=(2, 4)),
 ]}
@@ -134,69 +81,24 @@ LAYER_FIELDS = ("n_layer", "num_hidden_layers", "num_layers", "num_decoder_layer
 
 
 def floor_bytes(params: float, n_devices: int) -> float:
-    """fp32 weights 4 + gradients 4 + Adam's two moments 8 bytes per parameter,
-    split over every device (fsdp). Not a strict floor: XLA may apply a
-    leaf's update as soon as its gradient exists and free it, so not every
-    gradient is alive at once (T5-XXL plans below it)."""
+    """fp32 weights 4 + gradients 4 + Adam 8 bytes per parameter over every
+    device (fsdp); not strict: XLA frees each gradient once it is applied."""
     return 16 * params / n_devices
 
 
 def resident_bytes(params: float, n_devices: int) -> float:
-    """fp32 weights 4 + Adam 8 bytes per parameter, split over every device:
-    the step's arguments, alive from its start to its end. A device count
-    where this alone exceeds the memory cannot fit."""
+    """fp32 weights 4 + Adam 8 bytes per parameter over every device: alive
+    through the whole step, so a count where they exceed the memory cannot fit."""
     return 12 * params / n_devices
 
 
-# ----------------------------------------------------------------------------- worker (imports JAX)
-
-# TPU v4 slices by chip count, as Cloud TPU names them (chips x, y, z), 4 chips per host as in redco's
-# servers ("2 hosts x 4 chips", "16 hosts x 4 chips"); one JAX device per chip (megacore), 32 GiB each.
-TPU_V4_SLICES = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8"}
-TPU_VENV = HERE / ".venv-tpu"
-
-
-def tpu_v4_devices(n: int) -> list:
-    """The ``n`` chips of a TPU v4 slice, with no TPU attached: libtpu's
-    compiler targets them ahead of time (``jax.experimental.topologies``), so
-    a step lowered on a mesh of them is compiled and buffer-assigned exactly as
-    on that slice; nothing can run on them."""
-    from jax.experimental import topologies
-
-    if n not in TPU_V4_SLICES:
-        raise ValueError(f"no TPU v4 slice of {n} chips here; choose one of {sorted(TPU_V4_SLICES)}")
-    topology = topologies.get_topology_desc(platform="tpu", topology_name=f"v4:{TPU_V4_SLICES[n]}",
-                                            chip_config_name="megacore", chips_per_host_bounds=(2, 2, 1),
-                                            num_slices=1)
-    return list(topology.devices)
-
-
-def setup_tpu() -> None:
-    """benchmarks/.venv-tpu: this environment's packages (redeqx, JAX) plus the
-    libtpu release JAX's ``tpu`` extra names, for ahead-of-time TPU compiles."""
-    import importlib.metadata
-
-    pins = [r.split(";")[0].strip() for r in importlib.metadata.requires("jax") or []
-            if r.startswith("libtpu") and "extra == \"tpu\"" in r]
-    if not pins:
-        sys.exit("this jax names no libtpu in its 'tpu' extra; install a jax with TPU support")
-    t = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "venv", "--clear", "--system-site-packages", str(TPU_VENV)], check=True)
-    subprocess.run([str(TPU_VENV / "bin" / "python"), "-m", "pip", "install", "-q", *pins], check=True)
-    print(f"TPU compiler venv ({' '.join(pins)}) ready at {TPU_VENV} in {time.perf_counter() - t:.0f} s")
-
-
-
-def _worker(task: dict) -> dict:
-    import equinox as eqx
+def _model_and_loss(row: Row):
+    """(model_maker(layers), loss_fn, batch_of(n_rows, seq)) of a row's model."""
     import jax
     import jax.numpy as jnp
     import optax
-
-    import redeqx
     from redeqx import models
 
-    row = ROWS[task["row"]]
     config = dict(row.config)
     cls = config.pop("cls")
     config_cls = getattr(models, f"{cls}Config")
@@ -206,38 +108,38 @@ def _worker(task: dict) -> dict:
 
     def model_maker(layers=None):
         cfg = config_cls(**{**config, **({f: layers for f in LAYER_FIELDS if f in config} if layers else {})})
+        return lambda key: model_cls(cfg, key=key)
 
-        def make_model(key):
-            return model_cls(cfg, key=key)
+    def xent(logits, labels):
+        return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
 
-        return make_model
+    if row.kind == "causal":  # ids (B, T + 1): T tokens in, the next T out
+        return (model_maker, lambda model, batch, key: xent(jax.vmap(model)(batch["ids"][:, :-1]), batch["ids"][:, 1:]),
+                lambda n, seq: {"ids": jax.ShapeDtypeStruct((n, seq + 1), jnp.int32)})
+    shift, cfg = models.shift_right if row.kind == "t5" else models.shift_tokens_right, config_cls(**config)
 
-    cfg = config_cls(**config)  # token ids for teacher forcing; the layer count does not matter
-    if row.kind == "causal":
-        def loss_fn(model, batch, key):
-            ids = batch["ids"]  # (B, T + 1): T tokens in, the next T out
-            logits = jax.vmap(model)(ids[:, :-1])
-            return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), ids[:, 1:]).mean()
+    def loss_fn(model, batch, key):
+        return xent(jax.vmap(lambda s, t: model(s, shift(t, cfg)))(batch["src"], batch["tgt"]), batch["tgt"])
 
-        def batch_of(n_rows, seq):
-            return {"ids": jax.ShapeDtypeStruct((n_rows, seq + 1), jnp.int32)}
-    else:
-        shift = models.shift_right if row.kind == "t5" else models.shift_tokens_right
+    return model_maker, loss_fn, lambda n, seq: {k: jax.ShapeDtypeStruct((n, seq), jnp.int32) for k in ("src", "tgt")}
 
-        def loss_fn(model, batch, key):
-            logits = jax.vmap(lambda s, t: model(s, shift(t, cfg)))(batch["src"], batch["tgt"])
-            return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["tgt"]).mean()
 
-        def batch_of(n_rows, seq):  # the stated length for the source and the target alike
-            return {"src": jax.ShapeDtypeStruct((n_rows, seq), jnp.int32),
-                    "tgt": jax.ShapeDtypeStruct((n_rows, seq), jnp.int32)}
+def _worker(task: dict) -> dict:
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import optax
 
+    import redeqx
+
+    row = ROWS[task["row"]]
+    model_maker, loss_fn, batch_of = _model_and_loss(row)
     opts = task.get("opts", {})
     devices = tpu_v4_devices(task["devices"]) if task.get("compiler") == "tpu-v4" else None
     mesh = redeqx.make_mesh(task["n_model_shards"], devices=devices)
     n_data = mesh.shape["data"]
     optimizer = optax.adamw(1e-5)
-    full_layers = max(config.get(f, 0) for f in LAYER_FIELDS)
+    full_layers = max(row.config.get(f, 0) for f in LAYER_FIELDS)
     fewer = task.get("extrapolate")  # (L1, L2): plan with L1 and L2 layers, extrapolate to all of them
 
     def one_plan(seq, per_shard, layers):
@@ -266,7 +168,7 @@ def _worker(task: dict) -> dict:
                 out[f] = type(b[f])(b[f] + t * (b[f] - a[f]))
             out["margin"] = row.memory_bytes - out["peak"]
             out["fits"] = out["peak"] <= row.memory_bytes
-            out["compile_s"], out["compile_cpu_s"] = a["compile_s"] + b["compile_s"], a["compile_cpu_s"] + b["compile_cpu_s"]
+            out["compile_s"], out["compile_cpu_s"] = (a[k] + b[k] for k in ("compile_s", "compile_cpu_s"))
             out["extrapolated_from"] = {str(n): {k: p[k] for k in ("peak", "temporaries", "parameters", "optimizer")}
                                         for n, p in zip(fewer, (a, b))}
         print(f"    [{row.key} {task['devices']} dev, mp {task['n_model_shards']}, {_opts_label(opts)}] "
@@ -364,9 +266,6 @@ def _opts_label(opts: dict) -> str:
     return " + ".join(parts) or "fp32, no fsdp, no remat"
 
 
-# ----------------------------------------------------------------------------- driver (no JAX)
-
-
 class Runner:
     """Starts one worker subprocess per task, with its device count, and keeps
     the results (in ``cache`` too, when given, keyed by the task)."""
@@ -383,20 +282,10 @@ class Runner:
             result = self.cache[key]
             print(f"  (cached) {key}", flush=True)
         else:
-            env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={task['devices']} "
-                                             f"{self.xla_flags}".strip())
-            env.setdefault("PYTHONWARNINGS", "ignore::UserWarning")
             t0 = time.perf_counter()
-            python = sys.executable
-            if task.get("compiler") == "tpu-v4":
-                python = str(TPU_VENV / "bin" / "python")
-                # no TPU is attached: say which slice this is, so libtpu does not look for one
-                env.update(TPU_ACCELERATOR_TYPE=f"v4-{2 * task['devices']}", TPU_WORKER_HOSTNAMES="localhost",
-                           TPU_SKIP_MDS_QUERY="1")
-            proc = subprocess.run([python, __file__, "--worker", key], env=env, stdout=subprocess.PIPE, text=True)
-            if proc.returncode != 0:
-                raise RuntimeError(f"probe {key} failed (exit {proc.returncode}); its output is above")
-            result = json.loads(proc.stdout.strip().splitlines()[-1])
+            python, env = libtpu(task["devices"]) if task.get("compiler") == "tpu-v4" else (
+                sys.executable, worker_env(task["devices"], self.xla_flags, PYTHONWARNINGS="ignore::UserWarning"))
+            result = worker(__file__, "_worker", python=python, env=env, task=task)
             result["wall_s"] = time.perf_counter() - t0
             self.cache[key] = result
             if self.cache_path:
@@ -450,45 +339,32 @@ def fewest_devices(run: Runner, row: Row, params: float, upper: int, extra: dict
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
-    parser.add_argument("--skip-slow", action="store_true", help="skip OPT-66B and the searches over device counts")
-    parser.add_argument("--quick", action="store_true",
-                        help="each model cut to 2 layers (same widths), no searches, RESULTS.md left alone")
-    parser.add_argument("--no-search", action="store_true", help="only the redco setting of each row")
-    parser.add_argument("--layers", type=int, default=None, help="cut every model to this many layers (to try it out)")
-    parser.add_argument("--extrapolate", type=int, nargs=2, metavar=("L1", "L2"), default=None,
-                        help="plan every row at L1 and L2 layers and extend the line to all of its layers "
-                             "(as OPT-66B always is): much faster; compare a row with and without it for the error")
-    parser.add_argument("--search", choices=("both", "fewest", "longest"), default="both",
-                        help="which of the searches (a) and (b) to run (to run them in parallel processes)")
-    parser.add_argument("--seq-step", type=int, default=128)
-    parser.add_argument("--cache", type=Path, default=None, help="JSON file keeping each probe's result")
-    parser.add_argument("--json", type=Path, default=None, help="write the results here as JSON")
-    parser.add_argument("--xla-default-flags", action="store_true", help=f"compile without {FAST_COMPILE}")
-    parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
-    parser.add_argument("--compiler", choices=("cpu", "tpu-v4"), default="cpu",
-                        help="tpu-v4: plan Table 1's TPU rows with libtpu's own compiler for the TPU v4 slice "
-                             "redco used, ahead of time (no TPU needed; run --setup-tpu once)")
-    parser.add_argument("--setup-tpu", action="store_true", help=f"create {TPU_VENV.name} (libtpu) and exit")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-
-    if args.worker:
-        print(json.dumps(_worker(json.loads(args.worker))), flush=True)
+    if serve(globals()):
         return
+    p = parser(__doc__)
+    p.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
+    p.add_argument("--skip-slow", action="store_true", help="skip OPT-66B and the searches over device counts")
+    p.add_argument("--quick", action="store_true", help="each model cut to 2 layers, no searches, no RESULTS.md")
+    p.add_argument("--no-search", action="store_true", help="only the redco setting of each row")
+    p.add_argument("--layers", type=int, default=None, help="cut every model to this many layers (to try it out)")
+    p.add_argument("--extrapolate", type=int, nargs=2, metavar=("L1", "L2"), default=None,
+                   help="plan the searches' probes at L1 and L2 layers and extend the line to all of them")
+    p.add_argument("--cache", type=Path, default=None, help="JSON file keeping each probe's result")
+    p.add_argument("--json", type=Path, default=None, help="write the results here as JSON")
+    p.add_argument("--compiler", choices=("cpu", "tpu-v4"), default="cpu",
+                   help="tpu-v4: the TPU rows by libtpu's compiler for redco's TPU v4 slice, ahead of time")
+    p.add_argument("--setup-tpu", action="store_true", help="create benchmarks/.venv-tpu (libtpu) and exit")
+    args = p.parse_args()
     if args.setup_tpu:
-        setup_tpu()
-        return
-    if args.compiler == "tpu-v4":
-        tpu_main(args)
-        return
+        return setup_tpu()
+    (tpu_main if args.compiler == "tpu-v4" else cpu_main)(args)
 
-    rows = [ROWS[k] for k in args.rows if not (args.skip_slow and k in SLOW)]
-    run = Runner(args.cache, "" if args.xla_default_flags else FAST_COMPILE)
+
+def cpu_main(args) -> None:
+    run = Runner(args.cache, FAST_COMPILE)
     layers = 2 if args.quick else args.layers
     results = []
-    for row in rows:
+    for row in (ROWS[k] for k in args.rows if not (args.skip_slow and k in SLOW)):
         print(f"== {row.name}: {row.devices} x {row.memory}, n_model_shards={row.n_model_shards}, seq {row.seq}",
               flush=True)
         # the redco setting is compiled whole (but for OPT-66B); --extrapolate speeds up the searches only
@@ -499,38 +375,27 @@ def main():
                     **extra)
         r = run(base)
         out = dict(row=row.key, name=row.name, params=r["params"], redco=r["plan"])
-        print(f"  redco setting: peak {r['plan']['peak'] / GB:.2f} GB of {row.memory}: "
-              f"{'fits' if r['plan']['fits'] else 'does NOT fit'}", flush=True)
         if row.key == "opt-66b":  # the closest to redco's 64-way split of the state: mp 8 x fsdp over data 8
             out["fsdp"] = run(dict(base, opts={"fsdp": True}))["plan"]
         if not (args.quick or args.no_search):
-            if not args.skip_slow and args.search != "longest":
+            if not args.skip_slow:
                 out["fewest"] = fewest_devices(run, row, r["params"], upper=4 * row.devices, extra=search_extra)
-            if args.search == "fewest":
-                results.append(out)
-                continue
-            print(f"  (b) longest sequence on {row.devices} devices with fsdp + remat + bf16", flush=True)
             out["longest"] = run(dict(task="longest", row=row.key, devices=row.devices,
-                                      n_model_shards=row.n_model_shards, seq=row.seq, step=args.seq_step,
+                                      n_model_shards=row.n_model_shards, seq=row.seq, step=128,
                                       opts=FSDP_REMAT_BF16, **search_extra))
         results.append(out)
-
     report_out(args, results, render(results, run, quick=args.quick), CPU_SECTION)
 
 
 CPU_SECTION = "redco Table 1 by the planner (benchmarks/table1.py)"
 
 
-def report_out(args, results: list[dict], report: str, section: str) -> None:
+def report_out(args, results: list[dict], text: str, section: str) -> None:
     """Print the report; write the JSON and the RESULTS.md section when asked."""
-    print(report)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
-    if not (args.no_write or args.quick):
-        sys.path.insert(0, str(HERE))
-        from _common import write_section
-
-        write_section(section, report)
+    args.no_write = args.no_write or args.quick
+    report(args, section, text)
 
 
 def tpu_main(args) -> None:
@@ -538,15 +403,13 @@ def tpu_main(args) -> None:
     slice: the redco setting, fsdp (where there is a data axis to split
     over), and fsdp + remat + bf16 compute; then, with those three, half the
     chips (where parameters + Adam alone leave room) and the position table's
-    length, which stand in for the CPU section's searches (see TPU_NOTE)."""
-    if not (TPU_VENV / "bin" / "python").exists():
-        sys.exit(f"no {TPU_VENV}: run `python benchmarks/table1.py --setup-tpu` once (downloads libtpu, ~140 MB)")
+    length, which stand in for the CPU section's searches (see the section's notes)."""
     rows = [ROWS[k] for k in args.rows if "TPU" in ROWS[k].server and not (args.skip_slow and k in SLOW)]
     run = Runner(args.cache, "")
     layers = 2 if args.quick else args.layers
     # Whole models by default: libtpu's peaks are not always linear in the layer count, so a line through
     # 2 and 4 layers can miss (it did on T5-XXL's longer sequences: 20.2, 20.0, 15.2, 24.7, 19.8 GB at
-    # 512 ... 8192 tokens); see TPU_NOTE.
+    # 512 ... 8192 tokens); see the section's notes.
     extra = {"compiler": "tpu-v4", **({"layers": layers} if layers else
                                       {"extrapolate": list(args.extrapolate)} if args.extrapolate else {})}
     results = []
@@ -591,212 +454,116 @@ def _cpu_twin(run: Runner, task: dict, opts: dict | None) -> dict | None:
 TPU_SECTION = "redco Table 1's TPU rows by the TPU v4 compiler (benchmarks/table1.py --compiler tpu-v4)"
 
 
-# ----------------------------------------------------------------------------- the report
-
-
-# Measured when these notes were written (same machine, jax 0.10.2); see the module docstring.
-EXTRAPOLATION_NOTE = (
-    "Figures marked extrapolated (every search probe, and OPT-66B throughout) plan the same model at 2 and 4 of "
-    "its identical layers and extend the line to all of them: peak = peak(4) + (L - 4) / 2 x (peak(4) - peak(2)). "
-    "Checked against whole-model compiles of the redco setting: LLaMA-7B 27.455 vs 27.436 GB (+0.07%), with "
-    "fsdp + remat + bf16 29.678 vs 29.678 GB (0.000%), OPT-13B 28.58 vs 28.58 GB, BART-Large equal to 200 bytes, "
-    "T5-XXL 21.45 vs 21.59 GB (-0.7%), GPT2-Large 7.53 vs 7.61 GB (-1.0%). A probe within 1% of the memory "
-    "may therefore fall on either side.")
-OPT66B_NOTE = (
-    "OPT-66B does not fit redco's 64 x 32 GB in these XLA:CPU plans, with or without fsdp, remat and bf16 (and "
-    "not on up to 256 devices). Its 16 B/param floor is 16.4 GB on 64 devices; parameters + Adam come to 12.4 GB "
-    "a device with fsdp as expected, but XLA:CPU's temporaries are 46 GB: its SPMD partitioner all-gathers each "
-    "layer's weights over `data` and keeps them, with a transposed copy, from the forward pass to the backward "
-    "(the live buffers at a 4-layer probe's peak are those gathers and copies). The TPU compiler partitions the "
-    "same step differently (the weights stay in place and the few activations move) and it fits: see the next "
-    "section, which plans the TPU rows on it.")
-
-
 def _gb(x) -> str:
     return f"{x / GB:.2f} GB"
 
 
-def render(results: list[dict], run: Runner, *, quick: bool) -> str:
-    lines = []
-    if quick:
-        lines.append("**Quick mode: every model cut to 2 layers (same widths); not Table 1's figures.**\n")
-    lines += [
-        "Each figure is one `redeqx.plan(..., explore=False)`: the real train step (AdamW, fp32 weights, one sequence "
-        "per data shard) compiled on abstract shapes for simulated CPU devices; peak = arguments + outputs - donated "
-        "+ temporaries per device, from XLA:CPU's buffer assignment. GB = 10^9 bytes, as the paper states memory.",
-        "",
-        "| model | params | server: devices x memory | n_model_shards x data | seq | peak / device | fits? | margin "
-        "| compile |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for out in results:
-        row, p = ROWS[out["row"]], out["redco"]
-        lines.append(
-            f"| {row.name} | {out['params'] / 1e9:.3f} B | {row.server}: {row.devices} x {row.memory} "
-            f"| {p['mesh']['model']} x {p['mesh']['data']} | {row.seq} | {_gb(p['peak'])} "
-            f"| {'yes' if p['fits'] else '**no**'} | {_gb(p['margin'])} | {p['compile_s']:.0f} s |")
-        if "fsdp" in out:
-            q = out["fsdp"]
-            lines.append(
-                f"| {row.name}, fsdp=True | | | {q['mesh']['model']} x {q['mesh']['data']} (fsdp) | {row.seq} "
-                f"| {_gb(q['peak'])} | {'yes' if q['fits'] else '**no**'} | {_gb(q['margin'])} "
-                f"| {q['compile_s']:.0f} s |")
+def _fits(p: dict) -> str:
+    return "yes" if p["fits"] else "**no**"
 
+
+def _refused(p: dict) -> str:
+    return " (refused)" if p.get("refused") else ""
+
+
+QUICK = "**Quick mode: every model cut to 2 layers (same widths); not Table 1's figures.**\n"
+
+
+def render(results: list[dict], run: Runner, *, quick: bool) -> str:
+    lines = [QUICK] if quick else []
+    lines += ["| model | params | server: devices x memory | n_model_shards x data | seq | peak / device | fits? "
+              "| margin | compile |", "|---|---|---|---|---|---|---|---|---|"]
+    for out in results:
+        row = ROWS[out["row"]]
+        for key, name, server in (("redco", row.name, f"{row.server}: {row.devices} x {row.memory}"),
+                                  ("fsdp", f"{row.name}, fsdp=True", "")):
+            if key in out:
+                p, params = out[key], f"{out['params'] / 1e9:.3f} B"
+                lines.append(f"| {name} | {params if key == 'redco' else ''} | {server} | {p['mesh']['model']} x "
+                             f"{p['mesh']['data']}{' (fsdp)' if key == 'fsdp' else ''} | {row.seq} | {_gb(p['peak'])} "
+                             f"| {_fits(p)} | {_gb(p['margin'])} | {p['compile_s']:.0f} s |")
     searched = [o for o in results if "fewest" in o or "longest" in o]
     if searched:
         lines += ["", "With `fsdp=True`, remat (`redeqx.remat`) and bf16 compute (fp32 master weights and Adam "
                   "state), n_model_shards as in the row (at most the device count), one sequence per data shard:", "",
                   "| model | 16 B/param floor on redco's devices | fewest devices that fit | its peak | floor there "
-                  "| longest seq on redco's devices | its peak |",
-                  "|---|---|---|---|---|---|---|"]
-        for out in searched:
-            row = ROWS[out["row"]]
-            fewest = out.get("fewest")
-            if fewest is None:
-                few = ("skipped", "", "")
-            elif fewest["devices"] is None:
-                few = ("none up to " + str(4 * row.devices), "", "")
-            else:
-                n = fewest["devices"]
-                few = (f"{n} x {row.memory}", _gb(fewest["plan"]["peak"]), _gb(floor_bytes(out["params"], n)))
-            lg = out.get("longest")
-            if lg is None:
-                longest = ("", "")
-            else:
-                best = lg["best"]
-                if best is None:
-                    longest = ("none fits", "")
-                elif lg["capped"]:
-                    longest = (f"{lg['longest']} (the position table) x {lg['largest_batch']} per data shard",
-                               _gb(best["peak"]))
-                else:
-                    longest = (f"{lg['longest']}", _gb(best["peak"]))
-            lines.append(f"| {row.name} | {_gb(floor_bytes(out['params'], row.devices))} | {few[0]} | {few[1]} "
-                         f"| {few[2]} | {longest[0]} | {longest[1]} |")
-        lines += ["", "The arithmetic: fp32 parameters 4 + gradients 4 + Adam's two moments 8 = 16 bytes per "
-                  "parameter, divided by the device count (fsdp splits all three over every device); activations, "
-                  "the bf16 copies of the layers being computed and the batch come on top. The gradients are not a "
-                  "hard floor (XLA applies a leaf's update once its gradient exists and frees it, so they are not all "
-                  "alive at once): a count is ruled out without compiling only when parameters + Adam (12 bytes per "
-                  "parameter, alive through the whole step) exceed the memory.", ""]
-        for out in searched:
-            row, fewest = ROWS[out["row"]], out.get("fewest")
-            if not fewest:
-                continue
-            n, P_ = fewest["devices"], out["params"]
-            text = f"- {row.name}: 16 B x {P_ / 1e9:.3f} B = {16 * P_ / GB:.1f} GB"
-            if fewest["ruled_out"]:
-                m = max(fewest["ruled_out"])
-                text += (f"; on {m} devices 12 B x {P_ / 1e9:.3f} B / {m} = {resident_bytes(P_, m) / GB:.1f} GB "
-                         f">= {row.memory}: ruled out")
-            if n:
-                p = fewest["plan"]
-                text += (f"; on {n} devices 16 B x {P_ / 1e9:.3f} B / {n} = {floor_bytes(P_, n) / GB:.2f} GB, planned "
-                         f"peak {_gb(p['peak'])} = params {_gb(p['parameters'])} + Adam {_gb(p['optimizer'])} + batch "
-                         f"{_gb(p['batch'])} + temporaries {_gb(p['temporaries'])} (all gradients would be "
-                         f"{_gb(p['gradients'])})")
-            text += f"; compiled for {fewest['probed']} devices."
-            lines.append(text)
-
-    for out in results:
-        row = ROWS[out["row"]]
-        if row.why:
-            lines += ["", f"{row.name}: n_model_shards={row.n_model_shards} because {row.why}."]
-    if not quick:
-        lines += ["", EXTRAPOLATION_NOTE, "", OPT66B_NOTE]
+                  "| longest seq on redco's devices | its peak |", "|---|---|---|---|---|---|---|"]
+        lines += [_search_row(out) for out in searched] + [""] + [_arithmetic(o) for o in searched if o.get("fewest")]
+    lines += [f"\n{ROWS[o['row']].name}: n_model_shards={ROWS[o['row']].n_model_shards} because {ROWS[o['row']].why}."
+              for o in results if ROWS[o["row"]].why]
     if run.compiles:
-        total = sum(c[1] for c in run.compiles)
-        cpu = sum(c[2] for c in run.compiles)
         by_row = {}
         for k, w, c in run.compiles:
             by_row.setdefault(k, []).append((w, c))
         per = ", ".join(f"{ROWS[k].name} {len(v)} x {sum(w for w, _ in v) / len(v):.0f} s "
                         f"({sum(c for _, c in v) / len(v):.0f} s CPU)" for k, v in by_row.items())
         lines += ["", f"Compile times (wall, with the machine shared; CPU seconds in brackets): {len(run.compiles)} "
-                  f"probes, {total / 60:.1f} min wall, {cpu / 60:.1f} min CPU; per probe: {per}."]
+                  f"probes, {sum(c[1] for c in run.compiles) / 60:.1f} min wall, "
+                  f"{sum(c[2] for c in run.compiles) / 60:.1f} min CPU; per probe: {per}."]
     return "\n".join(lines)
 
 
+def _search_row(out: dict) -> str:
+    row, fewest, lg = ROWS[out["row"]], out.get("fewest"), out.get("longest")
+    few = (("skipped",) if fewest is None else (f"none up to {4 * row.devices}",) if fewest["devices"] is None else
+           (f"{fewest['devices']} x {row.memory}", _gb(fewest["plan"]["peak"]),
+            _gb(floor_bytes(out["params"], fewest["devices"]))))
+    few += ("",) * (3 - len(few))
+    best = lg and lg["best"]
+    longest = ("", "") if lg is None else ("none fits", "") if best is None else (
+        f"{lg['longest']}" + (f" (the position table) x {lg['largest_batch']} per data shard" if lg["capped"] else ""),
+        _gb(best["peak"]))
+    return (f"| {row.name} | {_gb(floor_bytes(out['params'], row.devices))} | {few[0]} | {few[1]} | {few[2]} "
+            f"| {longest[0]} | {longest[1]} |")
+
+
+def _arithmetic(out: dict) -> str:
+    row, fewest, n, P_ = ROWS[out["row"]], out["fewest"], out["fewest"]["devices"], out["params"]
+    text = f"- {row.name}: 16 B x {P_ / 1e9:.3f} B = {16 * P_ / GB:.1f} GB"
+    if fewest["ruled_out"]:
+        m = max(fewest["ruled_out"])
+        text += (f"; on {m} devices 12 B x {P_ / 1e9:.3f} B / {m} = {resident_bytes(P_, m) / GB:.1f} GB "
+                 f">= {row.memory}: ruled out")
+    if n:
+        p = fewest["plan"]
+        text += (f"; on {n} devices 16 B x {P_ / 1e9:.3f} B / {n} = {floor_bytes(P_, n) / GB:.2f} GB, planned "
+                 f"peak {_gb(p['peak'])} = params {_gb(p['parameters'])} + Adam {_gb(p['optimizer'])} + batch "
+                 f"{_gb(p['batch'])} + temporaries {_gb(p['temporaries'])} (all gradients would be "
+                 f"{_gb(p['gradients'])})")
+    return text + f"; compiled for {fewest['probed']} devices."
+
+
 def render_tpu(results: list[dict], run: Runner, *, quick: bool) -> str:
-    lines = []
-    if quick:
-        lines.append("**Quick mode: every model cut to 2 layers (same widths); not Table 1's figures.**\n")
-    lines += [
-        "The same train steps as the section above (AdamW, fp32 weights, one sequence per data shard), compiled "
-        "by libtpu's TPU compiler for the TPU v4 slices redco used (4 chips per host, one JAX device per chip), "
-        "ahead of time on this CPU-only machine (`jax.experimental.topologies`: no TPU attached, nothing runs), "
-        "each model whole. Peak = arguments + outputs - donated + temporaries per chip, from the TPU compiler's "
-        "own buffer assignment. libtpu refuses a step whose temporaries exceed the chip's 30.75 GiB of usable HBM; "
-        "such a row shows parameters + Adam + the temporaries it asked for. fits? is against the paper's 32 GB.",
-        "",
-        "| model | slice | n_model_shards x data | seq | setting | peak / chip (TPU compiler) | fits 32 GB? "
-        "| margin | of which params + Adam | temporaries | XLA:CPU's peak, same step | compile |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    lines = [QUICK] if quick else []
+    lines += ["| model | slice | n_model_shards x data | seq | setting | peak / chip (TPU compiler) | fits 32 GB? "
+              "| margin | of which params + Adam | temporaries | XLA:CPU's peak, same step | compile |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for out in results:
         row = ROWS[out["row"]]
         for key, label in (("redco", "fp32, no fsdp"), ("fsdp", "fsdp=True"), ("all", "fsdp + remat + bf16")):
-            if key not in out:
-                continue
-            p = out[key]
-            cpu = out.get("cpu", {}).get(key)
-            peak = _gb(p["peak"]) + (" (refused)" if p.get("refused") else "")
-            lines.append(
-                f"| {row.name} | {row.devices} x v4 ({TPU_V4_SLICES[row.devices]}) | {p['mesh']['model']} x "
-                f"{p['mesh']['data']} | {row.seq} | {label} | {peak} | {'yes' if p['fits'] else '**no**'} "
-                f"| {_gb(p['margin'])} | {_gb(p['parameters'] + p['optimizer'])} | {_gb(p['temporaries'])} "
-                f"| {_gb(cpu['peak']) if cpu else ''} | {p['compile_s']:.0f} s |")
-    searched = [o for o in results if "half" in o or "table" in o]
+            if key in out:
+                p, cpu = out[key], out.get("cpu", {}).get(key)
+                lines.append(
+                    f"| {row.name} | {row.devices} x v4 ({TPU_V4_SLICES[row.devices]}) | {p['mesh']['model']} x "
+                    f"{p['mesh']['data']} | {row.seq} | {label} | {_gb(p['peak'])}{_refused(p)} "
+                    f"| {_fits(p)} | {_gb(p['margin'])} | {_gb(p['parameters'] + p['optimizer'])} "
+                    f"| {_gb(p['temporaries'])} | {_gb(cpu['peak']) if cpu else ''} | {p['compile_s']:.0f} s |")
+    searched = [(o, key) for o in results for key in ("half", "table") if key in o]
     if searched:
         lines += ["", "With fsdp + remat + bf16 compute, on half the chips (where parameters + Adam alone leave room) "
                   "and at the position table's length on redco's slice:", "",
                   "| model | chips | n_model_shards x data | seq | peak / chip | fits 32 GB? | 16 B/param there |",
                   "|---|---|---|---|---|---|---|"]
-        for out in searched:
-            row = ROWS[out["row"]]
-            for key in ("half", "table"):
-                if key in out:
-                    p = out[key]
-                    n = p["mesh"]["model"] * p["mesh"]["data"]
-                    lines.append(f"| {row.name} | {n} | {p['mesh']['model']} x {p['mesh']['data']} | {p['seq']} "
-                                 f"| {_gb(p['peak'])}{' (refused)' if p.get('refused') else ''} "
-                                 f"| {'yes' if p['fits'] else '**no**'} | {_gb(floor_bytes(out['params'], n))} |")
-    lines += ["", TPU_NOTE]
+        for out, key in searched:
+            p = out[key]
+            n = p["mesh"]["model"] * p["mesh"]["data"]
+            lines.append(f"| {ROWS[out['row']].name} | {n} | {p['mesh']['model']} x {p['mesh']['data']} | {p['seq']} "
+                         f"| {_gb(p['peak'])}{_refused(p)} | {_fits(p)} "
+                         f"| {_gb(floor_bytes(out['params'], n))} |")
     if run.compiles:
-        total = sum(c[1] for c in run.compiles)
-        cpu = sum(c[2] for c in run.compiles)
-        lines += ["", f"Compile times: {len(run.compiles)} compiles, {total / 60:.1f} min wall, {cpu / 60:.1f} min "
-                  "CPU, on this 2-core machine."]
+        lines += ["", f"Compile times: {len(run.compiles)} compiles, {sum(c[1] for c in run.compiles) / 60:.1f} min "
+                  f"wall, {sum(c[2] for c in run.compiles) / 60:.1f} min CPU, on this 2-core machine."]
     return "\n".join(lines)
-
-
-# Measured when these notes were written (2026-11-23, jax 0.10.2, libtpu 0.0.42.1); see tpu_main.
-TPU_NOTE = (
-    "On the TPU compiler every TPU row of Table 1 fits redco's slice, OPT-66B included: with fsdp (mp 8 x fsdp "
-    "over data 8, fp32, no remat) a step needs 30.75 GB a chip, of which parameters + Adam are 12.39 GB, where "
-    "XLA:CPU plans 57.08 GB for the same step (its partitioner gathers the weights over `data` and keeps them for "
-    "the backward pass; libtpu's leaves them in place and moves the activations, 8 rows x 512 tokens). Without "
-    "fsdp, the whole state split only 8 ways over `model`, it fits nowhere: libtpu refuses it, asking for 105.5 GB "
-    "of temporaries on top of 98.8 GB of parameters + Adam. redco's 64-way split of the state is what fsdp gives "
-    "here. With fsdp + remat + bf16 compute OPT-66B needs 14.78 GB a chip, below its 16 B/param arithmetic "
-    "(16.43 GB on 64 chips): the temporaries (2.38 GB) are fewer than its sharded gradients alone (4.1 GB), so "
-    "the compiler never holds every gradient at once. T5-XXL and OPT-13B fit on both compilers; libtpu's peaks "
-    "are 3 % and 16 % below XLA:CPU's.\n\n"
-    "Whole models, not extrapolated: libtpu's peaks are not always linear in the layer count (likely its "
-    "scheduling and rematerialisation against the chip's memory limit; not investigated further). Measured: "
-    "OPT-66B with fsdp, from 2 and 4 layers 30.90 GB (+0.5 %), from 4 and 8 layers 31.08 GB (+1.1 %); T5-XXL "
-    "from 2 and 4 layers 21.43 GB (+2.8 %), with fsdp + remat + bf16 20.23 GB (+2.7 %); but T5-XXL's "
-    "extrapolated peaks with fsdp + remat + bf16 at 512, 1024, 2048, 4096 and 8192 tokens went 20.2, 20.0, "
-    "15.2, 24.7, 19.8 GB, so the section above's searches (each probe a whole-model compile of 1-3 minutes "
-    "here) are replaced by two probes that answer them where they can. Half the chips: OPT-66B fits on 32 "
-    "(31.14 GB with fsdp + remat + bf16; 16 are ruled out by parameters + Adam alone, 49.3 GB), so 32 chips "
-    "is the fewest TPU v4 slice for it, half of redco's; T5-XXL and OPT-13B on 4 chips are ruled out the "
-    "same way (33.4 and 38.6 GB). The position table: OPT-13B and OPT-66B train at its full 2048 tokens on "
-    "redco's slices (23.35 and 24.03 GB). The whole OPT-66B step compiles in under 3 minutes and 6.8 GB of "
-    "host memory.\n\n"
-    "What this does not show: a TPU run. These are the figures of the compiler that would build the step for "
-    "that slice, as the planner's figures on an H100 were the measured device peak to the byte (section "
-    "Throughput above); no TPU was available to run one.")
 
 
 if __name__ == "__main__":

@@ -1,26 +1,22 @@
 """Training throughput and model FLOPs utilisation of a LLaMA-style model, redeqx
-vs a hand-written jax.jit + optax loop on the same model, on whatever
-accelerator is present (a GPU when there is one, else the CPU).
+vs a hand-written jax.jit + optax loop, on whatever accelerator is present.
 
-    python benchmarks/throughput.py                       # CPU: a small model, tokens/s only
-    python benchmarks/throughput.py --size 1b --seq 2048 --batch 8 --no-hand --json out.json  # on a GPU
-    python benchmarks/throughput.py --from-json out.json  # write a GPU run's results to RESULTS.md
+    python -m benchmarks.throughput                       # CPU: a small model, tokens/s only
+    python -m benchmarks.throughput --size 1b --seq 2048 --batch 8 --no-hand --json out.json  # on a GPU
+    python -m benchmarks.throughput --from-json out.json  # write a GPU run's results to RESULTS.md
 
-Variants (--variants), alternated in rounds: redeqx in bfloat16 compute (fp32
-master weights and AdamW state) with the zoo LLaMA's layers stacked
-(scan_layers=True, run by a lax.scan; ":N" sets the scan's scan_unroll, else
-the family's per-platform default) or listed, each with or without remat,
-and the hand-written step in bfloat16 on the first variant's model. Each
-model's first step starts from the same weights (its loss is shown); trace +
-compile time and temporaries are the compiled program's. MFU counts the
-model's FLOPs (6 x non-embedding parameters x tokens, plus attention's 12 x
-layers x tokens x seq x hidden, causal halved) over the device's peak. On a
-GPU the step must use cuDNN's flash attention: the script checks the lowered
-program for it. The planner's peak memory is compared with the device's
-measured peak (first variant only, while it is the only state alive).
+Variants (--variants), alternated in rounds: the zoo LLaMA in bf16 compute
+(fp32 master weights and AdamW) with its layers stacked (":N" sets
+scan_unroll) or listed, each with or without remat, and the hand-written step.
+MFU counts the model's FLOPs (6 x non-embedding parameters x tokens plus
+attention's, causal halved) over the device's peak; on a GPU the step must use
+cuDNN's flash attention (checked in the lowered program); the planner's peak
+is compared with the device's measured peak (first variant only).
 """
 
 import os
+
+from benchmarks._common import timed, write_section
 
 if "cpu" in os.environ.get("JAX_PLATFORMS", "cpu") and not os.environ.get("REDEQX_BENCH_GPU"):
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
@@ -28,7 +24,6 @@ if "cpu" in os.environ.get("JAX_PLATFORMS", "cpu") and not os.environ.get("REDEQ
 import argparse  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -41,9 +36,6 @@ import optax  # noqa: E402
 
 import redeqx  # noqa: E402
 from redeqx import models  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import timed, write_section  # noqa: E402
 
 SIZES = {  # LLaMA-style shapes; 1b is TinyLlama-1.1B's
     "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,

@@ -3,7 +3,7 @@
 Used by tests and benchmarks to hold a step to the bytes an accelerator would
 move; redeqx itself reports the compiled program's own figures
 (`redeqx.collective_summary`). Checked against libtpu's own programs
-(benchmarks/RESULTS.md, "Issue 11's CPU-artefact claims on the TPU compiler").
+(benchmarks/RESULTS.md, History: "Issue 11's claims on the TPU compiler").
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from redeqx._hlo import DTYPE_BYTES, Collective, array_shapes, collectives, exec
 # hold the step to the bytes a GPU or TPU run would move.
 #
 # Except for a scatter's term. Checked against libtpu's own programs (a TPU v4 slice described
-# by jax.experimental.topologies; benchmarks/RESULTS.md, "Issue 11's CPU-artefact claims on
-# the TPU compiler"): the gradient of an embedding lookup is a scatter-add, and libtpu folds the
+# by jax.experimental.topologies; benchmarks/RESULTS.md, History: "Issue 11's
+# claims on the TPU compiler"): the gradient of an embedding lookup is a scatter-add, and libtpu folds the
 # other term into it (scatter(base=all-reduce(head's term), ...)) rather than adding two
 # all-reduces, so a tied embedding's gradient is reduced twice there too. An add with a
 # scatter's all-reduce is therefore not merged here; with that, this count matches libtpu's to

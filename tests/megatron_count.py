@@ -4,8 +4,8 @@ and a train step at n_model_shards=4 checked against one device.
 Steps are held to the bytes a GPU or TPU moves (tests/accelerator_count.py):
 XLA:CPU all-reduces each of several partial sums that are added (Q, K and V's
 input gradients) where the accelerators' compilers reduce their sum once
-(libtpu's own programs agree: benchmarks/RESULTS.md, "Rewrites for XLA:CPU,
-compiled by libtpu")."""
+(libtpu's own programs agree: benchmarks/RESULTS.md, History: "XLA:CPU
+rewrites on libtpu")."""
 
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,4 @@
-"""benchmarks/table1.py's quick mode: GPT2-Large's widths (2 of its 36
+"""`python -m benchmarks.table1`'s quick mode: GPT2-Large's widths (2 of its 36
 layers) planned on 2 simulated devices of 10 GB, as redco's Table 1 row runs
 it, in a subprocess the way the benchmark runs every row."""
 
@@ -7,13 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "table1.py"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_table1_quick_row_fits_in_the_stated_memory(tmp_path):
     out = tmp_path / "table1.json"
-    proc = subprocess.run([sys.executable, str(BENCHMARK), "--rows", "gpt2-large", "--quick", "--json", str(out)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.table1", "--rows", "gpt2-large", "--quick", "--json",
+                           str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (row,) = json.loads(out.read_text())
     plan = row["redco"]

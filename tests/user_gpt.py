@@ -6,7 +6,7 @@ token table's transpose as the LM head (tied), initialised as GPT-2 is
 (normal 0.02, zero biases), so the first loss is about ln(vocab).
 
 The shapes match Hugging Face's GPT-2 of the same config (benchmarks/vs_redco.py
-compares the two); tests use it as "a user's own model" the rules never saw.
+at 3db93f0 compared the two); tests use it as "a user's own model" the rules never saw.
 """
 
 from __future__ import annotations

@@ -163,7 +163,7 @@ def _fingerprints(leaves: list) -> tuple[jax.Array, jax.Array]:
 # them in one process (slicing the restored array) or on the layout it was
 # saved with; a piece of another layout spread over processes is left to the
 # word sum. xxh3_128 runs at ~10 GB/s on one core, a few % of a save
-# (benchmarks/checkpoint.py); blake2b's 0.8 GB/s would cost most of one.
+# (benchmarks/RESULTS.md, History); blake2b's 0.8 GB/s would cost most of one.
 
 HASH = "xxh3_128"
 

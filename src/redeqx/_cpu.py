@@ -5,7 +5,7 @@ Nothing here runs on GPUs or TPUs: each entry is applied behind `on_cpu`.
 | what | why | evidence | delete when |
 |---|---|---|---|
 | `wait_for_program` | XLA:CPU's collectives deadlock when two compiled programs overlap on a process driving several CPU devices: a correctness fix | README, "Many hosts"; tests/test_multihost.py | the multi-host tests pass ten runs in a row without it |
-| `tied_checkpoint` | XLA:CPU drops `jax.checkpoint`'s optimization barriers and merges the recomputation back into the forward pass, so remat would save nothing in a CPU step or plan | benchmarks/RESULTS.md, "Rewrites for XLA:CPU, compiled by libtpu" | tests/test_remat.py's temporaries checks pass with plain `jax.checkpoint` on CPU |
+| `tied_checkpoint` | XLA:CPU drops `jax.checkpoint`'s optimization barriers and merges the recomputation back into the forward pass, so remat would save nothing in a CPU step or plan | benchmarks/RESULTS.md, History: "XLA:CPU rewrites on libtpu" | tests/test_remat.py's temporaries checks pass with plain `jax.checkpoint` on CPU |
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 from its own rows, averaged with one all-reduce, as ``jax.pmap`` data
 parallelism does. Why: the partitioner (Shardy, this JAX's default) reduces the terms of a parameter used twice
 (a tied embedding's lookup and head) one after the other; averaging each
-shard's summed gradient reduces it once (benchmarks/RESULTS.md, "A tied
-embedding's gradient at one model shard").
+shard's summed gradient reduces it once (benchmarks/RESULTS.md, History: "A tied
+embedding's gradient").
 
 It holds only for a loss that is a mean over the batch's rows, so the first
 call of the step checks that on its batch (`check_first_call`).

@@ -207,7 +207,7 @@ def make_train_step(
       as a compiler does by fusion for the same layers unrolled. ``"all"``:
       every intermediate, JAX's own choice: for a transformer stack
       1.06-3.7x the temporaries of its layers unrolled, against 0.42-1.15x
-      (benchmarks/RESULTS.md, "What a scan keeps for its backward pass").
+      (benchmarks/RESULTS.md, History: "`scan_residuals`").
       A scan whose body runs ``jax.checkpoint`` (`redeqx.remat`, or the
       user's own) keeps what that says. Losses and gradients are the same
       either way.

@@ -28,8 +28,8 @@ INIT_STD = 0.02  # the initializer_range of the Hugging Face configs
 # intermediates in the backward pass) in no more activation memory than listed layers on XLA:CPU,
 # and about as much on libtpu (less with redeqx.remat) but for one gradient's bytes, which a scan
 # holds whole before the update where listed layers let libtpu update each layer as its gradient
-# comes: it shows at small batches (benchmarks/RESULTS.md, "Stacked layers" and "Where a stack's
-# extra temporaries on libtpu come from"); scan_layers=False lists the layers.
+# comes: it shows at small batches (benchmarks/RESULTS.md, "Stacked layers", and History: "A stack's
+# extra temporaries on libtpu"); scan_layers=False lists the layers.
 SCAN_LAYERS = True
 
 # How a stack's lax.scan is compiled when a config leaves scan_unroll=None: one layer per loop
@@ -37,7 +37,7 @@ SCAN_LAYERS = True
 # unrolled (True) on GPUs, where XLA's while loop costs step time: the 1B LLaMA (22 layers, 8 x 2048
 # tokens, bf16, cuDNN attention) took 246.5 ms a step as a loop, 247.9 unrolled by 2, 225.5 fully
 # unrolled and 228.1 listed on one H200, compiling in 2.0, 2.1, 6.0 and 18.3 s (benchmarks/RESULTS.md,
-# "Stacked layers on a GPU"). Either way the parameters keep the stacked layout, so a checkpoint,
+# History: "Stacked layers on a GPU"). Either way the parameters keep the stacked layout, so a checkpoint,
 # a plan's specs and the rules do not depend on where the model runs.
 SCAN_UNROLL = {"gpu": True}
 
@@ -80,7 +80,7 @@ def gradients_summed_first(x):
     sum over ``model``; GPU and TPU compilers reduce added partial sums with
     one all-reduce only when nothing else is added in between, which a
     residual connection around a post-norm block does (benchmarks/RESULTS.md,
-    "Rewrites for XLA:CPU, compiled by libtpu")."""
+    History: "Issue 21, the steps rebuilt")."""
     return x
 
 
@@ -93,8 +93,8 @@ def summed_linears(pairs: list) -> Float[Array, "seq out"]:
     `Linear` layers the biases are added after the products' sum, so the
     products' partial sums over ``model`` meet in one add, which GPU and TPU
     compilers reduce with one all-reduce (a bias in between keeps them
-    apart: benchmarks/RESULTS.md, "Rewrites for XLA:CPU, compiled by
-    libtpu"). Any other module (a LoRA adapter) is called as it is."""
+    apart: benchmarks/RESULTS.md, History: "Issue 21, the
+    steps rebuilt"). Any other module (a LoRA adapter) is called as it is."""
     if not all(type(layer) is Linear for layer, _ in pairs):
         return sum(layer(x) for layer, x in pairs)
     y = sum(x @ layer.weight.T.astype(x.dtype) for layer, x in pairs)
