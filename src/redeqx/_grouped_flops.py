@@ -18,6 +18,8 @@ import math
 import jax
 import jax.extend.core
 
+from .models._moe import RECOMPUTE
+
 
 def _rows_flops(eqn) -> float:
     """``2 x`` (the multiply-adds of each row against its own group's matrix)."""
@@ -38,33 +40,21 @@ def _subjaxprs(value):
             yield from _subjaxprs(v)
 
 
-def _kind(eqn) -> str:
-    """``"forward"``: rows times each group's ``(out, in)`` matrix (as `redeqx.models.mix_experts`
-    multiplies); ``"weight gradient"``: ragged over the contracted rows (the output has a group axis);
-    ``"other"``: anything else (an input gradient)."""
-    rhs = eqn.invars[1].aval
-    dims = eqn.params["ragged_dot_dimension_numbers"]
-    if not dims.rhs_group_dimensions:
-        return "weight gradient"
-    return "forward" if tuple(dims.dot_dimension_numbers[0][1]) == (rhs.ndim - 1,) else "other"
-
-
 def grouped_matmuls(jaxpr, times: float = 1.0) -> list[tuple[float, int, float, bool]]:
     """``(FLOPs by rows, groups, lhs elements, recompute)`` of every grouped
     matmul one run of ``jaxpr`` executes (per device inside a ``shard_map``),
     one entry per execution count: a scan's body counts ``length`` times.
 
-    ``recompute``: a forward grouped matmul in the same body as weight
-    gradients, i.e. the backward pass of `redeqx.models.mix_experts`
-    recomputing the experts' forward. Unless the step is rematerialised, XLA
-    merges it with the forward pass's identical product (common subexpression
-    elimination): the compiled programs, libtpu's and XLA:CPU's, compute it once."""
+    ``recompute``: the backward pass of `redeqx.models.mix_experts`
+    recomputing the experts' forward (its name scope says so). Unless the step
+    is rematerialised, XLA merges it with the forward pass's identical product
+    (common subexpression elimination): the compiled programs, libtpu's and
+    XLA:CPU's, compute it once."""
     if isinstance(jaxpr, jax.extend.core.ClosedJaxpr):
         jaxpr = jaxpr.jaxpr
     ragged = [e for e in jaxpr.eqns if e.primitive.name == "ragged_dot_general"]
-    backward = any(_kind(e) == "weight gradient" for e in ragged)
     found = [(times * _rows_flops(e), int(e.invars[2].aval.shape[-1]), times * math.prod(e.invars[0].aval.shape),
-              backward and _kind(e) == "forward") for e in ragged]
+              f"{RECOMPUTE}/jvp" in str(e.source_info.name_stack)) for e in ragged]
     for eqn in jaxpr.eqns:
         inner = times * (eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1)
         for value in eqn.params.values():

@@ -62,6 +62,10 @@ from ._layers import ACTIVATIONS, INIT_STD, Linear
 
 # ----------------------------------------------------------------------------- the grouped expert computation
 
+# The name scope of the backward pass's recompute of the experts' forward (which XLA merges with the
+# forward's identical products unless the step is rematerialised).
+RECOMPUTE = "moe_backward_recompute"
+
 # ragged_dot's dimension numbers for rows (N, in) against weights (E, out, in): contract `in`
 # with the weights' last dim, the rows' dim 0 ragged over the weights' groups (dim 0).
 _ROWS_BY_OUT_IN = jax.lax.RaggedDotDimensionNumbers(
@@ -195,8 +199,9 @@ def _functions(activation: str, shards: int):
 
     @jax.custom_batching.custom_vmap
     def backward(x, idx, w, ct, gate_w, up_w, down_w):
-        _, vjp = jax.vjp(lambda x, w, g, u, d: _flat(activation, shards, x, idx, w, g, u, d),
-                         x, w, gate_w, up_w, down_w)
+        with jax.named_scope(RECOMPUTE):  # the FLOP count (redeqx._grouped_flops) knows these by it
+            _, vjp = jax.vjp(lambda x, w, g, u, d: _flat(activation, shards, x, idx, w, g, u, d),
+                             x, w, gate_w, up_w, down_w)
         return vjp(ct)  # (dx, dw, dgate, dup, ddown): dx, dw per token, the stacks' summed over tokens
 
     backward.def_vmap(_batched_rule(activation, shards, _BACKWARD))
