@@ -332,11 +332,11 @@ def test_manager_full_disk_keeps_earlier(tmp_path):
 
 
 def test_manager_bad_arguments(tmp_path):
-    with pytest.raises(ValueError, match="'max' or 'min'"):
+    with pytest.raises(TypeError, match=r"argument best=\{'acc': 'maximum'\}.*Literal\['max', 'min'\]"):
         redeqx.CheckpointManager(tmp_path, best={"acc": "maximum"})
     with pytest.raises(ValueError, match="keep_last"):
         redeqx.CheckpointManager(tmp_path, keep_last=0)
-    with pytest.raises(ValueError, match="unit"):
+    with pytest.raises(TypeError, match="argument unit='epochs' is a str, expected 'step' or 'epoch'"):
         redeqx.CheckpointManager(tmp_path, unit="epochs")
     manager = redeqx.CheckpointManager(tmp_path)
     model = make_model(jax.random.key(0))

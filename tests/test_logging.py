@@ -96,7 +96,7 @@ def test_bad_input(tmp_path):
         logger.log({"loss": 1.0}, 1, examples=-1)
     with pytest.raises(ValueError, match="name must be a plain file name"):
         logger.save_outputs([], "../x", 1)
-    with pytest.raises(TypeError, match="wandb must be a dict"):
+    with pytest.raises(TypeError, match="argument wandb='my-project' is a str, expected Mapping"):
         redeqx.Logger(tmp_path, wandb="my-project")
     logger.close()
 
@@ -109,8 +109,8 @@ def test_batches_progress_bar_shows_loss_and_learning_rate(tmp_path):
     shown = []
     for i, batch in enumerate(redeqx.batches(examples, collate, 1, mesh, desc="epoch 0")):
         logger.log({"loss": 1.0 / (i + 1), "learning_rate": 1e-3}, i)
-        bar = redeqx._data.ACTIVE_BARS[-1]
+        bar = redeqx._progress.innermost()
         shown.append(bar.postfix)
-    assert not redeqx._data.ACTIVE_BARS  # the bar is gone with its loop
+    assert redeqx._progress.innermost() is None  # the bar is gone with its loop
     assert "loss=0.5" in shown[1] and "learning_rate=0.001" in shown[1]
     logger.close()

@@ -227,3 +227,17 @@ def test_a_program_the_reader_cannot_untangle_is_said_out_loud():
     with pytest.warns(UserWarning, match="split none of the weights it contracts"):
         specs = redeqx.sharding_rules(model, redeqx.make_mesh(2), loss_fn=inner_step, batch=batch)
     assert specs.layers[0].weight == P()
+
+
+def test_scan_counts_read_either_jax_layout():
+    """JAX 0.10 names a scan's constants and carry; 0.11 packs its inputs into a flat tree
+    ``ft_in`` of (consts, carry, xs). The reader takes both (a GPU machine with JAX 0.11 failed
+    every ``plan`` on the first layout alone)."""
+    from redeqx.sharding._loops import _scan_counts
+
+    class Packed:  # the part of JAX 0.11's FlatTree the reader uses
+        def unpack(self):
+            return (["c0", "c1"], ["h"], ["x0", "x1", "x2"])
+
+    assert _scan_counts({"num_consts": 2, "num_carry": 1}) == (2, 1)
+    assert _scan_counts({"ft_in": Packed()}) == (2, 1)

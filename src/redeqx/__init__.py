@@ -8,27 +8,24 @@ from ._checkpoint import (
     restore_checkpoint as restore_checkpoint,
     save_checkpoint as save_checkpoint,
 )
+from ._build import init_model as init_model
 from ._constrain import constrain as constrain
-from ._data import batches as batches, evaluate as evaluate, predict as predict, shuffled as shuffled
+from ._data import batches as batches, shuffled as shuffled
 from ._distributed import initialize as initialize, preflight as preflight
 from ._hlo import collective_summary as collective_summary
+from ._inference import evaluate as evaluate, predict as predict
 from ._logging import Logger as Logger
 from ._manager import CheckpointManager as CheckpointManager
 from ._mesh import check_mesh as check_mesh, make_mesh as make_mesh
+from ._opt_state import init_opt_state as init_opt_state
 from ._optimizers import with_opt_state_dtype as with_opt_state_dtype
+from ._placement import shard as shard
 from ._plan import Plan as Plan, plan as plan
 from ._preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE, Preempted as Preempted
 from ._remat import checkpoint as checkpoint, remat as remat
 from .sharding import explain as explain, sharding_rules as sharding_rules
 from ._schedules import lr_schedule as lr_schedule
-from ._state import (
-    TrainState as TrainState,
-    apply_gradients as apply_gradients,
-    init_model as init_model,
-    init_opt_state as init_opt_state,
-    init_state as init_state,
-    shard as shard,
-)
+from ._state import TrainState as TrainState, apply_gradients as apply_gradients, init_state as init_state
 from ._steps import (
     make_eval_step as make_eval_step,
     make_predict_step as make_predict_step,

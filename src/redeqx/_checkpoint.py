@@ -35,14 +35,10 @@ Reading one without redeqx (plain orbax and NumPy)::
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
-import math
 import os
-import re
 import shutil
-import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -57,11 +53,16 @@ import xxhash
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import PyTree
 
+from . import _hooks
+from ._failures import describe_failure
+from ._json import from_json as _from_json, is_key as _is_key, to_json as _to_json
 from ._mesh import check_mesh, same_devices
-from ._state import TrainState, check_specs_match as _check_specs_match, mirror_specs as _mirror_specs, refuse_deleted
+from ._opt_state import mirror_specs as _mirror_specs
+from ._spec_checks import check_specs_match as _check_specs_match, refuse_deleted
+from ._state import TrainState
 from ._trees import is_array_like, is_none as _is_none, is_spec as _is_spec, path_parts
 from ._version import __version__
-from ._typing import floating_dtype
+from ._typing import floating_dtype, typechecked
 from .sharding._specs import sharding_of
 
 FORMAT = "redeqx-checkpoint"
@@ -101,10 +102,6 @@ def _get(nested: dict, parts: tuple[str, ...]):
     for p in parts:
         nested = nested[p]
     return nested
-
-
-def _is_key(x) -> bool:
-    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def _train_view(state: TrainState) -> dict:
@@ -247,60 +244,7 @@ def _cast(x, dtype):
 
 
 # ----------------------------------------------------------------------------- metadata
-
-_NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
-
-
-def strict_json(value):
-    """``value`` with every non-finite float replaced by ``"NaN"``,
-    ``"Infinity"`` or ``"-Infinity"``: strict JSON (RFC 8259) has no NaN, and
-    strict readers (JavaScript, jq, many JSON libraries) reject a bare one."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-    if isinstance(value, dict):
-        return {k: strict_json(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [strict_json(v) for v in value]
-    return value
-
-
-def _to_json(value, where: str):
-    """Metadata values -> strict JSON; PRNG keys become ``{"prng_key": impl, "data": [...]}``."""
-    if _is_key(value):
-        return {"prng_key": str(jax.random.key_impl(value)), "data": np.asarray(jax.random.key_data(value)).tolist()}
-    if isinstance(value, (jax.Array, np.ndarray, np.generic)):
-        return strict_json(np.asarray(value).tolist())
-    if isinstance(value, Mapping):
-        return {str(k): _to_json(v, f"{where}[{k!r}]") for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_to_json(v, f"{where}[{i}]") for i, v in enumerate(value)]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return strict_json(value)
-    raise TypeError(
-        f"{where} = {value!r} ({type(value).__name__}) cannot be stored as JSON; pass numbers, strings, lists, "
-        "dicts, arrays or PRNG keys."
-    )
-
-
-def _from_json(value):
-    if isinstance(value, dict):
-        if set(value) == {"prng_key", "data"}:
-            return jax.random.wrap_key_data(np.asarray(value["data"], np.uint32), impl=value["prng_key"])
-        return {k: _from_json(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_from_json(v) for v in value]
-    return value
-
-
-def as_number(value) -> float | None:
-    """A metric as stored in metadata -> a float (``"NaN"`` etc. included), or
-    None for anything that is not a number."""
-    if isinstance(value, str):
-        return _NON_FINITE.get(value)
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    return None
-
+# (encoded to strict JSON by ``_json.py``, the one encoder of what redeqx writes)
 
 def metadata_file(path: Path) -> Path:
     return path / "metadata" / "metadata"
@@ -392,6 +336,7 @@ def _damaged_section(section: dict) -> str | None:
     return None
 
 
+@typechecked
 def read_metadata(path: str | os.PathLike) -> dict:
     """The JSON metadata of the checkpoint at ``path``: ``step``, whatever
     ``metadata=`` was saved (PRNG keys come back as keys; non-finite numbers
@@ -484,39 +429,6 @@ def encode(state, metadata, dtype) -> Encoded:
     return Encoded(ocp.args.Composite(**args), meta, non_finite)
 
 
-_OS_CAUSES = {
-    errno.ENOSPC: "the disk is full",
-    errno.EDQUOT: "the disk quota is exceeded",
-    errno.EROFS: "the file system is read-only",
-    errno.EACCES: "permission denied",
-    errno.EPERM: "permission denied",
-    errno.ENOTDIR: "a file stands where a directory is needed",
-    errno.EFBIG: "a file grew past the size limit",
-}
-
-
-def describe_failure(e: BaseException) -> str:
-    """``e`` as a cause a user can act on: the operating system's error (the
-    disk is full, read-only, no permission) when one is in its chain, as an
-    ``OSError`` or as the ``os_error_code`` tensorstore writes into its
-    messages; then the original error, shortened."""
-    text = f"{type(e).__name__}: {e}"
-    text = text if len(text) <= 400 else text[:397] + "..."
-    seen, todo = set(), [e]
-    while todo:
-        x = todo.pop()
-        if x is None or id(x) in seen:
-            continue
-        seen.add(id(x))
-        code = x.errno if isinstance(x, OSError) else None
-        if code is None and (found := re.search(r"os_error_code='?(\d+)", str(x))):
-            code = int(found.group(1))
-        if code in _OS_CAUSES:
-            return f"{_OS_CAUSES[code]} ({errno.errorcode[code]}; {text})"
-        todo += [x.__cause__, x.__context__, *(a for a in getattr(x, "args", ()) if isinstance(a, BaseException))]
-    return text
-
-
 _AT_EXIT = ("after shutdown", "after interpreter shutdown", "Event loop is closed")
 
 
@@ -553,8 +465,8 @@ class _OwnWriteErrors(logging.Filter):
     traceback (~100 lines each, several per failed save), for a failure of
     a save redeqx is making: the same error reaches the caller as one
     `CheckpointError` naming the path and the cause. Any other record, and
-    any other save's, passes. Installed on the ``absl`` logger by the first
-    `write` (a visible call, never at import)."""
+    any other save's, passes. Installed on the ``absl`` and ``asyncio``
+    loggers by the first `write` (``_hooks.quiet_orbax_echoes``)."""
 
     def __init__(self):
         super().__init__()
@@ -573,29 +485,8 @@ _OWN_WRITE_ERRORS = _OwnWriteErrors()
 
 
 def _mute_orbax_errors_for(path: Path) -> None:
-    if not _OWN_WRITE_ERRORS.paths:
-        for name in ("absl", "asyncio"):  # orbax's errors; its tasks' "Task exception was never retrieved"
-            logging.getLogger(name).addFilter(_OWN_WRITE_ERRORS)
-        sys.unraisablehook = _without_closed_loop_echoes(sys.unraisablehook)
+    _hooks.quiet_orbax_echoes(_OWN_WRITE_ERRORS)  # the first write installs it
     _OWN_WRITE_ERRORS.paths.add(str(path))  # orbax names the checkpoint or its temporary directory
-
-
-def _without_closed_loop_echoes(previous):
-    """``sys.unraisablehook`` less one echo: when a save fails, orbax closes
-    its event loop while tensorstore's threads still complete that save's
-    other writes; each of their callbacks then fails with "Event loop is
-    closed", reported as an unraisable exception with no object (a bare
-    traceback, dozens of them). The failure itself reaches the caller as one
-    `CheckpointError`. Installed with the logging filter above, by the first
-    `write`; every other unraisable exception goes to ``previous``."""
-
-    def hook(unraisable):
-        if (unraisable.object is None and unraisable.exc_type is RuntimeError
-                and str(unraisable.exc_value) == "Event loop is closed"):
-            return
-        previous(unraisable)
-
-    return hook
 
 
 def write(checkpointer, path: Path, args) -> None:
@@ -628,6 +519,7 @@ def remove_partial(path: Path) -> None:
         time.sleep(0.05)
 
 
+@typechecked
 def save_checkpoint(
     path: str | os.PathLike,
     state: PyTree,
@@ -814,6 +706,7 @@ def _cast_to(tree, dtypes):
     return jax.tree.map(lambda x, d: x.astype(d), tree, dtypes)
 
 
+@typechecked
 def restore_checkpoint(path: str | os.PathLike, like: PyTree, mesh: Mesh, specs: PyTree = None) -> PyTree:
     """Read the checkpoint at ``path`` into the structure of ``like``, placed
     on ``mesh`` by ``specs``.

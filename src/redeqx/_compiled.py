@@ -23,7 +23,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ._cpu import wait_for_program
 from ._loss import fn_name
 from ._mesh import DATA, mesh_text, same_devices
-from ._state import check_leaf, place, refuse_deleted
+from ._placement import place
+from ._spec_checks import check_leaf, refuse_deleted
 from ._trees import CONCRETE_ARRAYS, named_leaves
 from ._typing import short_repr, warn_user
 

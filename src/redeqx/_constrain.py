@@ -14,6 +14,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import PyTree
 
+from ._typing import typechecked
+
 
 def _axes(entry) -> tuple[str, ...]:
     if entry is None or entry is P.UNCONSTRAINED:
@@ -45,6 +47,7 @@ def _fit(spec: P, shape: tuple[int, ...], sizes: dict[str, int], where: str) -> 
     return P(*entries)
 
 
+@typechecked
 def constrain(x: PyTree, spec: P, *, mesh: Mesh | None = None) -> PyTree:
     """Pin the layout of activation ``x`` (an array or a pytree of arrays) to ``spec``.
 

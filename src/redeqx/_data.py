@@ -1,7 +1,7 @@
-"""Host-side data: examples -> collated NumPy -> global sharded batches, and
-the `evaluate` / `predict` loops over them.
+"""Host-side data: examples -> collated NumPy -> global sharded batches (the
+`evaluate` / `predict` loops over them are ``_inference.py``'s).
 
-One pipeline serves all three: a batch's rows are picked from the (shuffled)
+One pipeline serves `batches`, `evaluate` and `predict`: a batch's rows are picked from the (shuffled)
 order, this process collates its own rows, and they become global arrays
 split over ``data``. A background thread runs that pipeline up to
 ``prefetch`` batches ahead of the loop, so collating batch ``i + 1`` overlaps
@@ -44,15 +44,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
+from . import _progress
 from ._compiled import narrow_64bit
 from ._mesh import DATA, check_mesh
-from ._steps import EvalStep
 from ._typing import positive_int, typechecked
-
-
-# progress bars of the `batches` loops now running, innermost last: `Logger.log`
-# shows the loss and learning rate on the innermost one
-ACTIVE_BARS: list = []
 
 
 def _fn_name(fn) -> str:
@@ -303,7 +298,7 @@ def _padded_batches(rows: Iterator[tuple[list, int]], collate_fn, per_device_bat
                desc=None if desc is None else _bar_title(desc, per_device_batch_size, mesh),
                disable=desc is None or jax.process_index() != 0, leave=False, dynamic_ncols=True)
     if not bar.disable:
-        ACTIVE_BARS.append(bar)
+        _progress.opened(bar)  # where `Logger.log` shows the loss
     batches = _prefetched(made(), prefetch)
     try:
         for item in batches:
@@ -311,8 +306,7 @@ def _padded_batches(rows: Iterator[tuple[list, int]], collate_fn, per_device_bat
             bar.update(1)
     finally:
         batches.close()
-        if bar in ACTIVE_BARS:
-            ACTIVE_BARS.remove(bar)
+        _progress.closed(bar)
         bar.close()
 
 
@@ -603,49 +597,6 @@ def _every_example(examples, collate_fn, per_device_batch_size, mesh, desc, pref
     return _padded_batches(rows, collate_fn, per_device_batch_size, mesh, n_batches, 0, desc, _check_prefetch(prefetch))
 
 
-@typechecked
-def evaluate(
-    eval_step: EvalStep,
-    model,
-    examples: Any,
-    collate_fn: Callable,
-    per_device_batch_size: int,
-    mesh: Mesh,
-    *,
-    key,
-    desc: str | None = None,
-    prefetch: int = DEFAULT_PREFETCH,
-    model_state=None,
-) -> dict[str, float]:
-    """The example-weighted mean of ``eval_step``'s metrics over every example
-    (the last batch is padded and the padding gets weight 0). ``examples``
-    (a sequence or a stream), ``desc`` and ``prefetch`` are as in `batches`;
-    ``model_state`` is the model's ``eqx.nn.State`` (``state.model_state``)
-    for a model that has one.
-
-    **Example:**
-
-    ```python
-    metrics = redeqx.evaluate(eval_step, state.model, test, collate_fn, 64, mesh, key=key)
-    print(metrics["loss"])
-    ```
-    """
-    if not isinstance(eval_step, EvalStep):
-        raise TypeError(f"eval_step must come from redeqx.make_eval_step, got {type(eval_step).__name__}.")
-    mesh = check_mesh(mesh)
-    size = _global_batch_size(per_device_batch_size, mesh)
-    totals, n = None, 0
-    for i, (batch, n_real) in enumerate(_every_example(examples, collate_fn, per_device_batch_size, mesh, desc,
-                                                       prefetch)):
-        weights = np.zeros(size, np.float32)
-        weights[:n_real] = 1.0
-        weights = to_global(weights[slice(*local_rows(mesh, size))], mesh, size)
-        sums = eval_step.sums(model, batch, jax.random.fold_in(key, i), weights, model_state=model_state)
-        totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
-        n += n_real
-    return {k: float(v) / n for k, v in jax.device_get(totals).items()}
-
-
 def to_host(tree):
     """Device arrays -> NumPy on every process (gathering across processes)."""
     if jax.process_count() > 1:
@@ -653,60 +604,3 @@ def to_host(tree):
 
         return multihost_utils.process_allgather(tree, tiled=True)
     return jax.device_get(tree)
-
-
-@typechecked
-def predict(
-    predict_step: Callable,
-    model,
-    examples: Any,
-    collate_fn: Callable,
-    per_device_batch_size: int,
-    mesh: Mesh,
-    *,
-    key,
-    output_fn: Callable | None = None,
-    desc: str | None = None,
-    prefetch: int = DEFAULT_PREFETCH,
-    model_state=None,
-) -> list:
-    """One output per example, in the order of ``examples``, on every process.
-
-    The last batch is padded up to full size and the padding's outputs are
-    dropped. Without ``output_fn`` each output is the example's row of every
-    array ``pred_fn`` returned (NumPy); with it, ``output_fn(preds)`` turns a
-    batch of NumPy predictions into a list of per-example outputs (e.g.
-    decoded text). ``examples`` (a sequence or a stream), ``desc`` and
-    ``prefetch`` are as in `batches`; ``model_state`` is passed on to the
-    step for a model with state.
-
-    **Example:**
-
-    ```python
-    labels = redeqx.predict(predict_step, state.model, test, collate_fn, 64, mesh, key=key)
-    ```
-    """
-    mesh = check_mesh(mesh)
-    made = _every_example(examples, collate_fn, per_device_batch_size, mesh, desc, prefetch)
-    outputs: list = []
-    state_kw = {} if model_state is None else {"model_state": model_state}
-
-    def drain(pending):
-        preds, n_real = pending
-        preds = jax.tree.map(lambda x: np.asarray(x)[:n_real], to_host(preds))
-        if output_fn is not None:
-            got = list(output_fn(preds))
-            if len(got) != n_real:
-                raise ValueError(f"output_fn {_fn_name(output_fn)!r} returned {len(got)} outputs for {n_real} examples.")
-            outputs.extend(got)
-        else:
-            outputs.extend(jax.tree.map(lambda x: x[j], preds) for j in range(n_real))
-
-    pending = None
-    for i, (batch, n_real) in enumerate(made):
-        preds = predict_step(model, batch, jax.random.fold_in(key, i), **state_kw)
-        if pending is not None:
-            drain(pending)  # fetch the previous batch while this one computes
-        pending = (preds, n_real)
-    drain(pending)
-    return outputs

@@ -20,7 +20,6 @@ import contextlib
 import json
 import os
 import socket
-import sys
 import time
 import zlib
 from collections import Counter
@@ -31,6 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from . import _hooks
+from ._typing import typechecked
 
 DEFAULT_PORT = 12321
 # A cold start of a large job (containers pulled, a filesystem mounted, thousands of processes
@@ -161,6 +163,7 @@ def _resolve(host0_address, host0_port, n_processes, process_id, local_device_id
     )
 
 
+@typechecked
 def initialize(
     host0_address: str | None = None,
     host0_port: int | None = None,
@@ -288,7 +291,7 @@ def _start(config: _Config, *, by: str, explicit=()) -> None:
         ) from None
     _started_by, _started_with = by, config
     if jax.process_count() > 1:
-        _fail_fast_on_uncaught_exceptions()
+        _hooks.stop_process_on_uncaught_exception()
     preflight()
 
 
@@ -455,25 +458,6 @@ def _use_cpu_collectives() -> None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
 
-def _fail_fast_on_uncaught_exceptions() -> None:
-    previous = sys.excepthook
-
-    def hook(kind, value, tb):
-        previous(kind, value, tb)
-        print(
-            f"redeqx: process {jax.process_index()} stops on this uncaught {kind.__name__}; "
-            "the other processes will stop too.",
-            file=sys.stderr,
-        )
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # Skip JAX's shutdown barrier, which would wait for the other processes
-        # (busy or blocked on this one) for minutes.
-        os._exit(1)
-
-    sys.excepthook = hook
-
-
 def _facts() -> dict:
     """What every process must agree on, as this process sees it."""
     import jaxlib
@@ -501,6 +485,7 @@ def _facts() -> dict:
 _FACT_BYTES = 1024
 
 
+@typechecked
 def preflight() -> None:
     """Checks that every process sees the same devices, device kind and
     library versions, and that an all-reduce over every device works.

@@ -8,6 +8,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ._typing import typechecked
+
 _KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
@@ -221,6 +223,7 @@ def collectives(hlo_text: str) -> list[Collective]:
     return found
 
 
+@typechecked
 def collective_summary(fn_or_text: Callable | str, *args, **kwargs) -> dict[str, dict[str, int]]:
     """``{kind: {"count": n, "bytes": b}}`` for a compiled program.
 

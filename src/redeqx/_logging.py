@@ -15,15 +15,12 @@ never a writer thread that dies quietly and leaves later calls waiting.
 
 from __future__ import annotations
 
-import atexit
-import json
 import logging
 import math
 import os
 import sys
 import time
 import warnings
-import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -32,20 +29,10 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from ._checkpoint import describe_failure, strict_json
-from ._data import ACTIVE_BARS
-
-
-def _jsonable(x):
-    if isinstance(x, Mapping):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
-        return np.asarray(x).tolist()
-    if x is None or isinstance(x, (bool, int, float, str)):
-        return x
-    raise TypeError(f"cannot write {type(x).__name__} {x!r} as JSON; give numbers, strings, lists, dicts or arrays.")
+from . import _hooks, _progress
+from ._failures import describe_failure
+from ._json import dumps, to_json
+from ._typing import typechecked
 
 
 def _watched(name: str) -> bool:
@@ -138,6 +125,7 @@ class Logger:
     ```
     """
 
+    @typechecked
     def __init__(
         self,
         workdir: str | os.PathLike,
@@ -146,8 +134,6 @@ class Logger:
         wandb: Mapping[str, Any] | None = None,
         nonfinite: Literal["raise", "warn"] = "raise",
     ):
-        if nonfinite not in ("raise", "warn"):
-            raise ValueError(f"nonfinite must be 'raise' or 'warn', got {nonfinite!r}.")
         self.nonfinite = nonfinite
         self.workdir = Path(workdir)
         self.active = jax.process_index() == 0
@@ -156,8 +142,6 @@ class Logger:
         self._bar = None
         self._tb = None
         self._wandb = None
-        if wandb is not None and not isinstance(wandb, Mapping):
-            raise TypeError(f"wandb must be a dict of wandb.init keyword arguments or None, got {wandb!r}.")
         if not self.active:
             return
         try:
@@ -177,8 +161,7 @@ class Logger:
             self._log.addHandler(handler)
         if tensorboard:
             self._tb = _EventFile(self.workdir / "tensorboard")
-        ref = weakref.ref(self)
-        atexit.register(lambda: ref() is not None and ref().close())
+        _hooks.close_at_exit(self)  # held weakly: a logger dropped earlier is not kept alive
         if wandb is not None:
             try:
                 import wandb as wandb_module
@@ -194,7 +177,7 @@ class Logger:
             raise TypeError(f"step must be an int (e.g. int(state.step)), got {step!r}.")
         _check_count("examples", examples)
         _check_count("tokens", tokens)
-        values = _jsonable(jax.device_get(dict(metrics)))  # one fetch for all; waits for the step
+        values = to_json(jax.device_get(dict(metrics)), "metrics", strict=False)  # one fetch for all; waits for the step
         now = time.perf_counter()
         elapsed = max(now - self._t_last, 1e-9)
         if self._first:
@@ -224,7 +207,7 @@ class Logger:
     def _write(self, values: dict, scalars: dict[str, float], step: int) -> None:
         where = self.workdir / "metrics.jsonl"
         try:
-            self._jsonl.write(json.dumps(strict_json({"step": step, **values}), allow_nan=False) + "\n")
+            self._jsonl.write(dumps({"step": step, **values}, "metrics") + "\n")
             self._jsonl.flush()
             if self._tb is not None:
                 where = self.workdir / "tensorboard"
@@ -233,7 +216,7 @@ class Logger:
             raise _write_failed(where, e) from e
         if self._wandb is not None:
             self._wandb.log(values, step=int(step))
-        bar = self._bar if self._bar is not None else (ACTIVE_BARS[-1] if ACTIVE_BARS else None)
+        bar = self._bar if self._bar is not None else _progress.innermost()
         if bar is not None:  # Logger.bar's, else the innermost redeqx.batches(..., desc=...) bar
             shown = {k: f"{scalars[k]:.4g}" for k in ("loss", "learning_rate", "lr") if k in scalars and math.isfinite(scalars[k])}
             bar.set_postfix(shown, refresh=False)
@@ -252,7 +235,8 @@ class Logger:
         tqdm.write(str(msg))  # keeps the bar intact
 
     def save_outputs(self, outputs: Any, name: str, step: int) -> Path | None:
-        """Write ``outputs`` (e.g. `predict`'s list) to ``outputs/<name>_step<step>.json``."""
+        """Write ``outputs`` (e.g. `predict`'s list) to ``outputs/<name>_step<step>.json``
+        (strict JSON, as ``metrics.jsonl``: a NaN is written as the string ``"NaN"``)."""
         if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
             raise ValueError(f"name must be a plain file name such as 'test_preds', got {name!r}.")
         if not self.active:
@@ -260,7 +244,7 @@ class Logger:
         path = self.workdir / "outputs" / f"{name}_step{int(step)}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(_jsonable(outputs), indent=1))
+        tmp.write_text(dumps(outputs, "outputs", indent=1))
         os.replace(tmp, path)
         return path
 

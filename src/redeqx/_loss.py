@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ._mesh import DATA
 from ._remat import ScanResiduals, scans_keep_products
-from ._state import trainable_params
+from ._opt_state import trainable_params
 from ._trees import is_floating
 from ._typing import short_repr
 

@@ -10,8 +10,6 @@ back past unreadable checkpoints). The format of one checkpoint is
 
 from __future__ import annotations
 
-import atexit
-import json
 import math
 import os
 import re
@@ -29,13 +27,12 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 from jaxtyping import PyTree
 
-from . import _preemption
+from . import _hooks, _preemption
 from ._checkpoint import (
     HASH,
     TMP_MARKER,
     CheckpointError,
     NewerFormatError,
-    as_number,
     check_dtype,
     describe_failure,
     encode,
@@ -49,9 +46,10 @@ from ._checkpoint import (
     write,
     write_failed,
 )
+from ._json import as_number, dumps
 from ._mesh import DATA
-from ._state import refuse_deleted
-from ._typing import positive_int
+from ._spec_checks import refuse_deleted
+from ._typing import positive_int, typechecked
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _DELETING = ".deleting"
@@ -90,10 +88,10 @@ def retained(steps: Sequence[int], metrics: Mapping[int, Mapping[str, float]], *
 
 
 # ----------------------------------------------------------------------------- exit
+# (`_hooks.finish_saves_on_exit` runs `finish_in_flight` at exit and on an uncaught exception)
 
 # Managers with a save in flight, kept alive until it is written even if the caller drops them.
 _IN_FLIGHT: set[CheckpointManager] = set()
-_HOOKED: list[bool] = []
 
 
 def finish_in_flight(why: str) -> list[str]:
@@ -105,39 +103,6 @@ def finish_in_flight(why: str) -> list[str]:
         except Exception as e:
             failures.append(f"redeqx.CheckpointManager ({why}): {e}")
     return failures
-
-
-def _excepthook(previous):
-    """An uncaught exception ends the script: finish the saves in flight
-    first (the writer still runs then), then report as before."""
-
-    def hook(kind, value, tb):
-        for line in finish_in_flight("the script ended with an uncaught exception"):
-            print(line, file=sys.stderr)
-        previous(kind, value, tb)
-
-    return hook
-
-
-def _at_exit() -> None:
-    """A save still in flight when the interpreter exits without `close`:
-    Python has stopped the writer's worker threads by now (before any atexit
-    hook runs), so it is lost. Say so and exit non-zero, never 0."""
-    failures = finish_in_flight("at exit, without close()")
-    if failures:
-        for line in failures:
-            print(line, file=sys.stderr)
-        print("redeqx.CheckpointManager: a checkpoint was lost; exiting with status 1.", file=sys.stderr, flush=True)
-        os._exit(1)
-
-
-atexit.register(_at_exit)  # registered at import, so it runs after the atexit hooks of later objects (a Logger)
-
-
-def _hook_exceptions() -> None:
-    if not _HOOKED:
-        sys.excepthook = _excepthook(sys.excepthook)
-        _HOOKED.append(True)
 
 
 # ----------------------------------------------------------------------------- the manager
@@ -268,6 +233,7 @@ class CheckpointManager:
     ```
     """
 
+    @typechecked
     def __init__(
         self,
         workdir: str | os.PathLike,
@@ -337,7 +303,7 @@ class CheckpointManager:
         handler = ocp.CompositeCheckpointHandler()
         self._checkpointer = ocp.AsyncCheckpointer(handler) if async_save else ocp.Checkpointer(handler)
         self._watching = False  # listening for SIGTERM from the first save on: before it there is nothing to save
-        _hook_exceptions()
+        _hooks.finish_saves_on_exit(finish_in_flight)  # at exit and on an uncaught exception
 
     # -- what is on disk
 
@@ -565,7 +531,7 @@ class CheckpointManager:
             file = metadata_file(path)
             tmp = file.with_name(file.name + ".redeqx-tmp")
             try:
-                tmp.write_text(json.dumps(meta))
+                tmp.write_text(dumps(meta, "metadata"))
                 os.replace(tmp, file)  # atomic: the checkpoint is complete before and after
             except OSError as e:
                 raise CheckpointError(f"could not record the metrics of step {meta['step']} in {file}: "

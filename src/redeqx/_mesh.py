@@ -125,6 +125,7 @@ _MESH_FIX = (
 )
 
 
+@typechecked
 def check_mesh(mesh, name: str = "mesh") -> Mesh:
     """The mesh redeqx works with: ``mesh`` itself when it has ``Auto`` axes
     ``("data", "model")``; the same devices and axes with ``Auto`` types when

@@ -32,7 +32,8 @@ from ._mesh import DATA, MODEL, check_mesh, make_mesh
 from ._optimizers import with_opt_state_dtype
 from ._remat import ScanResiduals, remat as remat_loss
 from .sharding._public import read as read_program, specs_from
-from ._state import abstract_model, init_state, is_constructor
+from ._build import abstract_model, is_constructor
+from ._state import init_state
 from ._trees import human_bytes, per_device_shape
 from ._steps import make_train_step
 from ._typing import typechecked

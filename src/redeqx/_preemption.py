@@ -11,8 +11,8 @@ waits for it, and raises `Preempted`, which exits with status 143.
   any process, tells the others, and
   ``jax.experimental.multihost_utils.reached_preemption_sync_point`` returns
   True in every process at the same call, a little after the notice.
-- One process: a SIGTERM handler, installed while a manager is open, sets a
-  flag that the next call reads.
+- One process: a SIGTERM handler (``_hooks.py``), installed while a manager
+  is open, sets a flag that the next call reads.
 """
 
 from __future__ import annotations
@@ -24,7 +24,11 @@ from pathlib import Path
 
 import jax
 
+from . import _hooks
+
 PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM  # 143: "ended by SIGTERM", as a shell reports it
+"""The exit status (143) of a script that `Preempted` ended after its checkpoint was saved:
+"ended by SIGTERM", as a shell reports it, so a scheduler requeues the job."""
 
 
 class Preempted(SystemExit):
@@ -49,21 +53,6 @@ class Preempted(SystemExit):
                 f"{PREEMPTED_EXIT_CODE}")
 
 
-class _Flag:
-    """One process's SIGTERM notice, set by the handler `watch` installs."""
-
-    def __init__(self):
-        self.received = False
-        self.previous = None
-        self.watchers = 0
-
-    def handler(self, signum, frame):
-        self.received = True
-        if callable(self.previous):  # a handler the program had installed itself still runs
-            self.previous(signum, frame)
-
-
-_FLAG = _Flag()
 _warned: set[str] = set()
 
 
@@ -93,17 +82,13 @@ def watch() -> bool:
                 stacklevel=3,
             )
         return False
-    if _FLAG.watchers == 0:
-        _FLAG.previous = signal.signal(signal.SIGTERM, _FLAG.handler)
-    _FLAG.watchers += 1
+    _hooks.watch_sigterm()
     return True
 
 
 def unwatch() -> None:
     """Undo one `watch`; the last one puts the previous SIGTERM handler back."""
-    _FLAG.watchers -= 1
-    if _FLAG.watchers == 0 and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _FLAG.previous if _FLAG.previous is not None else signal.SIG_DFL)
+    _hooks.unwatch_sigterm()
 
 
 def reached(call: int) -> bool:
@@ -111,7 +96,7 @@ def reached(call: int) -> bool:
     calls, 1, 2, 3, ... in the same sequence on every process (JAX's protocol
     picks "the fastest process's count + 1")."""
     if not _jax_decides():
-        return _FLAG.received
+        return _hooks.sigterm_received()
     if not jax.config.jax_enable_preemption_service:
         return False
     from jax.experimental import multihost_utils

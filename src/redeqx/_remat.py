@@ -54,6 +54,7 @@ def _check_keep(keep) -> None:
         )
 
 
+@typechecked
 def checkpoint(fn: Callable, *, keep: Keep = "nothing") -> Callable:
     """``fn`` whose intermediate values are recomputed in the backward pass:
     only its array inputs (and, with ``keep="dots"``, its matrix products

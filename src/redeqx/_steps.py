@@ -42,9 +42,11 @@ from ._loss import (
     split_trainable,
 )
 from ._mesh import DATA, check_mesh
+from ._opt_state import Optimizer, as_optimizer, mirror_specs
 from ._remat import ScanResiduals
 from ._shard_mean import check_whole_over_data, gradient_gap, judge, shard_mean
-from ._state import Optimizer, TrainState, as_optimizer, check_specs, check_specs_match, mirror_specs
+from ._spec_checks import check_specs, check_specs_match
+from ._state import TrainState
 from ._trees import is_array_like, leaves_with_specs
 from ._typing import floating_dtype, positive_int, short_repr, typechecked
 from .sharding._specs import sharding_of

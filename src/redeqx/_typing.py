@@ -110,6 +110,7 @@ def typechecked(fn):
                 raise
             raise short from None
 
+    wrapper.__redeqx_typechecked__ = True  # what tests/test_typed_api.py looks for
     return wrapper
 
 

@@ -32,6 +32,7 @@ import numpy as np
 from ._typing import typechecked
 
 HUNG_EXIT_CODE = 124  # what `timeout` returns for a command that ran too long
+"""The exit status (124) of every process when `StepWatchdog` finds a step hung."""
 _EXIT_DELAY = 2.0  # seconds between printing and exiting: the other processes print theirs meanwhile
 
 

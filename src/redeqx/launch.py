@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 
 from ._distributed import ENV
+from ._hooks import StoppedByLauncher, stop_on_launcher_signal
 from ._preemption import PREEMPTED_EXIT_CODE
 
 GRACE_SECONDS = 5.0  # after a failure or a Ctrl-C, before SIGKILL
@@ -93,14 +94,6 @@ def child_env(
     return env
 
 
-class _Stopped(BaseException):
-    """The launcher stops this process because another one failed."""
-
-
-def _stopped(signum, frame):
-    raise _Stopped
-
-
 def _leave(code: int) -> None:
     """Exit now rather than wait in JAX's shutdown barrier for processes that
     are busy or blocked on this one."""
@@ -131,7 +124,7 @@ def _child() -> None:
     from ._distributed import launcher_start
 
     launcher_start()
-    signal.signal(STOP_SIGNAL, _stopped)
+    stop_on_launcher_signal(STOP_SIGNAL)
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     try:
@@ -141,7 +134,7 @@ def _child() -> None:
             if not isinstance(e.code, int):
                 print(e.code, file=sys.stderr)
             _leave(e.code if isinstance(e.code, int) else 1)
-    except _Stopped:  # the launcher already said why
+    except StoppedByLauncher:  # the launcher already said why
         _leave(128 + STOP_SIGNAL)
     _script_ended()
 

@@ -17,9 +17,19 @@ def call(r: Reader, eqn) -> None:
     r.bind(eqn.outvars, *r.run(jaxpr, *r.inputs(args)))
 
 
+def _scan_counts(params) -> tuple[int, int]:
+    """How many of a scan's inputs are constants and how many its carry. JAX up to 0.10 names
+    them (``num_consts``, ``num_carry``); 0.11 packs the inputs into ``ft_in``, a flat tree of
+    (consts, carry, xs)."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
 def scan(r: Reader, eqn) -> None:
     jaxpr = _open(eqn.params["jaxpr"])
-    nc, ncarry = eqn.params["num_consts"], eqn.params["num_carry"]
+    nc, ncarry = _scan_counts(eqn.params)
     views, tags, static = r.inputs(eqn.invars)
     for i in range(nc + ncarry, len(eqn.invars)):  # xs: sliced on axis 0, one layer per iteration
         if views[i] is not None:
