@@ -175,6 +175,7 @@ def _bytes_ratio(n_model):
 
 def _probe(task, tpu=False):
     python, env = libtpu() if tpu else (sys.executable, cpu8_env())
+    env = dict(env, ALLOW_MULTIPLE_LIBTPU_LOAD="1")  # no TPU attached: other compiles may run beside this one
     print(f"  probe {task}", file=sys.stderr, flush=True)
     return run_worker(python, __file__, ["--worker", json.dumps(task)], env)
 
@@ -244,6 +245,7 @@ def main():
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--tpu", action="store_true", help="also plan for TPU v4 with libtpu (benchmarks/.venv-tpu)")
     parser.add_argument("--cached", action="store_true", help="rewrite the section from the cached results")
+    parser.add_argument("--only-tpu", action="store_true", help="run the TPU part only (the CPU part from its cache)")
     parser.add_argument("--seq", type=int, default=2048)
     args = parser.parse_args()
     if args.worker:
@@ -252,8 +254,9 @@ def main():
     CACHE.mkdir(exist_ok=True)
     cpu_file, tpu_file = CACHE / "moe_cpu.json", CACHE / "moe_tpu.json"
     if not args.cached:
-        cpu_file.write_text(json.dumps(cpu_part(), indent=1))
-        if args.tpu:
+        if not args.only_tpu:
+            cpu_file.write_text(json.dumps(cpu_part(), indent=1))
+        if args.tpu or args.only_tpu:
             tpu_file.write_text(json.dumps(tpu_part(args.seq), indent=1))
     load = lambda f: json.loads(f.read_text()) if f.exists() else None  # noqa: E731
     body = _section(load(cpu_file), load(tpu_file))
