@@ -295,6 +295,13 @@ def plan(
       ``scan_residuals``: as in `make_train_step`; ``opt_state_dtype``: the
       optimizer state kept in that dtype (`with_opt_state_dtype`).
 
+    A mixture of experts' grouped matmuls (``jax.lax.ragged_dot``, as
+    `redeqx.models.MoE` computes) count by their rows, as a GPU or TPU runs
+    them. On a CPU, where JAX lowers them as a masked product over every
+    expert, the compiled figure overstates them E-fold: there the FLOPs are
+    counted from the program's ops with each grouped matmul by its rows, and
+    ``note`` says so, with the compiled figure.
+
     When it does not fit and ``explore`` is true, each of fsdp, remat,
     bfloat16 compute, a bfloat16 optimizer state, a smaller micro-batch
     (``accumulate``) and more model shards is compiled too, then all of them
