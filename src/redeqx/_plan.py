@@ -216,7 +216,7 @@ def _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, settings, device_m
         # the program as written, every grouped matmul counted by its rows instead of over every group
         counted = estimated_flops(hlo) - extra
         note = (f"XLA:CPU lowers jax.lax.ragged_dot densely, a masked product over every expert: its compiled "
-                f"figure {flops:.3e} overstates what a GPU or TPU spends. Counted here from the program's ops "
+                f"figure {flops:.3e} overstates what a grouped-matmul kernel spends. Counted here from the program's ops "
                 f"with each grouped matmul by its rows and once ({by_rows:.3e} FLOPs of them; XLA merges the "
                 "backward pass's recompute of the experts' forward with the forward)")
         flops = counted
@@ -296,8 +296,8 @@ def plan(
       optimizer state kept in that dtype (`with_opt_state_dtype`).
 
     A mixture of experts' grouped matmuls (``jax.lax.ragged_dot``, as
-    `redeqx.models.MoE` computes) count by their rows, as a GPU or TPU runs
-    them. On a CPU, where JAX lowers them as a masked product over every
+    `redeqx.models.MoE` computes) count by their rows, as a grouped-matmul
+    kernel (a TPU's) runs them. On a CPU, where JAX lowers them as a masked product over every
     expert, the compiled figure overstates them E-fold: there the FLOPs are
     counted from the program's ops with each grouped matmul by its rows, and
     ``note`` says so, with the compiled figure.

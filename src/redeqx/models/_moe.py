@@ -16,8 +16,12 @@ experts each):
 4. the outputs go back to assignment order and each token's ``k`` outputs are
    summed with its routing weights (`mix_experts` does steps 2-4).
 
-(``ragged_dot`` is XLA's grouped matmul on GPUs and TPUs; on CPUs JAX 0.10
-lowers it as a masked product over every group, E times the FLOPs.)
+(``ragged_dot`` is XLA's grouped matmul on TPUs. On CPUs JAX 0.10 lowers it
+as a masked product over every group, E times the FLOPs; so does XLA on
+NVIDIA GPUs (its RaggedDotRewriter) unless ``XLA_FLAGS`` has
+``--xla_gpu_experimental_use_ragged_dot_fusion=true`` and cuDNN is 9.22 or
+newer, which then runs the forward and input-gradient products as cuDNN
+grouped GEMMs, the weight gradients still expanded.)
 
 ``jax.lax.ragged_dot`` cannot be vmapped over its rows here (its batching
 rule needs every operand batched, the weights too, which would copy each
