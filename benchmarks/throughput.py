@@ -4,6 +4,13 @@ vs a hand-written jax.jit + optax loop, on whatever accelerator is present.
     python -m benchmarks.throughput                       # CPU: a small model, tokens/s only
     python -m benchmarks.throughput --size 1b --seq 2048 --batch 8 --no-hand --json out.json  # on a GPU
     python -m benchmarks.throughput --from-json out.json  # write a GPU run's results to RESULTS.md
+    python -m benchmarks.throughput --size moe1b --seq 2048 --batch 8 --variants stacked+remat --no-hand --json moe.json
+
+Sizes ``moe*`` are Mixtral-style (8 SwiGLU experts, top-2, routed by grouped
+matmuls); each has a dense twin with the same active parameters per token,
+the LLaMA whose intermediate size is 2 x the expert's (``moe1b``'s is ``1b``,
+TinyLlama-1.1B's shapes; ``moe-tiny``'s is ``moe-tiny-dense``). MFU counts
+active parameters: the k experts a token passes through, and the router.
 
 Variants (--variants), alternated in rounds: the zoo LLaMA in bf16 compute
 (fp32 master weights and AdamW) with its layers stacked (":N" sets
@@ -42,7 +49,24 @@ SIZES = {  # LLaMA-style shapes; 1b is TinyLlama-1.1B's
                  num_key_value_heads=2),
     "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                num_attention_heads=32, num_key_value_heads=4),
+    "moe-tiny-dense": dict(vocab_size=512, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2),
 }
+# Mixtral-style: 8 experts of half the dense twin's width, top-2 (1b's active parameters, ~3.4B in all)
+MOE_SIZES = {"moe1b": dict(SIZES["1b"], intermediate_size=2816, num_local_experts=8, num_experts_per_tok=2),
+             "moe-tiny": dict(SIZES["moe-tiny-dense"], intermediate_size=256, num_local_experts=8,
+                              num_experts_per_tok=2)}
+
+
+def make_config(size: str, **kw):
+    """The size's config: a `MixtralConfig` for the MoE sizes, else a `LlamaConfig`."""
+    if size in MOE_SIZES:
+        return models.MixtralConfig(**MOE_SIZES[size], **kw)
+    return models.LlamaConfig(**SIZES[size], **kw)
+
+
+def model_class(config):
+    return models.MixtralForCausalLM if isinstance(config, models.MixtralConfig) else models.LlamaForCausalLM
 PEAK_BF16 = {"H100 80GB HBM3": 989.4e12, "H100 PCIe": 756.5e12, "H200": 989.4e12, "A100": 312e12}
 
 
@@ -51,15 +75,20 @@ def device_peak() -> float | None:
     return next((v for k, v in PEAK_BF16.items() if k in kind), None)
 
 
-def model_flops_per_token(config: models.LlamaConfig, seq: int) -> float:
-    """6 N for the matmuls of forward + backward (N without the embedding
-    lookup, with the LM head), plus attention: 4 matmuls of seq x hidden per
-    token per layer, x3 for backward, halved for the causal mask."""
+def model_flops_per_token(config, seq: int) -> float:
+    """6 N for the matmuls of forward + backward (N the active parameters:
+    without the embedding lookup, with the LM head; of an MoE, the k experts
+    a token goes through and the router), plus attention: 4 matmuls of seq x
+    hidden per token per layer, x3 for backward, halved for the causal mask."""
     c = config
-    d, kv = c.dim_head, c.n_kv_heads * c.dim_head
-    per_layer = c.hidden_size * (c.hidden_size + 2 * kv) + c.hidden_size * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    heads = c.num_attention_heads
+    d = getattr(c, "head_dim", None) or c.hidden_size // heads
+    kv = (c.num_key_value_heads or heads) * d
+    k, experts = getattr(c, "num_experts_per_tok", 1), getattr(c, "num_local_experts", 0)
+    mlp = 3 * c.hidden_size * c.intermediate_size * k + c.hidden_size * experts
+    per_layer = c.hidden_size * (heads * d + 2 * kv) + heads * d * c.hidden_size + mlp
     n = c.num_hidden_layers * per_layer + c.hidden_size * c.vocab_size
-    attention = 12 * c.num_hidden_layers * seq * c.n_heads * d / 2
+    attention = 12 * c.num_hidden_layers * seq * heads * d / 2
     return 6 * n + attention
 
 
@@ -101,8 +130,8 @@ def run(args) -> dict:
     # each variant: "stacked" or "listed", then ":N" (the stack's scan_unroll; default: the family's
     # per-platform choice), then "+remat"
     variants = [parse_variant(v) for v in args.variants.split(",")]
-    configs = {spec: models.LlamaConfig(**SIZES[args.size], max_position_embeddings=max(2048, args.seq),
-                                        scan_layers=layout == "stacked", scan_unroll=unroll)
+    configs = {spec: make_config(args.size, max_position_embeddings=max(2048, args.seq),
+                                 scan_layers=layout == "stacked", scan_unroll=unroll)
                for spec, layout, unroll, _ in variants}  # equal configs are one config (a frozen dataclass)
     config = next(iter(configs.values()))
     batch = {"ids": rng.integers(0, config.vocab_size, (args.batch, args.seq + 1)).astype(np.int32)}
@@ -116,7 +145,7 @@ def run(args) -> dict:
     steps, states, calls, first = {}, {}, {}, True
     for spec, _, _, remat in variants:
         config = configs[spec]
-        make = lambda key, c=config: models.LlamaForCausalLM(c, key=key)  # noqa: E731
+        make = lambda key, c=config: model_class(c)(c, key=key)  # noqa: E731
         fn = redeqx.remat(loss_fn) if remat else loss_fn
         if first:  # what the planner expects of the first step, compiled before anything is placed
             plan = redeqx.plan(make, fn, optimizer, batch, mesh, compute_dtype=jnp.bfloat16, explore=False)
@@ -124,6 +153,7 @@ def run(args) -> dict:
         if config not in states:
             model = redeqx.init_model(make, mesh, key=jax.random.key(0))
             out["parameters"] = int(sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))))
+            out["active_parameters"] = int((model_flops_per_token(config, 0) / 6) + config.hidden_size * config.vocab_size)
             states[config] = redeqx.init_state(model, optimizer, mesh, redeqx.sharding_rules(model, mesh),
                                                key=jax.random.key(1))
             del model
@@ -156,7 +186,7 @@ def run(args) -> dict:
             first = False
     if args.hand:
         spec = variants[0][0]
-        model = models.LlamaForCausalLM(configs[spec], key=jax.random.key(0))
+        model = model_class(configs[spec])(configs[spec], key=jax.random.key(0))
         specs = redeqx.sharding_rules(model, mesh)
         params, static = eqx.partition(redeqx.shard(model, specs, mesh), eqx.is_inexact_array)
         del model
@@ -195,7 +225,9 @@ def run(args) -> dict:
 
 
 def table(out: dict) -> str:
-    lines = [f"LLaMA-style {out['size']} ({out['parameters'] / 1e9:.2f}B parameters), batch {out['batch']} x "
+    family = "Mixtral-style (8 experts, top-2)" if out["size"] in MOE_SIZES else "LLaMA-style"
+    active = f", {out['active_parameters'] / 1e9:.2f}B active" if "active_parameters" in out else ""
+    lines = [f"{family} {out['size']} ({out['parameters'] / 1e9:.2f}B parameters{active}), batch {out['batch']} x "
              f"{out['seq']} tokens, AdamW with fp32 master weights, bf16 compute; {out['device']} ({out['platform']}), "
              f"jax {out['jax']}; medians over alternating rounds.", "",
              "| variant | step | tokens/s | MFU | flash attention | trace + compile | temporaries | first loss "
@@ -214,7 +246,7 @@ def table(out: dict) -> str:
         loss = f"{v['first_loss']:.5f}" if "first_loss" in v else ""
         lines.append(f"| {name} | {v['step_s'] * 1e3:.1f} ms | {v['tokens_per_s']:,.0f} | {mfu} | {flash} | {compile_s} "
                      f"| {temps} | {loss} | {planned} |")
-    lines += ["", "MFU counts the model's FLOPs (6 x parameters x tokens + attention's, causal half) against the "
+    lines += ["", "MFU counts the model's FLOPs (6 x active parameters x tokens + attention's, causal half) against the "
                   "device's dense bf16 peak. (The compiled program's own FLOP count is no guide on a GPU: XLA counts "
                   "nothing inside cuDNN's attention and cuBLAS calls.)"]
     if out.get("device_peak_bytes_in_use"):
@@ -225,7 +257,7 @@ def table(out: dict) -> str:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    parser.add_argument("--size", choices=sorted(SIZES) + sorted(MOE_SIZES), default="tiny")
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=5)

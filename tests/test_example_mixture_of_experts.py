@@ -18,7 +18,8 @@ TINY = ["--train_bytes", "30000", "--eval_bytes", "8000", "--seq_len", "32", "--
 def test_a_tiny_mixtral_learns_and_exports(tmp_path):
     transformers = pytest.importorskip("transformers")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the script sets its own 8 devices
-    out = subprocess.run([sys.executable, str(SCRIPT), *TINY, "--export", str(tmp_path / "hf")], env=env,
+    out = subprocess.run([sys.executable, str(SCRIPT), *TINY, "--export", str(tmp_path / "hf"),
+                          "--plot", str(tmp_path / "load.png")], env=env,
                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     text = out.stdout
@@ -28,5 +29,7 @@ def test_a_tiny_mixtral_learns_and_exports(tmp_path):
     last = float(re.search(r"final held-out loss ([0-9.]+)", text).group(1))
     assert last < first - 1.0, text[-2000:]
     assert re.search(r"step 10: loss [0-9.]+, aux [0-9.]+, z [0-9.]+", text)
+    assert re.search(r"final held-out loss [0-9.]+ \(perplexity [0-9.]+ per byte\)", text)
+    assert (tmp_path / "load.png").read_bytes()[:4] == b"\x89PNG"  # each expert's share over training
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert type(hf).__name__ == "MixtralForCausalLM" and hf.config.num_local_experts == 8

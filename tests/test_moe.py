@@ -3,6 +3,8 @@ grouped matmuls against a dense reference that runs every token through every
 expert, its vmap (the batch routed as one run of tokens, no weight copied per
 sequence), and its auxiliary losses against Transformers' load_balancing_loss_func."""
 
+import re
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -150,3 +152,49 @@ def test_under_a_mesh_each_data_shard_routes_its_own_rows():
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
     assert "shard_map" in text and f"f32[20,{I}] = ragged_dot_general" in text  # 2 sequences x 5 tokens x k=2
     assert f"f32[{E // 2},{I},{H}]" in text  # each device's own experts, inside the shard_map
+
+
+def test_plan_counts_an_moe_by_its_routed_rows():
+    """8 experts top-2 against the dense LLaMA of the same active size (intermediate 2 x the
+    expert's), both planned on one CPU device: the MoE's train step within 1.3x of the dense
+    one's FLOPs once each grouped matmul counts its rows (XLA:CPU's own figure, a masked product
+    over every expert, is several times that, and the plan says so)."""
+    import optax
+
+    import redeqx
+    from redeqx.models import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+
+    common = dict(vocab_size=64, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4)
+
+    def loss_fn(model, batch, key):
+        logits = jax.vmap(model)(batch["ids"][:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:]).mean()
+
+    def planned(make):
+        return redeqx.plan(make, loss_fn, optax.sgd(0.1), {"ids": jax.ShapeDtypeStruct((4, 33), jnp.int32)},
+                           redeqx.make_mesh(1, devices=jax.devices()[:1]), explore=False)
+
+    moe = planned(lambda key: MixtralForCausalLM(MixtralConfig(
+        intermediate_size=256, num_local_experts=8, num_experts_per_tok=2, **common), key=key))
+    dense = planned(lambda key: LlamaForCausalLM(LlamaConfig(intermediate_size=512, **common), key=key))
+    assert dense.note is None and "XLA:CPU lowers jax.lax.ragged_dot densely" in moe.note
+    assert "by its rows" in str(moe)
+    compiled = float(re.search(r"compiled figure ([0-9.e+]+)", moe.note).group(1))
+    assert compiled > 3 * dense.flops
+    assert dense.flops <= moe.flops <= 1.3 * dense.flops, (moe.flops / dense.flops)
+
+
+def test_grouped_matmuls_are_counted_by_rows():
+    """The counter behind the plan: forward, input and weight gradients of a grouped matmul, each
+    2 x rows x in x out, whatever the number of groups."""
+    from redeqx._grouped_flops import overcount
+
+    m, k, n, g = 64, 32, 16, 8
+
+    def f(x, w, s):
+        return jnp.sum(jax.lax.ragged_dot(x, w, s) ** 2)
+
+    args = (jnp.ones((m, k)), jnp.ones((g, k, n)), jnp.full((g,), 8, jnp.int32))
+    by_rows, extra = overcount(jax.jit(jax.value_and_grad(f, argnums=(0, 1))).trace(*args).jaxpr)
+    assert by_rows == 3 * 2 * m * k * n
+    assert extra >= (g - 1) * by_rows

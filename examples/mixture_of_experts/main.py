@@ -6,6 +6,8 @@ the model shards; the load-balancing loss keeps the routers using every expert.
     python examples/mixture_of_experts/main.py --family qwen3_moe      # Qwen3-MoE: q/k norms, 16 experts, top-4
     python examples/mixture_of_experts/main.py --aux_loss_coef 0       # no balancing: watch the load drift
     python examples/mixture_of_experts/main.py --export runs/moe/hf    # Transformers loads runs/moe/hf
+    python examples/mixture_of_experts/main.py --family llama          # the dense LLaMA of the same active size
+    python examples/mixture_of_experts/main.py --plot load.png         # each expert's share of tokens over training
 
 Each MoE layer routes a token to its 2 best of 8 experts (4 of 16 for
 Qwen3-MoE), dropless, by grouped matmuls; with ``--n_model_shards 4`` each
@@ -50,9 +52,13 @@ def collate_fn(examples):
     return {"input_ids": np.stack(examples)}  # (B, T + 1)
 
 
-def make_loss_fn(aux_loss_coef, z_loss_coef):
+def make_loss_fn(aux_loss_coef, z_loss_coef, dense=False):
     def loss_fn(model, batch, key):
         ids = batch["input_ids"]
+        if dense:  # the dense baseline: no routers, no auxiliary losses
+            logits = jax.vmap(model)(ids[:, :-1])
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), ids[:, 1:]).mean()
+            return ce, {"ce": ce, "aux_loss": jnp.zeros(()), "z_loss": jnp.zeros(())}
         logits, stats = jax.vmap(model.with_aux)(ids[:, :-1])  # and the routers' statistics, summed over layers
         ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), ids[:, 1:]).mean()
         balance, z = stats.load_balancing_loss(), stats.z_loss()
@@ -66,6 +72,25 @@ def expert_load(model, blocks):
     _, stats = jax.jit(jax.vmap(model.with_aux))(jnp.asarray(blocks[:, :-1]))
     counts = np.asarray(stats.tokens_per_expert).sum(0)
     return counts / counts.sum()
+
+
+def plot_load(history, path):
+    """Each expert's share of the held-out assignments (all layers) against the training step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps, shares = zip(*history)
+    shares = np.stack(shares)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for e in range(shares.shape[1]):
+        ax.plot(steps, 100 * shares[:, e], label=f"expert {e}")
+    ax.axhline(100 / shares.shape[1], color="gray", ls=":", label="balanced")
+    ax.set(xlabel="training step", ylabel="share of assignments (%)", title="expert load, held-out text")
+    ax.legend(fontsize=6, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def pred_fn(model, batch, key, *, max_new_tokens):
@@ -87,7 +112,7 @@ def log(*args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", choices=["mixtral", "qwen3_moe"], default="mixtral")
+    parser.add_argument("--family", choices=["mixtral", "qwen3_moe", "llama"], default="mixtral")
     parser.add_argument("--n_model_shards", type=int, default=4)
     parser.add_argument("--per_device_batch_size", type=int, default=8)
     parser.add_argument("--n_epochs", type=int, default=2)
@@ -103,6 +128,7 @@ def main():
     parser.add_argument("--log_every", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--export", help="write the trained model here for Transformers")
+    parser.add_argument("--plot", help="write a PNG of each expert's share of tokens over training here")
     args = parser.parse_args()
 
     model_key, state_key, data_key = jax.random.split(jax.random.key(args.seed), 3)
@@ -115,6 +141,10 @@ def main():
         model = models.MixtralForCausalLM(models.MixtralConfig(
             hidden_size=h, intermediate_size=2 * h, num_local_experts=8, num_experts_per_tok=2, **common),
             key=model_key)
+    elif args.family == "llama":  # dense: one MLP of width 4h, the active size of Mixtral's top-2 of width 2h
+        model = models.LlamaForCausalLM(models.LlamaConfig(
+            hidden_size=h, intermediate_size=4 * h, **{k: v for k, v in common.items() if "router" not in k}),
+            key=model_key)
     else:  # 16 finer experts of width h, top-4, renormalised
         model = models.Qwen3MoeForCausalLM(models.Qwen3MoeConfig(
             hidden_size=h, intermediate_size=4 * h, moe_intermediate_size=h, head_dim=h // 4, num_experts=16,
@@ -124,7 +154,8 @@ def main():
     log(f"{len(jax.devices())} devices, mesh {dict(mesh.shape)}; {len(train)} train / {len(test)} held-out blocks")
     log("\n".join(r for r in table if "experts." in r or r.startswith("path")) + "\n" + table[-1])
 
-    loss_fn = make_loss_fn(args.aux_loss_coef, args.z_loss_coef)
+    dense = args.family == "llama"
+    loss_fn = make_loss_fn(args.aux_loss_coef, args.z_loss_coef, dense)
     schedule = redeqx.lr_schedule(len(train), args.per_device_batch_size, args.n_epochs, args.learning_rate, mesh,
                                   schedule_type="cosine", warmup_ratio=0.05)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1))
@@ -136,9 +167,14 @@ def main():
         m = redeqx.evaluate(eval_step, state.model, test, collate_fn, args.per_device_batch_size, mesh, key=data_key)
         return m["ce"], m["aux_loss"]
 
+    def load():  # each expert's share of the held-out assignments (none for the dense model)
+        return None if dense else expert_load(state.model, test[:32])
+
     ce, aux = held_out()
     log(f"step 0: held-out loss {ce:.4f}, load-balancing loss {aux:.3f}")
-    log(f"expert load, layer-summed: {np.round(expert_load(state.model, test[:32]), 3)}")
+    history = [] if dense else [(0, load())]
+    if not dense:
+        log(f"expert load, layer-summed: {np.round(history[0][1], 3)}")
     for epoch in range(args.n_epochs):
         for batch in redeqx.batches(train, collate_fn, args.per_device_batch_size, mesh, shuffle=True,
                                     key=jax.random.fold_in(data_key, epoch)):
@@ -146,9 +182,16 @@ def main():
             if int(state.step) % args.log_every == 0:
                 log(f"step {int(state.step)}: loss {float(metrics['ce']):.4f}, "
                     f"aux {float(metrics['aux_loss']):.3f}, z {float(metrics['z_loss']):.3f}")
+                if args.plot and not dense:
+                    history.append((int(state.step), load()))
         ce, aux = held_out()
         log(f"epoch {epoch}: step {int(state.step)}, held-out loss {ce:.4f}, load-balancing loss {aux:.3f}")
-    log(f"expert load, layer-summed: {np.round(expert_load(state.model, test[:32]), 3)}")
+    if not dense:
+        history.append((int(state.step), load()))
+        log(f"expert load, layer-summed: {np.round(history[-1][1], 3)}")
+    if args.plot and not dense:
+        plot_load(history, args.plot)
+        log(f"expert load over training plotted to {args.plot}")
 
     predict_step = redeqx.make_predict_step(lambda m, b, k: pred_fn(m, b, k, max_new_tokens=args.sample_tokens),
                                             mesh, specs)
@@ -159,7 +202,7 @@ def main():
     if args.export:
         models.save_pretrained(state.model, args.export)
         log(f"exported to {args.export} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
-    log(f"final held-out loss {ce:.4f}, load-balancing loss {aux:.3f}")
+    log(f"final held-out loss {ce:.4f} (perplexity {np.exp(ce):.2f} per byte), load-balancing loss {aux:.3f}")
     return ce
 
 

@@ -212,11 +212,18 @@ class CompiledStep:
         """``jax.jit(...).lower`` for these arguments, which may be abstract
         (``jax.ShapeDtypeStruct`` leaves, e.g. from ``eqx.filter_eval_shape``):
         nothing is allocated or run."""
+        traced = self.trace(tree, *args)
+        with jax.set_mesh(self.mesh):
+            return traced.lower()
+
+    def trace(self, tree, *args):
+        """``jax.jit(...).trace`` for these arguments (as `lower`): its
+        ``.jaxpr`` is the step's program before lowering, its ``.lower()`` `lower`'s."""
         jitted, arrays, _, shardings, *_ = self._lookup(tree, abstract=True)
         arrays = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) if isinstance(x, jax.ShapeDtypeStruct) else x
                   for x, s in zip(arrays, shardings)]
         with jax.set_mesh(self.mesh):
-            return jitted.lower(arrays, self._args(args))
+            return jitted.trace(arrays, self._args(args))
 
 
 def _note_changed_batch(error: Exception, before: dict[str, tuple] | None, now: dict[str, tuple] | None) -> None:
@@ -271,6 +278,10 @@ class StepFunction:
         """``jax.jit(...).lower`` of this step for these arguments; leaves may
         be ``jax.ShapeDtypeStruct``\\ s (nothing is allocated)."""
         return self._compiled.lower(*args)
+
+    def trace(self, *args):
+        """``jax.jit(...).trace`` of this step for these arguments (as `lower`)."""
+        return self._compiled.trace(*args)
 
 
 # ----------------------------------------------------------------------------- batches

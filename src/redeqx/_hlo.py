@@ -169,11 +169,9 @@ def _flops(ins: Instruction, shapes: dict[str, str]) -> float:
     return 0.0
 
 
-def loop_factor(hlo_text: str) -> float:
-    """How many times more FLOPs one run of the program does than XLA's own
-    cost analysis counts, which counts a while loop's body once: the ratio of
-    an estimate with each body counted once per iteration to the same
-    estimate with each counted once (1.0 for a program without loops)."""
+def _loop_counts(hlo_text: str) -> tuple[float, float]:
+    """`_flops` summed over the program with each loop body counted once per
+    iteration, and with each counted once (as XLA's cost analysis does)."""
     computations, params, entry = parse_module(hlo_text)
     own = {}
     for name, instructions in computations.items():
@@ -181,8 +179,24 @@ def loop_factor(hlo_text: str) -> float:
         shapes.update({ins.name: ins.shape for ins in instructions})
         own[name] = sum(_flops(ins, shapes) for ins in instructions)
     with_loops, once = executions(computations, entry), executions(computations, entry, loops=False)
-    counted = sum(own[c] * n for c, n in once.items())
-    return 1.0 if counted == 0 else sum(own[c] * n for c, n in with_loops.items()) / counted
+    return sum(own[c] * n for c, n in with_loops.items()), sum(own[c] * n for c, n in once.items())
+
+
+def loop_factor(hlo_text: str) -> float:
+    """How many times more FLOPs one run of the program does than XLA's own
+    cost analysis counts, which counts a while loop's body once: the ratio of
+    an estimate with each body counted once per iteration to the same
+    estimate with each counted once (1.0 for a program without loops)."""
+    with_loops, counted = _loop_counts(hlo_text)
+    return 1.0 if counted == 0 else with_loops / counted
+
+
+def estimated_flops(hlo_text: str) -> float:
+    """One run's FLOPs as `_flops` estimates them (dots and convolutions 2 per
+    multiply-add, elementwise ops and reductions 1 per element), each loop body
+    counted once per iteration; read from a program before the compiler's
+    passes, it counts every op as written (no common subexpression merged)."""
+    return _loop_counts(hlo_text)[0]
 
 
 def collectives(hlo_text: str) -> list[Collective]:

@@ -26,7 +26,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ._hlo import collective_summary, loop_factor
+from ._grouped_flops import overcount
+from ._hlo import collective_summary, estimated_flops, loop_factor
 from ._mesh import DATA, MODEL, check_mesh, make_mesh
 from ._optimizers import with_opt_state_dtype
 from ._remat import ScanResiduals, remat as remat_loss
@@ -78,6 +79,7 @@ class Plan:
     device_memory: int | None = None
     tried: tuple = ()
     refused: str | None = None  # the compiler's own out-of-memory error, when it would not build the step
+    note: str | None = None  # how the FLOPs were counted, where that differs from the compiler's own figure
 
     @property
     def fits(self) -> bool | None:
@@ -119,6 +121,8 @@ class Plan:
         comm = ", ".join(f"{k} {v['count']} x = {human_bytes(v['bytes'])}" for k, v in self.collectives.items()) or "none"
         lines.append(f"collectives per step: {comm}")
         lines.append(f"FLOPs per step per device: {self.flops:.3e}")
+        if self.note:
+            lines.append(f"  ({self.note})")
         if self.tried:
             lines.append("tried:")
             for label, other in self.tried:
@@ -185,7 +189,9 @@ def _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, settings, device_m
         gradients=trainable_params,
         device_memory=device_memory,
     )
-    lowered = step.lower(state, batch)
+    traced = step.trace(state, batch)
+    with jax.set_mesh(mesh):
+        lowered = traced.lower()
     try:
         compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as e:
@@ -203,9 +209,19 @@ def _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, settings, device_m
             + stats.temp_size_in_bytes)
     # the loops as the program was written (before a backend rewrites them: libtpu turns a dot into a
     # convolution whose window stands for a batch dim), counted once per iteration
-    factor = loop_factor(lowered.as_text(dialect="hlo"))
+    hlo = lowered.as_text(dialect="hlo")
+    flops, note = _flops(compiled) * loop_factor(hlo), None
+    by_rows, extra = overcount(traced.jaxpr)
+    if extra and mesh.devices.flat[0].platform == "cpu":
+        # the program as written, every grouped matmul counted by its rows instead of over every group
+        counted = estimated_flops(hlo) - extra
+        note = (f"XLA:CPU lowers jax.lax.ragged_dot densely, a masked product over every expert: its compiled "
+                f"figure {flops:.3e} overstates what a grouped-matmul kernel spends. Counted here from the program's ops "
+                f"with each grouped matmul by its rows and once ({by_rows:.3e} FLOPs of them; XLA merges the "
+                "backward pass's recompute of the experts' forward with the forward)")
+        flops = counted
     return Plan(**common, temporaries=stats.temp_size_in_bytes, peak=peak,
-                collectives=collective_summary(compiled.as_text()), flops=_flops(compiled) * factor)
+                collectives=collective_summary(compiled.as_text()), flops=flops, note=note)
 
 
 _REFUSED = re.compile(r"required for HLO temporaries \(([0-9.]+)([KMGT]?)\)")
@@ -278,6 +294,13 @@ def plan(
       through `redeqx.remat`; ``accumulate``, ``compute_dtype``, ``trainable``,
       ``scan_residuals``: as in `make_train_step`; ``opt_state_dtype``: the
       optimizer state kept in that dtype (`with_opt_state_dtype`).
+
+    A mixture of experts' grouped matmuls (``jax.lax.ragged_dot``, as
+    `redeqx.models.MoE` computes) count by their rows, as a grouped-matmul
+    kernel (a TPU's) runs them. On a CPU, where JAX lowers them as a masked product over every
+    expert, the compiled figure overstates them E-fold: there the FLOPs are
+    counted from the program's ops with each grouped matmul by its rows, and
+    ``note`` says so, with the compiled figure.
 
     When it does not fit and ``explore`` is true, each of fsdp, remat,
     bfloat16 compute, a bfloat16 optimizer state, a smaller micro-batch

@@ -16,8 +16,12 @@ experts each):
 4. the outputs go back to assignment order and each token's ``k`` outputs are
    summed with its routing weights (`mix_experts` does steps 2-4).
 
-(``ragged_dot`` is XLA's grouped matmul on GPUs and TPUs; on CPUs JAX 0.10
-lowers it as a masked product over every group, E times the FLOPs.)
+(``ragged_dot`` is XLA's grouped matmul on TPUs. On CPUs JAX 0.10 lowers it
+as a masked product over every group, E times the FLOPs; so does XLA on
+NVIDIA GPUs (its RaggedDotRewriter) unless ``XLA_FLAGS`` has
+``--xla_gpu_experimental_use_ragged_dot_fusion=true`` and cuDNN is 9.22 or
+newer, which then runs the forward and input-gradient products as cuDNN
+grouped GEMMs, the weight gradients still expanded.)
 
 ``jax.lax.ragged_dot`` cannot be vmapped over its rows here (its batching
 rule needs every operand batched, the weights too, which would copy each
@@ -61,6 +65,10 @@ from .._typing import positive_int, typechecked
 from ._layers import ACTIVATIONS, INIT_STD, Linear
 
 # ----------------------------------------------------------------------------- the grouped expert computation
+
+# The name scope of the backward pass's recompute of the experts' forward (which XLA merges with the
+# forward's identical products unless the step is rematerialised).
+RECOMPUTE = "moe_backward_recompute"
 
 # ragged_dot's dimension numbers for rows (N, in) against weights (E, out, in): contract `in`
 # with the weights' last dim, the rows' dim 0 ragged over the weights' groups (dim 0).
@@ -195,8 +203,9 @@ def _functions(activation: str, shards: int):
 
     @jax.custom_batching.custom_vmap
     def backward(x, idx, w, ct, gate_w, up_w, down_w):
-        _, vjp = jax.vjp(lambda x, w, g, u, d: _flat(activation, shards, x, idx, w, g, u, d),
-                         x, w, gate_w, up_w, down_w)
+        with jax.named_scope(RECOMPUTE):  # the FLOP count (redeqx._grouped_flops) knows these by it
+            _, vjp = jax.vjp(lambda x, w, g, u, d: _flat(activation, shards, x, idx, w, g, u, d),
+                             x, w, gate_w, up_w, down_w)
         return vjp(ct)  # (dx, dw, dgate, dup, ddown): dx, dw per token, the stacks' summed over tokens
 
     backward.def_vmap(_batched_rule(activation, shards, _BACKWARD))
