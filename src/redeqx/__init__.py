@@ -11,6 +11,7 @@ from ._checkpoint import (
 from ._constrain import constrain as constrain
 from ._data import batches as batches, evaluate as evaluate, predict as predict, shuffled as shuffled
 from ._distributed import initialize as initialize, preflight as preflight
+from ._grain import GrainBatches as GrainBatches, grain_batches as grain_batches
 from ._hlo import collective_summary as collective_summary
 from ._logging import Logger as Logger
 from ._manager import CheckpointManager as CheckpointManager
