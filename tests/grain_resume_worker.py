@@ -3,7 +3,7 @@ own share of the examples through a shuffled, repeated Grain pipeline
 (``mp_prefetch`` worker processes when WORKERS > 0), `grain_batches` makes
 global batches of it, and `CheckpointManager` saves the pipeline's position
 with the train state every EVERY steps; at step KILL_AT every process
-SIGKILLs itself, and a run started again resumes from the latest checkpoint.
+SIGKILLs its process group (itself and its Grain workers), and a run started again resumes from the latest checkpoint.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/grain_resume_worker.py WORKDIR KILL_AT WORKERS
     python -m redeqx.launch -n 2 tests/grain_resume_worker.py WORKDIR KILL_AT WORKERS
@@ -70,8 +70,8 @@ def main(workdir, kill_at, workers):
         step = int(state.step)
         say(f"step {step} {digest(batch)}")
         manager.save(state, data_iterator=batches)
-        if step == int(kill_at):
-            os.kill(os.getpid(), signal.SIGKILL)
+        if step == int(kill_at):  # as a scheduler kills a job: its Grain workers too (they outlive a lone kill)
+            os.killpg(os.getpgrp(), signal.SIGKILL)
         if step == N_STEPS:
             break
     batches.close()

@@ -27,7 +27,8 @@ def run(workdir, n_processes, workers, kill_at=0):
     """Runs the worker; returns ({step: batch hash}, its stdout lines, stderr, exit status)."""
     cmd = [str(WORKER), str(workdir), str(kill_at), str(workers)]
     cmd = [sys.executable, "-m", "redeqx.launch", "-n", "2", *cmd] if n_processes == 2 else [sys.executable, *cmd]
-    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
+    # a session of its own: the worker kills its process group (with its Grain workers), never pytest's
+    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=TIMEOUT, start_new_session=True)
     lines = [m.group(1) for line in proc.stdout.splitlines()
              if (m := re.search(r"(step \d+ [0-9a-f]{16}|resumed at step \d+, batch \d+)$", line.strip()))]
     seen = {int(w[1]): w[2] for w in (line.split() for line in lines if line.startswith("step"))}
@@ -46,13 +47,16 @@ def test_killed_and_resumed_run_sees_the_same_batches_and_ends_bit_identical(tmp
     want, _, err, rc = run(tmp_path / "reference", n_processes, workers)
     assert rc == 0 and sorted(want) == list(range(1, N_STEPS + 1)), err[-3000:]
 
-    kill_at = random.randrange(4, N_STEPS)
+    # the save of step 6 waits for step 3's (async) to be on disk: at 7..9 step 3 at least is there, and
+    # step 6 may still be in flight (then the run resumes at 3)
+    kill_at = random.randrange(7, N_STEPS)
     killed, _, err, rc = run(tmp_path / "run", n_processes, workers, kill_at)
     assert rc != 0 and max(killed) == kill_at, (rc, killed, err[-3000:])
     resumed, lines, err, rc = run(tmp_path / "run", n_processes, workers)
     assert rc == 0, err[-3000:]
-    start = int(re.match(r"resumed at step (\d+), batch (\d+)", lines[0]).group(1))
-    assert 0 < start <= kill_at and lines[0].endswith(f"batch {start}"), (kill_at, lines)
+    found = re.match(r"resumed at step (\d+), batch (\d+)$", lines[0])
+    assert found and found.group(1) == found.group(2) and int(found.group(1)) in (3, 6), (kill_at, lines, err[-3000:])
+    start = int(found.group(1))
     print(f"{case}: killed at step {kill_at}, resumed at step {start}")
     assert sorted(resumed) == list(range(start + 1, N_STEPS + 1))
     assert {s: killed[s] for s in killed} == {s: want[s] for s in killed}
