@@ -193,8 +193,10 @@ def initialize(
     Settings come from the arguments, else from the environment variables
     ``REDEQX_HOST0_ADDRESS``, ``REDEQX_HOST0_PORT``, ``REDEQX_N_PROCESSES``,
     ``REDEQX_PROCESS_ID``, ``REDEQX_LOCAL_DEVICE_IDS``, ``REDEQX_INIT_TIMEOUT``
-    and ``REDEQX_HEARTBEAT_TIMEOUT``, else from the cluster `jax.distributed`
-    detects (SLURM, Open MPI, Kubernetes, Cloud TPU). With none of these, or
+    and ``REDEQX_HEARTBEAT_TIMEOUT``, else from a SLURM job step (``srun``)
+    or a Kubernetes indexed Job / JobSet pod (read by redeqx), else from the
+    cluster `jax.distributed` detects (Cloud TPU, Open MPI, Kubernetes through
+    its API); docs/guides/clusters.md has a recipe for each. With none of these, or
     with ``n_processes=1``, it does nothing: the script runs on this host's
     devices alone (then a call after JAX started is harmless too; with
     settings or a cluster it is an error, since JAX can no longer join).
