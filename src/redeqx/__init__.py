@@ -12,6 +12,7 @@ from ._build import init_model as init_model
 from ._constrain import constrain as constrain
 from ._data import batches as batches, shuffled as shuffled
 from ._distributed import initialize as initialize, preflight as preflight
+from ._grain import GrainBatches as GrainBatches, grain_batches as grain_batches
 from ._hlo import collective_summary as collective_summary
 from ._inference import evaluate as evaluate, predict as predict
 from ._logging import Logger as Logger

@@ -2,8 +2,9 @@
 (`jax.distributed`) and a preflight check that every process agrees.
 
 Configuration comes from, in order: the arguments of `initialize`, these
-environment variables, then whatever cluster `jax.distributed` detects by
-itself (SLURM, Open MPI, Kubernetes, Cloud TPU):
+environment variables, a scheduler's variables (SLURM, a Kubernetes indexed
+Job or JobSet: `_clusters`), then whatever cluster `jax.distributed` detects
+by itself (Cloud TPU, Open MPI, Kubernetes through its API):
 
     REDEQX_HOST0_ADDRESS      address of process 0 ("10.0.0.1" or "10.0.0.1:1234")
     REDEQX_HOST0_PORT         port process 0 listens on (default 12321)
@@ -32,6 +33,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from . import _hooks
+from ._clusters import scheduler_settings
 from ._typing import typechecked
 
 DEFAULT_PORT = 12321
@@ -115,11 +117,16 @@ def _split_address(address: str) -> tuple[str, int | None]:
 
 
 def _resolve(host0_address, host0_port, n_processes, process_id, local_device_ids, timeout, heartbeat_timeout) -> _Config:
+    """The settings `initialize` starts with: each from its argument, else its
+    ``REDEQX_*`` variable, else the scheduler's variables (`_clusters`)."""
+    _, scheduler = scheduler_settings(os.environ)
     if host0_address is None:
-        host0_address = os.environ.get(ENV["host0_address"], "").strip() or None
+        host0_address = os.environ.get(ENV["host0_address"], "").strip() or scheduler.get("host0_address")
     if host0_address is not None and (not isinstance(host0_address, str) or not host0_address.strip()):
         raise TypeError(f"host0_address must be a host name or IP address string, got {host0_address!r}.")
     port = _int_setting("host0_port", host0_port, minimum=1)
+    if port is None and host0_address == scheduler.get("host0_address"):
+        port = scheduler.get("host0_port")
     if host0_address is not None:
         host0_address, address_port = _split_address(host0_address.strip())
         if address_port is not None and port is not None and address_port != port:
@@ -130,7 +137,9 @@ def _resolve(host0_address, host0_port, n_processes, process_id, local_device_id
     if port is not None and port > 65535:
         raise ValueError(f"host0_port must be a TCP port 1..65535, got {port}.")
     n_processes = _int_setting("n_processes", n_processes, minimum=1)
+    n_processes = scheduler.get("n_processes") if n_processes is None else n_processes
     process_id = _int_setting("process_id", process_id, minimum=0)
+    process_id = scheduler.get("process_id") if process_id is None else process_id
     if n_processes is not None and process_id is not None and process_id >= n_processes:
         raise ValueError(
             f"process_id={process_id} is not below n_processes={n_processes}: number the processes "
@@ -150,6 +159,8 @@ def _resolve(host0_address, host0_port, n_processes, process_id, local_device_id
         ):
             raise TypeError(f"local_device_ids must be an int or a list of ints >= 0, got {local_device_ids!r}.")
         local_device_ids = tuple(int(i) for i in local_device_ids)
+    elif host0_address is not None and host0_address == scheduler.get("host0_address"):
+        local_device_ids = scheduler.get("local_device_ids")
     timeout = _int_setting("timeout", timeout, minimum=1)
     heartbeat_timeout = _int_setting("heartbeat_timeout", heartbeat_timeout, minimum=1)
     return _Config(
@@ -184,8 +195,10 @@ def initialize(
     Settings come from the arguments, else from the environment variables
     ``REDEQX_HOST0_ADDRESS``, ``REDEQX_HOST0_PORT``, ``REDEQX_N_PROCESSES``,
     ``REDEQX_PROCESS_ID``, ``REDEQX_LOCAL_DEVICE_IDS``, ``REDEQX_INIT_TIMEOUT``
-    and ``REDEQX_HEARTBEAT_TIMEOUT``, else from the cluster `jax.distributed`
-    detects (SLURM, Open MPI, Kubernetes, Cloud TPU). With none of these, or
+    and ``REDEQX_HEARTBEAT_TIMEOUT``, else from a SLURM job step (``srun``)
+    or a Kubernetes indexed Job / JobSet pod (read by redeqx), else from the
+    cluster `jax.distributed` detects (Cloud TPU, Open MPI, Kubernetes through
+    its API); docs/guides/clusters.md has a recipe for each. With none of these, or
     with ``n_processes=1``, it does nothing: the script runs on this host's
     devices alone (then a call after JAX started is harmless too; with
     settings or a cluster it is an error, since JAX can no longer join).
@@ -255,12 +268,15 @@ def _start(config: _Config, *, by: str, explicit=()) -> None:
             raise RuntimeError(_BACKEND_STARTED)
         _roll_call(config)
     _use_cpu_collectives()
+    complete = address is not None and config.n_processes is not None and config.process_id is not None
     try:
         jax.distributed.initialize(
             coordinator_address=address,
             num_processes=config.n_processes,
             process_id=config.process_id,
             local_device_ids=None if config.local_device_ids is None else list(config.local_device_ids),
+            # everything known: JAX's own detection would only narrow the devices (one a process under SLURM)
+            cluster_detection_method="deactivate" if complete else None,
             initialization_timeout=config.timeout,
             heartbeat_timeout_seconds=config.heartbeat_timeout,
         )

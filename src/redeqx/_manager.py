@@ -30,6 +30,7 @@ from jaxtyping import PyTree
 from . import _hooks, _preemption
 from ._checkpoint import (
     HASH,
+    _all_processes,
     TMP_MARKER,
     CheckpointError,
     NewerFormatError,
@@ -46,6 +47,7 @@ from ._checkpoint import (
     write,
     write_failed,
 )
+from ._grain import checkpointable, state_from_json, state_to_json
 from ._json import as_number, dumps
 from ._mesh import DATA
 from ._spec_checks import refuse_deleted
@@ -161,6 +163,27 @@ def _warn_moved_position(meta: dict, mesh: Mesh, path: Path, per_device_batch_si
             "and this is checked exactly, quiet when the global batch is the same.)",
             stacklevel=3,
         )
+
+
+DATA_ITERATOR = "data_iterator"  # the metadata entry: one saved position per process, in process order
+
+
+def _restore_position(data_iterator, meta: dict, path: Path) -> None:
+    """Sets ``data_iterator`` to this process's position saved in ``meta``."""
+    saved = meta.get(DATA_ITERATOR)
+    if saved is None:
+        raise ValueError(
+            f"restore(..., data_iterator=...): {path.name} holds no data iterator position (it was saved without "
+            "save(..., data_iterator=...)). Restore without data_iterator= and start the data where you choose."
+        )
+    if len(saved) != jax.process_count():
+        raise ValueError(
+            f"restore(..., data_iterator=...): {path.name} holds the data positions of {len(saved)} processes, and "
+            f"this run has {jax.process_count()}: each process's Grain pipeline read its own share of the data, so "
+            f"the positions do not carry over. Resume on {len(saved)} processes, or restore without data_iterator= "
+            "and start the data again."
+        )
+    data_iterator.set_state(state_from_json(saved[jax.process_index()]))
 
 
 def _shown(steps: Sequence[int]) -> str:
@@ -405,6 +428,7 @@ class CheckpointManager:
         step: int | None = None,
         force: bool = False,
         per_device_batch_size: int | None = None,
+        data_iterator=None,
     ) -> bool:
         """Save ``state`` if due (see the class docstring); returns whether it
         wrote (or, for a step already saved, recorded) a checkpoint.
@@ -414,6 +438,10 @@ class CheckpointManager:
         JSON-able. ``step`` defaults to ``state.step`` (give it for a bare model).
         ``per_device_batch_size`` (the one `batches` used) lets `restore`
         check a mid-epoch ``batch`` exactly on another mesh.
+        ``data_iterator`` (a `grain_batches` iterator, or any iterator with
+        ``get_state()``, a Grain one included) has its position saved in the
+        checkpoint, every process's own, for ``restore(...,
+        data_iterator=)``.
 
         At a preemption (SIGTERM) it saves whatever ``every`` says, waits for
         the write, and raises `Preempted` (exit status 143). A state holding
@@ -434,6 +462,8 @@ class CheckpointManager:
         batch = positive_int(batch, "batch", minimum=0)
         metrics = dict(metrics or {})
         force = _check_flag("force", force)
+        if data_iterator is not None:
+            checkpointable(data_iterator)
         if self._calls == 0:
             self._watching = _preemption.watch()
         self._calls += 1
@@ -451,6 +481,8 @@ class CheckpointManager:
             meta["per_device_batch_size"] = positive_int(per_device_batch_size, "per_device_batch_size")
         if (n_data := _data_shards_of(state)) is not None:
             meta["data_shards"] = n_data
+        if data_iterator is not None:  # each process's position, from every process (a collective: all save here)
+            meta[DATA_ITERATOR] = [p[0] for p in _all_processes([state_to_json(data_iterator.get_state())])]
         encoded = encode(state, meta, self.dtype)
         if encoded.non_finite and not self.allow_nonfinite:
             shown = ", ".join(encoded.non_finite[:5]) + (" ..." if len(encoded.non_finite) > 5 else "")
@@ -611,7 +643,7 @@ class CheckpointManager:
     # -- reading
 
     def restore(self, like: PyTree, mesh: Mesh, specs: PyTree = None, *, best: str | None = None,
-                per_device_batch_size: int | None = None):
+                per_device_batch_size: int | None = None, data_iterator=None):
         """``(state, metadata)`` from the latest complete checkpoint (or the
         best by metric ``best``), or None if there is none yet. A checkpoint
         that cannot be read is skipped with a warning naming it and the next
@@ -619,8 +651,12 @@ class CheckpointManager:
         in `restore_checkpoint` (a model as ``like`` restores parameters only).
         After it, the manager's saves continue this run (see ``overwrite``).
         ``per_device_batch_size`` (this run's) checks a mid-epoch position
-        against the one saved with it (see `save`).
+        against the one saved with it (see `save`). ``data_iterator`` (the
+        one given to `save`, made again) is set to this process's saved
+        position, so its next batch is the one after the checkpoint's.
         """
+        if data_iterator is not None:
+            checkpointable(data_iterator)
         if per_device_batch_size is not None:
             per_device_batch_size = positive_int(per_device_batch_size, "per_device_batch_size")
         if self._checkpointer is not None:
@@ -640,6 +676,8 @@ class CheckpointManager:
                 state = restore_checkpoint(path, like, mesh, specs)
                 meta = read_metadata(path)
                 _warn_moved_position(meta, mesh, path, per_device_batch_size)
+                if data_iterator is not None:
+                    _restore_position(data_iterator, meta, path)
                 return state, meta
             except NewerFormatError:
                 raise
