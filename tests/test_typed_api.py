@@ -15,6 +15,7 @@ NOT_CONSTRUCTED = {
     "CheckpointError": "an exception redeqx raises",
     "Preempted": "an exception redeqx raises",
     "Plan": "the record `plan` returns",
+    "GrainBatches": "the iterator `grain_batches` returns (its arguments are checked there)",
     "TrainState": "made by init_state; its fields also hold abstract arrays (plan), which jaxtyping shapes refuse",
 }
 
