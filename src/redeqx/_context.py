@@ -1,0 +1,314 @@
+"""Sequences split over the mesh's ``context`` axis: the token order that
+balances causal work, the positions of the tokens a device holds, and exact
+attention across the split (`attention`).
+
+**The order.** With ``C`` context shards a sequence of ``T`` tokens is cut
+into ``2C`` chunks, and context shard ``i`` holds chunks ``i`` and
+``2C - 1 - i`` (the dual-chunk, or "zigzag", order): every shard then holds
+as many early tokens (which see few keys under a causal mask) as late ones.
+`redeqx.batches` puts the sequence keys it is told about in this order once,
+on the host; every position-dependent step (RoPE, the causal mask) reads
+`sequence_positions` instead of ``arange``; a per-token loss needs nothing,
+and `restore_order` puts per-token outputs back.
+
+**Attention.** Queries stay where they are; keys and values travel: all
+gathered over ``context`` (``impl="gather"``), or passed around the ring
+with ``ppermute`` (``impl="ring"``, one shard's K/V in flight at a time).
+Either way each device computes its queries against one shard's keys at a
+time with an online softmax, so no ``(T, T)`` score matrix is formed, and
+the backward pass (a custom VJP) recomputes the scores block by block from
+the saved log-sum-exp, as flash attention does.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float, Int
+
+from ._typing import typechecked
+
+CONTEXT = "context"
+IMPLS = ("gather", "ring")
+
+
+def context_shards() -> int:
+    """The size of the ``context`` axis of the mesh in context (1 without one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or CONTEXT not in mesh.axis_names:
+        return 1
+    return int(dict(mesh.shape)[CONTEXT])
+
+
+def _check_split(n_tokens: int, n_shards: int, what: str) -> None:
+    if n_tokens % (2 * n_shards):
+        raise ValueError(
+            f"{what}: a sequence of {n_tokens} tokens cannot be split over {n_shards} context shards in the "
+            f"dual-chunk order, which cuts it into 2 x {n_shards} = {2 * n_shards} equal chunks: pad the sequence "
+            f"to a multiple of {2 * n_shards} tokens in collate_fn (and mark the padding in its mask)."
+        )
+
+
+def context_order(n_tokens: int, n_shards: int) -> np.ndarray:
+    """``order[j]``: the original position of the token at place ``j`` of
+    the split layout (the identity for one shard). Shard ``i`` holds chunks
+    ``i`` and ``2 n_shards - 1 - i`` of the ``2 n_shards`` equal chunks."""
+    if n_shards == 1:
+        return np.arange(n_tokens)
+    _check_split(n_tokens, n_shards, "context_order")
+    chunks = np.arange(n_tokens).reshape(2 * n_shards, -1)
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * n_shards - 1 - i]]) for i in range(n_shards)])
+
+
+@typechecked
+def sequence_positions(n_tokens: int) -> Int[Array, " seq"]:
+    """The original positions of the ``n_tokens`` tokens of a sequence as
+    the step holds them: ``arange(n_tokens)`` on a mesh without a
+    ``context`` axis, the dual-chunk order (`context_order`) on one with.
+    Use it wherever a model would write ``jnp.arange(seq_len)`` (RoPE,
+    learned position tables, a causal mask).
+
+    **Example:**
+
+    ```python
+    positions = redeqx.sequence_positions(input_ids.shape[0])   # inside loss_fn's model
+    ```
+    """
+    return jnp.asarray(context_order(n_tokens, context_shards()), jnp.int32)
+
+
+def restore_order(x, axis: int = 1):
+    """Per-token outputs in the split layout (e.g. ``pred_fn``'s ``(batch,
+    seq, ...)``) back in the original order (a NumPy or JAX array; nothing
+    changes without a ``context`` axis or when ``x`` came from a step
+    without one, so call it with the mesh the outputs came from in
+    context: ``with jax.set_mesh(mesh): restore_order(preds)``)."""
+    n = x.shape[axis]
+    inverse = np.argsort(context_order(n, context_shards()))
+    return x.take(inverse, axis=axis) if isinstance(x, np.ndarray) else jnp.take(x, inverse, axis=axis)
+
+
+# ----------------------------------------------------------------------------- one block: queries against one shard's keys
+
+
+def _block_scores(q, k, qpos, kpos, qseg, kseg, causal: bool, scale: float):
+    """Masked scores (Hkv, G, Tq, Tk) in float32 and the mask (Tq, Tk)."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(t, hkv, hq // hkv, d)
+    s = jnp.einsum("tkgd,skd->kgts", qg, k, preferred_element_type=jnp.float32) * scale
+    mask = qseg[:, None] == kseg[None, :]
+    if causal:
+        mask = mask & (kpos[None, :] <= qpos[:, None])
+    return jnp.where(mask, s, -jnp.inf), mask
+
+
+def _block_forward(carry, q, k, v, qpos, kpos, qseg, kseg, causal, scale):
+    """One online-softmax step: running (out, max, sum) updated with one block of keys."""
+    o, m, l = carry  # (Hkv, G, Tq, D) f32, (Hkv, G, Tq) f32 x2
+    s, _ = _block_scores(q, k, qpos, kpos, qseg, kseg, causal, scale)
+    m_new = jnp.maximum(m, s.max(-1))
+    safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row with no key yet
+    p = jnp.exp(s - safe[..., None])
+    corr = jnp.exp(jnp.where(jnp.isfinite(m), m, safe) - safe)
+    o = o * corr[..., None] + jnp.einsum("kgts,skd->kgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o, m_new, l * corr + p.sum(-1)
+
+
+def _block_backward(q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, causal, scale):
+    """Gradients of one block: (dq, dk, dv) from the saved log-sum-exp."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    s, mask = _block_scores(q, k, qpos, kpos, qseg, kseg, causal, scale)
+    p = jnp.where(mask, jnp.exp(s - lse[..., None]), 0.0)  # (Hkv, G, Tq, Tk)
+    dog = do.reshape(t, hkv, hq // hkv, d)
+    dv = jnp.einsum("kgts,tkgd->skd", p, dog.astype(jnp.float32))
+    dp = jnp.einsum("tkgd,skd->kgts", dog, v, preferred_element_type=jnp.float32)
+    ds = p * (dp - delta[..., None]) * scale
+    dq = jnp.einsum("kgts,skd->tkgd", ds, k.astype(jnp.float32)).reshape(t, hq, d)
+    dk = jnp.einsum("kgts,tkgd->skd", ds, q.reshape(t, hkv, hq // hkv, d).astype(jnp.float32))
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------- on one context shard (inside shard_map)
+
+
+def _init(q, hkv):
+    t, hq, d = q.shape
+    g = hq // hkv
+    return (jnp.zeros((hkv, g, t, d), jnp.float32), jnp.full((hkv, g, t), -jnp.inf, jnp.float32),
+            jnp.zeros((hkv, g, t), jnp.float32))
+
+
+def _finish(o, m, l, q):
+    """(out (Tq, Hq, D) in q's dtype, log-sum-exp (Hkv, G, Tq))."""
+    t, hq, d = q.shape
+    l = jnp.where(l == 0, 1.0, l)  # a query that sees no key (cannot happen with its own segment) gives 0
+    out = (o / l[..., None]).transpose(2, 0, 1, 3).reshape(t, hq, d)
+    return out.astype(q.dtype), m + jnp.log(l)
+
+
+def _next(x, n: int):
+    """``x`` handed to the next context shard (shard i gets shard i - 1's)."""
+    return jax.lax.ppermute(x, CONTEXT, [(i, (i + 1) % n) for i in range(n)])
+
+
+def _blocks(x, n: int):
+    """A gathered (T, ...) array as (n, T / n, ...): one block per context shard."""
+    return x.reshape(n, x.shape[0] // n, *x.shape[1:])
+
+
+def _gathered(k, v, kpos, kseg, n: int):
+    return tuple(_blocks(jax.lax.all_gather(a, CONTEXT, tiled=True), n) for a in (k, v, kpos, kseg))
+
+
+def _forward(q, k, v, pos, seg, causal, scale, impl, n):
+    block = functools.partial(_block_forward, q=q, qpos=pos, qseg=seg, causal=causal, scale=scale)
+    if impl == "gather":
+        def step(carry, kv):
+            kb, vb, pb, sb = kv
+            return block(carry, k=kb, v=vb, kpos=pb, kseg=sb), None
+        (o, m, l), _ = jax.lax.scan(step, _init(q, k.shape[1]), _gathered(k, v, pos, seg, n))
+    else:  # ring: this shard's block first, then each other shard's as it arrives
+        def step(carry, _):
+            acc, kv = carry
+            kv = jax.tree.map(lambda a: _next(a, n), kv)
+            return (block(acc, k=kv[0], v=kv[1], kpos=kv[2], kseg=kv[3]), kv), None
+        first = block(_init(q, k.shape[1]), k=k, v=v, kpos=pos, kseg=seg)
+        ((o, m, l), _), _ = jax.lax.scan(step, (first, (k, v, pos, seg)), None, length=n - 1)
+    return _finish(o, m, l, q)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _local_attention(q, k, v, pos, seg, causal, scale, impl, n):
+    return _forward(q, k, v, pos, seg, causal, scale, impl, n)[0]
+
+
+def _local_fwd(q, k, v, pos, seg, causal, scale, impl, n):
+    out, lse = _forward(q, k, v, pos, seg, causal, scale, impl, n)
+    return out, (q, k, v, pos, seg, out, lse)
+
+
+def _local_bwd(causal, scale, impl, n, res, dout):
+    q, k, v, pos, seg, out, lse = res
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1)  # (Tq, Hq)
+    delta = delta.reshape(t, hkv, hq // hkv).transpose(1, 2, 0)
+    grads = functools.partial(_block_backward, q=q, do=dout, lse=lse, delta=delta, qpos=pos, qseg=seg,
+                              causal=causal, scale=scale)
+    if impl == "gather":
+        def step(dq, kv):
+            kb, vb, pb, sb = kv
+            dqb, dkb, dvb = grads(k=kb, v=vb, kpos=pb, kseg=sb)
+            return dq + dqb, (dkb, dvb)
+        dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(q.shape, jnp.float32), _gathered(k, v, pos, seg, n))
+        dk, dv = (jax.lax.psum_scatter(a.reshape(-1, *a.shape[2:]), CONTEXT, scatter_dimension=0, tiled=True)
+                  for a in (dk, dv))
+    else:  # the ring: K/V and their gradients travel together, back home after n hops
+        def step(carry, _):
+            dq, kv, dkv = carry
+            dqb, dkb, dvb = grads(k=kv[0], v=kv[1], kpos=kv[2], kseg=kv[3])
+            dkv = (dkv[0] + dkb, dkv[1] + dvb)
+            return (dq + dqb, *jax.tree.map(lambda a: _next(a, n), (kv, dkv))), None
+        zeros = jnp.zeros(k.shape, jnp.float32)
+        (dq, _, (dk, dv)), _ = jax.lax.scan(step, (jnp.zeros(q.shape, jnp.float32), (k, v, pos, seg), (zeros, zeros)),
+                                            None, length=n)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+_local_attention.defvjp(_local_fwd, _local_bwd)
+
+
+# ----------------------------------------------------------------------------- the public function
+
+
+def _plain(q, k, v, pos, seg, causal: bool, scale: float):
+    """Exact attention on one device: cuDNN's flash attention on a GPU in half
+    precision for a plain causal or full mask, the scores in float32 otherwise."""
+    from ._mesh import traced_platform
+
+    if (seg is None and traced_platform() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128):
+        return jax.nn.dot_product_attention(q[None], k[None], v[None], scale=scale, is_causal=causal)[0]
+    seg = jnp.zeros(pos.shape, jnp.int32) if seg is None else seg
+    s, _ = _block_scores(q, k, pos, pos, seg, seg, causal, scale)
+    p = jax.nn.softmax(s, axis=-1)
+    t, hq, d = q.shape
+    return jnp.einsum("kgts,skd->tkgd", p.astype(v.dtype), v).reshape(t, hq, d)
+
+
+def _split(q, k, v, pos, seg, causal: bool, scale: float, impl: str, n: int):
+    """Attention with the sequence split over ``context`` (``n`` shards)."""
+    seg = jnp.zeros(pos.shape, jnp.int32) if seg is None else seg
+    body = functools.partial(_local_attention, causal=causal, scale=scale, impl=impl, n=n)
+    seq, tok = P(CONTEXT, None, None), P(CONTEXT)
+    return jax.shard_map(lambda *a: body(*a), in_specs=(seq, seq, seq, tok, tok), out_specs=seq,
+                         axis_names=frozenset({CONTEXT}), check_vma=False)(q, k, v, pos, seg)
+
+
+@typechecked
+def attention(
+    q: Float[Array, "*batch seq q_heads head_dim"],
+    k: Float[Array, "*batch seq kv_heads head_dim"],
+    v: Float[Array, "*batch seq kv_heads head_dim"],
+    *,
+    causal: bool = True,
+    segment_ids: Int[Array, "*batch seq"] | None = None,
+    scale: float | None = None,
+    impl: str = "gather",
+) -> Float[Array, "*batch seq q_heads head_dim"]:
+    """Exact softmax attention of a sequence over itself, split over the
+    mesh's ``context`` axis when it has one.
+
+    ``q_heads`` is a multiple of ``kv_heads`` (grouped-query attention:
+    query head ``h`` reads KV head ``h // (q_heads / kv_heads)``). A query
+    sees the keys of its own segment (``segment_ids``: packed documents, or
+    ``attention_mask.astype(int)`` for padding, whose tokens then only see
+    each other), and with ``causal=True`` only those at or before its own
+    position (`sequence_positions`: the original order, whatever the
+    layout). ``scale`` defaults to ``1 / sqrt(head_dim)``.
+
+    On a mesh without a ``context`` axis (or one of size 1) this is plain
+    attention (cuDNN's flash attention on a GPU in half precision where no
+    segments are given). On one with ``C`` context shards, the sequence
+    arrives split in the dual-chunk order (what `redeqx.batches` does with
+    ``seq_keys``), each device keeps its queries, and the keys and values
+    come to it: all gathered over ``context`` (``impl="gather"``: ``C``
+    times one shard's K/V in memory) or passed around a ring with
+    ``ppermute`` (``impl="ring"``: two shards' K/V in memory, the transfers
+    beside the compute). Both compute one shard's keys at a time with an
+    online softmax and differentiate by recomputing the scores (a custom
+    VJP), never forming the ``(T, T)`` scores.
+
+    **Example** (inside a model, one sequence; ``jax.vmap`` batches it):
+
+    ```python
+    q = apply_rope(q, redeqx.sequence_positions(q.shape[0]))
+    out = redeqx.attention(q, k, v, causal=True)          # (seq, heads, head_dim)
+    ```
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"attention: impl={impl!r}; choose one of {IMPLS} ('ring' when gathered K/V do not fit).")
+    if q.shape[-3] != k.shape[-3] or k.shape != v.shape or q.shape[-1] != k.shape[-1] or q.shape[-2] % k.shape[-2]:
+        raise ValueError(
+            f"attention: q {q.shape}, k {k.shape}, v {v.shape}: k and v need the same shape, the same sequence "
+            "length and head size as q, and a number of heads that divides q's (grouped-query attention)."
+        )
+    if q.ndim > 3:  # a batch: each sequence on its own
+        fn = functools.partial(attention, causal=causal, scale=scale, impl=impl)
+        if segment_ids is None:
+            return jax.vmap(lambda a, b, c: fn(a, b, c))(q, k, v)
+        return jax.vmap(lambda a, b, c, s: fn(a, b, c, segment_ids=s))(q, k, v, segment_ids)
+    scale = float(q.shape[-1]) ** -0.5 if scale is None else float(scale)
+    n = context_shards()
+    pos = sequence_positions(q.shape[0])
+    seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
+    if n == 1:
+        return _plain(q, k, v, pos, seg, causal, scale)
+    _check_split(q.shape[0], n, "redeqx.attention")
+    return _split(q, k, v, pos, seg, causal, scale, impl, n)
