@@ -9,6 +9,12 @@ from ._checkpoint import (
     save_checkpoint as save_checkpoint,
 )
 from ._constrain import constrain as constrain
+from ._context import (
+    attention as attention,
+    context_order as context_order,
+    restore_order as restore_order,
+    sequence_positions as sequence_positions,
+)
 from ._data import batches as batches, evaluate as evaluate, predict as predict, shuffled as shuffled
 from ._distributed import initialize as initialize, preflight as preflight
 from ._hlo import collective_summary as collective_summary

@@ -30,9 +30,9 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
+from ._mesh import CONTEXT, DATA, traced_platform
 from ._typing import typechecked
 
-CONTEXT = "context"
 IMPLS = ("gather", "ring")
 
 
@@ -90,6 +90,57 @@ def restore_order(x, axis: int = 1):
     n = x.shape[axis]
     inverse = np.argsort(context_order(n, context_shards()))
     return x.take(inverse, axis=axis) if isinstance(x, np.ndarray) else jnp.take(x, inverse, axis=axis)
+
+
+# ----------------------------------------------------------------------------- batches: the host-side reorder
+
+
+def mesh_context(mesh) -> int:
+    return int(dict(mesh.shape).get(CONTEXT, 1))
+
+
+def batch_spec(ndim: int, mesh, seq: bool) -> P:
+    """A batch array's spec: rows over ``data``, and for a sequence key
+    (``seq``) its dim 1 over ``context`` when the mesh has that axis."""
+    if seq and mesh_context(mesh) > 1:
+        return P(DATA, CONTEXT, *([None] * (ndim - 2)))
+    return P(DATA, *([None] * (ndim - 1)))
+
+
+def check_seq_keys(seq_keys, mesh) -> tuple[str, ...]:
+    """``seq_keys`` as a tuple; on a mesh with a ``context`` axis it must name the sequence keys."""
+    if isinstance(seq_keys, str):
+        seq_keys = (seq_keys,)
+    seq_keys = tuple(seq_keys or ())
+    if mesh_context(mesh) > 1 and not seq_keys:
+        raise ValueError(
+            f"the mesh splits sequences over {mesh_context(mesh)} context shards, so batches needs seq_keys=: the "
+            "batch keys whose dim 1 is the sequence (e.g. seq_keys=('input_ids', 'labels', 'attention_mask')), "
+            "which it puts in the split order. Labels must be aligned with input_ids already (shifted in "
+            "collate_fn): a loss that shifts logits[:, :-1] against ids[:, 1:] would pair tokens of other places."
+        )
+    return seq_keys
+
+
+def order_sequences(batch, seq_keys: tuple[str, ...], mesh):
+    """``batch`` (a dict of NumPy arrays) with dim 1 of each of ``seq_keys``
+    in the split order of ``mesh``'s context axis."""
+    if not seq_keys:
+        return batch
+    if not isinstance(batch, dict):
+        raise TypeError(f"seq_keys={seq_keys} names keys of a dict batch, but collate_fn returned a "
+                        f"{type(batch).__name__}; return a dict of arrays.")
+    n = mesh_context(mesh)
+    out = dict(batch)
+    for name in seq_keys:
+        if name not in batch:
+            raise KeyError(f"seq_keys names {name!r}, which collate_fn's batch lacks; its keys are {sorted(batch)}.")
+        x = np.asarray(batch[name])
+        if x.ndim < 2:
+            raise ValueError(f"seq_keys names {name!r}, of shape {x.shape}: a sequence key needs dims (batch, seq, ...).")
+        _check_split(x.shape[1], n, f"batch[{name!r}] (seq_keys)")
+        out[name] = x[:, context_order(x.shape[1], n)]
+    return out
 
 
 # ----------------------------------------------------------------------------- one block: queries against one shard's keys
@@ -230,8 +281,6 @@ _local_attention.defvjp(_local_fwd, _local_bwd)
 def _plain(q, k, v, pos, seg, causal: bool, scale: float):
     """Exact attention on one device: cuDNN's flash attention on a GPU in half
     precision for a plain causal or full mask, the scores in float32 otherwise."""
-    from ._mesh import traced_platform
-
     if (seg is None and traced_platform() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
             and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128):
         return jax.nn.dot_product_attention(q[None], k[None], v[None], scale=scale, is_causal=causal)[0]
