@@ -147,7 +147,7 @@ def order_sequences(batch, seq_keys: tuple[str, ...], mesh):
 
 
 def _block_scores(q, k, qpos, kpos, qseg, kseg, causal: bool, scale: float):
-    """Masked scores (Hkv, G, Tq, Tk) in float32 and the mask (Tq, Tk)."""
+    """Masked scores (Hkv, G, Tq, Tk) in float32 and the mask (1, 1, Tq, Tk)."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     qg = q.reshape(t, hkv, hq // hkv, d)
@@ -155,6 +155,7 @@ def _block_scores(q, k, qpos, kpos, qseg, kseg, causal: bool, scale: float):
     mask = qseg[:, None] == kseg[None, :]
     if causal:
         mask = mask & (kpos[None, :] <= qpos[:, None])
+    mask = mask[None, None]  # (1, 1, Tq, Tk)
     return jnp.where(mask, s, -jnp.inf), mask
 
 
