@@ -156,7 +156,7 @@ class UserModel(eqx.Module):
         k = jax.random.split(key, 5)
         self.embed = eqx.nn.Embedding(64, 32, key=k[0])
         self.pos = 0.1 * jax.random.normal(k[1], (16, 32))
-        self.qkv = eqx.nn.Linear(32, 96, key=k[2])
+        self.qkv = eqx.nn.Linear(32, 96, use_bias=False, key=k[2])  # a K bias has zero gradient, which Adam magnifies
         self.out = eqx.nn.Linear(32, 32, key=k[3])
         self.head = eqx.nn.Linear(32, 64, key=k[4])
         self.causal = causal

@@ -14,10 +14,13 @@ and `restore_order` puts per-token outputs back.
 **Attention.** Queries stay where they are; keys and values travel: all
 gathered over ``context`` (``impl="gather"``), or passed around the ring
 with ``ppermute`` (``impl="ring"``, one shard's K/V in flight at a time).
-Either way each device computes its queries against one shard's keys at a
+Either way each device computes its queries against a block of keys at a
 time with an online softmax, so no ``(T, T)`` score matrix is formed, and
 the backward pass (a custom VJP) recomputes the scores block by block from
-the saved log-sum-exp, as flash attention does.
+the saved log-sum-exp, as flash attention does. Every block is computed
+whole (the causal mask applied, its masked half not skipped), so the
+dual-chunk order balances memory and work already and would halve the
+work once fully masked blocks are skipped (not done yet).
 """
 
 from __future__ import annotations
@@ -38,9 +41,14 @@ IMPLS = ("gather", "ring")
 
 def context_shards() -> int:
     """The size of the ``context`` axis of the mesh in context (1 without one)."""
+    return context_axis() or 1
+
+
+def context_axis() -> int | None:
+    """The size of the ``context`` axis of the mesh in context, None without one."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or CONTEXT not in mesh.axis_names:
-        return 1
+        return None
     return int(dict(mesh.shape)[CONTEXT])
 
 
@@ -188,6 +196,8 @@ def _block_backward(q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, causal, sca
 
 # ----------------------------------------------------------------------------- on one context shard (inside shard_map)
 
+BLOCK = 1024  # queries and keys per block of the gathered path: one block's scores are (heads, BLOCK, BLOCK) f32
+
 
 def _init(q, hkv):
     t, hq, d = q.shape
@@ -204,76 +214,133 @@ def _finish(o, m, l, q):
     return out.astype(q.dtype), m + jnp.log(l)
 
 
+def _delta(dout, out, hkv):
+    """Row sums of dout * out, (Hkv, G, Tq): the softmax backward's correction."""
+    t, hq, _ = out.shape
+    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1)
+    return delta.reshape(t, hkv, hq // hkv).transpose(1, 2, 0)
+
+
 def _next(x, n: int):
     """``x`` handed to the next context shard (shard i gets shard i - 1's)."""
     return jax.lax.ppermute(x, CONTEXT, [(i, (i + 1) % n) for i in range(n)])
 
 
 def _blocks(x, n: int):
-    """A gathered (T, ...) array as (n, T / n, ...): one block per context shard."""
+    """A (T, ...) array as (n, T / n, ...)."""
     return x.reshape(n, x.shape[0] // n, *x.shape[1:])
 
 
-def _gathered(k, v, kpos, kseg, n: int):
-    return tuple(_blocks(jax.lax.all_gather(a, CONTEXT, tiled=True), n) for a in (k, v, kpos, kseg))
+def _n_blocks(t: int) -> int:
+    """How many blocks of at most `BLOCK` (a divisor of ``t``) cut ``t``."""
+    return next(t // b for b in range(min(t, BLOCK), 0, -1) if t % b == 0)
 
 
-def _forward(q, k, v, pos, seg, causal, scale, impl, n):
-    block = functools.partial(_block_forward, q=q, qpos=pos, qseg=seg, causal=causal, scale=scale)
-    if impl == "gather":
-        def step(carry, kv):
-            kb, vb, pb, sb = kv
-            return block(carry, k=kb, v=vb, kpos=pb, kseg=sb), None
-        (o, m, l), _ = jax.lax.scan(step, _init(q, k.shape[1]), _gathered(k, v, pos, seg, n))
-    else:  # ring: this shard's block first, then each other shard's as it arrives
-        def step(carry, _):
-            acc, kv = carry
-            kv = jax.tree.map(lambda a: _next(a, n), kv)
-            return (block(acc, k=kv[0], v=kv[1], kpos=kv[2], kseg=kv[3]), kv), None
-        first = block(_init(q, k.shape[1]), k=k, v=v, kpos=pos, kseg=seg)
-        ((o, m, l), _), _ = jax.lax.scan(step, (first, (k, v, pos, seg)), None, length=n - 1)
+# -- queries over keys they hold whole: flash attention's loop, block by block of keys
+
+
+def _flash_forward(q, k, v, qpos, kpos, qseg, kseg, causal, scale):
+    block = functools.partial(_block_forward, q=q, qpos=qpos, qseg=qseg, causal=causal, scale=scale)
+
+    def step(carry, kv):
+        return block(carry, k=kv[0], v=kv[1], kpos=kv[2], kseg=kv[3]), None
+
+    nb = _n_blocks(k.shape[0])
+    (o, m, l), _ = jax.lax.scan(step, _init(q, k.shape[1]), tuple(_blocks(a, nb) for a in (k, v, kpos, kseg)))
     return _finish(o, m, l, q)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _local_attention(q, k, v, pos, seg, causal, scale, impl, n):
-    return _forward(q, k, v, pos, seg, causal, scale, impl, n)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _flash(q, k, v, qpos, kpos, qseg, kseg, causal, scale):
+    return _flash_forward(q, k, v, qpos, kpos, qseg, kseg, causal, scale)[0]
 
 
-def _local_fwd(q, k, v, pos, seg, causal, scale, impl, n):
-    out, lse = _forward(q, k, v, pos, seg, causal, scale, impl, n)
+def _flash_fwd(q, k, v, qpos, kpos, qseg, kseg, causal, scale):
+    out, lse = _flash_forward(q, k, v, qpos, kpos, qseg, kseg, causal, scale)
+    return out, (q, k, v, qpos, kpos, qseg, kseg, out, lse)
+
+
+def _flash_bwd(causal, scale, res, dout):
+    q, k, v, qpos, kpos, qseg, kseg, out, lse = res
+    grads = functools.partial(_block_backward, q=q, do=dout, lse=lse, delta=_delta(dout, out, k.shape[1]),
+                              qpos=qpos, qseg=qseg, causal=causal, scale=scale)
+
+    def step(dq, kv):
+        dqb, dkb, dvb = grads(k=kv[0], v=kv[1], kpos=kv[2], kseg=kv[3])
+        return dq + dqb, (dkb, dvb)
+
+    nb = _n_blocks(k.shape[0])
+    dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(q.shape, jnp.float32),
+                                tuple(_blocks(a, nb) for a in (k, v, kpos, kseg)))
+    return (dq.astype(q.dtype), dk.reshape(k.shape).astype(k.dtype), dv.reshape(v.shape).astype(v.dtype),
+            None, None, None, None)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _gather_attention(q, k, v, pos, seg, causal, scale, n):
+    """This shard's queries, a block at a time, over every shard's keys
+    gathered once (differentiating the all-gather reduce-scatters their
+    gradients back)."""
+    if n > 1:
+        k, v, kpos, kseg = (jax.lax.all_gather(a, CONTEXT, tiled=True) for a in (k, v, pos, seg))
+    else:
+        kpos, kseg = pos, seg
+
+    def one(qb, pb, sb):
+        return _flash(qb, k, v, pb, kpos, sb, kseg, causal, scale)
+
+    nq = _n_blocks(q.shape[0])
+    if nq == 1:
+        return one(q, pos, seg)
+    return jax.lax.map(lambda a: one(*a), (_blocks(q, nq), _blocks(pos, nq), _blocks(seg, nq))).reshape(q.shape)
+
+
+# -- the ring: each shard's keys in turn, passed on with ppermute
+
+
+def _ring_forward(q, k, v, pos, seg, causal, scale, n):
+    block = functools.partial(_block_forward, q=q, qpos=pos, qseg=seg, causal=causal, scale=scale)
+
+    def step(carry, _):
+        acc, kv = carry
+        kv = jax.tree.map(lambda a: _next(a, n), kv)
+        return (block(acc, k=kv[0], v=kv[1], kpos=kv[2], kseg=kv[3]), kv), None
+
+    first = block(_init(q, k.shape[1]), k=k, v=v, kpos=pos, kseg=seg)  # this shard's own keys first
+    ((o, m, l), _), _ = jax.lax.scan(step, (first, (k, v, pos, seg)), None, length=n - 1)
+    return _finish(o, m, l, q)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _ring(q, k, v, pos, seg, causal, scale, n):
+    return _ring_forward(q, k, v, pos, seg, causal, scale, n)[0]
+
+
+def _ring_fwd(q, k, v, pos, seg, causal, scale, n):
+    out, lse = _ring_forward(q, k, v, pos, seg, causal, scale, n)
     return out, (q, k, v, pos, seg, out, lse)
 
 
-def _local_bwd(causal, scale, impl, n, res, dout):
+def _ring_bwd(causal, scale, n, res, dout):
+    """K/V go round the ring again, their gradients with them: home after ``n`` hops."""
     q, k, v, pos, seg, out, lse = res
-    t, hq, d = q.shape
-    hkv = k.shape[1]
-    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1)  # (Tq, Hq)
-    delta = delta.reshape(t, hkv, hq // hkv).transpose(1, 2, 0)
-    grads = functools.partial(_block_backward, q=q, do=dout, lse=lse, delta=delta, qpos=pos, qseg=seg,
-                              causal=causal, scale=scale)
-    if impl == "gather":
-        def step(dq, kv):
-            kb, vb, pb, sb = kv
-            dqb, dkb, dvb = grads(k=kb, v=vb, kpos=pb, kseg=sb)
-            return dq + dqb, (dkb, dvb)
-        dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(q.shape, jnp.float32), _gathered(k, v, pos, seg, n))
-        dk, dv = (jax.lax.psum_scatter(a.reshape(-1, *a.shape[2:]), CONTEXT, scatter_dimension=0, tiled=True)
-                  for a in (dk, dv))
-    else:  # the ring: K/V and their gradients travel together, back home after n hops
-        def step(carry, _):
-            dq, kv, dkv = carry
-            dqb, dkb, dvb = grads(k=kv[0], v=kv[1], kpos=kv[2], kseg=kv[3])
-            dkv = (dkv[0] + dkb, dkv[1] + dvb)
-            return (dq + dqb, *jax.tree.map(lambda a: _next(a, n), (kv, dkv))), None
-        zeros = jnp.zeros(k.shape, jnp.float32)
-        (dq, _, (dk, dv)), _ = jax.lax.scan(step, (jnp.zeros(q.shape, jnp.float32), (k, v, pos, seg), (zeros, zeros)),
-                                            None, length=n)
+    grads = functools.partial(_block_backward, q=q, do=dout, lse=lse, delta=_delta(dout, out, k.shape[1]),
+                              qpos=pos, qseg=seg, causal=causal, scale=scale)
+
+    def step(carry, _):
+        dq, kv, (dk, dv) = carry
+        dqb, dkb, dvb = grads(k=kv[0], v=kv[1], kpos=kv[2], kseg=kv[3])
+        return (dq + dqb, *jax.tree.map(lambda a: _next(a, n), (kv, (dk + dkb, dv + dvb)))), None
+
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    (dq, _, (dk, dv)), _ = jax.lax.scan(step, (jnp.zeros(q.shape, jnp.float32), (k, v, pos, seg), (zeros, zeros)),
+                                        None, length=n)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
-_local_attention.defvjp(_local_fwd, _local_bwd)
+_ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 # ----------------------------------------------------------------------------- the public function
@@ -295,7 +362,10 @@ def _plain(q, k, v, pos, seg, causal: bool, scale: float):
 def _split(q, k, v, pos, seg, causal: bool, scale: float, impl: str, n: int):
     """Attention with the sequence split over ``context`` (``n`` shards)."""
     seg = jnp.zeros(pos.shape, jnp.int32) if seg is None else seg
-    body = functools.partial(_local_attention, causal=causal, scale=scale, impl=impl, n=n)
+    if impl == "ring" and n > 1:
+        body = functools.partial(_ring, causal=causal, scale=scale, n=n)
+    else:
+        body = functools.partial(_gather_attention, causal=causal, scale=scale, n=n)
     seq, tok = P(CONTEXT, None, None), P(CONTEXT)
     return jax.shard_map(lambda *a: body(*a), in_specs=(seq, seq, seq, tok, tok), out_specs=seq,
                          axis_names=frozenset({CONTEXT}), check_vma=False)(q, k, v, pos, seg)
@@ -323,17 +393,20 @@ def attention(
     position (`sequence_positions`: the original order, whatever the
     layout). ``scale`` defaults to ``1 / sqrt(head_dim)``.
 
-    On a mesh without a ``context`` axis (or one of size 1) this is plain
-    attention (cuDNN's flash attention on a GPU in half precision where no
-    segments are given). On one with ``C`` context shards, the sequence
+    On a mesh without a ``context`` axis this is plain attention (cuDNN's
+    flash attention on a GPU in half precision where no segments are given;
+    the ``(T, T)`` scores otherwise). On one with ``C`` context shards
+    (``C = 1`` included: a hand-built ``("data", "context", "model")`` mesh),
+    the sequence
     arrives split in the dual-chunk order (what `redeqx.batches` does with
     ``seq_keys``), each device keeps its queries, and the keys and values
     come to it: all gathered over ``context`` (``impl="gather"``: ``C``
     times one shard's K/V in memory) or passed around a ring with
     ``ppermute`` (``impl="ring"``: two shards' K/V in memory, the transfers
-    beside the compute). Both compute one shard's keys at a time with an
-    online softmax and differentiate by recomputing the scores (a custom
-    VJP), never forming the ``(T, T)`` scores.
+    beside the compute). The gather computes blocks of `BLOCK` queries by
+    `BLOCK` keys, the ring blocks of ``T / C`` by ``T / C``, with an online
+    softmax, and both differentiate by recomputing the scores (custom
+    VJPs), never forming the ``(T, T)`` scores.
 
     **Example** (inside a model, one sequence; ``jax.vmap`` batches it):
 
@@ -355,10 +428,11 @@ def attention(
             return jax.vmap(lambda a, b, c: fn(a, b, c))(q, k, v)
         return jax.vmap(lambda a, b, c, s: fn(a, b, c, segment_ids=s))(q, k, v, segment_ids)
     scale = float(q.shape[-1]) ** -0.5 if scale is None else float(scale)
-    n = context_shards()
+    n = context_axis()
     pos = sequence_positions(q.shape[0])
     seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
-    if n == 1:
+    if n is None:
         return _plain(q, k, v, pos, seg, causal, scale)
-    _check_split(q.shape[0], n, "redeqx.attention")
+    if n > 1:
+        _check_split(q.shape[0], n, "redeqx.attention")
     return _split(q, k, v, pos, seg, causal, scale, impl, n)

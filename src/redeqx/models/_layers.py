@@ -18,7 +18,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._constrain import constrain
 from .._typing import positive_int
-from .._context import attention as split_attention, context_shards, sequence_positions
+from .._context import attention as split_attention, context_axis, sequence_positions
 from .._mesh import CONTEXT, MODEL, traced_platform
 
 INIT_STD = 0.02  # the initializer_range of the Hugging Face configs
@@ -554,7 +554,7 @@ class CausalLM(eqx.Module):
         del key
         t = input_ids.shape[0]
         self._check_positions("", t)
-        if context_shards() > 1:  # the sequence split over context, in its order (redeqx.batches' seq_keys)
+        if context_axis() is not None:  # a mesh with a context axis: its order (redeqx.batches' seq_keys), blocks
             return self._split_forward(input_ids, attention_mask)
         if attention_mask is None and self._window() is None:  # training's case: a kernel may serve it
             logits, _ = self._run(input_ids, jnp.arange(t), CausalMask(t), None)
