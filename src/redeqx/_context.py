@@ -279,12 +279,29 @@ def _flash_bwd(causal, scale, res, dout):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
+@jax.custom_vjp
+def _gather(x):
+    """``x`` all-gathered over ``context``: its gradient is reduce-scattered back."""
+    return jax.lax.all_gather(x, CONTEXT, tiled=True)
+
+
+def _scatter(_, g):
+    # XLA:CPU fails to compile a bfloat16 reduce-scatter ("Invalid binary instruction opcode copy"):
+    # there it reduces in float32; accelerators reduce in the gradient's own dtype
+    wide = g.astype(jnp.float32) if traced_platform() == "cpu" and g.dtype == jnp.bfloat16 else g
+    return (jax.lax.psum_scatter(wide, CONTEXT, scatter_dimension=0, tiled=True).astype(g.dtype),)
+
+
+_gather.defvjp(lambda x: (_gather(x), None), _scatter)
+
+
 def _gather_attention(q, k, v, pos, seg, causal, scale, n):
     """This shard's queries, a block at a time, over every shard's keys
     gathered once (differentiating the all-gather reduce-scatters their
     gradients back)."""
     if n > 1:
-        k, v, kpos, kseg = (jax.lax.all_gather(a, CONTEXT, tiled=True) for a in (k, v, pos, seg))
+        k, v = _gather(k), _gather(v)
+        kpos, kseg = (jax.lax.all_gather(a, CONTEXT, tiled=True) for a in (pos, seg))
     else:
         kpos, kseg = pos, seg
 
