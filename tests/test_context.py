@@ -177,12 +177,12 @@ def user_loss(model, batch, key):
     return _token_mean(jax.vmap(model)(batch["input_ids"], batch["attention_mask"]), batch)
 
 
-def _train(make, loss_fn, mesh, seq_keys, steps=3):
+def _train(make, loss_fn, mesh, seq_keys, steps=3, accumulate=1):
     model = make()
     specs = redeqx.sharding_rules(model, mesh)
     opt = optax.adamw(1e-2)
     state = redeqx.init_state(model, opt, mesh, specs, key=jax.random.key(1))
-    step = redeqx.make_train_step(loss_fn, opt, mesh, specs)
+    step = redeqx.make_train_step(loss_fn, opt, mesh, specs, accumulate=accumulate)
     ex, losses = _examples(), []
     for _ in range(steps):
         for batch in redeqx.batches(ex, _collate, len(ex) // mesh.shape["data"], mesh, seq_keys=seq_keys):
@@ -191,9 +191,9 @@ def _train(make, loss_fn, mesh, seq_keys, steps=3):
     return losses, jax.tree.leaves(eqx.filter(state.model, eqx.is_array))
 
 
-def _like_one_device(make, loss_fn, shape):
-    want, want_params = _train(make, loss_fn, redeqx.make_mesh(1, devices=jax.devices()[:1]), None)
-    got, params = _train(make, loss_fn, _mesh(*shape), SEQ_KEYS)
+def _like_one_device(make, loss_fn, shape, accumulate=1):
+    want, want_params = _train(make, loss_fn, redeqx.make_mesh(1, devices=jax.devices()[:1]), None, accumulate=accumulate)
+    got, params = _train(make, loss_fn, _mesh(*shape), SEQ_KEYS, accumulate=accumulate)
     np.testing.assert_allclose(got, want, rtol=2e-5)
     for a, b in zip(params, want_params):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)
@@ -216,3 +216,9 @@ def test_llama_trains_like_one_device_every_split(devices, shape, impl):
 @pytest.mark.parametrize("causal", [True, False])
 def test_users_model_trains_like_one_device(devices, shape, causal):
     _like_one_device(lambda: UserModel(causal, jax.random.key(0)), user_loss, shape)
+
+
+@pytest.mark.slow
+def test_llama_accumulates_split_micro_batches(devices):
+    _like_one_device(lambda: models.LlamaForCausalLM(CONFIG, key=jax.random.key(0)), llama_loss, (2, 2, 2),
+                     accumulate=2)

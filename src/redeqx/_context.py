@@ -33,6 +33,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
+from ._blockwise import block_scores, gather_attention, ring_attention
 from ._mesh import CONTEXT, DATA, traced_platform
 from ._typing import typechecked
 
@@ -151,215 +152,6 @@ def order_sequences(batch, seq_keys: tuple[str, ...], mesh):
     return out
 
 
-# ----------------------------------------------------------------------------- one block: queries against one shard's keys
-
-
-def _block_scores(q, k, qpos, kpos, qseg, kseg, causal: bool, scale: float):
-    """Masked scores (Hkv, G, Tq, Tk) in float32 and the mask (1, 1, Tq, Tk)."""
-    t, hq, d = q.shape
-    hkv = k.shape[1]
-    qg = q.reshape(t, hkv, hq // hkv, d)
-    s = jnp.einsum("tkgd,skd->kgts", qg, k, preferred_element_type=jnp.float32) * scale
-    mask = qseg[:, None] == kseg[None, :]
-    if causal:
-        mask = mask & (kpos[None, :] <= qpos[:, None])
-    mask = mask[None, None]  # (1, 1, Tq, Tk)
-    return jnp.where(mask, s, -jnp.inf), mask
-
-
-def _block_forward(carry, q, k, v, qpos, kpos, qseg, kseg, causal, scale):
-    """One online-softmax step: running (out, max, sum) updated with one block of keys."""
-    o, m, l = carry  # (Hkv, G, Tq, D) f32, (Hkv, G, Tq) f32 x2
-    s, _ = _block_scores(q, k, qpos, kpos, qseg, kseg, causal, scale)
-    m_new = jnp.maximum(m, s.max(-1))
-    safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row with no key yet
-    p = jnp.exp(s - safe[..., None])
-    corr = jnp.exp(jnp.where(jnp.isfinite(m), m, safe) - safe)
-    o = o * corr[..., None] + jnp.einsum("kgts,skd->kgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return o, m_new, l * corr + p.sum(-1)
-
-
-def _block_backward(q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, causal, scale):
-    """Gradients of one block: (dq, dk, dv) from the saved log-sum-exp."""
-    t, hq, d = q.shape
-    hkv = k.shape[1]
-    s, mask = _block_scores(q, k, qpos, kpos, qseg, kseg, causal, scale)
-    p = jnp.where(mask, jnp.exp(s - lse[..., None]), 0.0)  # (Hkv, G, Tq, Tk)
-    dog = do.reshape(t, hkv, hq // hkv, d)
-    dv = jnp.einsum("kgts,tkgd->skd", p, dog.astype(jnp.float32))
-    dp = jnp.einsum("tkgd,skd->kgts", dog, v, preferred_element_type=jnp.float32)
-    ds = p * (dp - delta[..., None]) * scale
-    dq = jnp.einsum("kgts,skd->tkgd", ds, k.astype(jnp.float32)).reshape(t, hq, d)
-    dk = jnp.einsum("kgts,tkgd->skd", ds, q.reshape(t, hkv, hq // hkv, d).astype(jnp.float32))
-    return dq, dk, dv
-
-
-# ----------------------------------------------------------------------------- on one context shard (inside shard_map)
-
-BLOCK = 1024  # queries and keys per block of the gathered path: one block's scores are (heads, BLOCK, BLOCK) f32
-
-
-def _init(q, hkv):
-    t, hq, d = q.shape
-    g = hq // hkv
-    return (jnp.zeros((hkv, g, t, d), jnp.float32), jnp.full((hkv, g, t), -jnp.inf, jnp.float32),
-            jnp.zeros((hkv, g, t), jnp.float32))
-
-
-def _finish(o, m, l, q):
-    """(out (Tq, Hq, D) in q's dtype, log-sum-exp (Hkv, G, Tq))."""
-    t, hq, d = q.shape
-    l = jnp.where(l == 0, 1.0, l)  # a query that sees no key (cannot happen with its own segment) gives 0
-    out = (o / l[..., None]).transpose(2, 0, 1, 3).reshape(t, hq, d)
-    return out.astype(q.dtype), m + jnp.log(l)
-
-
-def _delta(dout, out, hkv):
-    """Row sums of dout * out, (Hkv, G, Tq): the softmax backward's correction."""
-    t, hq, _ = out.shape
-    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1)
-    return delta.reshape(t, hkv, hq // hkv).transpose(1, 2, 0)
-
-
-def _next(x, n: int):
-    """``x`` handed to the next context shard (shard i gets shard i - 1's)."""
-    return jax.lax.ppermute(x, CONTEXT, [(i, (i + 1) % n) for i in range(n)])
-
-
-def _blocks(x, n: int):
-    """A (T, ...) array as (n, T / n, ...)."""
-    return x.reshape(n, x.shape[0] // n, *x.shape[1:])
-
-
-def _n_blocks(t: int) -> int:
-    """How many blocks of at most `BLOCK` (a divisor of ``t``) cut ``t``."""
-    return next(t // b for b in range(min(t, BLOCK), 0, -1) if t % b == 0)
-
-
-# -- queries over keys they hold whole: flash attention's loop, block by block of keys
-
-
-def _flash_forward(q, k, v, qpos, kpos, qseg, kseg, causal, scale):
-    block = functools.partial(_block_forward, q=q, qpos=qpos, qseg=qseg, causal=causal, scale=scale)
-
-    def step(carry, kv):
-        return block(carry, k=kv[0], v=kv[1], kpos=kv[2], kseg=kv[3]), None
-
-    nb = _n_blocks(k.shape[0])
-    (o, m, l), _ = jax.lax.scan(step, _init(q, k.shape[1]), tuple(_blocks(a, nb) for a in (k, v, kpos, kseg)))
-    return _finish(o, m, l, q)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _flash(q, k, v, qpos, kpos, qseg, kseg, causal, scale):
-    return _flash_forward(q, k, v, qpos, kpos, qseg, kseg, causal, scale)[0]
-
-
-def _flash_fwd(q, k, v, qpos, kpos, qseg, kseg, causal, scale):
-    out, lse = _flash_forward(q, k, v, qpos, kpos, qseg, kseg, causal, scale)
-    return out, (q, k, v, qpos, kpos, qseg, kseg, out, lse)
-
-
-def _flash_bwd(causal, scale, res, dout):
-    q, k, v, qpos, kpos, qseg, kseg, out, lse = res
-    grads = functools.partial(_block_backward, q=q, do=dout, lse=lse, delta=_delta(dout, out, k.shape[1]),
-                              qpos=qpos, qseg=qseg, causal=causal, scale=scale)
-
-    def step(dq, kv):
-        dqb, dkb, dvb = grads(k=kv[0], v=kv[1], kpos=kv[2], kseg=kv[3])
-        return dq + dqb, (dkb, dvb)
-
-    nb = _n_blocks(k.shape[0])
-    dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(q.shape, jnp.float32),
-                                tuple(_blocks(a, nb) for a in (k, v, kpos, kseg)))
-    return (dq.astype(q.dtype), dk.reshape(k.shape).astype(k.dtype), dv.reshape(v.shape).astype(v.dtype),
-            None, None, None, None)
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)
-
-
-@jax.custom_vjp
-def _gather(x):
-    """``x`` all-gathered over ``context``: its gradient is reduce-scattered back."""
-    return jax.lax.all_gather(x, CONTEXT, tiled=True)
-
-
-def _scatter(_, g):
-    # XLA:CPU fails to compile a bfloat16 reduce-scatter ("Invalid binary instruction opcode copy"):
-    # there it reduces in float32; accelerators reduce in the gradient's own dtype
-    wide = g.astype(jnp.float32) if traced_platform() == "cpu" and g.dtype == jnp.bfloat16 else g
-    return (jax.lax.psum_scatter(wide, CONTEXT, scatter_dimension=0, tiled=True).astype(g.dtype),)
-
-
-_gather.defvjp(lambda x: (_gather(x), None), _scatter)
-
-
-def _gather_attention(q, k, v, pos, seg, causal, scale, n):
-    """This shard's queries, a block at a time, over every shard's keys
-    gathered once (differentiating the all-gather reduce-scatters their
-    gradients back)."""
-    if n > 1:
-        k, v = _gather(k), _gather(v)
-        kpos, kseg = (jax.lax.all_gather(a, CONTEXT, tiled=True) for a in (pos, seg))
-    else:
-        kpos, kseg = pos, seg
-
-    def one(qb, pb, sb):
-        return _flash(qb, k, v, pb, kpos, sb, kseg, causal, scale)
-
-    nq = _n_blocks(q.shape[0])
-    if nq == 1:
-        return one(q, pos, seg)
-    return jax.lax.map(lambda a: one(*a), (_blocks(q, nq), _blocks(pos, nq), _blocks(seg, nq))).reshape(q.shape)
-
-
-# -- the ring: each shard's keys in turn, passed on with ppermute
-
-
-def _ring_forward(q, k, v, pos, seg, causal, scale, n):
-    block = functools.partial(_block_forward, q=q, qpos=pos, qseg=seg, causal=causal, scale=scale)
-
-    def step(carry, _):
-        acc, kv = carry
-        kv = jax.tree.map(lambda a: _next(a, n), kv)
-        return (block(acc, k=kv[0], v=kv[1], kpos=kv[2], kseg=kv[3]), kv), None
-
-    first = block(_init(q, k.shape[1]), k=k, v=v, kpos=pos, kseg=seg)  # this shard's own keys first
-    ((o, m, l), _), _ = jax.lax.scan(step, (first, (k, v, pos, seg)), None, length=n - 1)
-    return _finish(o, m, l, q)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _ring(q, k, v, pos, seg, causal, scale, n):
-    return _ring_forward(q, k, v, pos, seg, causal, scale, n)[0]
-
-
-def _ring_fwd(q, k, v, pos, seg, causal, scale, n):
-    out, lse = _ring_forward(q, k, v, pos, seg, causal, scale, n)
-    return out, (q, k, v, pos, seg, out, lse)
-
-
-def _ring_bwd(causal, scale, n, res, dout):
-    """K/V go round the ring again, their gradients with them: home after ``n`` hops."""
-    q, k, v, pos, seg, out, lse = res
-    grads = functools.partial(_block_backward, q=q, do=dout, lse=lse, delta=_delta(dout, out, k.shape[1]),
-                              qpos=pos, qseg=seg, causal=causal, scale=scale)
-
-    def step(carry, _):
-        dq, kv, (dk, dv) = carry
-        dqb, dkb, dvb = grads(k=kv[0], v=kv[1], kpos=kv[2], kseg=kv[3])
-        return (dq + dqb, *jax.tree.map(lambda a: _next(a, n), (kv, (dk + dkb, dv + dvb)))), None
-
-    zeros = jnp.zeros(k.shape, jnp.float32)
-    (dq, _, (dk, dv)), _ = jax.lax.scan(step, (jnp.zeros(q.shape, jnp.float32), (k, v, pos, seg), (zeros, zeros)),
-                                        None, length=n)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
-
-
-_ring.defvjp(_ring_fwd, _ring_bwd)
-
-
 # ----------------------------------------------------------------------------- the public function
 
 
@@ -370,7 +162,7 @@ def _plain(q, k, v, pos, seg, causal: bool, scale: float):
             and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128):
         return jax.nn.dot_product_attention(q[None], k[None], v[None], scale=scale, is_causal=causal)[0]
     seg = jnp.zeros(pos.shape, jnp.int32) if seg is None else seg
-    s, _ = _block_scores(q, k, pos, pos, seg, seg, causal, scale)
+    s, _ = block_scores(q, k, pos, pos, seg, seg, causal, scale)
     p = jax.nn.softmax(s, axis=-1)
     t, hq, d = q.shape
     return jnp.einsum("kgts,skd->tkgd", p.astype(v.dtype), v).reshape(t, hq, d)
@@ -380,9 +172,9 @@ def _split(q, k, v, pos, seg, causal: bool, scale: float, impl: str, n: int):
     """Attention with the sequence split over ``context`` (``n`` shards)."""
     seg = jnp.zeros(pos.shape, jnp.int32) if seg is None else seg
     if impl == "ring" and n > 1:
-        body = functools.partial(_ring, causal=causal, scale=scale, n=n)
+        body = functools.partial(ring_attention, causal=causal, scale=scale, n=n)
     else:
-        body = functools.partial(_gather_attention, causal=causal, scale=scale, n=n)
+        body = functools.partial(gather_attention, causal=causal, scale=scale, n=n)
     seq, tok = P(CONTEXT, None, None), P(CONTEXT)
     return jax.shard_map(lambda *a: body(*a), in_specs=(seq, seq, seq, tok, tok), out_specs=seq,
                          axis_names=frozenset({CONTEXT}), check_vma=False)(q, k, v, pos, seg)
@@ -420,8 +212,8 @@ def attention(
     come to it: all gathered over ``context`` (``impl="gather"``: ``C``
     times one shard's K/V in memory) or passed around a ring with
     ``ppermute`` (``impl="ring"``: two shards' K/V in memory, the transfers
-    beside the compute). The gather computes blocks of `BLOCK` queries by
-    `BLOCK` keys, the ring blocks of ``T / C`` by ``T / C``, with an online
+    beside the compute). The gather computes blocks of 1024 queries by
+    1024 keys (`redeqx._blockwise.BLOCK`), the ring blocks of ``T / C`` by ``T / C``, with an online
     softmax, and both differentiate by recomputing the scores (custom
     VJPs), never forming the ``(T, T)`` scores.
 
