@@ -222,3 +222,12 @@ def test_users_model_trains_like_one_device(devices, shape, causal):
 def test_llama_accumulates_split_micro_batches(devices):
     _like_one_device(lambda: models.LlamaForCausalLM(CONFIG, key=jax.random.key(0)), llama_loss, (2, 2, 2),
                      accumulate=2)
+
+
+def test_evaluate_refuses_a_context_mesh(devices):
+    mesh = _mesh(2, 2, 2)
+    model = models.LlamaForCausalLM(CONFIG, key=jax.random.key(0))
+    specs = redeqx.sharding_rules(model, mesh)
+    eval_step = redeqx.make_eval_step(llama_loss, mesh, specs)
+    with pytest.raises(ValueError, match="cannot split sequences"):
+        redeqx.evaluate(eval_step, model, _examples(), _collate, 2, mesh, key=jax.random.key(0))

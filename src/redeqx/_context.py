@@ -131,6 +131,16 @@ def check_seq_keys(seq_keys, mesh) -> tuple[str, ...]:
     return seq_keys
 
 
+def refuse_context(mesh, what: str) -> None:
+    """An error for a function that cannot split sequences yet, on a mesh that does."""
+    if mesh_context(mesh) > 1:
+        raise ValueError(
+            f"{what} cannot split sequences over 'context' yet (mesh {dict(mesh.shape)}): run it on a mesh without a "
+            "context axis over the same devices, e.g. mesh2 = redeqx.make_mesh(n_model_shards) and the model moved "
+            "with redeqx.shard(model, redeqx.sharding_rules(model, mesh2), mesh2)."
+        )
+
+
 def order_sequences(batch, seq_keys: tuple[str, ...], mesh):
     """``batch`` (a dict of NumPy arrays) with dim 1 of each of ``seq_keys``
     in the split order of ``mesh``'s context axis."""

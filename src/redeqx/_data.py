@@ -45,7 +45,7 @@ from jax.sharding import Mesh, NamedSharding
 from tqdm.auto import tqdm
 
 from ._compiled import narrow_64bit
-from ._context import batch_spec, check_seq_keys, order_sequences
+from ._context import batch_spec, check_seq_keys, order_sequences, refuse_context
 from ._mesh import DATA, check_mesh
 from ._steps import EvalStep
 from ._typing import positive_int, typechecked
@@ -607,6 +607,7 @@ def shuffled(examples: Any, buffer_size: int, *, key) -> Shuffled:
 def _every_example(examples, collate_fn, per_device_batch_size, mesh, desc, prefetch):
     """``(global_batch, n_real)`` for `evaluate` and `predict`: every example
     once, in order, the last batch padded with copies of its last example."""
+    refuse_context(mesh, "redeqx.evaluate and redeqx.predict")
     if _check_examples(examples):
         n = len(examples)
         rows = _sequence_rows(examples, np.arange(n), per_device_batch_size, mesh, 0, False, False)
