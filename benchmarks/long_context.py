@@ -2,7 +2,7 @@
 parallelism, planned on abstract shapes (nothing allocated, no TPU needed).
 
     python benchmarks/long_context.py              # TPU v4 via libtpu (benchmarks/.venv-tpu), else XLA:CPU
-    python benchmarks/long_context.py --quick      # the 8B search only
+    python benchmarks/long_context.py --sizes 8b   # the 8B searches only
     python benchmarks/long_context.py --cache /tmp/lc.json   # keep each probe; a rerun skips the done ones
 
 Each probe is one `redeqx.plan(..., explore=False)` of a LLaMA-3-shaped model
@@ -114,14 +114,20 @@ def worker(task: dict) -> None:
 # ----------------------------------------------------------------------------- driver (no JAX)
 
 
+class NotProbed(Exception):
+    """A probe missing from the cache, with --cached-only."""
+
+
 class Runner:
-    def __init__(self, tpu: bool, cache: Path | None):
-        self.tpu, self.cache_path = tpu, cache
+    def __init__(self, tpu: bool, cache: Path | None, cached_only: bool = False):
+        self.tpu, self.cache_path, self.cached_only = tpu, cache, cached_only
         self.cache = json.loads(cache.read_text()) if cache and cache.exists() else {}
 
     def __call__(self, **task) -> dict:
         task = dict(task, tpu=self.tpu)
         key = json.dumps(task, sort_keys=True)
+        if key not in self.cache and self.cached_only:
+            raise NotProbed(key)
         if key not in self.cache:
             env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={task['chips']}",
                        PYTHONWARNINGS="ignore::UserWarning")
@@ -129,6 +135,7 @@ class Runner:
             if self.tpu:
                 python = str(TPU_PYTHON)
                 env.update(TPU_ACCELERATOR_TYPE=f"v4-{2 * task['chips']}", TPU_WORKER_HOSTNAMES="localhost",
+                           ALLOW_MULTIPLE_LIBTPU_LOAD="1",  # other compiles (other probes, other sessions) may hold libtpu
                            TPU_SKIP_MDS_QUERY="1")
             proc = subprocess.run([python, __file__, "--worker", key], env=env, stdout=subprocess.PIPE, text=True)
             if proc.returncode:
@@ -141,7 +148,17 @@ class Runner:
 
 
 def longest(run: Runner, size: str, chips: int, context: int, model: int, start: int, impl="gather"):
-    """The longest power-of-two multiple of 1024 tokens that fits (searched from ``start``, up or down), and its plan."""
+    """The longest power-of-two multiple of 1024 tokens that fits (searched from ``start``, up or down), and its
+    plan; with probes missing (--cached-only), the longest that fits among those made, and None."""
+    try:
+        return _longest(run, size, chips, context, model, start, impl)
+    except NotProbed:
+        fit = [json.loads(k)["seq"] for k, v in run.cache.items() if v.get("fits") and json.loads(k).get("kind") == "plan"
+               and all(json.loads(k)[f] == x for f, x in (("size", size), ("context", context), ("model", model)))]
+        return (max(fit) if fit else 0), None
+
+
+def _longest(run: Runner, size: str, chips: int, context: int, model: int, start: int, impl: str):
     probe = lambda seq: run(kind="plan", size=size, chips=chips, context=context, model=model, seq=seq, impl=impl)  # noqa: E731
     seq, p = start, probe(start)
     step = 2 if p["fits"] else 0.5
@@ -174,15 +191,17 @@ def gib(n) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker")
-    parser.add_argument("--quick", action="store_true", help="the 8B search only")
+    parser.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=sorted(SIZES),
+                        help="8b: the 8-chip searches, the C table and attention's bytes; 70b: the 64-chip searches")
     parser.add_argument("--cpu", action="store_true", help="XLA:CPU even when libtpu is installed")
     parser.add_argument("--cache", type=Path)
+    parser.add_argument("--cached-only", action="store_true", help="compile nothing: the table from --cache's probes")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     if args.worker:
         return worker(json.loads(args.worker))
     tpu = TPU_PYTHON.exists() and not args.cpu
-    run = Runner(tpu, args.cache)
+    run = Runner(tpu, args.cache, args.cached_only)
     compiler = "libtpu, TPU v4 (32 GiB a chip)" if tpu else "XLA:CPU's buffer assignment, against 32 GiB a device"
     lines = [f"Planned on abstract shapes by {compiler}: LLaMA-3-shaped models (vocab 128256, 8 KV heads), bf16 "
              "compute, fp32 weights + AdamW, remat, fsdp over data x context, one sequence per step. "
@@ -191,22 +210,25 @@ def main():
              "| model | chips | mesh (context x model) | longest sequence | peak GiB | temporaries GiB |",
              "|---|---|---|---|---|---|"]
     # (context, model, the search's first length): 0 = no context axis
-    cases = [("8b", 8, [(8, 1, 32768), (0, 8, 8192), (1, 8, 16384)])]
-    if not args.quick:
-        cases.append(("70b", 64, [(8, 8, 32768), (0, 8, 8192)]))
+    cases = [("8b", 8, [(8, 1, 32768), (0, 8, 8192), (1, 8, 16384)]),
+             ("70b", 64, [(8, 8, 65536), (0, 8, 8192)])]
+    cases = [case for case in cases if case[0] in args.sizes]
     found = {}
     for size, chips, meshes in cases:
         for c, m, start in meshes:
             seq, p = longest(run, size, chips, c, m, start)
             found[size, c, m] = seq
             mesh = "today, model 8" if c == 0 else f"{c} x {m}"
-            lines.append(f"| {size} | {chips} | {mesh} | {seq} | {gib(p['peak']) if p else '-'} | "
+            shown = f"{seq}" if p else f"≥ {seq} (search unfinished)"
+            lines.append(f"| {size} | {chips} | {mesh} | {shown} | {gib(p['peak']) if p else '-'} | "
                          f"{gib(p['temporaries']) if p else '-'} |")
     for size, chips, meshes in cases:
         base = max(v for k, v in found.items() if k[0] == size and k[1] <= 1)
         best = max(found[k] for k in found if k[0] == size and k[1] > 1)
         lines.append(f"\n{size}: context parallelism fits {best} tokens against {base} without: {best / max(base, 1):.0f}x.")
-    lines += _attention_bytes(run), _per_c(run), GPU_NOTE
+    if "8b" in args.sizes:
+        lines += _attention_bytes(run), _per_c(run)
+    lines.append(GPU_NOTE)
     print("\n".join(lines))
     if not args.no_write:
         write_section("Long context (benchmarks/long_context.py)", "\n".join(lines))
@@ -218,7 +240,11 @@ def _per_c(run: Runner) -> str:
             "| C | temporaries GiB / device | FLOPs per token (all devices) | vs C=1 |", "|---|---|---|---|"]
     first = None
     for c in (1, 8, 4, 2):
-        p = run(kind="plan", size="8b", chips=8, context=c, model=8 // c, seq=32768, impl="gather")
+        try:
+            p = run(kind="plan", size="8b", chips=8, context=c, model=8 // c, seq=32768, impl="gather")
+        except NotProbed:
+            rows.append(f"| {c} | not probed | | |")
+            continue
         per_token = p["flops"] * 8 / 32768
         first = first or per_token
         rows.append(f"| {c} | {gib(p['temporaries'])} | {per_token:.3e} | {per_token / first:.3f} |")
