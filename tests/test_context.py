@@ -231,3 +231,12 @@ def test_evaluate_refuses_a_context_mesh(devices):
     eval_step = redeqx.make_eval_step(llama_loss, mesh, specs)
     with pytest.raises(ValueError, match="cannot split sequences"):
         redeqx.evaluate(eval_step, model, _examples(), _collate, 2, mesh, key=jax.random.key(0))
+
+
+def test_restore_order_undoes_the_split(devices):
+    x = np.arange(2 * 16).reshape(2, 16)
+    mesh = _mesh(1, 4, 2)
+    split = x[:, redeqx.context_order(16, 4)]
+    np.testing.assert_array_equal(redeqx.restore_order(split, mesh), x)
+    np.testing.assert_array_equal(redeqx.restore_order(jnp.asarray(split), mesh), x)
+    np.testing.assert_array_equal(redeqx.restore_order(x, redeqx.make_mesh(2)), x)

@@ -30,7 +30,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from ._blockwise import block_scores, gather_attention, ring_attention
@@ -62,10 +62,18 @@ def _check_split(n_tokens: int, n_shards: int, what: str) -> None:
         )
 
 
+@typechecked
 def context_order(n_tokens: int, n_shards: int) -> np.ndarray:
     """``order[j]``: the original position of the token at place ``j`` of
     the split layout (the identity for one shard). Shard ``i`` holds chunks
-    ``i`` and ``2 n_shards - 1 - i`` of the ``2 n_shards`` equal chunks."""
+    ``i`` and ``2 n_shards - 1 - i`` of the ``2 n_shards`` equal chunks.
+
+    **Example:**
+
+    ```python
+    redeqx.context_order(8, 2)   # array([0, 1, 6, 7, 2, 3, 4, 5]): shard 0 holds 0, 1, 6, 7
+    ```
+    """
     if n_shards == 1:
         return np.arange(n_tokens)
     _check_split(n_tokens, n_shards, "context_order")
@@ -90,14 +98,21 @@ def sequence_positions(n_tokens: int) -> Int[Array, " seq"]:
     return jnp.asarray(context_order(n_tokens, context_shards()), jnp.int32)
 
 
-def restore_order(x, axis: int = 1):
-    """Per-token outputs in the split layout (e.g. ``pred_fn``'s ``(batch,
-    seq, ...)``) back in the original order (a NumPy or JAX array; nothing
-    changes without a ``context`` axis or when ``x`` came from a step
-    without one, so call it with the mesh the outputs came from in
-    context: ``with jax.set_mesh(mesh): restore_order(preds)``)."""
+@typechecked
+def restore_order(x: np.ndarray | Array, mesh: Mesh, *, axis: int = 1) -> np.ndarray | Array:
+    """Per-token outputs of a step on ``mesh`` (e.g. a predict step's
+    ``(batch, seq, ...)``), which come in the split layout, back in the
+    original order along ``axis``; unchanged for a mesh without a
+    ``context`` axis.
+
+    **Example:**
+
+    ```python
+    logits = redeqx.restore_order(predict_step(model, batch, key), mesh)
+    ```
+    """
     n = x.shape[axis]
-    inverse = np.argsort(context_order(n, context_shards()))
+    inverse = np.argsort(context_order(n, mesh_context(mesh)))
     return x.take(inverse, axis=axis) if isinstance(x, np.ndarray) else jnp.take(x, inverse, axis=axis)
 
 
