@@ -204,14 +204,15 @@ def main():
     run = Runner(tpu, args.cache, args.cached_only)
     compiler = "libtpu, TPU v4 (32 GiB a chip)" if tpu else "XLA:CPU's buffer assignment, against 32 GiB a device"
     lines = [f"Planned on abstract shapes by {compiler}: LLaMA-3-shaped models (vocab 128256, 8 KV heads), bf16 "
-             "compute, fp32 weights + AdamW, remat, fsdp over data x context, one sequence per step. "
+             "compute, fp32 weights + AdamW, remat, fsdp over data x context, one sequence per data row "
+             "(the 70B without context parallelism: data 8 x model 8, 8 sequences a step, each on its own 8 chips). "
              "`today` is a mesh without a context axis (the zoo's unsplit attention, which forms the (T, T) "
              "scores off a GPU); `C=1` a context axis of one device (the blocked attention, nothing split).", "",
              "| model | chips | mesh (context x model) | longest sequence | peak GiB | temporaries GiB |",
              "|---|---|---|---|---|---|"]
     # (context, model, the search's first length): 0 = no context axis
     cases = [("8b", 8, [(8, 1, 32768), (0, 8, 8192), (1, 8, 16384)]),
-             ("70b", 64, [(8, 8, 65536), (0, 8, 8192)])]
+             ("70b", 64, [(8, 8, 65536), (0, 8, 8192), (1, 8, 8192)])]
     cases = [case for case in cases if case[0] in args.sizes]
     found = {}
     for size, chips, meshes in cases:
