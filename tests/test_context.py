@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import redeqx
+import redeqx._blockwise  # noqa: F401  (its BLOCK, set small in a test)
 from redeqx import models
 
 SEQ_KEYS = ("input_ids", "labels", "attention_mask")
@@ -59,7 +60,10 @@ def test_make_mesh_context_axis(devices):
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("impl", ["gather", "ring"])
-def test_attention_split_equals_one_device(getkey, causal, impl):
+@pytest.mark.parametrize("block", [None, 2])  # 2: each shard's 4 queries and keys in blocks of 2
+def test_attention_split_equals_one_device(getkey, monkeypatch, causal, impl, block):
+    if block is not None:
+        monkeypatch.setattr("redeqx._blockwise.BLOCK", block)
     q, k, v = _qkv(getkey())
     seg = jnp.asarray(np.r_[np.zeros(3), np.ones(13)].astype(np.int32))[None].repeat(2, 0)  # 3 padding tokens
     weights = jax.random.normal(getkey(), q.shape)

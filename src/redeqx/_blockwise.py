@@ -60,7 +60,7 @@ def _block_backward(q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, causal, sca
 
 # ----------------------------------------------------------------------------- on one context shard (inside shard_map)
 
-BLOCK = 1024  # queries and keys per block of the gathered path: one block's scores are (heads, BLOCK, BLOCK) f32
+BLOCK = 1024  # queries and keys per block: one block's scores are (heads, BLOCK, BLOCK) in float32
 
 
 def _init(q, hkv):
@@ -100,34 +100,24 @@ def _n_blocks(t: int) -> int:
     return next(t // b for b in range(min(t, BLOCK), 0, -1) if t % b == 0)
 
 
-# -- queries over keys they hold whole: flash attention's loop, block by block of keys
+# -- queries over keys, block by block of keys (flash attention's loop)
 
 
-def _flash_forward(q, k, v, qpos, kpos, qseg, kseg, causal, scale):
+def _over_keys(acc, q, k, v, qpos, kpos, qseg, kseg, causal, scale):
+    """Running (out, max, sum) of queries ``q`` updated with keys ``k`` in blocks of `BLOCK`."""
     block = functools.partial(_block_forward, q=q, qpos=qpos, qseg=qseg, causal=causal, scale=scale)
 
     def step(carry, kv):
         return block(carry, k=kv[0], v=kv[1], kpos=kv[2], kseg=kv[3]), None
 
     nb = _n_blocks(k.shape[0])
-    (o, m, l), _ = jax.lax.scan(step, _init(q, k.shape[1]), tuple(_blocks(a, nb) for a in (k, v, kpos, kseg)))
-    return _finish(o, m, l, q)
+    return jax.lax.scan(step, acc, tuple(_blocks(a, nb) for a in (k, v, kpos, kseg)))[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _flash(q, k, v, qpos, kpos, qseg, kseg, causal, scale):
-    return _flash_forward(q, k, v, qpos, kpos, qseg, kseg, causal, scale)[0]
-
-
-def _flash_fwd(q, k, v, qpos, kpos, qseg, kseg, causal, scale):
-    out, lse = _flash_forward(q, k, v, qpos, kpos, qseg, kseg, causal, scale)
-    return out, (q, k, v, qpos, kpos, qseg, kseg, out, lse)
-
-
-def _flash_bwd(causal, scale, res, dout):
-    q, k, v, qpos, kpos, qseg, kseg, out, lse = res
-    grads = functools.partial(_block_backward, q=q, do=dout, lse=lse, delta=_delta(dout, out, k.shape[1]),
-                              qpos=qpos, qseg=qseg, causal=causal, scale=scale)
+def _grads_over_keys(q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, causal, scale):
+    """(dq, dk, dv) in float32 of queries ``q`` over keys ``k``, in blocks of `BLOCK` keys."""
+    grads = functools.partial(_block_backward, q=q, do=do, lse=lse, delta=delta, qpos=qpos, qseg=qseg,
+                              causal=causal, scale=scale)
 
     def step(dq, kv):
         dqb, dkb, dvb = grads(k=kv[0], v=kv[1], kpos=kv[2], kseg=kv[3])
@@ -136,8 +126,58 @@ def _flash_bwd(causal, scale, res, dout):
     nb = _n_blocks(k.shape[0])
     dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(q.shape, jnp.float32),
                                 tuple(_blocks(a, nb) for a in (k, v, kpos, kseg)))
-    return (dq.astype(q.dtype), dk.reshape(k.shape).astype(k.dtype), dv.reshape(v.shape).astype(v.dtype),
-            None, None, None, None)
+    return dq, dk.reshape(k.shape), dv.reshape(v.shape)
+
+
+def _split_queries(a, n: int, axis: int):
+    """(..., T, ...) -> (n, ..., T / n, ...): a per-query array cut into ``n`` blocks along ``axis``."""
+    return jnp.moveaxis(a.reshape(*a.shape[:axis], n, -1, *a.shape[axis + 1:]), axis, 0)
+
+
+def _queries_over_keys(acc, q, qpos, qseg, k, v, kpos, kseg, causal, scale):
+    """`_over_keys` a block of `BLOCK` queries at a time (the ring's step)."""
+    nq = _n_blocks(q.shape[0])
+    if nq == 1:
+        return _over_keys(acc, q, k, v, qpos, kpos, qseg, kseg, causal, scale)
+    out = jax.lax.map(lambda x: _over_keys(x[0], x[1], k, v, x[2], kpos, x[3], kseg, causal, scale),
+                      (tuple(_split_queries(a, nq, 2) for a in acc), _blocks(q, nq), _blocks(qpos, nq),
+                       _blocks(qseg, nq)))
+    return tuple(jnp.moveaxis(a, 0, 2).reshape(a.shape[1], a.shape[2], -1, *a.shape[4:]) for a in out)
+
+
+def _query_grads(q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, causal, scale):
+    """`_grads_over_keys` a block of `BLOCK` queries at a time (the ring's step)."""
+    nq = _n_blocks(q.shape[0])
+    if nq == 1:
+        return _grads_over_keys(q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, causal, scale)
+
+    def step(dkv, x):
+        qb, dob, lb, db, pb, sb = x
+        dq, dk, dv = _grads_over_keys(qb, k, v, dob, lb, db, pb, kpos, sb, kseg, causal, scale)
+        return (dkv[0] + dk, dkv[1] + dv), dq
+
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    xs = (_blocks(q, nq), _blocks(do, nq), _split_queries(lse, nq, 2), _split_queries(delta, nq, 2),
+          _blocks(qpos, nq), _blocks(qseg, nq))
+    (dk, dv), dq = jax.lax.scan(step, (zeros, zeros), xs)
+    return dq.reshape(q.shape), dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _flash(q, k, v, qpos, kpos, qseg, kseg, causal, scale):
+    return _flash_fwd(q, k, v, qpos, kpos, qseg, kseg, causal, scale)[0]
+
+
+def _flash_fwd(q, k, v, qpos, kpos, qseg, kseg, causal, scale):
+    out, lse = _finish(*_over_keys(_init(q, k.shape[1]), q, k, v, qpos, kpos, qseg, kseg, causal, scale), q)
+    return out, (q, k, v, qpos, kpos, qseg, kseg, out, lse)
+
+
+def _flash_bwd(causal, scale, res, dout):
+    q, k, v, qpos, kpos, qseg, kseg, out, lse = res
+    dq, dk, dv = _grads_over_keys(q, k, v, dout, lse, _delta(dout, out, k.shape[1]), qpos, kpos, qseg, kseg,
+                                  causal, scale)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -182,14 +222,14 @@ def gather_attention(q, k, v, pos, seg, causal, scale, n):
 
 
 def _ring_forward(q, k, v, pos, seg, causal, scale, n):
-    block = functools.partial(_block_forward, q=q, qpos=pos, qseg=seg, causal=causal, scale=scale)
+    hop = functools.partial(_queries_over_keys, q=q, qpos=pos, qseg=seg, causal=causal, scale=scale)
 
     def step(carry, _):
         acc, kv = carry
         kv = jax.tree.map(lambda a: _next(a, n), kv)
-        return (block(acc, k=kv[0], v=kv[1], kpos=kv[2], kseg=kv[3]), kv), None
+        return (hop(acc, k=kv[0], v=kv[1], kpos=kv[2], kseg=kv[3]), kv), None
 
-    first = block(_init(q, k.shape[1]), k=k, v=v, kpos=pos, kseg=seg)  # this shard's own keys first
+    first = hop(_init(q, k.shape[1]), k=k, v=v, kpos=pos, kseg=seg)  # this shard's own keys first
     ((o, m, l), _), _ = jax.lax.scan(step, (first, (k, v, pos, seg)), None, length=n - 1)
     return _finish(o, m, l, q)
 
@@ -207,7 +247,7 @@ def _ring_fwd(q, k, v, pos, seg, causal, scale, n):
 def _ring_bwd(causal, scale, n, res, dout):
     """K/V go round the ring again, their gradients with them: home after ``n`` hops."""
     q, k, v, pos, seg, out, lse = res
-    grads = functools.partial(_block_backward, q=q, do=dout, lse=lse, delta=_delta(dout, out, k.shape[1]),
+    grads = functools.partial(_query_grads, q=q, do=dout, lse=lse, delta=_delta(dout, out, k.shape[1]),
                               qpos=pos, qseg=seg, causal=causal, scale=scale)
 
     def step(carry, _):
