@@ -10,6 +10,12 @@ from ._checkpoint import (
 )
 from ._build import init_model as init_model
 from ._constrain import constrain as constrain
+from ._context import (
+    attention as attention,
+    context_order as context_order,
+    restore_order as restore_order,
+    sequence_positions as sequence_positions,
+)
 from ._data import batches as batches, shuffled as shuffled
 from ._distributed import initialize as initialize, preflight as preflight
 from ._grain import GrainBatches as GrainBatches, grain_batches as grain_batches

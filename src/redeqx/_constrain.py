@@ -14,6 +14,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import PyTree
 
+from ._mesh import CONTEXT
 from ._typing import typechecked
 
 
@@ -31,7 +32,10 @@ def _fit(spec: P, shape: tuple[int, ...], sizes: dict[str, int], where: str) -> 
         )
     entries = []
     for d, entry in enumerate(spec):
-        axes = _axes(entry)
+        # 'context' (the sequence split) names a dim that a mesh without that axis keeps whole,
+        # so a model written for split sequences runs on every redeqx mesh
+        axes = tuple(a for a in _axes(entry) if a != CONTEXT or a in sizes)
+        entry = None if not axes else axes if isinstance(entry, tuple) else entry
         for a in axes:
             if a not in sizes:
                 raise ValueError(
@@ -61,7 +65,9 @@ def constrain(x: PyTree, spec: P, *, mesh: Mesh | None = None) -> PyTree:
     ``spec`` names one entry per leading dim of ``x`` as the model sees it:
     inside ``jax.vmap`` the mapped (batch) dim is not named and stays free for
     the data axis. A dim whose size the named axes do not divide (a batch of
-    one row, 2 KV heads over 4 shards) is left replicated.
+    one row, 2 KV heads over 4 shards) is left replicated. The axis
+    ``"context"`` (a sequence dim, split by ``make_mesh(...,
+    n_context_shards=C)``) is dropped on a mesh without it.
 
     **Example** (attention heads split over ``model``, the residual stream
     whole on every ``model`` device):

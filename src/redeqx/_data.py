@@ -35,17 +35,18 @@ import math
 import queue
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Mapping, MappingView, Set
+from collections.abc import Callable, Iterator, Mapping, MappingView, Sequence, Set
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 from tqdm.auto import tqdm
 
 from . import _progress
 from ._compiled import narrow_64bit
+from ._context import batch_spec, check_seq_keys, order_sequences, refuse_context
 from ._mesh import DATA, check_mesh
 from ._typing import positive_int, typechecked
 
@@ -101,14 +102,17 @@ def local_rows(mesh: Mesh, global_batch: int) -> tuple[int, int]:
     return lo * per, hi * per
 
 
-def to_global(local_batch, mesh: Mesh, global_batch: int):
-    """This process's rows -> global arrays split over ``data``."""
+def to_global(local_batch, mesh: Mesh, global_batch: int, seq_keys: tuple[str, ...] = ()):
+    """This process's rows -> global arrays split over ``data`` (and the
+    ``seq_keys`` entries' dim 1 over ``context``, put in its order first)."""
+    local_batch = order_sequences(local_batch, seq_keys, mesh)
 
-    def one(x):
-        sharding = NamedSharding(mesh, P(DATA, *([None] * (x.ndim - 1))))
+    def one(kp, x):
+        seq = bool(kp) and getattr(kp[0], "key", None) in seq_keys
+        sharding = NamedSharding(mesh, batch_spec(x.ndim, mesh, seq))
         return jax.make_array_from_process_local_data(sharding, x, (global_batch, *x.shape[1:]))
 
-    return jax.tree.map(one, local_batch)
+    return jax.tree_util.tree_map_with_path(one, local_batch)
 
 
 # batches made ahead of the loop by default: one to overlap the running step,
@@ -282,7 +286,7 @@ def _check_length(n, size, per_device_batch_size, mesh, drop_last, start) -> Non
 
 
 def _padded_batches(rows: Iterator[tuple[list, int]], collate_fn, per_device_batch_size, mesh, n_batches, start, desc,
-                    prefetch):
+                    prefetch, seq_keys: tuple[str, ...] = ()):
     """Yields ``(global_batch, n_real)`` for each ``(examples, n_real)`` of
     ``rows``: this process's examples collated and made one global batch,
     up to ``prefetch`` batches ahead. ``n_batches`` is the progress bar's
@@ -292,7 +296,7 @@ def _padded_batches(rows: Iterator[tuple[list, int]], collate_fn, per_device_bat
     def made():  # in the prefetch thread
         with contextlib.closing(rows):
             for local, n_real in rows:
-                yield to_global(collate(collate_fn, local, len(local)), mesh, size), n_real
+                yield to_global(collate(collate_fn, local, len(local)), mesh, size, seq_keys), n_real
 
     bar = tqdm(total=n_batches, initial=start if n_batches is None else min(start, n_batches),
                desc=None if desc is None else _bar_title(desc, per_device_batch_size, mesh),
@@ -398,6 +402,7 @@ def batches(
     start: int = 0,
     desc: str | None = None,
     prefetch: int = DEFAULT_PREFETCH,
+    seq_keys: Sequence[str] | str | None = None,
 ) -> Iterator[Any]:
     """Global batches of ``per_device_batch_size * data`` rows, split over the
     mesh's ``data`` axis and replicated over ``model``: one batch per
@@ -445,6 +450,13 @@ def batches(
       must return new arrays, not a buffer it reuses. Its errors are raised
       here, at the batch that failed. Leaving the loop early stops the
       thread. ``prefetch=0``: collate in the loop's thread, when asked.
+    - ``seq_keys``: on a mesh with a ``context`` axis (``make_mesh(...,
+      n_context_shards=C)``), the keys of the (dict) batch whose dim 1 is the
+      sequence; required there. Their sequences are put in the dual-chunk
+      order (`redeqx.context_order`) on the host and split over ``context``;
+      other keys stay whole. Labels must come shifted from ``collate_fn``
+      (docs/guides/long_context.md). Without a ``context`` axis it changes
+      nothing.
 
     **Example:**
 
@@ -482,6 +494,7 @@ def batches(
     sequence = _check_examples(examples)
     if not callable(collate_fn):
         raise TypeError(f"collate_fn must be a function list[example] -> dict of arrays, got {collate_fn!r}.")
+    seq_keys = check_seq_keys(seq_keys, mesh)
     size = _global_batch_size(per_device_batch_size, mesh)
     if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or start < 0:
         raise ValueError(f"start must be a batch index >= 0, got {start!r}.")
@@ -492,7 +505,7 @@ def batches(
         if shuffle:
             raise ValueError(_STREAM_SHUFFLE.format(kind=type(examples).__name__))
         rows = _stream_rows(examples, per_device_batch_size, mesh, start, drop_last, True)
-        made = _padded_batches(rows, collate_fn, per_device_batch_size, mesh, None, start, desc, prefetch)
+        made = _padded_batches(rows, collate_fn, per_device_batch_size, mesh, None, start, desc, prefetch, seq_keys)
         return _only_batches(made, None, stream_size=size)
     n = len(examples)
     _check_length(n, size, per_device_batch_size, mesh, drop_last, start)
@@ -500,7 +513,7 @@ def batches(
     order = _order(n, shuffle, key)
     rows = _sequence_rows(examples, order, per_device_batch_size, mesh, start, drop_last, True)
     made = _padded_batches(rows, collate_fn, per_device_batch_size, mesh, _n_batches(n, size, drop_last), start, desc,
-                           prefetch)
+                           prefetch, seq_keys)
     return _only_batches(made, warning)
 
 
@@ -588,6 +601,7 @@ def shuffled(examples: Any, buffer_size: int, *, key) -> Shuffled:
 def _every_example(examples, collate_fn, per_device_batch_size, mesh, desc, prefetch):
     """``(global_batch, n_real)`` for `evaluate` and `predict`: every example
     once, in order, the last batch padded with copies of its last example."""
+    refuse_context(mesh, "redeqx.evaluate and redeqx.predict")
     if _check_examples(examples):
         n = len(examples)
         rows = _sequence_rows(examples, np.arange(n), per_device_batch_size, mesh, 0, False, False)

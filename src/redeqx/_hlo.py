@@ -216,6 +216,8 @@ def collectives(hlo_text: str) -> list[Collective]:
             if kind not in _KINDS:
                 continue
             arrays = array_shapes(ins.shape)
+            if op == "collective-permute-start":  # libtpu's tuple ends in two u32[] context scalars
+                arrays = [a for a in arrays if a != ("u32", ())] or arrays
             if op.endswith("-start") and kind in ("all-gather", "collective-permute", "all-to-all") and len(arrays) > 1:
                 arrays = arrays[len(arrays) // 2:]
             nbytes = sum(DTYPE_BYTES[d] * int(np.prod(s, dtype=np.int64)) for d, s in arrays)

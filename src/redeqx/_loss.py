@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ._mesh import DATA
+from ._mesh import CONTEXT, DATA
 from ._remat import ScanResiduals, scans_keep_products
 from ._opt_state import trainable_params
 from ._trees import is_floating
@@ -205,7 +205,9 @@ def micro_batches(batch, accumulate: int, mesh: Mesh | None):
         x = x.reshape(b // accumulate, accumulate, *x.shape[1:]).swapaxes(0, 1)
         if mesh is None:
             return x
-        spec = P(None, DATA, *([None] * (x.ndim - 2)))
+        # on a mesh with a context axis a sequence dim keeps its split (left to the batch's own layout)
+        rest = P.UNCONSTRAINED if CONTEXT in mesh.axis_names else None
+        spec = P(None, DATA, *([rest] * (x.ndim - 2)))
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
     return jax.tree.map(split, batch)

@@ -1,4 +1,4 @@
-"""Devices -> a 2-D ``("data", "model")`` mesh."""
+"""Devices -> a ``("data", "model")`` mesh, or ``("data", "context", "model")`` with sequences split."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from jax.sharding import AxisType, Mesh
 from ._typing import typechecked
 
 DATA = "data"
+CONTEXT = "context"  # the sequence split (redeqx._context)
 MODEL = "model"
 
 
@@ -19,6 +20,7 @@ MODEL = "model"
 def make_mesh(
     n_model_shards: int | Literal["auto"] = 1,
     *,
+    n_context_shards: int = 1,
     devices: Sequence[jax.Device] | None = None,
     planner: Callable[[Mesh], Any] | None = None,
 ) -> Mesh:
@@ -36,6 +38,13 @@ def make_mesh(
     each candidate mesh, 1, 2, 4, ... model shards, each compiled on
     abstract shapes, and the first whose plan fits is returned.
 
+    ``n_context_shards > 1`` adds a ``"context"`` axis between the two
+    (``("data", "context", "model")``, ``data`` the devices left): each
+    sequence is split over that many devices (context parallelism, for
+    sequences whose activations do not fit one device; see
+    `redeqx.attention` and ``seq_keys`` in `redeqx.batches`). Without it the
+    mesh is the 2-D one, exactly as before.
+
     Both axes are ``Auto``: the sharding rules only place parameters, and the
     partitioner's propagation (Shardy, this JAX's default) then decides the
     layout of every activation. ``Explicit``
@@ -50,6 +59,7 @@ def make_mesh(
 
     ```python
     mesh = redeqx.make_mesh(n_model_shards=2)   # 8 devices -> data=4, model=2
+    mesh = redeqx.make_mesh(2, n_context_shards=2)   # 8 devices -> data=2, context=2, model=2
     ```
     """
     if devices is None:
@@ -57,24 +67,38 @@ def make_mesh(
     devices = list(devices)
     if len(devices) == 0:
         raise ValueError("devices is empty: pass at least one device, or leave devices=None to use jax.devices().")
+    n_context_shards = _positive(n_context_shards, "n_context_shards")
     if n_model_shards == "auto":
-        return _auto_mesh(devices, planner)
+        return _auto_mesh(devices, planner, n_context_shards)
     if isinstance(n_model_shards, bool) or not isinstance(n_model_shards, (int, np.integer)):
         raise TypeError(f"n_model_shards must be an int or 'auto', got {n_model_shards!r} ({type(n_model_shards).__name__}).")
     if n_model_shards < 1:
         raise ValueError(f"n_model_shards must be >= 1, got {n_model_shards}.")
-    if len(devices) % n_model_shards != 0:
+    inner = int(n_model_shards) * n_context_shards
+    if len(devices) % inner != 0:
         divisors = [d for d in range(1, len(devices) + 1) if len(devices) % d == 0]
+        what = (f"n_model_shards={n_model_shards}" if n_context_shards == 1 else
+                f"n_context_shards={n_context_shards} x n_model_shards={n_model_shards} = {inner}")
         raise ValueError(
-            f"n_model_shards={n_model_shards} does not divide the {len(devices)} devices: "
-            f"the mesh needs data * model = {len(devices)}. Pick one of {divisors}."
+            f"{what} does not divide the {len(devices)} devices: the mesh needs data * "
+            f"{'' if n_context_shards == 1 else 'context * '}model = {len(devices)}. Pick "
+            f"{'n_model_shards' if n_context_shards == 1 else 'a product'} in {divisors}."
         )
-    n_data = len(devices) // n_model_shards
-    grid = np.asarray(devices, dtype=object).reshape(n_data, int(n_model_shards))
-    return Mesh(grid, (DATA, MODEL), axis_types=(AxisType.Auto, AxisType.Auto))
+    n_data = len(devices) // inner
+    if n_context_shards == 1:
+        grid = np.asarray(devices, dtype=object).reshape(n_data, int(n_model_shards))
+        return Mesh(grid, (DATA, MODEL), axis_types=(AxisType.Auto, AxisType.Auto))
+    grid = np.asarray(devices, dtype=object).reshape(n_data, n_context_shards, int(n_model_shards))
+    return Mesh(grid, (DATA, CONTEXT, MODEL), axis_types=(AxisType.Auto,) * 3)
 
 
-def _auto_mesh(devices: list, planner) -> Mesh:
+def _positive(n, name: str) -> int:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise ValueError(f"{name} must be a positive int, got {n!r}; 1 means not split.")
+    return int(n)
+
+
+def _auto_mesh(devices: list, planner, n_context: int = 1) -> Mesh:
     if planner is None:
         raise ValueError(
             'n_model_shards="auto" needs planner=: e.g. planner=functools.partial(redeqx.plan, make_model, loss_fn, '
@@ -84,8 +108,8 @@ def _auto_mesh(devices: list, planner) -> Mesh:
     # once, for the advice, not for every candidate of the search
     quiet = {"explore": False} if _takes(planner, "explore") else {}
     seen, last = [], None
-    for k in [d for d in range(1, len(devices) + 1) if len(devices) % d == 0]:
-        mesh = make_mesh(k, devices=devices)
+    for k in [d for d in range(1, len(devices) // n_context + 1) if len(devices) % (d * n_context) == 0]:
+        mesh = make_mesh(k, n_context_shards=n_context, devices=devices)
         try:
             found = planner(mesh, **quiet)
         except ValueError as e:  # e.g. a global batch this data axis cannot split
@@ -121,20 +145,24 @@ def _takes(fn, name: str) -> bool:
 
 _MESH_FIX = (
     "build it with redeqx.make_mesh(n_model_shards), or name your own mesh's axes "
-    "jax.make_mesh((n_data, n_model), ('data', 'model'), axis_types=(AxisType.Auto, AxisType.Auto))"
+    "jax.make_mesh((n_data, n_model), ('data', 'model'), axis_types=(AxisType.Auto, AxisType.Auto)) "
+    "(or ('data', 'context', 'model') for sequences split over devices)"
 )
+_AXES = ((DATA, MODEL), (DATA, CONTEXT, MODEL))
 
 
 @typechecked
 def check_mesh(mesh, name: str = "mesh") -> Mesh:
     """The mesh redeqx works with: ``mesh`` itself when it has ``Auto`` axes
-    ``("data", "model")``; the same devices and axes with ``Auto`` types when
+    ``("data", "model")`` or ``("data", "context", "model")``; the same devices and axes with ``Auto`` types when
     it has ``Explicit`` ones (``jax.make_mesh``'s default in this JAX); an
     error naming the axes and the fix for anything else."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"{name} must be a jax.sharding.Mesh, got {type(mesh).__name__}; {_MESH_FIX}.")
-    if set(mesh.axis_names) != {DATA, MODEL} or len(mesh.axis_names) != 2:
-        raise ValueError(f"{name} has axes {tuple(mesh.axis_names)}, but redeqx needs exactly ('data', 'model'); {_MESH_FIX}.")
+    if sorted(mesh.axis_names) not in [sorted(a) for a in _AXES]:
+        raise ValueError(
+            f"{name} has axes {tuple(mesh.axis_names)}, but redeqx needs ('data', 'model') or "
+            f"('data', 'context', 'model'); {_MESH_FIX}.")
     types = tuple(getattr(mesh, "axis_types", ()) or ())
     if types and any(t != AxisType.Auto for t in types):
         # Explicit (or Manual) axes put shardings into array types, which users' loss

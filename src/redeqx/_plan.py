@@ -26,9 +26,10 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ._context import batch_spec, check_seq_keys
 from ._grouped_flops import overcount
 from ._hlo import collective_summary, estimated_flops, loop_factor
-from ._mesh import DATA, MODEL, check_mesh, make_mesh
+from ._mesh import CONTEXT, DATA, MODEL, check_mesh, make_mesh
 from ._optimizers import with_opt_state_dtype
 from ._remat import ScanResiduals, remat as remat_loss
 from .sharding._public import read as read_program, specs_from
@@ -94,7 +95,7 @@ class Plan:
 
     def describe(self) -> str:
         s = self.settings
-        parts = [f"data={self.mesh[DATA]} x model={self.mesh[MODEL]}"]
+        parts = [" x ".join(f"{k}={v}" for k, v in self.mesh.items())]
         parts += [k for k in ("fsdp", "remat") if s.get(k)]
         if s.get("compute_dtype"):
             parts.append(f"{np.dtype(s['compute_dtype']).name} compute")
@@ -148,15 +149,16 @@ def _leaf_bytes(tree) -> int:
     return total
 
 
-def _abstract_batch(batch, mesh: Mesh):
+def _abstract_batch(batch, mesh: Mesh, seq_keys: tuple[str, ...] = ()):
     n_data = mesh.shape[DATA]
 
-    def one(x):
+    def one(kp, x):
         shape, dtype = tuple(np.shape(x)), x.dtype
-        spec = P(DATA, *([None] * (len(shape) - 1))) if shape and shape[0] % n_data == 0 else P()
+        seq = bool(kp) and getattr(kp[0], "key", None) in seq_keys
+        spec = batch_spec(len(shape), mesh, seq) if shape and shape[0] % n_data == 0 else P()
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding_of(spec, mesh))
 
-    return jax.tree.map(one, batch)
+    return jax.tree_util.tree_map_with_path(one, batch)
 
 
 def _flops(compiled) -> float:
@@ -176,12 +178,12 @@ def _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, settings, device_m
     step = make_train_step(remat_loss(loss_fn) if settings["remat"] else loss_fn, optimizer, mesh, specs,
                            accumulate=settings["accumulate"], compute_dtype=settings["compute_dtype"],
                            trainable=trainable, scan_residuals=settings["scan_residuals"])
-    batch = _abstract_batch(batch, mesh)
+    batch = _abstract_batch(batch, mesh, settings["seq_keys"])
     params = _leaf_bytes(state.model)
     trainable_params = _leaf_bytes(eqx.filter(state.model, trainable)) if trainable is not None else params
     common = dict(
         mesh=dict(mesh.shape),
-        settings={k: v for k, v in settings.items() if k not in ("overrides", "trainable", "facts")},
+        settings={k: v for k, v in settings.items() if k not in ("overrides", "trainable", "facts", "seq_keys")},
         global_batch=int(jax.tree.leaves(batch)[0].shape[0]),
         parameters=params,
         optimizer=_leaf_bytes(state.opt_state),
@@ -279,6 +281,7 @@ def plan(
     device_memory: Any = None,
     explore: bool = True,
     scan_residuals: ScanResiduals = "products",
+    seq_keys: Sequence[str] = (),
 ) -> Plan:
     """Compile the training step for ``model`` on ``mesh`` without allocating
     anything, and report per device: parameters, optimizer state, batch,
@@ -293,7 +296,9 @@ def plan(
     - ``fsdp``, ``overrides``: as in `sharding_rules`; ``remat``: the loss
       through `redeqx.remat`; ``accumulate``, ``compute_dtype``, ``trainable``,
       ``scan_residuals``: as in `make_train_step`; ``opt_state_dtype``: the
-      optimizer state kept in that dtype (`with_opt_state_dtype`).
+      optimizer state kept in that dtype (`with_opt_state_dtype`);
+      ``seq_keys``: as in `batches`, the batch keys whose dim 1 a mesh's
+      ``context`` axis splits.
 
     A mixture of experts' grouped matmuls (``jax.lax.ragged_dot``, as
     `redeqx.models.MoE` computes) count by their rows, as a grouped-matmul
@@ -336,7 +341,8 @@ def plan(
     device_memory = parse_bytes(device_memory)
     settings = dict(fsdp=fsdp, remat=remat, accumulate=accumulate, compute_dtype=compute_dtype,
                     opt_state_dtype=opt_state_dtype, overrides=tuple(overrides), trainable=trainable,
-                    scan_residuals=scan_residuals, facts=read_program(abstract, loss_fn, batch))
+                    scan_residuals=scan_residuals, facts=read_program(abstract, loss_fn, batch),
+                    seq_keys=check_seq_keys(seq_keys, mesh))
     first = _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, settings, device_memory)
     if first.fits is not False or not explore:
         return first
@@ -344,7 +350,8 @@ def plan(
     devices = list(mesh.devices.flat)
     tried = []
     for label, change, n_model in _options(settings, mesh, global_batch):
-        other_mesh = mesh if n_model == mesh.shape[MODEL] else make_mesh(n_model, devices=devices)
+        other_mesh = mesh if n_model == mesh.shape[MODEL] else make_mesh(
+            n_model, n_context_shards=dict(mesh.shape).get(CONTEXT, 1), devices=devices)
         tried.append((label, _one_plan(abstract, loss_fn, optimizer, batch, other_mesh, key,
                                        {**settings, **change}, device_memory)))
     if not any(p.fits for _, p in tried):

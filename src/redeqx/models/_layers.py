@@ -18,7 +18,8 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._constrain import constrain
 from .._typing import positive_int
-from .._mesh import MODEL, traced_platform
+from .._context import attention as split_attention, context_axis, sequence_positions
+from .._mesh import CONTEXT, MODEL, traced_platform
 
 INIT_STD = 0.02  # the initializer_range of the Hugging Face configs
 
@@ -317,8 +318,9 @@ class Cache(eqx.Module):
 
 
 def heads(x: Float[Array, "seq features"], n: int) -> Float[Array, "seq heads head_dim"]:
-    """Split projected features into heads, the heads split over ``model``."""
-    return constrain(x.reshape(x.shape[0], n, -1), P(None, MODEL, None))
+    """Split projected features into heads, the heads split over ``model``
+    (and the sequence over ``context``, on a mesh with that axis)."""
+    return constrain(x.reshape(x.shape[0], n, -1), P(CONTEXT, MODEL, None))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,6 +333,27 @@ class CausalMask:
 
     def array(self) -> Bool[Array, "n n"]:
         return jnp.tril(jnp.ones((self.n, self.n), bool))
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitMask:
+    """Causal attention over a sequence split over the mesh's ``context``
+    axis, in its order: `attention` hands it to `redeqx.attention`, which
+    masks by original position and ``segment_ids`` (1 for real tokens, 0
+    for padding) block by block, never forming the (T, T) mask."""
+
+    segment_ids: Int[Array, " seq"] | None
+    impl: str = "gather"
+
+
+def split_mask(valid: Bool[Array, " seq"], impl: str):
+    """Positions and mask of a padded sequence split over ``context``:
+    positions count real tokens in the original order (as for an unsplit
+    one), padding sees only padding."""
+    order = sequence_positions(valid.shape[0])
+    inverse = jnp.argsort(order)
+    counted = jnp.maximum(jnp.cumsum(valid[inverse].astype(jnp.int32)) - 1, 0)  # in the original order
+    return counted[order], SplitMask(valid.astype(jnp.int32), impl)
 
 
 def _flash_ok(q, k, bias) -> bool:
@@ -354,7 +377,12 @@ def attention(
 
     With a `CausalMask` on a GPU in bfloat16/float16, cuDNN's flash attention
     (``jax.nn.dot_product_attention``) computes it without materialising the
-    scores; otherwise scores and softmax are computed exactly, in float32."""
+    scores; otherwise scores and softmax are computed exactly, in float32.
+    A `SplitMask` (the sequence split over ``context``) goes to `redeqx.attention`."""
+    if isinstance(mask, SplitMask):
+        if bias is not None:
+            raise ValueError("attention with an additive bias cannot run on a sequence split over 'context' yet.")
+        return split_attention(q, k, v, causal=True, segment_ids=mask.segment_ids, scale=scale, impl=mask.impl)
     if isinstance(mask, CausalMask):
         if _flash_ok(q, k, bias):
             out = jax.nn.dot_product_attention(q[None], k[None], v[None], scale=scale, is_causal=True,
@@ -526,6 +554,8 @@ class CausalLM(eqx.Module):
         del key
         t = input_ids.shape[0]
         self._check_positions("", t)
+        if context_axis() is not None:  # a mesh with a context axis: its order (redeqx.batches' seq_keys), blocks
+            return self._split_forward(input_ids, attention_mask)
         if attention_mask is None and self._window() is None:  # training's case: a kernel may serve it
             logits, _ = self._run(input_ids, jnp.arange(t), CausalMask(t), None)
             return logits
@@ -533,6 +563,18 @@ class CausalLM(eqx.Module):
         positions = jnp.maximum(jnp.cumsum(valid) - 1, 0)
         logits, _ = self._run(input_ids, positions, causal_mask(valid, 0, t, self._window()), None)
         return logits
+
+    def _split_forward(self, input_ids, attention_mask):
+        if self._window() is not None:
+            raise ValueError(f"{type(self).__name__}: sliding-window attention cannot run on a sequence split over "
+                             "'context' yet; use a mesh without n_context_shards.")
+        impl = getattr(self.config, "context_attention", "gather")
+        t = input_ids.shape[0]
+        if attention_mask is None:
+            positions, mask = sequence_positions(t), SplitMask(None, impl)
+        else:
+            positions, mask = split_mask(attention_mask.astype(bool), impl)
+        return self._run(input_ids, positions, mask, None)[0]
 
     def init_cache(self, max_len: int, dtype=None) -> Cache:
         """An empty decoding cache with ``max_len`` slots (prompt + new tokens)."""

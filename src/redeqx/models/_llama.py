@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._constrain import constrain
-from .._mesh import MODEL
+from .._mesh import CONTEXT, MODEL
 from ._layers import (
     Stackable,
     SCAN_LAYERS,
@@ -89,6 +89,7 @@ class LlamaConfig:
     use_sliding_window: bool = False
     scan_layers: bool = SCAN_LAYERS  # layers stacked and run by a lax.scan (see SCAN_LAYERS); False: a list
     scan_unroll: int | bool | None = None  # the stack's lax.scan unroll; None: per platform (SCAN_UNROLL)
+    context_attention: str = "gather"  # K/V across a context split: "gather" or "ring" (redeqx.attention's impl)
 
     def __post_init__(self):
         check_scan_unroll(self)
@@ -276,8 +277,8 @@ def attend_and_project(o_proj, q, k, v, mask, head_dim: int, cache: KVCache | No
         cache = update_cache(cache, k, v, index)
         k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
     out = attention(q, k, v, mask, scale=inv_sqrt(head_dim))  # (T, Hq, D)
-    out = constrain(out.reshape(out.shape[0], -1), P(None, MODEL))
-    return constrain(o_proj(out), P()), cache
+    out = constrain(out.reshape(out.shape[0], -1), P(CONTEXT, MODEL))
+    return constrain(o_proj(out), P(CONTEXT)), cache
 
 
 class LlamaMLP(eqx.Module):
@@ -294,7 +295,7 @@ class LlamaMLP(eqx.Module):
 
     def __call__(self, x: Float[Array, "seq hidden"]) -> Float[Array, "seq hidden"]:
         gate, up = self.gate_proj(x), self.up_proj(x)  # column parallel
-        return constrain(self.down_proj(jax.nn.silu(gate) * up), P())  # row parallel: one all-reduce
+        return constrain(self.down_proj(jax.nn.silu(gate) * up), P(CONTEXT))  # row parallel: one all-reduce
 
 
 class LlamaDecoderLayer(Stackable):
@@ -363,14 +364,14 @@ class LlamaForCausalLM(CausalLM):
     def _run(self, ids, positions, mask, cache: Cache | None):
         c = self.config
         inv_freq = rope_frequencies(c)
-        x = constrain(self.model.embed_tokens(ids), P())
+        x = constrain(self.model.embed_tokens(ids), P(CONTEXT))
         index = None if cache is None else cache.index
         x, new_layers = run_layers(self.model.layers, x, None if cache is None else cache.layers,
                                    lambda layer, x, lc: layer(x, positions, mask, inv_freq, lc, index),
                                    unroll=scan_unroll(c))
         x = self.model.norm(x)
         logits = self.model.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
-        return constrain(logits, P(None, MODEL)), new_layers  # vocab parallel
+        return constrain(logits, P(CONTEXT, MODEL)), new_layers  # vocab parallel, sequence split over context
 
     def _window(self):
         c = self.config

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from .._mesh import DATA, MODEL, check_mesh
+from .._mesh import CONTEXT, DATA, MODEL, check_mesh
 from .._stacks import layer_axes
 from .._trees import is_array_like, is_spec, path_parts, path_str
 from ._name_rules import UNPLACED, classify
@@ -82,8 +82,10 @@ def axes_of(entry) -> tuple:
 
 
 def fsdp_spec(spec: P, shape, mesh: Mesh, keep: set[int] = frozenset()) -> tuple[P, bool]:
-    """``spec`` with the largest free dim (not in ``keep``: layer axes) also split over ``data``."""
-    n_data = mesh.shape[DATA]
+    """``spec`` with the largest free dim (not in ``keep``: layer axes) also split over ``data``
+    (and ``context``, whose devices hold the same weights: every device of a model shard holds a piece)."""
+    group = (DATA, CONTEXT) if dict(mesh.shape).get(CONTEXT, 1) > 1 else DATA
+    n_data = mesh.shape[DATA] * dict(mesh.shape).get(CONTEXT, 1)
     size = 1
     for s in shape:
         size *= s
@@ -93,7 +95,7 @@ def fsdp_spec(spec: P, shape, mesh: Mesh, keep: set[int] = frozenset()) -> tuple
     free = [d for d in range(len(shape)) if entries[d] is None and d not in keep and shape[d] % n_data == 0]
     if not free:
         return spec, False
-    entries[max(free, key=lambda i: shape[i])] = DATA
+    entries[max(free, key=lambda i: shape[i])] = group
     return P(*entries), True
 
 

@@ -1,0 +1,272 @@
+"""Sequences split over the mesh's ``context`` axis: the token order that
+balances causal work, the positions of the tokens a device holds, and exact
+attention across the split (`attention`).
+
+**The order.** With ``C`` context shards a sequence of ``T`` tokens is cut
+into ``2C`` chunks, and context shard ``i`` holds chunks ``i`` and
+``2C - 1 - i`` (the dual-chunk, or "zigzag", order): every shard then holds
+as many early tokens (which see few keys under a causal mask) as late ones.
+`redeqx.batches` puts the sequence keys it is told about in this order once,
+on the host; every position-dependent step (RoPE, the causal mask) reads
+`sequence_positions` instead of ``arange``; a per-token loss needs nothing,
+and `restore_order` puts per-token outputs back.
+
+**Attention.** Queries stay where they are; keys and values travel: all
+gathered over ``context`` (``impl="gather"``), or passed around the ring
+with ``ppermute`` (``impl="ring"``, one shard's K/V in flight at a time).
+Either way each device computes its queries against a block of keys at a
+time with an online softmax, so no ``(T, T)`` score matrix is formed, and
+the backward pass (a custom VJP) recomputes the scores block by block from
+the saved log-sum-exp, as flash attention does. Every block is computed
+whole (the causal mask applied, its masked half not skipped), so the
+dual-chunk order balances memory and work already and would halve the
+work once fully masked blocks are skipped (not done yet).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+from jaxtyping import Array, Float, Int
+
+from ._blockwise import block_scores, gather_attention, ring_attention
+from ._mesh import CONTEXT, DATA, traced_platform
+from ._typing import typechecked
+
+IMPLS = ("gather", "ring")
+
+
+def context_shards() -> int:
+    """The size of the ``context`` axis of the mesh in context (1 without one)."""
+    return context_axis() or 1
+
+
+def context_axis() -> int | None:
+    """The size of the ``context`` axis of the mesh in context, None without one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or CONTEXT not in mesh.axis_names:
+        return None
+    return int(dict(mesh.shape)[CONTEXT])
+
+
+def _check_split(n_tokens: int, n_shards: int, what: str) -> None:
+    if n_tokens % (2 * n_shards):
+        raise ValueError(
+            f"{what}: a sequence of {n_tokens} tokens cannot be split over {n_shards} context shards in the "
+            f"dual-chunk order, which cuts it into 2 x {n_shards} = {2 * n_shards} equal chunks: pad the sequence "
+            f"to a multiple of {2 * n_shards} tokens in collate_fn (and mark the padding in its mask)."
+        )
+
+
+@typechecked
+def context_order(n_tokens: int, n_shards: int) -> np.ndarray:
+    """``order[j]``: the original position of the token at place ``j`` of
+    the split layout (the identity for one shard). Shard ``i`` holds chunks
+    ``i`` and ``2 n_shards - 1 - i`` of the ``2 n_shards`` equal chunks.
+
+    **Example:**
+
+    ```python
+    redeqx.context_order(8, 2)   # array([0, 1, 6, 7, 2, 3, 4, 5]): shard 0 holds 0, 1, 6, 7
+    ```
+    """
+    if n_shards == 1:
+        return np.arange(n_tokens)
+    _check_split(n_tokens, n_shards, "context_order")
+    chunks = np.arange(n_tokens).reshape(2 * n_shards, -1)
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * n_shards - 1 - i]]) for i in range(n_shards)])
+
+
+@typechecked
+def sequence_positions(n_tokens: int) -> Int[Array, " seq"]:
+    """The original positions of the ``n_tokens`` tokens of a sequence as
+    the step holds them: ``arange(n_tokens)`` on a mesh without a
+    ``context`` axis, the dual-chunk order (`context_order`) on one with.
+    Use it wherever a model would write ``jnp.arange(seq_len)`` (RoPE,
+    learned position tables, a causal mask).
+
+    **Example:**
+
+    ```python
+    positions = redeqx.sequence_positions(input_ids.shape[0])   # inside loss_fn's model
+    ```
+    """
+    return jnp.asarray(context_order(n_tokens, context_shards()), jnp.int32)
+
+
+@typechecked
+def restore_order(x: np.ndarray | Array, mesh: Mesh, *, axis: int = 1) -> np.ndarray | Array:
+    """Per-token outputs of a step on ``mesh`` (e.g. a predict step's
+    ``(batch, seq, ...)``), which come in the split layout, back in the
+    original order along ``axis``; unchanged for a mesh without a
+    ``context`` axis.
+
+    **Example:**
+
+    ```python
+    logits = redeqx.restore_order(predict_step(model, batch, key), mesh)
+    ```
+    """
+    n = x.shape[axis]
+    inverse = np.argsort(context_order(n, mesh_context(mesh)))
+    return x.take(inverse, axis=axis) if isinstance(x, np.ndarray) else jnp.take(x, inverse, axis=axis)
+
+
+# ----------------------------------------------------------------------------- batches: the host-side reorder
+
+
+def mesh_context(mesh) -> int:
+    return int(dict(mesh.shape).get(CONTEXT, 1))
+
+
+def batch_spec(ndim: int, mesh, seq: bool) -> P:
+    """A batch array's spec: rows over ``data``, and for a sequence key
+    (``seq``) its dim 1 over ``context`` when the mesh has that axis."""
+    if seq and mesh_context(mesh) > 1:
+        return P(DATA, CONTEXT, *([None] * (ndim - 2)))
+    return P(DATA, *([None] * (ndim - 1)))
+
+
+def check_seq_keys(seq_keys, mesh) -> tuple[str, ...]:
+    """``seq_keys`` as a tuple; on a mesh with a ``context`` axis it must name the sequence keys."""
+    if isinstance(seq_keys, str):
+        seq_keys = (seq_keys,)
+    seq_keys = tuple(seq_keys or ())
+    if mesh_context(mesh) > 1 and not seq_keys:
+        raise ValueError(
+            f"the mesh splits sequences over {mesh_context(mesh)} context shards, so batches needs seq_keys=: the "
+            "batch keys whose dim 1 is the sequence (e.g. seq_keys=('input_ids', 'labels', 'attention_mask')), "
+            "which it puts in the split order. Labels must be aligned with input_ids already (shifted in "
+            "collate_fn): a loss that shifts logits[:, :-1] against ids[:, 1:] would pair tokens of other places."
+        )
+    return seq_keys
+
+
+def refuse_context(mesh, what: str) -> None:
+    """An error for a function that cannot split sequences yet, on a mesh that does."""
+    if mesh_context(mesh) > 1:
+        raise ValueError(
+            f"{what} cannot split sequences over 'context' yet (mesh {dict(mesh.shape)}): run it on a mesh without a "
+            "context axis over the same devices, e.g. mesh2 = redeqx.make_mesh(n_model_shards) and the model moved "
+            "with redeqx.shard(model, redeqx.sharding_rules(model, mesh2), mesh2)."
+        )
+
+
+def order_sequences(batch, seq_keys: tuple[str, ...], mesh):
+    """``batch`` (a dict of NumPy arrays) with dim 1 of each of ``seq_keys``
+    in the split order of ``mesh``'s context axis."""
+    if not seq_keys:
+        return batch
+    if not isinstance(batch, dict):
+        raise TypeError(f"seq_keys={seq_keys} names keys of a dict batch, but collate_fn returned a "
+                        f"{type(batch).__name__}; return a dict of arrays.")
+    n = mesh_context(mesh)
+    out = dict(batch)
+    for name in seq_keys:
+        if name not in batch:
+            raise KeyError(f"seq_keys names {name!r}, which collate_fn's batch lacks; its keys are {sorted(batch)}.")
+        x = np.asarray(batch[name])
+        if x.ndim < 2:
+            raise ValueError(f"seq_keys names {name!r}, of shape {x.shape}: a sequence key needs dims (batch, seq, ...).")
+        _check_split(x.shape[1], n, f"batch[{name!r}] (seq_keys)")
+        out[name] = x[:, context_order(x.shape[1], n)]
+    return out
+
+
+# ----------------------------------------------------------------------------- the public function
+
+
+def _plain(q, k, v, pos, seg, causal: bool, scale: float):
+    """Exact attention on one device: cuDNN's flash attention on a GPU in half
+    precision for a plain causal or full mask, the scores in float32 otherwise."""
+    if (seg is None and traced_platform() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128):
+        return jax.nn.dot_product_attention(q[None], k[None], v[None], scale=scale, is_causal=causal)[0]
+    seg = jnp.zeros(pos.shape, jnp.int32) if seg is None else seg
+    s, _ = block_scores(q, k, pos, pos, seg, seg, causal, scale)
+    p = jax.nn.softmax(s, axis=-1)
+    t, hq, d = q.shape
+    return jnp.einsum("kgts,skd->tkgd", p.astype(v.dtype), v).reshape(t, hq, d)
+
+
+def _split(q, k, v, pos, seg, causal: bool, scale: float, impl: str, n: int):
+    """Attention with the sequence split over ``context`` (``n`` shards)."""
+    seg = jnp.zeros(pos.shape, jnp.int32) if seg is None else seg
+    if impl == "ring" and n > 1:
+        body = functools.partial(ring_attention, causal=causal, scale=scale, n=n)
+    else:
+        body = functools.partial(gather_attention, causal=causal, scale=scale, n=n)
+    seq, tok = P(CONTEXT, None, None), P(CONTEXT)
+    return jax.shard_map(lambda *a: body(*a), in_specs=(seq, seq, seq, tok, tok), out_specs=seq,
+                         axis_names=frozenset({CONTEXT}), check_vma=False)(q, k, v, pos, seg)
+
+
+@typechecked
+def attention(
+    q: Float[Array, "*batch seq q_heads head_dim"],
+    k: Float[Array, "*batch seq kv_heads head_dim"],
+    v: Float[Array, "*batch seq kv_heads head_dim"],
+    *,
+    causal: bool = True,
+    segment_ids: Int[Array, "*batch seq"] | None = None,
+    scale: float | None = None,
+    impl: str = "gather",
+) -> Float[Array, "*batch seq q_heads head_dim"]:
+    """Exact softmax attention of a sequence over itself, split over the
+    mesh's ``context`` axis when it has one.
+
+    ``q_heads`` is a multiple of ``kv_heads`` (grouped-query attention:
+    query head ``h`` reads KV head ``h // (q_heads / kv_heads)``). A query
+    sees the keys of its own segment (``segment_ids``: packed documents, or
+    ``attention_mask.astype(int)`` for padding, whose tokens then only see
+    each other), and with ``causal=True`` only those at or before its own
+    position (`sequence_positions`: the original order, whatever the
+    layout). ``scale`` defaults to ``1 / sqrt(head_dim)``.
+
+    On a mesh without a ``context`` axis this is plain attention (cuDNN's
+    flash attention on a GPU in half precision where no segments are given;
+    the ``(T, T)`` scores otherwise). On one with ``C`` context shards
+    (``C = 1`` included: a hand-built ``("data", "context", "model")`` mesh),
+    the sequence
+    arrives split in the dual-chunk order (what `redeqx.batches` does with
+    ``seq_keys``), each device keeps its queries, and the keys and values
+    come to it: all gathered over ``context`` (``impl="gather"``: ``C``
+    times one shard's K/V in memory) or passed around a ring with
+    ``ppermute`` (``impl="ring"``: two shards' K/V in memory, the transfers
+    beside the compute). The gather computes blocks of 1024 queries by
+    1024 keys (`redeqx._blockwise.BLOCK`), the ring blocks of ``T / C`` by ``T / C``, with an online
+    softmax, and both differentiate by recomputing the scores (custom
+    VJPs), never forming the ``(T, T)`` scores.
+
+    **Example** (inside a model, one sequence; ``jax.vmap`` batches it):
+
+    ```python
+    q = apply_rope(q, redeqx.sequence_positions(q.shape[0]))
+    out = redeqx.attention(q, k, v, causal=True)          # (seq, heads, head_dim)
+    ```
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"attention: impl={impl!r}; choose one of {IMPLS} ('ring' when gathered K/V do not fit).")
+    if q.shape[-3] != k.shape[-3] or k.shape != v.shape or q.shape[-1] != k.shape[-1] or q.shape[-2] % k.shape[-2]:
+        raise ValueError(
+            f"attention: q {q.shape}, k {k.shape}, v {v.shape}: k and v need the same shape, the same sequence "
+            "length and head size as q, and a number of heads that divides q's (grouped-query attention)."
+        )
+    if q.ndim > 3:  # a batch: each sequence on its own
+        fn = functools.partial(attention, causal=causal, scale=scale, impl=impl)
+        if segment_ids is None:
+            return jax.vmap(lambda a, b, c: fn(a, b, c))(q, k, v)
+        return jax.vmap(lambda a, b, c, s: fn(a, b, c, segment_ids=s))(q, k, v, segment_ids)
+    scale = float(q.shape[-1]) ** -0.5 if scale is None else float(scale)
+    n = context_axis()
+    pos = sequence_positions(q.shape[0])
+    seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
+    if n is None:
+        return _plain(q, k, v, pos, seg, causal, scale)
+    if n > 1:
+        _check_split(q.shape[0], n, "redeqx.attention")
+    return _split(q, k, v, pos, seg, causal, scale, impl, n)

@@ -1,0 +1,246 @@
+"""Sequences split over a 'context' axis: the split step computes what one device does."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import redeqx
+import redeqx._blockwise  # noqa: F401  (its BLOCK, set small in a test)
+from redeqx import models
+
+SEQ_KEYS = ("input_ids", "labels", "attention_mask")
+MESHES = [(1, 8, 1), (2, 4, 1), (1, 4, 2), (2, 2, 2)]  # (data, context, model)
+
+
+def _mesh(d, c, m):
+    return redeqx.make_mesh(m, n_context_shards=c, devices=jax.devices()[: d * c * m])
+
+
+def _qkv(key, b=2, t=16, hq=4, hkv=2, d=8):
+    kq, kk, kv = jax.random.split(key, 3)
+    return (jax.random.normal(kq, (b, t, hq, d)), jax.random.normal(kk, (b, t, hkv, d)),
+            jax.random.normal(kv, (b, t, hkv, d)))
+
+
+def _naive(q, k, v, seg, causal):
+    """Attention written out with a (T, T) mask, in the original order."""
+    t, g = q.shape[1], q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+    s = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(q.shape[-1])
+    mask = seg[:, None, :, None] == seg[:, None, None, :]
+    if causal:
+        mask = mask & jnp.tril(jnp.ones((t, t), bool))[None, None]
+    return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(jnp.where(mask, s, -jnp.inf), -1), v)
+
+
+def test_context_order_balances_the_causal_work():
+    order = redeqx.context_order(16, 4)
+    assert sorted(order) == list(range(16))
+    per_shard = order.reshape(4, -1)
+    assert [list(s) for s in per_shard[:2]] == [[0, 1, 14, 15], [2, 3, 12, 13]]
+    assert len({int((s + 1).sum()) for s in per_shard}) == 1  # keys seen under a causal mask: equal per shard
+    with pytest.raises(ValueError, match="multiple of 8"):
+        redeqx.context_order(12, 4)
+
+
+def test_make_mesh_context_axis(devices):
+    assert redeqx.make_mesh(2).axis_names == ("data", "model")  # without it: as before
+    mesh = redeqx.make_mesh(2, n_context_shards=2)
+    assert mesh.axis_names == ("data", "context", "model") and dict(mesh.shape) == {"data": 2, "context": 2, "model": 2}
+    assert redeqx.check_mesh(mesh) is mesh
+    with pytest.raises(ValueError, match="n_context_shards=3"):
+        redeqx.make_mesh(1, n_context_shards=3)
+    with pytest.raises(ValueError, match="positive int"):
+        redeqx.make_mesh(1, n_context_shards=0)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("impl", ["gather", "ring"])
+@pytest.mark.parametrize("block", [None, 2])  # 2: each shard's 4 queries and keys in blocks of 2
+def test_attention_split_equals_one_device(getkey, monkeypatch, causal, impl, block):
+    if block is not None:
+        monkeypatch.setattr("redeqx._blockwise.BLOCK", block)
+    q, k, v = _qkv(getkey())
+    seg = jnp.asarray(np.r_[np.zeros(3), np.ones(13)].astype(np.int32))[None].repeat(2, 0)  # 3 padding tokens
+    weights = jax.random.normal(getkey(), q.shape)
+
+    def loss(q, k, v, seg, weights):
+        return jnp.sum(redeqx.attention(q, k, v, causal=causal, segment_ids=seg, impl=impl) * weights)
+
+    want, want_grads = jax.value_and_grad(_naive_loss, argnums=(0, 1, 2))(q, k, v, seg, weights, causal)
+    plain = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v, seg, weights)  # no mesh: plain attention
+    np.testing.assert_allclose(plain[0], want, rtol=1e-5)
+    mesh = _mesh(2, 2, 2)
+    order = redeqx.context_order(16, 2)
+    split = [jax.device_put(x[:, order], NamedSharding(mesh, P("data", "context"))) for x in (q, k, v, seg, weights)]
+    with jax.set_mesh(mesh):
+        got, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*split)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for g, w in zip(grads, want_grads):
+        np.testing.assert_allclose(np.asarray(g)[:, np.argsort(order)], w, atol=2e-5)
+
+
+def _naive_loss(q, k, v, seg, weights, causal):
+    return jnp.sum(_naive(q, k, v, seg, causal) * weights)
+
+
+def test_ring_passes_kv_and_gather_gathers_them(getkey):
+    q, k, v = _qkv(getkey(), b=1, t=32)
+    mesh = _mesh(1, 8, 1)
+    texts = {}
+    for impl in ("gather", "ring"):
+        sh = NamedSharding(mesh, P(None, "context"))
+        with jax.set_mesh(mesh):
+            f = jax.jit(jax.grad(lambda q, k, v: jnp.sum(redeqx.attention(q, k, v, impl=impl) ** 2), argnums=(0, 1, 2)))
+            texts[impl] = redeqx.collective_summary(f.lower(*(jax.device_put(x, sh) for x in (q, k, v))).compile().as_text())
+    assert "all-gather" in texts["gather"] and "collective-permute" not in texts["gather"]
+    assert "collective-permute" in texts["ring"] and "all-gather" not in texts["ring"]
+
+
+def test_batches_need_and_order_seq_keys(devices):
+    mesh = _mesh(2, 2, 2)
+    ex = [{"input_ids": np.arange(8) + 100 * i, "label": np.int32(i)} for i in range(4)]
+    collate = lambda xs: {k: np.stack([x[k] for x in xs]) for k in xs[0]}  # noqa: E731
+    with pytest.raises(ValueError, match="seq_keys"):
+        next(redeqx.batches(ex, collate, 2, mesh))
+    batch = next(redeqx.batches(ex, collate, 2, mesh, seq_keys=("input_ids",)))
+    assert batch["input_ids"].sharding.spec == P("data", "context")
+    np.testing.assert_array_equal(np.asarray(batch["input_ids"])[0], redeqx.context_order(8, 2))
+    with pytest.raises(ValueError, match="multiple of 4"):
+        next(redeqx.batches([{"input_ids": np.arange(6)}] * 4, collate, 2, mesh, seq_keys=("input_ids",)))
+    with pytest.raises(KeyError, match="'ids'"):
+        next(redeqx.batches(ex, collate, 2, mesh, seq_keys=("ids",)))
+
+
+# ----------------------------------------------------------------------------- training: like one device
+
+CONFIG = models.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _examples(t=16, n=4):
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 64, (n, t + 1))
+    mask = np.ones((n, t), bool)
+    mask[0, :5] = False  # left padding
+    mask[1, -3:] = False  # right padding
+    return [dict(input_ids=ids[i, :-1], labels=ids[i, 1:], attention_mask=mask[i]) for i in range(n)]
+
+
+def _collate(xs):
+    return {k: np.stack([x[k] for x in xs]) for k in xs[0]}
+
+
+def _token_mean(logits, batch):
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["labels"])
+    w = batch["attention_mask"].astype(jnp.float32)
+    return jnp.sum(ce * w) / jnp.sum(w)
+
+
+def llama_loss(model, batch, key):
+    logits = jax.vmap(lambda i, m: model(i, attention_mask=m))(batch["input_ids"], batch["attention_mask"])
+    return _token_mean(logits, batch)
+
+
+class UserModel(eqx.Module):
+    """A user's own model: learned positions read through sequence_positions, redeqx.attention."""
+
+    embed: eqx.nn.Embedding
+    pos: jax.Array
+    q: eqx.nn.Linear
+    k: eqx.nn.Linear
+    v: eqx.nn.Linear
+    out: eqx.nn.Linear
+    head: eqx.nn.Linear
+    causal: bool = eqx.field(static=True)
+
+    def __init__(self, causal, key):
+        k = jax.random.split(key, 7)
+        self.embed = eqx.nn.Embedding(64, 32, key=k[0])
+        self.pos = 0.1 * jax.random.normal(k[1], (16, 32))
+        # no K bias: its gradient is zero up to rounding, which Adam would magnify into steps
+        self.q, self.k, self.v = (eqx.nn.Linear(32, 32, use_bias=False, key=k[i]) for i in (2, 3, 4))
+        self.out = eqx.nn.Linear(32, 32, key=k[5])
+        self.head = eqx.nn.Linear(32, 64, key=k[6])
+        self.causal = causal
+
+    def __call__(self, ids, valid):
+        t = ids.shape[0]
+        x = jax.vmap(self.embed)(ids) + self.pos[redeqx.sequence_positions(t)]
+        q, k, v = (jax.vmap(proj)(x).reshape(t, 4, 8) for proj in (self.q, self.k, self.v))
+        a = redeqx.attention(q, k, v, causal=self.causal, segment_ids=valid.astype(jnp.int32))
+        x = x + jax.vmap(self.out)(a.reshape(t, 32))
+        return jax.vmap(self.head)(x)
+
+
+def user_loss(model, batch, key):
+    return _token_mean(jax.vmap(model)(batch["input_ids"], batch["attention_mask"]), batch)
+
+
+def _train(make, loss_fn, mesh, seq_keys, steps=3, accumulate=1):
+    model = make()
+    specs = redeqx.sharding_rules(model, mesh)
+    opt = optax.adamw(1e-2)
+    state = redeqx.init_state(model, opt, mesh, specs, key=jax.random.key(1))
+    step = redeqx.make_train_step(loss_fn, opt, mesh, specs, accumulate=accumulate)
+    ex, losses = _examples(), []
+    for _ in range(steps):
+        for batch in redeqx.batches(ex, _collate, len(ex) // mesh.shape["data"], mesh, seq_keys=seq_keys):
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+    return losses, jax.tree.leaves(eqx.filter(state.model, eqx.is_array))
+
+
+def _like_one_device(make, loss_fn, shape, accumulate=1):
+    want, want_params = _train(make, loss_fn, redeqx.make_mesh(1, devices=jax.devices()[:1]), None, accumulate=accumulate)
+    got, params = _train(make, loss_fn, _mesh(*shape), SEQ_KEYS, accumulate=accumulate)
+    np.testing.assert_allclose(got, want, rtol=2e-5)
+    for a, b in zip(params, want_params):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)
+
+
+def test_llama_trains_like_one_device_split_over_context(devices):
+    _like_one_device(lambda: models.LlamaForCausalLM(CONFIG, key=jax.random.key(0)), llama_loss, (2, 2, 2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", MESHES)
+@pytest.mark.parametrize("impl", ["gather", "ring"])
+def test_llama_trains_like_one_device_every_split(devices, shape, impl):
+    config = models.LlamaConfig(**{**CONFIG.__dict__, "context_attention": impl})
+    _like_one_device(lambda: models.LlamaForCausalLM(config, key=jax.random.key(0)), llama_loss, shape)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", MESHES)
+@pytest.mark.parametrize("causal", [True, False])
+def test_users_model_trains_like_one_device(devices, shape, causal):
+    _like_one_device(lambda: UserModel(causal, jax.random.key(0)), user_loss, shape)
+
+
+@pytest.mark.slow
+def test_llama_accumulates_split_micro_batches(devices):
+    _like_one_device(lambda: models.LlamaForCausalLM(CONFIG, key=jax.random.key(0)), llama_loss, (2, 2, 2),
+                     accumulate=2)
+
+
+def test_evaluate_refuses_a_context_mesh(devices):
+    mesh = _mesh(2, 2, 2)
+    model = models.LlamaForCausalLM(CONFIG, key=jax.random.key(0))
+    specs = redeqx.sharding_rules(model, mesh)
+    eval_step = redeqx.make_eval_step(llama_loss, mesh, specs)
+    with pytest.raises(ValueError, match="cannot split sequences"):
+        redeqx.evaluate(eval_step, model, _examples(), _collate, 2, mesh, key=jax.random.key(0))
+
+
+def test_restore_order_undoes_the_split(devices):
+    x = np.arange(2 * 16).reshape(2, 16)
+    mesh = _mesh(1, 4, 2)
+    split = x[:, redeqx.context_order(16, 4)]
+    np.testing.assert_array_equal(redeqx.restore_order(split, mesh), x)
+    np.testing.assert_array_equal(redeqx.restore_order(jnp.asarray(split), mesh), x)
+    np.testing.assert_array_equal(redeqx.restore_order(x, redeqx.make_mesh(2)), x)
