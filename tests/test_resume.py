@@ -2,7 +2,6 @@
 and restarted from its latest checkpoint ends bit-identical to a run that was
 never interrupted."""
 
-import os
 import random
 import signal
 import subprocess
@@ -10,9 +9,13 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
+from _helpers import fresh_env
+
+pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("resume_worker.py")
-ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+ENV = fresh_env(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
 N_STEPS = 12
 
 

@@ -18,8 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from _helpers import fresh_env
+
+pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("resume_worker.py")
-ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+ENV = fresh_env(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
 N_STEPS, EVERY, PACE = 12, 1000, "0.3"  # PACE: seconds after each step, so a signal lands mid-run
 TIMEOUT = 240
 
