@@ -24,19 +24,23 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
 
-def fresh_env(**extra) -> dict:
-    """This process's environment without ``XLA_FLAGS``: a script run with it
-    (or `redeqx.launch`) sets its own device count. ``extra`` adds variables."""
-    return {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, **extra}
+def script_env(**extra) -> dict:
+    """The environment a script runs in: this process's, whose ``XLA_FLAGS``
+    (set by conftest.py) give 8 CPU devices and the suite's cheaper compiles
+    (``FAST_COMPILE``). The examples keep both (they set their device count
+    only where ``XLA_FLAGS`` is unset), `redeqx.launch` replaces the device
+    count with its split, and a script that sets ``XLA_FLAGS`` itself wins.
+    ``extra`` adds or replaces variables."""
+    return {**os.environ, **extra}
 
 
 def run_python(*args, launch=None, env=None, timeout=300, cwd=None, check=True) -> subprocess.CompletedProcess:
     """``python *args``, or ``python -m redeqx.launch *launch *args`` when
-    ``launch`` lists the launcher's flags (``launch=("-n", "2")``), with
-    :func:`fresh_env` unless ``env`` is given. With ``check`` (the default) a
+    ``launch`` lists the launcher's flags (``launch=("-n", "2")``), in
+    :func:`script_env` unless ``env`` is given. With ``check`` (the default) a
     non-zero exit status fails the test, showing the ends of stdout and stderr."""
     cmd = [sys.executable, *(["-m", "redeqx.launch", *map(str, launch)] if launch else []), *map(str, args)]
-    done = subprocess.run(cmd, env=fresh_env() if env is None else env, capture_output=True, text=True,
+    done = subprocess.run(cmd, env=script_env() if env is None else env, capture_output=True, text=True,
                           timeout=timeout, cwd=cwd)
     if check:
         assert done.returncode == 0, (done.returncode, done.stdout[-2000:] + done.stderr[-3000:])
@@ -44,8 +48,8 @@ def run_python(*args, launch=None, env=None, timeout=300, cwd=None, check=True) 
 
 
 def run_example(script, *flags, launch=None, timeout=300) -> str:
-    """Runs ``examples/<script>`` with ``flags`` from the repository root (the
-    script sets its own 8 devices) and returns its stdout; a failure fails the test."""
+    """Runs ``examples/<script>`` with ``flags`` from the repository root (on 8
+    devices, as the script sets by default) and returns its stdout; a failure fails the test."""
     return run_python(EXAMPLES / script, *flags, launch=launch, timeout=timeout, cwd=ROOT).stdout
 
 

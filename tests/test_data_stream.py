@@ -8,7 +8,6 @@ runs `resume_run` as 2 processes x 4 devices on ``OUT/train.jsonl``.
 """
 
 import json
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -322,7 +321,7 @@ def test_a_stream_resumed_mid_epoch_sees_every_example_once(devices, one_process
 def test_two_processes_read_the_same_stream_and_resume_alike(one_process, tmp_path):
     """2 processes x 4 devices: the same global batches as one process, each
     process collating only its own rows (4 of each 8), and the same resume."""
-    run_python(__file__, write_train(tmp_path), launch=("-n", "2", "--devices", "8"), env=dict(os.environ))
+    run_python(__file__, write_train(tmp_path), launch=("-n", "2", "--devices", "8"))
     for p in range(2):
         got = json.loads((tmp_path / f"process_{p}.json").read_text())
         assert got["steps"] == one_process["steps"]

@@ -24,7 +24,7 @@ PROCESS_TIMEOUT = 240  # a generous cap so a bug fails the test instead of hangi
 
 
 def run_launcher(*args, timeout=PROCESS_TIMEOUT):
-    return run_python("-m", "redeqx.launch", *args, env=dict(os.environ), timeout=timeout, check=False)
+    return run_python("-m", "redeqx.launch", *args, timeout=timeout, check=False)
 
 
 def write_script(tmp_path, body: str) -> str:
