@@ -72,6 +72,7 @@ def _logits(model, ids, mask, dec):
     return jax.vmap(lambda i, a, d: model(i, d, attention_mask=a))(ids, mask.astype(bool), dec)
 
 
+@pytest.mark.slow
 def test_logits_match_transformers_at_1_2_4_model_shards(bart):
     d, hf = bart
     ids, mask, dec = _inputs(batch=8)
@@ -142,6 +143,7 @@ def test_greedy_generation_matches_transformers_sharded_as_pred_fn(bart):
     np.testing.assert_array_equal(out[6:], ref)
 
 
+@pytest.mark.slow
 def test_train_step_communication_is_megatron(bart):
     d, _ = bart
     model = from_pretrained(d, redeqx.make_mesh(1, devices=jax.devices()[:1]))

@@ -106,6 +106,7 @@ def test_greedy_generation_matches_transformers(gpt2):
     np.testing.assert_array_equal(np.asarray(out)[:2], ref)
 
 
+@pytest.mark.slow
 def test_train_step_communication_is_megatron(getkey):
     config = GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=4)
     model = GPT2LMHeadModel(config, key=getkey())

@@ -53,6 +53,7 @@ def forward(model, family, x):
     return jax.vmap(model)(x)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_a_stacked_family_is_the_listed_one(family, tmp_path):
     listed, stacked = build(family, False), build(family, True)
@@ -105,6 +106,7 @@ def lm_loss(model, batch, key):
     return optax.softmax_cross_entropy_with_integer_labels(logits, x[:, 1:]).mean()
 
 
+@pytest.mark.slow
 def test_stacked_llama_trains_with_lora_init_model_and_checkpoints(tmp_path):
     mesh = redeqx.make_mesh(2)
     cls, config = CONFIGS["llama"]
@@ -157,6 +159,7 @@ def scan_unrolls(fn, *args) -> list:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_scan_unroll_compiles_the_stack_differently_and_computes_the_same(family, monkeypatch):
     """scan_unroll is the stack's lax.scan unroll (None: SCAN_UNROLL's choice
@@ -190,6 +193,7 @@ def test_a_bad_scan_unroll_is_refused_with_the_choices(bad):
             dataclasses.replace(config, scan_unroll=bad)
 
 
+@pytest.mark.slow
 def test_from_pretrained_and_a_train_step_take_scan_unroll(tmp_path):
     """from_pretrained sets the loaded config's scan_unroll; a train step
     under redeqx.remat keeps the user's unroll on the stack's scan and
@@ -211,6 +215,7 @@ def test_from_pretrained_and_a_train_step_take_scan_unroll(tmp_path):
     np.testing.assert_allclose(losses[True], losses[None], rtol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_a_stack_is_indexed_like_a_layer_list_and_a_changed_layer_goes_back(family):
     """Before: ``model.model.layers[0]`` on a stacked model (the default) was

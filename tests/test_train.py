@@ -195,6 +195,7 @@ def test_trainable_freezes_the_rest(devices):
         wrong(state, next(redeqx.batches(token_examples(8, vocab=56), collate_tokens, 2, mesh)))
 
 
+@pytest.mark.slow
 def test_compute_dtype_bf16(devices):
     mesh = redeqx.make_mesh(2)
     model = TinyLM(vocab=56, dim=48, n_heads=4, hidden=80, key=jax.random.key(0))
