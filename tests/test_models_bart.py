@@ -15,6 +15,7 @@ from accelerator_count import accelerator_collectives
 from megatron_count import megatron_bytes_encoder_decoder
 
 import redeqx
+from _helpers import sharded_state
 from redeqx._trees import path_str
 from redeqx.models import (
     BartConfig,
@@ -150,8 +151,7 @@ def test_train_step_communication_is_megatron(bart):
     c = model.config
     optimizer = optax.sgd(0.1)
     mesh = redeqx.make_mesh(4)
-    specs = redeqx.sharding_rules(model, mesh)
-    state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(0))
+    specs, state = sharded_state(model, optimizer, mesh, key=0)
     src, _, tgt = _inputs(batch=8, src=16, tgt=12)
     batch = jax.device_put({"src": jnp.asarray(src), "tgt": jnp.asarray(tgt)}, NamedSharding(mesh, P("data")))
 

@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import redeqx
+from _helpers import sharded_state
 from redeqx import models
 from redeqx._trees import is_spec, named_leaves
 
@@ -206,8 +207,7 @@ def test_from_pretrained_and_a_train_step_take_scan_unroll(tmp_path):
         model = models.from_pretrained(tmp_path / "llama", mesh, scan_layers=True, scan_unroll=unroll)
         assert model.config.scan_unroll == unroll
         assert scan_unrolls(lambda m: redeqx.remat(lm_loss)(m, batch, None), model) == [1 if unroll is None else "all"]
-        specs = redeqx.sharding_rules(model, mesh)
-        state = redeqx.init_state(model, optax.sgd(0.1), mesh, specs, key=jax.random.key(0))
+        specs, state = sharded_state(model, optax.sgd(0.1), mesh, key=0)
         step = redeqx.make_train_step(redeqx.remat(lm_loss), optax.sgd(0.1), mesh, specs)
         for i in range(2):
             state, metrics = step(state, {"ids": ids(i, n=8)})

@@ -13,6 +13,7 @@ import optax
 import pytest
 
 import redeqx
+from _helpers import sharded_state
 from accelerator_count import accelerator_collectives
 from user_gpt import GPT, collate_fn, loss_fn, make_examples
 
@@ -78,8 +79,7 @@ def test_tied_embedding_gradient_is_reduced_once(devices, n_model_shards):
     each gradient once: at one model shard, exactly the gradients' bytes."""
     mesh = redeqx.make_mesh(n_model_shards)
     model = make_gpt()
-    specs = redeqx.sharding_rules(model, mesh)
-    state = redeqx.init_state(model, optax.sgd(0.1), mesh, specs, key=jax.random.key(1))
+    specs, state = sharded_state(model, optax.sgd(0.1), mesh)
     moved = {}
     for flag in (False, True):
         step = redeqx.make_train_step(loss_fn, optax.sgd(0.1), mesh, specs, shard_mean_loss=flag)
@@ -156,8 +156,7 @@ def test_dropout_is_checked_off_and_drawn_per_shard(devices):
     different shards get different masks, as on one device."""
     mesh = redeqx.make_mesh(1)
     model = DropoutMLP(jax.random.key(0))
-    specs = redeqx.sharding_rules(model, mesh)
-    state = redeqx.init_state(model, optax.sgd(0.0), mesh, specs, key=jax.random.key(1))
+    specs, state = sharded_state(model, optax.sgd(0.0), mesh)
 
     def loss(model, batch, key):
         keys = jax.random.split(key, batch["x"].shape[0])
