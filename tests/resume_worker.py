@@ -1,4 +1,4 @@
-"""A tiny training run for tests/test_resume.py and tests/test_resume_preempted.py:
+"""A tiny training run for tests/test_resume_preempted.py:
 3 epochs of a dropout MLP on shuffled synthetic data, `CheckpointManager.save`
 after every step, resuming from the latest checkpoint in WORKDIR when there is one.
 

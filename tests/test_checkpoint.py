@@ -3,7 +3,6 @@ dtype casts, reading without redeqx, and faults (shape mismatch, corruption,
 unwritable paths)."""
 
 import json
-import os
 import resource
 import signal
 import warnings
@@ -17,11 +16,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import redeqx
-
-
-def make_model(key):
-    return eqx.nn.MLP(8, 4, 16, depth=2, key=key)
-
+from _helpers import mlp, mse_loss, run_python, sharded_state
 
 OPT = optax.adamw(1e-2)
 
@@ -41,21 +36,15 @@ def assert_same(a, b):
 
 
 def trained_state(mesh, key=0):
-    model = make_model(jax.random.key(key))
-    specs = redeqx.sharding_rules(model, mesh)
-    state = redeqx.init_state(model, OPT, mesh, specs, key=jax.random.key(1))
-
-    def loss_fn(model, batch, key):
-        return jnp.mean((jax.vmap(model)(batch["x"]) - batch["y"]) ** 2)
-
-    step = redeqx.make_train_step(loss_fn, OPT, mesh, specs)
+    specs, state = sharded_state(mlp(key=key), OPT, mesh)
+    step = redeqx.make_train_step(mse_loss, OPT, mesh, specs)
     batch = {"x": jnp.ones((8, 8)), "y": jnp.zeros((8, 4))}
     state, _ = step(state, batch)  # non-trivial Adam moments and a split key
     return state, specs
 
 
 def abstract_like(mesh):
-    model = eqx.filter_eval_shape(make_model, jax.random.key(0))
+    model = eqx.filter_eval_shape(mlp)
     specs = redeqx.sharding_rules(model, mesh)
     return eqx.filter_eval_shape(redeqx.init_state, model, OPT, mesh, specs, key=jax.random.key(0)), specs
 
@@ -93,7 +82,7 @@ def test_params_only(tmp_path):
     mesh = redeqx.make_mesh(2)
     state, specs = trained_state(mesh)
     redeqx.save_checkpoint(tmp_path / "train", state)
-    model = redeqx.restore_checkpoint(tmp_path / "train", make_model(jax.random.key(9)), mesh, specs)
+    model = redeqx.restore_checkpoint(tmp_path / "train", mlp(key=9), mesh, specs)
     assert_same(state.model, model)
     # a bare model saves and restores too, but cannot fill a TrainState
     redeqx.save_checkpoint(tmp_path / "model", state.model)
@@ -132,8 +121,8 @@ def test_read_without_redeqx(tmp_path):
 
 def test_sharding_rules_of_abstract_model_match_concrete():
     mesh = redeqx.make_mesh(4)
-    concrete = redeqx.sharding_rules(make_model(jax.random.key(0)), mesh)
-    abstract = redeqx.sharding_rules(eqx.filter_eval_shape(make_model, jax.random.key(0)), mesh)
+    concrete = redeqx.sharding_rules(mlp(), mesh)
+    abstract = redeqx.sharding_rules(eqx.filter_eval_shape(mlp), mesh)
     assert jax.tree.leaves(concrete) == jax.tree.leaves(abstract)
 
 
@@ -269,7 +258,7 @@ def test_manager_warns_when_a_mid_epoch_position_moves(tmp_path):
     manager = redeqx.CheckpointManager(tmp_path, keep_last=5, async_save=False)
     manager.save(at_step(state, 7), epoch=1, batch=3)
     mesh4 = redeqx.make_mesh(4)  # data = 2
-    specs4 = redeqx.sharding_rules(make_model(jax.random.key(0)), mesh4)
+    specs4 = redeqx.sharding_rules(mlp(), mesh4)
     with pytest.warns(UserWarning, match=r"next batch 3\) on a mesh with data=4, and this mesh has data=2"):
         _, meta = manager.restore(state, mesh4, specs4)
     assert meta["data_shards"] == 4 and meta["batch"] == 3
@@ -339,7 +328,7 @@ def test_manager_bad_arguments(tmp_path):
     with pytest.raises(TypeError, match="argument unit='epochs' is a str, expected 'step' or 'epoch'"):
         redeqx.CheckpointManager(tmp_path, unit="epochs")
     manager = redeqx.CheckpointManager(tmp_path)
-    model = make_model(jax.random.key(0))
+    model = mlp()
     with pytest.raises(ValueError, match="needs step="):
         manager.save(model)
     assert manager.save(model, step=4) and manager.save(model, step=8)
@@ -350,11 +339,10 @@ def test_manager_bad_arguments(tmp_path):
     manager.close()
 
 
+@pytest.mark.slow
 def test_an_async_save_in_flight_survives_the_end_of_the_script(tmp_path):
     """A script that saves and ends (or crashes) without close(): the save
     completes before Python stops the writer threads."""
-    import subprocess
-    import sys
     import textwrap
 
     script = textwrap.dedent(f"""
@@ -368,8 +356,7 @@ def test_an_async_save_in_flight_survives_the_end_of_the_script(tmp_path):
         redeqx.CheckpointManager({str(tmp_path)!r}, keep_last=1).save(state, force=True)
         raise RuntimeError("the script dies right after the save")
     """)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    done = run_python("-c", script, check=False)
     assert "the script dies" in done.stderr
     manager = redeqx.CheckpointManager(tmp_path)
     assert manager.steps() == [0], done.stderr[-2000:]
@@ -487,7 +474,7 @@ def test_a_mid_epoch_position_on_another_mesh_is_quiet_when_the_global_batch_was
     with redeqx.CheckpointManager(tmp_path, keep_last=5, async_save=False) as manager:
         manager.save(at_step(state, 7), epoch=1, batch=3, per_device_batch_size=2)  # global batch 8
     mesh4 = redeqx.make_mesh(4)  # data = 2
-    specs4 = redeqx.sharding_rules(make_model(jax.random.key(0)), mesh4)
+    specs4 = redeqx.sharding_rules(mlp(), mesh4)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with redeqx.CheckpointManager(tmp_path) as manager:

@@ -108,6 +108,7 @@ def test_an_embedding_lookups_gradient_keeps_its_own_all_reduce():
         ("all-reduce", 512), ("all-reduce", 512)]
 
 
+@pytest.mark.slow
 def test_tied_embedding_gradient_is_reduced_twice_as_on_a_tpu():
     """One model shard: the data all-reduce moves each gradient once, except
     the tied embedding, whose two terms (lookup and LM head) are reduced
@@ -121,6 +122,7 @@ def test_tied_embedding_gradient_is_reduced_twice_as_on_a_tpu():
     assert _total(redeqx.collective_summary(step, state, batch)) >= acc
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_model_shards", [2, 4])
 def test_users_gpt_moves_megatrons_bytes(n_model_shards):
     """The default layout at 16 sequences per data shard: within 1.3x of the

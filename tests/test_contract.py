@@ -287,6 +287,7 @@ def test_predict_step_takes_a_batch_the_data_axis_does_not_divide():
     np.testing.assert_allclose(preds, jax.vmap(model)(batch["x"]), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_positions_past_a_learned_table_are_an_error():
     """GPT-2, OPT and BART learn one row per position; a longer sequence read NaN rows (jnp.take's
     fill mode), trained on NaN, and the planner planned it without a word."""

@@ -8,7 +8,6 @@ runs `resume_run` as 2 processes x 4 devices on ``OUT/train.jsonl``.
 """
 
 import json
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -22,6 +21,7 @@ import pytest
 from jax.experimental import multihost_utils
 
 import redeqx
+from _helpers import run_python
 
 PER_DEVICE, N_EPOCHS, BUFFER = 2, 2, 16  # mesh data=4: a global batch of 8
 
@@ -317,12 +317,11 @@ def test_a_stream_resumed_mid_epoch_sees_every_example_once(devices, one_process
     assert run["same_parameters"]  # bit-identical
 
 
+@pytest.mark.slow
 def test_two_processes_read_the_same_stream_and_resume_alike(one_process, tmp_path):
     """2 processes x 4 devices: the same global batches as one process, each
     process collating only its own rows (4 of each 8), and the same resume."""
-    done = subprocess.run([sys.executable, "-m", "redeqx.launch", "-n", "2", "--devices", "8", __file__,
-                           str(write_train(tmp_path))], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_python(__file__, write_train(tmp_path), launch=("-n", "2", "--devices", "8"))
     for p in range(2):
         got = json.loads((tmp_path / f"process_{p}.json").read_text())
         assert got["steps"] == one_process["steps"]

@@ -75,6 +75,7 @@ def test_a_users_decoder_with_its_own_cache():
                                                   max_new_tokens=6), out)
 
 
+@pytest.mark.slow
 def test_a_decoder_without_a_cache_recomputes_the_sequence(devices):
     lm = TinyLM(vocab=VOCAB, dim=32, n_heads=4, hidden=64, n_layers=2, key=jax.random.key(1))
     assert not isinstance(lm, models.Decoder)

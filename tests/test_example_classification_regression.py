@@ -1,22 +1,17 @@
 """examples/classification_regression learns both tasks in a few epochs and
 writes its checkpoints and logs."""
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import pytest
+
+from _helpers import run_example
 
 
+@pytest.mark.slow
 def test_classification_regression_learns(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the script sets its own 8 devices
-    cmd = [sys.executable, str(ROOT / "examples/classification_regression/main.py"), "--n_epochs", "4",
-           "--hidden", "32", "--log_every", "1", "--workdir", str(tmp_path)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    text = out.stdout
+    text = run_example("classification_regression/main.py", "--n_epochs", "4", "--hidden", "32", "--log_every", "1",
+                       "--workdir", tmp_path)
     for task in ("classification", "regression"):
         part = text[text.index(f"--- {task}"):]
         losses = [float(x) for x in re.findall(r"test loss ([0-9.]+)", part)[:4]]

@@ -1,24 +1,17 @@
 """examples/differential_privacy (DP-SGD on digits): the private model learns,
 and the epsilon it prints is the accountant's for the rate, noise and steps used."""
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import dp_accounting
+import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from _helpers import run_example
 
 
+@pytest.mark.slow
 def test_dp_sgd_learns_and_accounts(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the script sets its own 8 devices
-    cmd = [sys.executable, str(ROOT / "examples/differential_privacy/main.py"), "--n_epochs", "3", "--hidden", "32",
-           "--workdir", str(tmp_path)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    text = out.stdout
+    text = run_example("differential_privacy/main.py", "--n_epochs", "3", "--hidden", "32", "--workdir", tmp_path)
     rows = [tuple(map(float, r)) for r in re.findall(
         r"step (\d+), test accuracy DP-SGD ([0-9.]+) \(epsilon ([0-9.]+) at delta 1e-05\), non-private ([0-9.]+)", text)]
     assert len(rows) == 3, text[-3000:]

@@ -1,27 +1,21 @@
 """examples/federated_learning (FedAvg on non-IID digits): accuracy rises over
 a few rounds, and 2 processes x 4 devices print what 1 process x 8 prints."""
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = str(ROOT / "examples/federated_learning/main.py")
+from _helpers import run_example
+
+pytestmark = pytest.mark.slow
+SCRIPT = "federated_learning/main.py"
 TINY = ["--n_rounds", "8", "--local_epochs", "3", "--hidden", "64", "--learning_rate", "0.2", "--central_epochs", "1"]
-ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the script (or the launcher) sets the devices
 
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("fedavg")
-    out = subprocess.run([sys.executable, SCRIPT, *TINY, "--workdir", str(workdir)], env=ENV, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout, workdir
+    return run_example(SCRIPT, *TINY, "--workdir", workdir), workdir
 
 
 def test_fedavg_accuracy_rises(one_process):
@@ -33,9 +27,7 @@ def test_fedavg_accuracy_rises(one_process):
 
 
 def test_fedavg_two_processes_match_one(one_process):
-    out = subprocess.run([sys.executable, "-m", "redeqx.launch", "-n", "2", SCRIPT, *TINY], env=ENV,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
+    two = run_example(SCRIPT, *TINY, launch=("-n", "2"))
     final = lambda text: re.search(r"FedAvg, 8 rounds: final test accuracy .*", text).group(0)  # noqa: E731
-    assert final(out.stdout) == final(one_process[0]), (out.stdout[-2000:], one_process[0][-2000:])
-    assert out.stdout.count("round 8:") == 1  # only process 0 prints
+    assert final(two) == final(one_process[0]), (two[-2000:], one_process[0][-2000:])
+    assert two.count("round 8:") == 1  # only process 0 prints

@@ -4,29 +4,23 @@ logits and the same held-out loss, --init_from continues from it, and two
 processes train exactly as one."""
 
 import importlib.util
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "examples/language_modeling/main.py"
+from _helpers import EXAMPLES, run_example
+
+pytestmark = pytest.mark.slow
+SCRIPT = EXAMPLES / "language_modeling/main.py"
 TINY = ["--train_chars", "30000", "--eval_chars", "15000", "--seq_len", "32", "--vocab_size", "512",
         "--hidden_size", "64", "--n_layers", "2", "--n_epochs", "2", "--per_device_batch_size", "4",
         "--sample_tokens", "8", "--log_every", "5"]
 
 
-def run(*args, launch=False, timeout=300):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the script (or launcher) sets its own
-    cmd = [sys.executable, *(["-m", "redeqx.launch", "-n", "2"] if launch else []), str(SCRIPT), *TINY, *map(str, args)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    return out.stdout
+def run(*args, launch=False):
+    return run_example("language_modeling/main.py", *TINY, *args, launch=("-n", "2") if launch else None)
 
 
 def losses(stdout):

@@ -3,23 +3,21 @@ held-out loss while few parameters train, and the merged export is the
 adapted model: Transformers loads it and gets the loss the script printed."""
 
 import importlib.util
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "examples/lora/main.py"
+from _helpers import EXAMPLES, run_example
+
+SCRIPT = EXAMPLES / "lora/main.py"
 TINY = ["--source_chars", "30000", "--docs_chars", "24000", "--pretrain_epochs", "1", "--n_epochs", "2",
         "--seq_len", "32", "--vocab_size", "512", "--hidden_size", "64", "--n_layers", "2",
         "--per_device_batch_size", "4", "--rank", "4", "--alpha", "8", "--sample_tokens", "4"]
 
 
+@pytest.mark.slow
 def test_lora_adapts_to_docs_and_exports_merged_weights(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
@@ -27,15 +25,12 @@ def test_lora_adapts_to_docs_and_exports_merged_weights(tmp_path):
 
     from redeqx import make_mesh, models
 
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the script sets its own 8 devices
-    out = subprocess.run([sys.executable, str(SCRIPT), *TINY, "--workdir", str(tmp_path / "run"),
-                          "--export", str(tmp_path / "hf")], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    out = run_example("lora/main.py", *TINY, "--workdir", tmp_path / "run", "--export", tmp_path / "hf")
     n_train, n_total = (int(x.replace(",", "")) for x in
-                        re.search(r"trainable parameters ([0-9,]+) of ([0-9,]+)", out.stdout).groups())
-    assert 0 < n_train < n_total / 10, out.stdout
-    held_out = [float(x) for x in re.findall(r"held-out docs loss ([0-9.]+), perplexity", out.stdout)]
-    assert len(held_out) == 3 and held_out[-1] < held_out[0] - 0.3, out.stdout  # base model, then each epoch
+                        re.search(r"trainable parameters ([0-9,]+) of ([0-9,]+)", out).groups())
+    assert 0 < n_train < n_total / 10, out
+    held_out = [float(x) for x in re.findall(r"held-out docs loss ([0-9.]+), perplexity", out)]
+    assert len(held_out) == 3 and held_out[-1] < held_out[0] - 0.3, out  # base model, then each epoch
     assert list((tmp_path / "run" / "checkpoints").glob("step_*"))
 
     # the merged export is a plain LLaMA that Transformers reads as redeqx does...

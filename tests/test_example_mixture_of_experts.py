@@ -1,28 +1,21 @@
 """examples/mixture_of_experts: a tiny Mixtral learns (held-out loss falls), its experts
 sit on the expert axis (explain), and the export loads in Transformers."""
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "examples/mixture_of_experts/main.py"
+from _helpers import run_example
+
 TINY = ["--train_bytes", "30000", "--eval_bytes", "8000", "--seq_len", "32", "--hidden_size", "32",
         "--n_epochs", "1", "--sample_tokens", "8", "--log_every", "10"]
 
 
+@pytest.mark.slow
 def test_a_tiny_mixtral_learns_and_exports(tmp_path):
     transformers = pytest.importorskip("transformers")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the script sets its own 8 devices
-    out = subprocess.run([sys.executable, str(SCRIPT), *TINY, "--export", str(tmp_path / "hf"),
-                          "--plot", str(tmp_path / "load.png")], env=env,
-                         capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    text = out.stdout
+    text = run_example("mixture_of_experts/main.py", *TINY, "--export", tmp_path / "hf", "--plot", tmp_path / "load.png",
+                       timeout=600)
     assert "8 devices, mesh {'data': 2, 'model': 4}" in text
     assert "expert stack: dim 0, experts 8 -> 2 per device (expert parallel)" in text
     first = float(re.search(r"step 0: held-out loss ([0-9.]+)", text).group(1))

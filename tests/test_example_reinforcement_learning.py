@@ -3,22 +3,17 @@ DDPG's on Pendulum-v1 rise within a few thousand environment steps, and a run
 resumes from its checkpoint (actor, critic, optimizers; for DDPG also the
 target networks and the replay buffer)."""
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples/reinforcement_learning"
+import pytest
+
+from _helpers import run_example
+
+pytestmark = pytest.mark.slow
 
 
 def run(script, *flags):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the script sets its own 8 devices
-    out = subprocess.run([sys.executable, str(EXAMPLE / script), *map(str, flags)], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
+    return run_example(f"reinforcement_learning/{script}", *flags)
 
 
 def numbers(pattern, text):

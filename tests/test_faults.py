@@ -20,29 +20,19 @@ import orbax.checkpoint as ocp
 import pytest
 
 import redeqx
+from _helpers import mlp, mse_loss
 from redeqx import _checkpoint
 
-
-def make_model(key, depth=2, width=16):
-    return eqx.nn.MLP(8, 4, width, depth=depth, key=key)
-
-
 OPT = optax.adamw(1e-2)
-
-
-def loss_fn(model, batch, key):
-    return jnp.mean((jax.vmap(model)(batch["x"]) - batch["y"]) ** 2)
-
-
 BATCH = {"x": jnp.ones((8, 8)), "y": jnp.zeros((8, 4))}
 
 
 @pytest.fixture(scope="module")
 def setup(devices):
     mesh = redeqx.make_mesh(2)
-    model = make_model(jax.random.key(0))
+    model = mlp()
     specs = redeqx.sharding_rules(model, mesh)
-    step = redeqx.make_train_step(loss_fn, OPT, mesh, specs)
+    step = redeqx.make_train_step(mse_loss, OPT, mesh, specs)
     return mesh, model, specs, step
 
 
@@ -258,7 +248,7 @@ def test_logger_info_and_close_on_a_full_disk_name_the_file(tmp_path):
 def test_another_model_names_the_first_difference_and_both_shapes(tmp_path, setup):
     mesh, model, _, _ = setup
     redeqx.save_checkpoint(tmp_path / "c", model)
-    deeper = make_model(jax.random.key(0), depth=3)
+    deeper = mlp(depth=3)
     with pytest.raises(ValueError, match=r"does not match like: first model/layers\.2\.weight: checkpoint \(4, 16\), "
                                          r"like \(16, 16\)"):
         redeqx.restore_checkpoint(tmp_path / "c", deeper, mesh, redeqx.sharding_rules(deeper, mesh))

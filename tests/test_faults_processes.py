@@ -4,17 +4,17 @@ early ends the whole run, bounded in time and named; a checkpoint still being
 written when a script ends without ``close()`` is finished, or its loss is an
 exit status other than 0."""
 
-import os
 import re
 import subprocess
-import sys
 import textwrap
 import time
 
 import pytest
 
+from _helpers import run_python
+
+pytestmark = pytest.mark.slow
 PROCESS_TIMEOUT = 120  # a bug fails the test instead of hanging it (before: 300 s in JAX's shutdown barrier)
-ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 
 TRAINING = """
     import sys, time
@@ -38,8 +38,7 @@ def launch(tmp_path, body, *args, launcher=("-n", "2", "--devices", "8")):
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(body))
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "redeqx.launch", *launcher, str(script), *map(str, args)],
-                          capture_output=True, text=True, timeout=PROCESS_TIMEOUT, env=ENV)
+    done = run_python(script, *args, launch=launcher, timeout=PROCESS_TIMEOUT, check=False)
     return done, time.monotonic() - start
 
 
@@ -83,8 +82,7 @@ SAVE_AND_END = """
 def test_a_save_in_flight_at_the_end_of_a_script_is_finished_or_its_loss_is_an_error(tmp_path, disk):
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(SAVE_AND_END))
-    done = subprocess.run([sys.executable, str(script), str(tmp_path / "run"), disk], capture_output=True, text=True,
-                          timeout=PROCESS_TIMEOUT, env=ENV)
+    done = run_python(script, tmp_path / "run", disk, timeout=PROCESS_TIMEOUT, check=False)
     saved = list((tmp_path / "run" / "checkpoints").glob("step_*"))
     if disk == "full":  # before: exit status 0, with a warning
         assert done.returncode == 1 and not saved, (done.returncode, done.stderr[-3000:])
@@ -100,9 +98,7 @@ def test_a_save_in_flight_at_the_end_of_a_script_is_finished_or_its_loss_is_an_e
             assert "a checkpoint was lost; exiting with status 1" in done.stderr
             assert "Python was exiting and had stopped the writer's threads: call manager.close()" in done.stderr
     if disk == "fine":  # under the launcher the end of the script is seen while the writer runs: it finishes
-        done = subprocess.run([sys.executable, "-m", "redeqx.launch", "-n", "1", str(script), str(tmp_path / "l"),
-                               disk], capture_output=True, text=True, timeout=PROCESS_TIMEOUT, env=ENV)
-        assert done.returncode == 0, done.stderr[-3000:]
+        run_python(script, tmp_path / "l", disk, launch=("-n", "1"), timeout=PROCESS_TIMEOUT)
         assert len(list((tmp_path / "l" / "checkpoints").glob("step_*"))) == 1
 
 
@@ -134,8 +130,7 @@ def test_a_read_only_workdir_fails_the_save_at_once_and_the_process_exits(tmp_pa
         script = tmp_path / "script.py"
         script.write_text(textwrap.dedent(READ_ONLY))
         start = time.monotonic()
-        done = subprocess.run([sys.executable, str(script), str(mount)], capture_output=True, text=True,
-                              timeout=PROCESS_TIMEOUT, env=ENV)
+        done = run_python(script, mount, timeout=PROCESS_TIMEOUT, check=False)
         elapsed = time.monotonic() - start
     finally:
         subprocess.run(["umount", str(mount)], capture_output=True)
@@ -179,8 +174,8 @@ def test_a_step_that_hangs_on_one_process_ends_the_job_with_every_stack_and_the_
     last checkpoint is intact."""
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(HANG))
-    done = subprocess.run([sys.executable, "-m", "redeqx.launch", "-n", "2", "--devices", "8", str(script),
-                           str(tmp_path / "run")], capture_output=True, text=True, timeout=PROCESS_TIMEOUT, env=ENV)
+    done = run_python(script, tmp_path / "run", launch=("-n", "2", "--devices", "8"), timeout=PROCESS_TIMEOUT,
+                      check=False)
     ended = time.time()
     out = done.stdout + done.stderr
     hung_at = float(re.search(r"hang at ([\d.]+)", out).group(1))

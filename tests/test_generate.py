@@ -37,6 +37,7 @@ def _hf_generate(hf, ids, mask=None, **kw):
     return out.numpy()[:, ids.shape[1]:]
 
 
+@pytest.mark.slow
 def test_greedy_matches_transformers_sharded_as_pred_fn(llama):
     d, hf = llama
     ids = _prompts()
@@ -78,6 +79,7 @@ def test_left_padded_prompts_match_transformers(llama):
     np.testing.assert_array_equal(np.asarray(out), ref)
 
 
+@pytest.mark.slow
 def test_right_and_inner_padding_generate_as_the_bare_prompt(llama):
     """Padding anywhere in a prompt is skipped: the first new token comes from
     the last real token's logits (prefill once took the last slot's, a pad's
@@ -99,6 +101,7 @@ def test_right_and_inner_padding_generate_as_the_bare_prompt(llama):
         np.testing.assert_array_equal(row, bare, err_msg=f"{name}-padded prompt, beam search")
 
 
+@pytest.mark.slow
 def test_beam_search_matches_transformers(llama):
     d, hf = llama
     ids = _prompts()
@@ -110,6 +113,7 @@ def test_beam_search_matches_transformers(llama):
     np.testing.assert_array_equal(np.asarray(one), np.asarray(generate(model, jnp.asarray(ids), max_new_tokens=6)))
 
 
+@pytest.mark.slow
 def test_sampling_respects_top_k_top_p_and_key(llama):
     d, _ = llama
     model = from_pretrained(d, redeqx.make_mesh(1, devices=jax.devices()[:1]))

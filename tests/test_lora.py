@@ -45,6 +45,7 @@ def train_lora(model, n_model_shards, devices, n_steps=3):
     return state, np.asarray(losses), norms
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_lora_trains_adapters_only_and_matches_one_device(family, devices):
     if family == "llama":

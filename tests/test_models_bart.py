@@ -15,6 +15,7 @@ from accelerator_count import accelerator_collectives
 from megatron_count import megatron_bytes_encoder_decoder
 
 import redeqx
+from _helpers import sharded_state
 from redeqx._trees import path_str
 from redeqx.models import (
     BartConfig,
@@ -72,6 +73,7 @@ def _logits(model, ids, mask, dec):
     return jax.vmap(lambda i, a, d: model(i, d, attention_mask=a))(ids, mask.astype(bool), dec)
 
 
+@pytest.mark.slow
 def test_logits_match_transformers_at_1_2_4_model_shards(bart):
     d, hf = bart
     ids, mask, dec = _inputs(batch=8)
@@ -142,14 +144,14 @@ def test_greedy_generation_matches_transformers_sharded_as_pred_fn(bart):
     np.testing.assert_array_equal(out[6:], ref)
 
 
+@pytest.mark.slow
 def test_train_step_communication_is_megatron(bart):
     d, _ = bart
     model = from_pretrained(d, redeqx.make_mesh(1, devices=jax.devices()[:1]))
     c = model.config
     optimizer = optax.sgd(0.1)
     mesh = redeqx.make_mesh(4)
-    specs = redeqx.sharding_rules(model, mesh)
-    state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(0))
+    specs, state = sharded_state(model, optimizer, mesh, key=0)
     src, _, tgt = _inputs(batch=8, src=16, tgt=12)
     batch = jax.device_put({"src": jnp.asarray(src), "tgt": jnp.asarray(tgt)}, NamedSharding(mesh, P("data")))
 

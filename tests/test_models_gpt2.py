@@ -11,6 +11,7 @@ from accelerator_count import accelerator_collectives
 from megatron_count import megatron_bytes
 
 import redeqx
+from _helpers import sharded_state
 from redeqx.models import GPT2Config, GPT2LMHeadModel, from_pretrained, generate, save_pretrained
 
 torch = pytest.importorskip("torch")
@@ -106,13 +107,13 @@ def test_greedy_generation_matches_transformers(gpt2):
     np.testing.assert_array_equal(np.asarray(out)[:2], ref)
 
 
+@pytest.mark.slow
 def test_train_step_communication_is_megatron(getkey):
     config = GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=4)
     model = GPT2LMHeadModel(config, key=getkey())
     optimizer = optax.sgd(0.1)
     mesh = redeqx.make_mesh(4)
-    specs = redeqx.sharding_rules(model, mesh)
-    state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(0))
+    specs, state = sharded_state(model, optimizer, mesh, key=0)
     ids = np.random.RandomState(0).randint(0, 256, (8, 17))
     batch = jax.device_put({"ids": jnp.asarray(ids)}, NamedSharding(mesh, P("data")))
 

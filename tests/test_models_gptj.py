@@ -138,6 +138,7 @@ def megatron_parallel_block_bytes(hidden: int, n_layers: int, local_batch: int, 
     return (1 + n_layers) * act + (n_layers + 1) * act + 3 * local_batch * seq * 4 + grad_bytes
 
 
+@pytest.mark.slow
 def test_train_step_communication_is_megatron_and_matches_one_device(gptj):
     d, _ = gptj
     model = from_pretrained(d, redeqx.make_mesh(1, devices=jax.devices()[:1]))

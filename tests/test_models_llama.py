@@ -80,6 +80,7 @@ def test_logits_match_transformers(checkpoints, kind, scan_layers):
     np.testing.assert_allclose(_logits(model, ids), _torch_logits(hf, ids), atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gqa", "tied"])
 def test_save_pretrained_round_trip(checkpoints, kind, tmp_path):
     d, hf = checkpoints[kind]
@@ -91,6 +92,7 @@ def test_save_pretrained_round_trip(checkpoints, kind, tmp_path):
     assert type(again) is type(hf)
 
 
+@pytest.mark.slow
 def test_forward_agrees_across_model_shards(checkpoints):
     d, _ = checkpoints["gqa"]
     ids = _ids(batch=8)
@@ -195,6 +197,7 @@ def test_bf16_load_and_compute(checkpoints):
     np.testing.assert_allclose(out.astype(np.float32), _torch_logits(hf, ids), atol=0.1, rtol=0)
 
 
+@pytest.mark.slow
 def test_decode_with_cache_equals_full_forward(getkey):
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2)
@@ -209,6 +212,7 @@ def test_decode_with_cache_equals_full_forward(getkey):
     np.testing.assert_allclose(jnp.concatenate([first, *rest]), model(ids), atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_remat_gives_the_same_gradients(getkey):
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                          num_attention_heads=4)
@@ -259,6 +263,7 @@ def test_config_errors_name_the_field():
         from_pretrained("/nonexistent-dir", redeqx.make_mesh(1))
 
 
+@pytest.mark.slow
 def test_train_step_communication_is_megatron_and_matches_one_device(getkey):
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=4)

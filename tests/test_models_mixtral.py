@@ -83,6 +83,7 @@ def _one_device():
 
 @pytest.mark.parametrize("kind,scan_layers", [("mixtral", False), ("mixtral", True), ("qwen3_moe", True),
                                               ("qwen3_moe", False), ("qwen3_moe_mixed", False)])
+@pytest.mark.slow
 def test_logits_and_aux_loss_match_transformers(checkpoints, kind, scan_layers):
     d, hf = checkpoints[kind]
     model = from_pretrained(d, _one_device(), scan_layers=scan_layers)
@@ -96,6 +97,7 @@ def test_logits_and_aux_loss_match_transformers(checkpoints, kind, scan_layers):
     assert float(stats.z_loss()) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe_mixed"])
 def test_padding_is_not_counted(checkpoints, kind):
     """Left padding: the real tokens' logits and Transformers' masked load-balancing loss."""
@@ -135,6 +137,7 @@ def _hf_greedy(hf, prompt, n):
     return seq[:, prompt.shape[1]:].numpy()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
 def test_cached_generate_and_beam_search(checkpoints, kind):
     """Greedy decoding with the cache gives Transformers' greedy tokens; beam search with one beam is greedy."""
@@ -158,6 +161,7 @@ def _tiny(cls, **kw):
 
 @pytest.mark.parametrize("model_cls,config_cls", [(MixtralForCausalLM, MixtralConfig),
                                                   (Qwen3MoeForCausalLM, Qwen3MoeConfig)])
+@pytest.mark.slow
 def test_init_model_puts_the_experts_on_model(model_cls, config_cls):
     mesh = redeqx.make_mesh(4)
     model = redeqx.init_model(lambda key: model_cls(_tiny(config_cls), key=key), mesh, key=jax.random.key(0))

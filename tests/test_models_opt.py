@@ -15,6 +15,7 @@ from accelerator_count import accelerator_collectives
 from megatron_count import megatron_bytes
 
 import redeqx
+from _helpers import sharded_state
 from redeqx._trees import path_str
 from redeqx.models import OPTConfig, OPTForCausalLM, from_pretrained, generate, save_pretrained
 from redeqx.models._pretrained import _skeleton, hf_tensors
@@ -163,8 +164,7 @@ def test_train_step_communication_is_megatron(checkpoints):
     model = from_pretrained(d, redeqx.make_mesh(1, devices=jax.devices()[:1]))
     optimizer = optax.sgd(0.1)
     mesh = redeqx.make_mesh(4)
-    specs = redeqx.sharding_rules(model, mesh)
-    state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(0))
+    specs, state = sharded_state(model, optimizer, mesh, key=0)
     batch = jax.device_put({"ids": jnp.asarray(_ids(batch=8, seq=17))}, NamedSharding(mesh, P("data")))
 
     def loss_fn(m, batch, key):

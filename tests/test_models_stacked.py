@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import redeqx
+from _helpers import sharded_state
 from redeqx import models
 from redeqx._trees import is_spec, named_leaves
 
@@ -53,6 +54,7 @@ def forward(model, family, x):
     return jax.vmap(model)(x)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_a_stacked_family_is_the_listed_one(family, tmp_path):
     listed, stacked = build(family, False), build(family, True)
@@ -105,6 +107,7 @@ def lm_loss(model, batch, key):
     return optax.softmax_cross_entropy_with_integer_labels(logits, x[:, 1:]).mean()
 
 
+@pytest.mark.slow
 def test_stacked_llama_trains_with_lora_init_model_and_checkpoints(tmp_path):
     mesh = redeqx.make_mesh(2)
     cls, config = CONFIGS["llama"]
@@ -157,6 +160,7 @@ def scan_unrolls(fn, *args) -> list:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_scan_unroll_compiles_the_stack_differently_and_computes_the_same(family, monkeypatch):
     """scan_unroll is the stack's lax.scan unroll (None: SCAN_UNROLL's choice
@@ -190,6 +194,7 @@ def test_a_bad_scan_unroll_is_refused_with_the_choices(bad):
             dataclasses.replace(config, scan_unroll=bad)
 
 
+@pytest.mark.slow
 def test_from_pretrained_and_a_train_step_take_scan_unroll(tmp_path):
     """from_pretrained sets the loaded config's scan_unroll; a train step
     under redeqx.remat keeps the user's unroll on the stack's scan and
@@ -202,8 +207,7 @@ def test_from_pretrained_and_a_train_step_take_scan_unroll(tmp_path):
         model = models.from_pretrained(tmp_path / "llama", mesh, scan_layers=True, scan_unroll=unroll)
         assert model.config.scan_unroll == unroll
         assert scan_unrolls(lambda m: redeqx.remat(lm_loss)(m, batch, None), model) == [1 if unroll is None else "all"]
-        specs = redeqx.sharding_rules(model, mesh)
-        state = redeqx.init_state(model, optax.sgd(0.1), mesh, specs, key=jax.random.key(0))
+        specs, state = sharded_state(model, optax.sgd(0.1), mesh, key=0)
         step = redeqx.make_train_step(redeqx.remat(lm_loss), optax.sgd(0.1), mesh, specs)
         for i in range(2):
             state, metrics = step(state, {"ids": ids(i, n=8)})
@@ -211,6 +215,7 @@ def test_from_pretrained_and_a_train_step_take_scan_unroll(tmp_path):
     np.testing.assert_allclose(losses[True], losses[None], rtol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_a_stack_is_indexed_like_a_layer_list_and_a_changed_layer_goes_back(family):
     """Before: ``model.model.layers[0]`` on a stacked model (the default) was

@@ -104,6 +104,7 @@ def test_save_pretrained_round_trip(checkpoints, kind, tmp_path):
                                atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_forward_agrees_across_model_shards(checkpoints):
     d, _ = checkpoints["v11"]
     ids, mask, dec = _inputs(batch=8)
@@ -165,6 +166,7 @@ def test_greedy_generation_matches_transformers_sharded_as_pred_fn(checkpoints):
     np.testing.assert_array_equal(out[6:], ref)
 
 
+@pytest.mark.slow
 def test_beam_search_and_eos_match_transformers(checkpoints):
     d, hf = checkpoints["v1"]
     ids, mask, _ = _inputs()
@@ -202,6 +204,7 @@ def test_decode_with_cache_equals_full_forward(getkey):
     np.testing.assert_allclose(jnp.concatenate([first, *rest]), full, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_remat_and_bf16(checkpoints, getkey):
     config = T5Config(**SIZES)
     key = getkey()
@@ -249,6 +252,7 @@ def test_shift_right_and_config_errors():
         model.decode(jnp.zeros((1,), jnp.int32), cache, attention_mask=jnp.ones((1,), bool))
 
 
+@pytest.mark.slow
 def test_train_step_communication_is_megatron_and_matches_one_device(getkey):
     config = T5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
                       num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=20,

@@ -27,6 +27,7 @@ def dense(moe, x):
     return jnp.einsum("tei,ehi,te->th", h, e.down_proj, gates)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k,normalize", [(1, True), (2, False), (3, True)])
 def test_routing_matches_every_expert_on_every_token(k, normalize):
     moe = MoE(H, I, E, k, normalize_top_k=normalize, key=jax.random.key(0))
@@ -129,6 +130,7 @@ def test_load_balancing_loss_matches_transformers(padded):
     np.testing.assert_allclose(float(total.z_loss()), z, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_under_a_mesh_each_data_shard_routes_its_own_rows():
     """Traced under a mesh with data=4, model=2 (as redeqx's steps are), each data shard sorts
     only its own sequences' rows (B/4*T*k of them) and each device computes only its own 3 of the

@@ -63,6 +63,7 @@ def one_device():
     return {n: _run(_model(n), 1, jax.devices()[:1]) for n in (8, 6)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_model,fsdp", [(1, False), (2, False), (4, False), (8, False), (2, True), (4, True)])
 def test_expert_parallel_matches_one_device(one_device, n_model, fsdp, monkeypatch):
     """8 experts: each stack split on E over n_model_shards, trained 3 steps like one device.
@@ -109,6 +110,7 @@ def test_explain_says_expert_parallel(n_model):
     assert "MoE router: replicated" in rows["model.layers.0.block_sparse_moe.gate.weight"]
 
 
+@pytest.mark.slow
 def test_bfloat16_steps_follow_float32(one_device):
     """bfloat16 compute at n_model_shards=2 (the weights' gradients summed over data in float32:
     XLA:CPU aborts on that all-reduce in bfloat16) stays within bfloat16's error of float32."""
@@ -162,6 +164,7 @@ def test_expert_parallel_bytes_within_the_all_to_all_plan(n_model):
     assert moved >= attention + layers * 2 * act  # the MoE outputs' sums are there
 
 
+@pytest.mark.slow
 def test_sharded_decoding_matches_one_device():
     """generate and beam_search in a predict step at n_model_shards=2 (the batch over data, the
     experts over model, a left-padded prompt) give one device's tokens."""
@@ -187,6 +190,7 @@ def test_sharded_decoding_matches_one_device():
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow
 def test_lora_on_the_attention_and_the_experts(tmp_path):
     """LoRA on q/v and on the experts (a pair of adapters per expert and stack): the model is
     unchanged at first, 3 adapter-only steps at 4 model shards match one device, the base

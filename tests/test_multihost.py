@@ -16,6 +16,7 @@ import pytest
 
 import multihost_worker
 import redeqx
+from _helpers import run_python
 from redeqx import _distributed, launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -23,8 +24,7 @@ PROCESS_TIMEOUT = 240  # a generous cap so a bug fails the test instead of hangi
 
 
 def run_launcher(*args, timeout=PROCESS_TIMEOUT):
-    cmd = [sys.executable, "-m", "redeqx.launch", *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    return run_python("-m", "redeqx.launch", *args, timeout=timeout, check=False)
 
 
 def write_script(tmp_path, body: str) -> str:
@@ -65,6 +65,7 @@ def runs(tmp_path_factory):
     return dict(reference=reference, got=got, params=params, key_data=key_data, tmp=tmp)
 
 
+@pytest.mark.slow
 def test_two_processes_train_predict_and_evaluate_like_one(runs):
     reference = runs["reference"]
     assert reference["n_processes"] == 1 and reference["n_devices"] == 8
@@ -84,6 +85,7 @@ def test_two_processes_train_predict_and_evaluate_like_one(runs):
     assert reference["make_step_numpy"] == "no error"  # one process: the array is the value
 
 
+@pytest.mark.slow
 def test_checkpoints_move_between_process_counts(runs):
     # saved by 1 process, restored by 2: training goes on as in the 1-process run
     for got in runs["got"]:
@@ -118,6 +120,7 @@ RUN_UNTIL_KILLED = """
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", [1, 0])
 def test_a_killed_process_stops_the_other_naming_it(tmp_path, victim):
     """No launcher here: JAX's coordination service alone must notice the
@@ -152,6 +155,7 @@ def test_a_killed_process_stops_the_other_naming_it(tmp_path, victim):
         assert "leader task" in message or "coordination service" in message, message[-2000:]
 
 
+@pytest.mark.slow
 def test_launcher_stops_the_others_when_one_fails(tmp_path):
     script = write_script(
         tmp_path,
@@ -171,6 +175,7 @@ def test_launcher_stops_the_others_when_one_fails(tmp_path):
     assert "process 1" in done.stderr and "stopping the other 1 process" in done.stderr
 
 
+@pytest.mark.slow
 def test_launcher_forwards_sigterm(tmp_path):
     script = write_script(
         tmp_path,
@@ -199,6 +204,7 @@ def test_launcher_forwards_sigterm(tmp_path):
             os.kill(pid, 0)
 
 
+@pytest.mark.slow
 def test_preflight_names_the_process_that_differs(tmp_path):
     script = write_script(
         tmp_path,
@@ -314,6 +320,7 @@ redeqx.initialize("127.0.0.1", int(sys.argv[1]), n_processes=3, process_id=int(s
 """
 
 
+@pytest.mark.slow
 def test_a_process_that_never_comes_is_named_by_every_process_within_the_timeout(tmp_path):
     """Before: process 0 waited in JAX's runtime and aborted (status 134,
     "DEADLINE_EXCEEDED", a C++ stack) naming nobody; the default timeout was

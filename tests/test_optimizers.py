@@ -10,15 +10,11 @@ import optax
 import pytest
 
 import redeqx
+from _helpers import mlp, sharded_state, xent_loss as loss_fn
 
 
 def make_model():
-    return eqx.nn.MLP(4, 3, 16, depth=2, key=jax.random.key(0))
-
-
-def loss_fn(model, batch, key):
-    logits = jax.vmap(model)(batch["x"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    return mlp(4, 3)
 
 
 def batches(n=4):
@@ -42,9 +38,7 @@ def by_hand(optimizer, data, value: bool):
 
 def with_redeqx(optimizer, data, n_model_shards):
     mesh = redeqx.make_mesh(n_model_shards)
-    model = make_model()
-    specs = redeqx.sharding_rules(model, mesh)
-    state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
+    specs, state = sharded_state(make_model(), optimizer, mesh)
     step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs)
     for batch in data:
         state, _ = step(state, batch)
@@ -72,9 +66,7 @@ def test_multi_steps_is_accepted_and_updates_every_k_steps(n_model_shards):
     assert_same(with_redeqx(optimizer, data, n_model_shards),
                 by_hand(optimizer.gradient_transformation(), data, value=False))
     mesh = redeqx.make_mesh(n_model_shards)
-    model = make_model()
-    specs = redeqx.sharding_rules(model, mesh)
-    state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
+    specs, state = sharded_state(make_model(), optimizer, mesh)
     step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs)
     first, _ = step(state, data[0])
     # the first of two micro-steps only accumulates: the parameters have not moved yet
@@ -84,9 +76,7 @@ def test_multi_steps_is_accepted_and_updates_every_k_steps(n_model_shards):
 
 def test_an_optimizer_state_of_another_optimizer_is_named():
     mesh = redeqx.make_mesh(2)
-    model = make_model()
-    specs = redeqx.sharding_rules(model, mesh)
-    state = redeqx.init_state(model, optax.adam(0.1), mesh, specs, key=jax.random.key(1))
+    specs, state = sharded_state(make_model(), optax.adam(0.1), mesh)
     step = redeqx.make_train_step(loss_fn, optax.MultiSteps(optax.adam(0.1), 2), mesh, specs)
     with pytest.raises(ValueError, match="state.opt_state does not match"):
         step(state, batches(1)[0])
@@ -95,7 +85,6 @@ def test_an_optimizer_state_of_another_optimizer_is_named():
 def test_with_multisteps_state_step_counts_batches_and_the_parameters_move_every_kth(devices):
     """What the README says `state.step` counts: after 4 batches with
     optax.MultiSteps(k=2), state.step is 4 and the parameters moved twice."""
-    import equinox as eqx
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -104,10 +93,8 @@ def test_with_multisteps_state_step_counts_batches_and_the_parameters_move_every
     import redeqx
 
     mesh = redeqx.make_mesh(2)
-    model = eqx.nn.MLP(8, 4, 16, depth=1, key=jax.random.key(0))
-    specs = redeqx.sharding_rules(model, mesh)
     optimizer = optax.MultiSteps(optax.sgd(0.1), 2)
-    state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
+    specs, state = sharded_state(mlp(depth=1), optimizer, mesh)
     step = redeqx.make_train_step(lambda m, b, k: jnp.mean(jax.vmap(m)(b["x"]) ** 2), optimizer, mesh, specs)
     weights, moves = np.asarray(state.model.layers[0].weight), 0
     for _ in range(4):

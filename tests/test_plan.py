@@ -52,6 +52,7 @@ def test_plan_matches_the_real_step_and_its_buffers():
     assert "fits" in str(p) and "all-reduce" in str(p) and "FLOPs" in str(p)
 
 
+@pytest.mark.slow
 def test_plan_explores_what_would_make_it_fit():
     mesh = redeqx.make_mesh(1)
     batch = {"tokens": jax.ShapeDtypeStruct((8, 9), jnp.int32)}
@@ -70,6 +71,7 @@ def test_plan_explores_what_would_make_it_fit():
     assert "does NOT fit" in text and "would fit with:" in text
 
 
+@pytest.mark.slow
 def test_make_mesh_auto_picks_the_smallest_n_model_shards_that_fits():
     batch = {"tokens": jax.ShapeDtypeStruct((8, 9), jnp.int32)}
     planner = functools.partial(redeqx.plan, big_params, lm_loss, optax.adamw(1e-3), batch, explore=False)
@@ -106,6 +108,7 @@ LIBTPU_OOM = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory re
               "(84.27G) exceeds available HBM (30.75G).")
 
 
+@pytest.mark.slow
 def test_a_compiler_that_refuses_the_step_means_it_does_not_fit(monkeypatch):
     # libtpu (planning for a TPU slice from jax.experimental.topologies) refuses to compile a step
     # larger than the chip; XLA:CPU never does, so the refusal is simulated here
@@ -126,6 +129,7 @@ def test_a_compiler_that_refuses_the_step_means_it_does_not_fit(monkeypatch):
         redeqx.plan(make, lm_loss, optax.adamw(1e-3), BATCH, mesh)
 
 
+@pytest.mark.slow
 def test_auto_plans_each_candidate_once_and_explores_only_at_the_end(monkeypatch):
     """Before: make_mesh("auto", planner=partial(redeqx.plan, ...)) ran plan's
     whole exploration (a dozen compiles) for every candidate that did not fit,

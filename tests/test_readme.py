@@ -10,6 +10,7 @@ import importlib.util
 import re
 from pathlib import Path
 
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,6 +53,7 @@ def run_blocks(blocks: list[str], namespace: dict, source: str, tmp_path: Path) 
     return namespace
 
 
+@pytest.mark.slow
 def test_readme_python_blocks_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # "out/..." paths land here
     readme = (ROOT / "README.md").read_text()

@@ -17,6 +17,7 @@ def grads(loss, model, batch):
     return eqx.filter_value_and_grad(lambda m: loss(m, batch, jax.random.key(0))[0])(model)
 
 
+@pytest.mark.slow
 def test_remat_gives_the_same_loss_and_gradients():
     model = TinyLM(vocab=32, dim=32, n_heads=4, hidden=64, n_layers=3, key=jax.random.key(0))
     batch = jax.tree.map(jnp.asarray, collate_tokens(token_examples(4, vocab=32)))
@@ -55,6 +56,7 @@ def compiled_temp(loss_fn, model, n_model_shards=2, seq=128):
     return step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_remat_lowers_temporaries_of_any_model():
     """XLA:CPU merges jax.checkpoint's recomputation back into the forward
     pass; redeqx.remat's survives, so the compiled step needs less memory."""
@@ -64,6 +66,7 @@ def test_remat_lowers_temporaries_of_any_model():
     assert rematted < 0.6 * plain, (rematted, plain)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_zoo_remat_lowers_temporaries(scan_layers):
     """In either layout (a zoo stack already keeps only its matrix products;

@@ -4,7 +4,10 @@ SIGTERM at a random step saves at the next step every process agrees on,
 exits with status 143, and the resumed run ends where an uninterrupted one
 does. Real processes, real signals: one process, and two under
 ``python -m redeqx.launch`` with the signal sent to the launcher (it reaches
-both) and to one process only (JAX's preemption service tells the other)."""
+both) and to one process only (JAX's preemption service tells the other).
+And exact resume without a signal: a run saving every step, killed with
+SIGKILL at a random step (often mid-save), resumes from its latest
+checkpoint and ends bit-identical to the uninterrupted run."""
 
 import os
 import random
@@ -18,20 +21,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from _helpers import script_env
+
+pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("resume_worker.py")
-ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+ENV = script_env(JAX_PLATFORMS="cpu")  # 8 devices
 N_STEPS, EVERY, PACE = 12, 1000, "0.3"  # PACE: seconds after each step, so a signal lands mid-run
 TIMEOUT = 240
 
 
-def start(workdir, *, launch=False, pace="0"):
-    cmd = [str(WORKER), str(workdir), str(EVERY), pace]
+def start(workdir, *, launch=False, pace="0", every=EVERY):
+    cmd = [str(WORKER), str(workdir), str(every), pace]
     cmd = ([sys.executable, "-m", "redeqx.launch", "-n", "2", *cmd] if launch else [sys.executable, *cmd])
     return subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def finish(proc, signal_at=None, target=None):
-    """Reads "step N" lines; at ``signal_at`` sends SIGTERM to ``target(proc)``
+def finish(proc, signal_at=None, target=None, sig=signal.SIGTERM):
+    """Reads "step N" lines; at ``signal_at`` sends ``sig`` to ``target(proc)``
     (the process itself by default). Returns (lines, stderr, exit status)."""
     lines = []
     for line in proc.stdout:
@@ -41,7 +47,7 @@ def finish(proc, signal_at=None, target=None):
             continue
         lines.append(found.group(1))
         if signal_at is not None and lines[-1] == f"step {signal_at}":
-            os.kill(target(proc) if target else proc.pid, signal.SIGTERM)
+            os.kill(target(proc) if target else proc.pid, sig)
     proc.wait(timeout=TIMEOUT)
     return lines, proc.stderr.read(), proc.returncode
 
@@ -85,6 +91,17 @@ def assert_final(workdir, want, exact):
             assert np.array_equal(want[k], got[k]), k
         else:  # 2 x 4 devices sum in another order than 1 x 8: ~1e-8 apart; a wrong resume is ~1e-2 off
             np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-6, err_msg=k)
+
+
+def test_killed_and_resumed_run_is_bit_identical(tmp_path, reference):
+    """Saving every step, SIGKILLed as soon as it reports a random step: the
+    restart resumes from the latest checkpoint that was finished."""
+    kill = random.randrange(2, N_STEPS)
+    lines, err, rc = finish(start(tmp_path, every=1), signal_at=kill, sig=signal.SIGKILL)
+    assert rc == -signal.SIGKILL, (rc, err[-3000:])
+    lines, err, rc = finish(start(tmp_path, every=1))
+    assert rc == 0 and lines[0].startswith("resumed at step") and lines[-1] == f"step {N_STEPS}", (kill, lines, err)
+    assert_final(tmp_path, reference, exact=True)
 
 
 def test_sigterm_one_process_saves_exits_143_and_resumes_bit_identical(tmp_path, reference):

@@ -63,6 +63,7 @@ def leaves(state):
     return [np.asarray(x) for x in arrays] + [np.asarray(jax.random.key_data(state.key)), np.asarray(state.step)]
 
 
+@pytest.mark.slow
 def test_stopped_and_resumed_is_bit_identical(setup, tmp_path):
     want, n_reference = run(tmp_path / "reference", setup)
     assert n_reference == int(want.step) == 16

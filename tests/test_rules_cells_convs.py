@@ -93,6 +93,7 @@ def assert_trains_as_one_device(model, batch, devices, shards=(2, 4)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cell", [eqx.nn.GRUCell, eqx.nn.LSTMCell])
 def test_recurrent_cells_keep_their_gates_whole(cell, devices):
     model = RNN(cell, key=jax.random.key(0))

@@ -175,6 +175,7 @@ def train(model, n_model_shards, devices):
     return np.asarray(losses), state.model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", [LucidAttention, InterleavedAttention])
 def test_trains_as_one_device(attention, devices):
     model = gpt_with(attention)
@@ -202,6 +203,7 @@ def collective_bytes(model, n_model_shards, overrides=()):
     return sum(v["bytes"] for v in collectives(model, n_model_shards, overrides).values())
 
 
+@pytest.mark.slow
 def test_collectives_fall_below_a_split_mid_head():
     """At 2 shards, as an accelerator moves them: timm's fused qkv kept whole
     moves less than the split of dim 0 the rules made before; lucidrains' moves

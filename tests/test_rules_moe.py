@@ -206,6 +206,7 @@ def test_routers_are_told_from_gates():
     assert specs.gate == P() and specs.w1 == specs.w2 == P("model", None, None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layer", [MoE, SparseMoeBlock, MLPExperts])
 def test_every_layout_trains_as_one_device(layer, devices):
     """Expert parallel at 2 shards, tensor parallel at 4 (6 experts), for the

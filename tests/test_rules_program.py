@@ -43,6 +43,7 @@ def reference_bytes():
     return {n: step_bytes(model, loss_fn, GPT_BATCH, n)[0] for n in (2, 4, 8)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["raw", "flax", "scan"])
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_a_gpt_written_otherwise_moves_the_megatron_bytes(kind, n, reference_bytes):
@@ -71,6 +72,7 @@ WRITTEN_OTHERWISE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(WRITTEN_OTHERWISE))
 def test_a_model_written_otherwise_trains_like_one_device_at_4_shards(case, devices):
     make, loss, batch = WRITTEN_OTHERWISE[case]
@@ -102,6 +104,7 @@ def test_names_alone_warn_about_weights_they_cannot_place():
     assert specs.blocks[0].W1 == P("model", None)  # names are read whatever their case
 
 
+@pytest.mark.slow
 def test_a_conv_patch_embedding_does_not_split_the_residual_stream():
     model = w.ViT(key=jax.random.key(0))
     for n in (2, 4):

@@ -3,13 +3,13 @@ redeqx.batches runs, whatever accumulate is."""
 
 import warnings
 
-import equinox as eqx
 import jax
 import numpy as np
 import optax
 import pytest
 
 import redeqx
+from _helpers import mlp, sharded_state, xent_loss
 
 
 def examples(n, dim=4, seed=0):
@@ -19,11 +19,6 @@ def examples(n, dim=4, seed=0):
 
 def collate(es):
     return {"x": np.stack([e["x"] for e in es]), "y": np.array([e["y"] for e in es], np.int32)}
-
-
-def loss_fn(model, batch, key):
-    logits = jax.vmap(model)(batch["x"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
 
 def test_lr_schedule_shapes(devices):
@@ -61,11 +56,9 @@ def test_schedule_ends_at_the_last_step_batches_yields(shuffle, accumulate, devi
     train, per_device, n_epochs, peak, end = examples(264), 8, 2, 1e-2, 1e-4
     schedule = redeqx.lr_schedule(len(train), per_device, n_epochs, peak, mesh, warmup_ratio=0.25,
                                   end_learning_rate=end, accumulate=accumulate, drop_last=shuffle)
-    model = eqx.nn.MLP(4, 3, 8, depth=1, key=jax.random.key(0))
-    specs = redeqx.sharding_rules(model, mesh)
     optimizer = optax.sgd(schedule)
-    state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
-    train_step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs, accumulate=accumulate)
+    specs, state = sharded_state(mlp(4, 3, 8, depth=1), optimizer, mesh)
+    train_step = redeqx.make_train_step(xent_loss, optimizer, mesh, specs, accumulate=accumulate)
     after = []  # the rate once each step is done: schedule(state.step)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # in order, the last batch is filled up with a warning

@@ -13,6 +13,7 @@ import optax
 import pytest
 
 import redeqx
+from _helpers import sharded_state
 from accelerator_count import accelerator_collectives
 from user_gpt import GPT, collate_fn, loss_fn, make_examples
 
@@ -43,6 +44,7 @@ def reference(devices):
     return train(redeqx.make_mesh(1, devices=devices[:1]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_model_shards,accumulate", [(1, 1), (2, 1), (4, 1), (2, 2)])
 def test_shard_mean_step_matches_one_device(reference, devices, n_model_shards, accumulate):
     losses, state = train(redeqx.make_mesh(n_model_shards), shard_mean_loss=True, accumulate=accumulate)
@@ -69,6 +71,7 @@ def test_shard_mean_step_with_frozen_leaves_matches_one_device(devices):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_model_shards", [1, 2])
 def test_tied_embedding_gradient_is_reduced_once(devices, n_model_shards):
     """Without the option, the table's lookup and head terms are all-reduced
@@ -76,8 +79,7 @@ def test_tied_embedding_gradient_is_reduced_once(devices, n_model_shards):
     each gradient once: at one model shard, exactly the gradients' bytes."""
     mesh = redeqx.make_mesh(n_model_shards)
     model = make_gpt()
-    specs = redeqx.sharding_rules(model, mesh)
-    state = redeqx.init_state(model, optax.sgd(0.1), mesh, specs, key=jax.random.key(1))
+    specs, state = sharded_state(model, optax.sgd(0.1), mesh)
     moved = {}
     for flag in (False, True):
         step = redeqx.make_train_step(loss_fn, optax.sgd(0.1), mesh, specs, shard_mean_loss=flag)
@@ -103,6 +105,7 @@ def token_mean(model, batch, key):
     return (ce * batch["mask"]).sum() / batch["mask"].sum()
 
 
+@pytest.mark.slow
 def test_a_mean_over_the_batchs_tokens_is_refused(devices):
     with pytest.raises(ValueError, match=r"'token_mean' is not the mean of its values on equal slices"):
         train(redeqx.make_mesh(2), token_mean, [padded(BATCHES[0], 0)], shard_mean_loss=True)
@@ -112,6 +115,7 @@ def test_a_mean_over_the_batchs_tokens_is_refused(devices):
     np.testing.assert_allclose(eight[0], one[0], rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_a_shard_with_no_tokens_is_refused_not_trained_on_nan(devices):
     """A token mean whose first rows of some shard are all padding: that
     shard's mean is 0/0, the whole batch's is finite. This once only warned
@@ -124,6 +128,7 @@ def test_a_shard_with_no_tokens_is_refused_not_trained_on_nan(devices):
     assert np.isfinite(losses).all()
 
 
+@pytest.mark.slow
 def test_a_loss_drawing_from_its_key_is_run_unchecked_with_a_warning(devices):
     def noisy(model, batch, key):
         return loss_fn(model, batch, key) + 0.01 * jax.random.normal(key)
@@ -151,8 +156,7 @@ def test_dropout_is_checked_off_and_drawn_per_shard(devices):
     different shards get different masks, as on one device."""
     mesh = redeqx.make_mesh(1)
     model = DropoutMLP(jax.random.key(0))
-    specs = redeqx.sharding_rules(model, mesh)
-    state = redeqx.init_state(model, optax.sgd(0.0), mesh, specs, key=jax.random.key(1))
+    specs, state = sharded_state(model, optax.sgd(0.0), mesh)
 
     def loss(model, batch, key):
         keys = jax.random.split(key, batch["x"].shape[0])
@@ -207,6 +211,7 @@ def test_accumulate_that_does_not_divide_a_shards_rows_is_named(devices):
         train(redeqx.make_mesh(2), accumulate=3, shard_mean_loss=True)
 
 
+@pytest.mark.slow
 def test_the_first_call_check_needs_less_memory_than_the_step(devices):
     """The check compares two gradient trees in float32, on a few rows of
     each shard, so it never needs more memory than the step it guards
@@ -226,6 +231,7 @@ def test_the_first_call_check_needs_less_memory_than_the_step(devices):
     assert temporaries(step._first_call_check) < temporaries(step._compiled)
 
 
+@pytest.mark.slow
 def test_gradients_the_check_cannot_compare(devices):
     """Zero gradients agree (nothing to refuse); non-finite ones cannot be
     compared, which is said, not mistaken for a broken promise."""

@@ -89,6 +89,7 @@ def one_device(devices):
     return train(unstacked(make()), devices[:1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_model_shards,fsdp", [(1, False), (2, False), (4, False), (2, True)])
 def test_stacked_training_matches_one_device(one_device, devices, n_model_shards, fsdp):
     losses, model = train(make(), devices, n_model_shards, fsdp)
@@ -112,6 +113,7 @@ def total_bytes(compiled):
     return sum(v["bytes"] for v in redeqx.collective_summary(compiled.as_text()).values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_model_shards", [2, 4])
 def test_stacked_step_costs_what_the_unrolled_one_does(n_model_shards):
     """Collective bytes (each collective inside the scan counted once per
@@ -128,6 +130,7 @@ def test_stacked_step_costs_what_the_unrolled_one_does(n_model_shards):
     assert rematted[0] <= 1.15 * rematted[1], rematted
 
 
+@pytest.mark.slow
 def test_remat_reaches_the_scan_body():
     """Each layer of the scan recomputed: at least the unrolled model's saving
     (<= 0.6x of no remat at 8 layers), the same gradients, and a choice of
@@ -156,6 +159,7 @@ def test_remat_reaches_the_scan_body():
         redeqx.checkpoint(loss_fn, keep="all")
 
 
+@pytest.mark.slow
 def test_the_planner_counts_every_layer_and_micro_batch():
     """FLOPs and collective bytes of a scan within 10% of the unrolled model's,
     and accumulate's micro-batch scan counted as many times as it runs."""

@@ -3,18 +3,16 @@ layers) planned on 2 simulated devices of 10 GB, as redco's Table 1 row runs
 it, in a subprocess the way the benchmark runs every row."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import pytest
+
+from _helpers import ROOT, run_python
 
 
+@pytest.mark.slow
 def test_table1_quick_row_fits_in_the_stated_memory(tmp_path):
     out = tmp_path / "table1.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.table1", "--rows", "gpt2-large", "--quick", "--json",
-                           str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_python("-m", "benchmarks.table1", "--rows", "gpt2-large", "--quick", "--json", out, cwd=ROOT)
     (row,) = json.loads(out.read_text())
     plan = row["redco"]
     assert row["row"] == "gpt2-large"

@@ -8,6 +8,7 @@ import optax
 import pytest
 
 import redeqx
+from _helpers import mlp, mse_loss, sharded_state
 from tiny_transformer import TinyLM, collate_tokens, lm_loss, token_examples
 
 N_STEPS = 5
@@ -115,15 +116,13 @@ def test_no_parameter_is_all_gathered(devices):
 
 def test_compiles_once_and_donates(devices):
     mesh = redeqx.make_mesh(2)
-    model = eqx.nn.MLP(8, 4, 16, depth=2, key=jax.random.key(0))
-    specs = redeqx.sharding_rules(model, mesh)
     optimizer = optax.sgd(0.1)
-    state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(0))
+    specs, state = sharded_state(mlp(), optimizer, mesh, key=0)
     traces = []
 
     def loss_fn(m, batch, key):
         traces.append(1)
-        return jnp.mean((jax.vmap(m)(batch["x"]) - batch["y"]) ** 2)
+        return mse_loss(m, batch, key)
 
     step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs)
     rng = np.random.default_rng(0)
@@ -148,13 +147,10 @@ def test_a_donated_state_reused_is_named_not_run(devices, tmp_path):
     """Calling a step again with the state an earlier call donated (a notebook
     cell run twice) segfaulted XLA:CPU; each entry point now names the leaf."""
     mesh = redeqx.make_mesh(2)
-    model = eqx.nn.MLP(4, 3, 16, depth=1, key=jax.random.key(0))
-    specs = redeqx.sharding_rules(model, mesh)
     optimizer = optax.adam(1e-2)
-    loss_fn = lambda m, b, k: jnp.mean((jax.vmap(m)(b["x"]) - b["y"]) ** 2)
-    state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
+    specs, state = sharded_state(mlp(4, 3, depth=1), optimizer, mesh)
     kept = jax.tree.map(lambda x: x.copy() if eqx.is_array(x) else x, state)  # what the message advises
-    step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs)
+    step = redeqx.make_train_step(mse_loss, optimizer, mesh, specs)
     batch = {"x": np.ones((8, 4), np.float32), "y": np.zeros((8, 3), np.float32)}
     new, _ = step(state, batch)
     examples = [{k: v[0] for k, v in batch.items()}] * 8
@@ -167,7 +163,7 @@ def test_a_donated_state_reused_is_named_not_run(devices, tmp_path):
         with pytest.raises(ValueError, match=deleted):
             call()
     with pytest.raises(ValueError, match="leaf 'layers.0.weight' of the model was deleted"):
-        redeqx.evaluate(redeqx.make_eval_step(loss_fn, mesh, specs), state.model, examples, collate, 1, mesh,
+        redeqx.evaluate(redeqx.make_eval_step(mse_loss, mesh, specs), state.model, examples, collate, 1, mesh,
                         key=jax.random.key(0))
     with pytest.raises(ValueError, match="leaf 'layers.0.weight' of the step's argument 2 was deleted"):
         redeqx.make_step(lambda s, m: (s, m.layers[0].weight.sum()), mesh)(new, state.model)
@@ -199,6 +195,7 @@ def test_trainable_freezes_the_rest(devices):
         wrong(state, next(redeqx.batches(token_examples(8, vocab=56), collate_tokens, 2, mesh)))
 
 
+@pytest.mark.slow
 def test_compute_dtype_bf16(devices):
     mesh = redeqx.make_mesh(2)
     model = TinyLM(vocab=56, dim=48, n_heads=4, hidden=80, key=jax.random.key(0))
@@ -298,9 +295,7 @@ def test_make_step_rejects_changed_structure(devices):
 
 def test_loss_fn_must_return_scalar(devices):
     mesh = redeqx.make_mesh(2)
-    model = eqx.nn.MLP(8, 4, 16, depth=1, key=jax.random.key(0))
-    specs = redeqx.sharding_rules(model, mesh)
-    state = redeqx.init_state(model, optax.sgd(0.1), mesh, specs, key=jax.random.key(0))
+    specs, state = sharded_state(mlp(depth=1), optax.sgd(0.1), mesh, key=0)
     step = redeqx.make_train_step(lambda m, b, k: jax.vmap(m)(b["x"]).sum(-1), optax.sgd(0.1), mesh, specs)
     batch = redeqx._data.to_global({"x": np.ones((8, 8), np.float32)}, mesh, 8)
     with pytest.raises(ValueError, match=r"must return a scalar loss, got shape \(8,\).*jnp.mean"):
@@ -309,9 +304,7 @@ def test_loss_fn_must_return_scalar(devices):
 
 def test_batch_the_data_axis_cannot_split(devices):
     mesh = redeqx.make_mesh(2)  # data = 4
-    model = eqx.nn.MLP(8, 4, 16, depth=1, key=jax.random.key(0))
-    specs = redeqx.sharding_rules(model, mesh)
-    state = redeqx.init_state(model, optax.sgd(0.1), mesh, specs, key=jax.random.key(0))
+    specs, state = sharded_state(mlp(depth=1), optax.sgd(0.1), mesh, key=0)
     step = redeqx.make_train_step(lambda m, b, k: jax.vmap(m)(b["x"]).mean(), optax.sgd(0.1), mesh, specs)
     with pytest.raises(ValueError, match=r"batch of 6 rows cannot be split over the data axis of 4 devices"):
         step(state, {"x": jnp.ones((6, 8))})

@@ -171,6 +171,7 @@ def image_batches():
             for _ in range(3)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make", [CNN, ViT], ids=["cnn", "vit"])
 def test_users_image_models_match_one_device(make, devices):
     batches = image_batches()

@@ -1,0 +1,78 @@
+"""Set-ups many test files share: a script run in a fresh Python process (an
+example, a worker, `python -m redeqx.launch`), and the small MLP most
+single-process tests train.
+
+    from _helpers import run_example, run_python, mlp, mse_loss, sharded_state
+
+`tests/` is on ``sys.path`` under pytest (the directory has no ``__init__.py``),
+so a test imports this module by its name.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+
+import redeqx
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+
+def script_env(**extra) -> dict:
+    """The environment a script runs in: this process's, whose ``XLA_FLAGS``
+    (set by conftest.py) give 8 CPU devices and the suite's cheaper compiles
+    (``FAST_COMPILE``). The examples keep both (they set their device count
+    only where ``XLA_FLAGS`` is unset), `redeqx.launch` replaces the device
+    count with its split, and a script that sets ``XLA_FLAGS`` itself wins.
+    ``extra`` adds or replaces variables."""
+    return {**os.environ, **extra}
+
+
+def run_python(*args, launch=None, env=None, timeout=300, cwd=None, check=True) -> subprocess.CompletedProcess:
+    """``python *args``, or ``python -m redeqx.launch *launch *args`` when
+    ``launch`` lists the launcher's flags (``launch=("-n", "2")``), in
+    :func:`script_env` unless ``env`` is given. With ``check`` (the default) a
+    non-zero exit status fails the test, showing the ends of stdout and stderr."""
+    cmd = [sys.executable, *(["-m", "redeqx.launch", *map(str, launch)] if launch else []), *map(str, args)]
+    done = subprocess.run(cmd, env=script_env() if env is None else env, capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd)
+    if check:
+        assert done.returncode == 0, (done.returncode, done.stdout[-2000:] + done.stderr[-3000:])
+    return done
+
+
+def run_example(script, *flags, launch=None, timeout=300) -> str:
+    """Runs ``examples/<script>`` with ``flags`` from the repository root (on 8
+    devices, as the script sets by default) and returns its stdout; a failure fails the test."""
+    return run_python(EXAMPLES / script, *flags, launch=launch, timeout=timeout, cwd=ROOT).stdout
+
+
+# --- a small model: an MLP on 8 features, a loss, and its state on a mesh
+
+
+def mlp(in_size=8, out_size=4, width=16, depth=2, key=0) -> eqx.nn.MLP:
+    """``eqx.nn.MLP(in_size, out_size, width, depth)`` from ``jax.random.key(key)``."""
+    return eqx.nn.MLP(in_size, out_size, width, depth=depth, key=jax.random.key(key))
+
+
+def mse_loss(model, batch, key):
+    """Mean squared error of ``model`` on ``batch["x"]`` against ``batch["y"]``."""
+    return jnp.mean((jax.vmap(model)(batch["x"]) - batch["y"]) ** 2)
+
+
+def xent_loss(model, batch, key):
+    """Cross-entropy of ``model``'s logits on ``batch["x"]`` against integer labels ``batch["y"]``."""
+    logits = jax.vmap(model)(batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def sharded_state(model, optimizer, mesh, key=1):
+    """``model``'s sharding rules on ``mesh`` and a train state built with them: ``(specs, state)``."""
+    specs = redeqx.sharding_rules(model, mesh)
+    return specs, redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(key))
