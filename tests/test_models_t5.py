@@ -1,7 +1,6 @@
 """T5 against Transformers' PyTorch reference (tiny random v1.0- and
 v1.1-style configs built and saved here: no download)."""
 
-import dataclasses
 import re
 
 import jax
