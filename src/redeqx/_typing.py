@@ -12,6 +12,7 @@ import types
 import typing
 import warnings
 
+import jax
 import numpy as np
 from beartype import BeartypeConf, beartype
 from beartype.door import is_bearable
@@ -47,6 +48,8 @@ def _hint_name(hint) -> str:
         return " or ".join(repr(a) for a in typing.get_args(hint))
     if hint is type(None):
         return "None"
+    if hint is jax.sharding.PartitionSpec:  # its class is named ``P``, which says little in a message
+        return "a PartitionSpec (jax.P(...))"
     if isinstance(hint, type):
         return hint.__qualname__
     return str(hint).replace("typing.", "").replace("collections.abc.", "").replace("jaxtyping.", "")
