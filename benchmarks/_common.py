@@ -72,7 +72,7 @@ def libtpu(chips: int = 8) -> tuple[str, dict]:
     if not python.exists():
         sys.exit("no benchmarks/.venv-tpu: run `python -m benchmarks.table1 --setup-tpu` once")
     return str(python), worker_env(TPU_ACCELERATOR_TYPE=f"v4-{2 * chips}", TPU_WORKER_HOSTNAMES="localhost",
-                                   TPU_SKIP_MDS_QUERY="1")
+                                   TPU_SKIP_MDS_QUERY="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1")  # no TPU: compiles may share
 
 
 def tpu_v4_devices(n: int = 8) -> list:
@@ -108,6 +108,16 @@ def compiled_figures(compiled) -> dict:
                 outputs=memory.output_size_in_bytes, flops=float((cost or {}).get("flops", 0.0)))
 
 
+def next_token_loss(model, batch, key):
+    """Mean next-token cross-entropy of ``batch["ids"]`` (B, T + 1), the logits in fp32."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    logits = jax.vmap(model)(batch["ids"][:, :-1]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:]).mean()
+
+
 # ----------------------------------------------------------------------------- workers
 
 def run_worker(python: str, script: str, args: list[str], env: dict | None = None, timeout: float | None = None):
@@ -137,6 +147,30 @@ def serve(namespace: dict) -> bool:
     task = json.loads(sys.argv[2])
     print(json.dumps(namespace[task["fn"]](**task["kwargs"])), flush=True)
     return True
+
+
+class NotProbed(Exception):
+    """A probe missing from a ``Probes`` cache that may not compile."""
+
+
+class Probes:
+    """Probe results by task, each run once (``run(task)``) and kept in the
+    JSON file ``path`` when given; with ``cached_only`` a missing one raises."""
+
+    def __init__(self, run, path: Path | None = None, cached_only: bool = False):
+        self.run, self.path, self.cached_only = run, path, cached_only
+        self.cache = json.loads(path.read_text()) if path and path.exists() else {}
+
+    def __call__(self, **task) -> dict:
+        key = json.dumps(task, sort_keys=True)
+        if key not in self.cache:
+            if self.cached_only:
+                raise NotProbed(key)
+            self.cache[key] = self.run(task)
+            if self.path:
+                self.path.write_text(json.dumps(self.cache, indent=1))
+        print(f"  {key} -> {json.dumps(self.cache[key])[:160]}", file=sys.stderr, flush=True)
+        return self.cache[key]
 
 
 # ----------------------------------------------------------------------------- options and timing
