@@ -155,13 +155,15 @@ class NotProbed(Exception):
 
 class Probes:
     """Probe results by task, each run once (``run(task)``) and kept in the
-    JSON file ``path`` when given; with ``cached_only`` a missing one raises."""
+    JSON file ``path`` when given; with ``cached_only`` a missing one raises.
+    ``fixed``: fields added to every task."""
 
-    def __init__(self, run, path: Path | None = None, cached_only: bool = False):
-        self.run, self.path, self.cached_only = run, path, cached_only
+    def __init__(self, run, path: Path | None = None, cached_only: bool = False, **fixed):
+        self.run, self.path, self.cached_only, self.fixed = run, path, cached_only, fixed
         self.cache = json.loads(path.read_text()) if path and path.exists() else {}
 
     def __call__(self, **task) -> dict:
+        task = {**task, **self.fixed}
         key = json.dumps(task, sort_keys=True)
         if key not in self.cache:
             if self.cached_only:
