@@ -20,7 +20,7 @@ import math
 import time
 import warnings
 
-from benchmarks._common import cpu_devices, parser, report
+from benchmarks._common import cpu_devices, next_token_loss, parser, report
 
 cpu_devices(8)
 
@@ -40,12 +40,6 @@ KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective
 
 def mib(x) -> str:
     return f"{x / 2**20:.1f}"
-
-
-def loss_fn(model, batch, key):
-    ids = batch["ids"]
-    logits = jax.vmap(model)(ids[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
 
 
 def per_device_bytes(abstract, specs, mesh):
@@ -82,11 +76,11 @@ def measure(config, n_model_shards, fsdp, args):
     params, gathered, rest = per_device_bytes(abstract, specs, mesh)
     batch = {"ids": jax.ShapeDtypeStruct((args.batch, args.seq + 1), jnp.int32)}
     t0 = time.perf_counter()
-    p = redeqx.plan(make, loss_fn, optax.adamw(1e-4), batch, mesh, fsdp=fsdp, explore=False)
+    p = redeqx.plan(make, next_token_loss, optax.adamw(1e-4), batch, mesh, fsdp=fsdp, explore=False)
     compile_s = time.perf_counter() - t0
     measured = {k: p.collectives.get(k, {"count": 0, "bytes": 0}) for k in KINDS}
     state = redeqx.init_state(abstract, optax.adamw(1e-4), mesh, specs, key=jax.random.key(0))
-    step = redeqx.make_train_step(loss_fn, optax.adamw(1e-4), mesh, specs)
+    step = redeqx.make_train_step(next_token_loss, optax.adamw(1e-4), mesh, specs)
     sharded = {"ids": jax.ShapeDtypeStruct(batch["ids"].shape, jnp.int32, sharding=NamedSharding(mesh, P("data")))}
     accelerator = sum(v["bytes"] for v in accelerator_collectives(step, state, sharded).values())
 

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks._common import cpu_devices, parser, report
+from benchmarks._common import cpu_devices, next_token_loss, parser, report
 
 cpu_devices(8)
 
@@ -56,12 +56,6 @@ def per_device(tree=None) -> dict[int, int]:
     return dict(out)
 
 
-def loss_fn(model, batch, key):
-    ids = batch["ids"]
-    logits = jax.vmap(model)(ids[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
-
-
 class Phases:
     """Each phase's bytes per device and process memory, printed as measured."""
 
@@ -89,7 +83,7 @@ def train_save_restore(args, make_model, mesh, optimizer, phases: Phases) -> dic
     state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1), donate_model=True)
     del model
     phases("after init_state(donate_model=True)", jax.block_until_ready(state))
-    step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs)
+    step = redeqx.make_train_step(next_token_loss, optimizer, mesh, specs)
     rs, losses, times = np.random.RandomState(0), [], []
     for i in range(args.steps):
         ids = rs.randint(0, args.vocab, (args.batch, args.seq + 1)).astype(np.int32)
@@ -183,11 +177,11 @@ def main():
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract) if isinstance(x, jax.ShapeDtypeStruct))
     batch = {"ids": jax.ShapeDtypeStruct((args.batch, args.seq + 1), jnp.int32)}
     t0 = time.perf_counter()
-    plan = redeqx.plan(make_model, loss_fn, optimizer, batch, mesh, fsdp=True, explore=False)
+    plan = redeqx.plan(make_model, next_token_loss, optimizer, batch, mesh, fsdp=True, explore=False)
     plan_s = time.perf_counter() - t0
     print(plan, flush=True)
     others = {} if args.no_others else {  # the same run on the other splits of the 8 devices, planned only
-        k: redeqx.plan(make_model, loss_fn, optimizer, batch, redeqx.make_mesh(k), fsdp=True, explore=False)
+        k: redeqx.plan(make_model, next_token_loss, optimizer, batch, redeqx.make_mesh(k), fsdp=True, explore=False)
         for k in (1, 2, 4, 8) if k != args.n_model_shards}
     need = mesh.devices.size * plan.peak + 3 * GB
     if proc_bytes("/proc/meminfo", "MemAvailable:") < (args.min_free_gb * GB if args.min_free_gb else need):
