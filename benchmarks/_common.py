@@ -87,6 +87,19 @@ def tpu_v4_devices(n: int = 8) -> list:
                                              num_slices=1).devices)
 
 
+def compiler(tpu: bool, devices: int = 8, xla_flags: str = "") -> tuple[str, dict]:
+    """A worker's Python and environment: libtpu's for a TPU v4 slice of
+    ``devices`` chips, or this Python with ``devices`` simulated CPU devices."""
+    return libtpu(devices) if tpu else (sys.executable, worker_env(devices, xla_flags))
+
+
+def compile_devices(n: int, tpu: bool) -> list:
+    """``n`` devices to compile for: TPU v4 chips (none attached) or this process's own."""
+    import jax
+
+    return tpu_v4_devices(max(n, 4))[:n] if tpu else jax.devices()[:n]
+
+
 def setup_tpu() -> None:
     """benchmarks/.venv-tpu: this environment plus the libtpu JAX's ``tpu`` extra names."""
     import importlib.metadata

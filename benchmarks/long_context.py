@@ -19,10 +19,9 @@ the analytic count.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-from benchmarks._common import HERE, TPU_VENV, NotProbed, Probes, libtpu, parser, report, serve, worker, worker_env
+from benchmarks._common import HERE, TPU_VENV, NotProbed, Probes, compile_devices, compiler, parser, report, serve, worker
 
 MEMORY = 32 * 2**30  # a TPU v4 chip
 SIZES = {  # LLaMA-3 shapes (vocab 128256, GQA with 8 KV heads)
@@ -34,14 +33,6 @@ CASES = {"8b": (8, [(8, 1, 32768), (0, 8, 8192), (1, 8, 16384)]), "70b": (64, [(
 
 
 # ----------------------------------------------------------------------------- worker (imports JAX)
-
-def _devices(n: int, tpu: bool):
-    import jax
-
-    from benchmarks._common import tpu_v4_devices
-
-    return tpu_v4_devices(n) if tpu else jax.devices()[:n]
-
 
 def probe(task: dict) -> dict:
     """A plan's figures (kind "plan") or redeqx.attention's collectives (kind "attention")."""
@@ -56,7 +47,7 @@ def probe(task: dict) -> dict:
     import redeqx
     from redeqx import models
 
-    devices, c, t = _devices(task["chips"], task["tpu"]), task["context"], task["seq"]
+    devices, c, t = compile_devices(task["chips"], task["tpu"]), task["context"], task["seq"]
     if task["kind"] == "attention":  # value and grads on one 8B layer's shapes
         mesh = redeqx.make_mesh(1, n_context_shards=c, devices=devices)
         q, kv = (jax.ShapeDtypeStruct((1, t, h, 128), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "context")))
@@ -89,7 +80,7 @@ def probe(task: dict) -> dict:
 
 def _worker(tpu: bool):
     def run(task):
-        python, env = libtpu(task["chips"]) if tpu else (sys.executable, worker_env(task["chips"]))
+        python, env = compiler(tpu, task["chips"])
         return worker(__file__, "probe", python=python, env=dict(env, PYTHONWARNINGS="ignore::UserWarning"), task=task)
     return run
 

@@ -27,9 +27,8 @@ benchmarks/RESULTS.md is rewritten from whatever is cached.
 
 import json
 import math
-import sys
 
-from benchmarks._common import HERE, libtpu, next_token_loss, parser, report, serve, worker
+from benchmarks._common import HERE, compile_devices, compiler, next_token_loss, parser, report, serve, worker
 
 CACHE = HERE / "results"
 SLICES = (8, 16, 32, 64, 128, 256)  # TPU v4 chip counts with 8 model shards
@@ -98,12 +97,9 @@ def _active(abstract):
 
 
 def _mesh(chips, tpu, n_model=1):
-    import jax
-
     import redeqx
-    from benchmarks._common import tpu_v4_devices
 
-    return redeqx.make_mesh(n_model, devices=tpu_v4_devices(max(chips, 4))[:chips] if tpu else jax.devices()[:chips])
+    return redeqx.make_mesh(n_model, devices=compile_devices(chips, tpu))
 
 
 def flops_probe(model, tpu=False):
@@ -166,7 +162,7 @@ def bytes_probe(n_model):
 # ----------------------------------------------------------------------------- driver (no JAX)
 
 def _probe(fn, tpu=False, **kwargs):
-    python, env = libtpu() if tpu else (sys.executable, None)
+    python, env = compiler(tpu)
     return worker(__file__, fn, python=python, env=env, **kwargs)
 
 
