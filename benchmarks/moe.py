@@ -161,8 +161,8 @@ def bytes_probe(n_model):
 
 # ----------------------------------------------------------------------------- driver (no JAX)
 
-def _probe(fn, tpu=False, **kwargs):
-    python, env = compiler(tpu)
+def _probe(fn, on_tpu=False, **kwargs):
+    python, env = compiler(on_tpu)
     return worker(__file__, fn, python=python, env=env, **kwargs)
 
 
