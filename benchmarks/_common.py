@@ -113,6 +113,15 @@ def setup_tpu() -> None:
     print(f"TPU compiler venv ({' '.join(pins)}) ready at {TPU_VENV}")
 
 
+def param_count(model) -> int:
+    """Elements of a model's arrays (abstract ones included)."""
+    import math
+
+    import jax
+
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(model) if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)))
+
+
 def compiled_figures(compiled) -> dict:
     """A compiled program's temporaries, argument/output bytes and FLOPs."""
     memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
@@ -190,10 +199,13 @@ class Probes:
 
 # ----------------------------------------------------------------------------- options and timing
 
-def parser(doc: str | None) -> argparse.ArgumentParser:
-    """The benchmark's options, with ``--no-write`` (print only)."""
+def parser(doc: str | None, **ints: int) -> argparse.ArgumentParser:
+    """The benchmark's options, with ``--no-write`` (print only) and an
+    integer option ``--name`` for each of ``ints`` (its default)."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
+    for name, default in ints.items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
     return p
 
 

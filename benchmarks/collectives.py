@@ -20,7 +20,7 @@ import math
 import time
 import warnings
 
-from benchmarks._common import cpu_devices, next_token_loss, parser, report
+from benchmarks._common import cpu_devices, next_token_loss, param_count, parser, report
 
 cpu_devices(8)
 
@@ -102,10 +102,8 @@ def measure(config, n_model_shards, fsdp, args):
 
 
 def main():
-    p = parser(__doc__)
-    for name, default in (("hidden", 1024), ("layers", 4), ("heads", 16), ("intermediate", 2816), ("vocab", 32000),
-                          ("seq", 512), ("batch", 8)):  # batch: global, sequences per step
-        p.add_argument(f"--{name}", type=int, default=default)
+    p = parser(__doc__, hidden=1024, layers=4, heads=16, intermediate=2816, vocab=32000, seq=512,
+               batch=8)  # batch: global, sequences per step
     p.add_argument("--ks", default="1,2,4,8", help="n_model_shards values")
     args = p.parse_args()
 
@@ -118,8 +116,7 @@ def main():
         rows.append(measure(config, k, fsdp, args))
         print({key: v for key, v in rows[-1].items() if key != "measured"}, flush=True)
 
-    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(eqx.filter_eval_shape(
-        lambda key: models.LlamaForCausalLM(config, key=key), jax.random.key(0))) if isinstance(x, jax.ShapeDtypeStruct))
+    n_params = param_count(eqx.filter_eval_shape(lambda key: models.LlamaForCausalLM(config, key=key), jax.random.key(0)))
     lines = [
         f"LLaMA (redeqx.models) hidden {args.hidden}, {args.layers} layers, {args.heads} heads, intermediate "
         f"{args.intermediate}, vocab {args.vocab} ({n_params / 1e6:.1f} M parameters, {n_params * 4 / 2**20:.0f} MiB "

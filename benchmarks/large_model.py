@@ -16,14 +16,13 @@ with less free memory than the plan needs (``--min-free-gb``).
 
 import collections
 import gc
-import math
 import resource
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks._common import cpu_devices, next_token_loss, parser, report
+from benchmarks._common import cpu_devices, next_token_loss, param_count, parser, report
 
 cpu_devices(8)
 
@@ -157,10 +156,7 @@ def render(args, n_params, mesh, plan, plan_s, others, rss0, phases: Phases, r: 
 
 
 def main():
-    p = parser(__doc__)
-    for name, default in (("hidden", 1280), ("layers", 22), ("heads", 20), ("intermediate", 3456), ("vocab", 32000),
-                          ("seq", 32), ("batch", 8), ("steps", 3)):
-        p.add_argument(f"--{name}", type=int, default=default)
+    p = parser(__doc__, hidden=1280, layers=22, heads=20, intermediate=3456, vocab=32000, seq=32, batch=8, steps=3)
     p.add_argument("--n-model-shards", type=int, default=4,
                    help="4 (x fsdp over 2): every weight split 8 ways; 1 (pure fsdp) plans 4.6 GB a device")
     p.add_argument("--min-free-gb", type=float, default=None,
@@ -174,7 +170,7 @@ def main():
     make_model = lambda key: models.LlamaForCausalLM(config, key=key)  # noqa: E731
     mesh, optimizer = redeqx.make_mesh(args.n_model_shards), optax.adamw(1e-4)
     abstract = eqx.filter_eval_shape(make_model, jax.random.key(0))
-    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract) if isinstance(x, jax.ShapeDtypeStruct))
+    n_params = param_count(abstract)
     batch = {"ids": jax.ShapeDtypeStruct((args.batch, args.seq + 1), jnp.int32)}
     t0 = time.perf_counter()
     plan = redeqx.plan(make_model, next_token_loss, optimizer, batch, mesh, fsdp=True, explore=False)

@@ -28,7 +28,8 @@ benchmarks/RESULTS.md is rewritten from whatever is cached.
 import json
 import math
 
-from benchmarks._common import HERE, compile_devices, compiler, next_token_loss, parser, report, serve, worker
+from benchmarks._common import (HERE, compile_devices, compiler, next_token_loss, param_count, parser, report, serve,
+                                worker)
 
 CACHE = HERE / "results"
 SLICES = (8, 16, 32, 64, 128, 256)  # TPU v4 chip counts with 8 model shards
@@ -129,7 +130,7 @@ def tpu_probe(model, setting, chips, seq):
     batch = {"ids": jax.ShapeDtypeStruct((mesh.shape["data"], seq + 1), jnp.int32)}
     p = redeqx.plan(make, next_token_loss, optax.adamw(1e-5), batch, mesh, fsdp=True, remat=bf16,
                     compute_dtype=jnp.bfloat16 if bf16 else None, device_memory=HBM, explore=False)
-    params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract))
+    params = param_count(abstract)
     return dict(fits=bool(p.fits), peak=p.peak, flops=p.flops, params=params, active=_active(abstract),
                 tokens=mesh.shape["data"] * seq, chips=chips, refused=p.refused)
 

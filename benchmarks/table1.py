@@ -25,8 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks._common import (FAST_COMPILE, TPU_V4_SLICES, Probes, compile_devices, compiler, parser, report, serve,
-                                setup_tpu, worker)
+from benchmarks._common import (FAST_COMPILE, TPU_V4_SLICES, Probes, compile_devices, compiler, param_count, parser,
+                                report, serve, setup_tpu, worker)
 
 GB = 1e9
 
@@ -179,7 +179,7 @@ def _worker(task: dict) -> dict:
         return out
 
     abstract = eqx.filter_eval_shape(model_maker(task.get("layers")), jax.random.key(0))
-    params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract) if isinstance(x, jax.ShapeDtypeStruct))
+    params = param_count(abstract)
     result = dict(params=params)
     if task["task"] == "plan":
         result["plan"] = probe(task["seq"], task.get("per_shard", 1))

@@ -242,10 +242,8 @@ def table(out: dict) -> str:
 
 
 def main():
-    p = parser(__doc__)
+    p = parser(__doc__, seq=128, batch=4, steps=5, rounds=3)
     p.add_argument("--size", choices=sorted(SIZES) + sorted(MOE_SIZES), default="tiny")
-    for name, default in (("seq", 128), ("batch", 4), ("steps", 5), ("rounds", 3)):
-        p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--variants", default="stacked,stacked+remat,listed,listed+remat",
                    help="comma-separated: the zoo LLaMA's layers stacked[:scan_unroll] or listed, +remat for "
                         "redeqx.remat; the stack's default scan_unroll is the family's per-platform choice")
