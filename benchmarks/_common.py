@@ -60,11 +60,6 @@ def worker_env(devices: int | None = None, xla_flags: str = "", **extra: str) ->
     return env
 
 
-def cpu8_env() -> dict:
-    """A worker's environment with 8 simulated CPU devices."""
-    return worker_env(devices=8)
-
-
 def libtpu(chips: int = 8) -> tuple[str, dict]:
     """The Python of benchmarks/.venv-tpu and an environment in which libtpu
     compiles for a TPU v4 slice of ``chips``, no TPU attached; exits without it."""
@@ -142,23 +137,16 @@ def next_token_loss(model, batch, key):
 
 # ----------------------------------------------------------------------------- workers
 
-def run_worker(python: str, script: str, args: list[str], env: dict | None = None, timeout: float | None = None):
-    """The JSON of the last line a worker prints. ``script``: a module, or a
-    file (one in benchmarks/ runs as its module), run from the repository root."""
-    path = Path(script)
-    module = script if path.suffix != ".py" else f"benchmarks.{path.stem}" if path.resolve().parent == HERE else None
-    cmd = [python, *(["-m", module] if module else [script]), *args]
-    proc = subprocess.run(cmd, env=env or worker_env(), cwd=ROOT, stdout=subprocess.PIPE, text=True, timeout=timeout)
-    if proc.returncode:
-        raise RuntimeError(f"{script} {' '.join(args)} failed (exit {proc.returncode}); its output is above")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def worker(module: str, fn: str, *, python: str = sys.executable, env: dict | None = None, **kwargs):
     """``fn(**kwargs)`` of ``module`` (a benchmark's ``__file__``) in a fresh
-    process that ``serve`` answers; 8 simulated CPU devices by default."""
-    name = f"benchmarks.{Path(module).stem}" if module.endswith(".py") else module
-    return run_worker(python, name, ["--worker", json.dumps({"fn": fn, "kwargs": kwargs})], env or cpu8_env())
+    process that ``serve`` answers (8 simulated CPU devices by default): the
+    JSON of the last line it prints."""
+    task = json.dumps({"fn": fn, "kwargs": kwargs})
+    proc = subprocess.run([python, "-m", f"benchmarks.{Path(module).stem}", "--worker", task], env=env or worker_env(8),
+                          cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"worker {fn}({kwargs}) failed (exit {proc.returncode}); its output is above")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def serve(namespace: dict) -> bool:
@@ -207,15 +195,6 @@ def parser(doc: str | None, **ints: int) -> argparse.ArgumentParser:
     for name, default in ints.items():
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
     return p
-
-
-def add_tiny_lm_args(parser, *, steps: int = 20, rounds: int = 5) -> None:
-    """Size of the TinyLM (tests/tiny_transformer.py) and of the timing loop."""
-    for name, default in (("dim", 128), ("layers", 2), ("vocab", 512), ("seq", 64), ("batch", 16),
-                          ("steps", steps), ("rounds", rounds)):
-        parser.add_argument(f"--{name}", type=int, default=default)
-    if not any("--no-write" in a.option_strings for a in parser._actions):
-        parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
 
 
 def timed(fn, n: int) -> list[float]:
