@@ -60,11 +60,6 @@ def worker_env(devices: int | None = None, xla_flags: str = "", **extra: str) ->
     return env
 
 
-def cpu8_env() -> dict:
-    """A worker's environment with 8 simulated CPU devices."""
-    return worker_env(devices=8)
-
-
 def libtpu(chips: int = 8) -> tuple[str, dict]:
     """The Python of benchmarks/.venv-tpu and an environment in which libtpu
     compiles for a TPU v4 slice of ``chips``, no TPU attached; exits without it."""
@@ -72,7 +67,7 @@ def libtpu(chips: int = 8) -> tuple[str, dict]:
     if not python.exists():
         sys.exit("no benchmarks/.venv-tpu: run `python -m benchmarks.table1 --setup-tpu` once")
     return str(python), worker_env(TPU_ACCELERATOR_TYPE=f"v4-{2 * chips}", TPU_WORKER_HOSTNAMES="localhost",
-                                   TPU_SKIP_MDS_QUERY="1")
+                                   TPU_SKIP_MDS_QUERY="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1")  # no TPU: compiles may share
 
 
 def tpu_v4_devices(n: int = 8) -> list:
@@ -85,6 +80,19 @@ def tpu_v4_devices(n: int = 8) -> list:
     return list(topologies.get_topology_desc(platform="tpu", topology_name=f"v4:{TPU_V4_SLICES[n]}",
                                              chip_config_name="megacore", chips_per_host_bounds=(2, 2, 1),
                                              num_slices=1).devices)
+
+
+def compiler(tpu: bool, devices: int = 8, xla_flags: str = "") -> tuple[str, dict]:
+    """A worker's Python and environment: libtpu's for a TPU v4 slice of
+    ``devices`` chips, or this Python with ``devices`` simulated CPU devices."""
+    return libtpu(devices) if tpu else (sys.executable, worker_env(devices, xla_flags))
+
+
+def compile_devices(n: int, tpu: bool) -> list:
+    """``n`` devices to compile for: TPU v4 chips (none attached) or this process's own."""
+    import jax
+
+    return tpu_v4_devices(max(n, 4))[:n] if tpu else jax.devices()[:n]
 
 
 def setup_tpu() -> None:
@@ -100,6 +108,15 @@ def setup_tpu() -> None:
     print(f"TPU compiler venv ({' '.join(pins)}) ready at {TPU_VENV}")
 
 
+def param_count(model) -> int:
+    """Elements of a model's arrays (abstract ones included)."""
+    import math
+
+    import jax
+
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(model) if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)))
+
+
 def compiled_figures(compiled) -> dict:
     """A compiled program's temporaries, argument/output bytes and FLOPs."""
     memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
@@ -108,25 +125,28 @@ def compiled_figures(compiled) -> dict:
                 outputs=memory.output_size_in_bytes, flops=float((cost or {}).get("flops", 0.0)))
 
 
+def next_token_loss(model, batch, key):
+    """Mean next-token cross-entropy of ``batch["ids"]`` (B, T + 1), the logits in fp32."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    logits = jax.vmap(model)(batch["ids"][:, :-1]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:]).mean()
+
+
 # ----------------------------------------------------------------------------- workers
-
-def run_worker(python: str, script: str, args: list[str], env: dict | None = None, timeout: float | None = None):
-    """The JSON of the last line a worker prints. ``script``: a module, or a
-    file (one in benchmarks/ runs as its module), run from the repository root."""
-    path = Path(script)
-    module = script if path.suffix != ".py" else f"benchmarks.{path.stem}" if path.resolve().parent == HERE else None
-    cmd = [python, *(["-m", module] if module else [script]), *args]
-    proc = subprocess.run(cmd, env=env or worker_env(), cwd=ROOT, stdout=subprocess.PIPE, text=True, timeout=timeout)
-    if proc.returncode:
-        raise RuntimeError(f"{script} {' '.join(args)} failed (exit {proc.returncode}); its output is above")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
 
 def worker(module: str, fn: str, *, python: str = sys.executable, env: dict | None = None, **kwargs):
     """``fn(**kwargs)`` of ``module`` (a benchmark's ``__file__``) in a fresh
-    process that ``serve`` answers; 8 simulated CPU devices by default."""
-    name = f"benchmarks.{Path(module).stem}" if module.endswith(".py") else module
-    return run_worker(python, name, ["--worker", json.dumps({"fn": fn, "kwargs": kwargs})], env or cpu8_env())
+    process that ``serve`` answers (8 simulated CPU devices by default): the
+    JSON of the last line it prints."""
+    task = json.dumps({"fn": fn, "kwargs": kwargs})
+    proc = subprocess.run([python, "-m", f"benchmarks.{Path(module).stem}", "--worker", task], env=env or worker_env(8),
+                          cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"worker {fn}({kwargs}) failed (exit {proc.returncode}); its output is above")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def serve(namespace: dict) -> bool:
@@ -139,22 +159,42 @@ def serve(namespace: dict) -> bool:
     return True
 
 
+class NotProbed(Exception):
+    """A probe missing from a ``Probes`` cache that may not compile."""
+
+
+class Probes:
+    """Probe results by task, each run once (``run(task)``) and kept in the
+    JSON file ``path`` when given; with ``cached_only`` a missing one raises.
+    ``fixed``: fields added to every task."""
+
+    def __init__(self, run, path: Path | None = None, cached_only: bool = False, **fixed):
+        self.run, self.path, self.cached_only, self.fixed = run, path, cached_only, fixed
+        self.cache = json.loads(path.read_text()) if path and path.exists() else {}
+
+    def __call__(self, **task) -> dict:
+        task = {**task, **self.fixed}
+        key = json.dumps(task, sort_keys=True)
+        if key not in self.cache:
+            if self.cached_only:
+                raise NotProbed(key)
+            self.cache[key] = self.run(task)
+            if self.path:
+                self.path.write_text(json.dumps(self.cache, indent=1))
+        print(f"  {key} -> {json.dumps(self.cache[key])[:160]}", file=sys.stderr, flush=True)
+        return self.cache[key]
+
+
 # ----------------------------------------------------------------------------- options and timing
 
-def parser(doc: str | None) -> argparse.ArgumentParser:
-    """The benchmark's options, with ``--no-write`` (print only)."""
+def parser(doc: str | None, **ints: int) -> argparse.ArgumentParser:
+    """The benchmark's options, with ``--no-write`` (print only) and an
+    integer option ``--name`` for each of ``ints`` (its default)."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
+    for name, default in ints.items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
     return p
-
-
-def add_tiny_lm_args(parser, *, steps: int = 20, rounds: int = 5) -> None:
-    """Size of the TinyLM (tests/tiny_transformer.py) and of the timing loop."""
-    for name, default in (("dim", 128), ("layers", 2), ("vocab", 512), ("seq", 64), ("batch", 16),
-                          ("steps", steps), ("rounds", rounds)):
-        parser.add_argument(f"--{name}", type=int, default=default)
-    if not any("--no-write" in a.option_strings for a in parser._actions):
-        parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
 
 
 def timed(fn, n: int) -> list[float]:

@@ -20,7 +20,7 @@ import math
 import time
 import warnings
 
-from benchmarks._common import cpu_devices, parser, report
+from benchmarks._common import cpu_devices, next_token_loss, param_count, parser, report
 
 cpu_devices(8)
 
@@ -40,12 +40,6 @@ KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective
 
 def mib(x) -> str:
     return f"{x / 2**20:.1f}"
-
-
-def loss_fn(model, batch, key):
-    ids = batch["ids"]
-    logits = jax.vmap(model)(ids[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
 
 
 def per_device_bytes(abstract, specs, mesh):
@@ -82,11 +76,11 @@ def measure(config, n_model_shards, fsdp, args):
     params, gathered, rest = per_device_bytes(abstract, specs, mesh)
     batch = {"ids": jax.ShapeDtypeStruct((args.batch, args.seq + 1), jnp.int32)}
     t0 = time.perf_counter()
-    p = redeqx.plan(make, loss_fn, optax.adamw(1e-4), batch, mesh, fsdp=fsdp, explore=False)
+    p = redeqx.plan(make, next_token_loss, optax.adamw(1e-4), batch, mesh, fsdp=fsdp, explore=False)
     compile_s = time.perf_counter() - t0
     measured = {k: p.collectives.get(k, {"count": 0, "bytes": 0}) for k in KINDS}
     state = redeqx.init_state(abstract, optax.adamw(1e-4), mesh, specs, key=jax.random.key(0))
-    step = redeqx.make_train_step(loss_fn, optax.adamw(1e-4), mesh, specs)
+    step = redeqx.make_train_step(next_token_loss, optax.adamw(1e-4), mesh, specs)
     sharded = {"ids": jax.ShapeDtypeStruct(batch["ids"].shape, jnp.int32, sharding=NamedSharding(mesh, P("data")))}
     accelerator = sum(v["bytes"] for v in accelerator_collectives(step, state, sharded).values())
 
@@ -108,10 +102,8 @@ def measure(config, n_model_shards, fsdp, args):
 
 
 def main():
-    p = parser(__doc__)
-    for name, default in (("hidden", 1024), ("layers", 4), ("heads", 16), ("intermediate", 2816), ("vocab", 32000),
-                          ("seq", 512), ("batch", 8)):  # batch: global, sequences per step
-        p.add_argument(f"--{name}", type=int, default=default)
+    p = parser(__doc__, hidden=1024, layers=4, heads=16, intermediate=2816, vocab=32000, seq=512,
+               batch=8)  # batch: global, sequences per step
     p.add_argument("--ks", default="1,2,4,8", help="n_model_shards values")
     args = p.parse_args()
 
@@ -124,8 +116,7 @@ def main():
         rows.append(measure(config, k, fsdp, args))
         print({key: v for key, v in rows[-1].items() if key != "measured"}, flush=True)
 
-    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(eqx.filter_eval_shape(
-        lambda key: models.LlamaForCausalLM(config, key=key), jax.random.key(0))) if isinstance(x, jax.ShapeDtypeStruct))
+    n_params = param_count(eqx.filter_eval_shape(lambda key: models.LlamaForCausalLM(config, key=key), jax.random.key(0)))
     lines = [
         f"LLaMA (redeqx.models) hidden {args.hidden}, {args.layers} layers, {args.heads} heads, intermediate "
         f"{args.intermediate}, vocab {args.vocab} ({n_params / 1e6:.1f} M parameters, {n_params * 4 / 2**20:.0f} MiB "

@@ -21,7 +21,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from benchmarks._common import ROOT, cpu8_env, parser, report
+from benchmarks._common import ROOT, parser, report, worker_env
 
 WORKER = ROOT / "tests" / "resume_worker.py"
 
@@ -34,7 +34,7 @@ def preemption(n_processes: int, signal_at: int = 4, second: int | None = None) 
         cmd = [str(WORKER), tmp, "1000", "0.3"]
         cmd = [sys.executable, "-m", "redeqx.launch", "-n", str(n_processes), *cmd] if n_processes > 1 else \
             [sys.executable, *cmd]
-        proc = subprocess.Popen(cmd, env=cpu8_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(cmd, env=worker_env(8), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         sent = None
         for line in proc.stdout:
             if sent is None and re.search(rf"step {signal_at}$", line.strip()):
@@ -80,7 +80,7 @@ def launcher_fault(action: str, *extra: str, watchdog: bool = False, at: int = 3
         script = Path(tmp) / "script.py"
         script.write_text(body)
         done = subprocess.run([sys.executable, "-m", "redeqx.launch", "-n", "2", *extra, str(script)],
-                              capture_output=True, text=True, env=cpu8_env())
+                              capture_output=True, text=True, env=worker_env(8))
         end = time.time()
     at = float(re.search(r"FAULT AT ([0-9.]+)", done.stdout).group(1))
     return {"exit status": done.returncode, "seconds to exit": end - at,
@@ -118,7 +118,7 @@ def read_only_workdir() -> dict | None:
         try:
             script = Path(tmp).parent / f"read_only_{os.getpid()}.py"
             script.write_text(READ_ONLY)
-            done = subprocess.run([sys.executable, str(script), tmp], capture_output=True, text=True, env=cpu8_env())
+            done = subprocess.run([sys.executable, str(script), tmp], capture_output=True, text=True, env=worker_env(8))
             end = time.time()
             script.unlink()
         finally:

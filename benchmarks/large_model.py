@@ -16,14 +16,13 @@ with less free memory than the plan needs (``--min-free-gb``).
 
 import collections
 import gc
-import math
 import resource
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks._common import cpu_devices, parser, report
+from benchmarks._common import cpu_devices, next_token_loss, param_count, parser, report
 
 cpu_devices(8)
 
@@ -56,12 +55,6 @@ def per_device(tree=None) -> dict[int, int]:
     return dict(out)
 
 
-def loss_fn(model, batch, key):
-    ids = batch["ids"]
-    logits = jax.vmap(model)(ids[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
-
-
 class Phases:
     """Each phase's bytes per device and process memory, printed as measured."""
 
@@ -89,7 +82,7 @@ def train_save_restore(args, make_model, mesh, optimizer, phases: Phases) -> dic
     state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1), donate_model=True)
     del model
     phases("after init_state(donate_model=True)", jax.block_until_ready(state))
-    step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs)
+    step = redeqx.make_train_step(next_token_loss, optimizer, mesh, specs)
     rs, losses, times = np.random.RandomState(0), [], []
     for i in range(args.steps):
         ids = rs.randint(0, args.vocab, (args.batch, args.seq + 1)).astype(np.int32)
@@ -163,10 +156,7 @@ def render(args, n_params, mesh, plan, plan_s, others, rss0, phases: Phases, r: 
 
 
 def main():
-    p = parser(__doc__)
-    for name, default in (("hidden", 1280), ("layers", 22), ("heads", 20), ("intermediate", 3456), ("vocab", 32000),
-                          ("seq", 32), ("batch", 8), ("steps", 3)):
-        p.add_argument(f"--{name}", type=int, default=default)
+    p = parser(__doc__, hidden=1280, layers=22, heads=20, intermediate=3456, vocab=32000, seq=32, batch=8, steps=3)
     p.add_argument("--n-model-shards", type=int, default=4,
                    help="4 (x fsdp over 2): every weight split 8 ways; 1 (pure fsdp) plans 4.6 GB a device")
     p.add_argument("--min-free-gb", type=float, default=None,
@@ -180,14 +170,14 @@ def main():
     make_model = lambda key: models.LlamaForCausalLM(config, key=key)  # noqa: E731
     mesh, optimizer = redeqx.make_mesh(args.n_model_shards), optax.adamw(1e-4)
     abstract = eqx.filter_eval_shape(make_model, jax.random.key(0))
-    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract) if isinstance(x, jax.ShapeDtypeStruct))
+    n_params = param_count(abstract)
     batch = {"ids": jax.ShapeDtypeStruct((args.batch, args.seq + 1), jnp.int32)}
     t0 = time.perf_counter()
-    plan = redeqx.plan(make_model, loss_fn, optimizer, batch, mesh, fsdp=True, explore=False)
+    plan = redeqx.plan(make_model, next_token_loss, optimizer, batch, mesh, fsdp=True, explore=False)
     plan_s = time.perf_counter() - t0
     print(plan, flush=True)
     others = {} if args.no_others else {  # the same run on the other splits of the 8 devices, planned only
-        k: redeqx.plan(make_model, loss_fn, optimizer, batch, redeqx.make_mesh(k), fsdp=True, explore=False)
+        k: redeqx.plan(make_model, next_token_loss, optimizer, batch, redeqx.make_mesh(k), fsdp=True, explore=False)
         for k in (1, 2, 4, 8) if k != args.n_model_shards}
     need = mesh.devices.size * plan.peak + 3 * GB
     if proc_bytes("/proc/meminfo", "MemAvailable:") < (args.min_free_gb * GB if args.min_free_gb else need):

@@ -1,7 +1,8 @@
 """Mixture of experts: FLOPs, bytes and TPU v4 plans (issue 31).
 
-    python benchmarks/moe.py              # the CPU part (8 simulated devices): FLOPs and bytes ratios
-    python benchmarks/moe.py --tpu        # + Mixtral-8x7B and Qwen3-30B-A3B planned for TPU v4 (libtpu)
+    python -m benchmarks.moe              # the CPU part (8 simulated devices): FLOPs and bytes ratios
+    python -m benchmarks.moe --tpu        # + Mixtral-8x7B and Qwen3-30B-A3B planned for TPU v4 (libtpu)
+    python -m benchmarks.moe --cached     # the section from the cached probes
 
 Each part runs its probes in subprocesses and caches their JSON in
 benchmarks/results/moe_<part>.json (``--cached`` rewrites the section from
@@ -24,27 +25,24 @@ benchmarks/RESULTS.md is rewritten from whatever is cached.
   FLOPs per token against 6 x active parameters.
 """
 
-import argparse
 import json
 import math
-import sys
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from _common import cpu8_env, libtpu, run_worker, write_section  # noqa: E402
+from benchmarks._common import (HERE, compile_devices, compiler, next_token_loss, param_count, parser, report, serve,
+                                worker)
 
 CACHE = HERE / "results"
-SLICES = (4, 8, 16, 32, 64, 128, 256)  # TPU v4 chip counts benchmarks/table1.py describes
+SLICES = (8, 16, 32, 64, 128, 256)  # TPU v4 chip counts with 8 model shards
 HBM = 32 * 2**30
 TITLE = "Mixture of experts (benchmarks/moe.py)"
 SMALL = dict(hidden=64, expert=256, experts=8, k=2, layers=2, vocab=128, seq=64, batch=8)
+SMALL_MODELS = ("dense", "moe", "onehot")
 
 
 # ----------------------------------------------------------------------------- worker (imports JAX)
 
-def _models(name, small=SMALL):
-    """``(make_model(key), active parameters per token)`` of a model named in the tasks."""
+def _models(name, s=SMALL):
+    """``make_model(key)`` of a model named in the probes."""
     import equinox as eqx
     import jax
     import jax.numpy as jnp
@@ -62,7 +60,6 @@ def _models(name, small=SMALL):
             h = ACTIVATIONS[self.activation](jnp.einsum("th,eih->tei", x, g)) * jnp.einsum("th,eih->tei", x, u)
             return jnp.einsum("tei,ehi,te->th", h, d, combine), router_stats(logits, index, valid)
 
-    s = small
     common = dict(vocab_size=s["vocab"], hidden_size=s["hidden"], num_hidden_layers=s["layers"],
                   num_attention_heads=4, num_key_value_heads=4, scan_layers=False)
     moe_cfg = dict(intermediate_size=s["expert"], num_local_experts=s["experts"], num_experts_per_tok=s["k"])
@@ -84,16 +81,7 @@ def _models(name, small=SMALL):
     raise ValueError(name)
 
 
-def _loss_fn(model, batch, key):
-    import jax
-    import jax.numpy as jnp
-    import optax
-
-    logits = jax.vmap(model)(batch["ids"][:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["ids"][:, 1:]).mean()
-
-
-def _active(name, abstract):
+def _active(abstract):
     """Parameters a token passes through: all but the experts not chosen (k of E) and the embedding table."""
     import jax
 
@@ -109,7 +97,27 @@ def _active(name, abstract):
     return total - experts + experts * cfg.num_experts_per_tok // e
 
 
-def _worker(task):
+def _mesh(chips, tpu, n_model=1):
+    import redeqx
+
+    return redeqx.make_mesh(n_model, devices=compile_devices(chips, tpu))
+
+
+def flops_probe(model, tpu=False):
+    """The small models' train step FLOPs on one device."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import redeqx
+
+    batch = {"ids": jax.ShapeDtypeStruct((SMALL["batch"], SMALL["seq"] + 1), jnp.int32)}
+    p = redeqx.plan(_models(model), next_token_loss, optax.adamw(1e-3), batch, _mesh(1, tpu), explore=False)
+    return dict(flops=p.flops, note=p.note)
+
+
+def tpu_probe(model, setting, chips, seq):
+    """A real model's step planned on a TPU v4 slice of ``chips``."""
     import equinox as eqx
     import jax
     import jax.numpy as jnp
@@ -117,36 +125,17 @@ def _worker(task):
 
     import redeqx
 
-    if task["kind"] == "flops":
-        devices = jax.devices()[:1]
-        if task.get("tpu"):
-            sys.path.insert(0, str(HERE))
-            from table1 import tpu_v4_devices
-            devices = tpu_v4_devices(4)[:1]
-        batch = {"ids": jax.ShapeDtypeStruct((SMALL["batch"], SMALL["seq"] + 1), jnp.int32)}
-        p = redeqx.plan(_models(task["model"]), _loss_fn, optax.adamw(1e-3), batch,
-                        redeqx.make_mesh(1, devices=devices), explore=False)
-        return dict(flops=p.flops, note=p.note)
-    if task["kind"] == "bytes":
-        sys.path.insert(0, str(HERE.parent / "tests"))
-        return _bytes_ratio(task["n_model"])
-    # a TPU v4 plan of a real model
-    sys.path.insert(0, str(HERE))
-    from table1 import tpu_v4_devices
-    make = _models(task["model"])
+    make, bf16, mesh = _models(model), setting == "bf16", _mesh(chips, True, 8)
     abstract = eqx.filter_eval_shape(make, jax.random.key(0))
-    mesh = redeqx.make_mesh(8, devices=tpu_v4_devices(task["chips"]))
-    bf16 = task["setting"] == "bf16"
-    seq = task["seq"]
     batch = {"ids": jax.ShapeDtypeStruct((mesh.shape["data"], seq + 1), jnp.int32)}
-    p = redeqx.plan(make, _loss_fn, optax.adamw(1e-5), batch, mesh, fsdp=True, remat=bf16,
+    p = redeqx.plan(make, next_token_loss, optax.adamw(1e-5), batch, mesh, fsdp=True, remat=bf16,
                     compute_dtype=jnp.bfloat16 if bf16 else None, device_memory=HBM, explore=False)
-    params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract))
-    return dict(fits=bool(p.fits), peak=p.peak, flops=p.flops, params=params, active=_active(task["model"], abstract),
-                tokens=mesh.shape["data"] * seq, chips=task["chips"], refused=p.refused)
+    params = param_count(abstract)
+    return dict(fits=bool(p.fits), peak=p.peak, flops=p.flops, params=params, active=_active(abstract),
+                tokens=mesh.shape["data"] * seq, chips=chips, refused=p.refused)
 
 
-def _bytes_ratio(n_model):
+def bytes_probe(n_model):
     """Bytes moved / the all-to-all plan's, for the test model of tests/test_moe_sharding.py."""
     import jax
     import jax.numpy as jnp
@@ -173,26 +162,23 @@ def _bytes_ratio(n_model):
 
 # ----------------------------------------------------------------------------- driver (no JAX)
 
-def _probe(task, tpu=False):
-    python, env = libtpu() if tpu else (sys.executable, cpu8_env())
-    env = dict(env, ALLOW_MULTIPLE_LIBTPU_LOAD="1")  # no TPU attached: other compiles may run beside this one
-    print(f"  probe {task}", file=sys.stderr, flush=True)
-    return run_worker(python, __file__, ["--worker", json.dumps(task)], env)
+def _probe(fn, on_tpu=False, **kwargs):
+    python, env = compiler(on_tpu)
+    return worker(__file__, fn, python=python, env=env, **kwargs)
 
 
 def cpu_part():
-    flops = {m: _probe(dict(kind="flops", model=m)) for m in ("dense", "moe", "onehot")}
-    bytes_ = {n: _probe(dict(kind="bytes", n_model=n)) for n in (2, 4, 8)}
-    return dict(flops=flops, bytes=bytes_)
+    return dict(flops={m: _probe("flops_probe", model=m) for m in SMALL_MODELS},
+                bytes={n: _probe("bytes_probe", n_model=n) for n in (2, 4, 8)})
 
 
 def tpu_part(seq):
-    out = dict(flops={m: _probe(dict(kind="flops", model=m, tpu=True), tpu=True) for m in ("dense", "moe", "onehot")})
+    out = dict(flops={m: _probe("flops_probe", True, model=m, tpu=True) for m in SMALL_MODELS})
     for model in ("Mixtral-8x7B", "Qwen3-30B-A3B"):
         for setting in ("fp32", "bf16"):
-            for chips in SLICES[1:]:  # 8 model shards: 8 chips at least
-                r = _probe(dict(kind="tpu", model=model, setting=setting, chips=chips, seq=seq), tpu=True)
-                out[f"{model} {setting}"] = r
+            for chips in SLICES:
+                out[f"{model} {setting}"] = r = _probe("tpu_probe", True, model=model, setting=setting, chips=chips,
+                                                       seq=seq)
                 if r["fits"]:
                     break
     return out
@@ -248,27 +234,21 @@ def _section(cpu, tpu):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--tpu", action="store_true", help="also plan for TPU v4 with libtpu (benchmarks/.venv-tpu)")
-    parser.add_argument("--cached", action="store_true", help="rewrite the section from the cached results")
-    parser.add_argument("--only-tpu", action="store_true", help="run the TPU part only (the CPU part from its cache)")
-    parser.add_argument("--seq", type=int, default=2048)
-    args = parser.parse_args()
-    if args.worker:
-        print(json.dumps(_worker(json.loads(args.worker))))
+    if serve(globals()):
         return
-    CACHE.mkdir(exist_ok=True)
-    cpu_file, tpu_file = CACHE / "moe_cpu.json", CACHE / "moe_tpu.json"
-    if not args.cached:
-        if not args.only_tpu:
-            cpu_file.write_text(json.dumps(cpu_part(), indent=1))
-        if args.tpu or args.only_tpu:
-            tpu_file.write_text(json.dumps(tpu_part(args.seq), indent=1))
-    load = lambda f: json.loads(f.read_text()) if f.exists() else None  # noqa: E731
-    body = _section(load(cpu_file), load(tpu_file))
-    print(body)
-    write_section(TITLE, body)
+    p = parser(__doc__)
+    p.add_argument("--tpu", action="store_true", help="also plan for TPU v4 with libtpu (benchmarks/.venv-tpu)")
+    p.add_argument("--cached", action="store_true", help="rewrite the section from the cached results")
+    p.add_argument("--only-tpu", action="store_true", help="run the TPU part only (the CPU part from its cache)")
+    p.add_argument("--seq", type=int, default=2048)
+    args = p.parse_args()
+    parts = {"cpu": (cpu_part, not (args.cached or args.only_tpu)),
+             "tpu": (lambda: tpu_part(args.seq), not args.cached and (args.tpu or args.only_tpu))}
+    for name, (run, due) in parts.items():
+        if due:
+            (CACHE / f"moe_{name}.json").write_text(json.dumps(run(), indent=1))
+    load = [json.loads(f.read_text()) if f.exists() else None for f in (CACHE / "moe_cpu.json", CACHE / "moe_tpu.json")]
+    report(args, TITLE, _section(*load))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ A third runner calls the jitted program inside redeqx's step directly, which
 splits the ratio into the program's difference and the wrapper's Python.
 """
 
-from benchmarks._common import add_tiny_lm_args, alternate, cpu_devices, parser, report
+from benchmarks._common import alternate, cpu_devices, parser, report
 
 cpu_devices(8)
 
@@ -82,8 +82,7 @@ def measure(devices, n_model_shards, args):
 
 
 def main():
-    p = parser(__doc__)
-    add_tiny_lm_args(p, rounds=10)
+    p = parser(__doc__, dim=128, layers=2, vocab=512, seq=64, batch=16, steps=20, rounds=10)
     args = p.parse_args()
 
     rows = []

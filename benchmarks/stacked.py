@@ -17,11 +17,10 @@ by depth on libtpu, a section of its own).
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 
-from benchmarks._common import (FAST_COMPILE, compiled_figures, libtpu, parser, report, serve, tpu_v4_devices, worker,
-                                worker_env)
+from benchmarks._common import (FAST_COMPILE, compile_devices, compiled_figures, compiler, parser, report, serve,
+                                worker)
 
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
@@ -87,7 +86,7 @@ def compiled_step(platform: str, k: int, make, loss, rows: int, seq: int, key: s
     """Trace and compile the train step on abstract shapes; its figures."""
     from redeqx._hlo import loop_factor
 
-    mesh = redeqx.make_mesh(k, devices=tpu_v4_devices(8) if platform == "tpu" else None)
+    mesh = redeqx.make_mesh(k, devices=compile_devices(8, platform == "tpu"))
     t0 = time.perf_counter()
     model = eqx.filter_eval_shape(make, jax.random.key(0))
     specs = redeqx.sharding_rules(model, mesh)
@@ -126,7 +125,7 @@ def user_worker(platform: str, k: int, stacked: bool, remat: str, layers: int = 
 def table1_worker(platform: str) -> dict:
     config = models.OPTConfig(hidden_size=9216, num_hidden_layers=64, ffn_dim=36864, num_attention_heads=72,
                               vocab_size=50272, max_position_embeddings=2048, scan_layers=True)
-    mesh = redeqx.make_mesh(8, devices=tpu_v4_devices(64) if platform == "tpu" else None)
+    mesh = redeqx.make_mesh(8, devices=compile_devices(64, platform == "tpu"))
     out = {}
     for label, kw in (("fsdp=True", dict(fsdp=True)),
                       ("fsdp + remat + bf16", dict(fsdp=True, remat=True, compute_dtype=jnp.bfloat16))):
@@ -141,8 +140,7 @@ def table1_worker(platform: str) -> dict:
 
 def _run(fn: str, platform: str, devices: int = 8, **kwargs) -> dict:
     """``fn(platform, **kwargs)`` in a fresh process of that compiler."""
-    python, env = libtpu(devices) if platform == "tpu" else (
-        sys.executable, worker_env(devices, FAST_COMPILE if devices > 8 else ""))
+    python, env = compiler(platform == "tpu", devices, FAST_COMPILE if devices > 8 else "")
     got = worker(__file__, fn, python=python, env=env, platform=platform, **kwargs)
     print(fn, platform, kwargs, got, flush=True)
     return got

@@ -25,8 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks._common import (FAST_COMPILE, TPU_V4_SLICES, libtpu, parser, report, serve, setup_tpu,
-                                tpu_v4_devices, worker, worker_env)
+from benchmarks._common import (FAST_COMPILE, TPU_V4_SLICES, Probes, compile_devices, compiler, param_count, parser,
+                                report, serve, setup_tpu, worker)
 
 GB = 1e9
 
@@ -135,8 +135,8 @@ def _worker(task: dict) -> dict:
     row = ROWS[task["row"]]
     model_maker, loss_fn, batch_of = _model_and_loss(row)
     opts = task.get("opts", {})
-    devices = tpu_v4_devices(task["devices"]) if task.get("compiler") == "tpu-v4" else None
-    mesh = redeqx.make_mesh(task["n_model_shards"], devices=devices)
+    tpu = task.get("compiler") == "tpu-v4"
+    mesh = redeqx.make_mesh(task["n_model_shards"], devices=compile_devices(task["devices"], tpu))
     n_data = mesh.shape["data"]
     optimizer = optax.adamw(1e-5)
     full_layers = max(row.config.get(f, 0) for f in LAYER_FIELDS)
@@ -179,7 +179,7 @@ def _worker(task: dict) -> dict:
         return out
 
     abstract = eqx.filter_eval_shape(model_maker(task.get("layers")), jax.random.key(0))
-    params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract) if isinstance(x, jax.ShapeDtypeStruct))
+    params = param_count(abstract)
     result = dict(params=params)
     if task["task"] == "plan":
         result["plan"] = probe(task["seq"], task.get("per_shard", 1))
@@ -266,33 +266,24 @@ def _opts_label(opts: dict) -> str:
     return " + ".join(parts) or "fp32, no fsdp, no remat"
 
 
-class Runner:
-    """Starts one worker subprocess per task, with its device count, and keeps
-    the results (in ``cache`` too, when given, keyed by the task)."""
+class Runner(Probes):
+    """One worker per task, with its device count (libtpu's for redco's TPU v4
+    slice), the results kept in ``cache`` when given; the compiles it ran or read."""
 
     def __init__(self, cache: Path | None, xla_flags: str):
-        self.cache_path = cache
-        self.cache = json.loads(cache.read_text()) if cache and cache.exists() else {}
-        self.xla_flags = xla_flags
-        self.compiles: list[tuple[str, float, float]] = []
+        super().__init__(self._start, cache)
+        self.xla_flags, self.compiles = xla_flags, []
+
+    def _start(self, task: dict) -> dict:
+        t0 = time.perf_counter()
+        python, env = compiler(task.get("compiler") == "tpu-v4", task["devices"], self.xla_flags)
+        env["PYTHONWARNINGS"] = "ignore::UserWarning"
+        return dict(worker(__file__, "_worker", python=python, env=env, task=task), wall_s=time.perf_counter() - t0)
 
     def __call__(self, task: dict) -> dict:
-        key = json.dumps(task, sort_keys=True)
-        if key in self.cache:
-            result = self.cache[key]
-            print(f"  (cached) {key}", flush=True)
-        else:
-            t0 = time.perf_counter()
-            python, env = libtpu(task["devices"]) if task.get("compiler") == "tpu-v4" else (
-                sys.executable, worker_env(task["devices"], self.xla_flags, PYTHONWARNINGS="ignore::UserWarning"))
-            result = worker(__file__, "_worker", python=python, env=env, task=task)
-            result["wall_s"] = time.perf_counter() - t0
-            self.cache[key] = result
-            if self.cache_path:
-                self.cache_path.write_text(json.dumps(self.cache, indent=1))
-        for p in [result.get("plan")] + result.get("probes", []):
-            if p:
-                self.compiles.append((task["row"], p["compile_s"], p["compile_cpu_s"]))
+        result = super().__call__(**task)
+        self.compiles += [(task["row"], p["compile_s"], p["compile_cpu_s"])
+                          for p in [result.get("plan")] + result.get("probes", []) if p]
         return result
 
 

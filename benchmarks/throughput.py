@@ -23,14 +23,12 @@ is compared with the device's measured peak (first variant only).
 
 import os
 
-from benchmarks._common import timed, write_section
+from benchmarks._common import alternate, next_token_loss, parser, report
 
 if "cpu" in os.environ.get("JAX_PLATFORMS", "cpu") and not os.environ.get("REDEQX_BENCH_GPU"):
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 
-import argparse  # noqa: E402
 import json  # noqa: E402
-import statistics  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -92,12 +90,6 @@ def model_flops_per_token(config, seq: int) -> float:
     return 6 * n + attention
 
 
-def loss_fn(model, batch, key):
-    ids = batch["ids"]
-    logits = jax.vmap(model)(ids[:, :-1]).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
-
-
 def hand_written(optimizer, static):
     """The same step a user would write with jax.jit and optax."""
 
@@ -105,7 +97,7 @@ def hand_written(optimizer, static):
         def loss(p):
             model = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x,
                                  eqx.combine(p, static))
-            return loss_fn(model, batch, None)
+            return next_token_loss(model, batch, None)
 
         value, grads = jax.value_and_grad(loss)(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -146,7 +138,7 @@ def run(args) -> dict:
     for spec, _, _, remat in variants:
         config = configs[spec]
         make = lambda key, c=config: model_class(c)(c, key=key)  # noqa: E731
-        fn = redeqx.remat(loss_fn) if remat else loss_fn
+        fn = redeqx.remat(next_token_loss) if remat else next_token_loss
         if first:  # what the planner expects of the first step, compiled before anything is placed
             plan = redeqx.plan(make, fn, optimizer, batch, mesh, compute_dtype=jnp.bfloat16, explore=False)
         base = (jax.devices()[0].memory_stats() or {}).get("bytes_in_use", 0)
@@ -204,17 +196,11 @@ def run(args) -> dict:
         hand_state["params"], hand_state["opt_state"], loss = hand(hand_state["params"], hand_state["opt_state"], batch)
         return loss
 
-    names = list(calls)
-    for name in names:  # compile (the hand-written step) and warm up
-        timed(lambda: call(name), 2)
-    samples = {name: [] for name in names}
-    for r in range(args.rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            samples[name] += timed(lambda: call(name), args.steps)
+    medians = alternate({name: lambda name=name: call(name) for name in calls}, args.rounds, args.steps, warmup=2,
+                        per_step=False)
     stats = jax.devices()[0].memory_stats() or {}
     peak = device_peak()
-    for name in names:
-        t = statistics.median(samples[name])
+    for name, t in medians.items():
         v = out["variants"][name]
         v.update(step_s=t, tokens_per_s=tokens / t)
         if peak:
@@ -256,35 +242,21 @@ def table(out: dict) -> str:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", choices=sorted(SIZES) + sorted(MOE_SIZES), default="tiny")
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--variants", default="stacked,stacked+remat,listed,listed+remat",
-                        help="comma-separated: the zoo LLaMA's layers stacked[:scan_unroll] or listed, +remat for "
-                             "redeqx.remat; the stack's default scan_unroll is the family's per-platform choice")
-    parser.add_argument("--no-hand", dest="hand", action="store_false",
-                        help="leave out the hand-written step (on the first layout)")
-    parser.add_argument("--json", help="also write the results here")
-    parser.add_argument("--from-json", nargs="+",
-                        help="write RESULTS.md from runs' JSON files (e.g. made on a GPU machine), one table each")
-    parser.add_argument("--no-write", action="store_true")
-    args = parser.parse_args()
-    if args.from_json:
-        outs = [json.loads(Path(f).read_text()) for f in args.from_json]
-        text = "\n\n".join(table(o) for o in outs)
-        out = outs[0]
-    else:
-        out = run(args)
-        text = table(out)
-    print(text)
+    p = parser(__doc__, seq=128, batch=4, steps=5, rounds=3)
+    p.add_argument("--size", choices=sorted(SIZES) + sorted(MOE_SIZES), default="tiny")
+    p.add_argument("--variants", default="stacked,stacked+remat,listed,listed+remat",
+                   help="comma-separated: the zoo LLaMA's layers stacked[:scan_unroll] or listed, +remat for "
+                        "redeqx.remat; the stack's default scan_unroll is the family's per-platform choice")
+    p.add_argument("--no-hand", dest="hand", action="store_false",
+                   help="leave out the hand-written step (on the first layout)")
+    p.add_argument("--json", help="also write the results here")
+    p.add_argument("--from-json", nargs="+",
+                   help="write RESULTS.md from runs' JSON files (e.g. made on a GPU machine), one table each")
+    args = p.parse_args()
+    outs = [json.loads(Path(f).read_text()) for f in args.from_json] if args.from_json else [run(args)]
     if args.json and not args.from_json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
-    if not args.no_write:
-        write_section("Throughput and MFU (benchmarks/throughput.py)", text)
-
+        Path(args.json).write_text(json.dumps(outs[0], indent=2))
+    report(args, "Throughput and MFU (benchmarks/throughput.py)", "\n\n".join(table(o) for o in outs))
 
 if __name__ == "__main__":
     main()
