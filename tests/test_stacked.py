@@ -155,7 +155,7 @@ def test_remat_reaches_the_scan_body():
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
     with pytest.raises(TypeError, match="remat\\(\\): argument keep='all' is a str, expected 'nothing' or 'dots'"):
         redeqx.remat(loss_fn, keep="all")
-    with pytest.raises(ValueError, match="keep='all': say what the forward pass keeps"):
+    with pytest.raises(TypeError, match="checkpoint\\(\\): argument keep='all' is a str, expected 'nothing' or 'dots'"):
         redeqx.checkpoint(loss_fn, keep="all")
 
 
