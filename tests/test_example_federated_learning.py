@@ -7,7 +7,8 @@ import pytest
 
 from _helpers import run_example
 
-pytestmark = pytest.mark.slow
+# one worker runs this module, so its module-scoped process run happens once under -n 2
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_example_federated_learning")]
 SCRIPT = "federated_learning/main.py"
 TINY = ["--n_rounds", "8", "--local_epochs", "3", "--hidden", "64", "--learning_rate", "0.2", "--central_epochs", "1"]
 

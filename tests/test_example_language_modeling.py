@@ -12,7 +12,8 @@ import pytest
 
 from _helpers import EXAMPLES, run_example
 
-pytestmark = pytest.mark.slow
+# one worker runs this module, so its module-scoped process run happens once under -n 2
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_example_language_modeling")]
 SCRIPT = EXAMPLES / "language_modeling/main.py"
 TINY = ["--train_chars", "30000", "--eval_chars", "15000", "--seq_len", "32", "--vocab_size", "512",
         "--hidden_size", "64", "--n_layers", "2", "--n_epochs", "2", "--per_device_batch_size", "4",

@@ -2,8 +2,8 @@
 pipeline through `grain_batches` is SIGKILLed at a random step (between
 checkpoints, or with a save in flight), started again, and must see the
 very batches (hashes of the global batch at every step) and end with the
-very parameters, bit for bit, of an uninterrupted run: at one process, at
-one process with Grain worker processes, and at two processes."""
+very parameters, bit for bit, of an uninterrupted run: at one process with
+Grain worker processes, and at two processes."""
 
 import random
 import re
@@ -20,7 +20,9 @@ from test_resume_preempted import ENV, TIMEOUT  # noqa: E402
 
 WORKER = Path(__file__).with_name("grain_resume_worker.py")
 N_STEPS = 10
-CASES = {"one-process": (1, 0), "one-process-2-grain-workers": (1, 2), "two-processes": (2, 0)}
+# one process (with Grain worker processes, the harder case) and two; one process without workers is
+# what tests/test_grain.py checks in-process
+CASES = {"one-process-2-grain-workers": (1, 2), "two-processes": (2, 0)}
 
 
 def run(workdir, n_processes, workers, kill_at=0):

@@ -66,6 +66,7 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("multihost_runs")  # the module's runs fixture, made once
 def test_two_processes_train_predict_and_evaluate_like_one(runs):
     reference = runs["reference"]
     assert reference["n_processes"] == 1 and reference["n_devices"] == 8
@@ -86,6 +87,7 @@ def test_two_processes_train_predict_and_evaluate_like_one(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("multihost_runs")  # the module's runs fixture, made once
 def test_checkpoints_move_between_process_counts(runs):
     # saved by 1 process, restored by 2: training goes on as in the 1-process run
     for got in runs["got"]:

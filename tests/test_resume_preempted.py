@@ -23,7 +23,8 @@ import pytest
 
 from _helpers import script_env
 
-pytestmark = pytest.mark.slow
+# one worker runs this module, so its module-scoped process run happens once under -n 2
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_resume_preempted")]
 WORKER = Path(__file__).with_name("resume_worker.py")
 ENV = script_env(JAX_PLATFORMS="cpu")  # 8 devices
 N_STEPS, EVERY, PACE = 12, 1000, "0.3"  # PACE: seconds after each step, so a signal lands mid-run
