@@ -4,15 +4,13 @@ the analytic count of the plan it should be.
     python -m benchmarks.collectives             # writes the table to benchmarks/RESULTS.md
     python -m benchmarks.collectives --ks 2 --hidden 64 --heads 4 --intermediate 128 --vocab 256 --seq 32 --no-write
 
-The zoo's LLaMA (hidden 1024, 4 layers, a batch of 8 x 512 tokens, AdamW) on
-8 simulated CPU devices at n_model_shards 1, 2, 4, 8, without and with
-``fsdp=True``, layers listed and stacked: each step compiled by `redeqx.plan`
-on abstract shapes, its collectives read off the HLO (per device, the bytes
-of each collective's result), and counted again as XLA:GPU/TPU move them
-(tests/accelerator_count.py). The analytic counts, in the same convention:
-Megatron-LM (tests/megatron_count.py: activations over ``model``, each
-device's gradient shard over ``data``) and ZeRO-3 (an all-gather of every
-fsdp-split parameter forward and backward, a reduce-scatter of its gradient).
+The zoo's LLaMA (hidden 1024, 4 layers, batch 8 x 512, AdamW) on 8 CPU
+devices at n_model_shards 1-8, with and without fsdp, listed and stacked:
+each step planned on abstract shapes, its collectives' bytes per device read
+off the HLO and counted as XLA:GPU/TPU move them (tests/accelerator_count.py),
+against Megatron-LM's count (tests/megatron_count.py) and ZeRO-3's (each
+fsdp-split parameter all-gathered forward and backward, its gradient
+reduce-scattered).
 """
 
 import itertools

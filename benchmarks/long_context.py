@@ -7,13 +7,10 @@ parallelism, planned on abstract shapes (nothing allocated, no TPU needed).
 
 Each probe is one `redeqx.plan(..., explore=False)` of a LLaMA-3-shaped model
 (bf16 compute, fp32 master weights, AdamW, remat, fsdp over data x context),
-one sequence per step, in a worker with that many devices: libtpu's compiler
-for a TPU v4 slice (32 GiB a chip) when benchmarks/.venv-tpu exists, else
-XLA:CPU's buffer assignment against the same 32 GiB (said in the section).
-Probes are kept in ``--cache`` (benchmarks/results/long_context_probes.json);
-a rerun skips the done ones. The longest sequence is found by doubling from a
-start length. The collectives of `redeqx.attention` alone are compared with
-the analytic count.
+one sequence a step, in a worker: libtpu for a TPU v4 slice (32 GiB a chip)
+when benchmarks/.venv-tpu exists, else XLA:CPU against the same 32 GiB.
+Probes are cached in ``--cache``; the longest sequence is found by doubling.
+`redeqx.attention`'s collectives are compared with the analytic count.
 """
 
 from __future__ import annotations

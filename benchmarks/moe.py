@@ -4,25 +4,19 @@
     python -m benchmarks.moe --tpu        # + Mixtral-8x7B and Qwen3-30B-A3B planned for TPU v4 (libtpu)
     python -m benchmarks.moe --cached     # the section from the cached probes
 
-Each part runs its probes in subprocesses and caches their JSON in
-benchmarks/results/moe_<part>.json (``--cached`` rewrites the section from
-the caches); the section "Mixture of experts (benchmarks/moe.py)" of
-benchmarks/RESULTS.md is rewritten from whatever is cached.
+Probes run in subprocesses, cached in benchmarks/results/moe_<part>.json;
+the section is rewritten from whatever is cached.
 
-- FLOPs: the train step of a small Mixtral (8 experts, top-2) against the
-  dense LLaMA with the same active parameters (intermediate 2 x the
-  expert's) and against the same MoE written as users write it by hand (a
-  one-hot ``einsum`` through every expert), each planned on one device: on
-  XLA:CPU (`redeqx.plan` counts each grouped matmul by its rows, as the note
-  it prints says) and on one TPU v4 chip (libtpu's own figure).
-- Bytes: the collectives of an expert-parallel step (as a GPU or TPU moves
-  them, tests/accelerator_count.py) against an all-to-all plan: 2 x tokens x
-  k x hidden floats per MoE layer each way, plus the attention's Megatron
-  bytes and the data-parallel gradient sum.
-- TPU v4: the fewest chips (32 GiB each) on which the real model's step
-  compiles and fits, fp32 AdamW and bf16 compute + remat (fp32 master
-  weights and Adam state; fsdp and 8 model shards in both), and the plan's
-  FLOPs per token against 6 x active parameters.
+- FLOPs: a small Mixtral's train step (8 experts, top-2) against the dense
+  LLaMA with the same active parameters and against a hand-written one-hot
+  MoE, planned on one device by XLA:CPU (grouped matmuls counted by rows)
+  and by libtpu for one TPU v4 chip.
+- Bytes: an expert-parallel step's collectives as an accelerator moves them
+  against an all-to-all plan (2 x tokens x k x hidden each way per MoE
+  layer, plus attention's Megatron bytes and the gradient sum).
+- TPU v4: the fewest 32 GiB chips that fit the real model's step (fp32
+  AdamW; bf16 compute + remat; fsdp, 8 model shards), and its FLOPs per
+  token against 6 x active parameters.
 """
 
 import json

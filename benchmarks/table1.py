@@ -189,15 +189,10 @@ def _worker(task: dict) -> dict:
 
 
 def _largest(fits, start: int, step: int, memory: float, cap: int | None = None) -> tuple[int, bool]:
-    """The largest multiple of ``step`` for which ``fits(value) -> (fits, peak)``
-    holds, starting from ``start``, with at most ``cap``. Returns ``(value,
-    capped)``; value 0 when not even ``step`` fits.
-
-    A bracket is found by doubling (or, once two sizes fit, by extrapolating
-    their peaks linearly to the memory, if that jumps further: the peak grows
-    at least linearly, so the jump rarely overshoots by much), then narrowed
-    by regula falsi on the peaks at its two ends, falling back to bisection
-    whenever the same end moved twice in a row, down to one ``step``."""
+    """``(value, capped)``: the largest multiple of ``step`` (at most ``cap``;
+    0 if none) for which ``fits(value) -> (fits, peak)`` holds. Bracketed by
+    doubling (or a linear extrapolation of two fitting peaks, if further),
+    narrowed by regula falsi, by bisection when one end moved twice in a row."""
     peaks = {}
 
     def probe(v):
@@ -292,10 +287,8 @@ FSDP_REMAT_BF16 = {"fsdp": True, "remat": True, "bf16": True}
 
 def fewest_devices(run: Runner, row: Row, params: float, upper: int, extra: dict) -> dict:
     """The fewest devices (a power of two up to ``upper``) that fit with fsdp +
-    remat + bf16 compute: counts where parameters + Adam alone exceed the
-    memory are ruled out by arithmetic; the smallest count left is compiled
-    first (the usual answer), then redco's own count (or the next that fits),
-    then bisection between them."""
+    remat + bf16: counts where parameters + Adam alone exceed the memory are
+    ruled out; then the smallest left, redco's own count, and bisection."""
     counts = [2 ** i for i in range(0, int(math.log2(upper)) + 1)]
     ruled_out = [n for n in counts if resident_bytes(params, n) >= row.memory_bytes]
     candidates = [n for n in counts if n not in ruled_out]

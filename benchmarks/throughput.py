@@ -6,19 +6,14 @@ vs a hand-written jax.jit + optax loop, on whatever accelerator is present.
     python -m benchmarks.throughput --from-json out.json  # write a GPU run's results to RESULTS.md
     python -m benchmarks.throughput --size moe1b --seq 2048 --batch 8 --variants stacked+remat --no-hand --json moe.json
 
-Sizes ``moe*`` are Mixtral-style (8 SwiGLU experts, top-2, routed by grouped
-matmuls); each has a dense twin with the same active parameters per token,
-the LLaMA whose intermediate size is 2 x the expert's (``moe1b``'s is ``1b``,
-TinyLlama-1.1B's shapes; ``moe-tiny``'s is ``moe-tiny-dense``). MFU counts
-active parameters: the k experts a token passes through, and the router.
-
-Variants (--variants), alternated in rounds: the zoo LLaMA in bf16 compute
-(fp32 master weights and AdamW) with its layers stacked (":N" sets
-scan_unroll) or listed, each with or without remat, and the hand-written step.
-MFU counts the model's FLOPs (6 x non-embedding parameters x tokens plus
-attention's, causal halved) over the device's peak; on a GPU the step must use
-cuDNN's flash attention (checked in the lowered program); the planner's peak
-is compared with the device's measured peak (first variant only).
+Sizes ``moe*`` are Mixtral-style (8 experts, top-2) with a dense twin of the
+same active parameters (``moe1b``'s is ``1b``, TinyLlama-1.1B's shapes).
+Variants, alternated in rounds: the zoo LLaMA in bf16 compute (fp32 master
+weights, AdamW), stacked (":N" sets scan_unroll) or listed, with or without
+remat, and the hand-written step. MFU: 6 x active non-embedding parameters x
+tokens plus attention's FLOPs (causal halved) over the device's peak; on a
+GPU the step must use cuDNN's flash attention (checked); the planner's peak
+is compared with the measured one (first variant).
 """
 
 import os

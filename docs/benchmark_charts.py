@@ -4,7 +4,8 @@ its section, run
 
     python docs/benchmark_charts.py
 
-and commit the PNGs it writes to docs/images/."""
+and commit the PNGs it writes to docs/images/. vs_redco.png is not redrawn:
+its table is in RESULTS.md's History now (its script at 3db93f0)."""
 
 import re
 from pathlib import Path
@@ -84,27 +85,6 @@ def throughput() -> None:
     save(fig, "throughput_h200.png")
 
 
-def vs_redco() -> None:
-    """A user's GPT in redeqx and in redco: collective bytes per device and step time, by split."""
-    rows = [r for r in tables("redeqx vs redco on a user's model")[0] if r["side"] in ("redeqx", "redco")]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(8, 3))
-    for shape, offset in (("small", 0), ("large", 4)):
-        for side, shift, color in (("redeqx", -0.2, "tab:blue"), ("redco", 0.2, "tab:gray")):
-            pick = [r for r in rows if r["shape"] == shape and r["side"] == side]
-            xs = [offset + i + shift for i in range(len(pick))]
-            left.bar(xs, [number(r["as XLA:GPU/TPU move them"]) for r in pick], 0.4, color=color,
-                     label=side if shape == "small" else None)
-            right.bar(xs, [number(r["s / step"]) for r in pick], 0.4, color=color)
-    ticks = [f"{shape}\nK={k}" for shape in ("small", "large") for k in (1, 2, 4)]
-    for ax in (left, right):
-        ax.set_xticks([0, 1, 2, 4, 5, 6], ticks, fontsize=8)
-    left.set_ylabel("collective MiB per device per step\n(as XLA:GPU/TPU move them)", fontsize=8)
-    right.set_ylabel("seconds per step (8 simulated CPU devices)", fontsize=8)
-    left.legend(fontsize=8)
-    fig.suptitle("A user's 5.3M-parameter GPT: redeqx vs redco 0.4.23 (K = n_model_shards)", fontsize=9)
-    save(fig, "vs_redco.png")
-
-
 def rules_program() -> None:
     """Collective bytes with the rules read from the program, over the bytes with names alone,
     for the models where the two differ (every other model: the same plan, 1.000)."""
@@ -123,5 +103,5 @@ def rules_program() -> None:
 
 if __name__ == "__main__":
     IMAGES.mkdir(exist_ok=True)
-    for draw in (table1, throughput, vs_redco, rules_program):
+    for draw in (table1, throughput, rules_program):
         draw()
