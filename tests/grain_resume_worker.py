@@ -22,12 +22,11 @@ import equinox as eqx
 import grain
 import jax
 import numpy as np
-import optax
 from absl import flags
 from jax.experimental import multihost_utils
 
 import redeqx
-from resume_worker import Net, collate_fn, loss_fn, say
+from resume_worker import collate_fn, say, training
 
 N_STEPS, EVERY, N_EXAMPLES, PER_DEVICE = 10, 3, 40, 2  # mesh data=4: a global batch of 8, 5 an epoch
 
@@ -52,12 +51,7 @@ def digest(batch) -> str:
 
 
 def main(workdir, kill_at, workers):
-    mesh = redeqx.make_mesh(2)
-    model = Net(eqx.nn.MLP(8, 4, 32, depth=2, key=jax.random.key(0)), eqx.nn.Dropout(0.2))
-    specs = redeqx.sharding_rules(model, mesh)
-    optimizer = optax.adamw(1e-2)
-    state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
-    train_step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs)
+    mesh, specs, state, train_step = training()
     batches = redeqx.grain_batches(pipeline(int(workers)), collate_fn, PER_DEVICE, mesh)
 
     manager = redeqx.CheckpointManager(workdir, keep_last=2, every=EVERY)

@@ -49,15 +49,20 @@ def say(text):
         print(text, flush=True)
 
 
-def main(workdir, every=1, step_seconds=0.0):
-    rng = np.random.default_rng(0)
-    examples = [(rng.normal(size=8).astype(np.float32), rng.normal(size=4).astype(np.float32)) for _ in range(N_EXAMPLES)]
+def training():
+    """The mesh, specs, initial state and train step every resume worker starts from."""
     mesh = redeqx.make_mesh(2)
     model = Net(eqx.nn.MLP(8, 4, 32, depth=2, key=jax.random.key(0)), eqx.nn.Dropout(0.2))
     specs = redeqx.sharding_rules(model, mesh)
     optimizer = optax.adamw(1e-2)
     state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
-    train_step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs)
+    return mesh, specs, state, redeqx.make_train_step(loss_fn, optimizer, mesh, specs)
+
+
+def main(workdir, every=1, step_seconds=0.0):
+    rng = np.random.default_rng(0)
+    examples = [(rng.normal(size=8).astype(np.float32), rng.normal(size=4).astype(np.float32)) for _ in range(N_EXAMPLES)]
+    mesh, specs, state, train_step = training()
     data_key, epoch, start = jax.random.key(2), 0, 0
 
     manager = redeqx.CheckpointManager(workdir, keep_last=2, every=int(every))
