@@ -18,7 +18,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks._common import HERE, TPU_VENV, NotProbed, Probes, compile_devices, compiler, parser, report, serve, worker
+from benchmarks._common import (HERE, TPU_VENV, NotProbed, Probes, compile_devices, compiled_figures, compiler, parser,
+                                report, serve, worker)
 
 MEMORY = 32 * 2**30  # a TPU v4 chip
 SIZES = {  # LLaMA-3 shapes (vocab 128256, GQA with 8 KV heads)
@@ -43,15 +44,19 @@ def probe(task: dict) -> dict:
 
     import redeqx
     from redeqx import models
+    from redeqx._hlo import loop_factor
 
     devices, c, t = compile_devices(task["chips"], task["tpu"]), task["context"], task["seq"]
     if task["kind"] == "attention":  # value and grads on one 8B layer's shapes
         mesh = redeqx.make_mesh(1, n_context_shards=c, devices=devices)
         q, kv = (jax.ShapeDtypeStruct((1, t, h, 128), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "context")))
                  for h in (32, 8))
-        loss = lambda q, k, v: jnp.sum(redeqx.attention(q, k, v, impl=task["impl"]).astype(jnp.float32))  # noqa: E731
+        loss = lambda q, k, v: jnp.sum(redeqx.attention(q, k, v, causal=task.get("causal", True),  # noqa: E731
+                                                        impl=task["impl"]).astype(jnp.float32))
         with jax.set_mesh(mesh):
-            return redeqx.collective_summary(jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile().as_text())
+            compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile()
+        text = compiled.as_text()  # FLOPs with every loop counted per iteration, as plan counts them
+        return dict(collectives=redeqx.collective_summary(text), flops=compiled_figures(compiled)["flops"] * loop_factor(text))
     config = models.LlamaConfig(vocab_size=128256, num_key_value_heads=8, rope_theta=500000.0, max_position_embeddings=t,
                                 context_attention=task["impl"], **SIZES[task["size"]])
     if c == 0:  # today's path: no context axis at all
@@ -140,20 +145,23 @@ def main():
                        "unsplit path.")
     lines += summary
     if "8b" in sizes:
-        lines += _attention_bytes(run), _per_c(run), _ring_step(run)
+        lines += _attention_bytes(run), _causal_flops(run), _per_c(run), _ring_step(run)
     report(args, "Long context (benchmarks/long_context.py)", "\n".join(lines))
 
 
+def _probe(run: Probes, task):
+    """``run(**task)`` (a list of them for a list), ``None`` for one not probed (with --cached-only)."""
+    if isinstance(task, list):
+        return [_probe(run, t) for t in task]
+    try:
+        return run(**task)
+    except NotProbed:
+        return None
+
+
 def _rows(run: Probes, head: list[str], cases, row) -> str:
-    """A table: ``row(case, probe)`` for each case probed (``None`` for one not probed, with --cached-only)."""
-    out = list(head)
-    for case, task in cases:
-        try:
-            p = run(**task)
-        except NotProbed:
-            p = None
-        out.append(row(case, p))
-    return "\n".join(line for line in out if line is not None)
+    """A table: ``row(case, probe)`` for each case."""
+    return "\n".join(line for line in [*head, *(row(case, _probe(run, task)) for case, task in cases)] if line is not None)
 
 
 def _per_c(run: Probes) -> str:
@@ -172,8 +180,22 @@ def _per_c(run: Probes) -> str:
                  cases, row) + (
         "\n\nTemporaries hold the layers' saved inputs (split by C) and also what C does not split: the fp32 "
         "gradients (fsdp: 1/8 of them on every mesh) and the vocabulary-wide logits (split 8 ways either "
-        "way). FLOPs per token are XLA's count with loops counted per iteration; every attention block "
-        "is computed whole, causal half included, on every mesh.")
+        "way). FLOPs per token are XLA's count with loops counted per iteration.")
+
+
+def _causal_flops(run: Probes) -> str:
+    """redeqx.attention's FLOPs per device, causal against unmasked: the skipped blocks."""
+    t = 32768
+
+    def row(c, p):
+        m = t // (2 * c) // min(t // (2 * c), 1024)  # blocks to a chunk
+        return p[0] and p[1] and (f"| {c} | {p[0]['flops']:.3e} | {p[1]['flops']:.3e} | "
+                                  f"{p[0]['flops'] / p[1]['flops']:.3f} | {(2 * c * m * m + m) / (4 * c * m * m):.3f} |")
+    base = dict(kind="attention", seq=t, impl="gather")
+    cases = [(c, [dict(base, chips=c, context=c, causal=causal) for causal in (True, False)]) for c in (2, 8)]
+    return _rows(run, ["", f"redeqx.attention's FLOPs per device (value and grads, {t} tokens, as above), causal "
+                       "against unmasked:", "", "| C | causal | unmasked | ratio | blocks computed (2C m² + m) / 4C m² |",
+                       "|---|---|---|---|---|"], cases, row)
 
 
 def _ring_step(run: Probes) -> str:
@@ -202,7 +224,8 @@ def _attention_bytes(run: Probes) -> str:
         "gather, reduce as all-reduce": t * (2 * kv + tok) + t * 2 * kv,
     }
 
-    def row(name, s):
+    def row(name, p):
+        s = p and p["collectives"]
         total = s and sum(v["bytes"] for v in s.values())
         kinds = s and ", ".join(f"{k} x{v['count']}" for k, v in sorted(s.items()))
         v = analytic[name]

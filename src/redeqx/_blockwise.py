@@ -1,9 +1,16 @@
-"""Exact attention over keys a block at a time (an online softmax, and
-custom VJPs that recompute the scores from the saved log-sum-exp, as flash
-attention does): `gather_attention` over keys gathered over ``context``,
+"""Exact attention a block at a time (an online softmax, and custom VJPs
+that recompute the scores from the saved log-sum-exp, as flash attention
+does): `gather_attention` over keys gathered over ``context``,
 `ring_attention` over keys passed around it. Both run on one context shard,
 inside `redeqx.attention`'s ``shard_map``; masks come from positions and
-segment ids, never as a ``(T, T)`` array."""
+segment ids, never as a ``(T, T)`` array.
+
+Both walk a table of (query block, key block) pairs, built on the host from
+the blocks' places in the original order: under a causal mask a key block
+that lies wholly after its query block is not in the table, so it is never
+computed (about half the pairs of a long sequence). The dual-chunk order
+gives every context shard a table of the same length, so the tables stack
+into one array indexed by ``axis_index("context")``."""
 
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ._mesh import CONTEXT, traced_platform
 
@@ -60,7 +68,29 @@ def _block_backward(q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, causal, sca
 
 # ----------------------------------------------------------------------------- on one context shard (inside shard_map)
 
-BLOCK = 1024  # queries and keys per block: one block's scores are (heads, BLOCK, BLOCK) in float32
+BLOCK = 1024  # queries and keys per block at most: one block's scores are (heads, BLOCK, BLOCK) in float32
+
+
+def block_size(chunk: int) -> int:
+    """Tokens per block: the largest divisor of ``chunk`` (the tokens of one
+    of the ``2C`` chunks of the dual-chunk order) not above `BLOCK`, so that
+    a block never straddles two chunks."""
+    return next(b for b in range(min(chunk, BLOCK), 0, -1) if chunk % b == 0)
+
+
+def _pairs(q_ids, k_ids, causal: bool) -> np.ndarray:
+    """(P, 2): every (query block, key block) whose scores are not all
+    masked, by the blocks' places in the original order (``*_ids``): under a
+    causal mask a key block after the query block is skipped."""
+    pairs = [(i, j) for i, qi in enumerate(q_ids) for j, kj in enumerate(k_ids) if not causal or kj <= qi]
+    return np.asarray(pairs, np.int32).reshape(-1, 2)
+
+
+def _mine(tables: list[np.ndarray]):
+    """This context shard's row of per-shard pair tables (one per shard, of
+    equal length: the dual-chunk order gives every shard the same work)."""
+    assert len({t.shape for t in tables}) == 1, [t.shape for t in tables]
+    return jnp.asarray(np.stack(tables))[jax.lax.axis_index(CONTEXT)]
 
 
 def _init(q, hkv):
@@ -90,94 +120,66 @@ def _next(x, n: int):
     return jax.lax.ppermute(x, CONTEXT, [(i, (i + 1) % n) for i in range(n)])
 
 
-def _blocks(x, n: int):
-    """A (T, ...) array as (n, T / n, ...)."""
-    return x.reshape(n, x.shape[0] // n, *x.shape[1:])
+def _rows(a, start, size: int, axis: int = 0):
+    return jax.lax.dynamic_slice_in_dim(a, start, size, axis)
 
 
-def _n_blocks(t: int) -> int:
-    """How many blocks of at most `BLOCK` (a divisor of ``t``) cut ``t``."""
-    return next(t // b for b in range(min(t, BLOCK), 0, -1) if t % b == 0)
+def _add_rows(a, x, start):
+    return jax.lax.dynamic_update_slice_in_dim(a, _rows(a, start, x.shape[0]) + x, start, 0)
 
 
-# -- queries over keys, block by block of keys (flash attention's loop)
+# -- the two loops over (query block, key block) pairs: flash attention's, with the masked pairs left out
 
 
-def _over_keys(acc, q, k, v, qpos, kpos, qseg, kseg, causal, scale):
-    """Running (out, max, sum) of queries ``q`` updated with keys ``k`` in blocks of `BLOCK`."""
-    block = functools.partial(_block_forward, q=q, qpos=qpos, qseg=qseg, causal=causal, scale=scale)
+def _forward(acc, q, k, v, qpos, kpos, qseg, kseg, pairs, b: int, causal: bool, scale: float):
+    """Running (out, max, sum) of queries ``q`` updated with keys ``k``, one
+    (query block, key block) of ``pairs`` (blocks of ``b`` tokens) at a time."""
 
-    def step(carry, kv):
-        return block(carry, k=kv[0], v=kv[1], kpos=kv[2], kseg=kv[3]), None
+    def step(carry, pair):
+        i, j = pair[0] * b, pair[1] * b
+        new = _block_forward(tuple(_rows(a, i, b, 2) for a in carry), _rows(q, i, b), _rows(k, j, b), _rows(v, j, b),
+                             _rows(qpos, i, b), _rows(kpos, j, b), _rows(qseg, i, b), _rows(kseg, j, b), causal, scale)
+        return tuple(jax.lax.dynamic_update_slice_in_dim(a, x, i, 2) for a, x in zip(carry, new)), None
 
-    nb = _n_blocks(k.shape[0])
-    return jax.lax.scan(step, acc, tuple(_blocks(a, nb) for a in (k, v, kpos, kseg)))[0]
-
-
-def _grads_over_keys(q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, causal, scale):
-    """(dq, dk, dv) in float32 of queries ``q`` over keys ``k``, in blocks of `BLOCK` keys."""
-    grads = functools.partial(_block_backward, q=q, do=do, lse=lse, delta=delta, qpos=qpos, qseg=qseg,
-                              causal=causal, scale=scale)
-
-    def step(dq, kv):
-        dqb, dkb, dvb = grads(k=kv[0], v=kv[1], kpos=kv[2], kseg=kv[3])
-        return dq + dqb, (dkb, dvb)
-
-    nb = _n_blocks(k.shape[0])
-    dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(q.shape, jnp.float32),
-                                tuple(_blocks(a, nb) for a in (k, v, kpos, kseg)))
-    return dq, dk.reshape(k.shape), dv.reshape(v.shape)
+    return jax.lax.scan(step, acc, pairs)[0]
 
 
-def _split_queries(a, n: int, axis: int):
-    """(..., T, ...) -> (n, ..., T / n, ...): a per-query array cut into ``n`` blocks along ``axis``."""
-    return jnp.moveaxis(a.reshape(*a.shape[:axis], n, -1, *a.shape[axis + 1:]), axis, 0)
+def _grads(init, q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, pairs, b: int, causal: bool, scale: float):
+    """(dq, dk, dv) in float32, ``init`` plus the gradients over ``pairs``."""
+
+    def step(carry, pair):
+        i, j = pair[0] * b, pair[1] * b
+        dq, dk, dv = _block_backward(_rows(q, i, b), _rows(k, j, b), _rows(v, j, b), _rows(do, i, b),
+                                     _rows(lse, i, b, 2), _rows(delta, i, b, 2), _rows(qpos, i, b), _rows(kpos, j, b),
+                                     _rows(qseg, i, b), _rows(kseg, j, b), causal, scale)
+        return (_add_rows(carry[0], dq, i), _add_rows(carry[1], dk, j), _add_rows(carry[2], dv, j)), None
+
+    return jax.lax.scan(step, init, pairs)[0]
 
 
-def _queries_over_keys(acc, q, qpos, qseg, k, v, kpos, kseg, causal, scale):
-    """`_over_keys` a block of `BLOCK` queries at a time (the ring's step)."""
-    nq = _n_blocks(q.shape[0])
-    if nq == 1:
-        return _over_keys(acc, q, k, v, qpos, kpos, qseg, kseg, causal, scale)
-    out = jax.lax.map(lambda x: _over_keys(x[0], x[1], k, v, x[2], kpos, x[3], kseg, causal, scale),
-                      (tuple(_split_queries(a, nq, 2) for a in acc), _blocks(q, nq), _blocks(qpos, nq),
-                       _blocks(qseg, nq)))
-    return tuple(jnp.moveaxis(a, 0, 2).reshape(a.shape[1], a.shape[2], -1, *a.shape[4:]) for a in out)
+def _zeros(*xs):
+    return tuple(jnp.zeros(x.shape, jnp.float32) for x in xs)
 
 
-def _query_grads(q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, causal, scale):
-    """`_grads_over_keys` a block of `BLOCK` queries at a time (the ring's step)."""
-    nq = _n_blocks(q.shape[0])
-    if nq == 1:
-        return _grads_over_keys(q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, causal, scale)
-
-    def step(dkv, x):
-        qb, dob, lb, db, pb, sb = x
-        dq, dk, dv = _grads_over_keys(qb, k, v, dob, lb, db, pb, kpos, sb, kseg, causal, scale)
-        return (dkv[0] + dk, dkv[1] + dv), dq
-
-    zeros = jnp.zeros(k.shape, jnp.float32)
-    xs = (_blocks(q, nq), _blocks(do, nq), _split_queries(lse, nq, 2), _split_queries(delta, nq, 2),
-          _blocks(qpos, nq), _blocks(qseg, nq))
-    (dk, dv), dq = jax.lax.scan(step, (zeros, zeros), xs)
-    return dq.reshape(q.shape), dk, dv
+# -- all gathered: this shard's queries over every shard's keys
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _flash(q, k, v, qpos, kpos, qseg, kseg, causal, scale):
-    return _flash_fwd(q, k, v, qpos, kpos, qseg, kseg, causal, scale)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _flash(q, k, v, qpos, kpos, qseg, kseg, pairs, b, causal, scale):
+    return _flash_fwd(q, k, v, qpos, kpos, qseg, kseg, pairs, b, causal, scale)[0]
 
 
-def _flash_fwd(q, k, v, qpos, kpos, qseg, kseg, causal, scale):
-    out, lse = _finish(*_over_keys(_init(q, k.shape[1]), q, k, v, qpos, kpos, qseg, kseg, causal, scale), q)
-    return out, (q, k, v, qpos, kpos, qseg, kseg, out, lse)
+def _flash_fwd(q, k, v, qpos, kpos, qseg, kseg, pairs, b, causal, scale):
+    acc = _forward(_init(q, k.shape[1]), q, k, v, qpos, kpos, qseg, kseg, pairs, b, causal, scale)
+    out, lse = _finish(*acc, q)
+    return out, (q, k, v, qpos, kpos, qseg, kseg, pairs, out, lse)
 
 
-def _flash_bwd(causal, scale, res, dout):
-    q, k, v, qpos, kpos, qseg, kseg, out, lse = res
-    dq, dk, dv = _grads_over_keys(q, k, v, dout, lse, _delta(dout, out, k.shape[1]), qpos, kpos, qseg, kseg,
-                                  causal, scale)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
+def _flash_bwd(b, causal, scale, res, dout):
+    q, k, v, qpos, kpos, qseg, kseg, pairs, out, lse = res
+    dq, dk, dv = _grads(_zeros(q, k, v), q, k, v, dout, lse, _delta(dout, out, k.shape[1]), qpos, kpos, qseg, kseg,
+                        pairs, b, causal, scale)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -199,65 +201,71 @@ def _scatter(_, g):
 _gather.defvjp(lambda x: (_gather(x), None), _scatter)
 
 
-def gather_attention(q, k, v, pos, seg, causal, scale, n):
-    """This shard's queries, a block at a time, over every shard's keys
-    gathered once (differentiating the all-gather reduce-scatters their
-    gradients back)."""
+def gather_attention(q, k, v, pos, seg, causal, scale, n, layout, b):
+    """This shard's queries over every shard's keys gathered once
+    (differentiating the all-gather reduce-scatters their gradients back).
+    ``layout[i]``: the original place, in blocks of ``b`` tokens, of each
+    block shard ``i`` holds."""
     if n > 1:
         k, v = _gather(k), _gather(v)
         kpos, kseg = (jax.lax.all_gather(a, CONTEXT, tiled=True) for a in (pos, seg))
     else:
         kpos, kseg = pos, seg
-
-    def one(qb, pb, sb):
-        return _flash(qb, k, v, pb, kpos, sb, kseg, causal, scale)
-
-    nq = _n_blocks(q.shape[0])
-    if nq == 1:
-        return one(q, pos, seg)
-    return jax.lax.map(lambda a: one(*a), (_blocks(q, nq), _blocks(pos, nq), _blocks(seg, nq))).reshape(q.shape)
+    everyone = np.asarray(layout).reshape(-1)  # the gathered keys' blocks: every shard's, in shard order
+    pairs = _mine([_pairs(mine, everyone, causal) for mine in layout])
+    return _flash(q, k, v, pos, kpos, seg, kseg, pairs, b, causal, scale)
 
 
 # -- the ring: each shard's keys in turn, passed on with ppermute
 
 
-def _ring_forward(q, k, v, pos, seg, causal, scale, n):
-    hop = functools.partial(_queries_over_keys, q=q, qpos=pos, qseg=seg, causal=causal, scale=scale)
+def _ring_pairs(layout, causal: bool):
+    """This shard's pairs against its own keys, and against the keys of
+    each later hop, (n - 1, P, 2): after ``h`` hops shard ``i`` holds shard
+    ``i - h``'s keys. Under a causal mask each hop's keys are half seen."""
+    n = len(layout)
+    hops = [_mine([_pairs(layout[i], layout[(i - h) % n], causal) for i in range(n)]) for h in range(n)]
+    return hops[0], jnp.stack(hops[1:])
 
-    def step(carry, _):
+
+def _ring_forward(q, k, v, pos, seg, causal, scale, n, layout, b):
+    first, later = _ring_pairs(layout, causal)
+    hop = functools.partial(_forward, q=q, qpos=pos, qseg=seg, b=b, causal=causal, scale=scale)
+
+    def step(carry, pairs):
         acc, kv = carry
         kv = jax.tree.map(lambda a: _next(a, n), kv)
-        return (hop(acc, k=kv[0], v=kv[1], kpos=kv[2], kseg=kv[3]), kv), None
+        return (hop(acc, k=kv[0], v=kv[1], kpos=kv[2], kseg=kv[3], pairs=pairs), kv), None
 
-    first = hop(_init(q, k.shape[1]), k=k, v=v, kpos=pos, kseg=seg)  # this shard's own keys first
-    ((o, m, l), _), _ = jax.lax.scan(step, (first, (k, v, pos, seg)), None, length=n - 1)
+    acc = hop(_init(q, k.shape[1]), k=k, v=v, kpos=pos, kseg=seg, pairs=first)  # this shard's own keys first
+    ((o, m, l), _), _ = jax.lax.scan(step, (acc, (k, v, pos, seg)), later)
     return _finish(o, m, l, q)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def ring_attention(q, k, v, pos, seg, causal, scale, n):
-    return _ring_forward(q, k, v, pos, seg, causal, scale, n)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def ring_attention(q, k, v, pos, seg, causal, scale, n, layout, b):
+    return _ring_forward(q, k, v, pos, seg, causal, scale, n, layout, b)[0]
 
 
-def _ring_fwd(q, k, v, pos, seg, causal, scale, n):
-    out, lse = _ring_forward(q, k, v, pos, seg, causal, scale, n)
+def _ring_fwd(q, k, v, pos, seg, causal, scale, n, layout, b):
+    out, lse = _ring_forward(q, k, v, pos, seg, causal, scale, n, layout, b)
     return out, (q, k, v, pos, seg, out, lse)
 
 
-def _ring_bwd(causal, scale, n, res, dout):
+def _ring_bwd(causal, scale, n, layout, b, res, dout):
     """K/V go round the ring again, their gradients with them: home after ``n`` hops."""
     q, k, v, pos, seg, out, lse = res
-    grads = functools.partial(_query_grads, q=q, do=dout, lse=lse, delta=_delta(dout, out, k.shape[1]),
-                              qpos=pos, qseg=seg, causal=causal, scale=scale)
+    first, later = _ring_pairs(layout, causal)
+    grads = functools.partial(_grads, q=q, do=dout, lse=lse, delta=_delta(dout, out, k.shape[1]), qpos=pos, qseg=seg,
+                              b=b, causal=causal, scale=scale)
 
-    def step(carry, _):
-        dq, kv, (dk, dv) = carry
-        dqb, dkb, dvb = grads(k=kv[0], v=kv[1], kpos=kv[2], kseg=kv[3])
-        return (dq + dqb, *jax.tree.map(lambda a: _next(a, n), (kv, (dk + dkb, dv + dvb)))), None
+    def hop(carry, pairs):
+        dq, kv, dkv = carry
+        dq, dk, dv = grads((dq, *dkv), k=kv[0], v=kv[1], kpos=kv[2], kseg=kv[3], pairs=pairs)
+        return (dq, *jax.tree.map(lambda a: _next(a, n), (kv, (dk, dv)))), None
 
-    zeros = jnp.zeros(k.shape, jnp.float32)
-    (dq, _, (dk, dv)), _ = jax.lax.scan(step, (jnp.zeros(q.shape, jnp.float32), (k, v, pos, seg), (zeros, zeros)),
-                                        None, length=n)
+    carry = hop((_zeros(q)[0], (k, v, pos, seg), _zeros(k, v)), first)[0]
+    (dq, _, (dk, dv)), _ = jax.lax.scan(hop, carry, later)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 

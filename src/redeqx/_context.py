@@ -17,10 +17,11 @@ with ``ppermute`` (``impl="ring"``, one shard's K/V in flight at a time).
 Either way each device computes its queries against a block of keys at a
 time with an online softmax, so no ``(T, T)`` score matrix is formed, and
 the backward pass (a custom VJP) recomputes the scores block by block from
-the saved log-sum-exp, as flash attention does. Every block is computed
-whole (the causal mask applied, its masked half not skipped), so the
-dual-chunk order balances memory and work already and would halve the
-work once fully masked blocks are skipped (not done yet).
+the saved log-sum-exp, as flash attention does. Blocks never straddle two
+chunks, so under a causal mask a key block is either wholly hidden from a
+query block (and skipped: about half the blocks of a long sequence) or
+computed with the mask; the dual-chunk order gives every shard as many
+blocks to compute (`block_layout`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from ._blockwise import block_scores, gather_attention, ring_attention
+from ._blockwise import block_scores, block_size, gather_attention, ring_attention
 from ._mesh import CONTEXT, DATA, traced_platform
 from ._typing import typechecked
 
@@ -193,13 +194,25 @@ def _plain(q, k, v, pos, seg, causal: bool, scale: float):
     return jnp.einsum("kgts,skd->tkgd", p.astype(v.dtype), v).reshape(t, hq, d)
 
 
+def block_layout(n_tokens: int, n_shards: int) -> tuple[int, tuple[tuple[int, ...], ...]]:
+    """``(b, layout)``: tokens per attention block, and for each context
+    shard the original place (in blocks) of each block it holds in the
+    dual-chunk order. Blocks never straddle chunks, so a block is a run of
+    consecutive positions and a causal mask hides a key block whole or not."""
+    chunk = n_tokens // (2 * n_shards) if n_tokens % (2 * n_shards) == 0 else n_tokens  # one shard, odd length
+    b = block_size(chunk)
+    ids = context_order(n_tokens, n_shards).reshape(n_shards, -1)[:, ::b] // b
+    return b, tuple(tuple(int(i) for i in row) for row in ids)
+
+
 def _split(q, k, v, pos, seg, causal: bool, scale: float, impl: str, n: int):
     """Attention with the sequence split over ``context`` (``n`` shards)."""
     seg = jnp.zeros(pos.shape, jnp.int32) if seg is None else seg
+    b, layout = block_layout(q.shape[0], n)
     if impl == "ring" and n > 1:
-        body = functools.partial(ring_attention, causal=causal, scale=scale, n=n)
+        body = functools.partial(ring_attention, causal=causal, scale=scale, n=n, layout=layout, b=b)
     else:
-        body = functools.partial(gather_attention, causal=causal, scale=scale, n=n)
+        body = functools.partial(gather_attention, causal=causal, scale=scale, n=n, layout=layout, b=b)
     seq, tok = P(CONTEXT, None, None), P(CONTEXT)
     return jax.shard_map(lambda *a: body(*a), in_specs=(seq, seq, seq, tok, tok), out_specs=seq,
                          axis_names=frozenset({CONTEXT}), check_vma=False)(q, k, v, pos, seg)
@@ -237,10 +250,11 @@ def attention(
     come to it: all gathered over ``context`` (``impl="gather"``: ``C``
     times one shard's K/V in memory) or passed around a ring with
     ``ppermute`` (``impl="ring"``: two shards' K/V in memory, the transfers
-    beside the compute). The gather computes blocks of 1024 queries by
-    1024 keys (`redeqx._blockwise.BLOCK`), the ring blocks of ``T / C`` by ``T / C``, with an online
-    softmax, and both differentiate by recomputing the scores (custom
-    VJPs), never forming the ``(T, T)`` scores.
+    beside the compute). Both compute blocks of up to 1024 queries by 1024
+    keys (the largest divisor of a chunk's ``T / 2C`` tokens not above
+    1024), with an online softmax, skip the blocks a causal mask hides
+    whole, and differentiate by recomputing the scores (custom VJPs),
+    never forming the ``(T, T)`` scores.
 
     **Example** (inside a model, one sequence; ``jax.vmap`` batches it):
 
