@@ -89,9 +89,12 @@ def _trip_count(ins: Instruction, computations: dict[str, list[Instruction]]) ->
     m = re.search(r"\bcondition=%?([\w.\-]+)", ins.attributes)
     condition = computations.get(m.group(1), []) if m else []
     constants = {c.name: c.literal for c in condition if c.op == "constant" and re.fullmatch(r"-?\d+", c.literal)}
-    bounds = [int(constants[c.operands[1]]) for c in condition
+    # inside a shard_map, Shardy's lowered text wraps each operand in a "Sharding" custom-call
+    wrapped = {c.name: c.operands[0] for c in condition
+               if c.op == "custom-call" and 'custom_call_target="Sharding"' in c.attributes and len(c.operands) == 1}
+    bounds = [int(constants[wrapped.get(c.operands[1], c.operands[1])]) for c in condition
               if c.op == "compare" and "direction=LT" in c.attributes and len(c.operands) == 2
-              and c.operands[1] in constants]
+              and wrapped.get(c.operands[1], c.operands[1]) in constants]
     return bounds[0] if len(bounds) == 1 and bounds[0] > 0 else 1
 
 
