@@ -20,7 +20,7 @@ MODEL = "model"
 def make_mesh(
     n_model_shards: int | Literal["auto"] = 1,
     *,
-    n_context_shards: int = 1,
+    n_context_shards: int | Literal["auto"] = 1,
     devices: Sequence[jax.Device] | None = None,
     planner: Callable[[Mesh], Any] | None = None,
 ) -> Mesh:
@@ -43,7 +43,12 @@ def make_mesh(
     sequence is split over that many devices (context parallelism, for
     sequences whose activations do not fit one device; see
     `redeqx.attention` and ``seq_keys`` in `redeqx.batches`). Without it the
-    mesh is the 2-D one, exactly as before.
+    mesh is the 2-D one, exactly as before. ``n_context_shards="auto"``
+    (with a ``planner`` whose `plan` has ``seq_keys``) searches it too: the
+    candidates go by how many devices share one sequence (context x model:
+    1, 2, 4, ...), at a tie the model split first (it also splits the
+    weights), and the first that fits is returned; a model whose weights
+    fit but whose sequence does not then gets a context axis.
 
     Both axes are ``Auto``: the sharding rules only place parameters, and the
     partitioner's propagation (Shardy, this JAX's default) then decides the
@@ -67,9 +72,10 @@ def make_mesh(
     devices = list(devices)
     if len(devices) == 0:
         raise ValueError("devices is empty: pass at least one device, or leave devices=None to use jax.devices().")
-    n_context_shards = _positive(n_context_shards, "n_context_shards")
-    if n_model_shards == "auto":
-        return _auto_mesh(devices, planner, n_context_shards)
+    if n_context_shards != "auto":
+        n_context_shards = _positive(n_context_shards, "n_context_shards")
+    if "auto" in (n_model_shards, n_context_shards):
+        return _auto_mesh(devices, planner, n_model_shards, n_context_shards)
     if isinstance(n_model_shards, bool) or not isinstance(n_model_shards, (int, np.integer)):
         raise TypeError(f"n_model_shards must be an int or 'auto', got {n_model_shards!r} ({type(n_model_shards).__name__}).")
     if n_model_shards < 1:
@@ -98,36 +104,46 @@ def _positive(n, name: str) -> int:
     return int(n)
 
 
-def _auto_mesh(devices: list, planner, n_context: int = 1) -> Mesh:
+def _candidates(n_devices: int, model, context) -> list[tuple[int, int]]:
+    """(model, context) pairs to try, each ``"auto"`` over the divisors: fewest
+    devices to a sequence first, at a tie the most model shards."""
+    divisors = [d for d in range(1, n_devices + 1) if n_devices % d == 0]
+    pairs = [(m, c) for m in (divisors if model == "auto" else [int(model)])
+             for c in (divisors if context == "auto" else [context]) if n_devices % (m * c) == 0]
+    return sorted(pairs, key=lambda mc: (mc[0] * mc[1], -mc[0]))
+
+
+def _auto_mesh(devices: list, planner, model, context) -> Mesh:
+    what = " and ".join(f"n_{n}_shards" for n, v in (("model", model), ("context", context)) if v == "auto")
     if planner is None:
         raise ValueError(
-            'n_model_shards="auto" needs planner=: e.g. planner=functools.partial(redeqx.plan, make_model, loss_fn, '
+            f'{what}="auto" needs planner=: e.g. planner=functools.partial(redeqx.plan, make_model, loss_fn, '
             'optimizer, batch, device_memory="40GB"), which make_mesh calls with each candidate mesh.'
         )
     # `plan` explores what would make a step fit (a dozen more compiles) when it does not: worth it
     # once, for the advice, not for every candidate of the search
     quiet = {"explore": False} if _takes(planner, "explore") else {}
     seen, last = [], None
-    for k in [d for d in range(1, len(devices) // n_context + 1) if len(devices) % (d * n_context) == 0]:
-        mesh = make_mesh(k, n_context_shards=n_context, devices=devices)
+    for m, c in _candidates(len(devices), model, context):
+        mesh = make_mesh(m, n_context_shards=c, devices=devices)
+        name = f"n_model_shards={m}" + (f", n_context_shards={c}" if context == "auto" or c > 1 else "")
         try:
             found = planner(mesh, **quiet)
         except ValueError as e:  # e.g. a global batch this data axis cannot split
-            seen.append(f"n_model_shards={k}: {e}")
+            seen.append(f"{name}: {e}")
             continue
         fits = getattr(found, "fits", found)
         if fits is None:
             raise ValueError("the planner's plan has no device_memory to fit: pass device_memory= to redeqx.plan.")
         if fits:
             return mesh
-        seen.append(f"n_model_shards={k}: peak {getattr(found, 'peak', '?')} bytes per device")
-        last = mesh
+        seen.append(f"{name}: peak {getattr(found, 'peak', '?')} bytes per device")
+        last = mesh, name
     advice = ""
-    if quiet and last is not None:  # the most model shards that could run: what else would make it fit
-        explored = planner(last)
-        advice = f"\nAt n_model_shards={last.shape[MODEL]}, what redeqx.plan tried:\n{explored}"
+    if quiet and last is not None:  # the most devices to a sequence that could run: what else would make it fit
+        advice = f"\nAt {last[1]}, what redeqx.plan tried:\n{planner(last[0])}"
     raise ValueError(
-        f"no n_model_shards fits on these {len(devices)} devices:\n  " + "\n  ".join(seen) + advice
+        f"no {what.replace(' and ', ' / ')} fits on these {len(devices)} devices:\n  " + "\n  ".join(seen) + advice
         + "\nTry fsdp=True, remat=True, compute_dtype=jnp.bfloat16 or accumulate in the planner, or more devices."
     )
 
