@@ -17,7 +17,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from .._constrain import constrain
 from .._mesh import MODEL
 from .._trees import is_array_like, named_leaves
-from ._layers import Cache, CausalLM, CausalMask, causal_mask, is_stacked, run_layers, scan_unroll
+from ._layers import Cache, CausalLM, is_stacked, run_layers, scan_unroll
 from ._llama import LlamaConfig, rope_frequencies
 from ._moe import MoE, RouterStats
 from ._safetensors import HFTensor
@@ -107,13 +107,8 @@ class MoECausalLM(CausalLM):
         ```
         """
         del key
-        t = input_ids.shape[0]
-        if attention_mask is None and self._window() is None:
-            logits, _, stats = self._run_aux(input_ids, jnp.arange(t), CausalMask(t), None, None)
-            return logits, stats
-        valid = jnp.ones((t,), bool) if attention_mask is None else attention_mask.astype(bool)
-        positions = jnp.maximum(jnp.cumsum(valid) - 1, 0)
-        logits, _, stats = self._run_aux(input_ids, positions, causal_mask(valid, 0, t, self._window()), None, valid)
+        positions, mask, valid = self._inputs(input_ids.shape[0], attention_mask)  # as __call__, split or not
+        logits, _, stats = self._run_aux(input_ids, positions, mask, None, valid)
         return logits, stats
 
     # Checkpoint tensors that carry nothing new: a tied head saved anyway, old rotary buffers.

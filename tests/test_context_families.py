@@ -1,0 +1,72 @@
+"""The zoo's decoder families split over a 'context' axis train as on one device
+(LLaMA itself is in test_context.py; the seq2seq families refuse the split)."""
+
+import jax
+import numpy as np
+import pytest
+
+import redeqx
+from redeqx import models
+from test_context import _collate, _examples, _like_one_device, _mesh, _token_mean, llama_loss
+
+V, H = 64, 32  # vocabulary and width of every tiny model here; _examples' ids are below V
+
+
+def _llama(**kw):
+    return models.LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **kw)
+
+
+def _moe_common(**kw):
+    return dict(vocab_size=V, hidden_size=H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, **kw)
+
+
+# Each family's tiny config: learned position tables (GPT-2, OPT with its offset of 2 and a projected,
+# post-LN variant), interleaved partial rotary (GPT-J), LLaMA's options with code of their own (biases,
+# a tied head, listed layers, llama3 RoPE), and the two mixture-of-experts families.
+CASES = {
+    "gpt2": lambda: models.GPT2LMHeadModel(
+        models.GPT2Config(vocab_size=V, n_positions=32, n_embd=H, n_layer=2, n_head=4), key=jax.random.key(0)),
+    "gptj": lambda: models.GPTJForCausalLM(
+        models.GPTJConfig(vocab_size=V, n_positions=32, n_embd=H, n_layer=2, n_head=4, rotary_dim=4),
+        key=jax.random.key(0)),
+    "opt": lambda: models.OPTForCausalLM(
+        models.OPTConfig(vocab_size=V, hidden_size=H, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
+                         max_position_embeddings=32), key=jax.random.key(0)),
+    "opt_350m_like": lambda: models.OPTForCausalLM(
+        models.OPTConfig(vocab_size=V, hidden_size=H, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
+                         max_position_embeddings=32, do_layer_norm_before=False, word_embed_proj_dim=16,
+                         tie_word_embeddings=False, scan_layers=False), key=jax.random.key(0)),
+    "llama_biases_tied_listed": lambda: models.LlamaForCausalLM(
+        _llama(attention_bias=True, mlp_bias=True, tie_word_embeddings=True, scan_layers=False,
+               rope_scaling=(("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
+                             ("original_max_position_embeddings", 16), ("rope_type", "llama3"))),
+        key=jax.random.key(0)),
+    "qwen2": lambda: models.LlamaForCausalLM(_llama(qkv_bias=True, model_type="qwen2"), key=jax.random.key(0)),
+    "mixtral": lambda: models.MixtralForCausalLM(
+        models.MixtralConfig(**_moe_common(), intermediate_size=24, num_local_experts=4, num_experts_per_tok=2),
+        key=jax.random.key(0)),
+    "qwen3_moe": lambda: models.Qwen3MoeForCausalLM(
+        models.Qwen3MoeConfig(**_moe_common(), intermediate_size=40, moe_intermediate_size=24, head_dim=8,
+                              num_experts=4, num_experts_per_tok=2, tie_word_embeddings=True),
+        key=jax.random.key(0)),
+    "qwen3_moe_mixed": lambda: models.Qwen3MoeForCausalLM(
+        models.Qwen3MoeConfig(**_moe_common(), intermediate_size=40, moe_intermediate_size=24, head_dim=8,
+                              num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=(1,),
+                              scan_layers=False),
+        key=jax.random.key(0)),
+}
+MOE = ("mixtral", "qwen3_moe", "qwen3_moe_mixed")
+
+
+def moe_loss(model, batch, key):
+    """Cross-entropy plus the routers' load-balancing loss, as a mixture-of-experts model trains."""
+    logits, stats = jax.vmap(lambda i, m: model.with_aux(i, attention_mask=m))(batch["input_ids"],
+                                                                               batch["attention_mask"])
+    return _token_mean(logits, batch) + 0.1 * stats.load_balancing_loss()
+
+
+@pytest.mark.parametrize("family", list(CASES))
+@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 4, 2)])  # (data, context, model); the batch is padded
+def test_family_trains_like_one_device_split_over_context(devices, family, shape):
+    _like_one_device(CASES[family], moe_loss if family in MOE else llama_loss, shape)
