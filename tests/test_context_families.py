@@ -1,13 +1,14 @@
 """The zoo's decoder families split over a 'context' axis train as on one device
 (LLaMA itself is in test_context.py; the seq2seq families refuse the split)."""
 
+import equinox as eqx
 import jax
-import numpy as np
 import pytest
 
 import redeqx
 from redeqx import models
-from test_context import _collate, _examples, _like_one_device, _mesh, _token_mean, llama_loss
+from redeqx._hlo import estimated_flops
+from test_context import SEQ_KEYS, _collate, _examples, _like_one_device, _mesh, _token_mean, llama_loss
 
 V, H = 64, 32  # vocabulary and width of every tiny model here; _examples' ids are below V
 
@@ -70,3 +71,27 @@ def moe_loss(model, batch, key):
 @pytest.mark.parametrize("shape", [(2, 2, 2), (1, 4, 2)])  # (data, context, model); the batch is padded
 def test_family_trains_like_one_device_split_over_context(devices, family, shape):
     _like_one_device(CASES[family], moe_loss if family in MOE else llama_loss, shape)
+
+
+def _gradient_flops(make, loss_fn, mesh, seq_keys) -> float:
+    """Matrix-product FLOPs per device of the loss's gradient, compiled for ``mesh``
+    (nothing runs). The elementwise ops are left out: the split attention's
+    block bookkeeping adds some, which at these tiny sizes is not small."""
+    model = make()
+    params, static = eqx.partition(redeqx.shard(model, redeqx.sharding_rules(model, mesh), mesh), eqx.is_array)
+    batch = next(redeqx.batches(_examples(t=32), _collate, 4 // mesh.shape["data"], mesh, seq_keys=seq_keys))
+    grad = jax.jit(jax.grad(lambda p, b: loss_fn(eqx.combine(p, static), b, None)))
+    with jax.set_mesh(mesh):
+        return estimated_flops(grad.lower(params, batch).compile().as_text(), ops=("dot",))
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_family_keeps_the_sequence_split(devices, family):
+    """Split over 4 context shards, each device multiplies a quarter of the tokens, as for LLaMA: a
+    layer that brought the sequence together on every device (a constraint replicating the residual
+    stream, experts run on every token) would multiply the whole sequence there."""
+    loss_fn = moe_loss if family in MOE else llama_loss
+    one = _gradient_flops(CASES[family], loss_fn, redeqx.make_mesh(1, devices=jax.devices()[:1]), None)
+    split = _gradient_flops(CASES[family], loss_fn, _mesh(1, 4, 1), SEQ_KEYS)
+    assert split / one == pytest.approx(0.25, abs=0.01), (family, split / one)
+

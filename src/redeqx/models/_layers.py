@@ -451,8 +451,8 @@ class Attention(eqx.Module):
                 cache = update_cache(cache, k, v, index)
                 k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
         out = attention(q, k, v, mask, scale=inv_sqrt(q.shape[-1]))
-        out = constrain(out.reshape(out.shape[0], -1), P(None, MODEL))
-        return constrain(self.out_proj(out), P()), cache  # row parallel: one all-reduce
+        out = constrain(out.reshape(out.shape[0], -1), P(CONTEXT, MODEL))
+        return constrain(self.out_proj(out), P(CONTEXT)), cache  # row parallel: one all-reduce
 
     def project_kv(self, source: Float[Array, "src dim"]) -> KVCache:
         """Keys and values of an encoder output, for cross attention."""

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._constrain import constrain
-from .._mesh import MODEL
+from .._mesh import CONTEXT, MODEL
 from .._trees import is_array_like, named_leaves
 from ._layers import Cache, CausalLM, is_stacked, run_layers, scan_unroll
 from ._llama import LlamaConfig, rope_frequencies
@@ -46,7 +46,7 @@ def sparse_block(x, block, valid):
     """A layer's feed-forward block: a `MoE` gives its output and stats; a dense MLP, zero stats."""
     if isinstance(block, MoE):
         y, stats = block(x, valid=valid)
-        return constrain(y, P()), stats
+        return constrain(y, P(CONTEXT)), stats
     return block(x), None
 
 
@@ -58,7 +58,7 @@ class MoECausalLM(CausalLM):
     def _run_aux(self, ids, positions, mask, cache: Cache | None, valid):
         c = self.config
         inv_freq = rope_frequencies(attention_config(c))
-        x = constrain(self.model.embed_tokens(ids), P())
+        x = constrain(self.model.embed_tokens(ids), P(CONTEXT))
         index = None if cache is None else cache.index
         empty = RouterStats.zeros(c.n_experts)
 
@@ -76,7 +76,7 @@ class MoECausalLM(CausalLM):
             stats = sum((s for _, s in out), empty)
         x = self.model.norm(x)
         logits = self.model.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
-        return constrain(logits, P(None, MODEL)), new_layers, stats  # vocab parallel
+        return constrain(logits, P(CONTEXT, MODEL)), new_layers, stats  # vocab parallel
 
     def _run(self, ids, positions, mask, cache):
         logits, new_layers, _ = self._run_aux(ids, positions, mask, cache, None)
