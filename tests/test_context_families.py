@@ -3,6 +3,7 @@
 
 import equinox as eqx
 import jax
+import optax
 import pytest
 
 import redeqx
@@ -95,3 +96,32 @@ def test_family_keeps_the_sequence_split(devices, family):
     split = _gradient_flops(CASES[family], loss_fn, _mesh(1, 4, 1), SEQ_KEYS)
     assert split / one == pytest.approx(0.25, abs=0.01), (family, split / one)
 
+
+SEQ2SEQ = {
+    "t5": lambda: models.T5ForConditionalGeneration(
+        models.T5Config(vocab_size=V, d_model=H, d_kv=8, d_ff=48, num_layers=1, num_heads=4,
+                        relative_attention_num_buckets=8, relative_attention_max_distance=20), key=jax.random.key(0)),
+    "bart": lambda: models.BartForConditionalGeneration(
+        models.BartConfig(vocab_size=V, d_model=H, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                          decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=48,
+                          max_position_embeddings=32), key=jax.random.key(0)),
+}
+
+
+def seq2seq_loss(model, batch, key):
+    logits = jax.vmap(lambda i, m, d: model(i, d, attention_mask=m))(
+        batch["input_ids"], batch["attention_mask"], batch["labels"])
+    return _token_mean(logits, batch)
+
+
+@pytest.mark.parametrize("family", list(SEQ2SEQ))
+def test_seq2seq_refuses_a_context_mesh(devices, family):
+    """T5 and BART read positions and masks in the original order: split, they would train on wrong ones."""
+    model, mesh, opt = SEQ2SEQ[family](), _mesh(2, 2, 2), optax.adamw(1e-2)
+    specs = redeqx.sharding_rules(model, mesh)
+    state = redeqx.init_state(model, opt, mesh, specs, key=jax.random.key(1))
+    step = redeqx.make_train_step(seq2seq_loss, opt, mesh, specs)
+    batch = next(redeqx.batches(_examples(), _collate, 2, mesh, seq_keys=SEQ_KEYS))
+    with pytest.raises(ValueError, match=r"encoder-decoder models cannot run on a mesh that splits sequences(.|\n)*"
+                                         r"without n_context_shards"):
+        step(state, batch)
