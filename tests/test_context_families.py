@@ -3,6 +3,7 @@
 
 import equinox as eqx
 import jax
+import numpy as np
 import optax
 import pytest
 
@@ -69,33 +70,36 @@ def moe_loss(model, batch, key):
 
 
 @pytest.mark.parametrize("family", list(CASES))
-@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 4, 2)])  # (data, context, model); the batch is padded
-def test_family_trains_like_one_device_split_over_context(devices, family, shape):
-    _like_one_device(CASES[family], moe_loss if family in MOE else llama_loss, shape)
+def test_family_trains_like_one_device_split_over_context(devices, family):
+    """Three AdamW steps on a (data, context, model) = (2, 2, 2) mesh, the batch padded on both sides."""
+    _like_one_device(CASES[family], moe_loss if family in MOE else llama_loss, (2, 2, 2))
 
 
-def _gradient_flops(make, loss_fn, mesh, seq_keys) -> float:
-    """Matrix-product FLOPs per device of the loss's gradient, compiled for ``mesh``
-    (nothing runs). The elementwise ops are left out: the split attention's
-    block bookkeeping adds some, which at these tiny sizes is not small."""
+def _gradient(make, loss_fn, mesh, seq_keys):
+    """The loss's gradient on ``mesh`` (padded batch), and the matrix-product FLOPs per device of its
+    compiled program. The elementwise ops are left out of the count: the split attention's block
+    bookkeeping adds some, which at these tiny sizes is not small."""
     model = make()
     params, static = eqx.partition(redeqx.shard(model, redeqx.sharding_rules(model, mesh), mesh), eqx.is_array)
     batch = next(redeqx.batches(_examples(t=32), _collate, 4 // mesh.shape["data"], mesh, seq_keys=seq_keys))
     grad = jax.jit(jax.grad(lambda p, b: loss_fn(eqx.combine(p, static), b, None)))
     with jax.set_mesh(mesh):
-        return estimated_flops(grad.lower(params, batch).compile().as_text(), ops=("dot",))
+        compiled = grad.lower(params, batch).compile()
+        return compiled(params, batch), estimated_flops(compiled.as_text(), ops=("dot",))
 
 
 @pytest.mark.parametrize("family", list(CASES))
-def test_family_keeps_the_sequence_split(devices, family):
-    """Split over 4 context shards, each device multiplies a quarter of the tokens, as for LLaMA: a
-    layer that brought the sequence together on every device (a constraint replicating the residual
-    stream, experts run on every token) would multiply the whole sequence there."""
+def test_family_splits_its_work_over_four_context_shards(devices, family):
+    """On (data, context, model) = (1, 4, 1) the gradient is one device's, and each device multiplies
+    a quarter of the tokens, as for LLaMA: a layer that brought the sequence together on every device
+    (a constraint replicating the residual stream, experts run on every token) would multiply the whole
+    sequence there."""
     loss_fn = moe_loss if family in MOE else llama_loss
-    one = _gradient_flops(CASES[family], loss_fn, redeqx.make_mesh(1, devices=jax.devices()[:1]), None)
-    split = _gradient_flops(CASES[family], loss_fn, _mesh(1, 4, 1), SEQ_KEYS)
+    want, one = _gradient(CASES[family], loss_fn, redeqx.make_mesh(1, devices=jax.devices()[:1]), None)
+    got, split = _gradient(CASES[family], loss_fn, _mesh(1, 4, 1), SEQ_KEYS)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
     assert split / one == pytest.approx(0.25, abs=0.01), (family, split / one)
-
 
 SEQ2SEQ = {
     "t5": lambda: models.T5ForConditionalGeneration(
