@@ -172,15 +172,16 @@ def _flops(ins: Instruction, shapes: dict[str, str]) -> float:
     return 0.0
 
 
-def _loop_counts(hlo_text: str) -> tuple[float, float]:
-    """`_flops` summed over the program with each loop body counted once per
-    iteration, and with each counted once (as XLA's cost analysis does)."""
+def _loop_counts(hlo_text: str, ops: tuple[str, ...] | None = None) -> tuple[float, float]:
+    """`_flops` summed over the program (over its ops named in ``ops`` only,
+    when given) with each loop body counted once per iteration, and with each
+    counted once (as XLA's cost analysis does)."""
     computations, params, entry = parse_module(hlo_text)
     own = {}
     for name, instructions in computations.items():
         shapes = dict(params.get(name, {}))
         shapes.update({ins.name: ins.shape for ins in instructions})
-        own[name] = sum(_flops(ins, shapes) for ins in instructions)
+        own[name] = sum(_flops(ins, shapes) for ins in instructions if ops is None or ins.op in ops)
     with_loops, once = executions(computations, entry), executions(computations, entry, loops=False)
     return sum(own[c] * n for c, n in with_loops.items()), sum(own[c] * n for c, n in once.items())
 
@@ -194,12 +195,13 @@ def loop_factor(hlo_text: str) -> float:
     return 1.0 if counted == 0 else with_loops / counted
 
 
-def estimated_flops(hlo_text: str) -> float:
+def estimated_flops(hlo_text: str, ops: tuple[str, ...] | None = None) -> float:
     """One run's FLOPs as `_flops` estimates them (dots and convolutions 2 per
     multiply-add, elementwise ops and reductions 1 per element), each loop body
     counted once per iteration; read from a program before the compiler's
-    passes, it counts every op as written (no common subexpression merged)."""
-    return _loop_counts(hlo_text)[0]
+    passes, it counts every op as written (no common subexpression merged).
+    ``ops`` (e.g. ``("dot",)``): count only those HLO ops."""
+    return _loop_counts(hlo_text, ops)[0]
 
 
 def collectives(hlo_text: str) -> list[Collective]:

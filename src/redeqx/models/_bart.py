@@ -57,7 +57,7 @@ from ._layers import (
     scan_unroll,
 )
 from ._safetensors import HFTensor, leaf_tensors
-from ._seq2seq import EncoderDecoderLM, cache_slots, layer_caches, shift_right
+from ._seq2seq import EncoderDecoderLM, cache_slots, layer_caches, refuse_split, shift_right
 
 POSITION_OFFSET = 2  # position p reads row p + 2 of each table, as fairseq and Hugging Face do
 
@@ -306,6 +306,7 @@ class BartForConditionalGeneration(EncoderDecoderLM):
     ) -> Float[Array, "src d_model"]:
         """The encoder output. ``attention_mask`` is ``False`` on padding,
         which no position attends to."""
+        refuse_split(self)
         s = input_ids.shape[0]
         self._check_positions("encode", s)
         valid = jnp.ones((s,), bool) if attention_mask is None else attention_mask.astype(bool)

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import PRNGKeyArray
 
 from .._constrain import constrain
-from .._mesh import MODEL
+from .._mesh import CONTEXT, MODEL
 from ._layers import (
     Stackable,
     SCAN_LAYERS,
@@ -125,8 +125,8 @@ class GPT2Attention(eqx.Module):
             cache = update_cache(cache, k, v, index)
             k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
         out = attention(q, k, v, mask, scale=inv_sqrt(q.shape[-1]))
-        out = constrain(out.reshape(out.shape[0], -1), P(None, MODEL))
-        return constrain(self.c_proj(out), P()), cache
+        out = constrain(out.reshape(out.shape[0], -1), P(CONTEXT, MODEL))
+        return constrain(self.c_proj(out), P(CONTEXT)), cache
 
 
 class GPT2MLP(eqx.Module):
@@ -139,8 +139,8 @@ class GPT2MLP(eqx.Module):
         self.c_proj = Linear(config.inner, config.n_embd, bias=True, key=k2)
 
     def __call__(self, x):
-        h = constrain(jax.nn.gelu(self.c_fc(x), approximate=True), P(None, MODEL))  # column parallel
-        return constrain(self.c_proj(h), P())  # row parallel: one all-reduce
+        h = constrain(jax.nn.gelu(self.c_fc(x), approximate=True), P(CONTEXT, MODEL))  # column parallel
+        return constrain(self.c_proj(h), P(CONTEXT))  # row parallel: one all-reduce
 
 
 class GPT2Block(Stackable):
@@ -210,11 +210,11 @@ class GPT2LMHeadModel(CausalLM):
 
     def _run(self, ids, positions, mask, cache: Cache | None):
         t = self.transformer
-        x = constrain(t.wte(ids) + t.wpe(positions), P())
+        x = constrain(t.wte(ids) + t.wpe(positions), P(CONTEXT))
         index = None if cache is None else cache.index
         x, new_layers = run_layers(t.h, x, None if cache is None else cache.layers,
                                    lambda block, x, lc: block(x, mask, lc, index), unroll=scan_unroll(self.config))
-        return constrain(t.wte.attend(t.ln_f(x)), P(None, MODEL)), new_layers
+        return constrain(t.wte.attend(t.ln_f(x)), P(CONTEXT, MODEL)), new_layers
 
     def hf_tensors(self) -> list[HFTensor]:
         """Checkpoint tensors: ``c_attn`` (input-major, Q|K|V side by side) is

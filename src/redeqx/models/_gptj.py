@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._constrain import constrain
-from .._mesh import MODEL
+from .._mesh import CONTEXT, MODEL
 from ._layers import (
     Stackable,
     SCAN_LAYERS,
@@ -188,7 +188,7 @@ class GPTJAttention(eqx.Module):
             cache = update_cache(cache, k, v, index)
             k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
         out = attention(q, k, v, mask, scale=inv_sqrt(c.head_dim))
-        return constrain(out.reshape(out.shape[0], -1), P(None, MODEL)), cache
+        return constrain(out.reshape(out.shape[0], -1), P(CONTEXT, MODEL)), cache
 
 
 class GPTJMLP(eqx.Module):
@@ -221,9 +221,9 @@ class GPTJBlock(Stackable):
         h = self.ln_1(x)  # attention and MLP in parallel, off one norm
         q, k, v, up = a.q_proj(h), a.k_proj(h), a.v_proj(h), m.fc_in(h)  # column parallel
         attended, cache = a.attend(q, k, v, positions, mask, cache, index)
-        hidden = constrain(ACTIVATIONS[c.activation_function](up), P(None, MODEL))
+        hidden = constrain(ACTIVATIONS[c.activation_function](up), P(CONTEXT, MODEL))
         out = summed_linears([(a.out_proj, attended), (m.fc_out, hidden)])  # row parallel: one all-reduce
-        return x + constrain(out, P()), cache
+        return x + constrain(out, P(CONTEXT)), cache
 
 
 class GPTJModel(eqx.Module):
@@ -273,9 +273,9 @@ class GPTJForCausalLM(CausalLM):
 
     def _run(self, ids, positions, mask, cache: Cache | None):
         t = self.transformer
-        x = constrain(t.wte(ids), P())  # vocab-split lookup: one all-reduce
+        x = constrain(t.wte(ids), P(CONTEXT))  # vocab-split lookup: one all-reduce
         index = None if cache is None else cache.index
         x, new_layers = run_layers(t.h, x, None if cache is None else cache.layers,
                                    lambda block, x, lc: block(x, positions, mask, lc, index),
                                    unroll=scan_unroll(self.config))
-        return constrain(self.lm_head(t.ln_f(x)), P(None, MODEL)), new_layers  # vocab parallel
+        return constrain(self.lm_head(t.ln_f(x)), P(CONTEXT, MODEL)), new_layers  # vocab parallel

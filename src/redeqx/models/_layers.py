@@ -451,8 +451,8 @@ class Attention(eqx.Module):
                 cache = update_cache(cache, k, v, index)
                 k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
         out = attention(q, k, v, mask, scale=inv_sqrt(q.shape[-1]))
-        out = constrain(out.reshape(out.shape[0], -1), P(None, MODEL))
-        return constrain(self.out_proj(out), P()), cache  # row parallel: one all-reduce
+        out = constrain(out.reshape(out.shape[0], -1), P(CONTEXT, MODEL))
+        return constrain(self.out_proj(out), P(CONTEXT)), cache  # row parallel: one all-reduce
 
     def project_kv(self, source: Float[Array, "src dim"]) -> KVCache:
         """Keys and values of an encoder output, for cross attention."""
@@ -552,29 +552,34 @@ class CausalLM(eqx.Module):
         (``False`` for padding; positions count real tokens only, as Hugging
         Face does for left padding). ``key`` is unused (no dropout)."""
         del key
-        t = input_ids.shape[0]
-        self._check_positions("", t)
-        if context_axis() is not None:  # a mesh with a context axis: its order (redeqx.batches' seq_keys), blocks
-            return self._split_forward(input_ids, attention_mask)
-        if attention_mask is None and self._window() is None:  # training's case: a kernel may serve it
-            logits, _ = self._run(input_ids, jnp.arange(t), CausalMask(t), None)
-            return logits
-        valid = jnp.ones((t,), bool) if attention_mask is None else attention_mask.astype(bool)
-        positions = jnp.maximum(jnp.cumsum(valid) - 1, 0)
-        logits, _ = self._run(input_ids, positions, causal_mask(valid, 0, t, self._window()), None)
-        return logits
+        positions, mask, _ = self._inputs(input_ids.shape[0], attention_mask)
+        return self._run(input_ids, positions, mask, None)[0]
 
-    def _split_forward(self, input_ids, attention_mask):
+    def _inputs(self, t: int, attention_mask):
+        """The positions, mask and real tokens (None: all real) of a forward over
+        ``t`` tokens, for ``__call__`` and every other full forward of the family
+        (a mixture-of-experts model's ``with_aux``): on a mesh with a ``context``
+        axis the sequence arrives in its split order (`redeqx.batches`'
+        ``seq_keys``) and attention goes to `redeqx.attention` (`SplitMask`);
+        positions count real tokens only (as Hugging Face does for left padding)."""
+        self._check_positions("", t)
+        if context_axis() is not None:
+            return self._split_inputs(t, attention_mask)
+        if attention_mask is None and self._window() is None:  # training's case: a kernel may serve it
+            return jnp.arange(t), CausalMask(t), None
+        valid = jnp.ones((t,), bool) if attention_mask is None else attention_mask.astype(bool)
+        return jnp.maximum(jnp.cumsum(valid) - 1, 0), causal_mask(valid, 0, t, self._window()), valid
+
+    def _split_inputs(self, t: int, attention_mask):
         if self._window() is not None:
             raise ValueError(f"{type(self).__name__}: sliding-window attention cannot run on a sequence split over "
                              "'context' yet; use a mesh without n_context_shards.")
         impl = getattr(self.config, "context_attention", "gather")
-        t = input_ids.shape[0]
         if attention_mask is None:
-            positions, mask = sequence_positions(t), SplitMask(None, impl)
-        else:
-            positions, mask = split_mask(attention_mask.astype(bool), impl)
-        return self._run(input_ids, positions, mask, None)[0]
+            return sequence_positions(t), SplitMask(None, impl), None
+        valid = attention_mask.astype(bool)
+        positions, mask = split_mask(valid, impl)
+        return positions, mask, valid
 
     def init_cache(self, max_len: int, dtype=None) -> Cache:
         """An empty decoding cache with ``max_len`` slots (prompt + new tokens)."""

@@ -32,7 +32,8 @@ computation (`mix_experts`) flattens the batch into its token axis
 ``jax.custom_vjp`` (``custom_vmap`` has no reverse mode of its own), the
 backward pass recomputing the grouped forward matmuls of the block rather
 than storing them. Traced under a mesh (as redeqx's steps are), the run is
-one per ``data`` shard, and when ``model`` divides the experts (the rules
+one per ``data`` shard (and per ``context`` shard, on a mesh that splits
+sequences), and when ``model`` divides the experts (the rules
 then split the stacks on E) each device multiplies only its own experts'
 rows, one all-reduce over ``model`` of the block's output completing it
 (`_batched_rule`).
@@ -60,7 +61,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from .._mesh import DATA, MODEL, traced_platform
+from .._mesh import CONTEXT, DATA, MODEL, traced_platform
 from .._typing import positive_int, typechecked
 from ._layers import ACTIVATIONS, INIT_STD, Linear
 
@@ -123,11 +124,14 @@ def _shards(axis: str, n: int) -> int:
     return size if size > 1 and n % size == 0 else 1
 
 
-def _psum(x, axis: str):
+def _psum(x, axes: tuple[str, ...]):
+    """``x`` summed over the mesh axes ``axes`` (itself for none)."""
+    if not axes:
+        return x
     # in float32 on CPU: XLA:CPU aborts on a bfloat16 all-reduce here (AllReducePromotion, JAX 0.10)
     if x.dtype == jnp.float32 or traced_platform() != "cpu":
-        return jax.lax.psum(x, axis)
-    return jax.lax.psum(x.astype(jnp.float32), axis).astype(x.dtype)
+        return jax.lax.psum(x, axes)
+    return jax.lax.psum(x.astype(jnp.float32), axes).astype(x.dtype)
 
 
 # What each custom_vmap function takes and gives: (how many leading arguments are per token,
@@ -143,9 +147,11 @@ def _batched_rule(activation: str, shards: int, kind):
 
     A batch of sequences is one longer run of tokens. Under a mesh, that run is
     cut by a ``shard_map``: over ``data`` (when it divides the batch) each data
-    shard routes its own rows, so the expert FLOPs divide over ``data`` as the
-    rest of the step's do; over ``model`` (when it divides the experts, as the
-    rules then split the stacks) each device computes only its own experts'
+    shard routes its own rows, and over ``context`` (when it divides the
+    sequence, dim 1: a mesh that splits sequences) each context shard its own
+    tokens, so the expert FLOPs divide over both as the rest of the step's do
+    (tokens are routed independently: no shard needs another's); over
+    ``model`` (when it divides the experts, as the rules then split the stacks) each device computes only its own experts'
     rows and one sum over ``model`` completes the output, as a row-parallel
     layer's all-reduce does. Tokens need no all-to-all: the activations are
     already on every device of a model group. Weights that are themselves
@@ -165,19 +171,21 @@ def _batched_rule(activation: str, shards: int, kind):
             outs = jax.lax.map(lambda xs: fn(*xs), tuple(full))
             return outs, jax.tree.map(lambda _: True, outs)
         tokens = tuple(a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in zip(tokens, in_batched))
-        data = _shards(DATA, axis_size)
+        data, context = _shards(DATA, axis_size), _shards(CONTEXT, tokens[0].shape[1])
         model = _shards(MODEL, weights[0].shape[0]) if shards == 1 else 1
-        if data == 1 and model == 1:
+        if data == context == model == 1:
             return flat(fn, tokens, weights), per_token
         inner = _functions(activation, model if model > 1 else shards)[kind is _BACKWARD]
+        split = tuple(a for a, n in ((DATA, data), (CONTEXT, context)) if n > 1)  # the axes cutting the tokens
 
-        def on_shard(tokens, weights):
+        def on_shard(tokens, weights):  # per-token outputs summed over the experts' shards, weights' over the rows'
             outs = flat(inner, tokens, weights)
-            return tuple((_psum(o, MODEL) if model > 1 else o) if p else (_psum(o, DATA) if data > 1 else o)
+            return tuple(_psum(o, (MODEL,) if model > 1 else ()) if p else _psum(o, split)
                          for o, p in zip(outs, per_token))
 
-        rows, stacks = P(DATA) if data > 1 else P(), P(MODEL) if model > 1 else P()
-        axes = {a for a, n in ((DATA, data), (MODEL, model)) if n > 1}
+        rows = P(DATA if data > 1 else None, CONTEXT if context > 1 else None)
+        stacks = P(MODEL) if model > 1 else P()
+        axes = {*split, *((MODEL,) if model > 1 else ())}
         # check_vma=False: custom_vmap_call types its outputs as invariant whatever its inputs, so under
         # checking a psum would read the weights' gradients as already summed and multiply them by the
         # shard count (JAX 0.10). Under jit: called eagerly, a partly manual shard_map trips over the

@@ -15,9 +15,9 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._constrain import constrain
-from .._mesh import MODEL
+from .._mesh import CONTEXT, MODEL
 from .._trees import is_array_like, named_leaves
-from ._layers import Cache, CausalLM, CausalMask, causal_mask, is_stacked, run_layers, scan_unroll
+from ._layers import Cache, CausalLM, is_stacked, run_layers, scan_unroll
 from ._llama import LlamaConfig, rope_frequencies
 from ._moe import MoE, RouterStats
 from ._safetensors import HFTensor
@@ -46,7 +46,7 @@ def sparse_block(x, block, valid):
     """A layer's feed-forward block: a `MoE` gives its output and stats; a dense MLP, zero stats."""
     if isinstance(block, MoE):
         y, stats = block(x, valid=valid)
-        return constrain(y, P()), stats
+        return constrain(y, P(CONTEXT)), stats
     return block(x), None
 
 
@@ -58,7 +58,7 @@ class MoECausalLM(CausalLM):
     def _run_aux(self, ids, positions, mask, cache: Cache | None, valid):
         c = self.config
         inv_freq = rope_frequencies(attention_config(c))
-        x = constrain(self.model.embed_tokens(ids), P())
+        x = constrain(self.model.embed_tokens(ids), P(CONTEXT))
         index = None if cache is None else cache.index
         empty = RouterStats.zeros(c.n_experts)
 
@@ -76,7 +76,7 @@ class MoECausalLM(CausalLM):
             stats = sum((s for _, s in out), empty)
         x = self.model.norm(x)
         logits = self.model.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
-        return constrain(logits, P(None, MODEL)), new_layers, stats  # vocab parallel
+        return constrain(logits, P(CONTEXT, MODEL)), new_layers, stats  # vocab parallel
 
     def _run(self, ids, positions, mask, cache):
         logits, new_layers, _ = self._run_aux(ids, positions, mask, cache, None)
@@ -107,13 +107,8 @@ class MoECausalLM(CausalLM):
         ```
         """
         del key
-        t = input_ids.shape[0]
-        if attention_mask is None and self._window() is None:
-            logits, _, stats = self._run_aux(input_ids, jnp.arange(t), CausalMask(t), None, None)
-            return logits, stats
-        valid = jnp.ones((t,), bool) if attention_mask is None else attention_mask.astype(bool)
-        positions = jnp.maximum(jnp.cumsum(valid) - 1, 0)
-        logits, _, stats = self._run_aux(input_ids, positions, causal_mask(valid, 0, t, self._window()), None, valid)
+        positions, mask, valid = self._inputs(input_ids.shape[0], attention_mask)  # as __call__, split or not
+        logits, _, stats = self._run_aux(input_ids, positions, mask, None, valid)
         return logits, stats
 
     # Checkpoint tensors that carry nothing new: a tied head saved anyway, old rotary buffers.

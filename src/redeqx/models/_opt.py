@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._constrain import constrain
-from .._mesh import MODEL
+from .._mesh import CONTEXT, MODEL
 from ._layers import (
     Stackable,
     SCAN_LAYERS,
@@ -181,8 +181,8 @@ class OPTDecoderLayer(Stackable):
         self.config = config
 
     def _mlp(self, x: Float[Array, "seq hidden"]) -> Float[Array, "seq hidden"]:
-        h = constrain(ACTIVATIONS[self.config.activation_function](self.fc1(x)), P(None, MODEL))  # column parallel
-        return constrain(self.fc2(h), P())  # row parallel: one all-reduce
+        h = constrain(ACTIVATIONS[self.config.activation_function](self.fc1(x)), P(CONTEXT, MODEL))  # column parallel
+        return constrain(self.fc2(h), P(CONTEXT))  # row parallel: one all-reduce
 
     def __call__(self, x, mask, cache, index):
         pre = self.config.do_layer_norm_before
@@ -263,10 +263,10 @@ class OPTForCausalLM(CausalLM):
 
     def _run(self, ids, positions, mask, cache: Cache | None):
         c, d = self.config, self.model.decoder
-        x = constrain(d.embed_tokens(ids), P())  # vocab-split lookup: one all-reduce
+        x = constrain(d.embed_tokens(ids), P(CONTEXT))  # vocab-split lookup: one all-reduce
         if d.project_in is not None:
             x = d.project_in(x)
-        x = constrain(x + d.embed_positions(positions + POSITION_OFFSET), P())
+        x = constrain(x + d.embed_positions(positions + POSITION_OFFSET), P(CONTEXT))
         index = None if cache is None else cache.index
         x, new_layers = run_layers(d.layers, x, None if cache is None else cache.layers,
                                    lambda layer, x, lc: layer(x, mask, lc, index), unroll=scan_unroll(c))
@@ -275,7 +275,7 @@ class OPTForCausalLM(CausalLM):
         if d.project_out is not None:
             x = d.project_out(x)
         logits = d.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
-        return constrain(logits, P(None, MODEL)), new_layers  # vocab parallel
+        return constrain(logits, P(CONTEXT, MODEL)), new_layers  # vocab parallel
 
     def hf_tensors(self) -> list[HFTensor]:
         """Checkpoint tensors: each leaf under its own path, the ``model.``

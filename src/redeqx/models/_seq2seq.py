@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from .._context import context_shards
 from ._layers import KVCache, check_fits, empty_caches, is_stacked, n_layers
 
 
@@ -18,6 +19,19 @@ def shift_right(labels: Int[Array, "*batch tgt"], config) -> Int[Array, "*batch 
     labels = jnp.where(labels == -100, config.pad_token_id, labels)
     start = jnp.full(labels.shape[:-1] + (1,), config.decoder_start_token_id, labels.dtype)
     return jnp.concatenate([start, labels[..., :-1]], axis=-1)
+
+
+def refuse_split(model) -> None:
+    """A clear error for an encoder-decoder model traced under a mesh that splits
+    sequences over ``context``: its positions and masks read ``arange``, so the
+    split order (`redeqx.batches`' ``seq_keys``) would train it on wrong ones."""
+    if context_shards() > 1:
+        raise ValueError(
+            f"{type(model).__name__}: encoder-decoder models cannot run on a mesh that splits sequences over "
+            f"'context' ({context_shards()} context shards) yet; only the decoder-only families can "
+            "(docs/guides/long_context.md). Use a mesh without n_context_shards, e.g. "
+            "redeqx.make_mesh(n_model_shards), and redeqx.batches without seq_keys."
+        )
 
 
 class EncoderDecoderCache(eqx.Module):

@@ -53,7 +53,7 @@ from ._layers import (
     update_cache,
 )
 from ._safetensors import HFTensor
-from ._seq2seq import EncoderDecoderLM, cache_slots, layer_caches
+from ._seq2seq import EncoderDecoderLM, cache_slots, layer_caches, refuse_split
 
 
 _ACTIVATIONS = {
@@ -455,6 +455,7 @@ class T5ForConditionalGeneration(EncoderDecoderLM):
     ) -> Float[Array, "src d_model"]:
         """The encoder output (after its final norm). ``attention_mask`` is
         ``False`` on padding, which no position attends to."""
+        refuse_split(self)
         s = input_ids.shape[0]
         valid = jnp.ones((s,), bool) if attention_mask is None else attention_mask.astype(bool)
         x = constrain(self.shared(input_ids), P())

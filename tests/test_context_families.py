@@ -1,0 +1,131 @@
+"""The zoo's decoder families split over a 'context' axis train as on one device
+(LLaMA itself is in test_context.py; the seq2seq families refuse the split)."""
+
+import equinox as eqx
+import jax
+import numpy as np
+import optax
+import pytest
+
+import redeqx
+from redeqx import models
+from redeqx._hlo import estimated_flops
+from test_context import SEQ_KEYS, _collate, _examples, _like_one_device, _mesh, _token_mean, llama_loss
+
+V, H = 64, 32  # vocabulary and width of every tiny model here; _examples' ids are below V
+
+
+def _llama(**kw):
+    return models.LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **kw)
+
+
+def _moe_common(**kw):
+    return dict(vocab_size=V, hidden_size=H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, **kw)
+
+
+# Each family's tiny config: learned position tables (GPT-2, OPT with its offset of 2 and a projected,
+# post-LN variant), interleaved partial rotary (GPT-J), LLaMA's options with code of their own (biases,
+# a tied head, listed layers, llama3 RoPE), and the two mixture-of-experts families.
+CASES = {
+    "gpt2": lambda: models.GPT2LMHeadModel(
+        models.GPT2Config(vocab_size=V, n_positions=32, n_embd=H, n_layer=2, n_head=4), key=jax.random.key(0)),
+    "gptj": lambda: models.GPTJForCausalLM(
+        models.GPTJConfig(vocab_size=V, n_positions=32, n_embd=H, n_layer=2, n_head=4, rotary_dim=4),
+        key=jax.random.key(0)),
+    "opt": lambda: models.OPTForCausalLM(
+        models.OPTConfig(vocab_size=V, hidden_size=H, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
+                         max_position_embeddings=32), key=jax.random.key(0)),
+    "opt_350m_like": lambda: models.OPTForCausalLM(
+        models.OPTConfig(vocab_size=V, hidden_size=H, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
+                         max_position_embeddings=32, do_layer_norm_before=False, word_embed_proj_dim=16,
+                         tie_word_embeddings=False, scan_layers=False), key=jax.random.key(0)),
+    "llama_biases_tied_listed": lambda: models.LlamaForCausalLM(
+        _llama(attention_bias=True, mlp_bias=True, tie_word_embeddings=True, scan_layers=False,
+               rope_scaling=(("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
+                             ("original_max_position_embeddings", 16), ("rope_type", "llama3"))),
+        key=jax.random.key(0)),
+    "qwen2": lambda: models.LlamaForCausalLM(_llama(qkv_bias=True, model_type="qwen2"), key=jax.random.key(0)),
+    "mixtral": lambda: models.MixtralForCausalLM(
+        models.MixtralConfig(**_moe_common(), intermediate_size=24, num_local_experts=4, num_experts_per_tok=2),
+        key=jax.random.key(0)),
+    "qwen3_moe": lambda: models.Qwen3MoeForCausalLM(
+        models.Qwen3MoeConfig(**_moe_common(), intermediate_size=40, moe_intermediate_size=24, head_dim=8,
+                              num_experts=4, num_experts_per_tok=2, tie_word_embeddings=True),
+        key=jax.random.key(0)),
+    "qwen3_moe_mixed": lambda: models.Qwen3MoeForCausalLM(
+        models.Qwen3MoeConfig(**_moe_common(), intermediate_size=40, moe_intermediate_size=24, head_dim=8,
+                              num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=(1,),
+                              scan_layers=False),
+        key=jax.random.key(0)),
+}
+MOE = ("mixtral", "qwen3_moe", "qwen3_moe_mixed")
+
+
+def moe_loss(model, batch, key):
+    """Cross-entropy plus the routers' load-balancing loss, as a mixture-of-experts model trains."""
+    logits, stats = jax.vmap(lambda i, m: model.with_aux(i, attention_mask=m))(batch["input_ids"],
+                                                                               batch["attention_mask"])
+    return _token_mean(logits, batch) + 0.1 * stats.load_balancing_loss()
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_family_trains_like_one_device_split_over_context(devices, family):
+    """Three AdamW steps on a (data, context, model) = (2, 2, 2) mesh, the batch padded on both sides."""
+    _like_one_device(CASES[family], moe_loss if family in MOE else llama_loss, (2, 2, 2))
+
+
+def _gradient(make, loss_fn, mesh, seq_keys):
+    """The loss's gradient on ``mesh`` (padded batch), and the matrix-product FLOPs per device of its
+    compiled program. The elementwise ops are left out of the count: the split attention's block
+    bookkeeping adds some, which at these tiny sizes is not small."""
+    model = make()
+    params, static = eqx.partition(redeqx.shard(model, redeqx.sharding_rules(model, mesh), mesh), eqx.is_array)
+    batch = next(redeqx.batches(_examples(t=32), _collate, 4 // mesh.shape["data"], mesh, seq_keys=seq_keys))
+    grad = jax.jit(jax.grad(lambda p, b: loss_fn(eqx.combine(p, static), b, None)))
+    with jax.set_mesh(mesh):
+        compiled = grad.lower(params, batch).compile()
+        return compiled(params, batch), estimated_flops(compiled.as_text(), ops=("dot",))
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_family_splits_its_work_over_four_context_shards(devices, family):
+    """On (data, context, model) = (1, 4, 1) the gradient is one device's, and each device multiplies
+    a quarter of the tokens, as for LLaMA: a layer that brought the sequence together on every device
+    (a constraint replicating the residual stream, experts run on every token) would multiply the whole
+    sequence there."""
+    loss_fn = moe_loss if family in MOE else llama_loss
+    want, one = _gradient(CASES[family], loss_fn, redeqx.make_mesh(1, devices=jax.devices()[:1]), None)
+    got, split = _gradient(CASES[family], loss_fn, _mesh(1, 4, 1), SEQ_KEYS)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    assert split / one == pytest.approx(0.25, abs=0.01), (family, split / one)
+
+SEQ2SEQ = {
+    "t5": lambda: models.T5ForConditionalGeneration(
+        models.T5Config(vocab_size=V, d_model=H, d_kv=8, d_ff=48, num_layers=1, num_heads=4,
+                        relative_attention_num_buckets=8, relative_attention_max_distance=20), key=jax.random.key(0)),
+    "bart": lambda: models.BartForConditionalGeneration(
+        models.BartConfig(vocab_size=V, d_model=H, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                          decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=48,
+                          max_position_embeddings=32), key=jax.random.key(0)),
+}
+
+
+def seq2seq_loss(model, batch, key):
+    logits = jax.vmap(lambda i, m, d: model(i, d, attention_mask=m))(
+        batch["input_ids"], batch["attention_mask"], batch["labels"])
+    return _token_mean(logits, batch)
+
+
+@pytest.mark.parametrize("family", list(SEQ2SEQ))
+def test_seq2seq_refuses_a_context_mesh(devices, family):
+    """T5 and BART read positions and masks in the original order: split, they would train on wrong ones."""
+    model, mesh, opt = SEQ2SEQ[family](), _mesh(2, 2, 2), optax.adamw(1e-2)
+    specs = redeqx.sharding_rules(model, mesh)
+    state = redeqx.init_state(model, opt, mesh, specs, key=jax.random.key(1))
+    step = redeqx.make_train_step(seq2seq_loss, opt, mesh, specs)
+    batch = next(redeqx.batches(_examples(), _collate, 2, mesh, seq_keys=SEQ_KEYS))
+    with pytest.raises(ValueError, match=r"encoder-decoder models cannot run on a mesh that splits sequences(.|\n)*"
+                                         r"without n_context_shards"):
+        step(state, batch)
