@@ -62,6 +62,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._mesh import DATA, MODEL, traced_platform
 from .._typing import positive_int, typechecked
+from ._grouped import grouped
 from ._layers import ACTIVATIONS, INIT_STD, Linear
 
 # ----------------------------------------------------------------------------- the grouped expert computation
@@ -69,18 +70,6 @@ from ._layers import ACTIVATIONS, INIT_STD, Linear
 # The name scope of the backward pass's recompute of the experts' forward (which XLA merges with the
 # forward's identical products unless the step is rematerialised).
 RECOMPUTE = "moe_backward_recompute"
-
-# ragged_dot's dimension numbers for rows (N, in) against weights (E, out, in): contract `in`
-# with the weights' last dim, the rows' dim 0 ragged over the weights' groups (dim 0).
-_ROWS_BY_OUT_IN = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
-)
-
-
-def _grouped(rows: Float[Array, "n in"], w: Float[Array, "experts out in"], sizes: Int[Array, " experts"]):
-    """Rows ``sizes[0]`` first times expert 0's ``w[0].T``, the next ``sizes[1]`` times ``w[1].T``, ..."""
-    return jax.lax.ragged_dot_general(rows, w, sizes, _ROWS_BY_OUT_IN)
-
 
 def _flat(activation: str, shards: int, x, idx, w, gate_w, up_w, down_w):
     """Each token's experts' outputs weighted by ``w`` and summed, ``(T, hidden)``,
@@ -103,8 +92,8 @@ def _flat(activation: str, shards: int, x, idx, w, gate_w, up_w, down_w):
         start = jnp.sum(jnp.where(jnp.arange(sizes.shape[0]) < first, sizes, 0))  # its first row
         sizes = jax.lax.dynamic_slice_in_dim(sizes, first, local)
         rows = jnp.roll(rows, -start, axis=0)
-    h = ACTIVATIONS[activation](_grouped(rows, gate_w, sizes)) * _grouped(rows, up_w, sizes)  # (T*k, I)
-    y = _grouped(h, down_w, sizes)  # (T*k, H), zero past this device's groups
+    h = ACTIVATIONS[activation](grouped(rows, gate_w, sizes)) * grouped(rows, up_w, sizes)  # (T*k, I)
+    y = grouped(h, down_w, sizes)  # (T*k, H), zero past this device's groups
     if shards > 1:
         y = jnp.roll(y, start, axis=0)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
