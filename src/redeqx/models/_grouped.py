@@ -29,6 +29,7 @@ import importlib
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from .._mesh import traced_platform
@@ -57,7 +58,7 @@ def grouped(rows: Float[Array, "n in"], w: Float[Array, "experts out in"],
     times ``w[1].T``, ...; rows past ``sum(sizes)`` come out zero. ``sizes``:
     int32, summing to at most ``n``; ``rows`` and ``w`` of one dtype."""
     if _interpret or (traced_platform() == "tpu" and _whole()):
-        return _kernel(rows, w, sizes)
+        return _manual(_kernel)(rows, w, sizes)
     return jax.lax.ragged_dot_general(rows, w, sizes, _ROWS_BY_OUT_IN)
 
 
@@ -68,6 +69,14 @@ def _whole() -> bool:
     be automatically partitioned"), so elsewhere ``ragged_dot`` runs, which it can."""
     mesh = jax.sharding.get_abstract_mesh()
     return mesh.empty or all(n == 1 or a in mesh.manual_axes for a, n in mesh.shape.items())
+
+
+def _manual(f):
+    """``f`` in a ``shard_map`` over the mesh axes not manual yet (of size 1:
+    `_whole`), since Mosaic lowers a kernel only where every axis is manual."""
+    mesh = jax.sharding.get_abstract_mesh()
+    auto = set() if mesh.empty else set(mesh.axis_names) - set(mesh.manual_axes)
+    return jax.shard_map(f, in_specs=P(), out_specs=P(), axis_names=auto, check_vma=False) if auto else f
 
 
 def _tiles(m: int, k: int, n: int) -> tuple[int, int, int]:
