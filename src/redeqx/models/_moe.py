@@ -1,6 +1,6 @@
 """A mixture-of-experts feed-forward block: dropless top-k routing computed by
-grouped matmuls (``jax.lax.ragged_dot``), never a dense pass of every token
-through every expert.
+grouped matmuls (megablox's kernels on a TPU, ``jax.lax.ragged_dot``
+elsewhere), never a dense pass of every token through every expert.
 
 How a block runs on the tokens ``x`` of one sequence (``T`` tokens, ``k``
 experts each):
@@ -16,9 +16,16 @@ experts each):
 4. the outputs go back to assignment order and each token's ``k`` outputs are
    summed with its routing weights (`mix_experts` does steps 2-4).
 
-(``ragged_dot`` is XLA's grouped matmul on TPUs. On CPUs JAX 0.10 lowers it
-as a masked product over every group, E times the FLOPs; so does XLA on
-NVIDIA GPUs (its RaggedDotRewriter) unless ``XLA_FLAGS`` has
+(The grouped matmul is chosen in one place, `redeqx.models._grouped`. On a
+TPU it runs megablox's Pallas kernels (``jax.experimental.pallas.ops.tpu``,
+as MaxText does): ``gmm`` for the products and input gradients, ``tgmm`` for
+the weight gradients, which multiplies each expert's gradient by that
+expert's rows only (XLA's ``ragged_dot`` weight gradient is a product over
+every expert), wherever each device holds the operands whole (in the
+``shard_map`` of `_batched_rule`, or on one device); elsewhere
+``jax.lax.ragged_dot``. On CPUs JAX 0.10 lowers that as a masked product over
+every group, E times the FLOPs; so does XLA on NVIDIA GPUs (its
+RaggedDotRewriter) unless ``XLA_FLAGS`` has
 ``--xla_gpu_experimental_use_ragged_dot_fusion=true`` and cuDNN is 9.22 or
 newer, which then runs the forward and input-gradient products as cuDNN
 grouped GEMMs, the weight gradients still expanded.)
