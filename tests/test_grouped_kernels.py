@@ -86,3 +86,28 @@ def test_mix_experts_through_the_kernels(monkeypatch, n_model):
         got = _grads(*block)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_kernels_only_where_no_mesh_axis_splits_the_operands():
+    """A Mosaic kernel cannot be split by XLA: the TPU path is taken only where every mesh axis of
+    size > 1 is manual (ragged_dot elsewhere), and then in a shard_map over the rest (`_manual`)."""
+    mesh = redeqx.make_mesh(4)  # data 2 x model 4
+    seen = []
+
+    def probe(x):
+        seen.append(_grouped._whole())
+        return x
+
+    def run(axes):
+        spec = jax.sharding.PartitionSpec(tuple(axes)) if axes else jax.sharding.PartitionSpec()
+        f = jax.shard_map(probe, in_specs=spec, out_specs=spec, axis_names=set(axes)) if axes else probe
+        jax.jit(f).trace(jnp.zeros(8))
+
+    with jax.set_mesh(mesh):
+        for axes in ((), ("data",), ("model",), ("data", "model")):
+            run(axes)
+    with jax.set_mesh(redeqx.make_mesh(8)):  # data 1 x model 8: the expert-parallel step's shard_map
+        run(("model",))
+    with jax.set_mesh(redeqx.make_mesh(1, devices=jax.devices()[:1])):
+        run(())
+    assert seen == [False, False, False, True, True, True]
