@@ -1,6 +1,6 @@
 """A mixture-of-experts feed-forward block: dropless top-k routing computed by
-grouped matmuls (``jax.lax.ragged_dot``), never a dense pass of every token
-through every expert.
+grouped matmuls (megablox's kernels on a TPU, ``jax.lax.ragged_dot``
+elsewhere), never a dense pass of every token through every expert.
 
 How a block runs on the tokens ``x`` of one sequence (``T`` tokens, ``k``
 experts each):
@@ -16,9 +16,16 @@ experts each):
 4. the outputs go back to assignment order and each token's ``k`` outputs are
    summed with its routing weights (`mix_experts` does steps 2-4).
 
-(``ragged_dot`` is XLA's grouped matmul on TPUs. On CPUs JAX 0.10 lowers it
-as a masked product over every group, E times the FLOPs; so does XLA on
-NVIDIA GPUs (its RaggedDotRewriter) unless ``XLA_FLAGS`` has
+(The grouped matmul is chosen in one place, `redeqx.models._grouped`. On a
+TPU it runs megablox's Pallas kernels (``jax.experimental.pallas.ops.tpu``,
+as MaxText does): ``gmm`` for the products and input gradients, ``tgmm`` for
+the weight gradients, which multiplies each expert's gradient by that
+expert's rows only (XLA's ``ragged_dot`` weight gradient is a product over
+every expert), wherever each device holds the operands whole (in the
+``shard_map`` of `_batched_rule`, or on one device); elsewhere
+``jax.lax.ragged_dot``. On CPUs JAX 0.10 lowers that as a masked product over
+every group, E times the FLOPs; so does XLA on NVIDIA GPUs (its
+RaggedDotRewriter) unless ``XLA_FLAGS`` has
 ``--xla_gpu_experimental_use_ragged_dot_fusion=true`` and cuDNN is 9.22 or
 newer, which then runs the forward and input-gradient products as cuDNN
 grouped GEMMs, the weight gradients still expanded.)
@@ -63,6 +70,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._mesh import CONTEXT, DATA, MODEL, traced_platform
 from .._typing import positive_int, typechecked
+from ._grouped import grouped
 from ._layers import ACTIVATIONS, INIT_STD, Linear
 
 # ----------------------------------------------------------------------------- the grouped expert computation
@@ -70,18 +78,6 @@ from ._layers import ACTIVATIONS, INIT_STD, Linear
 # The name scope of the backward pass's recompute of the experts' forward (which XLA merges with the
 # forward's identical products unless the step is rematerialised).
 RECOMPUTE = "moe_backward_recompute"
-
-# ragged_dot's dimension numbers for rows (N, in) against weights (E, out, in): contract `in`
-# with the weights' last dim, the rows' dim 0 ragged over the weights' groups (dim 0).
-_ROWS_BY_OUT_IN = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
-)
-
-
-def _grouped(rows: Float[Array, "n in"], w: Float[Array, "experts out in"], sizes: Int[Array, " experts"]):
-    """Rows ``sizes[0]`` first times expert 0's ``w[0].T``, the next ``sizes[1]`` times ``w[1].T``, ..."""
-    return jax.lax.ragged_dot_general(rows, w, sizes, _ROWS_BY_OUT_IN)
-
 
 def _flat(activation: str, shards: int, x, idx, w, gate_w, up_w, down_w):
     """Each token's experts' outputs weighted by ``w`` and summed, ``(T, hidden)``,
@@ -104,8 +100,8 @@ def _flat(activation: str, shards: int, x, idx, w, gate_w, up_w, down_w):
         start = jnp.sum(jnp.where(jnp.arange(sizes.shape[0]) < first, sizes, 0))  # its first row
         sizes = jax.lax.dynamic_slice_in_dim(sizes, first, local)
         rows = jnp.roll(rows, -start, axis=0)
-    h = ACTIVATIONS[activation](_grouped(rows, gate_w, sizes)) * _grouped(rows, up_w, sizes)  # (T*k, I)
-    y = _grouped(h, down_w, sizes)  # (T*k, H), zero past this device's groups
+    h = ACTIVATIONS[activation](grouped(rows, gate_w, sizes)) * grouped(rows, up_w, sizes)  # (T*k, I)
+    y = grouped(h, down_w, sizes)  # (T*k, H), zero past this device's groups
     if shards > 1:
         y = jnp.roll(y, start, axis=0)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
