@@ -103,7 +103,8 @@ def restore_order(x: np.ndarray | Array, mesh: Mesh, *, axis: int = 1) -> np.nda
     """Per-token outputs of a step on ``mesh`` (e.g. a predict step's
     ``(batch, seq, ...)``), which come in the split layout, back in the
     original order along ``axis``; unchanged for a mesh without a
-    ``context`` axis.
+    ``context`` axis. `predict` does this for the outputs its
+    ``seq_outputs`` names.
 
     **Example:**
 
