@@ -81,6 +81,7 @@ def test_predict_says_what_it_leaves_in_the_split_order(devices):
         split = np.stack(run(seq_keys=SEQ_KEYS))
     assert len(said) == 1 and said[0].filename == __file__  # once, at the caller's line
     np.testing.assert_array_equal(redeqx.restore_order(split, mesh), whole)
+    np.testing.assert_array_equal(np.stack(run(seq_keys=SEQ_KEYS, seq_outputs=True, output_fn=list)), whole)
     with pytest.raises(TypeError, match="seq_outputs=\\('logits',\\) names outputs of a dict"):
         run(seq_keys=SEQ_KEYS, seq_outputs="logits")
     with pytest.raises(ValueError, match="redeqx.predict needs seq_keys="):
