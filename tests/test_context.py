@@ -280,15 +280,6 @@ def test_llama_accumulates_split_micro_batches(devices):
                      accumulate=2)
 
 
-def test_evaluate_refuses_a_context_mesh(devices):
-    mesh = _mesh(2, 2, 2)
-    model = models.LlamaForCausalLM(CONFIG, key=jax.random.key(0))
-    specs = redeqx.sharding_rules(model, mesh)
-    eval_step = redeqx.make_eval_step(llama_loss, mesh, specs)
-    with pytest.raises(ValueError, match="cannot split sequences"):
-        redeqx.evaluate(eval_step, model, _examples(), _collate, 2, mesh, key=jax.random.key(0))
-
-
 def test_restore_order_undoes_the_split(devices):
     x = np.arange(2 * 16).reshape(2, 16)
     mesh = _mesh(1, 4, 2)

@@ -104,7 +104,8 @@ def restore_order(x: np.ndarray | Array, mesh: Mesh, *, axis: int = 1) -> np.nda
     """Per-token outputs of a step on ``mesh`` (e.g. a predict step's
     ``(batch, seq, ...)``), which come in the split layout, back in the
     original order along ``axis``; unchanged for a mesh without a
-    ``context`` axis.
+    ``context`` axis. `predict` does this for the outputs its
+    ``seq_outputs`` names.
 
     **Example:**
 
@@ -132,29 +133,20 @@ def batch_spec(ndim: int, mesh, seq: bool) -> P:
     return P(DATA, *([None] * (ndim - 1)))
 
 
-def check_seq_keys(seq_keys, mesh) -> tuple[str, ...]:
-    """``seq_keys`` as a tuple; on a mesh with a ``context`` axis it must name the sequence keys."""
+def check_seq_keys(seq_keys, mesh, what: str = "redeqx.batches") -> tuple[str, ...]:
+    """``seq_keys`` as a tuple; on a mesh with a ``context`` axis it must name the sequence keys
+    (``what``: the function that was called, for the error)."""
     if isinstance(seq_keys, str):
         seq_keys = (seq_keys,)
     seq_keys = tuple(seq_keys or ())
     if mesh_context(mesh) > 1 and not seq_keys:
         raise ValueError(
-            f"the mesh splits sequences over {mesh_context(mesh)} context shards, so batches needs seq_keys=: the "
+            f"the mesh splits sequences over {mesh_context(mesh)} context shards, so {what} needs seq_keys=: the "
             "batch keys whose dim 1 is the sequence (e.g. seq_keys=('input_ids', 'labels', 'attention_mask')), "
             "which it puts in the split order. Labels must be aligned with input_ids already (shifted in "
             "collate_fn): a loss that shifts logits[:, :-1] against ids[:, 1:] would pair tokens of other places."
         )
     return seq_keys
-
-
-def refuse_context(mesh, what: str) -> None:
-    """An error for a function that cannot split sequences yet, on a mesh that does."""
-    if mesh_context(mesh) > 1:
-        raise ValueError(
-            f"{what} cannot split sequences over 'context' yet (mesh {dict(mesh.shape)}): run it on a mesh without a "
-            "context axis over the same devices, e.g. mesh2 = redeqx.make_mesh(n_model_shards) and the model moved "
-            "with redeqx.shard(model, redeqx.sharding_rules(model, mesh2), mesh2)."
-        )
 
 
 def order_sequences(batch, seq_keys: tuple[str, ...], mesh):

@@ -46,7 +46,7 @@ from tqdm.auto import tqdm
 
 from . import _progress
 from ._compiled import narrow_64bit
-from ._context import batch_spec, check_seq_keys, order_sequences, refuse_context
+from ._context import batch_spec, check_seq_keys, order_sequences
 from ._mesh import DATA, check_mesh
 from ._typing import positive_int, typechecked
 
@@ -598,17 +598,18 @@ def shuffled(examples: Any, buffer_size: int, *, key) -> Shuffled:
     return Shuffled(examples, buffer_size, _key_words(key))
 
 
-def _every_example(examples, collate_fn, per_device_batch_size, mesh, desc, prefetch):
+def _every_example(examples, collate_fn, per_device_batch_size, mesh, desc, prefetch, seq_keys: tuple[str, ...] = ()):
     """``(global_batch, n_real)`` for `evaluate` and `predict`: every example
-    once, in order, the last batch padded with copies of its last example."""
-    refuse_context(mesh, "redeqx.evaluate and redeqx.predict")
+    once, in order, the last batch padded with copies of its last example;
+    ``seq_keys`` (checked by the caller) split over ``context`` as `batches` does."""
     if _check_examples(examples):
         n = len(examples)
         rows = _sequence_rows(examples, np.arange(n), per_device_batch_size, mesh, 0, False, False)
         n_batches = _n_batches(n, _global_batch_size(per_device_batch_size, mesh), False)
     else:
         rows, n_batches = _stream_rows(examples, per_device_batch_size, mesh, 0, False, False), None
-    return _padded_batches(rows, collate_fn, per_device_batch_size, mesh, n_batches, 0, desc, _check_prefetch(prefetch))
+    return _padded_batches(rows, collate_fn, per_device_batch_size, mesh, n_batches, 0, desc, _check_prefetch(prefetch),
+                           seq_keys)
 
 
 def to_host(tree):

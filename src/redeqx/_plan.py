@@ -342,7 +342,7 @@ def plan(
     settings = dict(fsdp=fsdp, remat=remat, accumulate=accumulate, compute_dtype=compute_dtype,
                     opt_state_dtype=opt_state_dtype, overrides=tuple(overrides), trainable=trainable,
                     scan_residuals=scan_residuals, facts=read_program(abstract, loss_fn, batch),
-                    seq_keys=check_seq_keys(seq_keys, mesh))
+                    seq_keys=check_seq_keys(seq_keys, mesh, "redeqx.plan"))
     first = _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, settings, device_memory)
     if first.fits is not False or not explore:
         return first

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
+from .._context import context_shards
 from .._typing import positive_int
 
 Sampler = Callable[[Float[Array, "batch vocab"], PRNGKeyArray], Int[Array, " batch"]]
@@ -170,7 +171,18 @@ def as_decoder(model) -> Decoder:
     )
 
 
-def _check(model, input_ids, max_new_tokens, attention_mask):
+_CONTEXT_MESH = (
+    "{what} cannot run on a mesh that splits sequences over 'context' ({n} shards): a prompt batched there "
+    "(redeqx.batches or redeqx.predict with seq_keys) arrives in the split order, which decoding would read as the "
+    "prompt, and the cache holds unsplit sequences. Generate on a mesh without a context axis over the same "
+    "devices: mesh2 = redeqx.make_mesh(n_model_shards), the model moved with "
+    "redeqx.shard(model, redeqx.sharding_rules(model, mesh2), mesh2), and predict(..., mesh2) without seq_keys."
+)
+
+
+def _check(model, input_ids, max_new_tokens, attention_mask, what):
+    if context_shards() > 1:
+        raise ValueError(_CONTEXT_MESH.format(what=what, n=context_shards()))
     if jnp.ndim(input_ids) != 2:
         raise ValueError(
             f"input_ids must be (batch, prompt_len) token ids, got shape {jnp.shape(input_ids)}; "
@@ -234,7 +246,9 @@ def generate(
     padding. ``sampler`` picks each token (default
     `greedy`; `sample` for temperature/top-k/top-p, which needs ``key``).
     After a sequence emits ``eos_token_id`` its remaining tokens are
-    ``pad_token_id``.
+    ``pad_token_id``. On a mesh that splits sequences over ``context`` it
+    raises (the prompt would arrive in the split order): generate on a mesh
+    without that axis.
 
     **Example** (as a ``pred_fn``, sharded with the model):
 
@@ -246,7 +260,7 @@ def generate(
     predict_step = redeqx.make_predict_step(pred_fn, mesh, specs)
     ```
     """
-    b, _, mask = _check(model, input_ids, max_new_tokens, attention_mask)
+    b, _, mask = _check(model, input_ids, max_new_tokens, attention_mask, "generate")
     model = as_decoder(model)
     sampler = greedy() if sampler is None else sampler
     if key is None:
@@ -291,7 +305,7 @@ def beam_search(
     tokens = beam_search(model, prompts, max_new_tokens=32, num_beams=4, eos_token_id=2)
     ```
     """
-    b, _, mask = _check(model, input_ids, max_new_tokens, attention_mask)
+    b, _, mask = _check(model, input_ids, max_new_tokens, attention_mask, "beam_search")
     model = as_decoder(model)
     positive_int(num_beams, "num_beams")
     k = num_beams
