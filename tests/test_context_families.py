@@ -69,7 +69,12 @@ def moe_loss(model, batch, key):
     return _token_mean(logits, batch) + 0.1 * stats.load_balancing_loss()
 
 
-@pytest.mark.parametrize("family", list(CASES))
+# one of each code path (learned positions, interleaved rotary, OPT's offset table and post-LN, MoE with_aux
+# and dense layers mixed); every family's gradient is compared with one device's below, on four context shards
+TRAINED = ["gpt2", "gptj", "opt_350m_like", "qwen3_moe_mixed"]
+
+
+@pytest.mark.parametrize("family", TRAINED)
 def test_family_trains_like_one_device_split_over_context(devices, family):
     """Three AdamW steps on a (data, context, model) = (2, 2, 2) mesh, the batch padded on both sides."""
     _like_one_device(CASES[family], moe_loss if family in MOE else llama_loss, (2, 2, 2))
@@ -99,7 +104,9 @@ def test_family_splits_its_work_over_four_context_shards(devices, family):
     got, split = _gradient(CASES[family], loss_fn, _mesh(1, 4, 1), SEQ_KEYS)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
-    assert split / one == pytest.approx(0.25, abs=0.01), (family, split / one)
+    # a quarter, or a little less: split over context, causal attention skips the key blocks its mask
+    # hides whole, which one device's attention computes masked
+    assert 0.2 < split / one < 0.26, (family, split / one)
 
 SEQ2SEQ = {
     "t5": lambda: models.T5ForConditionalGeneration(
