@@ -16,7 +16,7 @@ from _helpers import EXAMPLES, run_example
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_example_language_modeling")]
 SCRIPT = EXAMPLES / "language_modeling/main.py"
 TINY = ["--train_chars", "30000", "--eval_chars", "15000", "--seq_len", "32", "--vocab_size", "512",
-        "--hidden_size", "64", "--n_layers", "2", "--n_epochs", "2", "--per_device_batch_size", "4",
+        "--hidden_size", "64", "--n_layers", "2", "--n_epochs", "1", "--per_device_batch_size", "4",
         "--sample_tokens", "8", "--log_every", "5"]
 
 
@@ -40,7 +40,7 @@ def one_process(tmp_path_factory):
 def test_held_out_loss_falls_and_samples_print(one_process):
     tmp, stdout = one_process
     held_out, train = losses(stdout)
-    assert len(held_out) == 3 and held_out[-1] < held_out[0] - 0.7, stdout  # ln(512) = 6.24 at the start
+    assert len(held_out) == 2 and held_out[-1] < held_out[0] - 0.7, stdout  # 6.25 -> 4.91 (ln 512 = 6.24)
     assert train[-1] < train[0], stdout
     assert stdout.count("--- sample") == 4, stdout
     assert (tmp / "run" / "metrics.jsonl").exists() and list((tmp / "run" / "checkpoints").glob("step_*"))

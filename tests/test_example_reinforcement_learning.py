@@ -34,9 +34,9 @@ def test_ppo_return_rises_and_resumes(tmp_path):
 
 
 def test_ddpg_return_rises(tmp_path):
-    out = run("ddpg.py", "--total_steps", 6400, "--learning_starts", 1600, "--workdir", tmp_path)
+    out = run("ddpg.py", "--total_steps", 4800, "--learning_starts", 1600, "--workdir", tmp_path)
     returns = numbers(r"mean return \(last 10 episodes\) (-?[0-9.]+)", out)  # one per round of 8 x 200 steps
-    assert len(returns) == 4, out[-2000:]
+    assert len(returns) == 3, out[-2000:]  # -1214, -1026, -370 on 2026-11-26
     assert returns[-1] > returns[0] + 300, returns  # random actions score about -1200
     greedy = numbers(r"noiseless policy: mean return (-?[0-9.]+)", out)[0]
     assert greedy > -700, (returns, greedy)
