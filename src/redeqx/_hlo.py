@@ -78,11 +78,16 @@ def parse_module(hlo_text: str) -> tuple[dict[str, list[Instruction]], dict[str,
     return computations, params, entry
 
 
-def _trip_count(ins: Instruction, computations: dict[str, list[Instruction]]) -> int:
+def _trip_count(ins: Instruction, computations: dict[str, list[Instruction]],
+                caller: list[Instruction] | None = None) -> int:
     """How many times a while loop runs: XLA's ``known_trip_count`` (XLA:CPU
-    writes it), else the bound its condition compares a counter with
-    (``counter < N``, the counter of a ``lax.scan`` starting at 0), else 1.
-    Both the compiled text (``%name``) and the lowered one (``name``) read."""
+    writes it), else read from the loop: its condition compares a counter
+    with a bound (``counter < N``), its body adds a constant step to that
+    counter, and the loop's initial tuple (in ``caller``, the computation
+    running it) starts it at a constant: ``ceil((N - start) / step)``, with
+    start 0 and step 1 where they cannot be read (a ``lax.scan`` as written;
+    libtpu's rewrites step by 2 or more); else 1. Both the compiled text
+    (``%name``) and the lowered one (``name``) read."""
     m = _TRIP_COUNT.search(ins.attributes)
     if m:
         return int(m.group(1))
@@ -92,16 +97,74 @@ def _trip_count(ins: Instruction, computations: dict[str, list[Instruction]]) ->
     # inside a shard_map, Shardy's lowered text wraps each operand in a "Sharding" custom-call
     wrapped = {c.name: c.operands[0] for c in condition
                if c.op == "custom-call" and 'custom_call_target="Sharding"' in c.attributes and len(c.operands) == 1}
-    bounds = [int(constants[wrapped.get(c.operands[1], c.operands[1])]) for c in condition
-              if c.op == "compare" and "direction=LT" in c.attributes and len(c.operands) == 2
-              and wrapped.get(c.operands[1], c.operands[1]) in constants]
-    return bounds[0] if len(bounds) == 1 and bounds[0] > 0 else 1
+    unwrap = lambda name: wrapped.get(name, name)  # noqa: E731
+    compares = [c for c in condition if c.op == "compare" and "direction=LT" in c.attributes and len(c.operands) == 2
+                and unwrap(c.operands[1]) in constants]
+    if len(compares) != 1 or (bound := int(constants[unwrap(compares[0].operands[1])])) <= 0:
+        return 1
+    start, step = 0, 1
+    index = _tuple_index(condition, unwrap(compares[0].operands[0]))
+    m = re.search(r"\bbody=%?([\w.\-]+)", ins.attributes)
+    body = computations.get(m.group(1), []) if m else []
+    if index is not None and body:
+        step = _constant_step(body, index) or 1
+        if caller is not None and ins.operands:
+            start = _constant_element(caller, ins.operands[0], index) or 0
+    return max(-(-(bound - start) // step), 0) if step > 0 else 1
 
 
-def _callees(ins: Instruction, computations: dict[str, list[Instruction]]) -> list[tuple[str, int]]:
+def _tuple_index(computation: list[Instruction], name: str) -> int | None:
+    """The index ``name`` reads from the computation's tuple parameter
+    (``get-tuple-element(param), index=i``, through copies), or None."""
+    by_name = {i.name: i for i in computation}
+    x = by_name.get(name)
+    while x is not None and x.op in ("copy", "convert", "bitcast") and x.operands:
+        x = by_name.get(x.operands[0])
+    if x is None or x.op != "get-tuple-element":
+        return None
+    m = re.search(r"\bindex=(\d+)", x.attributes)
+    return int(m.group(1)) if m else None
+
+
+def _constant_literal(by_name: dict[str, Instruction], name: str) -> int | None:
+    x = by_name.get(name)
+    while x is not None and x.op in ("copy", "convert", "bitcast") and x.operands:
+        x = by_name.get(x.operands[0])
+    return int(x.literal) if x is not None and x.op == "constant" and re.fullmatch(r"-?\d+", x.literal) else None
+
+
+def _constant_step(body: list[Instruction], index: int) -> int | None:
+    """What the loop body adds to tuple element ``index`` each iteration,
+    when its ROOT tuple holds ``element + constant``."""
+    by_name = {i.name: i for i in body}
+    root = body[-1] if body else None
+    if root is None or root.op != "tuple" or index >= len(root.operands):
+        return None
+    add = by_name.get(root.operands[index])
+    if add is None or add.op != "add" or len(add.operands) != 2:
+        return None
+    for counter, other in (add.operands, add.operands[::-1]):
+        if _tuple_index(body, counter) == index:
+            return _constant_literal(by_name, other)
+    return None
+
+
+def _constant_element(caller: list[Instruction], name: str, index: int) -> int | None:
+    """Element ``index`` of the tuple ``name`` builds in ``caller``, when it is
+    a constant."""
+    by_name = {i.name: i for i in caller}
+    tup = by_name.get(name)
+    if tup is None or tup.op != "tuple" or index >= len(tup.operands):
+        return None
+    return _constant_literal(by_name, tup.operands[index])
+
+
+def _callees(ins: Instruction, computations: dict[str, list[Instruction]],
+             caller: list[Instruction] | None = None) -> list[tuple[str, int]]:
     """``(computation, runs per run of ins)`` for what ``ins`` calls (not the
-    scalar functions a reduce or an all-reduce applies)."""
-    trips = _trip_count(ins, computations) if ins.op == "while" else 1
+    scalar functions a reduce or an all-reduce applies); ``caller`` is the
+    computation ``ins`` is in."""
+    trips = _trip_count(ins, computations, caller) if ins.op == "while" else 1
     out = [(name, trips if kind in ("body", "condition") else 1) for kind, name in _CALLED.findall(ins.attributes)]
     if ins.op == "call":  # a called computation (in lowered text), not a reduction's scalar function
         out += [(name, 1) for name in re.findall(r"\bto_apply=%?([\w.\-]+)", ins.attributes)]
@@ -132,7 +195,7 @@ def executions(computations: dict[str, list[Instruction]], entry: str | None, *,
     times[entry] = 1
     for name in reversed(order):
         for ins in computations[name]:
-            for callee, trips in _callees(ins, computations):
+            for callee, trips in _callees(ins, computations, computations[name]):
                 if callee in times:
                     times[callee] += times[name] * (trips if loops else 1)
     return times
@@ -159,17 +222,57 @@ def _flops(ins: Instruction, shapes: dict[str, str]) -> float:
         contracted = [lhs[0][1][int(d)] for d in m.group(1).split(",") if d]
         return 2.0 * out * float(np.prod(contracted))
     if ins.op == "convolution":
-        rhs = array_shapes(shapes.get(ins.operands[1], "")) if len(ins.operands) > 1 else []
-        m = re.search(r"dim_labels=[^_]*_([^-]*)->", ins.attributes)
-        if not rhs or m is None or "o" not in m.group(1):
-            return 0.0
-        kernel = rhs[0][1]
-        return 2.0 * out * float(np.prod(kernel)) / kernel[m.group(1).index("o")]
+        return _convolution_flops(ins, shapes, out)
     if ins.op in _ELEMENTWISE:
         return float(out)
     if ins.op in ("reduce", "reduce-window") and ins.operands:
         return float(_elements(shapes.get(ins.operands[0], "")))
     return 0.0
+
+
+_WINDOW = re.compile(r"window=\{([^}]*)\}")
+
+
+def _window(attributes: str, n: int) -> dict[str, list]:
+    """A convolution's window, per spatial dim: size, stride, padding (low,
+    high), lhs and rhs dilation (XLA's defaults where the text leaves them)."""
+    fields = dict(f.split("=", 1) for f in _WINDOW.search(attributes).group(1).split()) if "window={" in attributes else {}
+    ints = lambda key, default: [int(v) for v in fields[key].split("x")] if key in fields else [default] * n  # noqa: E731
+    pads = [tuple(int(v) for v in p.split("_")) for p in fields["pad"].split("x")] if "pad" in fields else [(0, 0)] * n
+    return dict(size=ints("size", 1), stride=ints("stride", 1), pad=pads, lhs_dilate=ints("lhs_dilate", 1),
+                rhs_dilate=ints("rhs_dilate", 1))
+
+
+def _taps(n_in: int, n_out: int, size: int, stride: int, pad_lo: int, lhs_dilate: int, rhs_dilate: int) -> int:
+    """Multiply-adds along one spatial dim, summed over its outputs: the
+    window taps that land on an input element (not padding, not a hole of
+    ``lhs_dilate``)."""
+    o = np.arange(n_out)[:, None] * stride + np.arange(size)[None, :] * rhs_dilate - pad_lo
+    return int(np.sum((o >= 0) & (o <= (n_in - 1) * lhs_dilate) & (o % lhs_dilate == 0)))
+
+
+def _convolution_flops(ins: Instruction, shapes: dict[str, str], out: int) -> float:
+    """2 per multiply-add a convolution does: each output element's input
+    features times the window taps it reads, counting only taps on real input.
+    libtpu writes a batched matmul as a convolution whose window (dilated so
+    that one tap lands) stands for a batch dim: counted by its window size
+    that would be several times the work done."""
+    if len(ins.operands) < 2:
+        return 0.0
+    lhs, rhs = (array_shapes(shapes.get(o, "")) for o in ins.operands[:2])
+    m = re.search(r"dim_labels=([^_]*)_([^-]*)->(\S+)", ins.attributes)
+    outs = array_shapes(ins.shape)
+    if not lhs or not rhs or not outs or m is None or "i" not in m.group(2):
+        return 0.0
+    lhs_labels, rhs_labels, out_labels = m.group(1), m.group(2), m.group(3).rstrip(",")
+    spatial = [c for c in lhs_labels if c.isdigit()]
+    w = _window(ins.attributes, len(spatial))
+    per_output, taps = float(out), 1.0
+    for j, dim in enumerate(spatial):
+        n_in, n_out = lhs[0][1][lhs_labels.index(dim)], outs[0][1][out_labels.index(dim)]
+        per_output /= max(n_out, 1)
+        taps *= _taps(n_in, n_out, w["size"][j], w["stride"][j], w["pad"][j][0], w["lhs_dilate"][j], w["rhs_dilate"][j])
+    return 2.0 * per_output * taps * rhs[0][1][rhs_labels.index("i")]
 
 
 def _loop_counts(hlo_text: str, ops: tuple[str, ...] | None = None) -> tuple[float, float]:

@@ -209,10 +209,11 @@ def _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, settings, device_m
     stats = compiled.memory_analysis()
     peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
             + stats.temp_size_in_bytes)
-    # the loops as the program was written (before a backend rewrites them: libtpu turns a dot into a
-    # convolution whose window stands for a batch dim), counted once per iteration
+    # XLA counts a loop's body once: scaled by the loops of the compiled program itself, whose shapes are
+    # each device's (the lowered text mixes the global shapes with a shard_map body's per-device ones,
+    # which undercounted a context-split attention by up to 40%)
     hlo = lowered.as_text(dialect="hlo")
-    flops, note = _flops(compiled) * loop_factor(hlo), None
+    flops, note = _flops(compiled) * loop_factor(compiled.as_text()), None
     by_rows, extra = overcount(traced.jaxpr)
     if extra and mesh.devices.flat[0].platform == "cpu":
         # the program as written, every grouped matmul counted by its rows instead of over every group
