@@ -123,14 +123,20 @@ def tpu_probe(model, setting, chips, seq):
 
     import redeqx
 
+    from redeqx import _plan
+    from redeqx._hlo import estimated_flops
+
     make, bf16, mesh = _models(model), setting == "bf16", _mesh(chips, True, 8)
     abstract = eqx.filter_eval_shape(make, jax.random.key(0))
     batch = {"ids": jax.ShapeDtypeStruct((mesh.shape["data"], seq + 1), jnp.int32)}
+    texts, count = [], _plan._flops  # the compiled program, for its kernels' own cost estimates
+    _plan._flops = lambda compiled: texts.append(compiled.as_text()) or count(compiled)
     p = redeqx.plan(make, next_token_loss, optax.adamw(1e-5), batch, mesh, fsdp=True, remat=bf16,
                     compute_dtype=jnp.bfloat16 if bf16 else None, device_memory=HBM, explore=False)
     params = param_count(abstract)
     return dict(fits=bool(p.fits), peak=p.peak, flops=p.flops, params=params, active=_active(abstract),
-                tokens=mesh.shape["data"] * seq, chips=chips, refused=p.refused)
+                tokens=mesh.shape["data"] * seq, chips=chips, refused=p.refused,
+                kernels=estimated_flops(texts[-1], ("custom-call",)) if texts else 0.0, n_model=mesh.shape["model"])
 
 
 def bytes_probe(n_model):
@@ -217,14 +223,17 @@ def _section(cpu, tpu):
         lines += ["The real models on TPU v4 (32 GiB a chip), planned ahead of time by libtpu: 8 model shards, fsdp, "
                   "one 2048-token sequence per data shard; the fewest chips whose step fits, and the plan's FLOPs "
                   "per token against 6 x active parameters (embedding excluded, attention's own FLOPs not in it):",
-                  "", "| model, setting | params | active | fewest chips | peak/chip | FLOPs/token | 6 x active | ratio |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "", "| model, setting | params | active | fewest chips | peak/chip | FLOPs/token | 6 x active | ratio "
+                  "| kernels by own rows: FLOPs/token, ratio |", "|---|---|---|---|---|---|---|---|---|"]
         for key, r in rows:
             per_token = r["flops"] * r["chips"] / r["tokens"]
+            # each device's kernels are costed over every row it holds, its own experts' 1/n_model of them
+            own = (r["flops"] - r.get("kernels", 0.0) * (1 - 1 / r.get("n_model", 1))) * r["chips"] / r["tokens"]
             chips = r["chips"] if r["fits"] else f"> {r['chips']}"
             lines.append(f"| {key.replace('fp32', 'fp32 AdamW').replace('bf16', 'bf16 + remat')} | "
                          f"{r['params'] / 1e9:.1f} B | {r['active'] / 1e9:.2f} B | {chips} | {r['peak'] / 2**30:.1f} GiB | "
-                         f"{per_token:.3e} | {6 * r['active']:.3e} | {per_token / (6 * r['active']):.2f} |")
+                         f"{per_token:.3e} | {6 * r['active']:.3e} | {per_token / (6 * r['active']):.2f} | "
+                         f"{own:.3e}, {own / (6 * r['active']):.2f} |")
         lines += ["", "libtpu's FLOP count is static. megablox's kernels (what redeqx runs on a TPU) count as their "
                   "cost estimate says, 2 x rows x in x out over every row the operand holds, the weight gradient "
                   "(`tgmm`) too; XLA's `ragged_dot` (redeqx's fallback where a mesh axis would split the operands) "
@@ -233,8 +242,9 @@ def _section(cpu, tpu):
                   "XLA merged with the forward's `ragged_dot` in this step but not with the kernels' custom calls. Under 8 model "
                   "shards each device's grouped matmuls hold all of its data shard's tokens x k assignments, only "
                   "its own experts' groups filled: `gmm` and `tgmm` visit only those groups' row tiles, the count "
-                  "covers every row. So the ratios to 6 x active parameters above bound from above what the chips "
-                  "compute; a TPU run would measure it."]
+                  "covers every row. So the ratios to 6 x active parameters bound from above what the chips "
+                  "compute; the last column counts each device's kernels at its own experts' share of the rows "
+                  "(1 / model shards of them, routing balanced). A TPU run would measure it."]
     return "\n".join(lines)
 
 

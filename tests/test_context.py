@@ -339,9 +339,10 @@ STEPPED_LOOP = """HloModule m
   %i = u32[] get-tuple-element(%p), index=0
   %x = f32[4,4] get-tuple-element(%p), index=1
   %d = f32[4,4] dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %k = f32[4,4] custom-call(%d), custom_call_target="tpu_custom_call", backend_config={"custom_call_config":{"body":"TUxJUg==","cost_estimate":{"flops":"1000","transcendentals":"0"}}}
   %step = u32[] constant(STEP)
   %j = u32[] add(%i, %step)
-  ROOT %t = (u32[], f32[4,4]) tuple(%j, %d)
+  ROOT %t = (u32[], f32[4,4]) tuple(%j, %k)
 }
 
 %batched (a: f32[8,16,1], b: f32[8,2,16]) -> f32[8,8,2] {
@@ -365,11 +366,14 @@ ENTRY %main (a: f32[4,4]) -> f32[4,4] {
 def test_a_loop_stepping_by_more_than_one_is_counted_by_its_trips(start, step, trips):
     """libtpu rewrites a loop to step its counter by 2 (or more) from a constant start: the plan counted
     such a loop's body (bound - 0) / 1 times, twice a loop-split matmul's FLOPs. A batched matmul that
-    libtpu writes as a convolution, its window standing for the batch dim, counts one tap per output."""
-    from redeqx._hlo import _flops, executions, parse_module
+    libtpu writes as a convolution, its window standing for the batch dim, counts one tap per output; a
+    Pallas kernel (megablox's grouped matmul) by the cost estimate it carries, once per trip."""
+    from redeqx._hlo import _flops, estimated_flops, executions, parse_module
 
-    computations, params, entry = parse_module(STEPPED_LOOP.replace("START", str(start)).replace("STEP", str(step)))
+    text = STEPPED_LOOP.replace("START", str(start)).replace("STEP", str(step))
+    computations, params, entry = parse_module(text)
     assert executions(computations, entry)["body"] == trips
+    assert estimated_flops(text, ("custom-call",)) == 1000 * trips
     shapes = {**params["batched"], **{i.name: i.shape for i in computations["batched"]}}
     conv = computations["batched"][-1]
     assert _flops(conv, shapes) == 2 * 8 * 8 * 2 * 16  # 8 x (8, 2) outputs, each 16 multiply-adds, one tap

@@ -205,6 +205,7 @@ def _elements(shape_text: str) -> int:
     return sum(int(np.prod(s, dtype=np.int64)) for _, s in array_shapes(shape_text))
 
 
+_KERNEL_COST = re.compile(r'"cost_estimate":\{"flops":"?(\d+)')
 _ELEMENTWISE = {"add", "subtract", "multiply", "divide", "maximum", "minimum", "negate", "abs", "compare", "select",
                 "and", "or", "xor", "not", "clamp", "remainder", "power", "sign", "floor", "ceil", "round-nearest-even"}
 
@@ -225,6 +226,8 @@ def _flops(ins: Instruction, shapes: dict[str, str]) -> float:
         return _convolution_flops(ins, shapes, out)
     if ins.op in _ELEMENTWISE:
         return float(out)
+    if ins.op == "custom-call" and (m := _KERNEL_COST.search(ins.attributes)):
+        return float(m.group(1))  # a Pallas kernel's own estimate (megablox's grouped matmuls on a TPU)
     if ins.op in ("reduce", "reduce-window") and ins.operands:
         return float(_elements(shapes.get(ins.operands[0], "")))
     return 0.0
