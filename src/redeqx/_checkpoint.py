@@ -423,7 +423,7 @@ def encode(state, metadata, dtype) -> Encoded:
             "leaves": info,
         },
     }
-    args = {name: ocp.args.PyTreeSave(_nest(pairs)) for name, pairs in items.items()}
+    args = {name: ocp.args.StandardSave(_nest(pairs)) for name, pairs in items.items()}
     args["metadata"] = ocp.args.JsonSave(meta)
     non_finite = [f"{name}/{path}" for (name, path, _), ok in zip(named, finite) if not ok]
     return Encoded(ocp.args.Composite(**args), meta, non_finite)
@@ -487,24 +487,6 @@ _OWN_WRITE_ERRORS = _OwnWriteErrors()
 def _mute_orbax_errors_for(path: Path) -> None:
     _hooks.quiet_orbax_echoes(_OWN_WRITE_ERRORS)  # the first write installs it
     _OWN_WRITE_ERRORS.paths.add(str(path))  # orbax names the checkpoint or its temporary directory
-
-
-# Orbax splits the write of a replicated array among its replicas, each slicing its part on the device:
-# a program compiled per slice shape, 2 s of compiles for a small model's first save on 8 devices (0.4 s
-# without). Below a few MiB a replica's share is written in less time than its slice takes to compile.
-MIN_REPLICA_SLICE_BYTES = 4 * 2**20
-
-
-def save_handler() -> ocp.CompositeCheckpointHandler:
-    """The handler `encode`'s items are written with: orbax's PyTree handler
-    (the format ``StandardSave`` writes), replicated arrays split among their
-    replicas only where each replica's part is at least
-    `MIN_REPLICA_SLICE_BYTES`."""
-    arrays = ocp.type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES)
-    registry = ocp.type_handlers.create_type_handler_registry((jax.Array, arrays))
-    return ocp.CompositeCheckpointHandler(
-        **{item: ocp.PyTreeCheckpointHandler(type_handler_registry=registry) for item in ("model", "train")},
-        metadata=ocp.JsonCheckpointHandler())
 
 
 def write(checkpointer, path: Path, args) -> None:
@@ -576,7 +558,7 @@ def save_checkpoint(
         raise CheckpointError(f"{path} already exists; save to a new path or delete the old checkpoint first.")
     refuse_deleted(state, "state")
     encoded = encode(state, metadata, dtype)
-    with ocp.Checkpointer(save_handler()) as checkpointer:
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
         write(checkpointer, path, encoded.args)
     return path
 

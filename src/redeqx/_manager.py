@@ -43,7 +43,6 @@ from ._checkpoint import (
     read_metadata,
     remove_partial,
     restore_checkpoint,
-    save_handler,
     step_of,
     write,
     write_failed,
@@ -324,7 +323,7 @@ class CheckpointManager:
                           f"{_shown(old)} in {self.directory}.", stacklevel=2)
             for s in old:
                 self._delete(self.path(s))
-        handler = save_handler()
+        handler = ocp.CompositeCheckpointHandler()
         self._checkpointer = ocp.AsyncCheckpointer(handler) if async_save else ocp.Checkpointer(handler)
         self._watching = False  # listening for SIGTERM from the first save on: before it there is nothing to save
         _hooks.finish_saves_on_exit(finish_in_flight)  # at exit and on an uncaught exception
