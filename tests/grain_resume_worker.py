@@ -64,7 +64,10 @@ def main(workdir, kill_at, workers):
         step = int(state.step)
         say(f"step {step} {digest(batch)}")
         manager.save(state, data_iterator=batches)
-        if step == int(kill_at):  # as a scheduler kills a job: its Grain workers too (they outlive a lone kill)
+        # as a scheduler kills a job: its Grain workers too (they outlive a lone kill). Process 0 only, once it
+        # has printed the step: a process 1 that got there first killed itself, and the launcher then stopped
+        # process 0 before it printed. The launcher stops process 1 (no Grain workers there) when 0 dies.
+        if step == int(kill_at) and jax.process_index() == 0:
             os.killpg(os.getpgrp(), signal.SIGKILL)
         if step == N_STEPS:
             break
