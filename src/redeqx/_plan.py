@@ -213,7 +213,8 @@ def _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, settings, device_m
     # each device's (the lowered text mixes the global shapes with a shard_map body's per-device ones,
     # which undercounted a context-split attention by up to 40%)
     hlo = lowered.as_text(dialect="hlo")
-    flops, note = _flops(compiled) * loop_factor(compiled.as_text()), None
+    text = compiled.as_text()
+    flops, note = _flops(compiled) * loop_factor(text), None
     by_rows, extra = overcount(traced.jaxpr)
     if extra and mesh.devices.flat[0].platform == "cpu":
         # the program as written, every grouped matmul counted by its rows instead of over every group
@@ -224,7 +225,7 @@ def _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, settings, device_m
                 "backward pass's recompute of the experts' forward with the forward)")
         flops = counted
     return Plan(**common, temporaries=stats.temp_size_in_bytes, peak=peak,
-                collectives=collective_summary(compiled.as_text()), flops=flops, note=note)
+                collectives=collective_summary(text), flops=flops, note=note)
 
 
 _REFUSED = re.compile(r"required for HLO temporaries \(([0-9.]+)([KMGT]?)\)")
