@@ -116,20 +116,23 @@ def _trip_count(ins: Instruction, computations: dict[str, list[Instruction]],
 def _tuple_index(computation: list[Instruction], name: str) -> int | None:
     """The index ``name`` reads from the computation's tuple parameter
     (``get-tuple-element(param), index=i``, through copies), or None."""
-    by_name = {i.name: i for i in computation}
-    x = by_name.get(name)
-    while x is not None and x.op in ("copy", "convert", "bitcast") and x.operands:
-        x = by_name.get(x.operands[0])
+    x = _through_copies({i.name: i for i in computation}, name)
     if x is None or x.op != "get-tuple-element":
         return None
     m = re.search(r"\bindex=(\d+)", x.attributes)
     return int(m.group(1)) if m else None
 
 
-def _constant_literal(by_name: dict[str, Instruction], name: str) -> int | None:
+def _through_copies(by_name: dict[str, Instruction], name: str) -> Instruction | None:
+    """The instruction ``name`` is a copy, conversion or bitcast of (itself if none)."""
     x = by_name.get(name)
     while x is not None and x.op in ("copy", "convert", "bitcast") and x.operands:
         x = by_name.get(x.operands[0])
+    return x
+
+
+def _constant_literal(by_name: dict[str, Instruction], name: str) -> int | None:
+    x = _through_copies(by_name, name)
     return int(x.literal) if x is not None and x.op == "constant" and re.fullmatch(r"-?\d+", x.literal) else None
 
 
