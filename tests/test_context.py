@@ -28,7 +28,7 @@ def _qkv(key, b=2, t=16, hq=4, hkv=2, d=8):
             jax.random.normal(kv, (b, t, hkv, d)))
 
 
-def _naive(q, k, v, seg, causal):
+def _naive(q, k, v, seg, causal, window=None):
     """Attention written out with a (T, T) mask, in the original order."""
     t, g = q.shape[1], q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
@@ -36,6 +36,8 @@ def _naive(q, k, v, seg, causal):
     mask = seg[:, None, :, None] == seg[:, None, None, :]
     if causal:
         mask = mask & jnp.tril(jnp.ones((t, t), bool))[None, None]
+    if window is not None:
+        mask = mask & ~jnp.tril(jnp.ones((t, t), bool), -window)[None, None]  # key more than window - 1 back
     return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(jnp.where(mask, s, -jnp.inf), -1), v)
 
 
@@ -86,8 +88,49 @@ def test_attention_split_equals_one_device(getkey, monkeypatch, causal, impl, bl
         np.testing.assert_allclose(np.asarray(g)[:, np.argsort(order)], w, atol=2e-5)
 
 
-def _naive_loss(q, k, v, seg, weights, causal):
-    return jnp.sum(_naive(q, k, v, seg, causal) * weights)
+def _naive_loss(q, k, v, seg, weights, causal, window=None):
+    return jnp.sum(_naive(q, k, v, seg, causal, window) * weights)
+
+
+@pytest.mark.parametrize("impl", ["gather", "ring"])
+@pytest.mark.parametrize("window", [1, 3, 6, 40])  # 1: itself only; 40: longer than the sequence
+def test_sliding_window_split_equals_one_device(getkey, monkeypatch, impl, window):
+    """Blocks of 2 tokens over 4 shards: a window of 3 hides some pairs of
+    every shard's table, unequally (the tables are padded with hidden pairs)."""
+    monkeypatch.setattr("redeqx._blockwise.BLOCK", 2)
+    q, k, v = _qkv(getkey(), t=32)
+    seg = jnp.asarray(np.r_[np.zeros(5), np.ones(27)].astype(np.int32))[None].repeat(2, 0)
+    weights = jax.random.normal(getkey(), q.shape)
+
+    def loss(q, k, v, seg, weights):
+        return jnp.sum(redeqx.attention(q, k, v, segment_ids=seg, window=window, impl=impl) * weights)
+
+    want, want_grads = jax.value_and_grad(_naive_loss, argnums=(0, 1, 2))(q, k, v, seg, weights, True, window)
+    np.testing.assert_allclose(loss(q, k, v, seg, weights), want, rtol=1e-5)  # no mesh: plain attention
+    mesh = _mesh(1, 4, 2)
+    order = redeqx.context_order(32, 4)
+    split = [jax.device_put(x[:, order], NamedSharding(mesh, P(None, "context"))) for x in (q, k, v, seg, weights)]
+    with jax.set_mesh(mesh):
+        got, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*split)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for g, w in zip(grads, want_grads):
+        np.testing.assert_allclose(np.asarray(g)[:, np.argsort(order)], w, atol=2e-5)
+    with pytest.raises(ValueError, match="window=0"):
+        redeqx.attention(q, k, v, window=0)
+    with pytest.raises(ValueError, match="causal=True"):
+        redeqx.attention(q, k, v, causal=False, window=3)
+
+
+def test_sliding_window_skips_the_blocks_behind_it():
+    """Of a shard's block pairs, a window of one block keeps each query
+    block's own and the one before it."""
+    from redeqx._blockwise import Span, _pairs
+
+    layout = redeqx.context_order(16, 2).reshape(2, -1)[:, ::2] // 2  # blocks of 2: shard 0 holds 0, 1, 6, 7
+    everyone = layout.reshape(-1)
+    kept = _pairs(layout[0], everyone, Span(True, 2), 2)
+    assert sorted((int(layout[0][i]), int(everyone[j])) for i, j in kept) == [(0, 0), (1, 0), (1, 1), (6, 5), (6, 6),
+                                                                               (7, 6), (7, 7)]
 
 
 def test_ring_passes_kv_and_gather_gathers_them(getkey):

@@ -108,6 +108,29 @@ def test_family_splits_its_work_over_four_context_shards(devices, family):
     # hides whole, which one device's attention computes masked
     assert 0.2 < split / one < 0.26, (family, split / one)
 
+WINDOWED = {  # a sliding window of 5 tokens over chunks of 4 (8 tokens to a shard): the shards' pair tables differ
+    "mistral_ring": lambda: models.LlamaForCausalLM(
+        _llama(model_type="mistral", use_sliding_window=True, sliding_window=5, context_attention="ring"),
+        key=jax.random.key(0)),
+    "mistral_gather": lambda: models.LlamaForCausalLM(
+        _llama(model_type="mistral", use_sliding_window=True, sliding_window=5), key=jax.random.key(0)),
+    "mixtral": lambda: models.MixtralForCausalLM(
+        models.MixtralConfig(**_moe_common(), intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+                             sliding_window=5), key=jax.random.key(0)),
+}
+
+
+@pytest.mark.parametrize("family", list(WINDOWED))
+def test_sliding_window_splits_like_one_device(devices, family):
+    """The gradient of a sliding-window model on (data, context, model) = (1, 4, 2), padded on both
+    sides, is one device's."""
+    loss_fn = moe_loss if family == "mixtral" else llama_loss
+    want, _ = _gradient(WINDOWED[family], loss_fn, redeqx.make_mesh(1, devices=jax.devices()[:1]), None)
+    got, _ = _gradient(WINDOWED[family], loss_fn, _mesh(1, 4, 2), SEQ_KEYS)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
 SEQ2SEQ = {
     "t5": lambda: models.T5ForConditionalGeneration(
         models.T5Config(vocab_size=V, d_model=H, d_kv=8, d_ff=48, num_layers=1, num_heads=4,

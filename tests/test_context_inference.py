@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 from test_context import CONFIG, SEQ_KEYS, UserModel, _collate, _examples, _mesh, llama_loss, user_loss
+from test_context_families import CASES
 
 import redeqx
 from redeqx import models
@@ -105,13 +106,55 @@ def test_seq_outputs_are_checked(devices):
         redeqx.evaluate(eval_step, model, _examples(n=N), _collate, 2, mesh, key=jax.random.key(0))
 
 
-def test_generate_refuses_a_context_mesh(devices):
+def _generate_fn(fn):
+    def pred_fn(model, batch, key):
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        first = jax.vmap(lambda i, m: model.prefill(i, m, 4)[0])(ids, mask)  # the next token's logits
+        return {"tokens": fn(model, ids, attention_mask=mask, max_new_tokens=4), "first": first}
+
+    return pred_fn
+
+
+def _generated(make, fn, mesh, seq_keys):
+    model = make()
+    specs = redeqx.sharding_rules(model, mesh)
+    step = redeqx.make_predict_step(_generate_fn(fn), mesh, specs)
+    preds = redeqx.predict(step, redeqx.shard(model, specs, mesh), _examples(n=4), _collate, 2, mesh,
+                           key=jax.random.key(0), seq_keys=seq_keys)  # one dict per example
+    return {k: np.stack([p[k] for p in preds]) for k in preds[0]}
+
+
+MISTRAL = models.LlamaConfig(**{**CONFIG.__dict__, "model_type": "mistral", "use_sliding_window": True,
+                                "sliding_window": 5, "context_attention": "ring"})
+GENERATED = {  # the prompts padded on the left (row 0) and the right (row 1)
+    "llama": (_llama, models.generate, (2, 2, 2)),
+    "llama_beams": (_llama, functools.partial(models.beam_search, num_beams=3), (1, 4, 2)),
+    "mistral_window_ring": (lambda: models.LlamaForCausalLM(MISTRAL, key=jax.random.key(0)), models.generate, (1, 4, 2)),
+    "gpt2": (CASES["gpt2"], models.generate, (2, 2, 2)),
+    "mixtral": (CASES["mixtral"], models.generate, (1, 4, 2)),
+}
+
+
+@pytest.mark.parametrize("case", list(GENERATED))
+def test_generate_splits_the_prefill_like_one_device(devices, case):
+    """A prompt batched in the split order: its forward split over context, the cache put back in the
+    original order; the same next-token logits and the same tokens as on one device."""
+    make, fn, shape = GENERATED[case]
+    want = _generated(make, fn, redeqx.make_mesh(1, devices=jax.devices()[:1]), None)
+    got = _generated(make, fn, _mesh(*shape), ("input_ids", "attention_mask"))
+    np.testing.assert_allclose(got["first"], want["first"], rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(got["tokens"], want["tokens"])
+
+
+def test_generate_refuses_a_context_mesh_for_a_model_without_a_split_prefill(devices):
+    """A model that only maps tokens to logits is re-run on the whole buffer, which would read the split order."""
     mesh = _mesh(2, 2, 2)
-    model = _llama()
+    model = _user()
     specs = redeqx.sharding_rules(model, mesh)
     model = redeqx.shard(model, specs, mesh)
     prompts = [{"input_ids": np.zeros(16, np.int32)}] * 4
     for fn in (models.generate, functools.partial(models.beam_search, num_beams=2)):
-        step = redeqx.make_predict_step(lambda m, b, k: fn(m, b["input_ids"], max_new_tokens=2), mesh, specs)
-        with pytest.raises(ValueError, match="cannot run on a mesh that splits sequences over 'context'"):
+        pred_fn = lambda m, b, k: fn(lambda ids: m(ids, ids >= 0), b["input_ids"], max_new_tokens=2)  # noqa: B023
+        step = redeqx.make_predict_step(pred_fn, mesh, specs)
+        with pytest.raises(ValueError, match="needs a model whose prefill reads a prompt in the split order"):
             redeqx.predict(step, model, prompts, _collate, 2, mesh, key=jax.random.key(0), seq_keys="input_ids")

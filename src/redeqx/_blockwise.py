@@ -14,6 +14,7 @@ into one array indexed by ``axis_index("context")``."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -26,23 +27,48 @@ from ._mesh import CONTEXT, traced_platform
 # ----------------------------------------------------------------------------- one block: queries against one shard's keys
 
 
-def block_scores(q, k, qpos, kpos, qseg, kseg, causal: bool, scale: float):
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """Which keys a query sees, by place in the original order: all
+    (``causal=False``), those at or before its own (``causal=True``), and of
+    those, with a ``window``, only the last ``window`` (itself included: a
+    sliding window, as Mistral's)."""
+
+    causal: bool
+    window: int | None = None
+
+    def mask(self, qpos, kpos):
+        """(Tq, Tk): whether query ``qpos[t]`` sees key ``kpos[s]``."""
+        seen = jnp.ones((qpos.shape[0], kpos.shape[0]), bool)
+        if self.causal:
+            seen = kpos[None, :] <= qpos[:, None]
+        if self.window is not None:
+            seen = seen & (qpos[:, None] - kpos[None, :] < self.window)
+        return seen
+
+    def sees_block(self, qi: int, kj: int, b: int) -> bool:
+        """Whether some query of block ``qi`` sees some key of block ``kj``
+        (blocks of ``b`` consecutive places)."""
+        if self.causal and kj > qi:
+            return False
+        return self.window is None or (qi - kj - 1) * b + 1 < self.window  # nearest pair: first query, last key
+
+
+def block_scores(q, k, qpos, kpos, qseg, kseg, span: Span, scale: float):
     """Masked scores (Hkv, G, Tq, Tk) in float32 and the mask (1, 1, Tq, Tk)."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     qg = q.reshape(t, hkv, hq // hkv, d)
     s = jnp.einsum("tkgd,skd->kgts", qg, k, preferred_element_type=jnp.float32) * scale
-    mask = qseg[:, None] == kseg[None, :]
-    if causal:
-        mask = mask & (kpos[None, :] <= qpos[:, None])
+    mask = (qseg[:, None] == kseg[None, :]) & span.mask(qpos, kpos)
     mask = mask[None, None]  # (1, 1, Tq, Tk)
     return jnp.where(mask, s, -jnp.inf), mask
 
 
-def _block_forward(carry, q, k, v, qpos, kpos, qseg, kseg, causal, scale):
+def _block_forward(carry, q, k, v, qpos, kpos, qseg, kseg, span, scale):
     """One online-softmax step: running (out, max, sum) updated with one block of keys."""
     o, m, l = carry  # (Hkv, G, Tq, D) f32, (Hkv, G, Tq) f32 x2
-    s, _ = block_scores(q, k, qpos, kpos, qseg, kseg, causal, scale)
+    s, _ = block_scores(q, k, qpos, kpos, qseg, kseg, span, scale)
     m_new = jnp.maximum(m, s.max(-1))
     safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row with no key yet
     p = jnp.exp(s - safe[..., None])
@@ -51,11 +77,11 @@ def _block_forward(carry, q, k, v, qpos, kpos, qseg, kseg, causal, scale):
     return o, m_new, l * corr + p.sum(-1)
 
 
-def _block_backward(q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, causal, scale):
+def _block_backward(q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, span, scale):
     """Gradients of one block: (dq, dk, dv) from the saved log-sum-exp."""
     t, hq, d = q.shape
     hkv = k.shape[1]
-    s, mask = block_scores(q, k, qpos, kpos, qseg, kseg, causal, scale)
+    s, mask = block_scores(q, k, qpos, kpos, qseg, kseg, span, scale)
     p = jnp.where(mask, jnp.exp(s - lse[..., None]), 0.0)  # (Hkv, G, Tq, Tk)
     dog = do.reshape(t, hkv, hq // hkv, d)
     dv = jnp.einsum("kgts,tkgd->skd", p, dog.astype(jnp.float32))
@@ -78,19 +104,42 @@ def block_size(chunk: int) -> int:
     return next(b for b in range(min(chunk, BLOCK), 0, -1) if chunk % b == 0)
 
 
-def _pairs(q_ids, k_ids, causal: bool) -> np.ndarray:
+def _pairs(q_ids, k_ids, span: Span, b: int) -> np.ndarray:
     """(P, 2): every (query block, key block) whose scores are not all
     masked, by the blocks' places in the original order (``*_ids``): under a
-    causal mask a key block after the query block is skipped."""
-    pairs = [(i, j) for i, qi in enumerate(q_ids) for j, kj in enumerate(k_ids) if not causal or kj <= qi]
+    causal mask a key block after the query block is skipped, under a
+    sliding window one wholly before it too."""
+    pairs = [(i, j) for i, qi in enumerate(q_ids) for j, kj in enumerate(k_ids) if span.sees_block(qi, kj, b)]
     return np.asarray(pairs, np.int32).reshape(-1, 2)
+
+
+def _hidden_pair(q_ids, k_ids) -> tuple[int, int]:
+    """A (query block, key block) pair a causal mask hides whole: this
+    shard's first query block (in chunk ``i < C``) and the latest key block
+    (in a chunk ``>= C``). It pads a shard's table to the common length:
+    computed, it adds nothing."""
+    i, j = 0, int(np.argmax(k_ids))
+    assert k_ids[j] > q_ids[i], (q_ids, k_ids)
+    return i, j
 
 
 def _mine(tables: list[np.ndarray]):
     """This context shard's row of per-shard pair tables (one per shard, of
-    equal length: the dual-chunk order gives every shard the same work)."""
-    assert len({t.shape for t in tables}) == 1, [t.shape for t in tables]
+    equal length: `_padded`)."""
     return jnp.asarray(np.stack(tables))[jax.lax.axis_index(CONTEXT)]
+
+
+def _padded(tables: list[np.ndarray], queries, keys, n: int) -> list[np.ndarray]:
+    """``tables`` padded to ``n`` pairs each. The dual-chunk order gives
+    every shard the same number of pairs under a plain causal mask; a
+    sliding window does not, and a shorter table (of ``queries[i]`` against
+    ``keys[i]``, the blocks' places) takes pairs the mask hides whole."""
+    out = []
+    for t, q_ids, k_ids in zip(tables, queries, keys):
+        if len(t) < n:
+            t = np.concatenate([t, np.tile(np.asarray(_hidden_pair(q_ids, k_ids), np.int32), (n - len(t), 1))])
+        out.append(t)
+    return out
 
 
 def _init(q, hkv):
@@ -131,27 +180,27 @@ def _add_rows(a, x, start):
 # -- the two loops over (query block, key block) pairs: flash attention's, with the masked pairs left out
 
 
-def _forward(acc, q, k, v, qpos, kpos, qseg, kseg, pairs, b: int, causal: bool, scale: float):
+def _forward(acc, q, k, v, qpos, kpos, qseg, kseg, pairs, b: int, span: Span, scale: float):
     """Running (out, max, sum) of queries ``q`` updated with keys ``k``, one
     (query block, key block) of ``pairs`` (blocks of ``b`` tokens) at a time."""
 
     def step(carry, pair):
         i, j = pair[0] * b, pair[1] * b
         new = _block_forward(tuple(_rows(a, i, b, 2) for a in carry), _rows(q, i, b), _rows(k, j, b), _rows(v, j, b),
-                             _rows(qpos, i, b), _rows(kpos, j, b), _rows(qseg, i, b), _rows(kseg, j, b), causal, scale)
+                             _rows(qpos, i, b), _rows(kpos, j, b), _rows(qseg, i, b), _rows(kseg, j, b), span, scale)
         return tuple(jax.lax.dynamic_update_slice_in_dim(a, x, i, 2) for a, x in zip(carry, new)), None
 
     return jax.lax.scan(step, acc, pairs)[0]
 
 
-def _grads(init, q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, pairs, b: int, causal: bool, scale: float):
+def _grads(init, q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, pairs, b: int, span: Span, scale: float):
     """(dq, dk, dv) in float32, ``init`` plus the gradients over ``pairs``."""
 
     def step(carry, pair):
         i, j = pair[0] * b, pair[1] * b
         dq, dk, dv = _block_backward(_rows(q, i, b), _rows(k, j, b), _rows(v, j, b), _rows(do, i, b),
                                      _rows(lse, i, b, 2), _rows(delta, i, b, 2), _rows(qpos, i, b), _rows(kpos, j, b),
-                                     _rows(qseg, i, b), _rows(kseg, j, b), causal, scale)
+                                     _rows(qseg, i, b), _rows(kseg, j, b), span, scale)
         return (_add_rows(carry[0], dq, i), _add_rows(carry[1], dk, j), _add_rows(carry[2], dv, j)), None
 
     return jax.lax.scan(step, init, pairs)[0]
@@ -165,20 +214,20 @@ def _zeros(*xs):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
-def _flash(q, k, v, qpos, kpos, qseg, kseg, pairs, b, causal, scale):
-    return _flash_fwd(q, k, v, qpos, kpos, qseg, kseg, pairs, b, causal, scale)[0]
+def _flash(q, k, v, qpos, kpos, qseg, kseg, pairs, b, span, scale):
+    return _flash_fwd(q, k, v, qpos, kpos, qseg, kseg, pairs, b, span, scale)[0]
 
 
-def _flash_fwd(q, k, v, qpos, kpos, qseg, kseg, pairs, b, causal, scale):
-    acc = _forward(_init(q, k.shape[1]), q, k, v, qpos, kpos, qseg, kseg, pairs, b, causal, scale)
+def _flash_fwd(q, k, v, qpos, kpos, qseg, kseg, pairs, b, span, scale):
+    acc = _forward(_init(q, k.shape[1]), q, k, v, qpos, kpos, qseg, kseg, pairs, b, span, scale)
     out, lse = _finish(*acc, q)
     return out, (q, k, v, qpos, kpos, qseg, kseg, pairs, out, lse)
 
 
-def _flash_bwd(b, causal, scale, res, dout):
+def _flash_bwd(b, span, scale, res, dout):
     q, k, v, qpos, kpos, qseg, kseg, pairs, out, lse = res
     dq, dk, dv = _grads(_zeros(q, k, v), q, k, v, dout, lse, _delta(dout, out, k.shape[1]), qpos, kpos, qseg, kseg,
-                        pairs, b, causal, scale)
+                        pairs, b, span, scale)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None, None
 
 
@@ -201,7 +250,7 @@ def _scatter(_, g):
 _gather.defvjp(lambda x: (_gather(x), None), _scatter)
 
 
-def gather_attention(q, k, v, pos, seg, causal, scale, n, layout, b):
+def gather_attention(q, k, v, pos, seg, span, scale, n, layout, b):
     """This shard's queries over every shard's keys gathered once
     (differentiating the all-gather reduce-scatters their gradients back).
     ``layout[i]``: the original place, in blocks of ``b`` tokens, of each
@@ -212,25 +261,29 @@ def gather_attention(q, k, v, pos, seg, causal, scale, n, layout, b):
     else:
         kpos, kseg = pos, seg
     everyone = np.asarray(layout).reshape(-1)  # the gathered keys' blocks: every shard's, in shard order
-    pairs = _mine([_pairs(mine, everyone, causal) for mine in layout])
-    return _flash(q, k, v, pos, kpos, seg, kseg, pairs, b, causal, scale)
+    tables = [_pairs(mine, everyone, span, b) for mine in layout]
+    pairs = _mine(_padded(tables, layout, [everyone] * n, max(map(len, tables))))
+    return _flash(q, k, v, pos, kpos, seg, kseg, pairs, b, span, scale)
 
 
 # -- the ring: each shard's keys in turn, passed on with ppermute
 
 
-def _ring_pairs(layout, causal: bool):
+def _ring_pairs(layout, span: Span, b: int):
     """This shard's pairs against its own keys, and against the keys of
     each later hop, (n - 1, P, 2): after ``h`` hops shard ``i`` holds shard
     ``i - h``'s keys. Under a causal mask each hop's keys are half seen."""
     n = len(layout)
-    hops = [_mine([_pairs(layout[i], layout[(i - h) % n], causal) for i in range(n)]) for h in range(n)]
-    return hops[0], jnp.stack(hops[1:])
+    keys = [[layout[(i - h) % n] for i in range(n)] for h in range(n)]
+    tables = [[_pairs(layout[i], keys[h][i], span, b) for i in range(n)] for h in range(n)]
+    first = _mine(_padded(tables[0], layout, keys[0], max(map(len, tables[0]))))
+    most = max(len(t) for hop in tables[1:] for t in hop)  # the later hops run in one scan: one length
+    return first, jnp.stack([_mine(_padded(tables[h], layout, keys[h], most)) for h in range(1, n)])
 
 
-def _ring_forward(q, k, v, pos, seg, causal, scale, n, layout, b):
-    first, later = _ring_pairs(layout, causal)
-    hop = functools.partial(_forward, q=q, qpos=pos, qseg=seg, b=b, causal=causal, scale=scale)
+def _ring_forward(q, k, v, pos, seg, span, scale, n, layout, b):
+    first, later = _ring_pairs(layout, span, b)
+    hop = functools.partial(_forward, q=q, qpos=pos, qseg=seg, b=b, span=span, scale=scale)
 
     def step(carry, pairs):
         acc, kv = carry
@@ -243,21 +296,21 @@ def _ring_forward(q, k, v, pos, seg, causal, scale, n, layout, b):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def ring_attention(q, k, v, pos, seg, causal, scale, n, layout, b):
-    return _ring_forward(q, k, v, pos, seg, causal, scale, n, layout, b)[0]
+def ring_attention(q, k, v, pos, seg, span, scale, n, layout, b):
+    return _ring_forward(q, k, v, pos, seg, span, scale, n, layout, b)[0]
 
 
-def _ring_fwd(q, k, v, pos, seg, causal, scale, n, layout, b):
-    out, lse = _ring_forward(q, k, v, pos, seg, causal, scale, n, layout, b)
+def _ring_fwd(q, k, v, pos, seg, span, scale, n, layout, b):
+    out, lse = _ring_forward(q, k, v, pos, seg, span, scale, n, layout, b)
     return out, (q, k, v, pos, seg, out, lse)
 
 
-def _ring_bwd(causal, scale, n, layout, b, res, dout):
+def _ring_bwd(span, scale, n, layout, b, res, dout):
     """K/V go round the ring again, their gradients with them: home after ``n`` hops."""
     q, k, v, pos, seg, out, lse = res
-    first, later = _ring_pairs(layout, causal)
+    first, later = _ring_pairs(layout, span, b)
     grads = functools.partial(_grads, q=q, do=dout, lse=lse, delta=_delta(dout, out, k.shape[1]), qpos=pos, qseg=seg,
-                              b=b, causal=causal, scale=scale)
+                              b=b, span=span, scale=scale)
 
     def hop(carry, pairs):
         dq, kv, dkv = carry

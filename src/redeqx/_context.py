@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from ._blockwise import block_scores, block_size, gather_attention, ring_attention
+from ._blockwise import Span, block_scores, block_size, gather_attention, ring_attention
 from ._mesh import CONTEXT, DATA, traced_platform
 from ._typing import typechecked
 
@@ -173,14 +173,14 @@ def order_sequences(batch, seq_keys: tuple[str, ...], mesh):
 # ----------------------------------------------------------------------------- the public function
 
 
-def _plain(q, k, v, pos, seg, causal: bool, scale: float):
+def _plain(q, k, v, pos, seg, span: Span, scale: float):
     """Exact attention on one device: cuDNN's flash attention on a GPU in half
     precision for a plain causal or full mask, the scores in float32 otherwise."""
-    if (seg is None and traced_platform() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+    if (seg is None and span.window is None and traced_platform() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
             and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128):
-        return jax.nn.dot_product_attention(q[None], k[None], v[None], scale=scale, is_causal=causal)[0]
+        return jax.nn.dot_product_attention(q[None], k[None], v[None], scale=scale, is_causal=span.causal)[0]
     seg = jnp.zeros(pos.shape, jnp.int32) if seg is None else seg
-    s, _ = block_scores(q, k, pos, pos, seg, seg, causal, scale)
+    s, _ = block_scores(q, k, pos, pos, seg, seg, span, scale)
     p = jax.nn.softmax(s, axis=-1)
     t, hq, d = q.shape
     return jnp.einsum("kgts,skd->tkgd", p.astype(v.dtype), v).reshape(t, hq, d)
@@ -197,14 +197,14 @@ def block_layout(n_tokens: int, n_shards: int) -> tuple[int, tuple[tuple[int, ..
     return b, tuple(tuple(int(i) for i in row) for row in ids)
 
 
-def _split(q, k, v, pos, seg, causal: bool, scale: float, impl: str, n: int):
+def _split(q, k, v, pos, seg, span: Span, scale: float, impl: str, n: int):
     """Attention with the sequence split over ``context`` (``n`` shards)."""
     seg = jnp.zeros(pos.shape, jnp.int32) if seg is None else seg
     b, layout = block_layout(q.shape[0], n)
     if impl == "ring" and n > 1:
-        body = functools.partial(ring_attention, causal=causal, scale=scale, n=n, layout=layout, b=b)
+        body = functools.partial(ring_attention, span=span, scale=scale, n=n, layout=layout, b=b)
     else:
-        body = functools.partial(gather_attention, causal=causal, scale=scale, n=n, layout=layout, b=b)
+        body = functools.partial(gather_attention, span=span, scale=scale, n=n, layout=layout, b=b)
     seq, tok = P(CONTEXT, None, None), P(CONTEXT)
     return jax.shard_map(lambda *a: body(*a), in_specs=(seq, seq, seq, tok, tok), out_specs=seq,
                          axis_names=frozenset({CONTEXT}), check_vma=False)(q, k, v, pos, seg)
@@ -219,6 +219,7 @@ def attention(
     causal: bool = True,
     segment_ids: Int[Array, "*batch seq"] | None = None,
     scale: float | None = None,
+    window: int | None = None,
     impl: str = "gather",
 ) -> Float[Array, "*batch seq q_heads head_dim"]:
     """Exact softmax attention of a sequence over itself, split over the
@@ -230,7 +231,9 @@ def attention(
     ``attention_mask.astype(int)`` for padding, whose tokens then only see
     each other), and with ``causal=True`` only those at or before its own
     position (`sequence_positions`: the original order, whatever the
-    layout). ``scale`` defaults to ``1 / sqrt(head_dim)``.
+    layout); with a ``window`` (causal only), only the last ``window`` of
+    those, itself included (sliding-window attention, as Mistral's).
+    ``scale`` defaults to ``1 / sqrt(head_dim)``.
 
     On a mesh without a ``context`` axis this is plain attention (cuDNN's
     flash attention on a GPU in half precision where no segments are given;
@@ -245,7 +248,7 @@ def attention(
     beside the compute). Both compute blocks of up to 1024 queries by 1024
     keys (the largest divisor of a chunk's ``T / 2C`` tokens not above
     1024), with an online softmax, skip the blocks a causal mask hides
-    whole, and differentiate by recomputing the scores (custom VJPs),
+    whole (and those a sliding window leaves behind), and differentiate by recomputing the scores (custom VJPs),
     never forming the ``(T, T)`` scores.
 
     **Example** (inside a model, one sequence; ``jax.vmap`` batches it):
@@ -262,8 +265,11 @@ def attention(
             f"attention: q {q.shape}, k {k.shape}, v {v.shape}: k and v need the same shape, the same sequence "
             "length and head size as q, and a number of heads that divides q's (grouped-query attention)."
         )
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1 or not causal):
+        raise ValueError(f"attention: window={window!r}; a sliding window is a positive int of tokens, and needs "
+                         "causal=True (each query sees the window of keys ending at itself).")
     if q.ndim > 3:  # a batch: each sequence on its own
-        fn = functools.partial(attention, causal=causal, scale=scale, impl=impl)
+        fn = functools.partial(attention, causal=causal, scale=scale, window=window, impl=impl)
         if segment_ids is None:
             return jax.vmap(lambda a, b, c: fn(a, b, c))(q, k, v)
         return jax.vmap(lambda a, b, c, s: fn(a, b, c, segment_ids=s))(q, k, v, segment_ids)
@@ -271,8 +277,9 @@ def attention(
     n = context_axis()
     pos = sequence_positions(q.shape[0])
     seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
+    span = Span(causal, window)
     if n is None:
-        return _plain(q, k, v, pos, seg, causal, scale)
+        return _plain(q, k, v, pos, seg, span, scale)
     if n > 1:
         _check_split(q.shape[0], n, "redeqx.attention")
-    return _split(q, k, v, pos, seg, causal, scale, impl, n)
+    return _split(q, k, v, pos, seg, span, scale, impl, n)

@@ -22,6 +22,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._context import context_shards
 from .._typing import positive_int
+from ._layers import CausalLM
 
 Sampler = Callable[[Float[Array, "batch vocab"], PRNGKeyArray], Int[Array, " batch"]]
 
@@ -172,17 +173,17 @@ def as_decoder(model) -> Decoder:
 
 
 _CONTEXT_MESH = (
-    "{what} cannot run on a mesh that splits sequences over 'context' ({n} shards): a prompt batched there "
-    "(redeqx.batches or redeqx.predict with seq_keys) arrives in the split order, which decoding would read as the "
-    "prompt, and the cache holds unsplit sequences. Generate on a mesh without a context axis over the same "
-    "devices: mesh2 = redeqx.make_mesh(n_model_shards), the model moved with "
+    "{what} on a mesh that splits sequences over 'context' ({n} shards) needs a model whose prefill reads a prompt "
+    "in the split order (redeqx.batches or redeqx.predict with seq_keys put it there): the zoo's decoder-only "
+    "models do; a {model} does not. Generate on a mesh without a context axis over the same devices: "
+    "mesh2 = redeqx.make_mesh(n_model_shards), the model moved with "
     "redeqx.shard(model, redeqx.sharding_rules(model, mesh2), mesh2), and predict(..., mesh2) without seq_keys."
 )
 
 
 def _check(model, input_ids, max_new_tokens, attention_mask, what):
-    if context_shards() > 1:
-        raise ValueError(_CONTEXT_MESH.format(what=what, n=context_shards()))
+    if context_shards() > 1 and not isinstance(model, CausalLM):
+        raise ValueError(_CONTEXT_MESH.format(what=what, n=context_shards(), model=type(model).__name__))
     if jnp.ndim(input_ids) != 2:
         raise ValueError(
             f"input_ids must be (batch, prompt_len) token ids, got shape {jnp.shape(input_ids)}; "
@@ -246,9 +247,10 @@ def generate(
     padding. ``sampler`` picks each token (default
     `greedy`; `sample` for temperature/top-k/top-p, which needs ``key``).
     After a sequence emits ``eos_token_id`` its remaining tokens are
-    ``pad_token_id``. On a mesh that splits sequences over ``context`` it
-    raises (the prompt would arrive in the split order): generate on a mesh
-    without that axis.
+    ``pad_token_id``. On a mesh that splits sequences over ``context``, a
+    zoo decoder-only model takes the prompt in the split order and splits
+    its prefill (the model's ``prefill``); the decoding steps then
+    run on the whole cache. Other models raise there.
 
     **Example** (as a ``pred_fn``, sharded with the model):
 

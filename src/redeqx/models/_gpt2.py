@@ -33,6 +33,7 @@ from ._layers import (
     attention,
     build_layers,
     check_positive_ints,
+    check_context_attention,
     check_scan_unroll,
     heads,
     inv_sqrt,
@@ -65,9 +66,11 @@ class GPT2Config:
     eos_token_id: int | None = 50256
     scan_layers: bool = SCAN_LAYERS  # layers stacked and run by a lax.scan (see SCAN_LAYERS); False: a list
     scan_unroll: int | bool | None = None  # the stack's lax.scan unroll; None: per platform (SCAN_UNROLL)
+    context_attention: str = "gather"  # K/V across a context split: "gather" or "ring" (redeqx.attention's impl)
 
     def __post_init__(self):
         check_scan_unroll(self)
+        check_context_attention(self)
         check_positive_ints(self, ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"))
         if self.n_embd % self.n_head:
             raise ValueError(f"GPT2Config: n_embd={self.n_embd} must be a multiple of n_head={self.n_head}.")

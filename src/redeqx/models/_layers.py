@@ -267,6 +267,18 @@ def check_scan_unroll(config) -> None:
         )
 
 
+def check_context_attention(config) -> None:
+    """A clear error for a config's ``context_attention`` that `redeqx.attention` would not take."""
+    from .._context import IMPLS
+
+    if config.context_attention not in IMPLS:
+        raise ValueError(
+            f"{type(config).__name__}.context_attention={config.context_attention!r}: choose one of {IMPLS} "
+            "(how keys/values cross a sequence split over 'context': all gathered, or passed around a ring when "
+            "the gathered ones do not fit)."
+        )
+
+
 def scan_unroll(config) -> int | bool:
     """The ``unroll`` of the ``lax.scan`` that runs ``config``'s stacked
     layers: ``config.scan_unroll``, or when it is None, `SCAN_UNROLL`'s
@@ -339,21 +351,23 @@ class CausalMask:
 class SplitMask:
     """Causal attention over a sequence split over the mesh's ``context``
     axis, in its order: `attention` hands it to `redeqx.attention`, which
-    masks by original position and ``segment_ids`` (1 for real tokens, 0
-    for padding) block by block, never forming the (T, T) mask."""
+    masks by original position, sliding ``window`` and ``segment_ids`` (1
+    for real tokens, 0 for padding) block by block, never forming the
+    (T, T) mask."""
 
     segment_ids: Int[Array, " seq"] | None
     impl: str = "gather"
+    window: int | None = None
 
 
-def split_mask(valid: Bool[Array, " seq"], impl: str):
+def split_mask(valid: Bool[Array, " seq"], impl: str, window: int | None = None):
     """Positions and mask of a padded sequence split over ``context``:
     positions count real tokens in the original order (as for an unsplit
     one), padding sees only padding."""
     order = sequence_positions(valid.shape[0])
     inverse = jnp.argsort(order)
     counted = jnp.maximum(jnp.cumsum(valid[inverse].astype(jnp.int32)) - 1, 0)  # in the original order
-    return counted[order], SplitMask(valid.astype(jnp.int32), impl)
+    return counted[order], SplitMask(valid.astype(jnp.int32), impl, window)
 
 
 def _flash_ok(q, k, bias) -> bool:
@@ -382,7 +396,8 @@ def attention(
     if isinstance(mask, SplitMask):
         if bias is not None:
             raise ValueError("attention with an additive bias cannot run on a sequence split over 'context' yet.")
-        return split_attention(q, k, v, causal=True, segment_ids=mask.segment_ids, scale=scale, impl=mask.impl)
+        return split_attention(q, k, v, causal=True, segment_ids=mask.segment_ids, scale=scale, window=mask.window,
+                               impl=mask.impl)
     if isinstance(mask, CausalMask):
         if _flash_ok(q, k, bias):
             out = jax.nn.dot_product_attention(q[None], k[None], v[None], scale=scale, is_causal=True,
@@ -571,14 +586,11 @@ class CausalLM(eqx.Module):
         return jnp.maximum(jnp.cumsum(valid) - 1, 0), causal_mask(valid, 0, t, self._window()), valid
 
     def _split_inputs(self, t: int, attention_mask):
-        if self._window() is not None:
-            raise ValueError(f"{type(self).__name__}: sliding-window attention cannot run on a sequence split over "
-                             "'context' yet; use a mesh without n_context_shards.")
         impl = getattr(self.config, "context_attention", "gather")
         if attention_mask is None:
-            return sequence_positions(t), SplitMask(None, impl), None
+            return sequence_positions(t), SplitMask(None, impl, self._window()), None
         valid = attention_mask.astype(bool)
-        positions, mask = split_mask(valid, impl)
+        positions, mask = split_mask(valid, impl, self._window())
         return positions, mask, valid
 
     def init_cache(self, max_len: int, dtype=None) -> Cache:
@@ -601,11 +613,43 @@ class CausalLM(eqx.Module):
         `redeqx.models.generate` starts from). Padding (``attention_mask``
         False) may sit anywhere: positions count real tokens only, padded
         slots are never attended to, and the logits are the last real
-        token's."""
+        token's.
+
+        On a mesh with a ``context`` axis the prompt arrives in its split
+        order (`redeqx.batches` or `redeqx.predict` with ``seq_keys``): its
+        forward is split over ``context`` as a training step's is (the
+        attention `redeqx.attention`'s, the logits never whole), and the
+        cache comes out in the original order, whole on every context shard,
+        for the decoding steps."""
         t = input_ids.shape[0]
+        if context_axis() is not None:
+            return self._split_prefill(input_ids, attention_mask, max_new_tokens)
         cache = self.init_cache(t + max_new_tokens)
         logits, cache = self.decode(input_ids, cache, attention_mask=attention_mask)
         return logits[t - 1 - jnp.argmax(attention_mask[::-1])], cache
+
+    def _split_prefill(self, input_ids, attention_mask, max_new_tokens: int):
+        """`prefill` of a prompt in the split order: the forward runs over a
+        cache of exactly the prompt's slots (written in the split order, so
+        attention reads this shard's keys and values as training does); the
+        keys and values are then put back in the original order and padded
+        to ``max_new_tokens`` more slots."""
+        t = input_ids.shape[0]
+        self._check_positions(".prefill", t + max_new_tokens)
+        positions, mask, valid = self._split_inputs(t, attention_mask)
+        valid = jnp.ones((t,), bool) if valid is None else valid
+        logits, layers = self._run(input_ids, positions, mask, self.init_cache(t))
+        inverse = jnp.argsort(sequence_positions(t))  # inverse[p]: where the split layout holds place p
+
+        def whole(a):  # (..., t, kv_heads, head_dim), split order -> (..., t + new, kv_heads, head_dim), original
+            axis = a.ndim - 3
+            a = jnp.pad(jnp.take(a, inverse, axis=axis), [(0, max_new_tokens if d == axis else 0) for d in range(a.ndim)])
+            return constrain(a, P(*([None] * (axis + 1)), MODEL, None))
+
+        valid = valid[inverse]
+        cache = Cache(jax.tree.map(whole, layers), jnp.pad(valid, (0, max_new_tokens)), jnp.asarray(t, jnp.int32),
+                      jnp.sum(valid).astype(jnp.int32))
+        return logits[inverse[t - 1 - jnp.argmax(valid[::-1])]], cache
 
     def decode(
         self,

@@ -37,6 +37,7 @@ from ._layers import (
     attention,
     build_layers,
     check_positive_ints,
+    check_context_attention,
     check_scan_unroll,
     default_head_dim,
     heads,
@@ -93,6 +94,7 @@ class LlamaConfig:
 
     def __post_init__(self):
         check_scan_unroll(self)
+        check_context_attention(self)
         check_positive_ints(
             self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
         )

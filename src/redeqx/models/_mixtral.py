@@ -19,7 +19,16 @@ import equinox as eqx
 import jax
 from jaxtyping import PRNGKeyArray
 
-from ._layers import SCAN_LAYERS, Embedding, Linear, RMSNorm, build_layers, check_positive_ints, check_scan_unroll
+from ._layers import (
+    SCAN_LAYERS,
+    Embedding,
+    Linear,
+    RMSNorm,
+    build_layers,
+    check_context_attention,
+    check_positive_ints,
+    check_scan_unroll,
+)
 from ._llama import LlamaAttention
 from ._moe import MoE
 from ._moe_lm import MoECausalLM, attention_config, llama_fields, sparse_block
@@ -60,10 +69,12 @@ class MixtralConfig:
     pad_token_id: int | None = None
     scan_layers: bool = SCAN_LAYERS
     scan_unroll: int | bool | None = None
+    context_attention: str = "gather"  # K/V across a context split: "gather" or "ring" (redeqx.attention's impl)
     model_type: str = "mixtral"
 
     def __post_init__(self):
         check_scan_unroll(self)
+        check_context_attention(self)
         check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                    "num_attention_heads", "num_local_experts", "num_experts_per_tok"))
         if self.num_experts_per_tok > self.num_local_experts:

@@ -42,6 +42,7 @@ from ._layers import (
     Linear,
     build_layers,
     check_positive_ints,
+    check_context_attention,
     check_scan_unroll,
     default_head_dim,
     run_layers,
@@ -84,9 +85,11 @@ class OPTConfig:
     hf_prefix: str = "model."  # prefix of the checkpoint's tensor names ("" in the hub's OPTModel files)
     scan_layers: bool = SCAN_LAYERS  # layers stacked and run by a lax.scan (see SCAN_LAYERS); False: a list
     scan_unroll: int | bool | None = None  # the stack's lax.scan unroll; None: per platform (SCAN_UNROLL)
+    context_attention: str = "gather"  # K/V across a context split: "gather" or "ring" (redeqx.attention's impl)
 
     def __post_init__(self):
         check_scan_unroll(self)
+        check_context_attention(self)
         check_positive_ints(self, ("vocab_size", "hidden_size", "num_hidden_layers", "ffn_dim",
                                    "num_attention_heads", "max_position_embeddings"))
         default_head_dim(self.hidden_size, self.num_attention_heads)

@@ -30,6 +30,7 @@ from ._layers import (
     RMSNorm,
     build_layers,
     check_positive_ints,
+    check_context_attention,
     check_scan_unroll,
     heads,
 )
@@ -77,10 +78,12 @@ class Qwen3MoeConfig:
     pad_token_id: int | None = None
     scan_layers: bool = SCAN_LAYERS
     scan_unroll: int | bool | None = None
+    context_attention: str = "gather"  # K/V across a context split: "gather" or "ring" (redeqx.attention's impl)
     model_type: str = "qwen3_moe"
 
     def __post_init__(self):
         check_scan_unroll(self)
+        check_context_attention(self)
         check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
                                    "num_hidden_layers", "num_attention_heads", "num_experts", "num_experts_per_tok",
                                    "decoder_sparse_step"))
