@@ -159,3 +159,22 @@ def test_seq2seq_refuses_a_context_mesh(devices, family):
     with pytest.raises(ValueError, match=r"encoder-decoder models cannot run on a mesh that splits sequences(.|\n)*"
                                          r"without n_context_shards"):
         step(state, batch)
+
+
+def test_every_decoder_config_takes_the_ring(devices):
+    """``context_attention`` on every decoder-only config: checked, and the ring is what runs."""
+    configs = [models.GPT2Config, models.GPTJConfig, models.OPTConfig, models.LlamaConfig, models.MixtralConfig,
+               models.Qwen3MoeConfig]
+    for config in configs:
+        with pytest.raises(ValueError, match=rf"{config.__name__}.context_attention='rings': choose one of"):
+            config(context_attention="rings")
+    model = models.GPT2LMHeadModel(
+        models.GPT2Config(vocab_size=V, n_positions=32, n_embd=H, n_layer=1, n_head=4, context_attention="ring"),
+        key=jax.random.key(0))
+    mesh = _mesh(1, 4, 1)
+    params, static = eqx.partition(redeqx.shard(model, redeqx.sharding_rules(model, mesh), mesh), eqx.is_array)
+    batch = next(redeqx.batches(_examples(), _collate, 4, mesh, seq_keys=SEQ_KEYS))
+    grad = jax.jit(jax.grad(lambda p, b: llama_loss(eqx.combine(p, static), b, None)))
+    with jax.set_mesh(mesh):
+        text = redeqx.collective_summary(grad.lower(params, batch).compile().as_text())
+    assert "collective-permute" in text, text
