@@ -105,3 +105,30 @@ def test_what_generate_cannot_drive_is_named():
         models.generate(object(), jnp.asarray(PROMPTS), max_new_tokens=2)
     with pytest.raises(ValueError, match=r"must return one row of logits per token"):
         models.generate(lambda ids: jnp.zeros((VOCAB,)), jnp.asarray(PROMPTS), max_new_tokens=2)
+
+
+class CountingRNN(CharRNN):
+    traces: list = eqx.field(static=True)
+
+    def __init__(self, key):
+        super().__init__(key)
+        self.traces = []
+
+    def prefill(self, input_ids, attention_mask, max_new_tokens):
+        self.traces.append(1)
+        return super().prefill(input_ids, attention_mask, max_new_tokens)
+
+
+def test_generate_outside_jit_compiles_its_loop_once():
+    """Called eagerly, generate and beam_search compile the prefill and the loop once per model, shapes
+    and setting (before: the prefill ran op by op on every call); a sampler built again is the same one."""
+    rnn = CountingRNN(jax.random.key(0))
+    prompts, key = jnp.asarray(PROMPTS), jax.random.key(1)
+    for _ in range(2):
+        models.generate(rnn, prompts, max_new_tokens=3)
+        models.generate(rnn, prompts, max_new_tokens=3, sampler=models.sample(0.7, top_k=5), key=key)
+        models.beam_search(rnn, prompts, max_new_tokens=3, num_beams=2, eos_token_id=[1, 2])
+    assert len(rnn.traces) == 3, rnn.traces
+    assert models.sample(0.7, top_k=5) == models.sample(0.7, top_k=5) and models.greedy() == models.greedy()
+    models.generate(rnn, prompts, max_new_tokens=4)  # another length: compiled anew
+    assert len(rnn.traces) == 4

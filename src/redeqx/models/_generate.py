@@ -11,6 +11,7 @@ cache (`Recomputing`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
@@ -27,15 +28,42 @@ from ._layers import CausalLM
 Sampler = Callable[[Float[Array, "batch vocab"], PRNGKeyArray], Int[Array, " batch"]]
 
 
-def greedy() -> Sampler:
-    """The most likely next token (what Transformers' ``do_sample=False`` does)."""
+@dataclasses.dataclass(frozen=True)
+class _Greedy:
+    needs_key = False
 
-    def pick(logits, key):
+    def __call__(self, logits, key):
         del key
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
-    pick.needs_key = False
-    return pick
+
+@dataclasses.dataclass(frozen=True)
+class _Sample:
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    needs_key = True
+
+    def __call__(self, logits, key):
+        logits = logits.astype(jnp.float32) / self.temperature
+        neg = jnp.finfo(jnp.float32).min
+        if self.top_k is not None and self.top_k < logits.shape[-1]:
+            kth = jax.lax.top_k(logits, self.top_k)[0][:, -1:]  # (B, 1)
+            logits = jnp.where(logits < kth, neg, logits)
+        if self.top_p is not None and self.top_p < 1:
+            order = jnp.argsort(-logits, axis=-1)
+            sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+            probs = jax.nn.softmax(sorted_logits, axis=-1)
+            before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
+            keep_sorted = before < self.top_p  # the most likely token always stays
+            keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
+            logits = jnp.where(keep, logits, neg)
+        return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def greedy() -> Sampler:
+    """The most likely next token (what Transformers' ``do_sample=False`` does)."""
+    return _Greedy()
 
 
 def sample(temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None) -> Sampler:
@@ -55,25 +83,7 @@ def sample(temperature: float = 1.0, top_k: int | None = None, top_p: float | No
         positive_int(top_k, "sample: top_k")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"sample: top_p must be in (0, 1] or None, got {top_p!r}.")
-
-    def pick(logits, key):
-        logits = logits.astype(jnp.float32) / temperature
-        neg = jnp.finfo(jnp.float32).min
-        if top_k is not None and top_k < logits.shape[-1]:
-            kth = jax.lax.top_k(logits, top_k)[0][:, -1:]  # (B, 1)
-            logits = jnp.where(logits < kth, neg, logits)
-        if top_p is not None and top_p < 1:
-            order = jnp.argsort(-logits, axis=-1)
-            sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
-            probs = jax.nn.softmax(sorted_logits, axis=-1)
-            before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
-            keep_sorted = before < top_p  # the most likely token always stays
-            keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
-            logits = jnp.where(keep, logits, neg)
-        return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
-
-    pick.needs_key = True
-    return pick
+    return _Sample(float(temperature), top_k, None if top_p is None else float(top_p))
 
 
 @runtime_checkable
@@ -181,6 +191,11 @@ _CONTEXT_MESH = (
 )
 
 
+def _static(eos_token_id):
+    """``eos_token_id`` as a value the compiled loops can key on (a list becomes a tuple)."""
+    return tuple(eos_token_id) if isinstance(eos_token_id, list) else eos_token_id
+
+
 def _check(model, input_ids, max_new_tokens, attention_mask, what):
     if context_shards() > 1 and not isinstance(model, CausalLM):
         raise ValueError(_CONTEXT_MESH.format(what=what, n=context_shards(), model=type(model).__name__))
@@ -262,13 +277,21 @@ def generate(
     predict_step = redeqx.make_predict_step(pred_fn, mesh, specs)
     ```
     """
-    b, _, mask = _check(model, input_ids, max_new_tokens, attention_mask, "generate")
+    _, _, mask = _check(model, input_ids, max_new_tokens, attention_mask, "generate")
     model = as_decoder(model)
     sampler = greedy() if sampler is None else sampler
     if key is None:
         if getattr(sampler, "needs_key", True):
             raise ValueError("generate: this sampler draws random tokens; pass key=jax.random.key(...).")
         key = jax.random.key(0)
+    return _generate(model, input_ids, mask, key, sampler, max_new_tokens, _static(eos_token_id), pad_token_id)
+
+
+# The decoding loops, compiled once per model, shapes and setting when generate or beam_search is called
+# outside jit (the prefill would otherwise run op by op); inside a jitted step they are traced inline.
+@eqx.filter_jit
+def _generate(model, input_ids, mask, key, sampler, max_new_tokens, eos_token_id, pad_token_id):
+    b = input_ids.shape[0]
     last, cache = _prefill(model, input_ids, mask, max_new_tokens)
 
     def body(carry, step_key):
@@ -307,10 +330,15 @@ def beam_search(
     tokens = beam_search(model, prompts, max_new_tokens=32, num_beams=4, eos_token_id=2)
     ```
     """
-    b, _, mask = _check(model, input_ids, max_new_tokens, attention_mask, "beam_search")
-    model = as_decoder(model)
+    _, _, mask = _check(model, input_ids, max_new_tokens, attention_mask, "beam_search")
     positive_int(num_beams, "num_beams")
-    k = num_beams
+    return _beam_search(as_decoder(model), input_ids, mask, max_new_tokens, num_beams, float(length_penalty),
+                        _static(eos_token_id), pad_token_id)
+
+
+@eqx.filter_jit
+def _beam_search(model, input_ids, mask, max_new_tokens, num_beams, length_penalty, eos_token_id, pad_token_id):
+    b, k = input_ids.shape[0], num_beams
     rep = lambda x: jnp.repeat(x, k, axis=0)  # (B, ...) -> (B*K, ...), beams of a row adjacent
     last, cache = _prefill(model, rep(input_ids), rep(mask), max_new_tokens)
     neg = jnp.finfo(jnp.float32).min
