@@ -170,11 +170,12 @@ def test_the_planner_counts_every_layer_and_micro_batch():
     moved = {k: sum(v["bytes"] for v in p.collectives.values()) for k, p in plans.items()}
     assert abs(flops["stacked"] / flops["listed"] - 1) < 0.1, flops
     assert abs(moved["stacked"] / moved["listed"] - 1) < 0.1, moved
-    for n in (1, 4):  # what the README promises for FLOPs at every split: within 15 % (XLA counts a body once)
-        other = redeqx.make_mesh(n)
-        ratio = (redeqx.plan(make(layers=6), loss_fn, optax.adamw(1e-3), batch(16), other).flops
-                 / redeqx.plan(unstacked(make(layers=6)), loss_fn, optax.adamw(1e-3), batch(16), other).flops)
-        assert abs(ratio - 1) < 0.15, (n, ratio)
+    # what the README promises for FLOPs at every split, within 15 % (XLA counts a body once): here at 4
+    # model shards beside the 2 above (1 shard adds no collective and no per-shard shape to get wrong)
+    other = redeqx.make_mesh(4)
+    ratio = (redeqx.plan(make(layers=6), loss_fn, optax.adamw(1e-3), batch(16), other).flops
+             / redeqx.plan(unstacked(make(layers=6)), loss_fn, optax.adamw(1e-3), batch(16), other).flops)
+    assert abs(ratio - 1) < 0.15, ratio
     acc = redeqx.plan(make(layers=6), loss_fn, optax.adamw(1e-3), batch(16), mesh, accumulate=2)
     assert abs(acc.flops / flops["stacked"] - 1) < 0.1, (acc.flops, flops["stacked"])
     everything = redeqx.plan(make(layers=6), loss_fn, optax.adamw(1e-3), batch(16), mesh, scan_residuals="all")

@@ -113,33 +113,31 @@ def _pairs(q_ids, k_ids, span: Span, b: int) -> np.ndarray:
     return np.asarray(pairs, np.int32).reshape(-1, 2)
 
 
-def _hidden_pair(q_ids, k_ids) -> tuple[int, int]:
-    """A (query block, key block) pair a causal mask hides whole: this
-    shard's first query block (in chunk ``i < C``) and the latest key block
-    (in a chunk ``>= C``). It pads a shard's table to the common length:
-    computed, it adds nothing."""
-    i, j = 0, int(np.argmax(k_ids))
-    assert k_ids[j] > q_ids[i], (q_ids, k_ids)
-    return i, j
-
-
 def _mine(tables: list[np.ndarray]):
     """This context shard's row of per-shard pair tables (one per shard, of
     equal length: `_padded`)."""
     return jnp.asarray(np.stack(tables))[jax.lax.axis_index(CONTEXT)]
 
 
-def _padded(tables: list[np.ndarray], queries, keys, n: int) -> list[np.ndarray]:
-    """``tables`` padded to ``n`` pairs each. The dual-chunk order gives
-    every shard the same number of pairs under a plain causal mask; a
-    sliding window does not, and a shorter table (of ``queries[i]`` against
-    ``keys[i]``, the blocks' places) takes pairs the mask hides whole."""
-    out = []
-    for t, q_ids, k_ids in zip(tables, queries, keys):
-        if len(t) < n:
-            t = np.concatenate([t, np.tile(np.asarray(_hidden_pair(q_ids, k_ids), np.int32), (n - len(t), 1))])
-        out.append(t)
-    return out
+PAD = -1  # a table entry that stands for no pair: skipped (`_pads_skipped`)
+
+
+def _padded(tables: list[np.ndarray], n: int, span: Span) -> list[np.ndarray]:
+    """``tables`` padded to ``n`` pairs each with ``(PAD, PAD)``. The
+    dual-chunk order gives every shard the same number of pairs under a
+    plain causal mask (no padding); a sliding window does not, and its
+    loops skip the padding (`_pads_skipped`)."""
+    assert span.window is not None or all(len(t) == n for t in tables), [len(t) for t in tables]
+    return [np.concatenate([t, np.full((n - len(t), 2), PAD, np.int32)]) for t in tables]
+
+
+def _pads_skipped(step, span: Span):
+    """A loop step over (query block, key block) pairs that leaves the carry
+    as it is for a `PAD` pair: a conditional, only where tables can hold
+    padding (a sliding window), so the causal loop stays branch-free."""
+    if span.window is None:
+        return step
+    return lambda carry, pair: jax.lax.cond(pair[0] != PAD, step, lambda c, _: (c, None), carry, pair)
 
 
 def _init(q, hkv):
@@ -190,7 +188,7 @@ def _forward(acc, q, k, v, qpos, kpos, qseg, kseg, pairs, b: int, span: Span, sc
                              _rows(qpos, i, b), _rows(kpos, j, b), _rows(qseg, i, b), _rows(kseg, j, b), span, scale)
         return tuple(jax.lax.dynamic_update_slice_in_dim(a, x, i, 2) for a, x in zip(carry, new)), None
 
-    return jax.lax.scan(step, acc, pairs)[0]
+    return jax.lax.scan(_pads_skipped(step, span), acc, pairs)[0]
 
 
 def _grads(init, q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, pairs, b: int, span: Span, scale: float):
@@ -203,7 +201,7 @@ def _grads(init, q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, pairs, b: int,
                                      _rows(qseg, i, b), _rows(kseg, j, b), span, scale)
         return (_add_rows(carry[0], dq, i), _add_rows(carry[1], dk, j), _add_rows(carry[2], dv, j)), None
 
-    return jax.lax.scan(step, init, pairs)[0]
+    return jax.lax.scan(_pads_skipped(step, span), init, pairs)[0]
 
 
 def _zeros(*xs):
@@ -262,7 +260,7 @@ def gather_attention(q, k, v, pos, seg, span, scale, n, layout, b):
         kpos, kseg = pos, seg
     everyone = np.asarray(layout).reshape(-1)  # the gathered keys' blocks: every shard's, in shard order
     tables = [_pairs(mine, everyone, span, b) for mine in layout]
-    pairs = _mine(_padded(tables, layout, [everyone] * n, max(map(len, tables))))
+    pairs = _mine(_padded(tables, max(map(len, tables)), span))
     return _flash(q, k, v, pos, kpos, seg, kseg, pairs, b, span, scale)
 
 
@@ -276,9 +274,9 @@ def _ring_pairs(layout, span: Span, b: int):
     n = len(layout)
     keys = [[layout[(i - h) % n] for i in range(n)] for h in range(n)]
     tables = [[_pairs(layout[i], keys[h][i], span, b) for i in range(n)] for h in range(n)]
-    first = _mine(_padded(tables[0], layout, keys[0], max(map(len, tables[0]))))
+    first = _mine(_padded(tables[0], max(map(len, tables[0])), span))
     most = max(len(t) for hop in tables[1:] for t in hop)  # the later hops run in one scan: one length
-    return first, jnp.stack([_mine(_padded(tables[h], layout, keys[h], most)) for h in range(1, n)])
+    return first, jnp.stack([_mine(_padded(tables[h], most, span)) for h in range(1, n)])
 
 
 def _ring_forward(q, k, v, pos, seg, span, scale, n, layout, b):
