@@ -51,12 +51,16 @@ def probe(task: dict) -> dict:
         mesh = redeqx.make_mesh(1, n_context_shards=c, devices=devices)
         q, kv = (jax.ShapeDtypeStruct((1, t, h, 128), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "context")))
                  for h in (32, 8))
+        window = task.get("window")
         loss = lambda q, k, v: jnp.sum(redeqx.attention(q, k, v, causal=task.get("causal", True),  # noqa: E731
-                                                        impl=task["impl"]).astype(jnp.float32))
+                                                        window=window, impl=task["impl"]).astype(jnp.float32))
         with jax.set_mesh(mesh):
             compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile()
         text = compiled.as_text()  # FLOPs with every loop counted per iteration, as plan counts them
-        return dict(collectives=redeqx.collective_summary(text), flops=compiled_figures(compiled)["flops"] * loop_factor(text))
+        out = dict(collectives=redeqx.collective_summary(text), flops=compiled_figures(compiled)["flops"] * loop_factor(text))
+        if window is not None:  # the blocks each shard computes, and the table entries its loops walk
+            out.update(_window_blocks(t, c, window, task["impl"]))
+        return out
     config = models.LlamaConfig(vocab_size=128256, num_key_value_heads=8, rope_theta=500000.0, max_position_embeddings=t,
                                 context_attention=task["impl"], **SIZES[task["size"]])
     if c == 0:  # today's path: no context axis at all
@@ -76,6 +80,24 @@ def probe(task: dict) -> dict:
                     seq_keys=seq_keys)
     return dict(fits=bool(p.fits), peak=p.peak, temporaries=p.temporaries, flops=p.flops, collectives=p.collectives,
                 refused=getattr(p, "refused", None), compile_s=time.perf_counter() - start)
+
+
+def _window_blocks(t: int, c: int, window: int, impl: str) -> dict:
+    """Per context shard: the (query block, key block) pairs a sliding window
+    leaves to compute (fewest, most), and the table entries the loops walk
+    (the padding skipped)."""
+    from redeqx._blockwise import Span, _pairs
+    from redeqx._context import block_layout
+
+    b, layout = block_layout(t, c)
+    span = Span(True, window)
+    if impl == "gather":
+        everyone = [blk for row in layout for blk in row]
+        real = [len(_pairs(mine, everyone, span, b)) for mine in layout]
+        return dict(real=(min(real), max(real)), walked=max(real))
+    hops = [[len(_pairs(layout[i], layout[(i - h) % c], span, b)) for i in range(c)] for h in range(c)]
+    real = [sum(hop[i] for hop in hops) for i in range(c)]
+    return dict(real=(min(real), max(real)), walked=max(hops[0]) + (c - 1) * max(max(h) for h in hops[1:]))
 
 
 # ----------------------------------------------------------------------------- driver (no JAX)
@@ -145,7 +167,7 @@ def main():
                        "unsplit path.")
     lines += summary
     if "8b" in sizes:
-        lines += _attention_bytes(run), _causal_flops(run), _per_c(run), _ring_step(run)
+        lines += _attention_bytes(run), _causal_flops(run), _window_flops(run), _per_c(run), _ring_step(run)
     report(args, "Long context (benchmarks/long_context.py)", "\n".join(lines))
 
 
@@ -195,6 +217,27 @@ def _causal_flops(run: Probes) -> str:
     cases = [(c, [dict(base, chips=c, context=c, causal=causal) for causal in (True, False)]) for c in (2, 8)]
     return _rows(run, ["", f"redeqx.attention's FLOPs per device (value and grads, {t} tokens, as above), causal "
                        "against unmasked:", "", "| C | causal | unmasked | ratio | blocks computed (2C m² + m) / 4C m² |",
+                       "|---|---|---|---|---|"], cases, row)
+
+
+def _window_flops(run: Probes) -> str:
+    """redeqx.attention with a sliding window against the causal one: blocks computed and FLOPs."""
+    t, c, w = 32768, 8, 4096
+    blocks = 2 * c * (t // (2 * c) // 1024) ** 2 + t // (2 * c) // 1024  # causal: (2C m² + m) a shard
+
+    def row(case, p):
+        impl, window = case
+        if p is None:
+            return None
+        real, walked = (f"{p['real'][0]}-{p['real'][1]}", p["walked"]) if window else (blocks, blocks)
+        return f"| {impl} | {window or 'none (causal)'} | {real} | {walked} | {p['flops']:.3e} |"
+    cases = [((impl, window), dict(kind="attention", chips=c, context=c, seq=t, impl=impl, causal=True,
+                                   **({"window": window} if window else {})))
+             for impl in ("gather", "ring") for window in (None, w)]
+    return _rows(run, ["", f"redeqx.attention with a sliding window of {w} tokens ({t} tokens, C={c}, value and "
+                       "grads, as above): blocks of 1024 x 1024 computed by a shard, table entries its loops walk "
+                       "(padding skipped by a conditional), and the FLOPs XLA counts, each walked entry as computed:",
+                       "", "| impl | window | blocks computed a shard | entries walked | FLOPs counted |",
                        "|---|---|---|---|---|"], cases, row)
 
 
