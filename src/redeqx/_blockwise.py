@@ -8,9 +8,11 @@ segment ids, never as a ``(T, T)`` array.
 Both walk a table of (query block, key block) pairs, built on the host from
 the blocks' places in the original order: under a causal mask a key block
 that lies wholly after its query block is not in the table, so it is never
-computed (about half the pairs of a long sequence). The dual-chunk order
-gives every context shard a table of the same length, so the tables stack
-into one array indexed by ``axis_index("context")``."""
+computed (about half the pairs of a long sequence), nor is one a sliding
+window leaves wholly behind. The dual-chunk order gives every context shard
+a causal table of the same length, so the tables stack into one array
+indexed by ``axis_index("context")``; a window's tables differ, and the
+shorter ones are padded with entries the loops skip."""
 
 from __future__ import annotations
 
@@ -113,22 +115,19 @@ def _pairs(q_ids, k_ids, span: Span, b: int) -> np.ndarray:
     return np.asarray(pairs, np.int32).reshape(-1, 2)
 
 
-def _mine(tables: list[np.ndarray]):
-    """This context shard's row of per-shard pair tables (one per shard, of
-    equal length: `_padded`)."""
-    return jnp.asarray(np.stack(tables))[jax.lax.axis_index(CONTEXT)]
-
-
 PAD = -1  # a table entry that stands for no pair: skipped (`_pads_skipped`)
 
 
-def _padded(tables: list[np.ndarray], n: int, span: Span) -> list[np.ndarray]:
-    """``tables`` padded to ``n`` pairs each with ``(PAD, PAD)``. The
-    dual-chunk order gives every shard the same number of pairs under a
-    plain causal mask (no padding); a sliding window does not, and its
-    loops skip the padding (`_pads_skipped`)."""
+def _mine(tables: list[np.ndarray], span: Span, n: int | None = None):
+    """This context shard's row of per-shard pair tables, each padded to
+    ``n`` pairs (default: the longest) with ``(PAD, PAD)``. The dual-chunk
+    order gives every shard the same number of pairs under a plain causal
+    mask (no padding); a sliding window does not, and its loops skip the
+    padding (`_pads_skipped`)."""
+    n = max(map(len, tables)) if n is None else n
     assert span.window is not None or all(len(t) == n for t in tables), [len(t) for t in tables]
-    return [np.concatenate([t, np.full((n - len(t), 2), PAD, np.int32)]) for t in tables]
+    padded = [np.concatenate([t, np.full((n - len(t), 2), PAD, np.int32)]) for t in tables]
+    return jnp.asarray(np.stack(padded))[jax.lax.axis_index(CONTEXT)]
 
 
 def _pads_skipped(step, span: Span):
@@ -260,7 +259,7 @@ def gather_attention(q, k, v, pos, seg, span, scale, n, layout, b):
         kpos, kseg = pos, seg
     everyone = np.asarray(layout).reshape(-1)  # the gathered keys' blocks: every shard's, in shard order
     tables = [_pairs(mine, everyone, span, b) for mine in layout]
-    pairs = _mine(_padded(tables, max(map(len, tables)), span))
+    pairs = _mine(tables, span)
     return _flash(q, k, v, pos, kpos, seg, kseg, pairs, b, span, scale)
 
 
@@ -274,9 +273,8 @@ def _ring_pairs(layout, span: Span, b: int):
     n = len(layout)
     keys = [[layout[(i - h) % n] for i in range(n)] for h in range(n)]
     tables = [[_pairs(layout[i], keys[h][i], span, b) for i in range(n)] for h in range(n)]
-    first = _mine(_padded(tables[0], max(map(len, tables[0])), span))
     most = max(len(t) for hop in tables[1:] for t in hop)  # the later hops run in one scan: one length
-    return first, jnp.stack([_mine(_padded(tables[h], most, span)) for h in range(1, n)])
+    return _mine(tables[0], span), jnp.stack([_mine(tables[h], span, most) for h in range(1, n)])
 
 
 def _ring_forward(q, k, v, pos, seg, span, scale, n, layout, b):

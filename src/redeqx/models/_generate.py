@@ -221,9 +221,7 @@ def _check(model, input_ids, max_new_tokens, attention_mask, what):
                 f"(ids 0..{vocab - 1}); an embedding lookup out of range gives no error, only wrong tokens. "
                 "Tokenise with the model's own tokenizer, or map unknown tokens to its unk id."
             )
-    b, p = input_ids.shape
-    mask = jnp.ones((b, p), bool) if attention_mask is None else jnp.asarray(attention_mask).astype(bool)
-    return b, p, mask
+    return jnp.ones(input_ids.shape, bool) if attention_mask is None else jnp.asarray(attention_mask).astype(bool)
 
 
 def _eos_hit(tokens, eos_token_id):
@@ -277,7 +275,7 @@ def generate(
     predict_step = redeqx.make_predict_step(pred_fn, mesh, specs)
     ```
     """
-    _, _, mask = _check(model, input_ids, max_new_tokens, attention_mask, "generate")
+    mask = _check(model, input_ids, max_new_tokens, attention_mask, "generate")
     model = as_decoder(model)
     sampler = greedy() if sampler is None else sampler
     if key is None:
@@ -330,7 +328,7 @@ def beam_search(
     tokens = beam_search(model, prompts, max_new_tokens=32, num_beams=4, eos_token_id=2)
     ```
     """
-    _, _, mask = _check(model, input_ids, max_new_tokens, attention_mask, "beam_search")
+    mask = _check(model, input_ids, max_new_tokens, attention_mask, "beam_search")
     positive_int(num_beams, "num_beams")
     return _beam_search(as_decoder(model), input_ids, mask, max_new_tokens, num_beams, float(length_penalty),
                         _static(eos_token_id), pad_token_id)
