@@ -129,12 +129,12 @@ def run(args) -> dict:
 
     # One state per config (the layout and the stack's unroll, which lives in the model's static
     # config), shared by its steps with and without remat (each step donates it and returns the next).
-    steps, states, calls, first = {}, {}, {}, True
+    steps, states, calls, texts, first = {}, {}, {}, {}, True
     for spec, _, _, remat in variants:
         config = configs[spec]
         make = lambda key, c=config: model_class(c)(c, key=key)  # noqa: E731
         fn = redeqx.remat(next_token_loss) if remat else next_token_loss
-        if first:  # what the planner expects of the first step, compiled before anything is placed
+        if first and getattr(args, "plan", True):  # what the planner expects of the first step, compiled before anything is placed
             plan = redeqx.plan(make, fn, optimizer, batch, mesh, compute_dtype=jnp.bfloat16, explore=False)
         base = (jax.devices()[0].memory_stats() or {}).get("bytes_in_use", 0)
         if config not in states:
@@ -156,6 +156,7 @@ def run(args) -> dict:
             text = lowered.as_text().lower()
             v["flash_attention"] = "fmha" in text or "cudnn" in text
             v["temp_bytes"] = compiled.memory_analysis().temp_size_in_bytes
+            texts[name] = compiled.as_text() if getattr(args, "profile", None) and not texts else None
             states[config], metrics = steps[name](states[config], batch)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
@@ -165,8 +166,9 @@ def run(args) -> dict:
         calls[name] = config
         if config not in {calls[n] for n in list(calls)[:-1]}:  # the state's first step: the initial weights
             v["first_loss"] = float(metrics["loss"])
-        if first:  # the only state alive: the device's peak is this step's
+        if first and getattr(args, "plan", True):  # the only state alive: the device's peak is this step's
             v.update(plan_peak_bytes=plan.peak, compiled_flops_per_step=plan.flops)
+        if first:
             peak_in_use = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
             if peak_in_use:
                 v["measured_peak_bytes"] = peak_in_use - base
@@ -202,7 +204,30 @@ def run(args) -> dict:
             v["mfu"] = out["model_flops_per_step"] / t / peak
     out["device_peak_bytes_in_use"] = stats.get("peak_bytes_in_use")
     out["device_peak_flops"] = peak
+    profiled = next((n for n, t in texts.items() if t), None)
+    if profiled:
+        out["profile"] = profile(lambda: call(profiled), texts[profiled], args.profile, medians[profiled])
+        out["profile"]["variant"] = profiled
     return out
+
+
+def profile(step, hlo_text: str, log_dir: str, step_s: float, steps: int = 3) -> dict:
+    """``steps`` calls of ``step`` under JAX's profiler, the device's time by
+    kind (`benchmarks._profile.breakdown`); a failure is returned, not raised."""
+    import glob
+
+    from benchmarks._profile import breakdown
+
+    try:
+        jax.block_until_ready(step())
+        with jax.profiler.trace(log_dir):
+            for _ in range(steps):
+                jax.block_until_ready(step())
+        xplane = max(glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True), key=os.path.getmtime)
+        return {"steps": steps, "step_ms": step_s * 1e3, **breakdown(xplane, hlo_text, steps)}
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
 
 
 def table(out: dict) -> str:

@@ -1,0 +1,264 @@
+"""Everything RESULTS reports for one NVIDIA H100/H200, in one prepared command (issue 41).
+
+    python -m benchmarks.gpu --json gpu.json            # on the GPU machine: about 8 minutes
+    python -m benchmarks.gpu --from-json gpu.json       # here: RESULTS.md's "On one GPU" section
+    python -m benchmarks.gpu --smoke --no-write         # tiny sizes on any platform: check the script first
+
+Each section runs in a process of its own (a crash or a hang costs that
+section alone; its device memory is freed for the next), in this order, and
+is skipped when what is left of ``--budget`` seconds is under its estimate:
+
+- ``hardware``: the measured HBM bandwidth (a device-to-device pass, bytes
+  read + written) and bf16 matmul rate, the ceilings every figure below is read against;
+- ``gmm``: the MoE FFN's grouped matmuls, JAX's Hopper kernels against XLA's
+  ``ragged_dot`` and the dense matmul of the same FLOPs (`benchmarks.moe_gpu`);
+- ``moe``: ``moe1b`` (8 experts, top-2) against its dense twin ``1b``, one train step each;
+- ``decode``: greedy decoding of the 1B LLaMA at batch 1 and 8, stacked and
+  listed, against the HBM roofline, and each layout's first call (`benchmarks.decode_gpu`);
+- ``train``: the 1B LLaMA step stacked, listed and hand-written (MFU, first
+  compile), and a profile of the stacked step's device time by kind (`benchmarks._profile`).
+
+The JSON holds every section's raw figures (a section that failed holds its
+error); ``--from-json`` renders them, so a table can be re-read without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from benchmarks._common import ROOT, report, worker_env
+
+TITLE = "On one GPU (benchmarks/gpu.py)"
+# seconds each section needs on an H200 (estimates from earlier runs: start-up, compiles, timing)
+ESTIMATE = {"hardware": 20, "gmm": 60, "moe": 140, "decode": 110, "train": 140}
+SECTIONS = tuple(ESTIMATE)
+
+
+# ----------------------------------------------------------------------------- sections (each in a worker)
+
+def hardware(smoke: bool) -> dict:
+    """The copy bandwidth and the bf16 matmul rate, medians of timed repeats."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks._common import timed
+
+    device = jax.devices()[0]
+    n = 2**20 if smoke else 2**30  # elements of bf16: 2 GiB, many times any L2
+    x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
+    scale = jax.jit(lambda a: a * jnp.bfloat16(1.5))  # a pass over memory: n read, n written
+    t = min(timed(lambda: scale(x), 10))
+    side = 512 if smoke else 8192
+    a, b = (jax.random.normal(k, (side, side), jnp.bfloat16) for k in jax.random.split(jax.random.key(1)))
+    mm = jax.jit(lambda a, b: a @ b)
+    tm = sorted(timed(lambda: mm(a, b), 10))[5]
+    return {"device": device.device_kind, "platform": device.platform, "jax": jax.__version__,
+            "sm_count": getattr(device, "core_count", None),
+            "bandwidth_bytes_per_s": 2 * n * 2 / t, "matmul_flops_per_s": 2 * side**3 / tm}
+
+
+def gmm(smoke: bool) -> dict:
+    from benchmarks import moe_gpu
+
+    if smoke:
+        return moe_gpu.grouped_matmul_bench(rows=256, hidden=128, width=128, experts=4)
+    return moe_gpu.grouped_matmul_bench(rows=32768, hidden=2048, width=2816, experts=8)
+
+
+def moe(smoke: bool) -> dict:
+    from benchmarks import throughput
+
+    out = {}
+    for size in (("moe-tiny", "moe-tiny-dense") if smoke else ("moe1b", "1b")):
+        args = argparse.Namespace(size=size, seq=64 if smoke else 2048, batch=2 if smoke else 8,
+                                  variants="stacked+remat", hand=False, steps=1 if smoke else 3, rounds=1,
+                                  plan=False, profile=None)
+        out[size] = _quietly(throughput.run, args)
+    return out
+
+
+def decode(smoke: bool) -> dict:
+    from benchmarks import decode_gpu
+
+    return {f"batch {b}": decode_gpu.decode_bench(size="tiny" if smoke else "1b", batch=b,
+                                                  new_tokens=16 if smoke else 128)
+            for b in (1, 8)}
+
+
+def train(smoke: bool, profile_dir: str) -> dict:
+    from benchmarks import throughput
+
+    args = argparse.Namespace(size="tiny" if smoke else "1b", seq=64 if smoke else 2048, batch=2 if smoke else 8,
+                              variants="stacked,listed", hand=True, steps=2 if smoke else 5, rounds=2,
+                              plan=False, profile=profile_dir)
+    return _quietly(throughput.run, args)
+
+
+def _quietly(fn, *args):
+    """``fn(*args)``, its prints sent to stderr (a worker's stdout carries only its JSON)."""
+    stdout, sys.stdout = sys.stdout, sys.stderr
+    try:
+        return fn(*args)
+    finally:
+        sys.stdout = stdout
+
+
+def _section(name: str, smoke: bool, profile_dir: str) -> dict:
+    """One section in this process; failures are recorded, not raised."""
+    t = time.perf_counter()
+    try:
+        fn = globals()[name]
+        out = fn(smoke, profile_dir) if name == "train" else fn(smoke)
+    except Exception as e:  # noqa: BLE001 (a GPU lease is short: report and go on)
+        traceback.print_exc()
+        out = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+    out["section_s"] = time.perf_counter() - t
+    return out
+
+
+# ----------------------------------------------------------------------------- the driver
+
+def run_all(sections, budget: float, smoke: bool, workdir: Path, save=None) -> dict:
+    """Each section in a fresh process, while the budget lasts; the results as
+    one dict, handed to ``save`` after each section (a killed run keeps what it finished)."""
+    start, results = time.perf_counter(), {"date": time.strftime("%Y-%m-%d")}
+    env = worker_env(xla_flags="")  # the machine's own devices
+    if smoke and "cpu" in os.environ.get("JAX_PLATFORMS", "cpu"):
+        env.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+    for name in sections:
+        left = budget - (time.perf_counter() - start)
+        if not smoke and left < ESTIMATE[name]:
+            results[name] = {"skipped": f"{left:.0f} s of the budget left, {ESTIMATE[name]} s estimated"}
+            continue
+        print(f"[gpu] {name}: {left:.0f} s left", file=sys.stderr, flush=True)
+        task = json.dumps({"name": name, "smoke": smoke, "profile_dir": str(workdir / "profile")})
+        try:
+            proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--section", task], env=env, cwd=ROOT,
+                                  stdout=subprocess.PIPE, text=True, timeout=max(left, 30))
+            lines = proc.stdout.strip().splitlines()
+            results[name] = (json.loads(lines[-1]) if proc.returncode == 0 and lines
+                             else {"error": f"exit {proc.returncode}; its output is above"})
+        except subprocess.TimeoutExpired:
+            results[name] = {"error": f"timed out after {left:.0f} s"}
+        results[name].setdefault("wall_s", time.perf_counter() - start)
+        if save:
+            save(results)
+    return results
+
+
+# ----------------------------------------------------------------------------- rendering
+
+def _gib(b):
+    return f"{b / 2**30:.1f} GiB" if b else "n/a"
+
+
+def render(out: dict) -> str:
+    hw = out.get("hardware", {})
+    lines = [f"_{out.get('date', '')}, {hw.get('device', '?')} ({hw.get('platform', '?')}), jax {hw.get('jax', '?')}_",
+             ""]
+    if "bandwidth_bytes_per_s" in hw:
+        lines += [f"Measured in the same run: HBM {hw['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s (bytes read + "
+                  f"written by an elementwise pass over 2 GiB), bf16 matmul {hw['matmul_flops_per_s'] / 1e12:.0f} "
+                  "TFLOP/s (8192^3).", ""]
+    for name, fn in (("gmm", _render_gmm), ("moe", _render_moe), ("decode", _render_decode),
+                     ("train", _render_train)):
+        sec = out.get(name, {})
+        if "error" in sec or "skipped" in sec:
+            lines += [f"**{name}**: {sec.get('error') or sec.get('skipped')}", ""]
+        elif sec:
+            lines += fn(sec, hw) + [""]
+    return "\n".join(lines).rstrip()
+
+
+def _render_gmm(sec, hw):
+    from benchmarks import moe_gpu
+
+    return moe_gpu.render(sec)
+
+
+def _render_decode(sec, hw):
+    from benchmarks import decode_gpu
+
+    return decode_gpu.render(sec)
+
+
+def _render_moe(sec, hw):
+    rows = ["**MoE against its dense twin** (one train step each, stacked layers, remat, bf16 compute, AdamW):", "",
+            "| model | parameters (active) | step | tokens/s | MFU (active) | first compile | temporaries |",
+            "|---|---|---|---|---|---|---|"]
+    speed = {}
+    for size, res in sec.items():
+        if not isinstance(res, dict) or "variants" not in res:
+            continue
+        for name, v in res["variants"].items():
+            if "error" in v:
+                rows.append(f"| {size} | failed: {v['error'][:200]} | | | | | |")
+                continue
+            speed[size] = v["tokens_per_s"]
+            mfu = f"{v['mfu']:.1%}" if "mfu" in v else "n/a"
+            rows.append(f"| {size} | {res['parameters'] / 1e9:.2f} B ({res['active_parameters'] / 1e9:.2f} B) "
+                        f"| {v['step_s'] * 1e3:.1f} ms | {v['tokens_per_s']:,.0f} | {mfu} | {v['compile_s']:.1f} s "
+                        f"| {_gib(v.get('temp_bytes'))} |")
+    moe_size = next((s for s in speed if s.startswith("moe") and not s.endswith("dense")), None)
+    dense = next((s for s in speed if s != moe_size), None)
+    if moe_size and dense:
+        rows += ["", f"MoE tokens/s over the dense twin's: **{speed[moe_size] / speed[dense]:.2f}x** (target 0.6x)."]
+    return rows
+
+
+def _render_train(sec, hw):
+    from benchmarks import throughput
+
+    rows = [throughput.table(sec)]
+    prof = sec.get("profile")
+    if prof and "ms_per_step" in prof:
+        total = sum(prof["ms_per_step"].values())
+        rows += ["", f"Device time of the {prof['variant']} step by kind, from a profile of "
+                     f"{prof['steps']} steps (ms per step; the step took {prof['step_ms']:.1f} ms, the device "
+                     f"was busy {prof['busy_ms_per_step']:.1f} ms of it):", "",
+                 "| kind | ms per step | share of kernel time |", "|---|---|---|"]
+        rows += [f"| {k} | {ms:.1f} | {ms / total:.1%} |" for k, ms in prof["ms_per_step"].items() if ms]
+        rows += ["", "Largest instructions:", "", "| instruction | kind | ms per step | launches | kernel |",
+                 "|---|---|---|---|---|"]
+        rows += [f"| {t['op']} | {t['kind']} | {t['ms']:.2f} | {t['launches']} | `{t['kernel'][:60]}` |"
+                 for t in prof["top"][:12]]
+    elif prof:
+        rows += ["", f"Profile: {prof.get('error', prof)}"]
+    return rows
+
+
+def main():
+    if len(sys.argv) >= 3 and sys.argv[1] == "--section":
+        task = json.loads(sys.argv[2])
+        print(json.dumps(_section(task["name"], task["smoke"], task["profile_dir"])), flush=True)
+        return
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
+    p.add_argument("--budget", type=float, default=470, help="seconds for all sections (start-ups included)")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, any platform: checks the script")
+    p.add_argument("--json", help="write the results here (each section as it ends)")
+    p.add_argument("--workdir", default="/tmp/redeqx-gpu", help="where the profile is written")
+    p.add_argument("--from-json", help="render a run's JSON into RESULTS.md")
+    args = p.parse_args()
+    if args.from_json:
+        out = json.loads(Path(args.from_json).read_text())
+    else:
+        sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+        unknown = set(sections) - set(SECTIONS)
+        if unknown:
+            raise SystemExit(f"--sections: {sorted(unknown)} are not among {SECTIONS}")
+        save = (lambda out: Path(args.json).write_text(json.dumps(out, indent=1))) if args.json else None
+        out = run_all(sections, args.budget, args.smoke, Path(args.workdir), save)
+    report(argparse.Namespace(no_write=args.no_write or args.smoke), TITLE, render(out))
+
+
+if __name__ == "__main__":
+    main()
