@@ -378,3 +378,43 @@ def compiled_text(fn: Callable, *args, **kwargs) -> str:
             "make_train_step), or the HLO text itself."
         )
     return lower(*args, **kwargs).compile().as_text()
+
+
+_COPYING = ("copy", "transpose", "slice", "dynamic-slice", "concatenate", "gather")
+
+
+def repeated_copies(hlo_text: str, shapes: list[tuple[int, ...]], min_runs: int) -> list[tuple[str, str, int]]:
+    """``(op, shape copied from, runs)`` of each copy out of an array of one
+    of ``shapes`` that the program makes at least ``min_runs`` times (inside
+    a loop: a decoding loop's body runs once per token). A copy is a
+    ``dynamic-slice`` of such an array anywhere (an index computed in the
+    loop: a GPU backend materialises the slice, inside a fusion or not) or
+    any of ``copy``, ``transpose``, ``slice``, ``concatenate``, ``gather``
+    that makes a buffer (outside a fusion, or a fusion's result). Static
+    slices read inside a fusion (a product reading its weight in place) are
+    not copies."""
+    computations, params, entry = parse_module(hlo_text)
+    runs = executions(computations, entry)
+    fused = {m.group(1) for c in computations.values() for i in c if i.op == "fusion"
+             for m in [re.search(r"\bcalls=%?([\w.\-]+)", i.attributes)] if m}
+    wanted = {tuple(s) for s in shapes}
+    found = []
+    for name, instructions in computations.items():
+        if runs.get(name, 0) < min_runs:
+            continue
+        shape_of = dict(params.get(name, {}))
+        shape_of.update({i.name: i.shape for i in instructions})
+        root = instructions[-1].name if instructions else None
+        for ins in instructions:
+            if ins.op not in _COPYING or not ins.operands:
+                continue
+            source = array_shapes(shape_of.get(ins.operands[0], ""))
+            if not source or source[0][1] not in wanted:
+                continue
+            whole = source[0][1]
+            layer = next((d for d in whole if d != 1), 1)
+            if _elements(ins.shape) * layer < int(np.prod(whole, dtype=np.int64)):
+                continue  # less than a layer: a few slots of a cache, read in place
+            if ins.op == "dynamic-slice" or name not in fused or ins.name == root:
+                found.append((ins.op, shape_of[ins.operands[0]].split("{")[0], runs[name]))
+    return found

@@ -126,7 +126,7 @@ class GPT2Attention(eqx.Module):
         q, k, v = (heads(proj(x), self.n_head) for proj in (self.q_proj, self.k_proj, self.v_proj))
         if cache is not None:
             cache = update_cache(cache, k, v, index)
-            k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
+            k, v = cache.read(q.dtype)
         out = attention(q, k, v, mask, scale=inv_sqrt(q.shape[-1]))
         out = constrain(out.reshape(out.shape[0], -1), P(CONTEXT, MODEL))
         return constrain(self.c_proj(out), P(CONTEXT)), cache

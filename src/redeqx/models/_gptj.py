@@ -189,7 +189,7 @@ class GPTJAttention(eqx.Module):
         v = heads(v, c.n_head)
         if cache is not None:
             cache = update_cache(cache, k, v, index)
-            k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
+            k, v = cache.read(q.dtype)
         out = attention(q, k, v, mask, scale=inv_sqrt(c.head_dim))
         return constrain(out.reshape(out.shape[0], -1), P(CONTEXT, MODEL)), cache
 

@@ -277,7 +277,7 @@ def attend_and_project(o_proj, q, k, v, mask, head_dim: int, cache: KVCache | No
     ``cache`` when given, then the output projection (row parallel: one all-reduce)."""
     if cache is not None:
         cache = update_cache(cache, k, v, index)
-        k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
+        k, v = cache.read(q.dtype)
     out = attention(q, k, v, mask, scale=inv_sqrt(head_dim))  # (T, Hq, D)
     out = constrain(out.reshape(out.shape[0], -1), P(CONTEXT, MODEL))
     return constrain(o_proj(out), P(CONTEXT)), cache

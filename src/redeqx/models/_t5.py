@@ -277,7 +277,7 @@ class T5Attention(eqx.Module):
         h = self.config.num_heads
         if cached_kv is not None:
             q = heads(self.q(x), h)
-            k, v = cached_kv.k.astype(q.dtype), cached_kv.v.astype(q.dtype)
+            k, v = cached_kv.read(q.dtype)
         elif source is not None:
             q = heads(self.q(x), h)
             k, v = heads(self.k(source), h), heads(self.v(source), h)
@@ -285,7 +285,7 @@ class T5Attention(eqx.Module):
             q, k, v = heads(self.q(x), h), heads(self.k(x), h), heads(self.v(x), h)
             if cache is not None:
                 cache = update_cache(cache, k, v, index)
-                k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
+                k, v = cache.read(q.dtype)
         out = attention(q, k, v, mask, scale=1.0, bias=bias)  # T5 does not scale the scores
         out = constrain(out.reshape(out.shape[0], -1), P(None, MODEL))
         return constrain(self.o(out), P()), cache  # row parallel: one all-reduce

@@ -1,0 +1,88 @@
+"""Decoding a stacked model (the default layout) against the same weights
+listed: the same tokens, and a compiled decoding loop that copies neither a
+layer's weights out of the stack nor the KV cache on each token (read from
+the compiled program), with the cache in the compute dtype."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from redeqx import models
+from redeqx._hlo import repeated_copies
+from redeqx._loss import cast_floats
+
+V, NEW = 96, 12
+LLAMA = models.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                           num_attention_heads=4, num_key_value_heads=2)
+MIXTRAL = models.MixtralConfig(vocab_size=V, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                               num_experts_per_tok=2)
+BART = models.BartConfig(vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                         decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48,
+                         max_position_embeddings=32)
+FAMILIES = {"llama": (models.LlamaForCausalLM, LLAMA), "mixtral": (models.MixtralForCausalLM, MIXTRAL),
+            "bart": (models.BartForConditionalGeneration, BART)}
+
+
+def build(family, stacked):
+    cls, config = FAMILIES[family]
+    return cls(dataclasses.replace(config, scan_layers=stacked), key=jax.random.key(0))
+
+
+def prompts(n=2, t=5):
+    return jnp.asarray(np.random.default_rng(0).integers(2, V, (n, t)), jnp.int32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_stacked_decoding_gives_the_listed_tokens(family):
+    stacked, listed = build(family, True), build(family, False)
+    x = prompts()
+    np.testing.assert_array_equal(models.generate(stacked, x, max_new_tokens=6),
+                                  models.generate(listed, x, max_new_tokens=6))
+    if family == "llama":
+        np.testing.assert_array_equal(models.beam_search(stacked, x, max_new_tokens=4, num_beams=3),
+                                      models.beam_search(listed, x, max_new_tokens=4, num_beams=3))
+
+
+def _stacks(model, batch):
+    """The shapes a per-token copy would be made from: each stacked weight, and the stacked KV cache (batched)."""
+    layers = jax.tree.leaves(model.model.layers)
+    cache = jax.eval_shape(lambda m: m.init_cache(5 + NEW), model).layers.k.shape
+    return [a.shape for a in layers if a.ndim >= 3] + [(batch, *cache)]
+
+
+@pytest.mark.slow
+def test_the_stacked_decoding_loop_copies_no_weights_and_no_cache():
+    model, x = build("llama", True), prompts(n=1)
+    text = jax.jit(lambda m, i: models.generate(m, i, max_new_tokens=NEW)).lower(model, x).compile().as_text()
+    assert repeated_copies(text, _stacks(model, 1), NEW - 1) == []
+    beams = jax.jit(lambda m, i: models.beam_search(m, i, max_new_tokens=NEW, num_beams=2))
+    weights = _stacks(model, 1)[:-1]  # beam search reorders its cache each token: only weights here
+    assert repeated_copies(beams.lower(model, x).compile().as_text(), weights, NEW - 1) == []
+
+
+def test_repeated_copies_finds_a_stack_sliced_inside_a_loop():
+    """What the check reads: layers scanned inside a loop over tokens slice the stack at a loop index."""
+    w = jnp.ones((3, 16, 8))
+
+    def tokens(w, x):
+        def layer(x, wi):  # wi: (16, 8), x: (8,)
+            return jnp.tanh(wi.T @ (wi @ x)), None
+
+        return jax.lax.scan(lambda x, _: (jax.lax.scan(layer, x, w)[0], None), x, None, length=NEW)[0]
+
+    text = jax.jit(tokens).lower(w, jnp.ones(8)).compile().as_text()
+    assert ("dynamic-slice", "f32[3,16,8]") in {(op, s) for op, s, _ in repeated_copies(text, [w.shape], NEW - 1)}
+
+
+@pytest.mark.parametrize("family", ["llama", "bart"])
+def test_the_cache_holds_the_compute_dtype(family):
+    model = cast_floats(build(family, True), jnp.bfloat16)
+    x = prompts(n=1)[0]
+    cache = jax.eval_shape(lambda m: m.prefill(x, jnp.ones(x.shape, bool), 4)[1], model)
+    kv = [c for c in jax.tree.leaves(cache) if c.ndim >= 3]
+    assert kv and {c.dtype for c in kv} == {jnp.dtype(jnp.bfloat16)}
