@@ -78,7 +78,7 @@ def best_time(fn, reps: int) -> float:
 
 def copy_bandwidth(nbytes: int, reps: int = 5) -> float:
     """Bytes/s of a large device-to-device copy (read + write), the same chip's HBM as decoding reads."""
-    x = jnp.zeros((nbytes // 4,), jnp.float32)
+    x = jax.random.normal(jax.random.key(0), (nbytes // 4,), jnp.float32)  # not zeros: real data
     copy = jax.jit(lambda a: a + 1)  # reads and writes every byte once
     jax.block_until_ready(copy(x))
     return 2 * x.nbytes / best_time(lambda: copy(x), reps)
@@ -134,6 +134,29 @@ def decode_bench(size: str = "1b", batch: int = 1, new_tokens: int = 128, layout
         except Exception as e:  # a variant's flag this XLA refuses: said, and the others still run
             out["layouts"][name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(limit=3)}
     return out
+
+
+def render(runs: dict) -> list[str]:
+    """RESULTS rows of ``{"batch N": decode_bench(...), ...}``."""
+    rows = []
+    for label, out in runs.items():
+        if not isinstance(out, dict) or "layouts" not in out:
+            continue
+        rows += [f"**Greedy decoding, {label}** ({out['size']} LLaMA, {out['dtype']}, prompt {out['prompt']}, "
+                 f"{out['new_tokens']} new tokens; copy bandwidth {out['bandwidth_GBps'] / 1e3:.2f} TB/s in the "
+                 "same run):", "",
+                 "| layout | ms/token | tokens/s | roofline ms/token | % of roofline | first call | temporaries "
+                 "| same tokens |", "|---|---|---|---|---|---|---|---|"]
+        for name, v in out["layouts"].items():
+            if "error" in v:
+                rows.append(f"| {name} | failed: {v['error'][:160]} | | | | | | |")
+                continue
+            temps = f"{v['temp_bytes'] / 2**30:.2f} GiB" if v.get("temp_bytes") is not None else "n/a"
+            rows.append(f"| {name} | {v['ms_per_token']:.3f} | {v['tokens_per_s']:,.0f} | "
+                        f"{v['roofline_ms_per_token']:.3f} | {v['pct_of_roofline']:.0f} % | {v['first_call_s']:.1f} s "
+                        f"| {temps} | {'yes' if v['same_tokens_as_first_layout'] else 'NO'} |")
+        rows.append("")
+    return rows[:-1]
 
 
 def main():

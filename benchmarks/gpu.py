@@ -37,7 +37,7 @@ from benchmarks._common import ROOT, report, worker_env
 
 TITLE = "On one GPU (benchmarks/gpu.py)"
 # seconds each section needs on an H200 (estimates from earlier runs: start-up, compiles, timing)
-ESTIMATE = {"hardware": 20, "gmm": 60, "moe": 140, "decode": 110, "train": 140}
+ESTIMATE = {"hardware": 20, "gmm": 60, "moe": 140, "decode": 150, "train": 140}
 SECTIONS = tuple(ESTIMATE)
 
 
@@ -87,8 +87,10 @@ def moe(smoke: bool) -> dict:
 def decode(smoke: bool) -> dict:
     from benchmarks import decode_gpu
 
-    return {f"batch {b}": decode_gpu.decode_bench(size="tiny" if smoke else "1b", batch=b,
-                                                  new_tokens=16 if smoke else 128)
+    layouts = {1: ("stacked", "listed", "stacked+dsf", "stacked+cmdbuf"), 8: ("stacked", "listed")}
+    return {f"batch {b}": decode_gpu.decode_bench(size="tiny" if smoke else "1b", batch=b, layouts=layouts[b],
+                                                  new_tokens=8 if smoke else 128, reps=2 if smoke else 5,
+                                                  bandwidth_bytes=2**24 if smoke else 2**31)
             for b in (1, 8)}
 
 
