@@ -70,7 +70,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._mesh import CONTEXT, DATA, MODEL, traced_platform
 from .._typing import positive_int, typechecked
-from ._grouped import grouped
+from ._grouped import grouped, provisional
 from ._layers import ACTIVATIONS, INIT_STD, Linear
 
 # ----------------------------------------------------------------------------- the grouped expert computation
@@ -159,6 +159,7 @@ def _batched_rule(activation: str, shards: int, kind):
         outs = fn(*(a.reshape(b * t, *a.shape[2:]) for a in tokens), *weights)
         return tuple(o.reshape(b, t, *o.shape[1:]) if p else o for o, p in zip(outs, per_token))
 
+    @provisional(False)  # what the rule traces runs
     def rule(axis_size, in_batched, *args):
         fn = _functions(activation, shards)[kind is _BACKWARD]
         tokens, weights = args[:n_tokens], args[n_tokens:]
@@ -223,6 +224,7 @@ def _mix_experts_fn(activation: str):
     forward, backward = _functions(activation, 1)
 
     @jax.custom_vjp
+    @provisional()  # under jax.vmap, custom_vmap traces forward's body and then runs its rule instead
     def outputs(x, idx, w, gate_w, up_w, down_w):
         return forward(x, idx, w, gate_w, up_w, down_w)[0]
 
@@ -231,7 +233,8 @@ def _mix_experts_fn(activation: str):
 
     def bwd(res, ct):
         x, idx, w, gate_w, up_w, down_w = res
-        dx, dw, dg, du, dd = backward(x, idx, w, ct, gate_w, up_w, down_w)
+        with provisional():
+            dx, dw, dg, du, dd = backward(x, idx, w, ct, gate_w, up_w, down_w)
         return dx, None, dw, dg, du, dd
 
     outputs.defvjp(fwd, bwd)
