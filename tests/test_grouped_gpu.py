@@ -7,7 +7,9 @@ dispatch (`choose`) per device, dtype and shape; an MoE train step split over
 two expert shards against one device. The kernels themselves run on a GPU:
 ``python -m benchmarks.moe_gpu``."""
 
+import importlib
 import warnings
+from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -161,6 +163,7 @@ def _moe_step_grads(n_model):
     return [np.asarray(a) - np.asarray(b) for a, b in zip(params(model), params(state.model))], specs
 
 
+@pytest.mark.slow
 def test_expert_parallel_step_through_the_kernels_matches_one_device(calls):
     """One train step over 2 expert shards through the Hopper path gives one device's gradients, and
     each device's kernels see only its own 2 of the 4 experts."""
@@ -196,3 +199,23 @@ def test_a_mesh_axis_that_splits_the_operands_is_told_once(calls, n_experts, spl
     assert (told == [f"redeqx.models.MoE: the grouped matmuls run jax.lax.ragged_dot, which XLA's GPU backend expands "
                      f"into a product over every expert, not the Hopper kernels: {_grouped._SPLIT}."]) == split, told
     assert bool(calls) != split
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
+    return importlib.import_module("benchmarks.moe_gpu")
+
+
+def test_the_benchmark_names_why_it_cannot_run_here(bench):
+    with pytest.raises(RuntimeError, match="platform cpu.*--cpu-smoke"):
+        bench.grouped_matmul_bench(rows=64, hidden=128, width=128, experts=2)
+
+
+@pytest.mark.slow
+def test_the_benchmark_runs_on_the_stand_ins(calls, bench):
+    """benchmarks/moe_gpu.py's FFN timing and block sweep at tiny shapes (--cpu-smoke's path)."""
+    r = bench.grouped_matmul_bench(rows=256, hidden=128, width=128, experts=3, rounds=1, steps=1)
+    assert r["equal"] and r["path"] == HOPPER and set(r["forward_backward_ms"]) == {"kernels", "xla", "dense"}
+    s = bench.block_sweep(rows=256, hidden=128, width=128, experts=3, configs=(Blocks(),), rounds=1, steps=1)
+    assert s["table"].count("Blocks(") == 6 and s["forward/down"]["max_rel_err"] < 2e-2
