@@ -22,6 +22,7 @@ them); nothing here writes RESULTS.md.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import time
 
@@ -50,7 +51,7 @@ def _sizes(rows: int, experts: int):
 
 def _operands(rows, hidden, width, experts, dtype):
     ks = jax.random.split(jax.random.key(0), 5)
-    normal = lambda k, shape, scale: (scale * jax.random.normal(k, shape, jnp.float32)).astype(dtype)  # noqa: E731
+    normal = lambda k, shape, scale: (scale * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
     x = normal(ks[0], (rows, hidden), 1.0)
     gate, up = (normal(k, (experts, width, hidden), hidden ** -0.5) for k in ks[1:3])
     down = normal(ks[3], (experts, hidden, width), width ** -0.5)
@@ -127,7 +128,7 @@ def grouped_matmul_bench(rows: int = 32768, hidden: int = 2048, width: int = 281
         for part, f, args in (("forward", ffn, (x, gate, up, down)), ("forward_backward", grads, (x, gate, up, down, ct))):
             compiled, seconds = _compiled(f, *args)
             compile_s[part][name] = round(seconds, 2)
-            runners[part][name] = (lambda c, a: lambda: c(*a))(compiled, args)
+            runners[part][name] = functools.partial(compiled, *args)
             if name != "dense":
                 got[name, part] = jax.block_until_ready(compiled(*args))
     for part in ("forward", "forward_backward"):
@@ -194,8 +195,8 @@ def block_sweep(rows: int = 32768, hidden: int = 2048, width: int = 2816, expert
             for blocks in configs:
                 with _blocks_set((product, layer), blocks):
                     try:
-                        compiled, _ = _compiled(lambda r, w, c: kernel(r, w, c), r, w, c)
-                        ms = 1e3 * alternate({"k": lambda: compiled(r, w, c)}, rounds, steps)["k"]
+                        compiled, _ = _compiled(kernel, r, w, c)
+                        ms = 1e3 * alternate({"k": functools.partial(compiled, r, w, c)}, rounds, steps)["k"]
                         tried.append({"blocks": blocks._asdict(), "ms": round(ms, 3), "compiled": compiled})
                     except Exception as e:  # noqa: BLE001 (a config over shared memory fails to compile: report it)
                         tried.append({"blocks": blocks._asdict(), "error": f"{type(e).__name__}: {str(e)[:200]}"})

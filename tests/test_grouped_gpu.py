@@ -159,7 +159,7 @@ def _moe_step_grads(n_model):
     x = jax.random.normal(jax.random.key(2), (2, 24, 128))
     step = redeqx.make_train_step(loss_fn, optax.sgd(1.0), mesh, specs, compute_dtype=jnp.bfloat16)
     state, _ = step(state, {"x": jax.device_put(x, NamedSharding(mesh, P("data")))})
-    params = lambda m: jax.tree.leaves(eqx.filter(m, eqx.is_array))  # noqa: E731
+    params = lambda m: jax.tree.leaves(eqx.filter(m, eqx.is_array))
     return [np.asarray(a) - np.asarray(b) for a, b in zip(params(model), params(state.model))], specs
 
 
@@ -196,8 +196,9 @@ def test_a_mesh_axis_that_splits_the_operands_is_told_once(calls, n_experts, spl
         warnings.simplefilter("always")
         jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(x, *stacks)
     told = [str(w.message) for w in caught if "redeqx.models.MoE" in str(w.message)]
-    assert (told == [f"redeqx.models.MoE: the grouped matmuls run jax.lax.ragged_dot, which XLA's GPU backend expands "
-                     f"into a product over every expert, not the Hopper kernels: {_grouped._SPLIT}."]) == split, told
+    message = ("redeqx.models.MoE: the grouped matmuls run jax.lax.ragged_dot, which XLA's GPU backend expands into "
+               f"a product over every expert, not the Hopper kernels: {_grouped._SPLIT}.")
+    assert (told == [message]) == split, told
     assert bool(calls) != split
 
 

@@ -125,18 +125,19 @@ def choose(device: Device, rows, w, *, whole: bool = True) -> tuple[str, str]:
     if device.capability != _HOPPER.capability:
         what = "unknown" if device.capability is None else device.capability
         return RAGGED_DOT, (f"GPU {device.kind!r} of compute capability {what}: the Hopper kernels need sm_90 "
-                            "(H100, H200)")
+                            "(H100, H200; Blackwell's blackwell_ragged_dot_mgpu is not wired in)")
     if device.cores != _HOPPER.cores:
         return RAGGED_DOT, (f"the GPU has {device.cores} SMs: ragged_dot_mgpu is written for {_HOPPER.cores} "
                             "(H100 SXM, H200)")
     if jnp.dtype(rows.dtype) != jnp.dtype(w.dtype):
-        return RAGGED_DOT, f"rows of {jnp.dtype(rows.dtype)} and weights of {jnp.dtype(w.dtype)}: the kernels need one dtype"
+        return RAGGED_DOT, (f"rows of {jnp.dtype(rows.dtype)} and weights of {jnp.dtype(w.dtype)}: the kernels "
+                            "need one dtype")
     if jnp.dtype(rows.dtype) not in _HOPPER_DTYPES:
         return RAGGED_DOT, (f"dtype {jnp.dtype(rows.dtype)}: the Hopper kernels multiply bfloat16 or float16 "
                             "(compute_dtype=jnp.bfloat16 selects them)")
     if m == 0 or min(k, n) < _MIN_WIDTH:
-        return RAGGED_DOT, (f"{m} rows of width {k} into {n}: under the kernels' {_MIN_WIDTH}-wide tiles, "
-                            "ragged_dot is as fast")
+        return RAGGED_DOT, (f"{m} rows of width {k} into {n}: narrower than the kernels' {_MIN_WIDTH}-wide "
+                            "tiles, where padding would cost more than it saves")
     if not whole:
         return RAGGED_DOT, _SPLIT
     return HOPPER, "a Hopper GPU: ragged_dot_mgpu and transposed_ragged_dot_mgpu"
@@ -357,7 +358,7 @@ def _ragged_mgpu(lhs, w, sizes, *, transpose: bool):
     forward: ``w`` ``(E, n, k)``) or by ``w[e]`` (the input gradient: ``w``
     ``(E, k, n)``), operands zero-padded to the blocks and the result sliced
     back; rows outside the groups zero (the kernel leaves them unwritten)."""
-    m, k = lhs.shape
+    m = lhs.shape[0]
     out_w, in_w = w.shape[1:]
     n = out_w if transpose else in_w
     b = _blocks("forward" if transpose else "input_grad", out_w, in_w, n)
