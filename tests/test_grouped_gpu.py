@@ -127,6 +127,15 @@ def test_grouped_runs_what_choose_names_and_says_why_once(calls):
     assert "ragged_dot" in str(caught[0].message) and "dtype float32" in str(caught[0].message)
 
 
+def test_a_jax_without_the_kernels_is_told(calls, monkeypatch):
+    _grouped._tell.cache_clear()
+    monkeypatch.setattr(_grouped, "_kernels", lambda: None)
+    rows, w, sizes = jnp.ones((8, 128), BF16), jnp.ones((2, 128, 128), BF16), jnp.array([3, 5], jnp.int32)
+    with pytest.warns(UserWarning, match="does not ship jax.experimental.pallas.ops.gpu.ragged_dot_mgpu"):
+        np.testing.assert_array_equal(_grouped.grouped(rows, w, sizes), _ragged(rows, w, sizes))
+    assert not calls
+
+
 def test_real_kernels_trace_with_the_arguments_passed(monkeypatch):
     """JAX's own Mosaic GPU kernels accept what the wiring passes them (traced, not run: no GPU here)."""
     rows, w = jax.ShapeDtypeStruct((300, 256), BF16), jax.ShapeDtypeStruct((4, 384, 256), BF16)

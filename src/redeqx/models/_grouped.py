@@ -150,6 +150,8 @@ def grouped(rows: Float[Array, "n in"], w: Float[Array, "experts out in"],
     int32, summing to at most ``n``; ``rows`` and ``w`` of one dtype."""
     device = _device()
     path, reason = (MEGABLOX, "") if _interpret else choose(device, rows, w, whole=_whole())
+    if path == HOPPER and _kernels() is None:
+        path, reason = RAGGED_DOT, f"jax {jax.__version__} does not ship {_MGPU}ragged_dot_mgpu"
     if path == MEGABLOX:
         return _manual(_kernel)(rows, w, sizes)
     if path == HOPPER:
@@ -307,13 +309,19 @@ def _padded_to(a, multiples: tuple[int, ...]):
     return jnp.pad(a, pad) if any(p for _, p in pad) else a
 
 
+_MGPU = "jax.experimental.pallas.ops.gpu."
+
+
 @functools.cache
 def _hopper_kernels():
     """``(ragged_dot, transposed_ragged_dot)`` of JAX's Mosaic GPU kernels
-    (imported on first use: they pull in Mosaic GPU)."""
-    ops = "jax.experimental.pallas.ops.gpu."
-    return (importlib.import_module(ops + "ragged_dot_mgpu").ragged_dot,
-            importlib.import_module(ops + "transposed_ragged_dot_mgpu").transposed_ragged_dot)
+    (imported on first use: they pull in Mosaic GPU), or None where this JAX
+    lacks them."""
+    try:
+        return (importlib.import_module(_MGPU + "ragged_dot_mgpu").ragged_dot,
+                importlib.import_module(_MGPU + "transposed_ragged_dot_mgpu").transposed_ragged_dot)
+    except ImportError:
+        return None
 
 
 class _StandIns:
@@ -349,7 +357,7 @@ class _StandIns:
 
 
 def _kernels():
-    """The Hopper kernels, or `_StandIns`' under `_stand_ins`."""
+    """The Hopper kernels, or `_StandIns`' under `_stand_ins`; None where JAX lacks them."""
     return (_StandIns.ragged_dot, _StandIns.transposed_ragged_dot) if _stand_ins else _hopper_kernels()
 
 
