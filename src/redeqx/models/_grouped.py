@@ -1,31 +1,62 @@
 """The grouped matmul of `redeqx.models.mix_experts`: rows in consecutive
 groups, each group multiplied by its own expert's weights, the one place that
-chooses how.
+chooses how. `choose` decides from the device, the dtypes and the shapes:
 
-On a TPU (the platform the step is traced for, `redeqx._mesh.traced_platform`)
-it runs megablox's Pallas kernels (``jax.experimental.pallas.ops.tpu.megablox``,
-what MaxText runs its dropless MoE with): ``gmm`` for the product and for its
-input gradient, ``tgmm`` for the weight gradient (`_weight_grad`). Each walks
-only the row tiles that hold some group's rows, and ``tgmm`` multiplies each
-expert's weight gradient by that expert's rows only, where XLA's
-``ragged_dot`` weight gradient is a product over every expert. Elsewhere it
-is ``jax.lax.ragged_dot_general``, differentiated by JAX.
+- on a TPU, megablox's Pallas kernels (``jax.experimental.pallas.ops.tpu.megablox``,
+  what MaxText runs its dropless MoE with): ``gmm`` for the product and for its
+  input gradient, ``tgmm`` for the weight gradient (`_weight_grad`). Each walks
+  only the row tiles that hold some group's rows, and ``tgmm`` multiplies each
+  expert's weight gradient by that expert's rows only, where XLA's
+  ``ragged_dot`` weight gradient is a product over every expert;
+- on an NVIDIA Hopper GPU (sm_90: H100, H200), JAX's Mosaic GPU kernels
+  (``jax.experimental.pallas.ops.gpu``): ``ragged_dot_mgpu.ragged_dot`` for
+  the product and its input gradient, ``transposed_ragged_dot_mgpu`` for the
+  weight gradient (`_hopper`), where XLA's GPU backend rewrites ``ragged_dot``
+  into a dense product over every expert (E times the FLOPs and temporaries);
+- elsewhere, and wherever a kernel's constraint fails, ``jax.lax.ragged_dot_general``,
+  differentiated by JAX; on a GPU once per reason with a warning that names it.
 
-The kernels need the row count to be a multiple of their row tile, so the
-rows are padded with zero rows at the end (`_gmm`, `_weight_grad`); padded
-rows lie past ``sum(sizes)``, in no group, so no product reads them. ``gmm``
-leaves every output row outside the groups unwritten (garbage on a TPU, NaN in
+Either kernel runs only where every device holds its operands whole (`_whole`:
+XLA cannot split a Mosaic kernel over a mesh axis). Under expert parallelism
+that holds inside `mix_experts`' ``shard_map`` over ``model``, so each device
+runs the kernels on its own experts' rows only.
+
+megablox needs the row count to be a multiple of its row tile, so the rows
+are padded with zero rows at the end (`_gmm`, `_weight_grad`); padded rows lie
+past ``sum(sizes)``, in no group, so no product reads them. ``gmm`` leaves
+every output row outside the groups unwritten (garbage on a TPU, NaN in
 Pallas's interpreter): `_gmm` sets those rows to zero, as ``ragged_dot``
 gives, since `mix_experts` reads rows past a device's own groups as zeros when
-it splits the experts over ``model``. The contracted and output widths need
+it splits the experts over ``model``. Its contracted and output widths need
 no padding: a tile is clipped to a width smaller than it, and the kernels mask
 a last partial tile of the contracted width.
+
+The Hopper kernels are stricter (`_ragged_mgpu`, `_transposed_mgpu`): both
+operands of one 16-bit dtype, the contracted width a multiple of ``block_k``,
+and the weight gradient's widths multiples of ``block_m`` and ``block_n``; so
+rows and widths are zero-padded to their blocks and the results sliced back,
+and ``ragged_dot`` too leaves the rows past ``sum(sizes)`` unwritten (zeroed
+here as for megablox). The blocks come from `BLOCKS`, a small table by product
+and shape measured on an H200. ``ragged_dot_mgpu`` launches one program per
+SM for 132 SMs (H100 SXM, H200: hard-coded in JAX 0.10-0.11), so `choose`
+keeps other SM counts (an H100 PCIe has 114) on ``ragged_dot``. Both kernels
+unroll a loop over the experts in every tile: compile time grows with the
+expert count (Qwen3-MoE's 128; measured by ``benchmarks/moe_gpu.py``).
+
+Mosaic GPU kernels do not run on a CPU: tests set `_stand_ins` to run the
+Hopper path with XLA's products in the kernels' place (`_StandIns`: the same
+signatures and constraints, rows past the groups left NaN), on a device that
+`_device` then describes as an H100.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib
+import warnings
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,12 +75,72 @@ _ROWS_BY_OUT_IN = jax.lax.RaggedDotDimensionNumbers(
 _TILES = (128, 128, 128)
 # Tests set this to run the TPU kernels on any platform, in Pallas's interpreter (slow: tiny shapes only).
 _interpret = False
+# Tests set this to run the Hopper path on any platform, XLA's products standing in for the kernels.
+_stand_ins = False
+
+MEGABLOX, HOPPER, RAGGED_DOT = "megablox", "hopper", "ragged_dot"
 
 
-@functools.cache
-def _megablox():
-    # the module, not the function of the same name that megablox's __init__ exports
-    return importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+class Device(NamedTuple):
+    """What `choose` reads of the device a step runs on."""
+
+    platform: str  # "cpu", "gpu", "tpu"
+    kind: str = ""  # its device_kind, e.g. "NVIDIA H200"
+    capability: str | None = None  # a CUDA GPU's compute capability, "9.0" on Hopper; None elsewhere or unknown
+    cores: int | None = None  # a GPU's streaming multiprocessors
+
+
+# What the Hopper kernels were written for: sm_90 (wgmma), one program per SM of 132 (ragged_dot_mgpu
+# hard-codes it), 16-bit operands (wgmma's; JAX tests them in float16, redeqx measured bfloat16).
+_HOPPER = Device("gpu", "", "9.0", 132)
+_HOPPER_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_MIN_WIDTH = 128  # below one 128-wide tile, padding to it costs more than the dense product saves
+# The device `_stand_ins` pretends to run on.
+STAND_IN = Device("gpu", "NVIDIA H100 (XLA's products standing in for the kernels)", "9.0", 132)
+_SPLIT = "a mesh axis splits the operands outside a shard_map (XLA cannot split a Mosaic kernel)"
+# True while JAX traces a body that a batching rule may replace unrun (`provisional`): there, a mesh axis
+# splitting the operands is no reason to tell (the rule's shard_map makes them whole where it runs).
+_provisional = contextvars.ContextVar("redeqx_grouped_provisional", default=False)
+
+
+def choose(device: Device, rows, w, *, whole: bool = True) -> tuple[str, str]:
+    """``(path, reason)``: which grouped matmul runs `grouped`'s ``rows`` ``(n, in)``
+    by ``w`` ``(E, out, in)`` (anything with ``.shape`` and ``.dtype``) on
+    ``device``, where ``whole`` says whether every device holds the operands
+    whole (`_whole`), and why: `MEGABLOX`, `HOPPER` or `RAGGED_DOT`.
+
+    >>> rows, w = jax.ShapeDtypeStruct((4096, 2048), "bfloat16"), jax.ShapeDtypeStruct((8, 2816, 2048), "bfloat16")
+    >>> choose(Device("gpu", "NVIDIA H200", "9.0", 132), rows, w)[0]
+    'hopper'
+    >>> choose(Device("gpu", "NVIDIA H100 PCIe", "9.0", 114), rows, w)
+    ('ragged_dot', 'the GPU has 114 SMs: ragged_dot_mgpu is written for 132 (H100 SXM, H200)')
+    """
+    (m, k), (_, n, _) = rows.shape, w.shape
+    if device.platform == "tpu":
+        if not whole:
+            return RAGGED_DOT, _SPLIT
+        return MEGABLOX, "a TPU: megablox's gmm and tgmm"
+    if device.platform != "gpu":
+        return RAGGED_DOT, f"platform {device.platform}: the grouped-matmul kernels are for TPUs and Hopper GPUs"
+    if device.capability != _HOPPER.capability:
+        what = "unknown" if device.capability is None else device.capability
+        return RAGGED_DOT, (f"GPU {device.kind!r} of compute capability {what}: the Hopper kernels need sm_90 "
+                            "(H100, H200; Blackwell's blackwell_ragged_dot_mgpu is not wired in)")
+    if device.cores != _HOPPER.cores:
+        return RAGGED_DOT, (f"the GPU has {device.cores} SMs: ragged_dot_mgpu is written for {_HOPPER.cores} "
+                            "(H100 SXM, H200)")
+    if jnp.dtype(rows.dtype) != jnp.dtype(w.dtype):
+        return RAGGED_DOT, (f"rows of {jnp.dtype(rows.dtype)} and weights of {jnp.dtype(w.dtype)}: the kernels "
+                            "need one dtype")
+    if jnp.dtype(rows.dtype) not in _HOPPER_DTYPES:
+        return RAGGED_DOT, (f"dtype {jnp.dtype(rows.dtype)}: the Hopper kernels multiply bfloat16 or float16 "
+                            "(compute_dtype=jnp.bfloat16 selects them)")
+    if m == 0 or min(k, n) < _MIN_WIDTH:
+        return RAGGED_DOT, (f"{m} rows of width {k} into {n}: narrower than the kernels' {_MIN_WIDTH}-wide "
+                            "tiles, where padding would cost more than it saves")
+    if not whole:
+        return RAGGED_DOT, _SPLIT
+    return HOPPER, "a Hopper GPU: ragged_dot_mgpu and transposed_ragged_dot_mgpu"
 
 
 def grouped(rows: Float[Array, "n in"], w: Float[Array, "experts out in"],
@@ -57,9 +148,57 @@ def grouped(rows: Float[Array, "n in"], w: Float[Array, "experts out in"],
     """The first ``sizes[0]`` rows times ``w[0].T``, the next ``sizes[1]``
     times ``w[1].T``, ...; rows past ``sum(sizes)`` come out zero. ``sizes``:
     int32, summing to at most ``n``; ``rows`` and ``w`` of one dtype."""
-    if _interpret or (traced_platform() == "tpu" and _whole()):
+    device = _device()
+    path, reason = (MEGABLOX, "") if _interpret else choose(device, rows, w, whole=_whole())
+    if path == HOPPER and _kernels() is None:
+        path, reason = RAGGED_DOT, f"jax {jax.__version__} does not ship {_MGPU}ragged_dot_mgpu"
+    if path == MEGABLOX:
         return _manual(_kernel)(rows, w, sizes)
+    if path == HOPPER:
+        return _manual(_hopper)(rows, w, sizes)
+    if device.platform == "gpu" and not (reason == _SPLIT and _provisional.get()):
+        _tell(reason)
     return jax.lax.ragged_dot_general(rows, w, sizes, _ROWS_BY_OUT_IN)
+
+
+def _device() -> Device:
+    """The device the computation is built for (`redeqx._mesh.traced_platform`):
+    this process's first of that platform, else the mesh's abstract device (its
+    compute capability unknown); `STAND_IN` under `_stand_ins`."""
+    if _stand_ins:
+        return STAND_IN
+    platform = traced_platform()
+    try:
+        d = jax.devices(platform)[0]
+    except RuntimeError:  # traced for a platform this process does not hold (an ahead-of-time plan)
+        d = jax.sharding.get_abstract_mesh().abstract_device
+        return Device(platform, d.device_kind, None, getattr(d, "num_cores", None))
+    return Device(platform, d.device_kind, getattr(d, "compute_capability", None), getattr(d, "core_count", None))
+
+
+@contextlib.contextmanager
+def provisional(value: bool = True):
+    """Within: JAX traces a body that may not run (``custom_vmap`` traces its
+    function before its batching rule replaces it), so `grouped` tells no
+    operands split by a mesh axis; ``value=False`` inside the rule that runs."""
+    token = _provisional.set(value)
+    try:
+        yield
+    finally:
+        _provisional.reset(token)
+
+
+@functools.cache
+def _tell(reason: str) -> None:
+    """One warning per reason and process: a GPU's grouped matmuls on ``ragged_dot``."""
+    warnings.warn(f"redeqx.models.MoE: the grouped matmuls run jax.lax.ragged_dot, which XLA's GPU backend "
+                  f"expands into a product over every expert, not the Hopper kernels: {reason}.", stacklevel=2)
+
+
+@functools.cache
+def _megablox():
+    # the module, not the function of the same name that megablox's __init__ exports
+    return importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
 
 
 def _whole() -> bool:
@@ -126,3 +265,142 @@ def _kernel_bwd(res, ct):
 
 
 _kernel.defvjp(_kernel_fwd, _kernel_bwd)
+
+
+# ----------------------------------------------------------------------------- the Hopper kernels
+
+
+class Blocks(NamedTuple):
+    """A Hopper kernel's block config (its keyword arguments)."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    max_concurrent_steps: int = 4
+    grid_block_n: int = 1
+
+
+# The block config of each product, by (product, layer): "forward" (rows by w[e].T), "input_grad"
+# (ct by w[e]), "weight_grad" (transposed_ragged_dot); "up" a layer that widens (out >= in: gate and
+# up projections), "down" one that narrows. Measured on an H200 (jax 0.11.2) at MoE-1B's shapes
+# (32,768 rows, 8 uneven groups, hidden 2048, expert width 2816, bf16; issue 41): forward 343-508
+# TFLOP/s against XLA's 93-96, weight gradient 468-478 against 73-74. A product or layer not here
+# takes `DEFAULT_BLOCKS`; `benchmarks.moe_gpu.block_sweep()` measures candidates for this table.
+DEFAULT_BLOCKS = Blocks()
+BLOCKS: dict[tuple[str, str], Blocks] = {
+    ("forward", "up"): Blocks(),
+    ("forward", "down"): Blocks(grid_block_n=4),
+    ("weight_grad", "up"): Blocks(),
+    ("weight_grad", "down"): Blocks(),
+}
+
+
+def _blocks(product: str, out: int, inp: int, n: int) -> Blocks:
+    """`BLOCKS`' config for ``product`` of a layer ``inp -> out`` whose kernel
+    output is ``n`` wide, its ``grid_block_n`` 1 unless it divides ``n``'s blocks."""
+    b = BLOCKS.get((product, "up" if out >= inp else "down"), DEFAULT_BLOCKS)
+    return b if -(-n // b.block_n) % b.grid_block_n == 0 else b._replace(grid_block_n=1)
+
+
+def _padded_to(a, multiples: tuple[int, ...]):
+    """``a`` with zeros appended to each dim up to a multiple of ``multiples``
+    (itself where every dim is one already)."""
+    pad = [(0, -d % m) for d, m in zip(a.shape, multiples)]
+    return jnp.pad(a, pad) if any(p for _, p in pad) else a
+
+
+_MGPU = "jax.experimental.pallas.ops.gpu."
+
+
+@functools.cache
+def _hopper_kernels():
+    """``(ragged_dot, transposed_ragged_dot)`` of JAX's Mosaic GPU kernels
+    (imported on first use: they pull in Mosaic GPU), or None where this JAX
+    lacks them."""
+    try:
+        return (importlib.import_module(_MGPU + "ragged_dot_mgpu").ragged_dot,
+                importlib.import_module(_MGPU + "transposed_ragged_dot_mgpu").transposed_ragged_dot)
+    except ImportError:
+        return None
+
+
+class _StandIns:
+    """XLA's products in the kernels' place (`_stand_ins`), with their
+    signatures and the constraints they check, and rows past the groups left
+    NaN where ``ragged_dot_mgpu`` leaves them unwritten."""
+
+    @staticmethod
+    def _check(lhs, rhs, **dims):
+        if lhs.dtype != rhs.dtype:
+            raise NotImplementedError(f"lhs and rhs must have the same dtype, got {lhs.dtype} and {rhs.dtype}")
+        for name, (size, block) in dims.items():
+            if size % block:
+                raise ValueError(f"{name}={size} must be a multiple of block_{name}={block}")
+
+    @staticmethod
+    def ragged_dot(lhs, rhs, *, group_sizes, block_m, block_n, block_k, max_concurrent_steps, grid_block_n,
+                   transpose_rhs=False):
+        _StandIns._check(lhs, rhs, k=(lhs.shape[1], block_k))
+        rhs = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
+        out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32).astype(lhs.dtype)
+        unwritten = jnp.arange(lhs.shape[0])[:, None] >= jnp.sum(group_sizes)
+        return jnp.where(unwritten, jnp.nan, out).astype(lhs.dtype)
+
+    @staticmethod
+    def transposed_ragged_dot(lhs, rhs, *, group_sizes, block_m, block_n, block_k, max_concurrent_steps,
+                              grid_block_n):
+        _StandIns._check(lhs, rhs, m=(lhs.shape[1], block_m), n=(rhs.shape[1], block_n))
+        numbers = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
+                                                    lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+        return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, numbers,
+                                          preferred_element_type=jnp.float32).astype(lhs.dtype)
+
+
+def _kernels():
+    """The Hopper kernels, or `_StandIns`' under `_stand_ins`; None where JAX lacks them."""
+    return (_StandIns.ragged_dot, _StandIns.transposed_ragged_dot) if _stand_ins else _hopper_kernels()
+
+
+def _ragged_mgpu(lhs, w, sizes, *, transpose: bool):
+    """``ragged_dot_mgpu``: ``lhs`` ``(m, k)`` by ``w[e].T`` (``transpose``, the
+    forward: ``w`` ``(E, n, k)``) or by ``w[e]`` (the input gradient: ``w``
+    ``(E, k, n)``), operands zero-padded to the blocks and the result sliced
+    back; rows outside the groups zero (the kernel leaves them unwritten)."""
+    m = lhs.shape[0]
+    out_w, in_w = w.shape[1:]
+    n = out_w if transpose else in_w
+    b = _blocks("forward" if transpose else "input_grad", out_w, in_w, n)
+    padded = _padded_to(lhs, (b.block_m, b.block_k))
+    w = _padded_to(w, (1, b.block_n, b.block_k) if transpose else (1, b.block_k, b.block_n))
+    out = _kernels()[0](padded, w, group_sizes=sizes, transpose_rhs=transpose, **b._asdict())
+    in_groups = jnp.arange(padded.shape[0])[:, None] < jnp.sum(sizes)
+    return jnp.where(in_groups, out, jnp.zeros((), out.dtype))[:m, :n]
+
+
+def _transposed_mgpu(ct, rows, sizes):
+    """``transposed_ragged_dot_mgpu``: ``ct[g].T @ rows[g]`` for each group
+    ``g``, the gradient of `grouped`'s ``w`` ``(E, out, in)``, its widths
+    zero-padded to the blocks (and the rows to ``block_k``, the kernel's row
+    block) and sliced back; an empty group's is zero."""
+    out_w, in_w = ct.shape[1], rows.shape[1]
+    b = _blocks("weight_grad", out_w, in_w, in_w)
+    grads = _kernels()[1](_padded_to(ct, (b.block_k, b.block_m)), _padded_to(rows, (b.block_k, b.block_n)),
+                          group_sizes=sizes, **b._asdict())
+    return grads[:, :out_w, :in_w]
+
+
+@jax.custom_vjp
+def _hopper(rows, w, sizes):
+    return _ragged_mgpu(rows, w, sizes, transpose=True)
+
+
+def _hopper_fwd(rows, w, sizes):
+    return _hopper(rows, w, sizes), (rows, w, sizes)
+
+
+def _hopper_bwd(res, ct):
+    rows, w, sizes = res
+    return _ragged_mgpu(ct, w, sizes, transpose=False), _transposed_mgpu(ct, rows, sizes).astype(w.dtype), None
+
+
+_hopper.defvjp(_hopper_fwd, _hopper_bwd)

@@ -1,6 +1,7 @@
 """A mixture-of-experts feed-forward block: dropless top-k routing computed by
-grouped matmuls (megablox's kernels on a TPU, ``jax.lax.ragged_dot``
-elsewhere), never a dense pass of every token through every expert.
+grouped matmuls (megablox's kernels on a TPU, JAX's Mosaic GPU kernels on a
+Hopper GPU, ``jax.lax.ragged_dot`` elsewhere), never a dense pass of every
+token through every expert.
 
 How a block runs on the tokens ``x`` of one sequence (``T`` tokens, ``k``
 experts each):
@@ -16,19 +17,19 @@ experts each):
 4. the outputs go back to assignment order and each token's ``k`` outputs are
    summed with its routing weights (`mix_experts` does steps 2-4).
 
-(The grouped matmul is chosen in one place, `redeqx.models._grouped`. On a
-TPU it runs megablox's Pallas kernels (``jax.experimental.pallas.ops.tpu``,
-as MaxText does): ``gmm`` for the products and input gradients, ``tgmm`` for
-the weight gradients, which multiplies each expert's gradient by that
-expert's rows only (XLA's ``ragged_dot`` weight gradient is a product over
-every expert), wherever each device holds the operands whole (in the
-``shard_map`` of `_batched_rule`, or on one device); elsewhere
-``jax.lax.ragged_dot``. On CPUs JAX 0.10 lowers that as a masked product over
-every group, E times the FLOPs; so does XLA on NVIDIA GPUs (its
-RaggedDotRewriter) unless ``XLA_FLAGS`` has
-``--xla_gpu_experimental_use_ragged_dot_fusion=true`` and cuDNN is 9.22 or
-newer, which then runs the forward and input-gradient products as cuDNN
-grouped GEMMs, the weight gradients still expanded.)
+(The grouped matmul is chosen in one place, `redeqx.models._grouped`, by
+`redeqx.models._grouped.choose`. On a TPU it runs megablox's Pallas kernels
+(``jax.experimental.pallas.ops.tpu``, as MaxText does): ``gmm`` for the
+products and input gradients, ``tgmm`` for the weight gradients, which
+multiplies each expert's gradient by that expert's rows only (XLA's
+``ragged_dot`` weight gradient is a product over every expert). On an
+NVIDIA Hopper GPU (sm_90 with 132 SMs: H100 SXM, H200) and bfloat16 or
+float16 operands it runs JAX's Mosaic GPU kernels, ``ragged_dot_mgpu`` and
+``transposed_ragged_dot_mgpu``, the same way. Either runs wherever each device
+holds the operands whole (in the ``shard_map`` of `_batched_rule`, or on one
+device); elsewhere ``jax.lax.ragged_dot``, which JAX 0.10 lowers on CPUs as a
+masked product over every group, E times the FLOPs, as XLA does on NVIDIA
+GPUs (its RaggedDotRewriter); on a GPU a warning names why, once per reason.)
 
 ``jax.lax.ragged_dot`` cannot be vmapped over its rows here (its batching
 rule needs every operand batched, the weights too, which would copy each
@@ -70,7 +71,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._mesh import CONTEXT, DATA, MODEL, traced_platform
 from .._typing import positive_int, typechecked
-from ._grouped import grouped
+from ._grouped import grouped, provisional
 from ._layers import ACTIVATIONS, INIT_STD, Linear
 
 # ----------------------------------------------------------------------------- the grouped expert computation
@@ -159,6 +160,7 @@ def _batched_rule(activation: str, shards: int, kind):
         outs = fn(*(a.reshape(b * t, *a.shape[2:]) for a in tokens), *weights)
         return tuple(o.reshape(b, t, *o.shape[1:]) if p else o for o, p in zip(outs, per_token))
 
+    @provisional(False)  # what the rule traces runs
     def rule(axis_size, in_batched, *args):
         fn = _functions(activation, shards)[kind is _BACKWARD]
         tokens, weights = args[:n_tokens], args[n_tokens:]
@@ -223,6 +225,7 @@ def _mix_experts_fn(activation: str):
     forward, backward = _functions(activation, 1)
 
     @jax.custom_vjp
+    @provisional()  # under jax.vmap, custom_vmap traces forward's body and then runs its rule instead
     def outputs(x, idx, w, gate_w, up_w, down_w):
         return forward(x, idx, w, gate_w, up_w, down_w)[0]
 
@@ -231,7 +234,8 @@ def _mix_experts_fn(activation: str):
 
     def bwd(res, ct):
         x, idx, w, gate_w, up_w, down_w = res
-        dx, dw, dg, du, dd = backward(x, idx, w, ct, gate_w, up_w, down_w)
+        with provisional():
+            dx, dw, dg, du, dd = backward(x, idx, w, ct, gate_w, up_w, down_w)
         return dx, None, dw, dg, du, dd
 
     outputs.defvjp(fwd, bwd)
