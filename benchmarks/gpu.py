@@ -16,7 +16,8 @@ is skipped when what is left of ``--budget`` seconds is under its estimate:
 - ``decode``: greedy decoding of the 1B LLaMA at batch 1 and 8, stacked and
   listed, against the HBM roofline, and each layout's first call (`benchmarks.decode_gpu`);
 - ``train``: the 1B LLaMA step stacked, listed and hand-written (MFU, first
-  compile), and a profile of the stacked step's device time by kind (`benchmarks._profile`).
+  compile), and a profile of the stacked step's device time by kind (`benchmarks._profile`);
+- ``sweep``: block configs of each grouped-matmul kernel product (`benchmarks.moe_gpu.block_sweep`).
 
 The JSON holds every section's raw figures (a section that failed holds its
 error); ``--from-json`` renders them, so a table can be re-read without a GPU.
@@ -37,7 +38,7 @@ from benchmarks._common import ROOT, report, worker_env
 
 TITLE = "On one GPU (benchmarks/gpu.py)"
 # seconds each section needs on an H200 (estimates from earlier runs: start-up, compiles, timing)
-ESTIMATE = {"hardware": 20, "gmm": 60, "moe": 140, "decode": 150, "train": 140}
+ESTIMATE = {"hardware": 20, "gmm": 60, "moe": 140, "decode": 150, "train": 140, "sweep": 90}
 SECTIONS = tuple(ESTIMATE)
 
 
@@ -64,12 +65,32 @@ def hardware(smoke: bool) -> dict:
             "bandwidth_bytes_per_s": 2 * n * 2 / t, "matmul_flops_per_s": 2 * side**3 / tm}
 
 
+def _stand_ins_on_cpu(smoke: bool) -> None:
+    """A smoke run on a CPU: XLA's products stand in for the Hopper kernels."""
+    import jax
+
+    from redeqx.models import _grouped
+
+    if smoke and jax.default_backend() == "cpu":
+        _grouped._stand_ins = True
+
+
 def gmm(smoke: bool) -> dict:
     from benchmarks import moe_gpu
 
-    if smoke:
-        return moe_gpu.grouped_matmul_bench(rows=256, hidden=128, width=128, experts=4)
-    return moe_gpu.grouped_matmul_bench(rows=32768, hidden=2048, width=2816, experts=8)
+    _stand_ins_on_cpu(smoke)
+    shape = moe_gpu.SMOKE if smoke else dict(rows=32768, hidden=2048, width=2816, experts=8)
+    return moe_gpu.grouped_matmul_bench(**shape, rounds=2 if smoke else 5)
+
+
+def sweep(smoke: bool) -> dict:
+    """Block configs per kernel product (the table `redeqx.models._grouped.BLOCKS` is filled from)."""
+    from benchmarks import moe_gpu
+
+    _stand_ins_on_cpu(smoke)
+    shape = moe_gpu.SMOKE if smoke else dict(rows=32768, hidden=2048, width=2816, experts=8)
+    return moe_gpu.block_sweep(**shape, configs=moe_gpu.CONFIGS[:2] if smoke else moe_gpu.CONFIGS[:4],
+                               rounds=2, steps=3)
 
 
 def moe(smoke: bool) -> dict:
@@ -170,7 +191,7 @@ def render(out: dict) -> str:
                   f"written by an elementwise pass over 2 GiB), bf16 matmul {hw['matmul_flops_per_s'] / 1e12:.0f} "
                   "TFLOP/s (8192^3).", ""]
     for name, fn in (("gmm", _render_gmm), ("moe", _render_moe), ("decode", _render_decode),
-                     ("train", _render_train)):
+                     ("train", _render_train), ("sweep", _render_sweep)):
         sec = out.get(name, {})
         if "error" in sec or "skipped" in sec:
             lines += [f"**{name}**: {sec.get('error') or sec.get('skipped')}", ""]
@@ -183,6 +204,12 @@ def _render_gmm(sec, hw):
     from benchmarks import moe_gpu
 
     return moe_gpu.render(sec)
+
+
+def _render_sweep(sec, hw):
+    from benchmarks import moe_gpu
+
+    return moe_gpu.render_sweep(sec)
 
 
 def _render_decode(sec, hw):

@@ -216,6 +216,37 @@ def block_sweep(rows: int = 32768, hidden: int = 2048, width: int = 2816, expert
     return results
 
 
+def render(r: dict) -> list[str]:
+    """RESULTS rows of a `grouped_matmul_bench` result (and a `block_sweep`'s, under ``"sweep"``)."""
+    shape = r["shape"]
+    rows = [f"**The MoE FFN's grouped matmuls** ({shape['rows']:,} rows in {shape['experts']} uneven groups, hidden "
+            f"{shape['hidden']}, expert width {shape['width']}, {shape['dtype']}; path chosen: {r['path']}, "
+            f"{r['reason']}):", "",
+            "| product | forward ms | forward TFLOP/s | forward + backward ms | fwd + bwd TFLOP/s | compile (fwd + bwd) |",
+            "|---|---|---|---|---|---|"]
+    for name in r["forward_ms"]:
+        rows.append(f"| {name} | {r['forward_ms'][name]:.2f} | {r['forward_tflops'][name]:.0f} | "
+                    f"{r['forward_backward_ms'][name]:.2f} | {r['forward_backward_tflops'][name]:.0f} | "
+                    f"{r['compile_s']['forward_backward'][name]:.1f} s |")
+    rows += ["", f"Kernels' forward + backward over the dense FFN's: **{r['kernels_over_dense']:.2f}x** (target "
+                 f"<= 1.8x); XLA's ragged_dot over the kernels: {r['xla_over_kernels']:.2f}x. Largest error against "
+                 f"ragged_dot, relative to its largest value: "
+                 f"{', '.join(f'{k} {v:.1e}' for k, v in r['max_rel_err'].items())} "
+                 f"({'equal within tolerance' if r['equal'] else 'NOT EQUAL'})."]
+    return rows
+
+
+def render_sweep(sweep: dict) -> list[str]:
+    """RESULTS rows of a `block_sweep` result."""
+    rows = ["**Block configs of the kernels**, fastest of those tried per product (`block_sweep`):", "",
+            "| product | best | ms | TFLOP/s | error vs ragged_dot |", "|---|---|---|---|---|"]
+    rows += [f"| {k} | {v['best']} | {v['ms']:.3f} | {v['tflops']:.0f} | {v['max_rel_err']:.1e} |"
+             for k, v in sweep.items() if isinstance(v, dict) and "best" in v]
+    rows += [f"| {k} | every config failed: {v['tried'][0].get('error', '')[:120]} | | | |" for k, v in sweep.items()
+             if isinstance(v, dict) and "tried" in v and "best" not in v]
+    return rows
+
+
 def main():
     p = parser(__doc__, experts=8, rows=32768)
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on a CPU, XLA's products for the kernels")
