@@ -81,6 +81,22 @@ def test_custom_vjp_matches_ragged_dot(calls, monkeypatch, dtype, tol, blocks, s
     assert {c[0] for c in calls} == {"ragged_dot", "transposed"}
 
 
+def test_a_kernel_without_transpose_rhs_gets_the_weights_transposed(calls, monkeypatch):
+    """A JAX whose ragged_dot_mgpu has no ``transpose_rhs`` (it reads ``(E, k, n)`` only): the forward
+    hands it the weights transposed and still equals ragged_dot."""
+    ragged = _grouped._StandIns.ragged_dot
+
+    def without(lhs, rhs, *, group_sizes, block_m, block_n, block_k, max_concurrent_steps, grid_block_n):
+        return ragged(lhs, rhs, group_sizes=group_sizes, block_m=block_m, block_n=block_n, block_k=block_k,
+                      max_concurrent_steps=max_concurrent_steps, grid_block_n=grid_block_n)
+
+    monkeypatch.setattr(_grouped._StandIns, "ragged_dot", staticmethod(without))
+    ks = jax.random.split(jax.random.key(1), 2)
+    rows, w = jax.random.normal(ks[0], (40, 24)), jax.random.normal(ks[1], (3, 20, 24))
+    sizes = jnp.asarray([10, 0, 25], jnp.int32)
+    np.testing.assert_allclose(_grouped._hopper(rows, w, sizes), _ragged(rows, w, sizes), atol=1e-5)
+
+
 H200 = Device("gpu", "NVIDIA H200", "9.0", 132)
 BF16 = jnp.bfloat16
 

@@ -55,6 +55,7 @@ import contextlib
 import contextvars
 import functools
 import importlib
+import inspect
 import warnings
 from typing import NamedTuple
 
@@ -372,7 +373,11 @@ def _ragged_mgpu(lhs, w, sizes, *, transpose: bool):
     b = _blocks("forward" if transpose else "input_grad", out_w, in_w, n)
     padded = _padded_to(lhs, (b.block_m, b.block_k))
     w = _padded_to(w, (1, b.block_n, b.block_k) if transpose else (1, b.block_k, b.block_n))
-    out = _kernels()[0](padded, w, group_sizes=sizes, transpose_rhs=transpose, **b._asdict())
+    kernel = _kernels()[0]
+    if "transpose_rhs" in inspect.signature(kernel).parameters:
+        out = kernel(padded, w, group_sizes=sizes, transpose_rhs=transpose, **b._asdict())
+    else:  # a JAX whose kernel reads (E, k, n) only: the forward's weights transposed once per call
+        out = kernel(padded, jnp.swapaxes(w, 1, 2) if transpose else w, group_sizes=sizes, **b._asdict())
     in_groups = jnp.arange(padded.shape[0])[:, None] < jnp.sum(sizes)
     return jnp.where(in_groups, out, jnp.zeros((), out.dtype))[:m, :n]
 
