@@ -3,6 +3,8 @@ import warnings
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
+import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -327,3 +329,46 @@ def test_a_layer_at_the_root_is_a_layer(getkey):
     specs = redeqx.sharding_rules(eqx.nn.Embedding(64, 16, key=getkey()), mesh)
     assert specs.weight == P("model", None)
     assert "embedding: dim 0 (vocab)" in redeqx.explain(eqx.nn.Embedding(64, 16, key=getkey()), specs, mesh)
+
+
+# ----------------------------------------------------------------------------- small heads, hand plans (issue 40)
+
+
+def test_a_small_head_that_does_not_divide_is_said_in_explain_not_warned(getkey):
+    """Before: a 10-class head warned at 4 shards though its copy costs nothing worth a warning."""
+    mesh = redeqx.make_mesh(4)
+    model = eqx.nn.MLP(64, 10, 1024, depth=2, key=getkey())  # the head (10, 1024): 0.9 % of the parameters
+    batch = {"x": jax.ShapeDtypeStruct((8, 64), jnp.float32), "y": jax.ShapeDtypeStruct((8,), jnp.int32)}
+
+    def loss_fn(m, b, key):
+        return optax.softmax_cross_entropy_with_integer_labels(jax.vmap(m)(b["x"]), b["y"]).mean()
+
+    for program in ({}, dict(loss_fn=loss_fn, batch=batch)):
+        specs, caught = rules_warnings(model, mesh, **program)
+        assert caught == [] and specs.layers[2].weight == P(), program
+        row = [r for r in redeqx.explain(model, specs, mesh, **program).splitlines() if r.startswith("layers.2.weight")]
+        assert "not divisible by n_model_shards=4" in row[0] and "not warned" in row[0], row
+    # a large leaf that does not divide is still warned about
+    specs, caught = rules_warnings(eqx.nn.MLP(64, 10, 30, depth=1, key=getkey()), mesh)
+    assert len(caught) == 1 and "(30, 64): dim 0 (30)" in str(caught[0].message)
+
+
+def test_specs_from_overrides_is_a_hand_plan(getkey):
+    mesh = redeqx.make_mesh(2)
+    lm = TinyLM(key=getkey())
+    megatron = [(r"attn\.w[qkv]\.weight$", P("model", None)), (r"attn\.wo\.weight$", P(None, "model")),
+                (r"mlp\.fc1\.(weight|bias)$", P("model")), (r"mlp\.fc2\.weight$", P(None, "model"))]
+    specs = redeqx.specs_from_overrides(lm, mesh, megatron)
+    assert jax.tree.structure(specs, is_leaf=lambda x: x is None) == jax.tree.structure(
+        redeqx.sharding_rules(lm, mesh), is_leaf=lambda x: x is None)
+    block = specs.blocks[0]
+    assert (block.attn.wq.weight, block.attn.wo.weight) == (P("model", None), P(None, "model"))
+    assert (block.mlp.fc1.bias, block.mlp.fc2.bias, specs.embed.weight, specs.lm_head.weight) == (P("model"), P(), P(), P())
+    # a hand plan trains: the state takes it as it takes the rules' specs
+    state = redeqx.init_state(lm, optax.sgd(0.1), mesh, specs, key=getkey())
+    assert state.model.blocks[0].attn.wq.weight.sharding.spec == P("model", None)
+    assert redeqx.specs_from_overrides(lm, mesh, []).blocks[0].attn.wq.weight == P()
+    with pytest.raises(ValueError, match="override 'attn.wz' matches no array path"):
+        redeqx.specs_from_overrides(lm, mesh, [("attn.wz", P())])
+    with pytest.raises(ValueError, match="has 3 entries but the leaf has shape"):
+        redeqx.specs_from_overrides(lm, mesh, [("attn.wq.weight", P("model", None, None))])

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
@@ -23,6 +25,11 @@ from ._specs import (
     stacked_leaves, vocab_sizes, weight_layer,
 )
 
+# A leaf replicated because n_model_shards does not divide it is warned about unless it holds under
+# this share of the model's parameters (a 10-class head): its copy costs each device under 1 % more
+# memory, and no choice of n_model_shards would help it. `explain` says it either way.
+QUIET_SHARE = 0.01
+
 
 class _Decider:
     def __init__(self, model, mesh: Mesh, overrides, fsdp: bool, name: str | None, facts):
@@ -33,6 +40,7 @@ class _Decider:
         self.roles: dict[int, Role] = decide(facts, self.n_model) if facts is not None else {}
         self.leaves = stacked_leaves(model, facts)
         self.arrays = [x for x in jax.tree_util.tree_leaves(model) if is_array_like(x)]
+        self.size = sum(math.prod(x.shape) for x in self.arrays)
         self.vocab = vocab_sizes(model, self.leaves, self.n_model)
         self.counters: dict[str, int] = {}
         self.weight_dims: dict[str, int] = {}  # layer path -> dim split by 'model' (for its bias and adapters)
@@ -61,8 +69,12 @@ class _Decider:
         return self.arrays[k]
 
     def fall_back(self, k: int, loud: bool, reason: str, why: str, *, whole: bool = False) -> None:
+        """Replicated, as ``n_model_shards`` cannot split the leaf as the rules would: warned unless
+        the leaf is small (`QUIET_SHARE`: a classifier head's few classes), said in `explain` either way."""
         _, kp, one, _ = self.leaves[k]
         shape = tuple(self._full(k).shape) if whole else tuple(one.shape)
+        if loud and math.prod(self._full(k).shape) < QUIET_SHARE * self.size:
+            loud, why = False, f"{why}; under {QUIET_SHARE:.0%} of the model's parameters, so not warned"
         self.fallbacks.append((f"{self.prefix}{'.'.join(path_parts(kp))} {shape}", why, loud))
         self.finish(k, P(), f"{reason}: replicated, {why}", whole=whole)
 

@@ -15,7 +15,7 @@ from .._trees import human_bytes, is_array_like, path_parts, path_str, per_devic
 from .._typing import typechecked, warn_user
 from ._decide import leaf_specs
 from ._program import read_program
-from ._specs import unplaced_warning
+from ._specs import Overrides, unplaced_warning
 
 
 def read(model, loss_fn, batch):
@@ -115,6 +115,47 @@ def specs_from(model, mesh: Mesh, facts, overrides=(), fsdp: bool = False, name:
     treedef, decided, fallbacks, unplaced = leaf_specs(model, mesh, overrides, fsdp, name, facts)
     _warn(fallbacks, unplaced, mesh, name)
     return jax.tree_util.tree_unflatten(treedef, [p.spec if p is not None else None for p in decided])
+
+
+@typechecked
+def specs_from_overrides(model, mesh: Mesh, overrides: Sequence):
+    """A spec tree placed by hand: every array of ``model`` replicated, except
+    where an override says otherwise.
+
+    ``overrides`` is a list of ``(regex, spec)`` as `sharding_rules` takes it:
+    the first regex found in a leaf's path (as `explain` prints it, e.g.
+    ``"blocks.0.attn.wq.weight"``) sets that leaf's spec. Each spec is checked
+    against ``mesh`` (its axes exist and divide the leaf), and a regex that
+    matches no path, or only paths an earlier one took, is an error. Returns a
+    tree of ``model``'s structure, ``None`` at non-array leaves, to pass as
+    ``specs`` wherever redeqx takes them: a hand plan to compare the rules
+    with, or to train with when you know better.
+
+    **Example:**
+
+    ```python
+    mesh = redeqx.make_mesh(n_model_shards=2)
+    model = eqx.nn.MLP(784, 10, 256, depth=2, key=jax.random.key(0))
+    specs = redeqx.specs_from_overrides(model, mesh, [
+        (r"layers\\.0\\.(weight|bias)$", P("model")),   # column parallel
+        (r"layers\\.1\\.weight$", P(None, "model")),     # row parallel
+    ])                                                  # the rest (layers.1.bias, layers.2) replicated
+    state = redeqx.init_state(model, optax.adamw(1e-3), mesh, specs, key=jax.random.key(1))
+    ```
+    """
+    mesh = check_mesh(mesh)
+    found = Overrides(overrides, mesh, "")
+    flat, treedef = jax.tree_util.tree_flatten_with_path(model)
+    specs, paths = [], []
+    for kp, leaf in flat:
+        if not is_array_like(leaf):
+            specs.append(None)
+            continue
+        paths.append(path_str(kp))
+        hit = found.find(paths[-1], leaf)
+        specs.append(P() if hit is None else hit[0])
+    found.check_all_used(paths, None)
+    return jax.tree_util.tree_unflatten(treedef, specs)
 
 
 @typechecked
