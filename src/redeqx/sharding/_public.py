@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import numpy as np
@@ -160,24 +160,30 @@ def specs_from_overrides(model, mesh: Mesh, overrides: Sequence):
 
 @typechecked
 def explain(model, specs, mesh: Mesh, *, loss_fn: Callable | None = None, batch: Any = None,
-            overrides: Sequence = (), fsdp: bool | None = None) -> str:
+            overrides: Sequence = (), fsdp: bool | None = None, reasons: Literal["short", "full"] = "short") -> str:
     """A table of where each array of ``model`` lives under ``specs``.
 
-    One row per array: path, shape, dtype, spec, bytes per device, and why:
-    what the program showed (``x @ W`` contracts dim 0 -> column parallel, the
-    scan axis, the heads' reshape) when ``loss_fn`` and ``batch`` are given
-    as to `sharding_rules`, the name rule otherwise, the override or
-    ``fsdp``; ``given`` where ``specs`` differ from anything the rules would
-    say (e.g. edited by hand). Totals at the bottom.
+    One short row per array: path, shape, dtype, spec, bytes per device, and
+    why in a few words ("column parallel, dim 0", "replicated: dim 0 (10) does
+    not split 4 ways", "override 'wo'"): what the program showed when
+    ``loss_fn`` and ``batch`` are given as to `sharding_rules`, the name rule
+    otherwise, the override or ``fsdp``; ``given`` where ``specs`` differ from
+    anything the rules would say (e.g. a hand plan). Totals at the bottom.
+
+    ``reasons="full"`` gives each reason whole: the weights a layer feeds or
+    contracts, its heads' reshape, what the names alone would have said, the
+    rules' spec beside an override.
 
     **Example:**
 
     ```python
     specs = redeqx.sharding_rules(model, mesh, loss_fn=loss_fn, batch=batch)
     print(redeqx.explain(model, specs, mesh, loss_fn=loss_fn, batch=batch))
+    print(redeqx.explain(model, specs, mesh, loss_fn=loss_fn, batch=batch, reasons="full"))
     ```
     """
     mesh = check_mesh(mesh)
+    full = reasons == "full"
     facts = read(model, loss_fn, batch)
     candidates = [leaf_specs(model, mesh, overrides, f, None, facts)[1]
                   for f in ((False, True) if fsdp is None else (fsdp,))]
@@ -197,9 +203,10 @@ def explain(model, specs, mesh: Mesh, *, loss_fn: Callable | None = None, batch:
         path = ".".join(path_parts(kp))
         spec = P() if spec is None else spec
         found = [d[path] for d in by_path if path in d]
-        why = next((p.reason for p in found if p.spec == spec), None)
+        why = next((p.reason if full else p.short for p in found if _same(p.spec, spec)), None)
         if why is None:
-            why = f"given (rules: {found[0].spec}, {found[0].reason})" if found else "given"
+            why = "given" if not found else (f"given (rules: {found[0].spec}, {found[0].reason})" if full
+                                             else f"given (rules: {found[0].spec})")
         itemsize = np.dtype(leaf.dtype).itemsize
         dev = math.prod(per_device_shape(leaf.shape, spec, mesh)) * itemsize
         total += math.prod(leaf.shape) * itemsize
@@ -207,6 +214,16 @@ def explain(model, specs, mesh: Mesh, *, loss_fn: Callable | None = None, batch:
         n_arrays += 1
         rows.append((path, str(tuple(leaf.shape)), str(np.dtype(leaf.dtype)), str(spec), human_bytes(dev), why))
     return _table(rows, total, per_dev, n_arrays, mesh)
+
+
+def _same(a: P, b: P) -> bool:
+    """One layout, however written: ``P('model')`` is ``P('model', None)``."""
+    def trimmed(spec):
+        entries = list(spec)
+        while entries and entries[-1] is None:
+            entries.pop()
+        return tuple(entries)
+    return trimmed(a) == trimmed(b)
 
 
 def _table(rows, total, per_dev, n_arrays, mesh) -> str:
