@@ -263,7 +263,8 @@ def test_explain_is_one_short_line_per_weight_and_names_the_right_weights():
         by_path = {line.split()[0]: line for line in full.splitlines() if line}
         if isinstance(model, w.ViT):
             assert "column parallel, dim 0" in short
-            assert by_path["blocks.0.attn.query.bias"].endswith("follows the split output of blocks.0.attn.query.weight")
+            query_bias = by_path["blocks.0.attn.query.bias"]
+            assert query_bias.endswith("follows the split output of blocks.0.attn.query.weight")
             assert "its output is reduced over its features (reduce_sum)" in by_path["patch.weight"]
         else:  # 8 query heads, 2 key/value heads: each names its own reshape
             assert "reshape to (2, 4) after layers.0.attention.wk.weight" in by_path["layers.0.attention.wk.weight"]
