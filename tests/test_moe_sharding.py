@@ -102,7 +102,8 @@ def test_tensor_parallel_experts_when_the_count_does_not_divide(one_device):
 def test_explain_says_expert_parallel(n_model):
     model = _model(8, scan_layers=False)
     mesh = redeqx.make_mesh(n_model)
-    rows = {r.split()[0]: r for r in redeqx.explain(model, redeqx.sharding_rules(model, mesh), mesh).splitlines()
+    table = redeqx.explain(model, redeqx.sharding_rules(model, mesh), mesh, reasons="full")
+    rows = {r.split()[0]: r for r in table.splitlines()
             if r.strip()}
     for name in ("gate_proj", "up_proj", "down_proj"):
         row = rows[f"model.layers.0.block_sparse_moe.experts.{name}"]

@@ -155,3 +155,34 @@ def test_auto_plans_each_candidate_once_and_explores_only_at_the_end(monkeypatch
     settings = dict(fsdp=False, remat=False, accumulate=1, compute_dtype=None, opt_state_dtype=None)
     options = [label for label, _, _ in _plan._options(settings, redeqx.make_mesh(1, devices=devices), 16)]
     assert "n_model_shards=2" in options and "n_model_shards=4" in options, options  # the most there are, too
+
+
+def test_a_plan_names_the_compiler_whose_figures_it_gives():
+    """Before: XLA:CPU's figures were printed as if they were the device's, bfloat16 compute included
+    (whose peak XLA:CPU counts through float32 temporaries: it rose where a GPU's fell)."""
+    p = redeqx.plan(make, lm_loss, optax.adamw(1e-3), BATCH, redeqx.make_mesh(2), compute_dtype=jnp.bfloat16)
+    assert p.compiler == "XLA:CPU (cpu)"
+    text = str(p)
+    assert "figures from XLA:CPU (cpu)" in text.splitlines()[1]
+    assert "XLA:CPU computes bfloat16 math through float32 temporaries" in text
+    assert "bfloat16 math" not in str(redeqx.plan(make, lm_loss, optax.adamw(1e-3), BATCH, redeqx.make_mesh(2)))
+
+
+@pytest.mark.slow
+def test_plan_searches_accumulation_down_to_one_row_before_asking_for_devices():
+    """Before: after trying accumulate=2 alone and in the combination, the planner said "more
+    devices are needed", though the combination with a smaller micro-batch fits (the 1B LLaMA at
+    24 GB: remat + a bfloat16 optimizer state + accumulate=8)."""
+    mesh = redeqx.make_mesh(1, devices=jax.devices()[:1])  # one device: no more shards to try
+    batch = {"tokens": jax.ShapeDtypeStruct((16, 33), jnp.int32)}  # activations outweigh the parameters
+    chosen = dict(remat=True, opt_state_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16)
+    planner = functools.partial(redeqx.plan, make, lm_loss, optax.adamw(1e-3), batch, mesh, **chosen)
+    peaks = {k: planner(accumulate=k, explore=False).peak for k in (4, 8)}
+    assert peaks[8] < peaks[4]
+    p = planner(device_memory=(peaks[4] + peaks[8]) // 2)
+    labels = [label for label, _ in p.tried]
+    assert labels == ["fsdp=True", "accumulate=2", "accumulate=4", "accumulate=8"], labels  # the least that fits
+    assert [other.fits for _, other in p.tried] == [False, False, False, True]
+    assert p.tried[-1][1].peak == peaks[8] and "would fit with: accumulate=8" in str(p)
+    hopeless = planner(device_memory=1000)  # down to one row per micro-batch, then more devices
+    assert [label for label, _ in hopeless.tried][-1] == "accumulate=16" and "more devices are needed" in str(hopeless)

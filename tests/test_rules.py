@@ -3,6 +3,8 @@ import warnings
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
+import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -139,7 +141,7 @@ def test_indivisible_dims_replicated_with_one_warning(getkey):
     assert len(ours) == 1
     assert "layers.0.weight" in str(ours[0].message) and "layers.1.weight" in str(ours[0].message)
     assert all(s.weight == P() for s in specs.layers)
-    table = redeqx.explain(model, specs, mesh)
+    table = redeqx.explain(model, specs, mesh, reasons="full")
     assert "not divisible by n_model_shards=4" in table
 
 
@@ -152,7 +154,8 @@ def test_overrides_win(getkey):
         assert b.attn.wo.weight == P("model", None)
     assert specs.embed.weight == P()
     assert specs.lm_head.weight == P("model", None)
-    rows = {line.split()[0]: line for line in redeqx.explain(lm, specs, mesh, overrides=overrides).splitlines()
+    table = redeqx.explain(lm, specs, mesh, overrides=overrides, reasons="full")
+    rows = {line.split()[0]: line for line in table.splitlines()
             if line}
     # explain names the override and what the rules alone would have said
     assert rows["blocks.0.attn.wo.weight"].endswith(r"override 'attn\.wo\.weight$' (rules: attention output: dim 1)")
@@ -186,7 +189,7 @@ def test_explain_table(getkey):
     assert re.search(r"total .* per device", table)
     assert "global batch is per_device_batch_size x 4 (data) rows" in table
     edited = eqx.tree_at(lambda s: s.ln_f.weight, redeqx.sharding_rules(lm, mesh), P("model"))
-    assert f"given (rules: {P()}, replicated)" in redeqx.explain(lm, edited, mesh)
+    assert f"given (rules: {P()}, replicated)" in redeqx.explain(lm, edited, mesh, reasons="full")
 
 
 class GPT2Embeddings(eqx.Module):
@@ -227,7 +230,7 @@ def test_attention_heads_are_never_split_mid_head(getkey):
         assert proj.weight == P()
     assert len(caught) == 1 and "3 heads not divisible by n_model_shards=2" in str(caught[0].message)
     assert caught[0].filename == __file__  # points at the caller's line, not a wrapper
-    assert "3 heads not divisible" in redeqx.explain(model, specs, mesh)
+    assert "3 heads not divisible" in redeqx.explain(model, specs, mesh, reasons="full")
     specs = redeqx.sharding_rules(eqx.nn.MultiheadAttention(num_heads=4, query_size=48, key=getkey()), mesh)
     assert specs.query_proj.weight == P("model", None) and specs.output_proj.weight == P(None, "model")
 
@@ -301,7 +304,7 @@ def test_overrides_are_final_and_checked(getkey):
     specs = redeqx.sharding_rules(model, mesh, overrides=overrides, fsdp=True)
     assert specs.layers[0].weight == P("model", None)  # fsdp did not re-split it
     assert specs.layers[1].weight == P("data", "model")
-    table = redeqx.explain(model, specs, mesh, overrides=overrides)
+    table = redeqx.explain(model, specs, mesh, overrides=overrides, reasons="full")
     assert "+ fsdp over data" in table and "override 'layers\\.0\\.weight'" in table and "given" not in table
     with pytest.raises(ValueError, match=re.escape("override 'layer\\.0\\.weight' matches no array path") + ".*layers.0.weight"):
         redeqx.sharding_rules(model, mesh, overrides=[(r"layer\.0\.weight", P())])
@@ -327,3 +330,50 @@ def test_a_layer_at_the_root_is_a_layer(getkey):
     specs = redeqx.sharding_rules(eqx.nn.Embedding(64, 16, key=getkey()), mesh)
     assert specs.weight == P("model", None)
     assert "embedding: dim 0 (vocab)" in redeqx.explain(eqx.nn.Embedding(64, 16, key=getkey()), specs, mesh)
+
+
+# ----------------------------------------------------------------------------- small heads, hand plans (issue 40)
+
+
+def test_a_small_head_that_does_not_divide_is_said_in_explain_not_warned(getkey):
+    """Before: a 10-class head warned at 4 shards though its copy costs nothing worth a warning."""
+    mesh = redeqx.make_mesh(4)
+    model = eqx.nn.MLP(64, 10, 1024, depth=2, key=getkey())  # the head (10, 1024): 0.9 % of the parameters
+    batch = {"x": jax.ShapeDtypeStruct((8, 64), jnp.float32), "y": jax.ShapeDtypeStruct((8,), jnp.int32)}
+
+    def loss_fn(m, b, key):
+        return optax.softmax_cross_entropy_with_integer_labels(jax.vmap(m)(b["x"]), b["y"]).mean()
+
+    for program in ({}, dict(loss_fn=loss_fn, batch=batch)):
+        specs, caught = rules_warnings(model, mesh, **program)
+        assert caught == [] and specs.layers[2].weight == P(), program
+        row = [r for r in redeqx.explain(model, specs, mesh, **program).splitlines() if r.startswith("layers.2.weight")]
+        assert row[0].endswith("replicated (small): dim 0 (10) does not split 4 ways"), row
+        row = [r for r in redeqx.explain(model, specs, mesh, **program, reasons="full").splitlines()
+               if r.startswith("layers.2.weight")]
+        assert "not divisible by n_model_shards=4" in row[0] and "so not warned" in row[0], row
+    # a large leaf that does not divide is still warned about
+    specs, caught = rules_warnings(eqx.nn.MLP(64, 10, 30, depth=1, key=getkey()), mesh)
+    assert len(caught) == 1 and "(30, 64): dim 0 (30)" in str(caught[0].message)
+
+
+def test_specs_from_overrides_is_a_hand_plan(getkey):
+    mesh = redeqx.make_mesh(2)
+    lm = TinyLM(key=getkey())
+    megatron = [(r"attn\.w[qkv]\.weight$", P("model", None)), (r"attn\.wo\.weight$", P(None, "model")),
+                (r"mlp\.fc1\.(weight|bias)$", P("model")), (r"mlp\.fc2\.weight$", P(None, "model"))]
+    specs = redeqx.specs_from_overrides(lm, mesh, megatron)
+    assert jax.tree.structure(specs, is_leaf=lambda x: x is None) == jax.tree.structure(
+        redeqx.sharding_rules(lm, mesh), is_leaf=lambda x: x is None)
+    block = specs.blocks[0]
+    assert (block.attn.wq.weight, block.attn.wo.weight) == (P("model", None), P(None, "model"))
+    assert (block.mlp.fc1.bias, block.mlp.fc2.bias) == (P("model"), P())
+    assert specs.embed.weight == specs.lm_head.weight == P()
+    # a hand plan trains: the state takes it as it takes the rules' specs
+    state = redeqx.init_state(lm, optax.sgd(0.1), mesh, specs, key=getkey())
+    assert state.model.blocks[0].attn.wq.weight.sharding.spec == P("model", None)
+    assert redeqx.specs_from_overrides(lm, mesh, []).blocks[0].attn.wq.weight == P()
+    with pytest.raises(ValueError, match="override 'attn.wz' matches no array path"):
+        redeqx.specs_from_overrides(lm, mesh, [("attn.wz", P())])
+    with pytest.raises(ValueError, match="has 3 entries but the leaf has shape"):
+        redeqx.specs_from_overrides(lm, mesh, [("attn.wq.weight", P("model", None, None))])

@@ -103,7 +103,7 @@ def test_recurrent_cells_keep_their_gates_whole(cell, devices):
         specs = redeqx.sharding_rules(model, mesh)
     assert specs.cell.weight_ih == specs.cell.weight_hh == specs.cell.bias == P()
     assert specs.encode.weight == P("model", None)
-    rows = {r.split()[0]: r for r in redeqx.explain(model, specs, mesh).splitlines() if r}
+    rows = {r.split()[0]: r for r in redeqx.explain(model, specs, mesh, reasons="full").splitlines() if r}
     for name in ("weight_ih", "weight_hh"):
         assert rows[f"cell.{name}"].endswith("recurrent cell: its gates are stacked on dim 0, so a split would give "
                                              "a device whole gates instead of a slice of each: replicated")

@@ -119,7 +119,8 @@ def test_a_fused_qkv_of_unknown_layout_stays_whole_with_its_output(attention, fu
         assert getattr(block.attn, fused).weight == P()
         assert block.mlp.fc1.weight == P("model", None) and block.mlp.fc2.weight == P(None, "model")
     assert len(caught) == 1 and f"blocks.0.attn.{fused}.weight" in caught[0] and "qkv_layout" in caught[0]
-    rows = {r.split()[0]: r for r in redeqx.explain(model, specs, redeqx.make_mesh(2)).splitlines() if r}
+    table = redeqx.explain(model, specs, redeqx.make_mesh(2), reasons="full")
+    rows = {r.split()[0]: r for r in table.splitlines() if r}
     assert rows[f"blocks.1.attn.{out}.weight"].endswith("attention output, its fused Q/K/V not split: replicated")
     assert "fused Q/K/V: replicated, fused Q/K/V of unknown layout" in rows[f"blocks.1.attn.{fused}.weight"]
     assert caught[0].count("unknown layout") == 1  # said once for both layers

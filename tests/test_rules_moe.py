@@ -130,7 +130,8 @@ def test_expert_parallel_when_the_experts_divide():
     specs = redeqx.sharding_rules(SparseMoeBlock(6, key=jax.random.key(0)), mesh)
     assert specs.w1 == specs.w2 == specs.w3 == P("model", None, None) and specs.gate.weight == P()
     moe = MoE(6, key=jax.random.key(0))
-    rows = {r.split()[0]: r for r in redeqx.explain(moe, redeqx.sharding_rules(moe, mesh), mesh).splitlines() if r}
+    table = redeqx.explain(moe, redeqx.sharding_rules(moe, mesh), mesh, reasons="full")
+    rows = {r.split()[0]: r for r in table.splitlines() if r}
     assert rows["w_in"].endswith("expert stack: dim 0, experts 6 -> 3 per device (expert parallel)")
     assert rows["router"].endswith("MoE router: replicated (every device routes every token)")
 
@@ -151,7 +152,8 @@ def test_tensor_parallel_when_they_do_not():
         specs = redeqx.sharding_rules(block, redeqx.make_mesh(8))
     assert specs.w1 == specs.w2 == specs.w3 == P() and len(log) == 1
     assert all(f"{w} (6, " in str(log[0].message) for w in ("w1", "w2", "w3"))
-    row = [r for r in redeqx.explain(block, specs, redeqx.make_mesh(8)).splitlines() if r.startswith("w2")][0]
+    table = redeqx.explain(block, specs, redeqx.make_mesh(8), reasons="full")
+    row = [r for r in table.splitlines() if r.startswith("w2")][0]
     assert row.endswith("expert stack, tensor parallel: 6 experts not divisible by n_model_shards=8: dim 2: "
                         "replicated, dim 2 (20) not divisible by n_model_shards=8")
 
@@ -309,7 +311,7 @@ def test_a_stack_of_moe_blocks_peels_the_layer_axis_from_every_leaf(devices):
     assert specs.blocks.router.weight == P()
     assert specs.blocks.proj.weight in (P(None, "model", None), P(None, None, "model"))
     assert specs.blocks.w_in == specs.blocks.w_out == P(None, "model", None, None)
-    explained = redeqx.explain(model, specs, redeqx.make_mesh(2))
+    explained = redeqx.explain(model, specs, redeqx.make_mesh(2), reasons="full")
     assert "3 experts" not in explained and "layer axis (L=3)" in explained
     ref_losses, ref_model = train(model, 1, devices[:1])
     losses, trained = train(model, 2, devices)

@@ -144,7 +144,7 @@ def test_explain_says_what_the_program_showed():
     model = w.OtherGPT("scan", key=jax.random.key(0))
     mesh = redeqx.make_mesh(2)
     specs = redeqx.sharding_rules(model, mesh, loss_fn=w.gpt_loss, batch=GPT_BATCH)
-    table = redeqx.explain(model, specs, mesh, loss_fn=w.gpt_loss, batch=GPT_BATCH)
+    table = redeqx.explain(model, specs, mesh, loss_fn=w.gpt_loss, batch=GPT_BATCH, reasons="full")
     rows = {line.split()[0]: line for line in table.splitlines() if line}
     assert "layer axis (L=2)" in rows["blocks.wq"] and "column parallel" in rows["blocks.wq"]
     assert "heads: reshape to (4, 8)" in rows["blocks.wq"]
@@ -244,3 +244,30 @@ def test_scan_counts_read_either_jax_layout():
 
     assert _scan_counts({"num_consts": 2, "num_carry": 1}) == (2, 1)
     assert _scan_counts({"ft_in": Packed()}) == (2, 1)
+
+
+def test_explain_is_one_short_line_per_weight_and_names_the_right_weights():
+    """Before: rows ran 200-330 characters, a bias 'followed' its neighbour's weight
+    (query.bias named key.weight), grouped-query K/V showed Q's heads' reshape, and
+    reasons said 'reduce_sum over the split dim'."""
+    mesh = redeqx.make_mesh(2)
+    for model, loss, batch in ((w.ViT(key=jax.random.key(0)), w.image_loss, IMAGES),
+                               (w.MetaLM(key=jax.random.key(0)), w.gpt_loss, TOKENS)):
+        specs = redeqx.sharding_rules(model, mesh, loss_fn=loss, batch=batch)
+        short = redeqx.explain(model, specs, mesh, loss_fn=loss, batch=batch)
+        full = redeqx.explain(model, specs, mesh, loss_fn=loss, batch=batch, reasons="full")
+        rows = [line for line in short.splitlines()[2:] if line and not line.startswith("total")]
+        assert max(map(len, rows)) <= 135, max(rows, key=len)  # the reason: 52 characters at most
+        assert len(full.splitlines()) == len(short.splitlines()) and len(full) > len(short)
+        assert "split dim" not in full and "input dims" not in full
+        by_path = {line.split()[0]: line for line in full.splitlines() if line}
+        if isinstance(model, w.ViT):
+            assert "column parallel, dim 0" in short
+            query_bias = by_path["blocks.0.attn.query.bias"]
+            assert query_bias.endswith("follows the split output of blocks.0.attn.query.weight")
+            assert "its output is reduced over its features (reduce_sum)" in by_path["patch.weight"]
+        else:  # 8 query heads, 2 key/value heads: each names its own reshape
+            assert "reshape to (2, 4) after layers.0.attention.wk.weight" in by_path["layers.0.attention.wk.weight"]
+            assert "(8, 4) after layers.0.attention.wq.weight" in by_path["layers.0.attention.wq.weight"]
+    with pytest.raises(Exception, match="reasons"):
+        redeqx.explain(model, specs, mesh, reasons="long")

@@ -42,7 +42,7 @@ def test_each_stacked_leaf_gets_the_unrolled_layers_spec(n_model_shards, fsdp):
         assert len(spec) == 0 or spec[0] is None  # the layer axis is never split
         checked += 1
     assert checked == len([p for p in s_specs if p.startswith("blocks.")]) > 10
-    table = redeqx.explain(stacked, redeqx.sharding_rules(stacked, mesh, fsdp=fsdp), mesh)
+    table = redeqx.explain(stacked, redeqx.sharding_rules(stacked, mesh, fsdp=fsdp), mesh, reasons="full")
     assert "layer axis (L=4), each layer: attention Q/K/V: dim 0" in table
 
 
@@ -60,7 +60,7 @@ def test_overrides_name_stacked_paths_and_nested_stacks_work():
     nested_specs = redeqx.sharding_rules(nested, mesh)
     assert nested_specs.groups.blocks.attn.query_proj.weight == P(None, None, "model", None)
     assert nested_specs.groups.embed.weight == P(None, "model", None)
-    assert "layer axis (L=2 x 3)" in redeqx.explain(nested, nested_specs, mesh)
+    assert "layer axis (L=2 x 3)" in redeqx.explain(nested, nested_specs, mesh, reasons="full")
 
 
 def test_a_stack_whose_leaves_disagree_is_a_clear_error():

@@ -150,7 +150,7 @@ def main():
             hidden_size=h, intermediate_size=4 * h, moe_intermediate_size=h, head_dim=h // 4, num_experts=16,
             num_experts_per_tok=4, **common), key=model_key)
     specs = redeqx.sharding_rules(model, mesh)
-    table = redeqx.explain(model, specs, mesh).splitlines()
+    table = redeqx.explain(model, specs, mesh, reasons="full").splitlines()
     log(f"{len(jax.devices())} devices, mesh {dict(mesh.shape)}; {len(train)} train / {len(test)} held-out blocks")
     log("\n".join(r for r in table if "experts." in r or r.startswith("path")) + "\n" + table[-1])
 

@@ -30,7 +30,7 @@ from ._placement import shard as shard
 from ._plan import Plan as Plan, plan as plan
 from ._preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE, Preempted as Preempted
 from ._remat import checkpoint as checkpoint, remat as remat
-from .sharding import explain as explain, sharding_rules as sharding_rules
+from .sharding import explain as explain, sharding_rules as sharding_rules, specs_from_overrides as specs_from_overrides
 from ._schedules import lr_schedule as lr_schedule
 from ._state import TrainState as TrainState, apply_gradients as apply_gradients, init_state as init_state
 from ._steps import (

@@ -81,6 +81,7 @@ class Plan:
     tried: tuple = ()
     refused: str | None = None  # the compiler's own out-of-memory error, when it would not build the step
     note: str | None = None  # how the FLOPs were counted, where that differs from the compiler's own figure
+    compiler: str = ""  # whose figures these are: "XLA:CPU (cpu)", "XLA:GPU (NVIDIA H100 80GB HBM3)", ...
 
     @property
     def fits(self) -> bool | None:
@@ -108,7 +109,8 @@ class Plan:
         return ", ".join(parts)
 
     def __str__(self) -> str:
-        lines = [f"plan: {self.describe()}; global batch {self.global_batch}", "per device:"]
+        lines = [f"plan: {self.describe()}; global batch {self.global_batch}",
+                 f"figures from {self.compiler}, compiling for these devices", "per device:"]
         rows = [("parameters", self.parameters), ("optimizer state", self.optimizer), ("batch", self.batch),
                 ("temporaries", self.temporaries), ("  of which gradients", self.gradients),
                 ("peak", self.peak)]
@@ -126,16 +128,33 @@ class Plan:
             lines.append(f"  ({self.note})")
         if self.tried:
             lines.append("tried:")
+            width = max(len(label) for label, _ in self.tried)
             for label, other in self.tried:
                 verdict = "" if other.fits is None else (" fits" if other.fits else " does not fit")
-                lines.append(f"  {label:42s} peak {human_bytes(other.peak):>12s}{verdict}")
+                lines.append(f"  {label:{width}s} peak {human_bytes(other.peak):>12s}{verdict}")
             good = [label for label, other in self.tried if other.fits]
             if good:
                 lines.append(f"would fit with: {good[0]}")
             elif self.fits is False:
-                lines.append("nothing tried fits, up to the most model shards these devices allow: more devices "
-                             "are needed (or a shorter sequence / smaller batch)")
+                lines.append("nothing tried fits (each change alone, those that help together, with accumulation down "
+                             "to one row per micro-batch; up to the most model shards these devices allow): more "
+                             "devices are needed (or a shorter sequence)")
+        bf16 = [p for p in (self, *(other for _, other in self.tried)) if p.settings.get("compute_dtype") is not None]
+        if self.compiler.startswith("XLA:CPU") and bf16:
+            lines.append(CPU_BF16)
         return "\n".join(lines)
+
+
+CPU_BF16 = ("note: XLA:CPU computes bfloat16 math through float32 temporaries, so its peak with bfloat16 compute "
+            "is not a GPU's or a TPU's (which falls; XLA:CPU's may even rise above float32's): plan for the "
+            "accelerator's compiler to count bfloat16 compute (see redeqx.plan's docstring)")
+
+
+def compiler_of(mesh: Mesh) -> str:
+    """Whose figures a plan on ``mesh`` gives: the compiler of its devices, and their kind."""
+    device = mesh.devices.flat[0]
+    name = {"cpu": "XLA:CPU", "gpu": "XLA:GPU", "cuda": "XLA:GPU", "rocm": "XLA:GPU", "tpu": "libtpu (XLA:TPU)"}
+    return f"{name.get(device.platform, 'XLA:' + device.platform.upper())} ({device.device_kind})"
 
 
 def _leaf_bytes(tree) -> int:
@@ -190,6 +209,7 @@ def _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, settings, device_m
         batch=_leaf_bytes(batch),
         gradients=trainable_params,
         device_memory=device_memory,
+        compiler=compiler_of(mesh),
     )
     traced = step.trace(state, batch)
     with jax.set_mesh(mesh):
@@ -311,9 +331,19 @@ def plan(
 
     When it does not fit and ``explore`` is true, each of fsdp, remat,
     bfloat16 compute, a bfloat16 optimizer state, a smaller micro-batch
-    (``accumulate``) and more model shards is compiled too, then all of them
-    added one by one until it fits; the printed plan lists each with its peak
-    and names the first that fits.
+    (``accumulate``) and more model shards is compiled too; then those that
+    lowered the peak are added one by one (the best first) until it fits, and
+    the combination's micro-batch is halved while it divides the per-device
+    batch, down to one row, stopping at the first that fits (at most
+    log2(per-device batch) more compiles). The printed plan lists each with
+    its peak and names the first that fits; only when none does does it say
+    more devices are needed.
+
+    The plan names the compiler whose figures it gives (``compiler``, e.g.
+    ``"XLA:CPU (cpu)"``). XLA:CPU computes bfloat16 math through float32
+    temporaries: its peak with bfloat16 compute is not an accelerator's (it
+    can rise above float32's where a GPU's falls), and the printed plan says
+    so.
 
     **Example:**
 
@@ -380,4 +410,25 @@ def plan(
                     break
             else:
                 tried.append((f"{' + '.join(label)} + {name} (raises the peak: left out)", p))
+        if best is not None and not best.fits:
+            tried += _accumulate_more(abstract, loss_fn, optimizer, batch, mesh, key, combined, label, device_memory,
+                                      global_batch)
     return dataclasses.replace(first, tried=tuple(tried))
+
+
+def _accumulate_more(abstract, loss_fn, optimizer, batch, mesh, key, combined, label, device_memory,
+                     global_batch) -> list[tuple[str, Plan]]:
+    """The combination with ever smaller micro-batches (accumulate doubled while it divides the
+    per-device batch, down to one row), stopping at the first that fits: the least accumulation
+    that fits, in at most log2(per-device batch) compiles."""
+    tried = []
+    per_device = global_batch // mesh.shape[DATA]
+    k = combined["accumulate"] * 2
+    base = " + ".join(n for n in label if not n.startswith("accumulate="))
+    while per_device % k == 0:
+        p = _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, {**combined, "accumulate": k}, device_memory)
+        tried.append((f"{base + ' + ' if base else ''}accumulate={k}", p))
+        if p.fits:
+            break
+        k *= 2
+    return tried

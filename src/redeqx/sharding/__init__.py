@@ -6,8 +6,8 @@
 - `_names`, `_names_special`, `_name_rules`: the name hints, an ordered table;
 - `_decide` gives each leaf its spec (override, program, names), `_specs` the
   pieces (fsdp, overrides, stacked leaves, spec -> NamedSharding);
-- `_public`: `sharding_rules` and `explain`.
+- `_public`: `sharding_rules`, `explain` and `specs_from_overrides`.
 """
 
-from ._public import explain as explain, sharding_rules as sharding_rules
+from ._public import explain as explain, sharding_rules as sharding_rules, specs_from_overrides as specs_from_overrides
 from ._specs import named_shardings as named_shardings, sharding_of as sharding_of

@@ -51,7 +51,7 @@ def contract(r, eqn) -> None:
             if d in contracting:
                 partner = other_c[contracting.index(d)]
                 if other_view is None:
-                    r.facts.block(seed, "contracted with another activation on its split dim")
+                    r.facts.block(seed, "its output features are summed against another activation, not a weight")
                 for leaf, dims in (other_view.parts if other_view is not None else ()):
                     if dims[partner] is not None:
                         r.facts.row(seed, leaf, dims[partner], "contracts the split activation")
@@ -96,7 +96,7 @@ def convolve(r, eqn) -> None:
     tags: dict[int, int] = {}
     for seed, d in r.tag(lhs).items():
         if d != in_feature or kv is None:
-            r.facts.block(seed, "reaches a conv other than on its channels")
+            r.facts.block(seed, "its output reaches a conv other than on its channels")
             continue
         for leaf, dims in kv.parts:
             if groups == 1 and dims[k_in] is not None:

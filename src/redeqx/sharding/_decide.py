@@ -10,6 +10,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
@@ -19,9 +22,14 @@ from ._name_rules import UNPLACED, classify
 from ._names import _ancestors
 from ._roles import Role, decide
 from ._specs import (
-    LeafSpec, Overrides, axes_of, check_mesh_model, fsdp_spec, is_weight, lifted, small_leaf_spec, split_spec,
-    stacked_leaves, vocab_sizes, weight_layer,
+    LeafSpec, Overrides, axes_of, brief, check_mesh_model, fsdp_spec, is_weight, lifted, plain_why, small_leaf_spec,
+    split_spec, stacked_leaves, vocab_sizes, weight_layer,
 )
+
+# A leaf replicated because n_model_shards does not divide it is warned about unless it holds under
+# this share of the model's parameters (a 10-class head): its copy costs each device under 1 % more
+# memory, and no choice of n_model_shards would help it. `explain` says it either way.
+QUIET_SHARE = 0.01
 
 
 class _Decider:
@@ -33,6 +41,7 @@ class _Decider:
         self.roles: dict[int, Role] = decide(facts, self.n_model) if facts is not None else {}
         self.leaves = stacked_leaves(model, facts)
         self.arrays = [x for x in jax.tree_util.tree_leaves(model) if is_array_like(x)]
+        self.size = sum(math.prod(x.shape) for x in self.arrays)
         self.vocab = vocab_sizes(model, self.leaves, self.n_model)
         self.counters: dict[str, int] = {}
         self.weight_dims: dict[str, int] = {}  # layer path -> dim split by 'model' (for its bias and adapters)
@@ -43,28 +52,37 @@ class _Decider:
         self.program_layers: set[str] = set()  # layers whose weight the program placed
 
     # -- recording ------------------------------------------------------------------
-    def finish(self, k: int, spec: P, reason: str, *, whole: bool = False) -> None:
-        """``spec`` is one layer's (lifted over the layer axes) unless ``whole``."""
+    def finish(self, k: int, spec: P, reason: str, *, whole: bool = False, short: str | None = None) -> None:
+        """``spec`` is one layer's (lifted over the layer axes) unless ``whole``; ``short``: the
+        reason in a few words (by default ``reason`` cut short)."""
         i, kp, one, n = self.leaves[k]
         full = self._full(k)
+        short = brief(reason if short is None else short)
         if not whole:
             spec = lifted(spec, n)
         if self.fsdp and not reason.startswith("override"):
             spec, did = fsdp_spec(spec, full.shape, self.mesh, keep=set(range(n)))
             if did:
-                reason += " + fsdp over data"
+                reason, short = reason + " + fsdp over data", short + " + fsdp"
         if n:
-            reason = f"layer axis (L={' x '.join(map(str, full.shape[:n]))}), each layer: {reason}"
-        self.decided[i] = LeafSpec(".".join(path_parts(kp)), tuple(full.shape), full.dtype, spec, reason)
+            layers = " x ".join(map(str, full.shape[:n]))
+            reason, short = f"layer axis (L={layers}), each layer: {reason}", f"L={layers} stacked: {short}"
+        self.decided[i] = LeafSpec(".".join(path_parts(kp)), tuple(full.shape), full.dtype, spec, reason, short)
 
     def _full(self, k: int):
         return self.arrays[k]
 
     def fall_back(self, k: int, loud: bool, reason: str, why: str, *, whole: bool = False) -> None:
+        """Replicated, as ``n_model_shards`` cannot split the leaf as the rules would: warned unless
+        the leaf is small (`QUIET_SHARE`: a classifier head's few classes), said in `explain` either way."""
         _, kp, one, _ = self.leaves[k]
         shape = tuple(self._full(k).shape) if whole else tuple(one.shape)
+        short = f"replicated: {plain_why(why)}"
+        if loud and math.prod(self._full(k).shape) < QUIET_SHARE * self.size:
+            loud, why = False, f"{why}; under {QUIET_SHARE:.0%} of the model's parameters, so not warned"
+            short = f"replicated (small): {short[len('replicated: '):]}"
         self.fallbacks.append((f"{self.prefix}{'.'.join(path_parts(kp))} {shape}", why, loud))
-        self.finish(k, P(), f"{reason}: replicated, {why}", whole=whole)
+        self.finish(k, P(), f"{reason}: replicated, {why}", whole=whole, short=short)
 
     # -- passes ---------------------------------------------------------------------
     def run(self) -> None:
@@ -104,7 +122,8 @@ class _Decider:
             n = self.leaves[k][3]  # the override names the whole leaf: its out dim follows the layer axes
             if len(hit[0]) > n and hit[0][n] is not None and MODEL in axes_of(hit[0][n]):
                 self.weight_dims[layer] = 0  # its bias and adapters follow the override
-            return self.finish(k, hit[0], f"{hit[1]} (rules: {role.reason if role else reason})", whole=True)
+            return self.finish(k, hit[0], f"{hit[1]} (rules: {role.reason if role else reason})", whole=True,
+                               short=hit[1])
         if rule.refuse is not None:
             return self.fall_back(k, self.n_model > 1, reason, rule.refuse)
         if dim == -1:
@@ -140,7 +159,7 @@ class _Decider:
         if role.dim == by_names or not reason:
             return role
         said = "replicated" if by_names is None else f"dim {by_names}"
-        return Role(role.dim, f"{role.reason} (names said {said}: {reason}; the program wins)", role.refused)
+        return dataclasses.replace(role, reason=f"{role.reason} (names said {said}: {reason}; the program wins)")
 
     def from_program(self, k: int, role: Role, layer: str) -> None:
         full = self._full(k)
@@ -148,8 +167,8 @@ class _Decider:
         if role.refused is not None:
             return self.fall_back(k, True, role.reason.rsplit(", replicated", 1)[0], role.refused, whole=True)
         if role.dim is None:
-            return self.finish(k, P(), role.reason, whole=True)
-        self.finish(k, split_spec(full.ndim, role.dim), role.reason, whole=True)
+            return self.finish(k, P(), role.reason, whole=True, short=role.short)
+        self.finish(k, split_spec(full.ndim, role.dim), role.reason, whole=True, short=role.short)
 
     def small(self, k: int) -> None:
         _, kp, one, n = self.leaves[k]
@@ -158,7 +177,8 @@ class _Decider:
         if role is not None:
             return self.from_program(k, role, ".".join(parts[:-1]))
         if ".".join(parts[:-1]) in self.program_layers:  # not beside its layer's split output
-            return self.finish(k, P(), "replicated (the program applies it to an activation that is not split)")
+            return self.finish(k, P(), "replicated (the program applies it to an activation that is not split)",
+                               short="replicated: its activation is not split")
         dim = self.weight_dims.get(".".join(parts[:-1]))
         spec, reason = small_leaf_spec(parts, one, dim, self.vocab, self.n_model)
         self.finish(k, spec, reason)

@@ -122,7 +122,7 @@ class Facts:
         for seed, dim in tags.items():
             r = self.find(seed)
             if roots.setdefault(r, dim) != dim:
-                self.block(seed, f"{where}: its split lands on two dims of one value")
+                self.block(seed, f"{where} would need its output split on two dims of one value")
         return tags
 
     def size(self, leaf: int) -> int:

@@ -38,7 +38,7 @@ def scan(r: Reader, eqn) -> None:
                     r.facts.layer_dim(leaf, dims[0], f"scan axis (L={_shape(eqn.invars[i])[0]})")
             views[i] = views[i].mapped(lambda dims: dims[1:])
         if tags[i]:
-            tags[i] = _shift_tags(r, tags[i], -1, "scanned over its split dim")
+            tags[i] = _shift_tags(r, tags[i], -1, "a lax.scan loops over its output features")
     for i in range(nc, nc + ncarry):
         _carried(r, tags[i])
         tags[i], views[i] = {}, None
@@ -64,7 +64,7 @@ def _shift_tags(r, tags, by, why):
 
 def _carried(r: Reader, tags) -> None:
     for seed in tags:
-        r.facts.block(seed, "carried through a loop")
+        r.facts.block(seed, "its output is carried through a loop")
 
 
 def while_loop(r: Reader, eqn) -> None:

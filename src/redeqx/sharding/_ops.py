@@ -35,7 +35,7 @@ def elementwise(r: Reader, eqn) -> None:
     for v in eqn.invars:
         for seed, dim in r.tag(v).items():
             if tags.get(seed, dim) != dim:
-                r.facts.block(seed, f"{where} meets its split on two dims")
+                r.facts.block(seed, f"{where} would need its output split on two dims at once")
             tags[seed] = dim
     for seed, dim in tags.items():  # a weight applied elementwise to a split activation follows the split
         for w in weights:
@@ -89,7 +89,7 @@ def reshape(r: Reader, eqn) -> None:
     for seed, d in r.tag(src).items():
         t = reshape_target(old, new, d)
         if t is None:
-            r.facts.block(seed, f"reshape {old} -> {new} moves its split dim off a leading factor")
+            r.facts.block(seed, f"reshape {old} -> {new} regroups its output features so no device keeps a whole slice")
             continue
         tags[seed] = t[0]
         if _regroups_heads(old, new, d, t):
@@ -156,7 +156,7 @@ def slicing(r: Reader, eqn) -> None:
     tags = {}
     for seed, d in r.tag(src).items():
         if d in changed:
-            r.facts.block(seed, f"{eqn.primitive.name} cuts its split dim ({old[d]} -> {new[d]})")
+            r.facts.block(seed, f"{eqn.primitive.name} cuts its output features ({old[d]} -> {new[d]})")
         else:
             tags[seed] = d
     r.set_tags(out, tags, eqn.primitive.name)
@@ -173,7 +173,7 @@ def reduction(r: Reader, eqn) -> None:
     tags = {}
     for seed, d in r.tag(src).items():
         if d in axes:
-            r.facts.reduce(seed, f"{eqn.primitive.name} over the split dim")
+            r.facts.reduce(seed, f"is reduced over its features ({eqn.primitive.name})")
         else:
             tags[seed] = d - sum(a < d for a in axes)
     r.set_tags(out, tags, eqn.primitive.name)
@@ -185,7 +185,7 @@ def ordered(r: Reader, eqn) -> None:
     axis = eqn.params.get("axis", eqn.params.get("dimension", nd - 1)) % max(nd, 1)
     for seed, d in r.tag(src).items():
         if d == axis:
-            r.facts.block(seed, f"{eqn.primitive.name} needs the whole split dim")
+            r.facts.block(seed, f"{eqn.primitive.name} runs along its output features and needs all of them")
     for out in eqn.outvars:
         if len(_shape(out)) == nd:
             r.set_tags(out, {s: d for s, d in r.tag(src).items() if d != axis}, eqn.primitive.name)
@@ -201,7 +201,7 @@ def split(r: Reader, eqn) -> None:
         tags = {}
         for seed, d in r.tag(src).items():
             if d == axis:
-                r.facts.block(seed, "split along its split dim")
+                r.facts.block(seed, "jnp.split cuts its output features into pieces")
             else:
                 tags[seed] = d
         r.set_tags(out, tags, "split")
@@ -223,7 +223,7 @@ def concatenate(r: Reader, eqn) -> None:
     for v in eqn.invars:
         for seed, d in r.tag(v).items():
             if d == axis:
-                r.facts.block(seed, "concatenated along its split dim")
+                r.facts.block(seed, "its output features are concatenated with another value's")
             else:
                 tags[seed] = d
     r.set_tags(out, tags, "concatenate")
@@ -249,11 +249,11 @@ def gather(r: Reader, eqn) -> None:
             r.views[out] = vw.mapped(rows)
     for seed, d in r.tag(table).items():  # one entry per index along the split dim: a masked local pick
         if d in dn.collapsed_slice_dims:
-            r.facts.reduce(seed, "picked one entry of the split dim (a label's logit)")
+            r.facts.reduce(seed, "has one of its features picked (a label's logit)")
         else:
-            r.facts.block(seed, "gathered along another dim")
+            r.facts.block(seed, "its output is gathered along a dim other than its features")
     for seed in r.tag(indices):
-        r.facts.block(seed, "used as gather indices")
+        r.facts.block(seed, "its output is used as gather indices")
 
 
 

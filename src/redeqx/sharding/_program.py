@@ -66,7 +66,7 @@ def read_program(model, loss_fn, batch, paths: list[str]) -> Facts:
     _, out_tags, _ = reader.run(jaxpr, views, [{}] * len(jaxpr.invars), [False] * len(jaxpr.invars))
     for tags in out_tags:
         for seed in tags:
-            facts.reduce(seed, "reaches the loss's outputs split")
+            facts.reduce(seed, "reaches the loss's outputs while split")
     return facts
 
 

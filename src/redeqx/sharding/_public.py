@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import numpy as np
@@ -15,7 +15,7 @@ from .._trees import human_bytes, is_array_like, path_parts, path_str, per_devic
 from .._typing import typechecked, warn_user
 from ._decide import leaf_specs
 from ._program import read_program
-from ._specs import unplaced_warning
+from ._specs import Overrides, unplaced_warning
 
 
 def read(model, loss_fn, batch):
@@ -118,25 +118,72 @@ def specs_from(model, mesh: Mesh, facts, overrides=(), fsdp: bool = False, name:
 
 
 @typechecked
+def specs_from_overrides(model, mesh: Mesh, overrides: Sequence):
+    """A spec tree placed by hand: every array of ``model`` replicated, except
+    where an override says otherwise.
+
+    ``overrides`` is a list of ``(regex, spec)`` as `sharding_rules` takes it:
+    the first regex found in a leaf's path (as `explain` prints it, e.g.
+    ``"blocks.0.attn.wq.weight"``) sets that leaf's spec. Each spec is checked
+    against ``mesh`` (its axes exist and divide the leaf), and a regex that
+    matches no path, or only paths an earlier one took, is an error. Returns a
+    tree of ``model``'s structure, ``None`` at non-array leaves, to pass as
+    ``specs`` wherever redeqx takes them: a hand plan to compare the rules
+    with, or to train with when you know better.
+
+    **Example:**
+
+    ```python
+    mesh = redeqx.make_mesh(n_model_shards=2)
+    model = eqx.nn.MLP(784, 10, 256, depth=2, key=jax.random.key(0))
+    specs = redeqx.specs_from_overrides(model, mesh, [
+        (r"layers\\.0\\.(weight|bias)$", P("model")),   # column parallel
+        (r"layers\\.1\\.weight$", P(None, "model")),     # row parallel
+    ])                                                  # the rest (layers.1.bias, layers.2) replicated
+    state = redeqx.init_state(model, optax.adamw(1e-3), mesh, specs, key=jax.random.key(1))
+    ```
+    """
+    mesh = check_mesh(mesh)
+    found = Overrides(overrides, mesh, "")
+    flat, treedef = jax.tree_util.tree_flatten_with_path(model)
+    specs, paths = [], []
+    for kp, leaf in flat:
+        if not is_array_like(leaf):
+            specs.append(None)
+            continue
+        paths.append(path_str(kp))
+        hit = found.find(paths[-1], leaf)
+        specs.append(P() if hit is None else hit[0])
+    found.check_all_used(paths, None)
+    return jax.tree_util.tree_unflatten(treedef, specs)
+
+
+@typechecked
 def explain(model, specs, mesh: Mesh, *, loss_fn: Callable | None = None, batch: Any = None,
-            overrides: Sequence = (), fsdp: bool | None = None) -> str:
+            overrides: Sequence = (), fsdp: bool | None = None, reasons: Literal["short", "full"] = "short") -> str:
     """A table of where each array of ``model`` lives under ``specs``.
 
-    One row per array: path, shape, dtype, spec, bytes per device, and why:
-    what the program showed (``x @ W`` contracts dim 0 -> column parallel, the
-    scan axis, the heads' reshape) when ``loss_fn`` and ``batch`` are given
-    as to `sharding_rules`, the name rule otherwise, the override or
-    ``fsdp``; ``given`` where ``specs`` differ from anything the rules would
-    say (e.g. edited by hand). Totals at the bottom.
+    One short row per array: path, shape, dtype, spec, bytes per device, and
+    why in a few words ("column parallel, dim 0", "replicated: dim 0 (10) does
+    not split 4 ways", "override 'wo'"): what the program showed when
+    ``loss_fn`` and ``batch`` are given as to `sharding_rules`, the name rule
+    otherwise, the override or ``fsdp``; ``given`` where ``specs`` differ from
+    anything the rules would say (e.g. a hand plan). Totals at the bottom.
+
+    ``reasons="full"`` gives each reason whole: the weights a layer feeds or
+    contracts, its heads' reshape, what the names alone would have said, the
+    rules' spec beside an override.
 
     **Example:**
 
     ```python
     specs = redeqx.sharding_rules(model, mesh, loss_fn=loss_fn, batch=batch)
     print(redeqx.explain(model, specs, mesh, loss_fn=loss_fn, batch=batch))
+    print(redeqx.explain(model, specs, mesh, loss_fn=loss_fn, batch=batch, reasons="full"))
     ```
     """
     mesh = check_mesh(mesh)
+    full = reasons == "full"
     facts = read(model, loss_fn, batch)
     candidates = [leaf_specs(model, mesh, overrides, f, None, facts)[1]
                   for f in ((False, True) if fsdp is None else (fsdp,))]
@@ -156,9 +203,10 @@ def explain(model, specs, mesh: Mesh, *, loss_fn: Callable | None = None, batch:
         path = ".".join(path_parts(kp))
         spec = P() if spec is None else spec
         found = [d[path] for d in by_path if path in d]
-        why = next((p.reason for p in found if p.spec == spec), None)
+        why = next((p.reason if full else p.short for p in found if _same(p.spec, spec)), None)
         if why is None:
-            why = f"given (rules: {found[0].spec}, {found[0].reason})" if found else "given"
+            why = "given" if not found else (f"given (rules: {found[0].spec}, {found[0].reason})" if full
+                                             else f"given (rules: {found[0].spec})")
         itemsize = np.dtype(leaf.dtype).itemsize
         dev = math.prod(per_device_shape(leaf.shape, spec, mesh)) * itemsize
         total += math.prod(leaf.shape) * itemsize
@@ -166,6 +214,16 @@ def explain(model, specs, mesh: Mesh, *, loss_fn: Callable | None = None, batch:
         n_arrays += 1
         rows.append((path, str(tuple(leaf.shape)), str(np.dtype(leaf.dtype)), str(spec), human_bytes(dev), why))
     return _table(rows, total, per_dev, n_arrays, mesh)
+
+
+def _same(a: P, b: P) -> bool:
+    """One layout, however written: ``P('model')`` is ``P('model', None)``."""
+    def trimmed(spec):
+        entries = list(spec)
+        while entries and entries[-1] is None:
+            entries.pop()
+        return tuple(entries)
+    return trimmed(a) == trimmed(b)
 
 
 def _table(rows, total, per_dev, n_arrays, mesh) -> str:

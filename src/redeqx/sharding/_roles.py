@@ -32,12 +32,14 @@ from ._facts import Facts
 @dataclasses.dataclass(frozen=True)
 class Role:
     """A program-derived decision for one leaf: the dim split over ``model``
-    (None: replicated), why, and ``refused`` when replication was forced by a
-    count ``n_model_shards`` does not divide (said in the warning)."""
+    (None: replicated), why (in full, and ``short``), and ``refused`` when
+    replication was forced by a count ``n_model_shards`` does not divide (said
+    in the warning)."""
 
     dim: int | None
     reason: str
     refused: str | None = None
+    short: str | None = None  # the reason in a few words, for `explain`'s default table
 
 
 @dataclasses.dataclass
@@ -58,7 +60,7 @@ def _bad_seeds(facts: Facts, seeds: list[int], has_rows: bool) -> dict[int, str]
     A weight with one such use keeps all its uses whole."""
     bad = {s: facts.blocked[s] for s in seeds if s in facts.blocked}
     if has_rows:
-        bad.update({s: f"its output {facts.reduced[s]} before reaching a row-parallel layer (a norm or the "
+        bad.update({s: f"its output {facts.reduced[s]} before any layer contracts it (a norm, or the "
                        "residual stream)" for s in seeds if s in facts.reduced and s not in bad})
     leaves = {facts.uses[facts.seed_use[s]].leaf for s in bad}
     for s in seeds:
@@ -140,20 +142,31 @@ def _without(group: Group, dropped: set[int]) -> Group:
                  {k: v for k, v in group.reached.items() if k in keep}, group.why_not, group.kind, group.size)
 
 
-def _describe(facts: Facts, group: Group, leaf: int, dim: int, text: str) -> str:
-    heads = [w for s in group.seeds for w in facts.wholes.get(s, [])]
-    extra = f"; heads: {heads[0].text} {facts.paths[facts.uses[facts.seed_use[group.seeds[0]]].leaf]}" \
+def _listed(paths: list[str], most: int) -> str:
+    return ", ".join(paths[:most]) + ("..." if len(paths) > most else "")
+
+
+def _describe(facts: Facts, group: Group, leaf: int, dim: int, text: str) -> Role:
+    """The leaf's role in its group, naming only the weights that made it a member: its own
+    heads' reshape, the columns whose output it contracts or follows (not a neighbour's)."""
+    own = [s for s in group.seeds if facts.uses[facts.seed_use[s]].leaf == leaf]
+    seeds = own or sorted(group.reached.get(leaf, ()))
+    heads = [(w, s) for s in seeds for w in facts.wholes.get(s, [])]
+    extra = f"; heads: {heads[0][0].text} {facts.paths[facts.uses[facts.seed_use[heads[0][1]]].leaf]}" \
         if heads and text != "follows" else ""
     if group.kind == "head":
-        return f"program: output dim {dim} split, its loss reduces over it (vocabulary parallel){extra}"
-    role = {"column": "column parallel", "row": "row parallel", "follows": "follows its split activation"}[text]
+        return Role(dim, f"program: vocabulary parallel on dim {dim}: its output is split and the loss reduces "
+                         f"over it{extra}", short=f"vocabulary parallel, dim {dim}")
     partners = sorted({facts.paths[m] for m, (_, t) in group.members.items() if t == "row"})
-    cols = sorted({facts.paths[m] for m, (_, t) in group.members.items() if t == "column"})
+    sources = sorted({facts.paths[facts.uses[facts.seed_use[s]].leaf] for s in group.reached.get(leaf, ())})
     if text == "column":
-        return f"program: {role} on dim {dim}; feeds {', '.join(partners[:3])}{'...' if len(partners) > 3 else ''}{extra}"
+        return Role(dim, f"program: column parallel on dim {dim}; feeds {_listed(partners, 3)}{extra}",
+                    short=f"column parallel, dim {dim}")
     if text == "row":
-        return f"program: {role} on dim {dim} (contracts the split output of {', '.join(cols[:3])})"
-    return f"program: dim {dim}, {role} ({', '.join(cols[:2])})"
+        return Role(dim, f"program: row parallel on dim {dim} (contracts the split output of {_listed(sources, 3)})",
+                    short=f"row parallel, dim {dim}")
+    return Role(dim, f"program: dim {dim}, follows the split output of {_listed(sources, 2)}",
+                short=f"follows its layer's split, dim {dim}")
 
 
 def experts(facts: Facts, n: int, decided: dict[int, Role]) -> None:
@@ -163,7 +176,8 @@ def experts(facts: Facts, n: int, decided: dict[int, Role]) -> None:
             e = facts.shapes[use.leaf][axis]
             if e % n == 0:
                 decided[use.leaf] = Role(axis, f"program: expert axis dim {axis} (a batch dim of its contraction): "
-                                               f"{e} experts -> {e // n} per device")
+                                               f"{e} experts -> {e // n} per device",
+                                         short=f"expert parallel, dim {axis}: {e // n} of {e} per device")
 
 
 class _Fit(NamedTuple):
@@ -245,7 +259,7 @@ def blocks(facts: Facts, n: int, decided: dict[int, Role]) -> None:
     for fit in _choose([f for f in fits if f.refusal is None]):
         decided.update(fit.dropped)
         for leaf, (dim, text) in fit.kept.members.items():
-            decided[leaf] = Role(dim, _describe(facts, fit.group, leaf, dim, text))
+            decided[leaf] = _describe(facts, fit.group, leaf, dim, text)
     for fit in fits:  # a block no n_model_shards split fits: whole, and said so
         if fit.refusal is not None:
             for leaf, (dim, text) in fit.group.members.items():
@@ -257,15 +271,18 @@ def lookups(facts: Facts, n: int, decided: dict[int, Role]) -> None:
         dim, positional = found[0]
         if leaf in decided:
             if decided[leaf].dim == dim:
-                decided[leaf] = Role(dim, decided[leaf].reason + "; also looked up (tied embedding)")
+                decided[leaf] = Role(dim, decided[leaf].reason + "; also looked up (tied embedding)",
+                                     short=f"{decided[leaf].short}, tied embedding")
             continue
         if all(p for _, p in found):
-            decided[leaf] = Role(None, "program: looked up at positions the program computes: replicated")
+            decided[leaf] = Role(None, "program: looked up at positions the program computes: replicated",
+                                 short="replicated: looked up at computed positions")
         elif facts.shapes[leaf][dim] % n:
             decided[leaf] = Role(None, "program: embedding", refused=(
                 f"dim {dim} ({facts.shapes[leaf][dim]}) not divisible by n_model_shards={n}"))
         else:
-            decided[leaf] = Role(dim, f"program: embedding, looked up by data on dim {dim} (vocab)")
+            decided[leaf] = Role(dim, f"program: embedding, looked up by data on dim {dim} (vocab)",
+                                 short=f"embedding, dim {dim} (vocab)")
 
 
 def read(facts: Facts, n: int, decided: dict[int, Role]) -> None:
@@ -278,7 +295,8 @@ def read(facts: Facts, n: int, decided: dict[int, Role]) -> None:
         why = why or next((g.why_not for g in mine if g.why_not), None)
         if why is None:
             why = "its other role is taken by a larger block" if mine else "no output dim to split"
-        decided[use.leaf] = Role(None, f"program: {use.kind} input dims {use.contracted}, replicated: {why}")
+        decided[use.leaf] = Role(None, f"program: {use.kind} contracting dims {use.contracted} with its input, "
+                                       f"replicated: {why}", short=f"replicated: {why}")
 
 
 RULES = (experts, blocks, lookups, read)

@@ -31,13 +31,39 @@ FSDP_MIN_SIZE = 2**14
 
 @dataclasses.dataclass(frozen=True)
 class LeafSpec:
-    """What the rules decided for one array: its spec and why (for `explain`)."""
+    """What the rules decided for one array: its spec and why (for `explain`: ``short`` in its
+    default table, ``reason`` in full)."""
 
     path: str
     shape: tuple[int, ...]
     dtype: Any
     spec: P
     reason: str
+    short: str
+
+
+# `explain`'s default table keeps each reason to a few words: the counts that do not divide
+# said plainly, anything else cut at a word (the full reason is `explain(..., reasons="full")`).
+SHORT_LIMIT = 52
+_NOT_DIVISIBLE = (
+    (re.compile(r"dim (\d+) \((\d+)\) not divisible by n_model_shards=(\d+)"), r"dim \1 (\2) does not split \3 ways"),
+    (re.compile(r"(\d+) ([a-z ]+?) not divisible by n_model_shards=(\d+)"), r"\1 \2 do not split \3 ways"),
+)
+
+
+def plain_why(why: str) -> str:
+    """Why a leaf stays whole, the count that does not divide said plainly (without the path)."""
+    for rx, plain in _NOT_DIVISIBLE:
+        if m := rx.search(why):
+            return m.expand(plain)
+    return why
+
+
+def brief(reason: str) -> str:
+    """``reason`` in at most `SHORT_LIMIT` characters, cut at a word."""
+    if len(reason) <= SHORT_LIMIT:
+        return reason
+    return reason[:SHORT_LIMIT - 1].rsplit(" ", 1)[0].rstrip(",;:") + "…"
 
 
 def named_shardings(specs, mesh: Mesh):
