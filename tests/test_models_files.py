@@ -13,7 +13,15 @@ import numpy as np
 import pytest
 
 import redeqx
-from redeqx.models import LlamaConfig, LlamaForCausalLM, _pretrained, from_pretrained, save_pretrained
+from redeqx.models import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+    _pretrained,
+    from_pretrained,
+    save_pretrained,
+)
 
 CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, scan_layers=False)
@@ -151,6 +159,21 @@ def test_config_sizes_are_checked_before_building(saved, tmp_path, edit, field):
     (d / "config.json").write_text(json.dumps({**config, **edit}))
     start = time.perf_counter()
     _refused(d, "config.json", field)
+    assert time.perf_counter() - start < 5
+
+
+def test_layers_that_cannot_be_stacked_are_counted_before_building(tmp_path):
+    """A Qwen3-MoE whose dense layer sits among sparse ones has no stacked layout to read sizes from."""
+    config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=40, moe_intermediate_size=24,
+                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            num_experts=4, num_experts_per_tok=2, mlp_only_layers=(1,), scan_layers=False)
+    d = tmp_path / "moe"
+    save_pretrained(Qwen3MoeForCausalLM(config, key=jax.random.key(0)), d)
+    assert jax.tree.leaves(_load(d))  # loads as it is
+    hf = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**hf, "num_hidden_layers": 10_000}))
+    start = time.perf_counter()
+    _refused(d, "config.json", "num_hidden_layers=10000")
     assert time.perf_counter() - start < 5
 
 

@@ -209,37 +209,65 @@ def _at(array: np.ndarray, index: tuple[slice, ...]) -> np.ndarray:
 def _check_sizes(model_cls, config, entries: dict[str, Entry], config_path: Path) -> None:
     """Refuse a config whose sizes the checkpoint cannot fill, before the model
     is built (building 10,000 listed layers takes a minute): each layer stack's
-    depth against the layers the checkpoint names, and the model's parameter
-    count against the values it holds. The model is read in its stacked
-    layout, on shapes alone, which costs the same at any depth."""
+    depth against the layers the checkpoint holds, and a model larger than the
+    checkpoint with sizes no checkpoint tensor has (``hidden_size=1048576``).
+    The model is read in its stacked layout, on shapes alone, which costs the
+    same at any depth; a smaller mismatch is listed tensor by tensor later."""
+    ints = [(f.name, v) for f in dataclasses.fields(config)
+            if isinstance(v := getattr(config, f.name), int) and not isinstance(v, bool)]
+    held = {stack: _layers_held(stack, entries) for stack in model_cls.hf_stacks}
     try:
-        probe = eqx.filter_eval_shape(
-            lambda: model_cls(dataclasses.replace(config, scan_layers=True), key=jax.random.key(0)))
-    except (TypeError, ValueError, OverflowError) as e:
-        raise ValueError(f"{config_path} describes no buildable model: {e}") from e
+        probe, stacked = _abstract(model_cls, dataclasses.replace(config, scan_layers=True), config_path), True
+    except ValueError:  # a config one stack cannot hold (Qwen3-MoE's dense layers among sparse): list them,
+        most = max(map(len, held.values()), default=0)  # at a cost bounded by the checkpoint's depth
+        for k, v in ints:
+            if "layer" in k and v > most:
+                raise ValueError(f"{config_path}: {k}={v}, but the checkpoint holds {most} layers; "
+                                 "check that config.json belongs to these weights.") from None
+        probe, stacked = _abstract(model_cls, dataclasses.replace(config, scan_layers=False), config_path), False
     leaves = [(path, x) for path, x in named_leaves(probe) if isinstance(x, jax.ShapeDtypeStruct)]
-    fields = [(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)]
-    ints = [(k, v) for k, v in fields if isinstance(v, int) and not isinstance(v, bool)]
-    for stack in model_cls.hf_stacks:
-        depth = next((x.shape[0] for path, x in leaves if path.startswith(stack + ".")), 0)
-        layers = {m.group(1) for name in entries if (m := re.match(re.escape(stack) + r"\.(\d+)\.", name))}
+    for stack, layers in held.items():
+        if stacked:
+            depth = next((x.shape[0] for path, x in leaves if path.startswith(stack + ".")), 0)
+        else:
+            depth = len(_layers_held(stack, dict(leaves)))
         if depth != len(layers):
             named = " / ".join(f"{k}={v}" for k, v in ints if "layer" in k and v == depth) or f"{depth} layers"
             raise ValueError(
-                f"{config_path}: {named} (layers of {stack}), but the checkpoint holds {len(layers)} of them; "
+                f"{config_path}: {named} (the layers of {stack}), but the checkpoint holds {len(layers)} of them; "
                 "check that config.json belongs to these weights."
             )
-    need = sum(math.prod(x.shape) for _, x in leaves)
-    held = sum(math.prod(e.shape) for e in entries.values())
-    if need > held:
-        dims = {d for e in entries.values() for d in e.shape}
-        used = {d for path, x in leaves for d in x.shape[any(path.startswith(s + ".") for s in model_cls.hf_stacks):]}
-        odd = [f"{k}={v}" for k, v in ints if v in used and v not in dims]
+    in_stack = [stacked and any(path.startswith(s + ".") for s in model_cls.hf_stacks) for path, _ in leaves]
+    sizes = {d for (_, x), lead in zip(leaves, in_stack) for d in x.shape[lead:]}  # not the layer axis
+    dims = {d for e in entries.values() for d in e.shape}
+    odd = [f"{k}={v}" for k, v in ints if v in sizes and v not in dims]
+    need, values = sum(math.prod(x.shape) for _, x in leaves), sum(math.prod(e.shape) for e in entries.values())
+    if need > values and odd:
         raise ValueError(
-            f"{config_path}: its sizes make a model of {need:,} parameters, but the checkpoint holds {held:,} "
-            + (f"values ({', '.join(odd)}: no checkpoint tensor has such a dimension)" if odd else "values")
-            + "; check that config.json belongs to these weights."
+            f"{config_path}: {', '.join(odd)} (no checkpoint tensor has such a dimension) makes a model of "
+            f"{need:,} parameters, but the checkpoint holds {values:,}; check that config.json belongs to these "
+            "weights."
         )
+
+
+def _abstract(model_cls, config, config_path: Path):
+    """The model of ``config`` on shapes alone; a config it refuses is an error naming ``config_path``."""
+    try:
+        return eqx.filter_eval_shape(lambda: model_cls(config, key=jax.random.key(0)))
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ValueError(f"{config_path} describes no {model_cls.__name__} (scan_layers={config.scan_layers}): "
+                         f"{e}") from e
+
+
+def _layers_held(stack: str, entries: dict) -> set[str]:
+    """The layer indices the checkpoint's names hold under ``stack`` (``model.layers.3.*``), or under
+    the stack's name less a leading prefix (the hub's OPT files name ``decoder.layers.3.*``)."""
+    parts = stack.split(".")
+    for k in range(len(parts)):
+        pattern = re.compile(re.escape(".".join(parts[k:])) + r"\.(\d+)\.")
+        if held := {m.group(1) for name in entries if (m := pattern.match(name))}:
+            return held
+    return set()
 
 
 def _placed(read, shape, sharding: NamedSharding, dtype, entry: Entry) -> jax.Array:
