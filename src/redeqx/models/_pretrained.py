@@ -336,6 +336,12 @@ def save_pretrained(model, local_dir: str | os.PathLike, *, max_shard_bytes: int
     gathered to the host one at a time; on several hosts every process must
     call this, and process 0 writes.
 
+    The model is written into a new directory beside ``local_dir``, which
+    then replaces it whole: ``local_dir`` holds this model only (an earlier
+    save's shards and index are gone; loose files such as a tokenizer's are
+    kept), and a save that fails leaves the earlier model as it was. A
+    ``local_dir`` holding sub-directories is refused.
+
     **Example:**
 
     ```python
@@ -368,6 +374,7 @@ def save_pretrained(model, local_dir: str | os.PathLike, *, max_shard_bytes: int
     # Process 0 writes into a new directory beside local_dir, then swaps it in: a load never sees a
     # half-written model, nor the last save's files beside this one's.
     target = Path(os.path.realpath(local_dir))
+    _check_target(target)  # on every process, so that none waits on a writer that refused
     staging = _staging_dir(target) if writer else None
     try:
         if staging is not None:
@@ -391,9 +398,8 @@ _MODEL_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.saf
                 "pytorch_model*.bin", "pytorch_model.bin.index.json", "tf_model*.h5", "flax_model*.msgpack")
 
 
-def _staging_dir(target: Path) -> Path:
-    """A new empty directory beside ``target`` for the save to fill, after checking that
-    ``target`` is a directory whose every entry a new model save may replace or keep."""
+def _check_target(target: Path) -> None:
+    """``target`` is new, or a directory whose every entry a model save may replace or keep."""
     if target.exists() and not target.is_dir():
         raise ValueError(f"local_dir={str(target)!r} is a file; pass a directory (new, or holding a model).")
     if target.is_dir() and (subdirs := sorted(p.name for p in target.iterdir() if p.is_dir())):
@@ -401,6 +407,10 @@ def _staging_dir(target: Path) -> Path:
             f"local_dir={str(target)!r} holds directories ({', '.join(subdirs)}): save_pretrained replaces the "
             "directory's model as a whole and keeps only its loose files (a tokenizer's); pass a new directory."
         )
+
+
+def _staging_dir(target: Path) -> Path:
+    """A new empty directory beside ``target`` for the save to fill."""
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.parent / f".{target.name}.saving-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
