@@ -9,12 +9,18 @@ one full tensor beyond the model.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import fnmatch
 import functools
 import json
+import math
 import os
 import re
+import shutil
+import uuid
 from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
 
 import equinox as eqx
@@ -22,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from safetensors import SafetensorError
 
 from ..sharding import sharding_rules
 from .._trees import leaves_with_specs, named_leaves, replace_array_leaves
@@ -34,7 +41,7 @@ from ._mixtral import MixtralConfig, MixtralForCausalLM
 from ._moe import LoRAExperts
 from ._opt import OPTConfig, OPTForCausalLM
 from ._qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
-from ._safetensors import Entry, HFTensor, checkpoint_files, leaf_tensors, read_header, read_tensor, write_checkpoint
+from ._safetensors import Entry, HFTensor, leaf_tensors, read_entries, read_json, write_checkpoint
 from ._t5 import T5Config, T5ForConditionalGeneration
 from ..sharding._specs import sharding_of
 
@@ -128,60 +135,156 @@ def from_pretrained(local_dir: str | os.PathLike, mesh: Mesh, specs=None, *, dty
     ```
     """
     local_dir = Path(local_dir)
-    if not (local_dir / "config.json").is_file():
+    config_path = local_dir / "config.json"
+    if not config_path.is_file():
         raise FileNotFoundError(
             f"local_dir={str(local_dir)!r} has no config.json; pass the directory written by save_pretrained "
             "(redeqx's or Transformers')."
         )
-    hf_config = json.loads((local_dir / "config.json").read_text())
+    hf_config = read_json(config_path)
     model_type = hf_config.get("model_type")
-    if model_type not in FAMILIES:
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
         raise ValueError(
             f"config.json in {str(local_dir)!r} has model_type={model_type!r}; redeqx.models supports "
             f"{sorted(FAMILIES)}."
         )
     config_cls, model_cls = FAMILIES[model_type]
-    entries: dict[str, Entry] = {}
-    for f in checkpoint_files(local_dir):
-        entries.update(read_header(f))
-    # A family whose config.json does not say everything (T5 under Transformers 5
-    # marks every head tied) also reads which tensors the checkpoint holds.
-    from_checkpoint = getattr(config_cls, "from_hf_checkpoint", None)
-    config = config_cls.from_hf(hf_config) if from_checkpoint is None else from_checkpoint(hf_config, frozenset(entries))
-    if scan_layers is not None:
-        config = dataclasses.replace(config, scan_layers=scan_layers)
-    if scan_unroll is not None:
-        config = dataclasses.replace(config, scan_unroll=scan_unroll)
-    skeleton = _skeleton(model_cls, config, dtype)
-    if specs is None:
-        specs = sharding_rules(skeleton, mesh, loss_fn=loss_fn, batch=batch)
-    tensors = hf_tensors(skeleton)
-    by_path = {path: (leaf, spec) for path, leaf, spec in leaves_with_specs(skeleton, specs)}
-    _check_tensors(tensors, entries, by_path, getattr(model_cls, "hf_ignore", ()), local_dir)
+    with ExitStack() as files:
+        entries = read_entries(local_dir, files)
+        config = _config(config_cls, hf_config, entries, config_path)
+        if scan_layers is not None:
+            config = dataclasses.replace(config, scan_layers=scan_layers)
+        if scan_unroll is not None:
+            config = dataclasses.replace(config, scan_unroll=scan_unroll)
+        _check_sizes(model_cls, config, entries, config_path)
+        skeleton = _skeleton(model_cls, config, dtype)
+        if specs is None:
+            specs = sharding_rules(skeleton, mesh, loss_fn=loss_fn, batch=batch)
+        tensors = hf_tensors(skeleton)
+        by_path = {path: (leaf, spec) for path, leaf, spec in leaves_with_specs(skeleton, specs)}
+        _check_tensors(tensors, entries, by_path, getattr(model_cls, "hf_ignore", ()), local_dir)
 
-    placed: dict[str, jax.Array] = {}
-    for t in tensors:
-        full = read_tensor(entries[t.name])
-        for path, part in zip(t.paths, t.split(full)):
-            leaf, spec = by_path[path]
-            target = np.dtype(leaf.dtype) if dtype is not None or not np.issubdtype(part.dtype, np.floating) else part.dtype
-            sharding = sharding_of(spec, mesh)
-            at = t.at
-            if not at:
-                placed[path] = _placed(part, leaf.shape, sharding, target)
-                continue
-            if path not in placed:  # the first slice (layer, expert) of this stacked leaf
-                placed[path] = _zeros(tuple(leaf.shape), target, sharding)()
-            piece = _placed(part, leaf.shape[len(at):], NamedSharding(mesh, P(*spec[len(at):])), target)
-            placed[path] = _write_at(sharding)(placed[path], piece, tuple(jnp.int32(i) for i in at))
-        del full
+        placed: dict[str, jax.Array] = {}
+        for t in tensors:
+            entry = entries[t.name]
+            # A tensor that is one leaf as stored is read one device's shard at a time; one that is
+            # cut or transposed into leaves (GPT-2's fused c_attn) is read whole first.
+            reads = [entry.read] if t.whole else [
+                functools.partial(_at, part) for part in t.split(entry.read())]
+            for path, read in zip(t.paths, reads):
+                leaf, spec = by_path[path]
+                target = entry.dtype if dtype is None and np.issubdtype(entry.dtype, np.floating) else np.dtype(
+                    leaf.dtype)
+                sharding = sharding_of(spec, mesh)
+                at = t.at
+                if not at:
+                    placed[path] = _placed(read, leaf.shape, sharding, target, entry)
+                    continue
+                if path not in placed:  # the first slice (layer, expert) of this stacked leaf
+                    placed[path] = _zeros(tuple(leaf.shape), target, sharding)()
+                piece = _placed(read, leaf.shape[len(at):], NamedSharding(mesh, P(*spec[len(at):])), target, entry)
+                placed[path] = _write_at(sharding)(placed[path], piece, tuple(jnp.int32(i) for i in at))
     return replace_array_leaves(skeleton, [placed[path] for path in by_path])
 
 
-def _placed(part: np.ndarray, shape, sharding: NamedSharding, dtype) -> jax.Array:
-    """``part`` as a global array, each device's shard cut from it."""
-    return jax.make_array_from_callback(tuple(shape), sharding,
-                                        lambda idx: np.ascontiguousarray(part[idx], dtype=dtype))
+def _config(config_cls, hf_config: dict, entries: dict[str, Entry], config_path: Path):
+    """The family's config from ``config.json``; a missing or ill-typed field is an error naming the file."""
+    # A family whose config.json does not say everything (T5 under Transformers 5
+    # marks every head tied) also reads which tensors the checkpoint holds.
+    from_checkpoint = getattr(config_cls, "from_hf_checkpoint", None)
+    try:
+        return config_cls.from_hf(hf_config) if from_checkpoint is None else from_checkpoint(hf_config,
+                                                                                               frozenset(entries))
+    except KeyError as e:
+        raise ValueError(f"{config_path} has no field {e}; download or save it again.") from e
+    except (TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"{config_path} is not a valid {hf_config['model_type']} config: {str(e).rstrip('.')}; "
+                         "download or save it again.") from e
+
+
+def _at(array: np.ndarray, index: tuple[slice, ...]) -> np.ndarray:
+    return array[index]
+
+
+def _check_sizes(model_cls, config, entries: dict[str, Entry], config_path: Path) -> None:
+    """Refuse a config whose sizes the checkpoint cannot fill, before the model
+    is built (building 10,000 listed layers takes a minute): each layer stack's
+    depth against the layers the checkpoint holds, and a model larger than the
+    checkpoint with sizes no checkpoint tensor has (``hidden_size=1048576``).
+    The model is read in its stacked layout, on shapes alone, which costs the
+    same at any depth; a smaller mismatch is listed tensor by tensor later."""
+    ints = [(f.name, v) for f in dataclasses.fields(config)
+            if isinstance(v := getattr(config, f.name), int) and not isinstance(v, bool)]
+    held = {stack: _layers_held(stack, entries) for stack in model_cls.hf_stacks}
+    try:
+        probe, stacked = _abstract(model_cls, dataclasses.replace(config, scan_layers=True), config_path), True
+    except ValueError:  # a config one stack cannot hold (Qwen3-MoE's dense layers among sparse): list them,
+        most = max(map(len, held.values()), default=0)  # at a cost bounded by the checkpoint's depth
+        for k, v in ints:
+            if "layer" in k and v > most:
+                raise ValueError(f"{config_path}: {k}={v}, but the checkpoint holds {most} layers; "
+                                 "check that config.json belongs to these weights.") from None
+        probe, stacked = _abstract(model_cls, dataclasses.replace(config, scan_layers=False), config_path), False
+    leaves = [(path, x) for path, x in named_leaves(probe) if isinstance(x, jax.ShapeDtypeStruct)]
+    for stack, layers in held.items():
+        if stacked:
+            depth = next((x.shape[0] for path, x in leaves if path.startswith(stack + ".")), 0)
+        else:
+            depth = len(_layers_held(stack, dict(leaves)))
+        if depth != len(layers):
+            named = " / ".join(f"{k}={v}" for k, v in ints if "layer" in k and v == depth) or f"{depth} layers"
+            raise ValueError(
+                f"{config_path}: {named} (the layers of {stack}), but the checkpoint holds {len(layers)} of them; "
+                "check that config.json belongs to these weights."
+            )
+    in_stack = [stacked and any(path.startswith(s + ".") for s in model_cls.hf_stacks) for path, _ in leaves]
+    sizes = {d for (_, x), lead in zip(leaves, in_stack) for d in x.shape[lead:]}  # not the layer axis
+    dims = {d for e in entries.values() for d in e.shape}
+    odd = [f"{k}={v}" for k, v in ints if v in sizes and v not in dims]
+    need, values = sum(math.prod(x.shape) for _, x in leaves), sum(math.prod(e.shape) for e in entries.values())
+    if need > values and odd:
+        raise ValueError(
+            f"{config_path}: {', '.join(odd)} (no checkpoint tensor has such a dimension) makes a model of "
+            f"{need:,} parameters, but the checkpoint holds {values:,}; check that config.json belongs to these "
+            "weights."
+        )
+
+
+def _abstract(model_cls, config, config_path: Path):
+    """The model of ``config`` on shapes alone; a config it refuses is an error naming ``config_path``."""
+    try:
+        return eqx.filter_eval_shape(lambda: model_cls(config, key=jax.random.key(0)))
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ValueError(f"{config_path} describes no {model_cls.__name__} (scan_layers={config.scan_layers}): "
+                         f"{e}") from e
+
+
+def _layers_held(stack: str, entries: dict) -> set[str]:
+    """The layer indices the checkpoint's names hold under ``stack`` (``model.layers.3.*``), or under
+    the stack's name less a leading prefix (the hub's OPT files name ``decoder.layers.3.*``)."""
+    parts = stack.split(".")
+    for k in range(len(parts)):
+        pattern = re.compile(re.escape(".".join(parts[k:])) + r"\.(\d+)\.")
+        if held := {m.group(1) for name in entries if (m := pattern.match(name))}:
+            return held
+    return set()
+
+
+def _placed(read, shape, sharding: NamedSharding, dtype, entry: Entry) -> jax.Array:
+    """A global array whose every shard this process holds is ``read(index)``,
+    read once per distinct shard (a replicated leaf is read once)."""
+    shards: dict[tuple, np.ndarray] = {}
+
+    def shard(index):
+        key = tuple((s.start, s.stop, s.step) for s in index)
+        if key not in shards:
+            try:
+                shards[key] = np.ascontiguousarray(read(index), dtype=dtype)
+            except (SafetensorError, OSError, ValueError) as e:
+                raise ValueError(f"{entry.file}: tensor {entry.name!r} could not be read: {e}") from e
+        return shards[key]
+
+    return jax.make_array_from_callback(tuple(shape), sharding, shard)
 
 
 def _check_tensors(tensors: Sequence[HFTensor], entries, by_path, ignore, local_dir) -> None:
@@ -195,7 +298,7 @@ def _check_tensors(tensors: Sequence[HFTensor], entries, by_path, ignore, local_
         for path, part in zip(t.paths, parts):
             want = _leaf_shape(by_path[path][0], t)
             if tuple(part.shape) != want:
-                wrong.append(f"{t.name}: checkpoint {e.shape} gives {path} {tuple(part.shape)}, model needs {want}")
+                wrong.append(f"{t.name} ({e.file.name}): checkpoint {e.shape} gives {path} {tuple(part.shape)}, model needs {want}")
     known = {t.name for t in tensors}
     unexpected = [n for n in entries if n not in known and not any(re.fullmatch(rx, n) for rx in ignore)]
     if missing or unexpected or wrong:
@@ -233,6 +336,12 @@ def save_pretrained(model, local_dir: str | os.PathLike, *, max_shard_bytes: int
     gathered to the host one at a time; on several hosts every process must
     call this, and process 0 writes.
 
+    The model is written into a new directory beside ``local_dir``, which
+    then replaces it whole: ``local_dir`` holds this model only (an earlier
+    save's shards and index are gone; loose files such as a tokenizer's are
+    kept), and a save that fails leaves the earlier model as it was. A
+    ``local_dir`` holding sub-directories is refused.
+
     **Example:**
 
     ```python
@@ -262,13 +371,75 @@ def save_pretrained(model, local_dir: str | os.PathLike, *, max_shard_bytes: int
                 yield _to_host(x[t.at] if t.at else x)
 
     shapes = [(t.name, jax.eval_shape(lambda *xs, t=t: t.join(*xs), *parts(t, abstract=True))) for t in tensors]
-    if writer:
-        local_dir.mkdir(parents=True, exist_ok=True)
-        config = model.config.to_hf()
-        (local_dir / "config.json").write_text(json.dumps(config, indent=2))
-        generation = {k: config[k] for k in _GENERATION_FIELDS if config.get(k) is not None}
-        if generation:  # what Transformers' generate() reads for its defaults
-            (local_dir / "generation_config.json").write_text(json.dumps({**generation, "_from_model_config": True},
-                                                                         indent=2))
-    write_checkpoint(local_dir, shapes, lambda i: np.asarray(tensors[i].join(*parts(tensors[i], abstract=False))),
-                     max_shard_bytes=max_shard_bytes, writer=writer)
+    # Process 0 writes into a new directory beside local_dir, then swaps it in: a load never sees a
+    # half-written model, nor the last save's files beside this one's.
+    target = Path(os.path.realpath(local_dir))
+    _check_target(target)  # on every process, so that none waits on a writer that refused
+    staging = _staging_dir(target) if writer else None
+    try:
+        if staging is not None:
+            config = model.config.to_hf()
+            (staging / "config.json").write_text(json.dumps(config, indent=2))
+            generation = {k: config[k] for k in _GENERATION_FIELDS if config.get(k) is not None}
+            if generation:  # what Transformers' generate() reads for its defaults
+                (staging / "generation_config.json").write_text(
+                    json.dumps({**generation, "_from_model_config": True}, indent=2))
+        write_checkpoint(staging, shapes, lambda i: np.asarray(tensors[i].join(*parts(tensors[i], abstract=False))),
+                         max_shard_bytes=max_shard_bytes, writer=writer)
+        if staging is not None:
+            _swap_in(staging, target)
+    finally:
+        if staging is not None and staging.exists():
+            shutil.rmtree(staging)
+
+
+# What a model save writes, or an older one (PyTorch, TensorFlow, Flax weights) left: replaced as a whole.
+_MODEL_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
+                "pytorch_model*.bin", "pytorch_model.bin.index.json", "tf_model*.h5", "flax_model*.msgpack")
+
+
+def _check_target(target: Path) -> None:
+    """``target`` is new, or a directory whose every entry a model save may replace or keep."""
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"local_dir={str(target)!r} is a file; pass a directory (new, or holding a model).")
+    if target.is_dir() and (subdirs := sorted(p.name for p in target.iterdir() if p.is_dir())):
+        raise ValueError(
+            f"local_dir={str(target)!r} holds directories ({', '.join(subdirs)}): save_pretrained replaces the "
+            "directory's model as a whole and keeps only its loose files (a tokenizer's); pass a new directory."
+        )
+
+
+def _staging_dir(target: Path) -> Path:
+    """A new empty directory beside ``target`` for the save to fill."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".{target.name}.saving-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    return staging
+
+
+def _swap_in(staging: Path, target: Path) -> None:
+    """Make ``staging`` (a full model) ``target``, keeping ``target``'s files that are
+    not a model's (a tokenizer's, a README), and leave the old directory at ``staging``.
+    One atomic exchange where the OS has it (Linux's ``renameat2``), else two renames
+    (``target`` is briefly absent, never half-written)."""
+    if not target.exists():
+        os.rename(staging, target)
+        return
+    shutil.copymode(target, staging)
+    for entry in target.iterdir():
+        if not any(fnmatch.fnmatch(entry.name, pattern) for pattern in _MODEL_FILES):
+            try:
+                os.link(entry, staging / entry.name, follow_symlinks=False)
+            except OSError:  # a file system without hard links
+                shutil.copy2(entry, staging / entry.name, follow_symlinks=False)
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    at_cwd, exchange = -100, 2  # AT_FDCWD, RENAME_EXCHANGE
+    if renameat2 is None or renameat2(at_cwd, os.fsencode(staging), at_cwd, os.fsencode(target), exchange) != 0:
+        old = target.parent / f"{staging.name}.old"
+        os.rename(target, old)
+        try:
+            os.rename(staging, target)
+        except OSError:
+            os.rename(old, target)
+            raise
+        os.rename(old, staging)
