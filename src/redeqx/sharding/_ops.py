@@ -241,7 +241,7 @@ def split(r: Reader, eqn) -> None:
         tags = {}
         for seed, d in r.tag(src).items():
             if d == axis:
-                r.facts.block(seed, "split along its split dim")
+                r.facts.block(seed, "cut into pieces along the dim it would be split on (jnp.split of a fused projection)")
             else:
                 tags[seed] = d
         r.set_tags(out, tags, "split")
