@@ -82,7 +82,7 @@ def test_names_alone_warn_about_flax_kernels():
         redeqx.sharding_rules(eqx.filter_eval_shape(w.OtherGPT, "flax", key=jax.random.key(0)), redeqx.make_mesh(2))
 
 
-def step_bytes(model, loss, batch, n, **kwargs):
+def step_bytes(model, loss, data, n, **kwargs):
     mesh = redeqx.make_mesh(n)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -90,7 +90,7 @@ def step_bytes(model, loss, batch, n, **kwargs):
     optimizer = optax.sgd(0.1)
     state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
     step = redeqx.make_train_step(loss, optimizer, mesh, specs)
-    return sum(v["bytes"] for v in accelerator_collectives(step, state, batch).values())
+    return sum(v["bytes"] for v in accelerator_collectives(step, state, data).values())
 
 
 @pytest.mark.slow
