@@ -104,7 +104,8 @@ def convolve(r, eqn) -> None:
             elif dims[k_out] is not None:
                 r.facts.follow(seed, leaf, dims[k_out], f"grouped conv ({groups} groups) on the split channels")
                 tags[seed] = out_feature
-    if kv is not None and not r.tag(lhs):
+    follows = groups > 1 and any(d == in_feature for d in r.tag(lhs).values())
+    if kv is not None and not follows:  # a conv of a split input is a use too: its own output can be split
         for leaf, dims in kv.parts:
             spatial = tuple(dims[d] for d in dn.rhs_spec[2:] if dims[d] is not None)
             contracted = tuple(x for x in (dims[k_in],) if x is not None) + spatial

@@ -6,6 +6,10 @@
 2. the other leaves: an override, else the program's role (a bias beside a
    split activation), else they follow their layer's weight;
 3. overrides that never applied are an error.
+
+Then `advice`: what the plan leaves on the table, said as warnings (blocks with
+matmuls the program left wholly replicated; Flax-style ``kernel``s the names
+split as if stored ``(out, in)``).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from .._mesh import MODEL
-from .._trees import is_array_like, path_parts
+from .._trees import human_bytes, is_array_like, path_parts
 from ._name_rules import UNPLACED, classify
 from ._names import _ancestors
 from ._roles import Role, decide
@@ -50,6 +54,7 @@ class _Decider:
         self.unread: tuple[int, str] | None = None  # the program split none of the weights it contracts
         self.decided: dict[int, LeafSpec] = {}
         self.program_layers: set[str] = set()  # layers whose weight the program placed
+        self.kernels: list[str] = []  # (in, out)-named weights the names split as (out, in)
 
     # -- recording ------------------------------------------------------------------
     def finish(self, k: int, spec: P, reason: str, *, whole: bool = False, short: str | None = None) -> None:
@@ -138,6 +143,8 @@ class _Decider:
             return self.fall_back(k, one.shape[dim] >= self.n_model, reason,
                                   f"dim {dim} ({one.shape[dim]}) not divisible by n_model_shards={self.n_model}")
         self.weight_dims[layer] = dim
+        if parts[-1] == "kernel" and one.ndim == 2 and self.facts is None:
+            self.kernels.append(f"{self.prefix}{'.'.join(parts)} {tuple(one.shape)}")
         self.finish(k, split_spec(one.ndim, dim), reason)
 
     def _alternate(self, rule, parts) -> tuple[int, str]:
@@ -185,10 +192,11 @@ class _Decider:
 
 
 def leaf_specs(model, mesh: Mesh, overrides=(), fsdp: bool = False, name: str | None = None, facts=None):
-    """Returns ``(treedef, [LeafSpec | None per leaf], fallbacks, unplaced)``; ``fallbacks``
-    are ``(path and shape, why, loud)`` for leaves replicated because
+    """Returns ``(treedef, [LeafSpec | None per leaf], fallbacks, unplaced, advice)``;
+    ``fallbacks`` are ``(path and shape, why, loud)`` for leaves replicated because
     ``n_model_shards`` cannot split them as the rules would, ``unplaced`` the
-    weights names alone could not place (without a program)."""
+    weights names alone could not place (without a program), ``advice`` warnings
+    about what the plan leaves on the table (`advice`)."""
     decider = _Decider(model, mesh, overrides, fsdp, name, facts)
     decider.run()
     flat, treedef = jax.tree_util.tree_flatten(model)
@@ -197,4 +205,67 @@ def leaf_specs(model, mesh: Mesh, overrides=(), fsdp: bool = False, name: str | 
     if decider.unread is not None:
         count, reason = decider.unread
         unplaced = [f"<program> {count} weights contracted, none split (first: {reason})"]
-    return treedef, decided, decider.fallbacks, unplaced
+    return treedef, decided, decider.fallbacks, unplaced, advice(decider)
+
+
+# A block the program leaves wholly replicated is said when its matmul weights hold at least this
+# share of the model's bytes (a Mamba mixer's fused in_proj split by jnp.split: 76 of 84 KiB).
+REPLICATED_SHARE = 0.25
+
+
+def replicated_blocks(d: _Decider) -> str | None:
+    """Modules with matmul weights the program read, all of them replicated (no override), when
+    they hold a material share of the model: which, how much, and the first reason."""
+    if d.facts is None or d.n_model == 1 or d.unread is not None:
+        return None
+    by_block: dict[str, list[int]] = {}
+    for use in d.facts.uses:
+        if use.kind == "matmul":
+            parts = d.facts.paths[use.leaf].split(".")
+            block = ".".join(weight_layer(parts)[:-1]) or "<root>"
+            by_block.setdefault(block, [])
+            if use.leaf not in by_block[block]:
+                by_block[block].append(use.leaf)
+    sizes = {k: math.prod(x.shape) * x.dtype.itemsize for k, x in enumerate(d.arrays)}
+    total = sum(sizes.values())
+    whole = {}
+    for block, leaves in by_block.items():
+        roles = [d.roles.get(k) for k in leaves]
+        if len(leaves) >= 2 and not any(_splits(d, k) for k in leaves) and all(
+                r is not None and r.dim is None and r.refused is None for r in roles):
+            whole[block] = (sum(sizes[k] for k in leaves), roles[0].reason.split("replicated: ", 1)[-1])
+    held = sum(b for b, _ in whole.values())
+    if not whole or held < REPLICATED_SHARE * total:
+        return None
+    names = sorted(whole)
+    return (f"the program's plan leaves {len(names)} block(s) with matmuls wholly replicated at n_model_shards="
+            f"{d.n_model}: {_listed(names)} ({human_bytes(held)} of "
+            f"{human_bytes(total)} of weights; {names[0]}: {whole[names[0]][1]}). Every device holds and computes "
+            "them whole; if a split suits them, pass overrides=[(regex, spec)] (redeqx.explain shows each "
+            "weight's reason).")
+
+
+def _splits(d: _Decider, k: int) -> bool:
+    spec = d.decided[d.leaves[k][0]].spec
+    return any(MODEL in axes_of(entry) for entry in spec if entry is not None)
+
+
+def flax_kernels(d: _Decider) -> str | None:
+    """Weights named ``kernel`` (Flax and Haiku store ``(in, out)``) that names split as ``(out, in)``."""
+    if not d.kernels or d.n_model == 1:
+        return None
+    return (f"{len(d.kernels)} weight(s) named 'kernel' are split by their names as Equinox's (out, in) "
+            f"weights: {_listed(d.kernels)}. Flax and Haiku store "
+            "kernels (in, out), which the names would split transposed (column for row). Pass loss_fn= and "
+            "batch= so the program reads which dim each kernel contracts.")
+
+
+def _listed(items: list[str], most: int = 4) -> str:
+    return ", ".join(items[:most]) + (f" and {len(items) - most} more" if len(items) > most else "")
+
+
+ADVICE = (replicated_blocks, flax_kernels)
+
+
+def advice(d: _Decider) -> list[str]:
+    return [text for rule in ADVICE if (text := rule(d)) is not None]

@@ -6,7 +6,8 @@ multiplied, or contracted on a shared batch dim such as attention's heads) are
 one group: a Megatron block, split together. For each group the reader
 records its row-parallel partners (weights that contract the split), its
 followers (biases and per-channel weights applied to the split activation),
-the reductions over the split dim it reaches (a vocabulary-parallel loss),
+the reductions over the split dim it reaches (a vocabulary-parallel loss when
+that dim alone is reduced; a norm when groups of it are, as GroupNorm does),
 what blocked it, and the counts that must stay whole (heads, groups).
 """
 
@@ -52,6 +53,7 @@ class Facts:
         self.parent: list[int] = []
         self.blocked: dict[int, str] = {}
         self.reduced: dict[int, str] = {}
+        self.normalized: set[int] = set()  # seeds whose split dim alone is reduced (a softmax over classes)
         self.rows: list[tuple[int, int, int, str]] = []  # (seed, leaf, dim, why)
         self.follows: list[tuple[int, int, int, str]] = []
         self.wholes: dict[int, list[Whole]] = {}
@@ -77,8 +79,13 @@ class Facts:
     def block(self, seed: int, why: str) -> None:
         self.blocked.setdefault(seed, why)
 
-    def reduce(self, seed: int, why: str) -> None:
+    def reduce(self, seed: int, why: str, *, alone: bool = True) -> None:
+        """``seed``'s split dim is reduced; ``alone``: that dim only, position by position (a
+        softmax or a label's logit over classes: a vocabulary-parallel head), not with others (a
+        norm over groups of channels, an MSE's total)."""
         self.reduced.setdefault(seed, why)
+        if alone:
+            self.normalized.add(seed)
 
     def row(self, seed, leaf, dim, why) -> None:
         self.rows.append((seed, leaf, dim, why))

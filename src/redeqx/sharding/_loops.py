@@ -1,7 +1,8 @@
 """Calls and loops: the body of a ``jit``/``remat``/``custom_jvp``/``custom_vjp``/
 ``shard_map`` sees its arguments; a ``scan`` slices its ``xs`` on axis 0 (a
-weight sliced there has a layer axis); a split carried through a loop's carry
-is blocked (each iteration would need it whole)."""
+weight sliced there has a layer axis); a split a scan's carry keeps on one dim
+every iteration goes on (a per-head state), any other split carried through a
+loop is blocked (each iteration would need it whole)."""
 
 from __future__ import annotations
 
@@ -40,16 +41,51 @@ def scan(r: Reader, eqn) -> None:
         if tags[i]:
             tags[i] = _shift_tags(r, tags[i], -1, "a lax.scan loops over its output features")
     for i in range(nc, nc + ncarry):
-        _carried(r, tags[i])
-        tags[i], views[i] = {}, None
-    out_views, out_tags, out_static = r.run(jaxpr, views, tags, static)
+        views[i] = None
+    out_views, out_tags, out_static = _carry_fixed_point(r, jaxpr, views, tags, static, nc, ncarry)
     for i in range(ncarry):
-        _carried(r, out_tags[i])
-        out_tags[i], out_views[i] = {}, None
+        out_views[i] = None
     for i in range(ncarry, len(out_tags)):  # ys: stacked on a new axis 0
         out_tags[i] = {s: d + 1 for s, d in out_tags[i].items()}
         out_views[i] = None
     r.bind(eqn.outvars, out_views, out_tags, out_static)
+
+
+def _carry_fixed_point(r: Reader, jaxpr, views, tags, static, nc: int, ncarry: int, rounds: int = 3):
+    """Runs a scan's body until the splits its carry holds on entry are those it leaves with.
+
+    A carry split on one dim that every iteration keeps on that dim (a per-head state fed by
+    per-head inputs: RWKV, linear attention) needs no communication inside the loop, so it goes
+    on; one that moves to another dim, or that a weight contracts inside the body (a reduction
+    every iteration), or that does not settle, is blocked."""
+    carry = slice(nc, nc + ncarry)
+    for _ in range(rounds):
+        start = len(r.facts.rows)
+        out = r.run(jaxpr, views, tags, static)
+        entering = {s for t in tags[carry] for s in t}
+        for seed, _, _, _ in r.facts.rows[start:]:
+            if seed in entering:
+                r.facts.block(seed, "carried through a loop whose body contracts it (a reduction every iteration)")
+        merged = [_merge(r, a, b) for a, b in zip(tags[carry], out[1][:ncarry])]
+        if all(_roots(r, m) == _roots(r, t) for m, t in zip(merged, tags[carry])):
+            return out
+        tags = tags[:nc] + merged + tags[nc + ncarry:]
+    for t in tags[carry]:
+        _carried(r, t)
+    return out
+
+
+def _roots(r: Reader, tags: dict[int, int]) -> set[tuple[int, int]]:
+    """A value's splits by group (a weight's uses in each round of a body are one group)."""
+    return {(r.facts.find(s), d) for s, d in tags.items()}
+
+
+def _merge(r: Reader, entering: dict[int, int], leaving: dict[int, int]) -> dict[int, int]:
+    merged = dict(entering)
+    for seed, d in leaving.items():
+        if merged.setdefault(seed, d) != d:
+            r.facts.block(seed, "carried through a loop on another dim than it entered with")
+    return merged
 
 
 def _shift_tags(r, tags, by, why):

@@ -15,6 +15,7 @@ ELEMENTWISE = frozenset(
 )
 REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split())
 ORDERED = frozenset("cumsum cumprod cummax cummin cumlogsumexp sort top_k".split())  # need the whole dim
+SUMS = frozenset("add sub add_any".split())
 SCALING = frozenset("mul div neg convert_element_type copy copy_p reduce_precision sharding_constraint "
                     "mesh_cast reshard pvary".split())
 
@@ -42,7 +43,20 @@ def elementwise(r: Reader, eqn) -> None:
             for leaf, dims in w.parts:
                 if dims[dim] is not None:
                     r.facts.follow(seed, leaf, dims[dim], f"{eqn.primitive.name} with the split activation")
+    if eqn.primitive.name in SUMS:  # x + h: the stream h joins needs it whole (its gradient too)
+        for seed, dim in tags.items():
+            if any(not _split_at(r, v, dim) and _shape(v)[dim] > 1 for v in acts):
+                r.facts.reduce(seed, "added to an activation that is not split (the residual stream)", alone=False)
     r.set_tags(out, tags, where)
+    within = {s: d for v in eqn.invars if len(_shape(v)) == nd for s, d in r.inner(v).items()}
+    if within:
+        r.within[out] = within
+
+
+def _split_at(r: Reader, v, dim: int) -> bool:
+    """Whether ``v`` is split on ``dim`` by a seed that may still split (not one a norm reduced:
+    a stream that passed a norm is whole, whatever seeds once fed it)."""
+    return any(d == dim and s not in r.facts.reduced and s not in r.facts.blocked for s, d in r.tag(v).items())
 
 
 def _var(eqn, vw, views):
@@ -55,6 +69,8 @@ def transpose(r: Reader, eqn) -> None:
     if (vw := r.view(src)) is not None:
         r.views[out] = vw.mapped(lambda dims: tuple(dims[p] for p in perm))
     r.set_tags(out, {s: perm.index(d) for s, d in r.tag(src).items()}, "transpose")
+    if src in r.within:
+        r.within[out] = {s: frozenset(perm.index(d) for d in ds) for s, ds in r.within[src].items()}
 
 
 def broadcast_in_dim(r: Reader, eqn) -> None:
@@ -92,6 +108,8 @@ def reshape(r: Reader, eqn) -> None:
             r.facts.block(seed, f"reshape {old} -> {new} regroups its output features so no device keeps a whole slice")
             continue
         tags[seed] = t[0]
+        if t[2] != 1:
+            r.within.setdefault(out, {})[seed] = _inner_dims(new, t[0], t[2])
         if _regroups_heads(old, new, d, t):
             # (T, Hq, D) -> (T, Hkv, G, D): whole heads regrouped (grouped-query attention), so any
             # split of Hq into whole heads stays whole heads (Shardy splits Hkv x G by sub-axes)
@@ -99,6 +117,16 @@ def reshape(r: Reader, eqn) -> None:
         elif t[1] != 1 or t[2] != 1:
             r.facts.whole(seed, old[d], t[1], t[2], new[t[0]], _reshape_text(old, new))
     r.set_tags(out, tags, "reshape")
+
+
+def _inner_dims(new, t: int, inner: int) -> frozenset[int]:
+    """The dims after ``t`` that hold its group's ``inner`` factor: (G, C/G) -> {C/G's dim}."""
+    dims, size, k = set(), 1, t + 1
+    while size < inner and k < len(new):
+        size *= new[k]
+        dims.add(k)
+        k += 1
+    return frozenset(dims)
 
 
 def _regroups_heads(old, new, d, t) -> bool:
@@ -168,12 +196,25 @@ def _padded(eqn, d) -> bool:
 
 
 def reduction(r: Reader, eqn) -> None:
+    """A reduction over the split dim alone is a softmax's or a loss's over classes (a
+    vocabulary-parallel head may end there); over it with other dims, a total (an MSE). One
+    over the per-group factor of a split dim and over other dims is a GroupNorm's statistics:
+    a norm over channels, which blocks a split as LayerNorm's does (heads' features reduced
+    alone, a per-head norm, keep it)."""
     src, out = eqn.invars[0], eqn.outvars[0]
     axes = set(eqn.params.get("axes", ()))
+    shape = _shape(src)
     tags = {}
     for seed, d in r.tag(src).items():
+        inner = r.inner(src).get(seed, frozenset())
+        others = {a for a in axes - inner - {d} if shape[a] > 1}
         if d in axes:
-            r.facts.reduce(seed, f"is reduced over its features ({eqn.primitive.name})")
+            r.facts.reduce(seed, f"is reduced over its features ({eqn.primitive.name})",
+                           alone=not others and not axes & inner)
+        elif axes & inner and others:
+            r.facts.reduce(seed, f"is reduced over groups of its features and {len(others)} other dims "
+                                 f"({eqn.primitive.name}: a GroupNorm's statistics)", alone=False)
+            tags[seed] = d - sum(a < d for a in axes)
         else:
             tags[seed] = d - sum(a < d for a in axes)
     r.set_tags(out, tags, eqn.primitive.name)
@@ -201,7 +242,7 @@ def split(r: Reader, eqn) -> None:
         tags = {}
         for seed, d in r.tag(src).items():
             if d == axis:
-                r.facts.block(seed, "jnp.split cuts its output features into pieces")
+                r.facts.block(seed, "jnp.split cuts its output features into pieces (a fused projection)")
             else:
                 tags[seed] = d
         r.set_tags(out, tags, "split")

@@ -47,7 +47,7 @@ class ProgramError(ValueError):
     """``loss_fn`` could not be traced on the model and batch given to the rules."""
 
 
-def _warn(fallbacks, unplaced, mesh, name) -> None:
+def _warn(fallbacks, unplaced, advice, mesh, name) -> None:
     who = f"(name={name!r})" if name else ""
     loud = [(leaf, why) for leaf, why, is_loud in fallbacks if is_loud]
     if loud:
@@ -63,6 +63,8 @@ def _warn(fallbacks, unplaced, mesh, name) -> None:
         )
     if unplaced and mesh.shape[MODEL] > 1:
         warn_user(unplaced_warning(unplaced, who))
+    for text in advice:
+        warn_user(f"redeqx.sharding_rules{who}: {text}")
 
 
 @typechecked
@@ -112,8 +114,8 @@ def sharding_rules(model, mesh: Mesh, *, loss_fn: Callable | None = None, batch:
 
 def specs_from(model, mesh: Mesh, facts, overrides=(), fsdp: bool = False, name: str | None = None):
     """`sharding_rules` from facts already read (`read`): the planner reads the program once for every mesh."""
-    treedef, decided, fallbacks, unplaced = leaf_specs(model, mesh, overrides, fsdp, name, facts)
-    _warn(fallbacks, unplaced, mesh, name)
+    treedef, decided, fallbacks, unplaced, advice = leaf_specs(model, mesh, overrides, fsdp, name, facts)
+    _warn(fallbacks, unplaced, advice, mesh, name)
     return jax.tree_util.tree_unflatten(treedef, [p.spec if p is not None else None for p in decided])
 
 

@@ -2,7 +2,9 @@
 
 Each variable holds a `View` (it is made of weights), a dict ``{seed: dim}``
 of the splits it carries, and whether it depends on no input (``static``:
-iota and constants, e.g. positions). The handlers in `_ops` and `_loops`
+iota and constants, e.g. positions); a value reshaped from a split dim into
+``(groups, per group)`` also says which of its dims are the per-group factors
+(``within``: heads' features, or a GroupNorm's channels per group). The handlers in `_ops` and `_loops`
 move these from an equation's inputs to its outputs; `_program` lists them.
 """
 
@@ -37,6 +39,7 @@ class Reader:
         self.views: dict[Any, View] = {}
         self.tags: dict[Any, dict[int, int]] = {}
         self.static: set = set()
+        self.within: dict[Any, dict[int, frozenset[int]]] = {}  # var -> {seed: dims made of its split dim's inner factors}
 
     # -- values ---------------------------------------------------------------
     def view(self, v):
@@ -44,6 +47,9 @@ class Reader:
 
     def tag(self, v) -> dict[int, int]:
         return {} if isinstance(v, jcore.Literal) else self.tags.get(v, {})
+
+    def inner(self, v) -> dict[int, frozenset[int]]:
+        return {} if isinstance(v, jcore.Literal) else self.within.get(v, {})
 
     def is_static(self, v) -> bool:
         return isinstance(v, jcore.Literal) or v in self.static

@@ -7,7 +7,8 @@ facts and leaving the rest to the next:
    (an expert stack) is split on that axis when ``n_model_shards`` divides it;
 2. ``blocks``: each group of seeds that reaches row-parallel partners through
    ops that keep the split (a Megatron block: column then row), or only
-   reductions over the split (a vocabulary-parallel head and its loss), is
+   reductions over the split dim alone (a vocabulary-parallel head and its
+   softmax; not an MSE's total or a norm's statistics), is
    split as a whole, less the seeds whose own output is reduced or blocked
    first (left whole); among groups that would split one weight two ways,
    those that split the most weight;
@@ -104,8 +105,9 @@ def _groups(facts: Facts) -> list[Group]:
             members.setdefault(leaf, (dim, text))
             reached.setdefault(leaf, set()).add(seed)
         has_rows = any(t == "row" for _, t in members.values())
-        if why_not is None and not has_rows and not any(s in facts.reduced for s in good):
-            why_not = "its output reaches no layer that contracts it"
+        if why_not is None and not has_rows and not any(s in facts.normalized for s in good):
+            why_not = next((f"its output {facts.reduced[s]}, and reaches no layer that contracts it"
+                            for s in good if s in facts.reduced), "its output reaches no layer that contracts it")
         kind = "block" if has_rows else "head"
         whole = {facts.uses[facts.seed_use[s]].leaf: why for s, why in bad.items()}
         out.append(Group(good or seeds, members, reached, why_not, kind, sum(facts.size(leaf) for leaf in members),

@@ -1,0 +1,131 @@
+"""Plans for styles a first-day review wrote (issue 40, `reviewed_models`): a recurrence whose
+per-head state a scan carries stays split on heads; GroupNorm is a norm, not heads; 1x1 convs
+that feed attention are Q/K/V; a plan that leaves a block with matmuls wholly replicated, or
+names that would split Flax kernels transposed, are said out loud. Each plan moves at most 1.15x
+the hand-written Megatron-style plan's bytes and trains like one device."""
+
+import warnings
+
+import equinox as eqx
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import redeqx
+import reviewed_models as R
+from accelerator_count import accelerator_collectives
+
+
+def rules(name, n, **kwargs):
+    make, loss, batch = R.MODELS[name]
+    model = eqx.filter_eval_shape(make, jax.random.key(0))  # the rules read shapes only
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        specs = redeqx.sharding_rules(model, redeqx.make_mesh(n), loss_fn=loss, batch=batch, **kwargs)
+    return specs, [str(w.message) for w in caught]
+
+
+def test_a_scan_carrying_a_per_head_state_keeps_key_and_value_split():
+    specs, _ = rules("rwkv", 2)
+    att = specs.blocks[0].att
+    assert att.receptance.weight == att.key.weight == att.value.weight == P("model", None)
+    assert att.output.weight == P(None, "model")
+    assert att.decay == att.bonus == P("model", None)  # per-head, beside the split state
+
+
+def test_a_carry_a_weight_contracts_every_step_stays_whole():
+    import jax.numpy as jnp
+
+    model = eqx.nn.MLP(8, 8, 16, depth=2, key=jax.random.key(0))
+    batch = {"x": np.zeros((4, 5, 8), np.float32)}
+
+    def loss(m, b, key):  # an Elman recurrence: h = tanh(A x + B h), then a readout
+        def one(xs):
+            h, _ = jax.lax.scan(lambda h, x: (jnp.tanh(m.layers[0](x) + m.layers[1](h)), None), jnp.zeros(16), xs)
+            return m.layers[2](h)
+        return jnp.mean(jax.vmap(one)(b["x"]) ** 2)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        specs = redeqx.sharding_rules(model, redeqx.make_mesh(2), loss_fn=loss, batch=batch)
+    assert specs.layers[0].weight == specs.layers[1].weight == P()  # a reduction every step otherwise
+
+
+def test_groupnorm_is_a_norm_and_1x1_convs_feeding_attention_are_qkv():
+    specs, caught = rules("unet", 2)
+    attn = specs.attn
+    assert attn.q.weight == attn.k.weight == attn.v.weight == R.COL4
+    assert attn.proj_out.weight == R.ROW4
+    # the split neither passes GroupNorm nor joins the residual stream, nor makes the MSE a head
+    for conv in (specs.conv_in, specs.down.conv1, specs.down.conv2, specs.mid2.conv2, specs.upsample,
+                 specs.conv_out):
+        assert conv.weight == P()
+    assert not caught
+
+
+def test_a_block_with_matmuls_left_wholly_replicated_is_said():
+    specs, caught = rules("mamba", 2)
+    assert specs.blocks[0].mixer.in_proj.weight == P()
+    assert len(caught) == 1 and "2 block(s) with matmuls wholly replicated at n_model_shards=2: blocks.0.mixer, " \
+        "blocks.1.mixer" in caught[0] and "jnp.split" in caught[0]
+    _, caught = rules("mamba", 2, overrides=[(r"mixer\.in_proj\.", P()), (r"mixer\.x_proj\.", P()),
+                                              (r"mixer\.dt_proj\.weight", R.COL), (r"mixer\.out_proj\.", P())])
+    assert not caught  # the user said where the block goes
+
+
+def test_names_alone_warn_about_flax_kernels():
+    import written_otherwise as w
+
+    with pytest.warns(UserWarning, match=r"12 weight\(s\) named 'kernel' .* blocks.0.query.kernel \(32, 32\)"):
+        redeqx.sharding_rules(eqx.filter_eval_shape(w.OtherGPT, "flax", key=jax.random.key(0)), redeqx.make_mesh(2))
+
+
+def step_bytes(model, loss, data, n, **kwargs):
+    mesh = redeqx.make_mesh(n)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        specs = redeqx.sharding_rules(model, mesh, **kwargs)
+    optimizer = optax.sgd(0.1)
+    state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
+    step = redeqx.make_train_step(loss, optimizer, mesh, specs)
+    return sum(v["bytes"] for v in accelerator_collectives(step, state, data).values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(R.MODELS))
+def test_reviewed_models_move_the_hand_plans_bytes(name):
+    make, loss, batch = R.MODELS[name]
+    model = make(jax.random.key(0))
+    for n in (2, 4):
+        hand = step_bytes(model, loss, batch, n, overrides=R.HAND[name] + [(r".", P())])
+        program = step_bytes(model, loss, batch, n, loss_fn=loss, batch=batch)
+        assert program <= 1.15 * hand, (n, program, hand)
+
+
+def gradient(name, n, devices):
+    """One SGD step at learning rate 1 (so the change is minus the gradient) and the loss."""
+    make, loss, batch = R.MODELS[name]
+    model = make(jax.random.key(0))
+    mesh = redeqx.make_mesh(n, devices=devices)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        specs = redeqx.sharding_rules(model, mesh, loss_fn=loss, batch=batch)
+    optimizer = optax.sgd(1.0)
+    state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
+    before = [np.asarray(x) for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_array))]
+    state, metrics = redeqx.make_train_step(loss, optimizer, mesh, specs)(state, batch)
+    after = [np.asarray(x) for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_array))]
+    return float(metrics["loss"]), [b - a for a, b in zip(before, after)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(R.MODELS))
+def test_reviewed_models_train_like_one_device(name, devices):
+    loss1, grads1 = gradient(name, 1, devices[:1])
+    for n in (2, 4):
+        loss_n, grads_n = gradient(name, n, devices)
+        np.testing.assert_allclose(loss_n, loss1, rtol=2e-5)
+        for a, b in zip(grads_n, grads1):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * max(1.0, float(np.abs(b).max())))
