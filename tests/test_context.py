@@ -211,6 +211,39 @@ def test_batches_need_and_order_seq_keys(devices):
         next(redeqx.batches(ex, collate, 2, mesh, seq_keys=("ids",)))
 
 
+def test_a_per_token_key_left_out_of_seq_keys_is_an_error(devices):
+    """labels left out of seq_keys stayed in their order while input_ids were reordered: the first loss was
+    4.3078 against one device's 4.3550, without a word. A key whose dim 1 only happens to be as long says
+    so with whole_keys."""
+    mesh = _mesh(2, 2, 2)
+    ex = [dict(e, features=np.arange(16.0)) for e in _examples()]  # (16,) per example, not per token
+    with pytest.raises(ValueError, match=r"batch\['labels'\] has shape \(4, 16\).*add 'labels' to seq_keys"):
+        next(redeqx.batches(ex, _collate, 2, mesh, seq_keys=("input_ids", "attention_mask"), whole_keys="features"))
+    with pytest.raises(ValueError, match=r"batch\['features'\].*whole_keys=\('features',\)"):
+        next(redeqx.batches(ex, _collate, 2, mesh, seq_keys=SEQ_KEYS))
+    batch = next(redeqx.batches(ex, _collate, 2, mesh, seq_keys=SEQ_KEYS, whole_keys=("features",)))
+    np.testing.assert_array_equal(np.asarray(batch["features"])[0], np.arange(16.0))  # kept whole, in its order
+    assert batch["features"].sharding.spec == P("data", None)
+    with pytest.raises(ValueError, match=r"\['labels'\] are in both seq_keys and whole_keys"):
+        redeqx.batches(ex, _collate, 2, mesh, seq_keys=SEQ_KEYS, whole_keys=("labels",))
+    with pytest.raises(KeyError, match="whole_keys names 'feature'"):
+        next(redeqx.batches(ex, _collate, 2, mesh, seq_keys=SEQ_KEYS, whole_keys=("features", "feature")))
+    # evaluate and predict make their batches the same way; plan checks the batch it is given
+    model = eqx.filter_eval_shape(UserModel, True, jax.random.key(0))  # never run: the batch fails first
+    specs = redeqx.sharding_rules(model, mesh)
+    with pytest.raises(ValueError, match=r"batch\['labels'\]"):
+        redeqx.evaluate(redeqx.make_eval_step(user_loss, mesh, specs), model, ex, _collate, 2, mesh,
+                        key=jax.random.key(0), seq_keys=("input_ids", "attention_mask"), whole_keys="features")
+    with pytest.raises(ValueError, match=r"batch\['labels'\]"):
+        redeqx.predict(lambda *a: None, model, ex, _collate, 2, mesh, key=jax.random.key(0),
+                       seq_keys=("input_ids", "attention_mask"), whole_keys="features")
+    with pytest.raises(ValueError, match=r"batch\['labels'\]"):
+        redeqx.plan(lambda key: UserModel(True, key), user_loss, optax.sgd(1e-3), _collate(_examples()), mesh,
+                    seq_keys=("input_ids", "attention_mask"))
+    without = redeqx.make_mesh(2)  # no reorder, nothing to misalign
+    next(redeqx.batches(ex, _collate, 1, without, seq_keys=("input_ids",)))
+
+
 # ----------------------------------------------------------------------------- training: like one device
 
 CONFIG = models.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
