@@ -9,7 +9,9 @@ as many early tokens (which see few keys under a causal mask) as late ones.
 `redeqx.batches` puts the sequence keys it is told about in this order once,
 on the host; every position-dependent step (RoPE, the causal mask) reads
 `sequence_positions` instead of ``arange``; a per-token loss needs nothing,
-and `restore_order` puts per-token outputs back.
+and `restore_order` puts per-token outputs back. A per-token key left out of
+``seq_keys`` is an error (`check_per_token_keys`); a step that reads places
+as positions is warned about when first traced (``_context_checks.py``).
 
 **Attention.** Queries stay where they are; keys and values travel: all
 gathered over ``context`` (``impl="gather"``), or passed around the ring
