@@ -14,6 +14,10 @@ import redeqx
 import redeqx._blockwise  # noqa: F401  (its BLOCK, set small in a test)
 from redeqx import models
 
+# every step here, the zoo's and the user's models done right, trains without the warnings of a step that reads
+# places as positions (_context_checks): a warning of theirs is an error, except where a test expects it
+pytestmark = pytest.mark.filterwarnings("error:redeqx. the step")
+
 SEQ_KEYS = ("input_ids", "labels", "attention_mask")
 MESHES = [(1, 8, 1), (2, 4, 1), (1, 4, 2), (2, 2, 2)]  # (data, context, model)
 
@@ -211,6 +215,39 @@ def test_batches_need_and_order_seq_keys(devices):
         next(redeqx.batches(ex, collate, 2, mesh, seq_keys=("ids",)))
 
 
+def test_a_per_token_key_left_out_of_seq_keys_is_an_error(devices):
+    """labels left out of seq_keys stayed in their order while input_ids were reordered: the first loss was
+    4.3078 against one device's 4.3550, without a word. A key whose dim 1 only happens to be as long says
+    so with whole_keys."""
+    mesh = _mesh(2, 2, 2)
+    ex = [dict(e, features=np.arange(16.0)) for e in _examples()]  # (16,) per example, not per token
+    with pytest.raises(ValueError, match=r"batch\['labels'\] has shape \(4, 16\).*add 'labels' to seq_keys"):
+        next(redeqx.batches(ex, _collate, 2, mesh, seq_keys=("input_ids", "attention_mask"), whole_keys="features"))
+    with pytest.raises(ValueError, match=r"batch\['features'\].*whole_keys=\('features',\)"):
+        next(redeqx.batches(ex, _collate, 2, mesh, seq_keys=SEQ_KEYS))
+    batch = next(redeqx.batches(ex, _collate, 2, mesh, seq_keys=SEQ_KEYS, whole_keys=("features",)))
+    np.testing.assert_array_equal(np.asarray(batch["features"])[0], np.arange(16.0))  # kept whole, in its order
+    assert batch["features"].sharding.spec == P("data", None)
+    with pytest.raises(ValueError, match=r"\['labels'\] are in both seq_keys and whole_keys"):
+        redeqx.batches(ex, _collate, 2, mesh, seq_keys=SEQ_KEYS, whole_keys=("labels",))
+    with pytest.raises(KeyError, match="whole_keys names 'feature'"):
+        next(redeqx.batches(ex, _collate, 2, mesh, seq_keys=SEQ_KEYS, whole_keys=("features", "feature")))
+    # evaluate and predict make their batches the same way; plan checks the batch it is given
+    model = eqx.filter_eval_shape(UserModel, True, jax.random.key(0))  # never run: the batch fails first
+    specs = redeqx.sharding_rules(model, mesh)
+    with pytest.raises(ValueError, match=r"batch\['labels'\]"):
+        redeqx.evaluate(redeqx.make_eval_step(user_loss, mesh, specs), model, ex, _collate, 2, mesh,
+                        key=jax.random.key(0), seq_keys=("input_ids", "attention_mask"), whole_keys="features")
+    with pytest.raises(ValueError, match=r"batch\['labels'\]"):
+        redeqx.predict(lambda *a: None, model, ex, _collate, 2, mesh, key=jax.random.key(0),
+                       seq_keys=("input_ids", "attention_mask"), whole_keys="features")
+    with pytest.raises(ValueError, match=r"batch\['labels'\]"):
+        redeqx.plan(lambda key: UserModel(True, key), user_loss, optax.sgd(1e-3), _collate(_examples()), mesh,
+                    seq_keys=("input_ids", "attention_mask"))
+    without = redeqx.make_mesh(2)  # no reorder, nothing to misalign
+    next(redeqx.batches(ex, _collate, 1, without, seq_keys=("input_ids",)))
+
+
 # ----------------------------------------------------------------------------- training: like one device
 
 CONFIG = models.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -296,6 +333,64 @@ def _like_one_device(make, loss_fn, shape, accumulate=1):
     np.testing.assert_allclose(got, want, rtol=2e-5)
     for a, b in zip(params, want_params):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)
+
+
+class HandMadeModel(UserModel):
+    """UserModel with what one device allows and a split does not: positions from jnp.arange, attention by
+    hand with a jnp.tril causal mask. It trains 4e-5 to 7e-4 off one device on a context mesh, silently."""
+
+    def __call__(self, ids, valid):
+        t = ids.shape[0]
+        x = jax.vmap(self.embed)(ids) + self.pos[jnp.arange(t)]
+        q, k, v = (jax.vmap(proj)(x).reshape(t, 4, 8) for proj in (self.q, self.k, self.v))
+        s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), jnp.einsum("thd,shd->hts", q, k) / np.sqrt(8), -1e9)
+        a = jnp.einsum("hts,shd->thd", jax.nn.softmax(s, -1), v)
+        return jax.vmap(self.head)(x + jax.vmap(self.out)(a.reshape(t, 32)))
+
+
+def shifting_loss(model, batch, key):
+    """Labels shifted in loss_fn: logits[:, :-1] against input_ids[:, 1:]."""
+    logits = jax.vmap(model)(batch["input_ids"], batch["attention_mask"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], batch["input_ids"][:, 1:]).mean()
+
+
+def cutting_loss(model, batch, key):
+    """The input cut in loss_fn to shift it: input_ids[:, :-1] into the model."""
+    ids = batch["input_ids"]
+    logits = jax.vmap(lambda i: model(i, attention_mask=None))(ids[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+
+
+def _traced_step(make, loss_fn, mesh):
+    """The train step traced on a split batch (its program is read there; nothing built or compiled)."""
+    model = eqx.filter_eval_shape(make, jax.random.key(0))
+    specs = redeqx.sharding_rules(model, mesh)
+    state = redeqx.init_state(model, optax.sgd(1e-2), mesh, specs, key=jax.random.key(1))
+    batch = next(redeqx.batches(_examples(), _collate, 4 // mesh.shape["data"], mesh, seq_keys=SEQ_KEYS))
+    return redeqx.make_train_step(loss_fn, optax.sgd(1e-2), mesh, specs).trace(state, batch)
+
+
+def test_a_step_that_reads_places_as_positions_warns(devices):
+    mesh = _mesh(1, 2, 1)
+    with pytest.warns(UserWarning) as record:
+        _traced_step(functools.partial(HandMadeModel, True), user_loss, mesh)
+    said = [str(w.message) for w in record if str(w.message).startswith("redeqx: the step")]
+    assert len(said) == 2, said
+    assert "never calls redeqx.attention" in said[0] and "redeqx.attention(q, k, v, causal=True)" in said[0]
+    assert "iota of shape (16,)" in said[1] and "redeqx.sequence_positions(T)" in said[1]
+    with pytest.warns(UserWarning, match=r"cuts a split sequence at a fixed place \(\(4, 16, 64\) -> \(4, 15, 64\)"):
+        _traced_step(functools.partial(UserModel, True), shifting_loss, mesh)
+    _traced_step(functools.partial(UserModel, True), user_loss, mesh)  # done right: silent (pytestmark)
+
+
+def test_input_cut_in_loss_fn_names_the_cut_not_collate_fn(devices):
+    """input_ids[:, :-1] in loss_fn reached the split as 15 tokens, and the error said to pad the sequence
+    in collate_fn, whose sequences were 16 tokens long."""
+    with pytest.raises(ValueError, match=r"15 tokens inside the step, but the batch's sequences \(seq_keys\) are 16 "
+                                         r"tokens long.*cut inside loss_fn.*Shift in collate_fn instead"):
+        _traced_step(lambda key: models.LlamaForCausalLM(CONFIG, key=key), cutting_loss, _mesh(1, 2, 1))
+    with pytest.raises(ValueError, match="pad the sequence to a multiple of 4 tokens in collate_fn"):  # a real one
+        next(redeqx.batches([{"input_ids": np.arange(6)}] * 2, _collate, 2, _mesh(1, 2, 1), seq_keys=("input_ids",)))
 
 
 # every mesh with the gather; the ring (which equals it, tested above on the attention alone) on the two

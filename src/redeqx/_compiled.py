@@ -20,6 +20,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ._context import mesh_context, split_lengths, splitting
+from ._context_checks import check_split_program
 from ._cpu import wait_for_program
 from ._loss import fn_name
 from ._mesh import DATA, mesh_text, same_devices
@@ -91,6 +93,7 @@ class CompiledStep:
         self._by_structure: dict[Any, tuple] = {}  # (treedef, mask, constants) -> (jitted, shardings, paths)
         self._by_layout: dict[Any, tuple] = {}  # the same, plus the leaves' current shardings
         self._last_batch: dict[str, tuple] | None = None  # the batch shapes of the last call that ran
+        self._split_read = False  # the program read once for what a split sequence must not meet
 
     def _jit(self, treedef, constants, mask, shardings, paths):
         fn, what, returns_state = self.fn, self.what, self.returns_state
@@ -191,13 +194,34 @@ class CompiledStep:
         return {f"batch{jax.tree_util.keystr(kp)}": tuple(x.shape) for i in self.batch_args if i < len(args)
                 for kp, x in jax.tree_util.tree_flatten_with_path(args[i])[0] if hasattr(x, "shape")}
 
+    def _split(self, args) -> tuple[int, ...]:
+        """The lengths of the batch's sequences split over ``context`` (none without such a split)."""
+        if not self.batch_args or mesh_context(self.mesh) == 1:
+            return ()
+        return split_lengths([a for i, a in enumerate(args) if i in self.batch_args])
+
+    def _traced(self, jitted, arrays, args, lengths: tuple[int, ...]):
+        """``jitted.trace``, under the mesh (and the split's lengths, for `redeqx.attention`'s errors); on
+        the first trace over split sequences its program is read (`check_split_program`)."""
+        with jax.set_mesh(self.mesh), splitting(lengths):
+            traced = jitted.trace(arrays, args)
+        if lengths and not self._split_read:
+            self._split_read = True
+            check_split_program(traced.jaxpr.jaxpr, lengths, mesh_context(self.mesh))
+        return traced
+
     def __call__(self, tree, *args):
         jitted, arrays, current, shardings, paths, treedef, mask, constants = self._lookup(tree, abstract=False)
         arrays = self._placed(arrays, current, shardings, paths)
         shapes = self._batch_shapes(args) if self.batch_args else None
         try:
             with jax.set_mesh(self.mesh):  # so redeqx.constrain inside user code sees the mesh
-                result = wait_for_program(jitted(arrays, self._args(args)))
+                args = self._args(args)
+                lengths = self._split(args)
+                if lengths and not self._split_read:
+                    self._traced(jitted, arrays, args, lengths)  # the call below finds this trace in jit's cache
+                with splitting(lengths):
+                    result = wait_for_program(jitted(arrays, args))
         except Exception as e:
             _note_changed_batch(e, self._last_batch, shapes)
             raise
@@ -222,8 +246,8 @@ class CompiledStep:
         jitted, arrays, _, shardings, *_ = self._lookup(tree, abstract=True)
         arrays = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) if isinstance(x, jax.ShapeDtypeStruct) else x
                   for x, s in zip(arrays, shardings)]
-        with jax.set_mesh(self.mesh):
-            return jitted.trace(arrays, self._args(args))
+        args = self._args(args)
+        return self._traced(jitted, arrays, args, self._split(args))
 
 
 def _note_changed_batch(error: Exception, before: dict[str, tuple] | None, now: dict[str, tuple] | None) -> None:

@@ -9,7 +9,9 @@ as many early tokens (which see few keys under a causal mask) as late ones.
 `redeqx.batches` puts the sequence keys it is told about in this order once,
 on the host; every position-dependent step (RoPE, the causal mask) reads
 `sequence_positions` instead of ``arange``; a per-token loss needs nothing,
-and `restore_order` puts per-token outputs back.
+and `restore_order` puts per-token outputs back. A per-token key left out of
+``seq_keys`` is an error (`check_per_token_keys`); a step that reads places
+as positions is warned about when first traced (``_context_checks.py``).
 
 **Attention.** Queries stay where they are; keys and values travel: all
 gathered over ``context`` (``impl="gather"``), or passed around the ring
@@ -26,12 +28,14 @@ blocks to compute (`block_layout`).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from ._blockwise import Span, block_scores, block_size, gather_attention, ring_attention
@@ -54,7 +58,46 @@ def context_axis() -> int | None:
     return int(dict(mesh.shape)[CONTEXT])
 
 
+# the lengths of the batch's sequences split over ``context`` while a step on them is traced (`splitting`)
+_SPLIT_LENGTHS: contextvars.ContextVar[tuple[int, ...]] = contextvars.ContextVar("redeqx_split_lengths", default=())
+
+
+@contextlib.contextmanager
+def splitting(lengths: tuple[int, ...]):
+    """Within: a step whose batch holds sequences of ``lengths`` tokens split over ``context`` is traced."""
+    token = _SPLIT_LENGTHS.set(lengths)
+    try:
+        yield
+    finally:
+        _SPLIT_LENGTHS.reset(token)
+
+
+def split_lengths(batch) -> tuple[int, ...]:
+    """The lengths (dim 1) of the arrays of ``batch`` (arrays or shapes with shardings) split over a
+    ``context`` axis of more than one shard: the sequences `redeqx.batches` put in the dual-chunk order."""
+    found = set()
+    for x in jax.tree.leaves(batch):
+        sh = getattr(x, "sharding", None)
+        if not isinstance(sh, NamedSharding) or len(x.shape) < 2 or len(sh.spec) < 2 or mesh_context(sh.mesh) == 1:
+            continue
+        dim1 = sh.spec[1] if isinstance(sh.spec[1], tuple) else (sh.spec[1],)
+        if CONTEXT in dim1:
+            found.add(int(x.shape[1]))
+    return tuple(sorted(found))
+
+
 def _check_split(n_tokens: int, n_shards: int, what: str) -> None:
+    lengths = _SPLIT_LENGTHS.get()
+    if n_tokens % (2 * n_shards) and lengths and n_tokens not in lengths:
+        raise ValueError(
+            f"{what}: a sequence of {n_tokens} tokens inside the step, but the batch's sequences (seq_keys) are "
+            f"{' or '.join(map(str, lengths))} tokens long, split over {n_shards} context shards in the dual-chunk "
+            "order. So the sequence was cut inside loss_fn or the model, most likely to shift labels "
+            "(input_ids[:, :-1] against input_ids[:, 1:]). A split sequence cannot be cut or shifted there: its "
+            "tokens are held in the split order (redeqx.context_order), not one after another. Shift in collate_fn "
+            "instead (input_ids = ids[:, :-1], labels = ids[:, 1:], both in seq_keys) and give the model the whole "
+            "sequence."
+        )
     if n_tokens % (2 * n_shards):
         raise ValueError(
             f"{what}: a sequence of {n_tokens} tokens cannot be split over {n_shards} context shards in the "
@@ -96,7 +139,10 @@ def sequence_positions(n_tokens: int) -> Int[Array, " seq"]:
     positions = redeqx.sequence_positions(input_ids.shape[0])   # inside loss_fn's model
     ```
     """
-    return jnp.asarray(context_order(n_tokens, context_shards()), jnp.int32)
+    n = context_shards()
+    if n > 1:
+        _check_split(n_tokens, n, "redeqx.sequence_positions")
+    return jnp.asarray(context_order(n_tokens, n), jnp.int32)
 
 
 @typechecked
@@ -133,12 +179,14 @@ def batch_spec(ndim: int, mesh, seq: bool) -> P:
     return P(DATA, *([None] * (ndim - 1)))
 
 
+def _key_tuple(keys) -> tuple[str, ...]:
+    return (keys,) if isinstance(keys, str) else tuple(keys or ())
+
+
 def check_seq_keys(seq_keys, mesh, what: str = "redeqx.batches") -> tuple[str, ...]:
     """``seq_keys`` as a tuple; on a mesh with a ``context`` axis it must name the sequence keys
     (``what``: the function that was called, for the error)."""
-    if isinstance(seq_keys, str):
-        seq_keys = (seq_keys,)
-    seq_keys = tuple(seq_keys or ())
+    seq_keys = _key_tuple(seq_keys)
     if mesh_context(mesh) > 1 and not seq_keys:
         raise ValueError(
             f"the mesh splits sequences over {mesh_context(mesh)} context shards, so {what} needs seq_keys=: the "
@@ -149,9 +197,49 @@ def check_seq_keys(seq_keys, mesh, what: str = "redeqx.batches") -> tuple[str, .
     return seq_keys
 
 
-def order_sequences(batch, seq_keys: tuple[str, ...], mesh):
+def check_whole_keys(whole_keys, seq_keys: tuple[str, ...]) -> tuple[str, ...]:
+    """``whole_keys`` (the keys whose dim 1 is not per-token, kept whole) as a tuple, none of them in ``seq_keys``."""
+    whole_keys = _key_tuple(whole_keys)
+    both = sorted(set(whole_keys) & set(seq_keys))
+    if both:
+        raise ValueError(f"{both} are in both seq_keys and whole_keys: a key is either per-token (seq_keys: put in "
+                         "the split order) or not (whole_keys: kept whole); name it in one of them.")
+    return whole_keys
+
+
+def check_per_token_keys(batch, seq_keys: tuple[str, ...], whole_keys: tuple[str, ...], mesh) -> None:
+    """On a mesh that reorders sequences, every key of ``batch`` (a dict; arrays or shapes) whose dim 1 is
+    as long as a sequence of ``seq_keys`` is named in ``seq_keys`` (reordered with it) or ``whole_keys``
+    (not per-token). A per-token key left out (``labels``) would stay in its order while ``input_ids``
+    are reordered, and train on misaligned pairs without a word."""
+    if mesh_context(mesh) == 1 or not isinstance(batch, dict):
+        return
+    lengths = {np.shape(batch[k])[1] for k in seq_keys if k in batch and np.ndim(batch[k]) >= 2}
+    named = set(seq_keys) | set(whole_keys)
+    for name in whole_keys:
+        if name not in batch:
+            raise KeyError(f"whole_keys names {name!r}, which the batch lacks; its keys are {sorted(batch)}.")
+    for name, value in batch.items():
+        if name in named:
+            continue
+        for x in jax.tree.leaves(value):
+            shape = tuple(np.shape(x))
+            if len(shape) >= 2 and shape[1] in lengths:
+                raise ValueError(
+                    f"batch[{name!r}] has shape {shape}: its dim 1 is {shape[1]}, the length of the sequences of "
+                    f"seq_keys={seq_keys}, but seq_keys leaves it out. The mesh splits sequences over "
+                    f"{mesh_context(mesh)} context shards, putting the tokens of seq_keys in the dual-chunk order "
+                    f"(redeqx.context_order), so a per-token key left in its own order (labels, a loss mask, "
+                    f"position ids) would no longer line up with input_ids. If it is per-token, add {name!r} to "
+                    f"seq_keys; if its dim 1 only happens to be {shape[1]} long, say so with "
+                    f"whole_keys=({name!r},)."
+                )
+
+
+def order_sequences(batch, seq_keys: tuple[str, ...], mesh, whole_keys: tuple[str, ...] = ()):
     """``batch`` (a dict of NumPy arrays) with dim 1 of each of ``seq_keys``
-    in the split order of ``mesh``'s context axis."""
+    in the split order of ``mesh``'s context axis (every other key whose
+    dim 1 is as long named in ``whole_keys``: `check_per_token_keys`)."""
     if not seq_keys:
         return batch
     if not isinstance(batch, dict):
@@ -167,6 +255,7 @@ def order_sequences(batch, seq_keys: tuple[str, ...], mesh):
             raise ValueError(f"seq_keys names {name!r}, of shape {x.shape}: a sequence key needs dims (batch, seq, ...).")
         _check_split(x.shape[1], n, f"batch[{name!r}] (seq_keys)")
         out[name] = x[:, context_order(x.shape[1], n)]
+    check_per_token_keys(batch, seq_keys, whole_keys, mesh)
     return out
 
 

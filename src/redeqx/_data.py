@@ -46,7 +46,7 @@ from tqdm.auto import tqdm
 
 from . import _progress
 from ._compiled import narrow_64bit
-from ._context import batch_spec, check_seq_keys, order_sequences
+from ._context import batch_spec, check_seq_keys, check_whole_keys, order_sequences
 from ._mesh import DATA, check_mesh
 from ._typing import positive_int, typechecked
 
@@ -102,10 +102,12 @@ def local_rows(mesh: Mesh, global_batch: int) -> tuple[int, int]:
     return lo * per, hi * per
 
 
-def to_global(local_batch, mesh: Mesh, global_batch: int, seq_keys: tuple[str, ...] = ()):
+def to_global(local_batch, mesh: Mesh, global_batch: int, seq_keys: tuple[str, ...] = (),
+              whole_keys: tuple[str, ...] = ()):
     """This process's rows -> global arrays split over ``data`` (and the
-    ``seq_keys`` entries' dim 1 over ``context``, put in its order first)."""
-    local_batch = order_sequences(local_batch, seq_keys, mesh)
+    ``seq_keys`` entries' dim 1 over ``context``, put in its order first;
+    ``whole_keys``: as in `batches`)."""
+    local_batch = order_sequences(local_batch, seq_keys, mesh, whole_keys)
 
     def one(kp, x):
         seq = bool(kp) and getattr(kp[0], "key", None) in seq_keys
@@ -286,7 +288,7 @@ def _check_length(n, size, per_device_batch_size, mesh, drop_last, start) -> Non
 
 
 def _padded_batches(rows: Iterator[tuple[list, int]], collate_fn, per_device_batch_size, mesh, n_batches, start, desc,
-                    prefetch, seq_keys: tuple[str, ...] = ()):
+                    prefetch, seq_keys: tuple[str, ...] = (), whole_keys: tuple[str, ...] = ()):
     """Yields ``(global_batch, n_real)`` for each ``(examples, n_real)`` of
     ``rows``: this process's examples collated and made one global batch,
     up to ``prefetch`` batches ahead. ``n_batches`` is the progress bar's
@@ -296,7 +298,7 @@ def _padded_batches(rows: Iterator[tuple[list, int]], collate_fn, per_device_bat
     def made():  # in the prefetch thread
         with contextlib.closing(rows):
             for local, n_real in rows:
-                yield to_global(collate(collate_fn, local, len(local)), mesh, size, seq_keys), n_real
+                yield to_global(collate(collate_fn, local, len(local)), mesh, size, seq_keys, whole_keys), n_real
 
     bar = tqdm(total=n_batches, initial=start if n_batches is None else min(start, n_batches),
                desc=None if desc is None else _bar_title(desc, per_device_batch_size, mesh),
@@ -403,6 +405,7 @@ def batches(
     desc: str | None = None,
     prefetch: int = DEFAULT_PREFETCH,
     seq_keys: Sequence[str] | str | None = None,
+    whole_keys: Sequence[str] | str | None = None,
 ) -> Iterator[Any]:
     """Global batches of ``per_device_batch_size * data`` rows, split over the
     mesh's ``data`` axis and replicated over ``model``: one batch per
@@ -454,9 +457,14 @@ def batches(
       n_context_shards=C)``), the keys of the (dict) batch whose dim 1 is the
       sequence; required there. Their sequences are put in the dual-chunk
       order (`redeqx.context_order`) on the host and split over ``context``;
-      other keys stay whole. Labels must come shifted from ``collate_fn``
-      (docs/guides/long_context.md). Without a ``context`` axis it changes
-      nothing.
+      other keys stay whole. Every per-token key belongs there (``labels``,
+      a loss mask, position ids): a key left out whose dim 1 is as long as
+      the sequence is an error, since it would no longer line up. Labels
+      must come shifted from ``collate_fn`` (docs/guides/long_context.md).
+      Without a ``context`` axis it changes nothing.
+    - ``whole_keys``: the keys whose dim 1 only happens to be as long as the
+      sequence but is not one entry per token (a ``(batch, 64)`` feature
+      vector beside 64-token sequences): kept whole, in their own order.
 
     **Example:**
 
@@ -495,6 +503,7 @@ def batches(
     if not callable(collate_fn):
         raise TypeError(f"collate_fn must be a function list[example] -> dict of arrays, got {collate_fn!r}.")
     seq_keys = check_seq_keys(seq_keys, mesh)
+    whole_keys = check_whole_keys(whole_keys, seq_keys)
     size = _global_batch_size(per_device_batch_size, mesh)
     if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or start < 0:
         raise ValueError(f"start must be a batch index >= 0, got {start!r}.")
@@ -505,7 +514,8 @@ def batches(
         if shuffle:
             raise ValueError(_STREAM_SHUFFLE.format(kind=type(examples).__name__))
         rows = _stream_rows(examples, per_device_batch_size, mesh, start, drop_last, True)
-        made = _padded_batches(rows, collate_fn, per_device_batch_size, mesh, None, start, desc, prefetch, seq_keys)
+        made = _padded_batches(rows, collate_fn, per_device_batch_size, mesh, None, start, desc, prefetch, seq_keys,
+                               whole_keys)
         return _only_batches(made, None, stream_size=size)
     n = len(examples)
     _check_length(n, size, per_device_batch_size, mesh, drop_last, start)
@@ -513,7 +523,7 @@ def batches(
     order = _order(n, shuffle, key)
     rows = _sequence_rows(examples, order, per_device_batch_size, mesh, start, drop_last, True)
     made = _padded_batches(rows, collate_fn, per_device_batch_size, mesh, _n_batches(n, size, drop_last), start, desc,
-                           prefetch, seq_keys)
+                           prefetch, seq_keys, whole_keys)
     return _only_batches(made, warning)
 
 
@@ -598,10 +608,11 @@ def shuffled(examples: Any, buffer_size: int, *, key) -> Shuffled:
     return Shuffled(examples, buffer_size, _key_words(key))
 
 
-def _every_example(examples, collate_fn, per_device_batch_size, mesh, desc, prefetch, seq_keys: tuple[str, ...] = ()):
+def _every_example(examples, collate_fn, per_device_batch_size, mesh, desc, prefetch, seq_keys: tuple[str, ...] = (),
+                   whole_keys: tuple[str, ...] = ()):
     """``(global_batch, n_real)`` for `evaluate` and `predict`: every example
     once, in order, the last batch padded with copies of its last example;
-    ``seq_keys`` (checked by the caller) split over ``context`` as `batches` does."""
+    ``seq_keys`` and ``whole_keys`` (checked by the caller) as `batches` takes them."""
     if _check_examples(examples):
         n = len(examples)
         rows = _sequence_rows(examples, np.arange(n), per_device_batch_size, mesh, 0, False, False)
@@ -609,7 +620,7 @@ def _every_example(examples, collate_fn, per_device_batch_size, mesh, desc, pref
     else:
         rows, n_batches = _stream_rows(examples, per_device_batch_size, mesh, 0, False, False), None
     return _padded_batches(rows, collate_fn, per_device_batch_size, mesh, n_batches, 0, desc, _check_prefetch(prefetch),
-                           seq_keys)
+                           seq_keys, whole_keys)
 
 
 def to_host(tree):

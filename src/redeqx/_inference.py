@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from ._context import check_seq_keys, mesh_context, restore_order
+from ._context import check_seq_keys, check_whole_keys, mesh_context, restore_order
 from ._data import DEFAULT_PREFETCH, _every_example, _fn_name, _global_batch_size, local_rows, to_global, to_host
 from ._mesh import check_mesh
 from ._steps import EvalStep
@@ -40,11 +40,12 @@ def evaluate(
     prefetch: int = DEFAULT_PREFETCH,
     model_state=None,
     seq_keys: Sequence[str] | str | None = None,
+    whole_keys: Sequence[str] | str | None = None,
 ) -> dict[str, float]:
     """The example-weighted mean of ``eval_step``'s metrics over every example
     (the last batch is padded and the padding gets weight 0). ``examples``
-    (a sequence or a stream), ``desc``, ``prefetch`` and ``seq_keys`` are as
-    in `batches`; ``model_state`` is the model's ``eqx.nn.State``
+    (a sequence or a stream), ``desc``, ``prefetch``, ``seq_keys`` and
+    ``whole_keys`` are as in `batches`; ``model_state`` is the model's ``eqx.nn.State``
     (``state.model_state``) for a model that has one.
 
     On a mesh with a ``context`` axis ``seq_keys`` is required: those keys'
@@ -66,10 +67,11 @@ def evaluate(
         raise TypeError(f"eval_step must come from redeqx.make_eval_step, got {type(eval_step).__name__}.")
     mesh = check_mesh(mesh)
     seq_keys = check_seq_keys(seq_keys, mesh, "redeqx.evaluate")
+    whole_keys = check_whole_keys(whole_keys, seq_keys)
     size = _global_batch_size(per_device_batch_size, mesh)
     totals, n = None, 0
     for i, (batch, n_real) in enumerate(_every_example(examples, collate_fn, per_device_batch_size, mesh, desc,
-                                                       prefetch, seq_keys)):
+                                                       prefetch, seq_keys, whole_keys)):
         weights = np.zeros(size, np.float32)
         weights[:n_real] = 1.0
         weights = to_global(weights[slice(*local_rows(mesh, size))], mesh, size)
@@ -142,6 +144,7 @@ def predict(
     prefetch: int = DEFAULT_PREFETCH,
     model_state=None,
     seq_keys: Sequence[str] | str | None = None,
+    whole_keys: Sequence[str] | str | None = None,
     seq_outputs: bool | Sequence[str] | str = False,
 ) -> list:
     """One output per example, in the order of ``examples``, on every process.
@@ -151,8 +154,8 @@ def predict(
     array ``pred_fn`` returned (NumPy); with it, ``output_fn(preds)`` turns a
     batch of NumPy predictions into a list of per-example outputs (e.g.
     decoded text). ``examples`` (a sequence or a stream), ``desc``,
-    ``prefetch`` and ``seq_keys`` are as in `batches`; ``model_state`` is
-    passed on to the step for a model with state.
+    ``prefetch``, ``seq_keys`` and ``whole_keys`` are as in `batches`;
+    ``model_state`` is passed on to the step for a model with state.
 
     On a mesh with a ``context`` axis ``seq_keys`` is required (the batch is
     split as `batches` splits it), and the step's per-token outputs come in
@@ -177,8 +180,9 @@ def predict(
     """
     mesh = check_mesh(mesh)
     seq_keys = check_seq_keys(seq_keys, mesh, "redeqx.predict")
+    whole_keys = check_whole_keys(whole_keys, seq_keys)
     seq_outputs = _check_seq_outputs(seq_outputs)
-    made = _every_example(examples, collate_fn, per_device_batch_size, mesh, desc, prefetch, seq_keys)
+    made = _every_example(examples, collate_fn, per_device_batch_size, mesh, desc, prefetch, seq_keys, whole_keys)
     outputs: list = []
     state_kw = {} if model_state is None else {"model_state": model_state}
 

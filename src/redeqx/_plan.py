@@ -26,7 +26,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ._context import batch_spec, check_seq_keys
+from ._context import batch_spec, check_per_token_keys, check_seq_keys, check_whole_keys
 from ._grouped_flops import overcount
 from ._hlo import collective_summary, estimated_flops, loop_factor
 from ._mesh import CONTEXT, DATA, MODEL, check_mesh, make_mesh
@@ -304,6 +304,7 @@ def plan(
     explore: bool = True,
     scan_residuals: ScanResiduals = "products",
     seq_keys: Sequence[str] = (),
+    whole_keys: Sequence[str] = (),
 ) -> Plan:
     """Compile the training step for ``model`` on ``mesh`` without allocating
     anything, and report per device: parameters, optimizer state, batch,
@@ -319,8 +320,8 @@ def plan(
       through `redeqx.remat`; ``accumulate``, ``compute_dtype``, ``trainable``,
       ``scan_residuals``: as in `make_train_step`; ``opt_state_dtype``: the
       optimizer state kept in that dtype (`with_opt_state_dtype`);
-      ``seq_keys``: as in `batches`, the batch keys whose dim 1 a mesh's
-      ``context`` axis splits.
+      ``seq_keys``, ``whole_keys``: as in `batches`, the batch keys whose
+      dim 1 a mesh's ``context`` axis splits, and those it keeps whole.
 
     A mixture of experts' grouped matmuls (``jax.lax.ragged_dot``, as
     `redeqx.models.MoE` computes) count by their rows, as a grouped-matmul
@@ -365,6 +366,8 @@ def plan(
     redco's TPU rows this way).
     """
     mesh = check_mesh(mesh)
+    seq_keys = check_seq_keys(seq_keys, mesh, "redeqx.plan")
+    check_per_token_keys(batch, seq_keys, check_whole_keys(whole_keys, seq_keys), mesh)
     key = jax.random.key(0) if key is None else key
     if is_constructor(model):
         abstract = abstract_model(model, key)
@@ -374,7 +377,7 @@ def plan(
     settings = dict(fsdp=fsdp, remat=remat, accumulate=accumulate, compute_dtype=compute_dtype,
                     opt_state_dtype=opt_state_dtype, overrides=tuple(overrides), trainable=trainable,
                     scan_residuals=scan_residuals, facts=read_program(abstract, loss_fn, batch),
-                    seq_keys=check_seq_keys(seq_keys, mesh, "redeqx.plan"))
+                    seq_keys=seq_keys)
     first = _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, settings, device_memory)
     if first.fits is not False or not explore:
         return first
