@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,9 +36,10 @@ from ._remat import ScanResiduals, remat as remat_loss
 from .sharding._public import read as read_program, specs_from
 from ._build import abstract_model, is_constructor
 from ._state import init_state
-from ._trees import human_bytes, per_device_shape
+from ._spec_checks import check_specs, check_specs_match
+from ._trees import human_bytes, is_spec, named_leaves, per_device_shape
 from ._steps import make_train_step
-from ._typing import typechecked
+from ._typing import typechecked, warn_user
 from .sharding._specs import sharding_of
 
 _UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -82,6 +84,7 @@ class Plan:
     refused: str | None = None  # the compiler's own out-of-memory error, when it would not build the step
     note: str | None = None  # how the FLOPs were counted, where that differs from the compiler's own figure
     compiler: str = ""  # whose figures these are: "XLA:CPU (cpu)", "XLA:GPU (NVIDIA H100 80GB HBM3)", ...
+    warnings: tuple[str, ...] = ()  # what the plan found wrong with its own specs (printed, and warned once)
 
     @property
     def fits(self) -> bool | None:
@@ -139,6 +142,7 @@ class Plan:
                 lines.append("nothing tried fits (each change alone, those that help together, with accumulation down "
                              "to one row per micro-batch; up to the most model shards these devices allow): more "
                              "devices are needed (or a shorter sequence)")
+        lines += [f"warning: {text}" for text in self.warnings]
         bf16 = [p for p in (self, *(other for _, other in self.tried)) if p.settings.get("compute_dtype") is not None]
         if self.compiler.startswith("XLA:CPU") and bf16:
             lines.append(CPU_BF16)
@@ -189,7 +193,9 @@ def _flops(compiled) -> float:
 
 
 def _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, settings, device_memory) -> Plan:
-    specs = specs_from(abstract, mesh, settings["facts"], settings["overrides"], settings["fsdp"])
+    specs = settings["specs"]
+    if specs is None:
+        specs = specs_from(abstract, mesh, settings["facts"], settings["overrides"], settings["fsdp"])
     if settings["opt_state_dtype"] is not None:
         optimizer = with_opt_state_dtype(optimizer, settings["opt_state_dtype"])
     trainable = settings["trainable"]
@@ -202,7 +208,7 @@ def _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, settings, device_m
     trainable_params = _leaf_bytes(eqx.filter(state.model, trainable)) if trainable is not None else params
     common = dict(
         mesh=dict(mesh.shape),
-        settings={k: v for k, v in settings.items() if k not in ("overrides", "trainable", "facts", "seq_keys")},
+        settings={k: v for k, v in settings.items() if k not in ("overrides", "trainable", "facts", "seq_keys", "specs")},
         global_batch=int(jax.tree.leaves(batch)[0].shape[0]),
         parameters=params,
         optimizer=_leaf_bytes(state.opt_state),
@@ -265,7 +271,8 @@ def _options(settings: dict, mesh: Mesh, global_batch: int) -> list[tuple[str, d
     """Changes worth trying, each ``(label, settings change, n_model_shards)``."""
     n_model, n_dev = mesh.shape[MODEL], mesh.devices.size
     out = []
-    if not settings["fsdp"]:
+    fixed = settings.get("specs") is not None  # specs given by hand: neither fsdp nor another mesh re-derives them
+    if not settings["fsdp"] and not fixed:
         out.append(("fsdp=True", {"fsdp": True}, n_model))
     if not settings["remat"]:
         out.append(("remat (redeqx.remat(loss_fn))", {"remat": True}, n_model))
@@ -278,7 +285,8 @@ def _options(settings: dict, mesh: Mesh, global_batch: int) -> list[tuple[str, d
         if per_device % (settings["accumulate"] * k) == 0:
             out.append((f"accumulate={settings['accumulate'] * k}", {"accumulate": settings["accumulate"] * k}, n_model))
             break
-    bigger = [k for k in range(n_model + 1, n_dev + 1) if n_dev % k == 0 and global_batch % (n_dev // k) == 0]
+    bigger = [k for k in range(n_model + 1, n_dev + 1) if n_dev % k == 0 and global_batch % (n_dev // k) == 0
+              and not fixed]
     for k in dict.fromkeys(bigger[:1] + bigger[-1:]):  # the next split, and the most these devices allow
         out.append((f"n_model_shards={k}", {}, k))
     return out
@@ -305,6 +313,7 @@ def plan(
     scan_residuals: ScanResiduals = "products",
     seq_keys: Sequence[str] = (),
     whole_keys: Sequence[str] = (),
+    specs: Any = None,
 ) -> Plan:
     """Compile the training step for ``model`` on ``mesh`` without allocating
     anything, and report per device: parameters, optimizer state, batch,
@@ -322,6 +331,19 @@ def plan(
       optimizer state kept in that dtype (`with_opt_state_dtype`);
       ``seq_keys``, ``whole_keys``: as in `batches`, the batch keys whose
       dim 1 a mesh's ``context`` axis splits, and those it keeps whole.
+    - ``specs``: a spec tree to plan instead of the rules' (`sharding_rules`,
+      `specs_from_overrides`: a hand plan); then ``fsdp`` and ``overrides``
+      are not taken, and the exploration keeps these specs and this mesh.
+
+    At ``n_model_shards > 1`` the specs planned (the program's, from
+    `sharding_rules` with ``loss_fn`` and ``batch``, or ``specs``) are
+    checked against the names' plan (`sharding_rules` without a program, the
+    same ``overrides`` and ``fsdp``), which costs nothing when the two agree.
+    Where they differ, the step is compiled once more with the names' specs
+    (one extra compile, only then), and if the planned specs move more than
+    1.05x the names' collective bytes per step, the plan warns (a
+    ``UserWarning``, and a ``warning:`` line in the printed plan, kept in
+    ``warnings``) with both byte counts and the leaves whose specs differ.
 
     A mixture of experts' grouped matmuls (``jax.lax.ragged_dot``, as
     `redeqx.models.MoE` computes) count by their rows, as a grouped-matmul
@@ -374,11 +396,23 @@ def plan(
     else:
         abstract = eqx.filter_eval_shape(lambda: model)
     device_memory = parse_bytes(device_memory)
+    if specs is not None:
+        if fsdp or tuple(overrides):
+            given = "fsdp=True" if fsdp else f"overrides={list(overrides)!r}"
+            raise ValueError(f"redeqx.plan got specs= and {given}: the specs are final. Build them with the "
+                             "overrides and fsdp instead (redeqx.sharding_rules(model, mesh, overrides=..., "
+                             "fsdp=...)), or leave specs out and pass overrides and fsdp here.")
+        check_specs(specs, mesh)
+        check_specs_match(abstract, specs, "model")
     settings = dict(fsdp=fsdp, remat=remat, accumulate=accumulate, compute_dtype=compute_dtype,
                     opt_state_dtype=opt_state_dtype, overrides=tuple(overrides), trainable=trainable,
                     scan_residuals=scan_residuals, facts=read_program(abstract, loss_fn, batch),
-                    seq_keys=seq_keys)
+                    seq_keys=seq_keys, specs=specs)
     first = _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, settings, device_memory)
+    text = _versus_names(abstract, loss_fn, optimizer, batch, mesh, key, settings, first)
+    if text is not None:
+        warn_user(f"redeqx.plan: {text}")
+        first = dataclasses.replace(first, warnings=(*first.warnings, text))
     if first.fits is not False or not explore:
         return first
     global_batch = first.global_batch
@@ -417,6 +451,51 @@ def plan(
             tried += _accumulate_more(abstract, loss_fn, optimizer, batch, mesh, key, combined, label, device_memory,
                                       global_batch)
     return dataclasses.replace(first, tried=tuple(tried))
+
+
+def _collective_bytes(p: Plan) -> int:
+    return sum(v["bytes"] for v in p.collectives.values())
+
+
+def _differing(planned, names) -> list[str]:
+    """The paths of the leaves whose specs differ (``P("model", None)`` is ``P("model")``)."""
+    def norm(spec):
+        spec = tuple(spec) if spec is not None else ()
+        while spec and spec[-1] is None:
+            spec = spec[:-1]
+        return spec
+
+    return [path for (path, a), (_, b) in zip(named_leaves(planned, is_spec), named_leaves(names, is_spec))
+            if norm(a) != norm(b)]
+
+
+def _versus_names(abstract, loss_fn, optimizer, batch, mesh, key, settings, planned: Plan) -> str | None:
+    """A warning when the specs planned move more bytes per step than the names' plan
+    (`sharding_rules` without a program, the same overrides and fsdp), or None. The names'
+    step is compiled only where its specs differ from the planned ones."""
+    if mesh.shape[MODEL] == 1 or planned.refused is not None:
+        return None
+    with warnings.catch_warnings():  # the rules' own warnings were said when the planned specs were made
+        warnings.simplefilter("ignore")
+        names = specs_from(abstract, mesh, None, settings["overrides"], settings["fsdp"])
+        ours = settings["specs"]
+        if ours is None:
+            ours = specs_from(abstract, mesh, settings["facts"], settings["overrides"], settings["fsdp"])
+    differ = _differing(ours, names)
+    if not differ:
+        return None
+    by_names = _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, {**settings, "specs": names}, None)
+    moved, names_moved = _collective_bytes(planned), _collective_bytes(by_names)
+    if by_names.refused is not None or moved <= 1.05 * names_moved:
+        return None
+    which = ("the specs given move" if settings["specs"] is not None
+             else "the program's plan (sharding_rules with loss_fn and batch) moves")
+    ratio = f"{moved / names_moved:.2f}x" if names_moved else "where it moves none"
+    shown = ", ".join(differ[:4]) + (f" and {len(differ) - 4} more" if len(differ) > 4 else "")
+    return (f"{which} {human_bytes(moved)} of collectives per step per device, {ratio} the names' plan "
+            f"(sharding_rules(model, mesh), {human_bytes(names_moved)}); they differ at {shown}. Compare the two with "
+            "redeqx.explain; to train with the names' layout pass its specs, or pin these leaves with "
+            "overrides=[(regex, spec)].")
 
 
 def _accumulate_more(abstract, loss_fn, optimizer, batch, mesh, key, combined, label, device_memory,
