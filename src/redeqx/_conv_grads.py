@@ -20,9 +20,12 @@ offset of the kernel window, one ``dot_general`` of the incoming gradient
 with the (padded, dilated, strided) slice of the input that offset reads,
 batched over the groups and contracting batch and space. The partitioner
 reduces a ``dot_general``'s split contracting dim over exactly the axes that
-split it. It is the same number of multiply-adds as the convolution, read
-from the input K times (K = the kernel's size: 3 for a 1-D kernel of 3, 49
-for 7 x 7).
+split it. It is the convolution's own multiply-adds; the offsets run in a
+``lax.scan`` so one slice of the input lives at a time (written out, XLA:CPU
+cuts all K = 49 slices of a 7 x 7 kernel before the first product: 3x the
+step's temporaries). The cost: one small all-reduce (the weight's size over
+K) per offset instead of one per weight, the same bytes in all
+(docs/guides/troubleshooting.md has the figures).
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def _is_grouped(eqn) -> bool:
 def weight_grad(lhs, g, rhs_shape, rhs_dtype, params):
     """The gradient of ``conv_general_dilated(lhs, rhs, **params)`` with respect
     to ``rhs``, given the output's gradient ``g``: one batched ``dot_general``
-    per kernel offset."""
+    per kernel offset, in a loop over the offsets."""
     dn = params["dimension_numbers"]
     groups = params["feature_group_count"]
     x = jnp.transpose(lhs, dn.lhs_spec)  # (N, C, *spatial)
@@ -63,19 +66,23 @@ def weight_grad(lhs, g, rhs_shape, rhs_dtype, params):
     x = jax.lax.pad(x, jnp.zeros((), x.dtype), [(0, 0, 0), (0, 0, 0)] + [
         (lo, hi, d - 1) for (lo, hi), d in zip(params["padding"], params["lhs_dilation"])])
     (n, c), o, out_spatial = x.shape[:2], dy.shape[1], dy.shape[2:]
-    x = x.reshape(n, groups, c // groups, *x.shape[2:])  # (N, G, C/G, *spatial)
-    dy = dy.reshape(n, groups, o // groups, *out_spatial)  # (N, G, O/G, *out_spatial)
-    summed = (0, *range(3, 3 + len(kernel)))  # batch and space
-    accumulate = jnp.promote_types(rhs_dtype, jnp.float32)
-    parts = []
-    for offset in itertools.product(*map(range, kernel)):
-        start = [k * d for k, d in zip(offset, params["rhs_dilation"])]
-        stop = [s + (t - 1) * stride + 1 for s, t, stride in zip(start, out_spatial, params["window_strides"])]
-        window = jax.lax.slice(x, (0, 0, 0, *start), (n, groups, c // groups, *stop),
-                               (1, 1, 1, *params["window_strides"]))  # (N, G, C/G, *out_spatial)
-        parts.append(jax.lax.dot_general(dy, window, ((summed, summed), ((1,), (1,))), precision=params["precision"],
-                                         preferred_element_type=accumulate))  # (G, O/G, C/G)
-    w = jnp.stack(parts, -1).reshape(o, c // groups, *kernel).astype(rhs_dtype)  # (O, C/G, *kernel)
+    # groups first, then the features kept, then those summed (batch, space): a dot_general's own layout
+    x = x.reshape(n, groups, c // groups, *x.shape[2:]).swapaxes(0, 1).swapaxes(1, 2)  # (G, C/G, N, *spatial)
+    dy = dy.reshape(n, groups, o // groups, *out_spatial).swapaxes(0, 1).swapaxes(1, 2)  # (G, O/G, N, *out_spatial)
+    summed = tuple(range(2, 3 + len(kernel)))
+    strides = params["window_strides"]
+    extent = [(t - 1) * stride + 1 for t, stride in zip(out_spatial, strides)]  # what one offset's window spans
+    offsets = np.array(list(itertools.product(*map(range, kernel))), np.int32).reshape(-1, len(kernel))
+
+    def one_offset(_, offset):  # a loop, so that one window lives at a time (unrolled, XLA cuts all K at once)
+        start = jnp.concatenate([jnp.zeros(3, jnp.int32), offset * np.asarray(params["rhs_dilation"], np.int32)])
+        window = jax.lax.dynamic_slice(x, start, (*x.shape[:3], *extent))
+        window = jax.lax.slice(window, (0,) * window.ndim, window.shape, (1, 1, 1, *strides))  # (G, C/G, N, *out_spatial)
+        return None, jax.lax.dot_general(dy, window, ((summed, summed), ((0,), (0,))), precision=params["precision"],
+                                         preferred_element_type=jnp.promote_types(rhs_dtype, jnp.float32))
+
+    _, parts = jax.lax.scan(one_offset, None, offsets)  # (K, G, O/G, C/G)
+    w = jnp.moveaxis(parts, 0, -1).reshape(o, c // groups, *kernel).astype(rhs_dtype)  # (O, C/G, *kernel)
     return jnp.transpose(w, np.argsort(dn.rhs_spec))
 
 
