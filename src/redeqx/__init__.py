@@ -10,6 +10,7 @@ from ._checkpoint import (
 )
 from ._build import init_model as init_model
 from ._constrain import constrain as constrain
+from ._conv_grads import exact_conv_grads as exact_conv_grads
 from ._context import (
     attention as attention,
     context_order as context_order,

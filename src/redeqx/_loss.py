@@ -21,7 +21,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ._mesh import CONTEXT, DATA
-from ._remat import ScanResiduals, scans_keep_products
+from ._conv_grads import exact_grouped_convs
+from ._remat import ScanResiduals, keep_products
+from ._rewrite import rewritten
 from ._opt_state import trainable_params
 from ._trees import is_floating
 from ._typing import short_repr
@@ -166,9 +168,11 @@ def loss_and_grads(loss_fn, compute_dtype=None, *, inference: bool = False,
     ``compute_dtype`` for the computation (gradients come back in the
     parameters' own dtypes); ``inference=True`` with dropout off;
     ``scan_residuals="products"``: ``loss_fn``'s scans keep only their
-    non-elementwise results for the backward pass (`scans_keep_products`)."""
-    if scan_residuals == "products":
-        loss_fn = scans_keep_products(loss_fn)
+    non-elementwise results for the backward pass (`scans_keep_products`).
+    Grouped convolutions take their weight gradient from matrix products
+    (`redeqx.exact_conv_grads`: XLA's own is ``n_model_shards`` times too
+    large under redeqx's batch layout). Both rewrite one trace of ``loss_fn``."""
+    loss_fn = rewritten(loss_fn, exact_grouped_convs, *([keep_products] if scan_residuals == "products" else []))
 
     def grads_of(params, static, batch, key, model_state):
         def loss_of(params):

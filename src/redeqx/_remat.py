@@ -21,6 +21,7 @@ import jax
 import jax.extend.core as jex
 
 from ._cpu import on_cpu, tied_checkpoint
+from ._rewrite import rewritten
 from ._typing import typechecked
 
 Keep = Literal["nothing", "dots"]
@@ -180,30 +181,19 @@ def _recomputed_scans(closed: jex.ClosedJaxpr, policy, leave_checkpointed: bool)
     return jex.ClosedJaxpr(closed.jaxpr.replace(eqns=eqns), closed.consts), found
 
 
-def _scans_rewritten(fn: Callable, policy, leave_checkpointed: bool) -> Callable:
-    """``fn``, traced once, with every ``jax.lax.scan`` it runs keeping what
-    ``policy`` says for the backward pass (`_recomputed_scans`). Non-array
-    arguments are constants; non-array results come back as they were."""
-
-    @functools.wraps(fn)
-    def rewritten(*args):
-        closed, out_arrays, out_static = eqx.filter_make_jaxpr(fn)(*args)  # fn runs once, here
-        closed, _ = _recomputed_scans(closed, policy, leave_checkpointed)
-        leaves = jax.tree.leaves(eqx.filter(args, eqx.is_array))
-        outs = jex.jaxpr_as_fun(closed)(*leaves)
-        return eqx.combine(jax.tree.unflatten(jax.tree.structure(out_arrays), outs), out_static)
-
-    return rewritten
-
-
 def recompute_scans(fn: Callable, keep: Keep = "nothing") -> Callable:
     """``fn`` (of arrays and constants) with every ``jax.lax.scan`` it runs
     recomputing each iteration in the backward pass: the forward pass keeps
     only each iteration's carry (and its dots, with ``keep="dots"``)."""
-    return _scans_rewritten(fn, _POLICIES[keep], leave_checkpointed=False)
+    return rewritten(fn, lambda closed: _recomputed_scans(closed, _POLICIES[keep], leave_checkpointed=False)[0])
 
 
 ScanResiduals = Literal["products", "all"]
+
+
+def keep_products(closed: jex.ClosedJaxpr) -> jex.ClosedJaxpr:
+    """`scans_keep_products` as a rewrite of a traced program."""
+    return _recomputed_scans(closed, _products_saveable, leave_checkpointed=True)[0]
 
 
 def scans_keep_products(fn: Callable) -> Callable:
@@ -220,7 +210,7 @@ def scans_keep_products(fn: Callable) -> Callable:
     already runs ``jax.checkpoint`` (``redeqx.remat``, or the user's own)
     is left as written. Values and gradients do not change.
     """
-    return _scans_rewritten(fn, _products_saveable, leave_checkpointed=True)
+    return rewritten(fn, keep_products)
 
 
 # ----------------------------------------------------------------------------- remat

@@ -1,0 +1,36 @@
+"""A function run through its own traced program, rewritten: `rewritten`.
+
+What the train step does to a ``loss_fn`` it did not write (`redeqx._remat`'s
+scans that keep only their products, `redeqx._conv_grads`' grouped
+convolutions with an exact weight gradient) is a rewrite of the jaxpr
+``loss_fn`` traces to: the function runs once, as a trace, and the step
+evaluates the rewritten program in its place. The model's code is untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+import jax.extend.core as jex
+
+Rewrite = Callable[[jex.ClosedJaxpr], jex.ClosedJaxpr]
+
+
+def rewritten(fn: Callable, *rewrites: Rewrite) -> Callable:
+    """``fn``, traced once, evaluated as the program ``rewrites`` (applied in
+    order) make of its jaxpr. Non-array arguments are constants; non-array
+    results come back as they were."""
+
+    @functools.wraps(fn)
+    def run(*args):
+        closed, out_arrays, out_static = eqx.filter_make_jaxpr(fn)(*args)  # fn runs once, here
+        for rewrite in rewrites:
+            closed = rewrite(closed)
+        leaves = jax.tree.leaves(eqx.filter(args, eqx.is_array))
+        outs = jex.jaxpr_as_fun(closed)(*leaves)
+        return eqx.combine(jax.tree.unflatten(jax.tree.structure(out_arrays), outs), out_static)
+
+    return run
