@@ -493,6 +493,7 @@ def write(checkpointer, path: Path, args) -> None:
     """Starts (an async checkpointer) or does the write of ``args`` to ``path``;
     a failure removes what it left and raises a `CheckpointError`."""
     _mute_orbax_errors_for(path)
+    _hooks.count_orbax_bytes_without_leaking()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         _probe(path.parent)
@@ -752,6 +753,7 @@ def restore_checkpoint(path: str | os.PathLike, like: PyTree, mesh: Mesh, specs:
             for parts, x, sh in wanted
         ]
         args[item] = ocp.args.StandardRestore(_nest(abstract))
+    _hooks.count_orbax_bytes_without_leaking()
     try:
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
             restored = checkpointer.restore(path, args=ocp.args.Composite(**args))
