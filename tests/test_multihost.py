@@ -206,6 +206,47 @@ def test_launcher_forwards_sigterm(tmp_path):
             os.kill(pid, 0)
 
 
+def running(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie waiting for its reaper does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_processes_die_with_a_killed_launcher(tmp_path):
+    """Before: a SIGKILL to the launcher (a scheduler's hard kill, the OOM
+    killer) left its processes training on, unsupervised."""
+    script = write_script(
+        tmp_path,
+        """
+        import os, sys, time, jax, redeqx
+        redeqx.initialize()
+        open(os.path.join(sys.argv[1], f"ready_{jax.process_index()}"), "w").write(str(os.getpid()))
+        time.sleep(600)
+        """,
+    )
+    proc = subprocess.Popen([sys.executable, "-m", "redeqx.launch", "-n", "2", "--devices", "2", script,
+                             str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pids = []
+    try:
+        wait_for_files([tmp_path / "ready_0", tmp_path / "ready_1"], [proc])
+        pids = [int((tmp_path / f"ready_{i}").read_text()) for i in range(2)]
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while any(map(running, pids)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(map(running, pids)), "the launched processes outlived their launcher"
+    finally:
+        for pid in pids:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.slow
 def test_preflight_names_the_process_that_differs(tmp_path):
     script = write_script(

@@ -17,7 +17,9 @@ Not hooks, for completeness: `StepWatchdog` runs a daemon thread between
 ``start()`` and ``close()`` that ends a hung process with
 ``os._exit(HUNG_EXIT_CODE)``; the launcher's own process (``python -m
 redeqx.launch``) forwards SIGINT / SIGTERM / SIGHUP to its children while
-they run and restores its handlers when they are done.
+they run and restores its handlers when they are done, and each process it
+starts asks the kernel for SIGKILL when the launcher dies
+(``PR_SET_PDEATHSIG``; a watching thread off Linux).
 """
 
 from __future__ import annotations

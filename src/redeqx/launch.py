@@ -18,7 +18,9 @@ at once. The launcher exits with 143 only when a checkpoint was saved;
 otherwise it says that nothing was saved and exits with another status
 (137 when it had to kill, 130 after Ctrl-C). If one process fails or dies, the
 launcher stops the others (within a few seconds) and exits with that
-process's exit status; if one process ends its script while the others still
+process's exit status; if the launcher itself is killed (a scheduler's
+SIGKILL, the OOM killer), its processes are killed with it, never left
+training unsupervised; if one process ends its script while the others still
 run ``--exit-timeout`` seconds later (default 60; a ``sys.exit`` taken by one
 process only leaves the others waiting for it in a collective forever), it
 stops them all and exits with status 1, naming which ended and which did not.
@@ -30,6 +32,7 @@ hand, and call `redeqx.initialize` in the script.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import re
 import runpy
@@ -39,6 +42,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -51,6 +55,8 @@ DEFAULT_PREEMPTION_GRACE = 20  # after a forwarded SIGTERM: time to save a check
 DEFAULT_EXIT_TIMEOUT = 60  # one process done, the others not: how long until that is a failure
 DEFAULT_HEARTBEAT_TIMEOUT = 10  # the processes are all here: a dead one is noticed fast
 LAUNCH_DIR = "REDEQX_LAUNCH_DIR"  # where each process marks that its script ended
+LAUNCHER_PID = "REDEQX_LAUNCHER_PID"  # the launcher's pid: a launched process dies with it
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 STOP_SIGNAL = signal.SIGUSR1  # "another process failed": stop quietly
 
 
@@ -117,9 +123,30 @@ def _script_ended() -> None:
         _leave(1)
 
 
+def _die_with_launcher() -> None:
+    """End this process when the launcher ends, however it ends: on Linux
+    the kernel sends SIGKILL when the parent dies (``prctl(PR_SET_PDEATHSIG)``,
+    even while Python is busy in a collective); elsewhere a daemon thread
+    sees the parent change. A launcher already gone ends it now."""
+    launcher = int(os.environ.get(LAUNCHER_PID, os.getppid()))
+    watched = False
+    if sys.platform.startswith("linux"):
+        watched = ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    if os.getppid() != launcher:  # it died before the kernel was told to watch it
+        os.kill(os.getpid(), signal.SIGKILL)
+    if not watched:
+        def watch():
+            while os.getppid() == launcher:
+                time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=watch, name="redeqx-launcher-watch", daemon=True).start()
+
+
 def _child() -> None:
     """Runs in each launched process: join the run, then run the script as
     ``__main__`` with its own argv, as ``python script.py args`` would."""
+    _die_with_launcher()
     script, *args = sys.argv[1:]
     from ._distributed import launcher_start
 
@@ -260,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(ns.n_processes):
         env = child_env(i, ns.n_processes, port, per, heartbeat_timeout=ns.heartbeat_timeout)
         env[LAUNCH_DIR] = str(marks)
+        env[LAUNCHER_PID] = str(os.getpid())
         cmd = [sys.executable, "-c", "from redeqx.launch import _child; _child()", ns.script, *ns.args]
         # Own process group: a Ctrl-C reaches each process once, through the launcher.
         procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
