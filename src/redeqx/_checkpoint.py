@@ -138,18 +138,21 @@ def step_of(state) -> int | None:
 # sign flips. The hash is a sum too, so it is the same on any layout and
 # any number of processes (the partitioner adds the shards' parts with a
 # collective), but of each word mixed with its place in the array:
-# ``fmix32(fmix32(index ^ seed) ^ word)`` (murmur3's finaliser, in which
-# every input bit reaches every output bit), in two lanes with their own
-# seeds, 64 bits in all. A change anywhere moves each lane by an
-# unpredictable amount: a damaged array passes with odds of about 2**-64.
-# Nothing leaves the devices but the numbers.
+# ``fmix32(word ^ (index * C + S))`` (murmur3's finaliser, in which every
+# input bit reaches every output bit; ``C`` odd, so each place has its own
+# key), in two lanes with their own ``C`` and ``S``, 64 bits in all. A change
+# anywhere moves each lane by an unpredictable amount: a damaged array
+# passes with odds of about 2**-64. Nothing leaves the devices but the
+# numbers (no copy of the arrays to the host, as hashing there would
+# need); on XLA:CPU the pass costs a few times the word sum, on an
+# accelerator it is bound by memory bandwidth.
 #
 # Checkpoints written before it hold an ``xxh3_128`` digest of each piece a
 # saving device held instead, checked where this process holds the piece
 # whole (`unmatched_pieces`).
 
 HASH = "content_hash"
-_SEEDS = (0x9E3779B1, 0x7F4A7C15)  # one per 32-bit lane
+_LANES = ((0x9E3779B1, 0x7F4A7C15), (0x85EBCA77, 0xC2B2AE3D))  # (C, S) of each 32-bit lane
 
 
 def _fmix32(h):
@@ -176,8 +179,8 @@ def _content_hash(words) -> jax.Array:
     for d in reversed(range(words.ndim)):
         index = index + jax.lax.broadcasted_iota(jnp.uint32, words.shape, d) * jnp.uint32(stride % 2**32)
         stride *= words.shape[d]
-    return jnp.stack([jnp.sum(_fmix32(_fmix32(index ^ jnp.uint32(seed)) ^ words), dtype=jnp.uint32)
-                      for seed in _SEEDS])
+    return jnp.stack([jnp.sum(_fmix32(words ^ (index * jnp.uint32(c) + jnp.uint32(s))), dtype=jnp.uint32)
+                      for c, s in _LANES])
 
 
 def _hex(lanes) -> str:
@@ -193,10 +196,15 @@ def _fingerprints(leaves: list) -> tuple[jax.Array, jax.Array, jax.Array]:
     def finite(x):
         return jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
 
+    def checksum(x):  # as the first format defined it: a 64-bit word counts its low half
+        if x.dtype == jnp.bool_:
+            x = x.astype(jnp.uint8)
+        bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}"))
+        return jnp.sum(bits.astype(jnp.uint32), dtype=jnp.uint32)
+
     if not leaves:
         return jnp.zeros((0,), jnp.uint32), jnp.zeros((0, 2), jnp.uint32), jnp.zeros((0,), jnp.bool_)
-    words = [_words(x) for x in leaves]
-    return (jnp.stack([jnp.sum(w, dtype=jnp.uint32) for w in words]), jnp.stack([_content_hash(w) for w in words]),
+    return (jnp.stack([checksum(x) for x in leaves]), jnp.stack([_content_hash(_words(x)) for x in leaves]),
             jnp.stack([finite(x) for x in leaves]))
 
 
