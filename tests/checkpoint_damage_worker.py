@@ -14,7 +14,6 @@ to ``DIR/process_<i>.json``: ``{"by_1/values swapped@data": "CheckpointError", .
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 import warnings
@@ -23,9 +22,9 @@ from pathlib import Path
 import equinox as eqx
 import jax
 import numpy as np
+from _helpers import DAMAGES, damaged, mlp
 
 import redeqx
-from _helpers import DAMAGES, damaged, mlp
 from redeqx._data import to_host
 
 
@@ -43,7 +42,8 @@ def save_set(directory: Path) -> None:
     w = model.layers[1].weight
     redeqx.save_checkpoint(directory / "intact", model)
     for damage in DAMAGES:
-        bad = jax.make_array_from_callback(w.shape, w.sharding, lambda idx, v=damaged(to_host(w), damage): v[idx])
+        values = damaged(to_host(w), damage)
+        bad = jax.make_array_from_callback(w.shape, w.sharding, values.__getitem__)
         redeqx.save_checkpoint(directory / f"{damage}.values", eqx.tree_at(lambda m: m.layers[1].weight, model, bad))
         redeqx.save_checkpoint(directory / damage, model)
         barrier(f"saved {damage}")
