@@ -16,6 +16,7 @@ from pathlib import Path
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 import redeqx
@@ -76,3 +77,31 @@ def sharded_state(model, optimizer, mesh, key=1):
     """``model``'s sharding rules on ``mesh`` and a train state built with them: ``(specs, state)``."""
     specs = redeqx.sharding_rules(model, mesh)
     return specs, redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(key))
+
+
+# --- damage that leaves a checkpoint's files valid
+
+
+DAMAGES = ("pieces swapped", "values swapped", "signs flipped", "bit flipped")
+
+
+def damaged(w, damage: str) -> np.ndarray:
+    """``w`` (a matrix, split over ``model`` on dim 1) with one of `DAMAGES`;
+    a sum of words misses all but the bit flip."""
+    w = np.array(w)
+    n = w.shape[1]
+    if damage == "pieces swapped":  # the two halves a dim-1 split gives
+        out = np.concatenate([w[:, n // 2:], w[:, :n // 2]], axis=1)
+    elif damage == "values swapped":  # across the two halves
+        out = w.copy()
+        out[0, 0], out[0, n - 1] = w[0, n - 1], w[0, 0]
+    elif damage == "signs flipped":
+        out = w.copy()
+        out[0, 0], out[3, 5] = -w[0, 0], -w[3, 5]
+    elif damage == "bit flipped":
+        out = w.copy()
+        out.view(np.uint32)[2, 2] ^= 1 << 20
+    else:
+        raise ValueError(f"damage must be one of {DAMAGES}, got {damage!r}")
+    assert not np.array_equal(out, w)
+    return out

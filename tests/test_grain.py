@@ -115,6 +115,47 @@ def test_manager_saves_and_restores_the_position(tmp_path):
     assert_same([host(next(again)) for _ in range(3)], want)
 
 
+def _damage(position, damage):
+    """Changes the first ``next_index`` inside a saved position, in place."""
+    for key, value in list(position.items()):
+        if key == "next_index":
+            if damage == "a number changed":
+                position[key] = value + 1
+            else:
+                del position[key]
+            return True
+        if isinstance(value, dict) and _damage(value, damage):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("damage", ["a number changed", "a key removed"])
+def test_a_damaged_position_falls_back_to_the_older_checkpoint(tmp_path, damage):
+    """Before: "next_index" one higher (still valid JSON) resumed on shifted
+    batches without a word, and a removed one failed with KeyError:
+    'next_index', never trying the older checkpoint, whose position is
+    intact. The position is covered by the metadata's hash now."""
+    mesh = redeqx.make_mesh(2)
+    ds = grain.MapDataset.source(examples()).shuffle(seed=2).repeat().to_iter_dataset()
+    state = redeqx.shard({"w": jax.numpy.zeros(4)}, {"w": P()}, mesh)
+    it = redeqx.grain_batches(ds, collate_fn, 1, mesh, prefetch=0)
+    with redeqx.CheckpointManager(tmp_path, keep_last=2, async_save=False) as manager:
+        next(it)
+        manager.save(state, step=1, data_iterator=it)
+        want = [host(next(it)) for _ in range(3)]
+        manager.save(state, step=2, data_iterator=it)
+    file = manager.path(2) / "metadata" / "metadata"
+    meta = json.loads(file.read_text())
+    assert _damage(meta["data_iterator"][0], damage)
+    file.write_text(json.dumps(meta))
+    again = redeqx.grain_batches(ds, collate_fn, 1, mesh, prefetch=0)
+    with redeqx.CheckpointManager(tmp_path) as manager, \
+            pytest.warns(UserWarning, match=r"skipping .*step_000000002.*data position"):
+        _, meta = manager.restore(state, mesh, data_iterator=again)
+    assert meta["step"] == 1
+    assert_same([host(next(again)) for _ in range(3)], want)
+
+
 def test_restore_without_a_saved_position_or_a_plain_iterator_is_an_error(tmp_path):
     mesh = redeqx.make_mesh(2)
     state = redeqx.shard({"w": jax.numpy.zeros(4)}, {"w": P()}, mesh)

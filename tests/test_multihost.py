@@ -3,6 +3,7 @@ checked against this pytest process's single-process run on 8 devices."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,9 +15,10 @@ import jax
 import numpy as np
 import pytest
 
+import checkpoint_damage_worker
 import multihost_worker
 import redeqx
-from _helpers import run_python
+from _helpers import DAMAGES, run_python
 from redeqx import _distributed, launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -101,6 +103,39 @@ def test_checkpoints_move_between_process_counts(runs):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
     assert int(state.step) == multihost_worker.N_STEPS
     np.testing.assert_array_equal(np.asarray(jax.random.key_data(state.key)), runs["key_data"])
+
+
+@pytest.mark.slow
+def test_damage_is_caught_by_two_processes_on_every_layout(tmp_path):
+    """Before: restored by 2 processes on a layout other than the saving
+    one, a piece spread over processes was left to the sum of words, so
+    swapped pieces, swapped values and paired sign flips restored as
+    values, and the manager returned that step. Checkpoints saved by 1
+    process (here) and by 2 (the worker), restored by 2 onto a data,
+    model, fsdp and context split."""
+    by_1 = tmp_path / "by_1"
+    checkpoint_damage_worker.save_set(by_1)
+    model, _ = checkpoint_damage_worker.saved_model(redeqx.make_mesh(2))
+    with redeqx.CheckpointManager(by_1 / "run", keep_last=2, async_save=False) as manager:
+        manager.save(model, step=1)
+        manager.save(model, step=2)
+    shutil.rmtree(manager.path(2) / "model")
+    shutil.copytree(by_1 / "values swapped" / "model", manager.path(2) / "model")
+    done = run_launcher("-n", 2, "--devices", 8, os.path.join(HERE, "checkpoint_damage_worker.py"), tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for i in range(2):
+        got = json.loads((tmp_path / f"process_{i}.json").read_text())
+        wrong = {}
+        for layout in checkpoint_damage_worker.LAYOUTS:
+            for source in ("by_1", "by_2"):
+                for case in ("intact", *DAMAGES):
+                    name = f"{source}/{case}@{layout}"
+                    if got[name] != ("restored" if case == "intact" else "CheckpointError"):
+                        wrong[name] = got[name]
+            found = got[f"manager@{layout}"]
+            if found["step"] != 1 or not any("skipping" in w and "step_000000002" in w for w in found["warned"]):
+                wrong[f"manager@{layout}"] = found
+        assert not wrong, f"process {i}: {wrong}"
 
 
 # --- failures end the run, fast and loudly
@@ -204,6 +239,47 @@ def test_launcher_forwards_sigterm(tmp_path):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie waiting for its reaper does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_processes_die_with_a_killed_launcher(tmp_path):
+    """Before: a SIGKILL to the launcher (a scheduler's hard kill, the OOM
+    killer) left its processes training on, unsupervised."""
+    script = write_script(
+        tmp_path,
+        """
+        import os, sys, time, jax, redeqx
+        redeqx.initialize()
+        open(os.path.join(sys.argv[1], f"ready_{jax.process_index()}"), "w").write(str(os.getpid()))
+        time.sleep(600)
+        """,
+    )
+    proc = subprocess.Popen([sys.executable, "-m", "redeqx.launch", "-n", "2", "--devices", "2", script,
+                             str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pids = []
+    try:
+        wait_for_files([tmp_path / "ready_0", tmp_path / "ready_1"], [proc])
+        pids = [int((tmp_path / f"ready_{i}").read_text()) for i in range(2)]
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while any(map(running, pids)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(map(running, pids)), "the launched processes outlived their launcher"
+    finally:
+        for pid in pids:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.slow

@@ -13,8 +13,9 @@ process is done), holding three items:
 - ``metadata/metadata``: strict JSON with ``step``, the caller's fields
   (``epoch``, ``batch``, ``metrics``, ...), and a ``redeqx`` section: format
   and its version, redeqx's version, each leaf's shape, dtype, checksum (a
-  sum of its words, the same on any layout) and content hash (``xxh3_128``
-  of each piece the saving devices held, keyed by its place in the array).
+  sum of its words) and content hash (a sum of its words each mixed with its
+  place in the array, 64 bits as 16 hex digits), both the same on any
+  layout and any number of processes.
   Strict JSON has no NaN: a non-finite number is written as the string
   ``"NaN"``, ``"Infinity"`` or ``"-Infinity"`` (``float(s)`` reads it back).
 
@@ -129,55 +130,123 @@ def step_of(state) -> int | None:
     return found.pop() if len(found) == 1 else None
 
 
+# ----------------------------------------------------------------------------- checksums and content hashes
+#
+# Two per leaf, from one pass on the devices: a sum of the leaf's words
+# (catches a flipped bit; the first format's check, still written for older
+# readers) and a content hash that also catches two values swapped or two
+# sign flips. The hash is a sum too, so it is the same on any layout and
+# any number of processes (the partitioner adds the shards' parts with a
+# collective), but of each word mixed with its place in the array:
+# ``fmix32(word ^ (index * C + S))`` (murmur3's finaliser, in which every
+# input bit reaches every output bit; ``C`` odd, so each place has its own
+# key), in two lanes with their own ``C`` and ``S``, 64 bits in all. A change
+# anywhere moves each lane by an unpredictable amount: a damaged array
+# passes with odds of about 2**-64. Nothing leaves the devices but the
+# numbers (no copy of the arrays to the host, as hashing there would
+# need); on XLA:CPU the pass costs a few times the word sum, on an
+# accelerator it is bound by memory bandwidth.
+#
+# Checkpoints written before it hold an ``xxh3_128`` digest of each piece a
+# saving device held instead, checked where this process holds the piece
+# whole (`unmatched_pieces`).
+
+HASH = "content_hash"
+_LANES = ((0x9E3779B1, 0x7F4A7C15), (0x85EBCA77, 0xC2B2AE3D))  # (C, S) of each 32-bit lane
+
+
+def _fmix32(h):
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _words(x):
+    """``x``'s bits as ``uint32``, one word per element (a trailing axis of
+    two for 64-bit dtypes)."""
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    if x.dtype.itemsize > 4:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}")).astype(jnp.uint32)
+
+
+def _content_hash(words) -> jax.Array:
+    """The two lanes of the content hash of ``words`` (``uint32[2]``)."""
+    index, stride = jnp.zeros(words.shape, jnp.uint32), 1  # the row-major place of each word, mod 2**32
+    for d in reversed(range(words.ndim)):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, words.shape, d) * jnp.uint32(stride % 2**32)
+        stride *= words.shape[d]
+    return jnp.stack([jnp.sum(_fmix32(words ^ (index * jnp.uint32(c) + jnp.uint32(s))), dtype=jnp.uint32)
+                      for c, s in _LANES])
+
+
+def _hex(lanes) -> str:
+    return "".join(f"{int(v):08x}" for v in lanes)
+
+
 @jax.jit
-def _fingerprints(leaves: list) -> tuple[jax.Array, jax.Array]:
-    """Per leaf, a ``uint32`` checksum and whether every value is finite.
+def _fingerprints(leaves: list) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per leaf, its ``uint32`` word sum (wrapping mod 2**32), the two
+    lanes of its content hash, and whether every value is finite: one pass,
+    one fetch, inside every save and restore."""
 
-    The checksum is the sum of the leaf's words, wrapping mod 2**32 (any
-    single flipped bit changes it). Integer sums are exact, so a sharded array
-    gives the same value as the same array on one device. Kept this cheap on
-    purpose: it runs inside every save, before the save can return, and the
-    finiteness comes in the same pass and the same fetch."""
+    def finite(x):
+        return jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
 
-    def checksum(x):
+    def checksum(x):  # as the first format defined it: a 64-bit word counts its low half
         if x.dtype == jnp.bool_:
             x = x.astype(jnp.uint8)
         bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}"))
         return jnp.sum(bits.astype(jnp.uint32), dtype=jnp.uint32)
 
-    def finite(x):
-        return jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
-
     if not leaves:
-        return jnp.zeros((0,), jnp.uint32), jnp.zeros((0,), jnp.bool_)
-    return jnp.stack([checksum(x) for x in leaves]), jnp.stack([finite(x) for x in leaves])
+        return jnp.zeros((0,), jnp.uint32), jnp.zeros((0, 2), jnp.uint32), jnp.zeros((0,), jnp.bool_)
+    return (jnp.stack([checksum(x) for x in leaves]), jnp.stack([_content_hash(_words(x)) for x in leaves]),
+            jnp.stack([finite(x) for x in leaves]))
 
 
-# ----------------------------------------------------------------------------- content hashes
-#
-# The word sum above catches flipped bits but not two values swapped or two
-# sign flips; a real hash does. Hashing needs the bytes on the host, and each
-# process holds only its shards, so each piece a saving device held
-# (replica 0 of each) is hashed on its own and stored under its place in the
-# array, "0:8,0:16". A restore re-checks every piece it holds whole: all of
-# them in one process (slicing the restored array) or on the layout it was
-# saved with; a piece of another layout spread over processes is left to the
-# word sum. xxh3_128 runs at ~10 GB/s on one core, a few % of a save
-# (benchmarks/RESULTS.md, History); blake2b's 0.8 GB/s would cost most of one.
-
-HASH = "xxh3_128"
+def fingerprints(leaves: list[jax.Array]) -> tuple[list[int], list[str], list[bool]]:
+    """`_fingerprints` on the host: word sums, content hashes as hex, finiteness."""
+    sums, hashes, finite = jax.device_get(_fingerprints(leaves))
+    return np.asarray(sums).tolist(), [_hex(h) for h in np.asarray(hashes)], np.asarray(finite).tolist()
 
 
-def _hash(x: np.ndarray) -> str:
-    return xxhash.xxh3_128(np.ascontiguousarray(x).reshape(-1).view(np.uint8)).hexdigest()
-
-
-def _index_key(index: tuple, shape: tuple[int, ...]) -> str:
-    return ",".join(f"{sl.start or 0}:{n if sl.stop is None else sl.stop}" for sl, n in zip(index, shape))
+_PIECES = "xxh3_128"  # the older checkpoints' hashes, per saved piece
 
 
 def _index_slices(key: str) -> tuple[slice, ...]:
     return tuple(slice(*map(int, part.split(":"))) for part in key.split(",")) if key else ()
+
+
+def unmatched_pieces(leaves: list[jax.Array], saved: list[dict[str, str] | None]) -> list[bool]:
+    """Per leaf, whether a piece hashed by an older redeqx that this process
+    can see whole has another ``xxh3_128`` digest now, agreed over every
+    process (leaves without such hashes pass)."""
+    bad = []
+    for x, want in zip(leaves, saved):
+        wrong = False
+        if want:
+            held = {",".join(f"{sl.start or 0}:{n if sl.stop is None else sl.stop}"
+                             for sl, n in zip(sh.index, x.shape)): sh for sh in x.addressable_shards}
+            whole = None
+            for key, digest in want.items():
+                if key in held:
+                    data = np.asarray(held[key].data)
+                elif x.is_fully_addressable:
+                    whole = np.asarray(x) if whole is None else whole
+                    data = whole[_index_slices(key)]
+                else:
+                    continue  # spread over processes on this layout: the word sum checks it
+                if xxhash.xxh3_128(np.ascontiguousarray(data).reshape(-1).view(np.uint8)).hexdigest() != digest:
+                    wrong = True
+                    break
+        bad.append(wrong)
+    if jax.process_count() > 1:
+        return [any(column) for column in zip(*_all_processes(bad))]
+    return bad
 
 
 def _all_processes(local: list) -> list:
@@ -192,49 +261,6 @@ def _all_processes(local: list) -> list:
     padded[: data.size] = data
     every = multihost_utils.process_allgather(padded)
     return [json.loads(bytes(row[: int(n)]).decode()) for row, n in zip(every, sizes)]
-
-
-def content_hashes(leaves: list[jax.Array]) -> list[dict[str, str]]:
-    """Per leaf, ``{place in the array: xxh3_128 hex digest}`` of each
-    piece its devices hold (one entry for a replicated leaf), gathered from
-    every process."""
-    local = []
-    for x in leaves:
-        pieces = [sh for sh in x.addressable_shards if sh.replica_id == 0]
-        data = jax.device_get([sh.data for sh in pieces])  # one leaf on the host at a time
-        local.append({_index_key(sh.index, x.shape): _hash(d) for sh, d in zip(pieces, data)})
-    merged: list[dict[str, str]] = [{} for _ in leaves]
-    for per_process in _all_processes(local):
-        for out, found in zip(merged, per_process):
-            out.update(found)
-    return merged
-
-
-def unmatched_hashes(leaves: list[jax.Array], saved: list[dict[str, str] | None]) -> list[bool]:
-    """Per leaf, whether a piece this process can see whole has another
-    hash than the one saved (checkpoints without hashes pass), agreed over
-    every process."""
-    bad = []
-    for x, want in zip(leaves, saved):
-        wrong = False
-        if want:
-            held = {_index_key(sh.index, x.shape): sh for sh in x.addressable_shards}
-            whole = None
-            for key, digest in want.items():
-                if key in held:
-                    got = _hash(np.asarray(held[key].data))
-                elif x.is_fully_addressable:
-                    whole = np.asarray(x) if whole is None else whole
-                    got = _hash(whole[_index_slices(key)])
-                else:
-                    continue  # spread over processes on this layout: the word sum checks it
-                if got != digest:
-                    wrong = True
-                    break
-        bad.append(wrong)
-    if jax.process_count() > 1:
-        return [any(column) for column in zip(*_all_processes(bad))]
-    return bad
 
 
 def _cast(x, dtype):
@@ -307,7 +333,26 @@ def raw_metadata(path: Path) -> dict:
     if (damage := _damaged_section(section)) is not None:
         raise CheckpointError(f"checkpoint at {path} has damaged metadata ({metadata_file(path)}): {damage}. "
                               "Restore an earlier checkpoint.")
+    if FIELDS_HASH in section and section[FIELDS_HASH] != fields_hash(meta):
+        raise CheckpointError(
+            f"checkpoint at {path} has damaged metadata ({metadata_file(path)}): its step, data position, metrics "
+            "or other fields do not match the hash written with them, so resuming from it would read other data "
+            "than the run saved. Restore an earlier checkpoint."
+        )
     return meta
+
+
+FIELDS_HASH = "fields_hash"
+
+
+def fields_hash(meta: dict) -> str:
+    """``xxh3_128`` of ``meta`` outside its ``redeqx`` section (the step, the
+    data position, metrics, the caller's fields) as canonical JSON: one
+    changed number of a data iterator's saved state is a damaged checkpoint,
+    not batches silently shifted."""
+    fields = {k: v for k, v in meta.items() if k != "redeqx"}
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return xxhash.xxh3_128(text.encode()).hexdigest()
 
 
 def _damaged_section(section: dict) -> str | None:
@@ -402,11 +447,10 @@ def encode(state, metadata, dtype) -> Encoded:
             f"metadata may not set 'redeqx' or a 'step' other than state.step ({step}); got keys {sorted(user)}."
         )
     named = [(name, ".".join(parts), x) for name, pairs in items.items() for parts, x in pairs]
-    sums, finite = (np.asarray(a).tolist() for a in jax.device_get(_fingerprints([x for _, _, x in named])))
-    hashes = content_hashes([x for _, _, x in named])
+    sums, hashes, finite = fingerprints([x for _, _, x in named])
     info: dict[str, dict] = {name: {} for name in items}
-    for (name, path, x), checksum, digests in zip(named, sums, hashes):
-        entry = {"shape": list(x.shape), "dtype": str(x.dtype), "checksum": checksum, HASH: digests}
+    for (name, path, x), checksum, digest in zip(named, sums, hashes):
+        entry = {"shape": list(x.shape), "dtype": str(x.dtype), "checksum": checksum, HASH: digest}
         impl = impls.get(name, {}).get(path)
         if impl is not None:
             entry["prng_key"] = impl
@@ -423,6 +467,7 @@ def encode(state, metadata, dtype) -> Encoded:
             "leaves": info,
         },
     }
+    meta["redeqx"][FIELDS_HASH] = fields_hash(json.loads(json.dumps(meta, allow_nan=False)))
     args = {name: ocp.args.StandardSave(_nest(pairs)) for name, pairs in items.items()}
     args["metadata"] = ocp.args.JsonSave(meta)
     non_finite = [f"{name}/{path}" for (name, path, _), ok in zip(named, finite) if not ok]
@@ -493,6 +538,7 @@ def write(checkpointer, path: Path, args) -> None:
     """Starts (an async checkpointer) or does the write of ``args`` to ``path``;
     a failure removes what it left and raises a `CheckpointError`."""
     _mute_orbax_errors_for(path)
+    _hooks.count_orbax_bytes_without_leaking()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         _probe(path.parent)
@@ -752,6 +798,7 @@ def restore_checkpoint(path: str | os.PathLike, like: PyTree, mesh: Mesh, specs:
             for parts, x, sh in wanted
         ]
         args[item] = ocp.args.StandardRestore(_nest(abstract))
+    _hooks.count_orbax_bytes_without_leaking()
     try:
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
             restored = checkpointer.restore(path, args=ocp.args.Composite(**args))
@@ -762,14 +809,15 @@ def restore_checkpoint(path: str | os.PathLike, like: PyTree, mesh: Mesh, specs:
     arrays = {item: [_get(restored[item], parts) for parts, _, _ in wanted] for item, wanted in to_read.items()}
     flat = [x for xs in arrays.values() for x in xs]
     entries = [saved[item][".".join(parts)] for item, wanted in to_read.items() for parts, _, _ in wanted]
-    sums = np.asarray(jax.device_get(_fingerprints(flat)[0])).tolist()
-    unmatched = unmatched_hashes(flat, [e.get(HASH) for e in entries])
+    sums, hashes, _ = fingerprints(flat)
+    unmatched = unmatched_pieces(flat, [None if HASH in e else e.get(_PIECES) for e in entries])
     names = [f"{item}/{'.'.join(parts)}" for item, wanted in to_read.items() for parts, _, _ in wanted]
-    bad = [name for name, total, e, wrong in zip(names, sums, entries, unmatched) if wrong or total != e["checksum"]]
+    bad = [name for name, total, digest, e, wrong in zip(names, sums, hashes, entries, unmatched)
+           if wrong or total != e["checksum"] or e.get(HASH, digest) != digest]
     if bad:
         raise CheckpointError(
             f"checkpoint at {path} is corrupted: the data of {', '.join(bad[:10])}{' ...' if len(bad) > 10 else ''} "
-            f"does not match the checksum and {HASH} content hash written with it. Restore an earlier checkpoint."
+            "does not match the checksum and content hash written with it. Restore an earlier checkpoint."
         )
     for item, wanted in to_read.items():
         dtypes = [None if jnp.issubdtype(like_leaf.dtype, jax.dtypes.prng_key) or _is_key_data(item, parts, saved)

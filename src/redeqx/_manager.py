@@ -537,9 +537,8 @@ class CheckpointManager:
             raise CheckpointError(f"{path} exists but its metadata cannot be read; delete it to save step "
                                   f"{meta['step']} again.")
         def same_arrays(new, saved) -> bool:
-            """The word sums agree, and so do the content hashes where both were
-            taken over the same pieces (an older checkpoint has none; one saved
-            on another layout hashed other pieces)."""
+            """The word sums agree, and so do the content hashes (which an
+            older checkpoint does not have)."""
             a, b = new["redeqx"]["leaves"], saved["redeqx"]["leaves"]
             if {i: set(leaves) for i, leaves in a.items()} != {i: set(leaves) for i, leaves in b.items()}:
                 return False
@@ -549,7 +548,7 @@ class CheckpointManager:
                     if x["checksum"] != y["checksum"]:
                         return False
                     hx, hy = x.get(HASH), y.get(HASH)
-                    if hx and hy and set(hx) == set(hy) and hx != hy:
+                    if hx and hy and hx != hy:
                         return False
             return True
 
