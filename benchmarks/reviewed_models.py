@@ -30,9 +30,10 @@ def measure(names: list[str]) -> dict:
     from jax.sharding import PartitionSpec as P
 
     jax.config.update("jax_numpy_rank_promotion", "raise")
-    import redeqx
     import reviewed_models as R
     from test_rules_reviewed import step_bytes
+
+    import redeqx
 
     out = {"redeqx": str(Path(redeqx.__file__).parent)}
     for name in names:
@@ -44,7 +45,7 @@ def measure(names: list[str]) -> dict:
                 hand = step_bytes(model, loss, batch, n, overrides=R.HAND[name] + [(r".", P())])
                 out[name][str(n)] = [plan, hand]
             except Exception as e:  # say it in the table rather than stop the run
-                out[name][str(n)] = f"{type(e).__name__}: {str(e)[:100]}"
+                out[name][str(n)] = f"{type(e).__name__}: {str(e).partition('it raised: ')[2] or str(e)}"[:160]
             print(f"  {name} n={n}: {out[name][str(n)]}", file=sys.stderr, flush=True)
     return out
 

@@ -349,7 +349,7 @@ MODELS = {
 
 # -- the other seven of the review ---------------------------------------------------------------
 #
-# - ``Mixer``: an MLP-Mixer: a linear patch embedding, token-mixing MLPs over the patches (by a
+# - ``MLPMixer``: an MLP-Mixer: a linear patch embedding, token-mixing MLPs over the patches (by a
 #   transpose), channel-mixing MLPs, a mean pool and a 10-class head;
 # - ``haiku_params`` / ``haiku_loss``: a Haiku-style plain dict of raw ``(in, out)`` arrays and a pure
 #   function applying them (``x @ w``): a one-block transformer LM;
@@ -389,7 +389,7 @@ class MixerBlock(eqx.Module):
         return x + jax.vmap(lambda r: self.channel_fc2(jax.nn.gelu(self.channel_fc1(r))))(y)
 
 
-class Mixer(eqx.Module):
+class MLPMixer(eqx.Module):
     stem: eqx.nn.Linear
     blocks: list
     norm: eqx.nn.LayerNorm
@@ -423,7 +423,7 @@ def class_loss(model, batch, key):
 def haiku_params(vocab=64, c=32, heads=4, *, key):
     """A Haiku-style parameter dict: raw arrays, ``(in, out)`` matrices."""
     k = jax.random.split(key, 8)
-    init = lambda kk, shape: jax.random.normal(kk, shape) / math.sqrt(shape[0])  # noqa: E731
+    init = lambda kk, shape: jax.random.normal(kk, shape) / math.sqrt(shape[0])
     block = {"ln1": jnp.ones(c), "wq": init(k[1], (c, c)), "wk": init(k[2], (c, c)), "wv": init(k[3], (c, c)),
              "wo": init(k[4], (c, c)), "ln2": jnp.ones(c), "w1": init(k[5], (c, 4 * c)), "b1": jnp.zeros(4 * c),
              "w2": init(k[6], (4 * c, c)), "b2": jnp.zeros(c)}
@@ -746,7 +746,7 @@ HAND |= {
             (r"experts\.down_proj", P(None, None, "model")), (r"^(emb|head)\.", COL)],
 }
 MODELS |= {
-    "mixer": (lambda key: Mixer(key=key), class_loss, PICTURES),
+    "mixer": (lambda key: MLPMixer(key=key), class_loss, PICTURES),
     "haiku": (lambda key: haiku_params(key=key), haiku_loss, TOKENS),
     "nnx": (lambda key: NNXAttention(key=key), token_loss, TOKENS),
     "gnn": (lambda key: GNN(key=key), graph_loss, GRAPHS),

@@ -11,11 +11,11 @@ import jax
 import numpy as np
 import optax
 import pytest
+import reviewed_models as R
+from accelerator_count import accelerator_collectives
 from jax.sharding import PartitionSpec as P
 
 import redeqx
-import reviewed_models as R
-from accelerator_count import accelerator_collectives
 
 
 def rules(name, n, **kwargs):
@@ -142,7 +142,7 @@ def test_the_other_seven_split_what_their_hand_plans_split(name):
     specs, _ = rules(name, 2)
     model = eqx.filter_eval_shape(R.MODELS[name][0], jax.random.key(0))
     hand = redeqx.sharding_rules(model, redeqx.make_mesh(2), overrides=R.HAND[name] + [(r".", P())])
-    is_spec = lambda x: x is None or isinstance(x, P)  # noqa: E731
+    is_spec = lambda x: x is None or isinstance(x, P)
     paths = [jax.tree_util.keystr(kp, simple=True, separator=".")
              for kp, _ in jax.tree_util.tree_flatten_with_path(hand, is_leaf=is_spec)[0]]
     split = {p: (s, h) for p, s, h in zip(paths, jax.tree.leaves(specs, is_leaf=is_spec),
