@@ -1,4 +1,4 @@
-"""Three models in styles a first-day review wrote (issue 40), each with its loss,
+"""The ten models in styles a first-day review wrote (issue 40), each with its loss,
 a batch and its hand-written Megatron-style plan (``HAND[name]``: overrides on
 an all-replicated tree):
 
@@ -345,3 +345,413 @@ MODELS = {
     "unet": (lambda key: UNet(key=key), noise_loss, IMAGES),
     "mamba": (lambda key: Mamba(key=key), token_loss, TOKENS),
 }
+
+
+# -- the other seven of the review ---------------------------------------------------------------
+#
+# - ``MLPMixer``: an MLP-Mixer: a linear patch embedding, token-mixing MLPs over the patches (by a
+#   transpose), channel-mixing MLPs, a mean pool and a 10-class head;
+# - ``haiku_params`` / ``haiku_loss``: a Haiku-style plain dict of raw ``(in, out)`` arrays and a pure
+#   function applying them (``x @ w``): a one-block transformer LM;
+# - ``NNXAttention``: Flax-NNX-style kernels: ``(in, heads, head_dim)`` Q/K/V and a
+#   ``(heads, head_dim, out)`` output kernel used by einsum, ``(in, out)`` MLP kernels;
+# - ``GNN``: message passing over each graph's edges with ``jax.ops.segment_sum``, graph classification;
+# - ``T5LM``: a tied-embedding LM (logits against the embedding) with a T5-style bucketed relative
+#   position bias shared by its layers;
+# - ``Perceiver``: a learned latent array cross-attending to the inputs (``eqx.nn.MultiheadAttention``),
+#   then latent self-attention, a classifier on the mean latent;
+# - ``MoETransformer``: attention and a ``redeqx.models.MoE`` feed-forward, the load-balancing loss added.
+
+
+def _ln(c):
+    return eqx.nn.LayerNorm(c)
+
+
+class MixerBlock(eqx.Module):
+    norm1: eqx.nn.LayerNorm
+    token_fc1: eqx.nn.Linear
+    token_fc2: eqx.nn.Linear
+    norm2: eqx.nn.LayerNorm
+    channel_fc1: eqx.nn.Linear
+    channel_fc2: eqx.nn.Linear
+
+    def __init__(self, patches, c, key):
+        k = jax.random.split(key, 4)
+        self.norm1, self.norm2 = _ln(c), _ln(c)
+        self.token_fc1, self.token_fc2 = eqx.nn.Linear(patches, 4 * patches, key=k[0]), \
+            eqx.nn.Linear(4 * patches, patches, key=k[1])
+        self.channel_fc1, self.channel_fc2 = eqx.nn.Linear(c, 4 * c, key=k[2]), eqx.nn.Linear(4 * c, c, key=k[3])
+
+    def __call__(self, x):  # (patches, C)
+        y = jax.vmap(self.norm1)(x).T  # (C, patches): mix the tokens
+        x = x + jax.vmap(lambda r: self.token_fc2(jax.nn.gelu(self.token_fc1(r))))(y).T
+        y = jax.vmap(self.norm2)(x)
+        return x + jax.vmap(lambda r: self.channel_fc2(jax.nn.gelu(self.channel_fc1(r))))(y)
+
+
+class MLPMixer(eqx.Module):
+    stem: eqx.nn.Linear
+    blocks: list
+    norm: eqx.nn.LayerNorm
+    head: eqx.nn.Linear
+    patch: int = eqx.field(static=True)
+
+    def __init__(self, image=8, patch=2, c=32, layers=2, classes=10, *, key):
+        k = jax.random.split(key, layers + 2)
+        patches = (image // patch) ** 2
+        self.stem = eqx.nn.Linear(3 * patch * patch, c, key=k[0])
+        self.blocks = [MixerBlock(patches, c, kk) for kk in k[1:-1]]
+        self.norm = _ln(c)
+        self.head = eqx.nn.Linear(c, classes, key=k[-1])
+        self.patch = patch
+
+    def __call__(self, x):  # (3, H, W)
+        ch, hh, ww = x.shape
+        p = self.patch
+        x = x.reshape(ch, hh // p, p, ww // p, p).transpose(1, 3, 0, 2, 4).reshape((hh // p) * (ww // p), -1)
+        x = jax.vmap(self.stem)(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(jax.vmap(self.norm)(x).mean(0))
+
+
+def class_loss(model, batch, key):
+    logits = jax.vmap(model)(batch["x"])
+    return -jnp.take_along_axis(jax.nn.log_softmax(logits), batch["y"][:, None], axis=-1).mean()
+
+
+def haiku_params(vocab=64, c=32, heads=4, *, key):
+    """A Haiku-style parameter dict: raw arrays, ``(in, out)`` matrices."""
+    k = jax.random.split(key, 8)
+    init = lambda kk, shape: jax.random.normal(kk, shape) / math.sqrt(shape[0])
+    block = {"ln1": jnp.ones(c), "wq": init(k[1], (c, c)), "wk": init(k[2], (c, c)), "wv": init(k[3], (c, c)),
+             "wo": init(k[4], (c, c)), "ln2": jnp.ones(c), "w1": init(k[5], (c, 4 * c)), "b1": jnp.zeros(4 * c),
+             "w2": init(k[6], (4 * c, c)), "b2": jnp.zeros(c)}
+    return {"embed": jax.random.normal(k[0], (vocab, c)), "block": block, "ln_f": jnp.ones(c),
+            "unembed": init(k[7], (c, vocab))}
+
+
+HAIKU_HEADS = 4
+
+
+def haiku_forward(params, tokens):  # (T,) -> (T, vocab)
+    b = params["block"]
+    t = tokens.shape[0]
+    x = params["embed"][tokens]
+    h = _norm(x, b["ln1"])
+    q, k, v = ((h @ b[w]).reshape(t, HAIKU_HEADS, -1) for w in ("wq", "wk", "wv"))
+    scores = jnp.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
+    scores = jnp.where(jnp.tril(jnp.ones((1, t, t), bool)), scores, -1e9)
+    x = x + jnp.einsum("hqk,khd->qhd", jax.nn.softmax(scores, -1), v).reshape(t, -1) @ b["wo"]
+    h = _norm(x, b["ln2"])
+    x = x + jax.nn.gelu(h @ b["w1"] + b["b1"][None]) @ b["w2"] + b["b2"][None]
+    return _norm(x, params["ln_f"]) @ params["unembed"]
+
+
+def haiku_loss(params, batch, key):
+    tokens = batch["tokens"]
+    logp = jax.nn.log_softmax(jax.vmap(haiku_forward, (None, 0))(params, tokens[:, :-1]), axis=-1)
+    return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
+
+
+class Kernel(eqx.Module):  # Flax NNX's Linear/LinearGeneral: a ``kernel`` whose first dims are the input's
+    kernel: jax.Array
+
+
+class NNXBlock(eqx.Module):
+    ln1: jax.Array
+    query: Kernel  # (C, H, D)
+    key: Kernel
+    value: Kernel
+    out: Kernel  # (H, D, C)
+    ln2: jax.Array
+    linear1: Kernel  # (C, 4C)
+    linear2: Kernel  # (4C, C)
+
+    def __init__(self, c, heads, key):
+        k = jax.random.split(key, 6)
+        d = c // heads
+        self.ln1, self.ln2 = jnp.ones(c), jnp.ones(c)
+        self.query, self.key, self.value = (Kernel(jax.random.normal(kk, (c, heads, d)) / math.sqrt(c))
+                                            for kk in k[:3])
+        self.out = Kernel(jax.random.normal(k[3], (heads, d, c)) / math.sqrt(c))
+        self.linear1 = Kernel(jax.random.normal(k[4], (c, 4 * c)) / math.sqrt(c))
+        self.linear2 = Kernel(jax.random.normal(k[5], (4 * c, c)) / math.sqrt(4 * c))
+
+    def __call__(self, x):  # (T, C)
+        t = x.shape[0]
+        h = _norm(x, self.ln1)
+        q, k, v = (jnp.einsum("tc,chd->thd", h, w.kernel) for w in (self.query, self.key, self.value))
+        scores = jnp.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
+        scores = jnp.where(jnp.tril(jnp.ones((1, t, t), bool)), scores, -1e9)
+        x = x + jnp.einsum("qhd,hdc->qc", jnp.einsum("hqk,khd->qhd", jax.nn.softmax(scores, -1), v), self.out.kernel)
+        return x + jax.nn.gelu(_norm(x, self.ln2) @ self.linear1.kernel) @ self.linear2.kernel
+
+
+class NNXAttention(eqx.Module):
+    embedding: Kernel  # (vocab, C)
+    blocks: list
+    ln_f: jax.Array
+    lm_head: Kernel  # (C, vocab)
+
+    def __init__(self, vocab=64, c=32, heads=4, layers=2, *, key):
+        k = jax.random.split(key, layers + 2)
+        self.embedding = Kernel(jax.random.normal(k[0], (vocab, c)))
+        self.blocks = [NNXBlock(c, heads, kk) for kk in k[1:-1]]
+        self.ln_f = jnp.ones(c)
+        self.lm_head = Kernel(jax.random.normal(k[-1], (c, vocab)) / math.sqrt(c))
+
+    def __call__(self, tokens):
+        x = self.embedding.kernel[tokens]
+        for block in self.blocks:
+            x = block(x)
+        return _norm(x, self.ln_f) @ self.lm_head.kernel
+
+
+class MessagePassing(eqx.Module):
+    edge_fc1: eqx.nn.Linear
+    edge_fc2: eqx.nn.Linear
+    node_fc1: eqx.nn.Linear
+    node_fc2: eqx.nn.Linear
+    norm: eqx.nn.LayerNorm
+
+    def __init__(self, c, key):
+        k = jax.random.split(key, 4)
+        self.edge_fc1, self.edge_fc2 = eqx.nn.Linear(2 * c, 4 * c, key=k[0]), eqx.nn.Linear(4 * c, c, key=k[1])
+        self.node_fc1, self.node_fc2 = eqx.nn.Linear(2 * c, 4 * c, key=k[2]), eqx.nn.Linear(4 * c, c, key=k[3])
+        self.norm = _ln(c)
+
+    def __call__(self, h, senders, receivers):  # (N, C), (E,), (E,)
+        pair = jnp.concatenate([h[senders], h[receivers]], axis=-1)  # (E, 2C)
+        messages = jax.vmap(lambda e: self.edge_fc2(jax.nn.relu(self.edge_fc1(e))))(pair)
+        incoming = jax.ops.segment_sum(messages, receivers, num_segments=h.shape[0])  # (N, C)
+        update = jax.vmap(lambda e: self.node_fc2(jax.nn.relu(self.node_fc1(e))))(jnp.concatenate([h, incoming], -1))
+        return jax.vmap(self.norm)(h + update)
+
+
+class GNN(eqx.Module):
+    encoder: eqx.nn.Linear
+    layers: list
+    readout: eqx.nn.Linear
+
+    def __init__(self, features=8, c=32, depth=2, classes=4, *, key):
+        k = jax.random.split(key, depth + 2)
+        self.encoder = eqx.nn.Linear(features, c, key=k[0])
+        self.layers = [MessagePassing(c, kk) for kk in k[1:-1]]
+        self.readout = eqx.nn.Linear(c, classes, key=k[-1])
+
+    def __call__(self, nodes, senders, receivers):
+        h = jax.vmap(self.encoder)(nodes)
+        for layer in self.layers:
+            h = layer(h, senders, receivers)
+        return self.readout(h.mean(0))
+
+
+def graph_loss(model, batch, key):
+    logits = jax.vmap(model)(batch["nodes"], batch["senders"], batch["receivers"])
+    return -jnp.take_along_axis(jax.nn.log_softmax(logits), batch["y"][:, None], axis=-1).mean()
+
+
+def t5_bucket(relative, buckets=16, max_distance=32):
+    """T5's causal bucket of ``relative`` = key - query positions: exact near, logarithmic far."""
+    n = jnp.maximum(-relative, 0)
+    exact = buckets // 2
+    far = exact + (jnp.log(jnp.maximum(n, 1) / exact) / math.log(max_distance / exact) * (buckets - exact))
+    return jnp.where(n < exact, n, jnp.minimum(far.astype(jnp.int32), buckets - 1))
+
+
+class T5Block(eqx.Module):
+    ln1: jax.Array
+    q: eqx.nn.Linear
+    k: eqx.nn.Linear
+    v: eqx.nn.Linear
+    o: eqx.nn.Linear
+    ln2: jax.Array
+    wi: eqx.nn.Linear
+    wo: eqx.nn.Linear
+    heads: int = eqx.field(static=True)
+
+    def __init__(self, c, heads, key):
+        k = jax.random.split(key, 6)
+        self.ln1, self.ln2 = jnp.ones(c), jnp.ones(c)
+        self.q, self.k, self.v, self.o = (_lin(c, c, kk) for kk in k[:4])
+        self.wi, self.wo = _lin(c, 4 * c, k[4]), _lin(4 * c, c, k[5])
+        self.heads = heads
+
+    def __call__(self, x, bias):  # (T, C), (H, T, T)
+        t = x.shape[0]
+        h = _norm(x, self.ln1)
+        q, k, v = (jax.vmap(f)(h).reshape(t, self.heads, -1) for f in (self.q, self.k, self.v))
+        scores = jnp.einsum("qhd,khd->hqk", q, k) + bias  # T5: no 1/sqrt(d)
+        scores = jnp.where(jnp.tril(jnp.ones((1, t, t), bool)), scores, -1e9)
+        x = x + jax.vmap(self.o)(jnp.einsum("hqk,khd->qhd", jax.nn.softmax(scores, -1), v).reshape(t, -1))
+        return x + jax.vmap(self.wo)(jax.nn.relu(jax.vmap(self.wi)(_norm(x, self.ln2))))
+
+
+class T5LM(eqx.Module):
+    embed: eqx.nn.Embedding
+    relative_bias: eqx.nn.Embedding  # (buckets, heads), shared by the layers as in T5
+    blocks: list
+    ln_f: jax.Array
+
+    def __init__(self, vocab=64, c=32, heads=4, layers=2, buckets=16, *, key):
+        k = jax.random.split(key, layers + 2)
+        self.embed = eqx.nn.Embedding(vocab, c, key=k[0])
+        self.relative_bias = eqx.nn.Embedding(buckets, heads, key=k[1])
+        self.blocks = [T5Block(c, heads, kk) for kk in k[2:]]
+        self.ln_f = jnp.ones(c)
+
+    def __call__(self, tokens):
+        t = tokens.shape[0]
+        x = jax.vmap(self.embed)(tokens)
+        pos = jnp.arange(t)
+        buckets = t5_bucket(pos[None, :] - pos[:, None], self.relative_bias.num_embeddings)
+        bias = self.relative_bias.weight[buckets].transpose(2, 0, 1)  # (H, T, T)
+        for block in self.blocks:
+            x = block(x, bias)
+        return (_norm(x, self.ln_f) * x.shape[-1] ** -0.5) @ self.embed.weight.T  # tied
+
+
+class PerceiverBlock(eqx.Module):
+    ln: eqx.nn.LayerNorm
+    attn: eqx.nn.MultiheadAttention
+    ln_mlp: eqx.nn.LayerNorm
+    fc1: eqx.nn.Linear
+    fc2: eqx.nn.Linear
+
+    def __init__(self, c, heads, key, kv=None):
+        k = jax.random.split(key, 3)
+        self.ln, self.ln_mlp = _ln(c), _ln(c)
+        self.attn = eqx.nn.MultiheadAttention(heads, c, key_size=kv or c, value_size=kv or c, key=k[0])
+        self.fc1, self.fc2 = eqx.nn.Linear(c, 4 * c, key=k[1]), eqx.nn.Linear(4 * c, c, key=k[2])
+
+    def __call__(self, latents, inputs=None):
+        h = jax.vmap(self.ln)(latents)
+        kv = h if inputs is None else inputs
+        x = latents + self.attn(h, kv, kv)
+        return x + jax.vmap(lambda r: self.fc2(jax.nn.gelu(self.fc1(r))))(jax.vmap(self.ln_mlp)(x))
+
+
+class Perceiver(eqx.Module):
+    latents: jax.Array  # (L, C)
+    input_proj: eqx.nn.Linear
+    input_norm: eqx.nn.LayerNorm
+    cross: PerceiverBlock
+    layers: list
+    head: eqx.nn.Linear
+
+    def __init__(self, features=8, c=32, n_latents=8, heads=4, layers=2, classes=4, *, key):
+        k = jax.random.split(key, layers + 4)
+        self.latents = 0.02 * jax.random.normal(k[0], (n_latents, c))
+        self.input_proj = eqx.nn.Linear(features, c, key=k[1])
+        self.input_norm = _ln(c)
+        self.cross = PerceiverBlock(c, heads, k[2])
+        self.layers = [PerceiverBlock(c, heads, kk) for kk in k[3:-1]]
+        self.head = eqx.nn.Linear(c, classes, key=k[-1])
+
+    def __call__(self, inputs):  # (M, F)
+        x = jax.vmap(self.input_norm)(jax.vmap(self.input_proj)(inputs))
+        z = self.cross(self.latents, x)
+        for layer in self.layers:
+            z = layer(z)
+        return self.head(z.mean(0))
+
+
+def seq_class_loss(model, batch, key):
+    logits = jax.vmap(model)(batch["inputs"])
+    return -jnp.take_along_axis(jax.nn.log_softmax(logits), batch["y"][:, None], axis=-1).mean()
+
+
+class MoEBlock(eqx.Module):
+    ln1: jax.Array
+    q: eqx.nn.Linear
+    k: eqx.nn.Linear
+    v: eqx.nn.Linear
+    o: eqx.nn.Linear
+    ln2: jax.Array
+    moe: object  # redeqx.models.MoE
+    heads: int = eqx.field(static=True)
+
+    def __init__(self, c, heads, key):
+        import redeqx
+
+        k = jax.random.split(key, 5)
+        self.ln1, self.ln2 = jnp.ones(c), jnp.ones(c)
+        self.q, self.k, self.v, self.o = (_lin(c, c, kk) for kk in k[:4])
+        self.moe = redeqx.models.MoE(hidden=c, intermediate=2 * c, n_experts=4, k=2, key=k[4])
+        self.heads = heads
+
+    def __call__(self, x):  # (T, C) -> (T, C), RouterStats
+        t = x.shape[0]
+        h = _norm(x, self.ln1)
+        q, k, v = (jax.vmap(f)(h).reshape(t, self.heads, -1) for f in (self.q, self.k, self.v))
+        scores = jnp.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
+        scores = jnp.where(jnp.tril(jnp.ones((1, t, t), bool)), scores, -1e9)
+        x = x + jax.vmap(self.o)(jnp.einsum("hqk,khd->qhd", jax.nn.softmax(scores, -1), v).reshape(t, -1))
+        y, stats = self.moe(_norm(x, self.ln2))
+        return x + y, stats
+
+
+class MoETransformer(eqx.Module):
+    emb: eqx.nn.Embedding
+    blocks: list
+    ln_f: jax.Array
+    head: eqx.nn.Linear
+
+    def __init__(self, vocab=64, c=32, heads=4, layers=2, *, key):
+        k = jax.random.split(key, layers + 2)
+        self.emb = eqx.nn.Embedding(vocab, c, key=k[0])
+        self.blocks = [MoEBlock(c, heads, kk) for kk in k[1:-1]]
+        self.ln_f = jnp.ones(c)
+        self.head = _lin(c, vocab, k[-1])
+
+    def __call__(self, tokens):
+        x = jax.vmap(self.emb)(tokens)
+        balance = 0.0
+        for block in self.blocks:
+            x, stats = block(x)
+            balance = balance + stats.load_balancing_loss()
+        return jax.vmap(self.head)(_norm(x, self.ln_f)), balance
+
+
+def moe_loss(model, batch, key):
+    tokens = batch["tokens"]
+    logits, balance = jax.vmap(model)(tokens[:, :-1])
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean() + 0.01 * balance.mean()
+
+
+_RNG7 = np.random.default_rng(1)
+PICTURES = {"x": _RNG7.normal(size=(16, 3, 8, 8)).astype(np.float32),
+            "y": _RNG7.integers(0, 10, 16).astype(np.int32)}
+GRAPHS = {"nodes": _RNG7.normal(size=(16, 12, 8)).astype(np.float32),
+          "senders": _RNG7.integers(0, 12, (16, 24)).astype(np.int32),
+          "receivers": _RNG7.integers(0, 12, (16, 24)).astype(np.int32),
+          "y": _RNG7.integers(0, 4, 16).astype(np.int32)}
+SEQUENCES = {"inputs": _RNG7.normal(size=(16, 24, 8)).astype(np.float32),
+             "y": _RNG7.integers(0, 4, 16).astype(np.int32)}
+MLP_HAND = [(r"fc1\.weight", COL), (r"fc1\.bias", P("model")), (r"fc2\.weight", ROW)]
+HAND |= {
+    "mixer": MLP_HAND,  # token- and channel-mixing MLPs, column then row; the 10-class head whole
+    "haiku": [(r"block\.(wq|wk|wv|w1)$", ROW), (r"block\.b1$", P("model")), (r"block\.(wo|w2)$", COL),
+              (r"^embed$", COL), (r"^unembed$", ROW)],  # (in, out) arrays: the transposes of eqx's
+    "nnx": [(r"(query|key|value)\.kernel", P(None, "model", None)), (r"out\.kernel", P("model", None, None)),
+            (r"linear1\.kernel", ROW), (r"linear2\.kernel", COL), (r"embedding\.kernel", COL),
+            (r"lm_head\.kernel", ROW)],
+    "gnn": MLP_HAND,  # the edge and node MLPs; encoder and readout whole
+    "t5": [(r"\.(q|k|v)\.", COL), (r"\.o\.", ROW), (r"relative_bias\.weight", ROW), (r"\.wi\.", COL),
+           (r"\.wo\.", ROW), (r"^embed\.", COL)],
+    "perceiver": [(r"attn\.(query|key|value)_proj\.weight", COL), (r"attn\.output_proj\.weight", ROW)] + MLP_HAND,
+    "moe": [(r"\.(q|k|v)\.", COL), (r"\.o\.", ROW), (r"experts\.(gate|up)_proj", P(None, "model", None)),
+            (r"experts\.down_proj", P(None, None, "model")), (r"^(emb|head)\.", COL)],
+}
+MODELS |= {
+    "mixer": (lambda key: MLPMixer(key=key), class_loss, PICTURES),
+    "haiku": (lambda key: haiku_params(key=key), haiku_loss, TOKENS),
+    "nnx": (lambda key: NNXAttention(key=key), token_loss, TOKENS),
+    "gnn": (lambda key: GNN(key=key), graph_loss, GRAPHS),
+    "t5": (lambda key: T5LM(key=key), token_loss, TOKENS),
+    "perceiver": (lambda key: Perceiver(key=key), seq_class_loss, SEQUENCES),
+    "moe": (lambda key: MoETransformer(key=key), moe_loss, TOKENS),
+}
+NEW = ("mixer", "haiku", "nnx", "gnn", "t5", "perceiver", "moe")

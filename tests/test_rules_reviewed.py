@@ -1,4 +1,4 @@
-"""Plans for styles a first-day review wrote (issue 40, `reviewed_models`): a recurrence whose
+"""Plans for the ten styles a first-day review wrote (issue 40, `reviewed_models`): a recurrence whose
 per-head state a scan carries stays split on heads; GroupNorm is a norm, not heads; 1x1 convs
 that feed attention are Q/K/V; a plan that leaves a block with matmuls wholly replicated, or
 names that would split Flax kernels transposed, are said out loud. Each plan moves at most 1.15x
@@ -11,11 +11,11 @@ import jax
 import numpy as np
 import optax
 import pytest
+import reviewed_models as R
+from accelerator_count import accelerator_collectives
 from jax.sharding import PartitionSpec as P
 
 import redeqx
-import reviewed_models as R
-from accelerator_count import accelerator_collectives
 
 
 def rules(name, n, **kwargs):
@@ -129,3 +129,24 @@ def test_reviewed_models_train_like_one_device(name, devices):
         np.testing.assert_allclose(loss_n, loss1, rtol=2e-5)
         for a, b in zip(grads_n, grads1):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * max(1.0, float(np.abs(b).max())))
+
+
+
+@pytest.mark.parametrize("name", R.NEW)
+def test_the_other_seven_split_what_their_hand_plans_split(name):
+    """The review's seven other styles (an MLP-Mixer, a Haiku dict of (in, out) arrays, NNX 3-D kernels, a
+    segment_sum GNN, a tied T5-bias LM, a Perceiver, a models.MoE transformer): every weight the hand plan
+    splits, the program's plan splits the same way; a models.MoE's experts are split by expert instead
+    (expert parallel: fewer bytes than the hand plan's intermediate split). The bytes and the one-device
+    step are the slow tests above, over all ten models."""
+    specs, _ = rules(name, 2)
+    model = eqx.filter_eval_shape(R.MODELS[name][0], jax.random.key(0))
+    hand = redeqx.sharding_rules(model, redeqx.make_mesh(2), overrides=R.HAND[name] + [(r".", P())])
+    is_spec = lambda x: x is None or isinstance(x, P)
+    paths = [jax.tree_util.keystr(kp, simple=True, separator=".")
+             for kp, _ in jax.tree_util.tree_flatten_with_path(hand, is_leaf=is_spec)[0]]
+    split = {p: (s, h) for p, s, h in zip(paths, jax.tree.leaves(specs, is_leaf=is_spec),
+                                          jax.tree.leaves(hand, is_leaf=is_spec)) if h not in (None, P())}
+    assert split
+    for path, (got, want) in split.items():
+        assert got == (P("model", None, None) if ".experts." in path else want), path
