@@ -105,3 +105,16 @@ def damaged(w, damage: str) -> np.ndarray:
         raise ValueError(f"damage must be one of {DAMAGES}, got {damage!r}")
     assert not np.array_equal(out, w)
     return out
+
+
+def ragged(rows, w, sizes):
+    """XLA's grouped matmul, rows ``(n, in)`` by ``w`` ``(E, out, in)``: the reference for the kernels."""
+    from redeqx.models import _grouped
+
+    return jax.lax.ragged_dot_general(rows, w, sizes, _grouped._ROWS_BY_OUT_IN)
+
+
+def values_and_grads(f, rows, w, sizes, ct):
+    """``f(rows, w, sizes)`` and its gradients with respect to ``rows`` and ``w`` for the cotangent ``ct``."""
+    out, vjp = jax.vjp(lambda r, w: f(r, w, sizes), rows, w)
+    return (out, *vjp(ct))

@@ -17,18 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from _helpers import ragged, values_and_grads
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import redeqx
 from redeqx.models import MoE, _grouped
 from redeqx.models._grouped import HOPPER, MEGABLOX, RAGGED_DOT, Blocks, Device, choose
-
-_ROWS_BY_OUT_IN = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-
-
-def _ragged(rows, w, sizes):
-    return jax.lax.ragged_dot_general(rows, w, sizes, _ROWS_BY_OUT_IN)
 
 
 @pytest.fixture
@@ -49,11 +44,6 @@ def calls(monkeypatch):
     return seen
 
 
-def _values_and_grads(f, rows, w, sizes, ct):
-    out, vjp = jax.vjp(lambda r, w: f(r, w, sizes), rows, w)
-    return (out, *vjp(ct))
-
-
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
 @pytest.mark.parametrize("blocks", [Blocks(16, 16, 8, 2, 1), Blocks(32, 16, 16, 2, 2), Blocks()])
 @pytest.mark.parametrize("sizes", [(9, 0, 14, 0, 7), (0, 21, 3, 13, 0)])  # 30 of 40 rows; all 37
@@ -69,8 +59,8 @@ def test_custom_vjp_matches_ragged_dot(calls, monkeypatch, dtype, tol, blocks, s
     w = jax.random.normal(ks[1], (len(sizes), n, k), jnp.float32).astype(dtype)
     ct = jax.random.normal(ks[2], (m, n), jnp.float32).astype(dtype)
     sizes = jnp.asarray(sizes, jnp.int32)
-    got = _values_and_grads(jax.jit(lambda *a: _grouped._hopper(*a)), rows, w, sizes, ct)  # traced anew: blocks
-    want = _values_and_grads(_ragged, rows, w, sizes, ct)
+    got = values_and_grads(jax.jit(lambda *a: _grouped._hopper(*a)), rows, w, sizes, ct)  # traced anew: blocks
+    want = values_and_grads(ragged, rows, w, sizes, ct)
     for name, a, b in zip(("out", "d rows", "d w"), got, want):
         assert a.shape == b.shape and a.dtype == b.dtype == dtype, name
         scale = float(jnp.max(jnp.abs(b.astype(jnp.float32))))
@@ -84,17 +74,17 @@ def test_custom_vjp_matches_ragged_dot(calls, monkeypatch, dtype, tol, blocks, s
 def test_a_kernel_without_transpose_rhs_gets_the_weights_transposed(calls, monkeypatch):
     """A JAX whose ragged_dot_mgpu has no ``transpose_rhs`` (it reads ``(E, k, n)`` only): the forward
     hands it the weights transposed and still equals ragged_dot."""
-    ragged = _grouped._StandIns.ragged_dot
+    stand_in = _grouped._StandIns.ragged_dot
 
     def without(lhs, rhs, *, group_sizes, block_m, block_n, block_k, max_concurrent_steps, grid_block_n):
-        return ragged(lhs, rhs, group_sizes=group_sizes, block_m=block_m, block_n=block_n, block_k=block_k,
+        return stand_in(lhs, rhs, group_sizes=group_sizes, block_m=block_m, block_n=block_n, block_k=block_k,
                       max_concurrent_steps=max_concurrent_steps, grid_block_n=grid_block_n)
 
     monkeypatch.setattr(_grouped._StandIns, "ragged_dot", staticmethod(without))
     ks = jax.random.split(jax.random.key(1), 2)
     rows, w = jax.random.normal(ks[0], (40, 24)), jax.random.normal(ks[1], (3, 20, 24))
     sizes = jnp.asarray([10, 0, 25], jnp.int32)
-    np.testing.assert_allclose(_grouped._hopper(rows, w, sizes), _ragged(rows, w, sizes), atol=1e-5)
+    np.testing.assert_allclose(_grouped._hopper(rows, w, sizes), ragged(rows, w, sizes), atol=1e-5)
 
 
 H200 = Device("gpu", "NVIDIA H200", "9.0", 132)
@@ -133,7 +123,7 @@ def test_grouped_runs_what_choose_names_and_says_why_once(calls):
     _grouped._tell.cache_clear()
     rows, w = jnp.ones((8, 128), BF16), jnp.ones((2, 128, 128), BF16)
     sizes = jnp.array([3, 5], jnp.int32)
-    np.testing.assert_array_equal(_grouped.grouped(rows, w, sizes), _ragged(rows, w, sizes))
+    np.testing.assert_array_equal(_grouped.grouped(rows, w, sizes), ragged(rows, w, sizes))
     assert [c[0] for c in calls] == ["ragged_dot"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -148,7 +138,7 @@ def test_a_jax_without_the_kernels_is_told(calls, monkeypatch):
     monkeypatch.setattr(_grouped, "_kernels", lambda: None)
     rows, w, sizes = jnp.ones((8, 128), BF16), jnp.ones((2, 128, 128), BF16), jnp.array([3, 5], jnp.int32)
     with pytest.warns(UserWarning, match="does not ship jax.experimental.pallas.ops.gpu.ragged_dot_mgpu"):
-        np.testing.assert_array_equal(_grouped.grouped(rows, w, sizes), _ragged(rows, w, sizes))
+        np.testing.assert_array_equal(_grouped.grouped(rows, w, sizes), ragged(rows, w, sizes))
     assert not calls
 
 

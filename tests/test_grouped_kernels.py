@@ -9,16 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _helpers import ragged, values_and_grads
 
 import redeqx
 from redeqx.models import _grouped, mix_experts
-
-_ROWS_BY_OUT_IN = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-
-
-def _ragged(rows, w, sizes):
-    return jax.lax.ragged_dot_general(rows, w, sizes, _ROWS_BY_OUT_IN)
 
 
 @pytest.fixture
@@ -26,11 +20,6 @@ def kernels(monkeypatch):
     """The kernel path forced, interpreted, with small row tiles (several per group)."""
     monkeypatch.setattr(_grouped, "_interpret", True)
     monkeypatch.setattr(_grouped, "_TILES", (16, 128, 128))
-
-
-def _values_and_grads(f, rows, w, sizes, ct):
-    out, vjp = jax.vjp(lambda r, w: f(r, w, sizes), rows, w)
-    return (out, *vjp(ct))
 
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
@@ -44,8 +33,8 @@ def test_kernels_match_ragged_dot(kernels, monkeypatch, dtype, tol, tiles, sizes
     w = jax.random.normal(ks[1], (len(sizes), n, k), jnp.float32).astype(dtype)
     ct = jax.random.normal(ks[2], (m, n), jnp.float32).astype(dtype)
     sizes = jnp.asarray(sizes, jnp.int32)
-    got = _values_and_grads(jax.jit(_grouped.grouped), rows, w, sizes, ct)
-    want = _values_and_grads(_ragged, rows, w, sizes, ct)
+    got = values_and_grads(jax.jit(_grouped.grouped), rows, w, sizes, ct)
+    want = values_and_grads(ragged, rows, w, sizes, ct)
     for name, a, b in zip(("out", "d rows", "d w"), got, want):
         assert a.dtype == b.dtype == dtype, name
         scale = float(jnp.max(jnp.abs(b.astype(jnp.float32))))

@@ -251,21 +251,27 @@ def _weight_grad(rows, ct, sizes, dtype):
                             interpret=_interpret)
 
 
-@jax.custom_vjp
-def _kernel(rows, w, sizes):
-    return _gmm(rows, w, sizes, transpose=True)
+def _with_vjp(product, weight_grad):
+    """`grouped` by a kernel pair under a ``custom_vjp``: ``product(rows, w, sizes,
+    transpose=True)`` the forward (``w`` ``(E, out, in)``), ``transpose=False`` the
+    input gradient, ``weight_grad(rows, ct, sizes, dtype)`` the weights' gradient."""
+
+    @jax.custom_vjp
+    def f(rows, w, sizes):
+        return product(rows, w, sizes, transpose=True)
+
+    def fwd(rows, w, sizes):
+        return f(rows, w, sizes), (rows, w, sizes)
+
+    def bwd(res, ct):
+        rows, w, sizes = res
+        return product(ct, w, sizes, transpose=False), weight_grad(rows, ct, sizes, w.dtype), None
+
+    f.defvjp(fwd, bwd)
+    return f
 
 
-def _kernel_fwd(rows, w, sizes):
-    return _kernel(rows, w, sizes), (rows, w, sizes)
-
-
-def _kernel_bwd(res, ct):
-    rows, w, sizes = res
-    return _gmm(ct, w, sizes, transpose=False), _weight_grad(rows, ct, sizes, w.dtype), None
-
-
-_kernel.defvjp(_kernel_fwd, _kernel_bwd)
+_kernel = _with_vjp(_gmm, _weight_grad)  # TPUs: megablox's gmm and tgmm
 
 
 # ----------------------------------------------------------------------------- the Hopper kernels
@@ -394,18 +400,5 @@ def _transposed_mgpu(ct, rows, sizes):
     return grads[:, :out_w, :in_w]
 
 
-@jax.custom_vjp
-def _hopper(rows, w, sizes):
-    return _ragged_mgpu(rows, w, sizes, transpose=True)
-
-
-def _hopper_fwd(rows, w, sizes):
-    return _hopper(rows, w, sizes), (rows, w, sizes)
-
-
-def _hopper_bwd(res, ct):
-    rows, w, sizes = res
-    return _ragged_mgpu(ct, w, sizes, transpose=False), _transposed_mgpu(ct, rows, sizes).astype(w.dtype), None
-
-
-_hopper.defvjp(_hopper_fwd, _hopper_bwd)
+# Hopper GPUs: the forward and input gradient by ragged_dot_mgpu, the weight gradient by transposed_ragged_dot_mgpu
+_hopper = _with_vjp(_ragged_mgpu, lambda rows, ct, sizes, dtype: _transposed_mgpu(ct, rows, sizes).astype(dtype))
