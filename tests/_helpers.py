@@ -118,3 +118,14 @@ def values_and_grads(f, rows, w, sizes, ct):
     """``f(rows, w, sizes)`` and its gradients with respect to ``rows`` and ``w`` for the cotangent ``ct``."""
     out, vjp = jax.vjp(lambda r, w: f(r, w, sizes), rows, w)
     return (out, *vjp(ct))
+
+
+def grouped_operands(sizes, dtype):
+    """Rows, weights ``(E, 20, 24)`` and an output cotangent for groups of ``sizes`` (rows past their
+    sum: 40 rows when they sum to 30, else 37), and the sizes as int32: the grouped-matmul tests' case."""
+    m, k, n = (40 if sum(sizes) == 30 else 37), 24, 20
+    ks = jax.random.split(jax.random.key(0), 3)
+    rows = jax.random.normal(ks[0], (m, k), jnp.float32).astype(dtype)
+    w = jax.random.normal(ks[1], (len(sizes), n, k), jnp.float32).astype(dtype)
+    ct = jax.random.normal(ks[2], (m, n), jnp.float32).astype(dtype)
+    return rows, w, ct, jnp.asarray(sizes, jnp.int32)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import ragged, values_and_grads
+from _helpers import grouped_operands, ragged, values_and_grads
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -53,12 +53,7 @@ def test_custom_vjp_matches_ragged_dot(calls, monkeypatch, dtype, tol, blocks, s
     20 out) padded to blocks that do not divide them (the stand-ins raise on unaligned operands)."""
     monkeypatch.setattr(_grouped, "DEFAULT_BLOCKS", blocks)
     monkeypatch.setattr(_grouped, "BLOCKS", {})
-    m, k, n = (40 if sum(sizes) == 30 else 37), 24, 20
-    ks = jax.random.split(jax.random.key(0), 3)
-    rows = jax.random.normal(ks[0], (m, k), jnp.float32).astype(dtype)
-    w = jax.random.normal(ks[1], (len(sizes), n, k), jnp.float32).astype(dtype)
-    ct = jax.random.normal(ks[2], (m, n), jnp.float32).astype(dtype)
-    sizes = jnp.asarray(sizes, jnp.int32)
+    rows, w, ct, sizes = grouped_operands(sizes, dtype)
     got = values_and_grads(jax.jit(lambda *a: _grouped._hopper(*a)), rows, w, sizes, ct)  # traced anew: blocks
     want = values_and_grads(ragged, rows, w, sizes, ct)
     for name, a, b in zip(("out", "d rows", "d w"), got, want):

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _helpers import ragged, values_and_grads
+from _helpers import grouped_operands, ragged, values_and_grads
 
 import redeqx
 from redeqx.models import _grouped, mix_experts
@@ -27,12 +27,7 @@ def kernels(monkeypatch):
 @pytest.mark.parametrize("sizes", [(9, 0, 14, 0, 7), (0, 21, 3, 13, 0)])  # 30 of 40 rows; all 37
 def test_kernels_match_ragged_dot(kernels, monkeypatch, dtype, tol, tiles, sizes):
     monkeypatch.setattr(_grouped, "_TILES", tiles)
-    m, k, n = (40 if sum(sizes) == 30 else 37), 24, 20
-    ks = jax.random.split(jax.random.key(0), 3)
-    rows = jax.random.normal(ks[0], (m, k), jnp.float32).astype(dtype)
-    w = jax.random.normal(ks[1], (len(sizes), n, k), jnp.float32).astype(dtype)
-    ct = jax.random.normal(ks[2], (m, n), jnp.float32).astype(dtype)
-    sizes = jnp.asarray(sizes, jnp.int32)
+    rows, w, ct, sizes = grouped_operands(sizes, dtype)
     got = values_and_grads(jax.jit(_grouped.grouped), rows, w, sizes, ct)
     want = values_and_grads(ragged, rows, w, sizes, ct)
     for name, a, b in zip(("out", "d rows", "d w"), got, want):
