@@ -185,7 +185,7 @@ def test_the_planner_counts_every_layer_and_micro_batch():
 
 def _checkpoints(f, *args) -> int:
     def count(jaxpr):
-        return sum((eqn.primitive.name == "remat2") + sum(count(j) for j in redeqx._remat._inner_jaxprs(eqn))
+        return sum((eqn.primitive.name == "remat2") + sum(count(j) for j in redeqx._rewrite.inner_jaxprs(eqn))
                    for eqn in jaxpr.eqns)
 
     return count(jax.make_jaxpr(f)(*args).jaxpr)
@@ -225,7 +225,7 @@ def test_a_scan_keeps_only_its_products_by_default():
         def walk(jaxpr):
             for eqn in jaxpr.eqns:
                 yield from [eqn.params["unroll"]] if eqn.primitive.name == "scan" else []
-                for inner in redeqx._remat._inner_jaxprs(eqn):
+                for inner in redeqx._rewrite.inner_jaxprs(eqn):
                     yield from walk(inner)
 
         return list(walk(jax.make_jaxpr(f)(*args).jaxpr))

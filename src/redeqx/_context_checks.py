@@ -14,19 +14,10 @@ needs none of this and can ignore the first.
 
 from __future__ import annotations
 
-import jax.extend.core as jex
 
 from ._mesh import CONTEXT
+from ._rewrite import inner_jaxprs
 from ._typing import warn_user
-
-
-def _sub_jaxprs(eqn):
-    for value in eqn.params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(item, jex.ClosedJaxpr):
-                yield item.jaxpr
-            elif isinstance(item, jex.Jaxpr):
-                yield item
 
 
 def _splits_context(eqn) -> bool:
@@ -55,7 +46,7 @@ def _read(jaxpr, lengths: set[int], found: dict) -> None:
             cut = zip(shape, eqn.params["start_indices"], eqn.params["limit_indices"], strides)
             if any(n in lengths and (a, b, s) != (0, n, 1) for n, a, b, s in cut):
                 found["cut"].append((tuple(shape), tuple(eqn.outvars[0].aval.shape)))
-        for sub in _sub_jaxprs(eqn):
+        for sub in inner_jaxprs(eqn):
             _read(sub, lengths, found)
 
 

@@ -21,7 +21,7 @@ import jax
 import jax.extend.core as jex
 
 from ._cpu import on_cpu, tied_checkpoint
-from ._rewrite import rewritten
+from ._rewrite import inner_jaxprs, rewritten
 from ._typing import typechecked
 
 Keep = Literal["nothing", "dots"]
@@ -138,20 +138,10 @@ def _sub_jaxpr_params(eqn) -> list[str]:
     return []
 
 
-def _inner_jaxprs(eqn):
-    """Every jaxpr in ``eqn``'s params (a scan's body, a cond's branches...)."""
-    for value in eqn.params.values():
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(v, jex.ClosedJaxpr):
-                yield v.jaxpr
-            elif isinstance(v, jex.Jaxpr):
-                yield v
-
-
 def _checkpoints(jaxpr: jex.Jaxpr) -> bool:
     """Whether ``jaxpr`` runs a ``jax.checkpoint`` anywhere: its author has
     said what its backward pass keeps."""
-    return any(eqn.primitive.name in ("remat2", "checkpoint") or any(map(_checkpoints, _inner_jaxprs(eqn)))
+    return any(eqn.primitive.name in ("remat2", "checkpoint") or any(map(_checkpoints, inner_jaxprs(eqn)))
                for eqn in jaxpr.eqns)
 
 

@@ -34,3 +34,13 @@ def rewritten(fn: Callable, *rewrites: Rewrite) -> Callable:
         return eqx.combine(jax.tree.unflatten(jax.tree.structure(out_arrays), outs), out_static)
 
     return run
+
+
+def inner_jaxprs(eqn):
+    """Every jaxpr in ``eqn``'s params (a scan's body, a cond's branches, a call's program...)."""
+    for value in eqn.params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(v, jex.ClosedJaxpr):
+                yield v.jaxpr
+            elif isinstance(v, jex.Jaxpr):
+                yield v
