@@ -57,7 +57,7 @@ import numpy as np
 
 from benchmarks.throughput import make_config, model_class
 from redeqx.models import generate
-from redeqx._loss import cast_floats
+from redeqx.steps._loss import cast_floats
 
 PROMPT = 16
 # XLA:GPU options per variant suffix; the default command buffer types plus while loops and conditionals

@@ -44,7 +44,7 @@ def probe(task: dict) -> dict:
 
     import redeqx
     from redeqx import models
-    from redeqx._hlo import loop_factor
+    from redeqx.planner._hlo import loop_factor
 
     devices, c, t = compile_devices(task["chips"], task["tpu"]), task["context"], task["seq"]
     if task["kind"] == "attention":  # value and grads on one 8B layer's shapes
@@ -86,8 +86,8 @@ def _window_blocks(t: int, c: int, window: int, impl: str) -> dict:
     """Per context shard: the (query block, key block) pairs a sliding window
     leaves to compute (fewest, most), and the table entries the loops walk
     (the padding skipped)."""
-    from redeqx._blockwise import Span, _pairs
-    from redeqx._context import block_layout
+    from redeqx.context._blockwise import Span, _pairs
+    from redeqx.context._context import block_layout
 
     b, layout = block_layout(t, c)
     span = Span(True, window)

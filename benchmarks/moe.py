@@ -123,8 +123,8 @@ def tpu_probe(model, setting, chips, seq):
 
     import redeqx
 
-    from redeqx import _plan
-    from redeqx._hlo import estimated_flops
+    from redeqx.planner import _plan
+    from redeqx.planner._hlo import estimated_flops
 
     make, bf16, mesh = _models(model), setting == "bf16", _mesh(chips, True, 8)
     abstract = eqx.filter_eval_shape(make, jax.random.key(0))

@@ -84,7 +84,7 @@ def _family(name: str, stacked: bool, layers: int = 16):
 
 def compiled_step(platform: str, k: int, make, loss, rows: int, seq: int, key: str = "ids", **step_kw) -> dict:
     """Trace and compile the train step on abstract shapes; its figures."""
-    from redeqx._hlo import loop_factor
+    from redeqx.planner._hlo import loop_factor
 
     mesh = redeqx.make_mesh(k, devices=compile_devices(8, platform == "tpu"))
     t0 = time.perf_counter()

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from redeqx._hlo import DTYPE_BYTES, Collective, array_shapes, collectives, executions, parse_module, summarise
+from redeqx.planner._hlo import DTYPE_BYTES, Collective, array_shapes, collectives, executions, parse_module, summarise
 
 # XLA's GPU and TPU pipelines run two passes after SPMD partitioning that XLA:CPU's does not
 # (xla/service/gpu/gpu_compiler.cc "collective-optimizations" vs xla/service/cpu/cpu_compiler.cc):

@@ -25,7 +25,7 @@ import numpy as np
 from _helpers import DAMAGES, damaged, mlp
 
 import redeqx
-from redeqx._data import to_host
+from redeqx.data._data import to_host
 
 
 def saved_model(mesh):

@@ -98,7 +98,7 @@ def run(save_to=None, restore_from=None):
     n, me = jax.process_count(), jax.process_index()
     mine = rows[me * 8 // n:(me + 1) * 8 // n]
     preds = redeqx.make_predict_step(pred_fn, mesh, specs)(state.model, {"x": mine}, jax.random.key(8))
-    from redeqx._data import to_host
+    from redeqx.data._data import to_host
 
     result["local_rows_preds"] = np.asarray(to_host(preds)).tolist()
     try:  # make_step cannot know what a NumPy argument means across processes: an error, not a guess

@@ -5,8 +5,8 @@ nothing), with arguments and ``REDEQX_*`` variables still first."""
 
 import pytest
 
-from redeqx._clusters import first_host
-from redeqx._distributed import DEFAULT_PORT, _cluster_hint, _resolve
+from redeqx.run._clusters import first_host
+from redeqx.run._distributed import DEFAULT_PORT, _cluster_hint, _resolve
 
 SLURM_2_NODES_1_TASK_EACH = {  # sbatch --nodes=2 --ntasks-per-node=1, then srun, on the second node
     "SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "gpu[017-018]", "SLURM_NTASKS": "2", "SLURM_PROCID": "1",

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import redeqx
-import redeqx._blockwise  # noqa: F401  (its BLOCK, set small in a test)
+import redeqx.context._blockwise  # noqa: F401  (its BLOCK, set small in a test)
 from redeqx import models
 
 # every step here, the zoo's and the user's models done right, trains without the warnings of a step that reads
@@ -71,7 +71,7 @@ def test_make_mesh_context_axis(devices):
 @pytest.mark.parametrize("block", [None, 2])  # 2: each shard's 4 queries and keys in blocks of 2
 def test_attention_split_equals_one_device(getkey, monkeypatch, causal, impl, block):
     if block is not None:
-        monkeypatch.setattr("redeqx._blockwise.BLOCK", block)
+        monkeypatch.setattr("redeqx.context._blockwise.BLOCK", block)
     q, k, v = _qkv(getkey())
     seg = jnp.asarray(np.r_[np.zeros(3), np.ones(13)].astype(np.int32))[None].repeat(2, 0)  # 3 padding tokens
     weights = jax.random.normal(getkey(), q.shape)
@@ -101,7 +101,7 @@ def _naive_loss(q, k, v, seg, weights, causal, window=None):
 def test_sliding_window_split_equals_one_device(getkey, monkeypatch, impl, window):
     """Blocks of 2 tokens over 4 shards: a window of 3 hides some pairs of
     every shard's table, unequally (the tables are padded with hidden pairs)."""
-    monkeypatch.setattr("redeqx._blockwise.BLOCK", 2)
+    monkeypatch.setattr("redeqx.context._blockwise.BLOCK", 2)
     q, k, v = _qkv(getkey(), t=32)
     seg = jnp.asarray(np.r_[np.zeros(5), np.ones(27)].astype(np.int32))[None].repeat(2, 0)
     weights = jax.random.normal(getkey(), q.shape)
@@ -128,7 +128,7 @@ def test_sliding_window_split_equals_one_device(getkey, monkeypatch, impl, windo
 def test_sliding_window_skips_the_blocks_behind_it():
     """Of a shard's block pairs, a window of one block keeps each query
     block's own and the one before it."""
-    from redeqx._blockwise import Span, _pairs
+    from redeqx.context._blockwise import Span, _pairs
 
     layout = redeqx.context_order(16, 2).reshape(2, -1)[:, ::2] // 2  # blocks of 2: shard 0 holds 0, 1, 6, 7
     everyone = layout.reshape(-1)
@@ -156,9 +156,9 @@ def test_causal_attention_skips_the_masked_blocks(getkey, monkeypatch, impl):
     a shard could compute, the causal mask leaves 2C m^2 + m = 18 (the
     dual-chunk order gives each shard the same 18), so the step's FLOPs,
     loops counted as they run, are 18/32 of the unmasked step's."""
-    from redeqx._hlo import estimated_flops
+    from redeqx.planner._hlo import estimated_flops
 
-    monkeypatch.setattr("redeqx._blockwise.BLOCK", 4)
+    monkeypatch.setattr("redeqx.context._blockwise.BLOCK", 4)
     q, k, v = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in _qkv(getkey(), b=1, t=32))
     mesh = _mesh(1, 2, 1)
     flops = {}
@@ -173,7 +173,7 @@ def test_causal_attention_skips_the_masked_blocks(getkey, monkeypatch, impl):
 
 
 def test_make_mesh_auto_searches_the_context_axis(devices):
-    from redeqx._mesh import _candidates
+    from redeqx.mesh._mesh import _candidates
 
     assert _candidates(8, "auto", "auto")[:6] == [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (1, 4)]
     assert _candidates(8, 2, "auto") == [(2, 1), (2, 2), (2, 4)]
@@ -506,7 +506,7 @@ def test_a_loop_stepping_by_more_than_one_is_counted_by_its_trips(start, step, t
     such a loop's body (bound - 0) / 1 times, twice a loop-split matmul's FLOPs. A batched matmul that
     libtpu writes as a convolution, its window standing for the batch dim, counts one tap per output; a
     Pallas kernel (megablox's grouped matmul) by the cost estimate it carries, once per trip."""
-    from redeqx._hlo import _flops, estimated_flops, executions, parse_module
+    from redeqx.planner._hlo import _flops, estimated_flops, executions, parse_module
 
     text = STEPPED_LOOP.replace("START", str(start)).replace("STEP", str(step))
     computations, params, entry = parse_module(text)

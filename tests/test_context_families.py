@@ -9,7 +9,7 @@ import pytest
 
 import redeqx
 from redeqx import models
-from redeqx._hlo import estimated_flops
+from redeqx.planner._hlo import estimated_flops
 from test_context import SEQ_KEYS, _collate, _examples, _like_one_device, _mesh, _token_mean, llama_loss
 
 V, H = 64, 32  # vocabulary and width of every tiny model here; _examples' ids are below V

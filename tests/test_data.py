@@ -405,7 +405,7 @@ def test_int64_beyond_32_bits_is_refused_with_the_key_and_range_and_smaller_ones
 
     with pytest.raises(ValueError, match=r"\['id'\] is int64 with values from 4294967296 to 42949672\d\d, outside int32"):
         next(redeqx.batches(examples(8), big_ids, 1, mesh))
-    from redeqx._compiled import place_batch  # a NumPy batch given to a step directly meets the same check
+    from redeqx.steps._compiled import place_batch  # a NumPy batch given to a step directly meets the same check
 
     with pytest.raises(ValueError, match=r"batch\['id'\] is int64"):
         place_batch(big_ids(examples(8)), mesh)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from redeqx import models
-from redeqx._hlo import repeated_copies
-from redeqx._loss import cast_floats
+from redeqx.planner._hlo import repeated_copies
+from redeqx.steps._loss import cast_floats
 
 V, NEW = 96, 12
 LLAMA = models.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=3,

@@ -21,7 +21,7 @@ import pytest
 
 import redeqx
 from _helpers import mlp, mse_loss
-from redeqx import _checkpoint
+from redeqx.checkpoints import _checkpoint
 
 OPT = optax.adamw(1e-2)
 BATCH = {"x": jnp.ones((8, 8)), "y": jnp.zeros((8, 4))}
@@ -122,7 +122,7 @@ def test_a_nonfinite_metric_is_never_the_best(tmp_path, setup):
 
 
 def test_retention_is_a_pure_function():
-    from redeqx._manager import retained
+    from redeqx.checkpoints._manager import retained
 
     metrics = {1: {"acc": 0.9}, 2: {"acc": math.nan}, 3: {"acc": 0.1}, 4: {}, 5: {"acc": 0.9}}
     assert retained([1, 2, 3, 4, 5], metrics, keep_last=2, best={"acc": "max"}) == {1, 4, 5}  # ties: the older

@@ -7,7 +7,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import redeqx
-from redeqx._build import constructor
+from redeqx.state._build import constructor
 
 
 def make(key):

@@ -189,7 +189,7 @@ def test_plan_counts_an_moe_by_its_routed_rows():
 def test_grouped_matmuls_are_counted_by_rows():
     """The counter behind the plan: forward, input and weight gradients of a grouped matmul, each
     2 x rows x in x out, whatever the number of groups."""
-    from redeqx._grouped_flops import overcount
+    from redeqx.planner._grouped_flops import overcount
 
     m, k, n, g = 64, 32, 16, 8
 

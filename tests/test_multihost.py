@@ -19,7 +19,8 @@ import checkpoint_damage_worker
 import multihost_worker
 import redeqx
 from _helpers import DAMAGES, run_python
-from redeqx import _distributed, launch
+from redeqx import launch
+from redeqx.run import _distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROCESS_TIMEOUT = 240  # a generous cap so a bug fails the test instead of hanging it

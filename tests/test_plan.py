@@ -138,7 +138,7 @@ def test_auto_plans_each_candidate_once_and_explores_only_at_the_end(monkeypatch
     its "tried" list showed fsdp=True twice, kept options that raised the
     peak, and said "more devices are needed" without trying the most model
     shards the devices allow."""
-    from redeqx import _plan
+    from redeqx.planner import _plan
 
     compiles = []
     real = _plan._one_plan
@@ -194,7 +194,7 @@ MLP_SWAPPED = [(r"mlp\.fc1\.weight", P(None, "model")), (r"mlp\.fc1\.bias", P())
 
 
 def _counting(monkeypatch):
-    from redeqx import _plan
+    from redeqx.planner import _plan
 
     compiles = []
     real = _plan._one_plan

@@ -34,7 +34,7 @@ def test_remat_gives_the_same_loss_and_gradients():
         return lm_loss(model, batch, key)
 
     grads(redeqx.remat(spy), model, batch)
-    assert seen == [(redeqx._remat.Recomputed, True)]
+    assert seen == [(redeqx.steps._remat.Recomputed, True)]
     assert all(type(b).__name__ == "Block" for b in model.blocks)
 
 

@@ -201,7 +201,7 @@ def test_a_scan_keeps_only_its_products_by_default():
                             for s in ("products", "all"))
     assert products <= 0.6 * everything, (products, everything)
 
-    keep_products = redeqx._remat.scans_keep_products
+    keep_products = redeqx.steps._remat.scans_keep_products
     data, key = jax.tree.map(jnp.asarray, batch(4)), jax.random.key(0)
     (loss, grads), (kept_loss, kept_grads) = (eqx.filter_value_and_grad(f)(model, data, key)
                                               for f in (loss_fn, keep_products(loss_fn)))

@@ -92,7 +92,7 @@ def test_memory_per_device_is_total_over_k(k, fsdp, devices):
 
 
 def test_no_parameter_is_all_gathered(devices):
-    from redeqx._hlo import collectives, compiled_text
+    from redeqx.planner._hlo import collectives, compiled_text
 
     mesh = redeqx.make_mesh(2)
     model = TinyLM(vocab=56, dim=48, n_heads=4, hidden=80, n_layers=2, key=jax.random.key(0))
@@ -240,7 +240,7 @@ def test_make_step_per_example_clipping_against_hand_computation(devices):
 
     state = redeqx.shard({"w": w, "n": np.int32(0)}, {"w": jax.sharding.PartitionSpec("model"), "n": None}, mesh)
     step = redeqx.make_step(dp_step, mesh)
-    batch = redeqx._data.to_global({"x": x, "y": y}, mesh, 8)
+    batch = redeqx.data._data.to_global({"x": x, "y": y}, mesh, 8)
     new, out = step(state, batch)
     expect = w.copy()
     gs = []
@@ -280,7 +280,7 @@ def test_make_step_two_models_two_optimizers(devices):
 
     z = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
     expect, _ = gan_step((g, d, state[2], state[3]), jnp.asarray(z))  # plain, single-device
-    got, _ = redeqx.make_step(gan_step, mesh)(state, redeqx._data.to_global(z, mesh, 8))
+    got, _ = redeqx.make_step(gan_step, mesh)(state, redeqx.data._data.to_global(z, mesh, 8))
     for a, b in zip(jax.tree.leaves(eqx.filter(got[:2], eqx.is_array)), jax.tree.leaves(eqx.filter(expect[:2], eqx.is_array))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
     assert got[0].layers[0].weight.sharding.spec == sg.layers[0].weight
@@ -297,7 +297,7 @@ def test_loss_fn_must_return_scalar(devices):
     mesh = redeqx.make_mesh(2)
     specs, state = sharded_state(mlp(depth=1), optax.sgd(0.1), mesh, key=0)
     step = redeqx.make_train_step(lambda m, b, k: jax.vmap(m)(b["x"]).sum(-1), optax.sgd(0.1), mesh, specs)
-    batch = redeqx._data.to_global({"x": np.ones((8, 8), np.float32)}, mesh, 8)
+    batch = redeqx.data._data.to_global({"x": np.ones((8, 8), np.float32)}, mesh, 8)
     with pytest.raises(ValueError, match=r"must return a scalar loss, got shape \(8,\).*jnp.mean"):
         step(state, batch)
 
@@ -310,4 +310,4 @@ def test_batch_the_data_axis_cannot_split(devices):
         step(state, {"x": jnp.ones((6, 8))})
     acc = redeqx.make_train_step(lambda m, b, k: jax.vmap(m)(b["x"]).mean(), optax.sgd(0.1), mesh, specs, accumulate=3)
     with pytest.raises(ValueError, match=r"accumulate=3 cannot split a batch of 8 rows"):
-        acc(state, redeqx._data.to_global({"x": np.ones((8, 8), np.float32)}, mesh, 8))
+        acc(state, redeqx.data._data.to_global({"x": np.ones((8, 8), np.float32)}, mesh, 8))

@@ -29,7 +29,8 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from . import _hooks, _progress
+from . import _hooks
+from . import _progress
 from ._failures import describe_failure
 from ._json import dumps, to_json
 from ._typing import typechecked

@@ -1,7 +1,7 @@
 """A function run through its own traced program, rewritten: `rewritten`.
 
-What the train step does to a ``loss_fn`` it did not write (`redeqx._remat`'s
-scans that keep only their products, `redeqx._conv_grads`' grouped
+What the train step does to a ``loss_fn`` it did not write (`redeqx.steps._remat`'s
+scans that keep only their products, `redeqx.steps._conv_grads`' grouped
 convolutions with an exact weight gradient) is a rewrite of the jaxpr
 ``loss_fn`` traces to: the function runs once, as a trace, and the step
 evaluates the rewritten program in its place. The model's code is untouched.

@@ -64,7 +64,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from .._mesh import traced_platform
+from ..mesh._mesh import traced_platform
 
 # ragged_dot's dimension numbers for rows (N, in) against weights (E, out, in): contract `in`
 # with the weights' last dim, the rows' dim 0 ragged over the weights' groups (dim 0).
@@ -163,7 +163,7 @@ def grouped(rows: Float[Array, "n in"], w: Float[Array, "experts out in"],
 
 
 def _device() -> Device:
-    """The device the computation is built for (`redeqx._mesh.traced_platform`):
+    """The device the computation is built for (`redeqx.mesh._mesh.traced_platform`):
     this process's first of that platform, else the mesh's abstract device (its
     compute capability unknown); `STAND_IN` under `_stand_ins`."""
     if _stand_ins:

@@ -69,7 +69,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from .._mesh import CONTEXT, DATA, MODEL, traced_platform
+from ..mesh._mesh import CONTEXT, DATA, MODEL, traced_platform
 from .._typing import positive_int, typechecked
 from ._grouped import grouped, provisional
 from ._layers import ACTIVATIONS, INIT_STD, Linear
@@ -209,7 +209,7 @@ def _functions(activation: str, shards: int):
 
     @jax.custom_batching.custom_vmap
     def backward(x, idx, w, ct, gate_w, up_w, down_w):
-        with jax.named_scope(RECOMPUTE):  # the FLOP count (redeqx._grouped_flops) knows these by it
+        with jax.named_scope(RECOMPUTE):  # the FLOP count (redeqx.planner._grouped_flops) knows these by it
             _, vjp = jax.vjp(lambda x, w, g, u, d: _flat(activation, shards, x, idx, w, g, u, d),
                              x, w, gate_w, up_w, down_w)
         return vjp(ct)  # (dx, dw, dgate, dup, ddown): dx, dw per token, the stacks' summed over tokens

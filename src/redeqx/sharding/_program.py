@@ -27,7 +27,8 @@ import equinox as eqx
 import jax
 
 from .._trees import is_array_like
-from . import _loops, _ops
+from . import _loops
+from . import _ops
 from ._contract import contract, convolve
 from ._facts import Facts
 from ._reader import Reader, View

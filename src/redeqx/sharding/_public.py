@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from .._mesh import DATA, MODEL, check_mesh
+from ..mesh._mesh import DATA, MODEL, check_mesh
 from .._trees import human_bytes, is_array_like, path_parts, path_str, per_device_shape
 from .._typing import typechecked, warn_user
 from ._decide import leaf_specs

@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from .._mesh import CONTEXT, DATA, MODEL, check_mesh
-from .._stacks import layer_axes
+from ..mesh._mesh import CONTEXT, DATA, MODEL, check_mesh
+from ._stacks import layer_axes
 from .._trees import is_array_like, is_spec, path_parts, path_str
 from ._name_rules import UNPLACED, classify
 from ._names import ADAPTER_NAMES, BIAS_NAMES, WEIGHT_NAMES, _ancestors, _tokens

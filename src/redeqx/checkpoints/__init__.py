@@ -1,0 +1,1 @@
+"""Checkpoints on disk: `save_checkpoint`, `restore_checkpoint`, `CheckpointManager`, preemption."""

@@ -1,0 +1,1 @@
+"""The context axis: sequences split over devices, `attention` over them, and the checks a split step runs."""

@@ -1,0 +1,321 @@
+"""Exact attention a block at a time (an online softmax, and custom VJPs
+that recompute the scores from the saved log-sum-exp, as flash attention
+does): `gather_attention` over keys gathered over ``context``,
+`ring_attention` over keys passed around it. Both run on one context shard,
+inside `redeqx.attention`'s ``shard_map``; masks come from positions and
+segment ids, never as a ``(T, T)`` array.
+
+Both walk a table of (query block, key block) pairs, built on the host from
+the blocks' places in the original order: under a causal mask a key block
+that lies wholly after its query block is not in the table, so it is never
+computed (about half the pairs of a long sequence), nor is one a sliding
+window leaves wholly behind. The dual-chunk order gives every context shard
+a causal table of the same length, so the tables stack into one array
+indexed by ``axis_index("context")``; a window's tables differ, and the
+shorter ones are padded with entries the loops skip."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..mesh._mesh import CONTEXT, traced_platform
+
+
+# ----------------------------------------------------------------------------- one block: queries against one shard's keys
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """Which keys a query sees, by place in the original order: all
+    (``causal=False``), those at or before its own (``causal=True``), and of
+    those, with a ``window``, only the last ``window`` (itself included: a
+    sliding window, as Mistral's)."""
+
+    causal: bool
+    window: int | None = None
+
+    def mask(self, qpos, kpos):
+        """(Tq, Tk): whether query ``qpos[t]`` sees key ``kpos[s]``."""
+        seen = jnp.ones((qpos.shape[0], kpos.shape[0]), bool)
+        if self.causal:
+            seen = kpos[None, :] <= qpos[:, None]
+        if self.window is not None:
+            seen = seen & (qpos[:, None] - kpos[None, :] < self.window)
+        return seen
+
+    def sees_block(self, qi: int, kj: int, b: int) -> bool:
+        """Whether some query of block ``qi`` sees some key of block ``kj``
+        (blocks of ``b`` consecutive places)."""
+        if self.causal and kj > qi:
+            return False
+        return self.window is None or (qi - kj - 1) * b + 1 < self.window  # nearest pair: first query, last key
+
+
+def block_scores(q, k, qpos, kpos, qseg, kseg, span: Span, scale: float):
+    """Masked scores (Hkv, G, Tq, Tk) in float32 and the mask (1, 1, Tq, Tk)."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(t, hkv, hq // hkv, d)
+    s = jnp.einsum("tkgd,skd->kgts", qg, k, preferred_element_type=jnp.float32) * scale
+    mask = (qseg[:, None] == kseg[None, :]) & span.mask(qpos, kpos)
+    mask = mask[None, None]  # (1, 1, Tq, Tk)
+    return jnp.where(mask, s, -jnp.inf), mask
+
+
+def _block_forward(carry, q, k, v, qpos, kpos, qseg, kseg, span, scale):
+    """One online-softmax step: running (out, max, sum) updated with one block of keys."""
+    o, m, l = carry  # (Hkv, G, Tq, D) f32, (Hkv, G, Tq) f32 x2
+    s, _ = block_scores(q, k, qpos, kpos, qseg, kseg, span, scale)
+    m_new = jnp.maximum(m, s.max(-1))
+    safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row with no key yet
+    p = jnp.exp(s - safe[..., None])
+    corr = jnp.exp(jnp.where(jnp.isfinite(m), m, safe) - safe)
+    o = o * corr[..., None] + jnp.einsum("kgts,skd->kgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o, m_new, l * corr + p.sum(-1)
+
+
+def _block_backward(q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, span, scale):
+    """Gradients of one block: (dq, dk, dv) from the saved log-sum-exp."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    s, mask = block_scores(q, k, qpos, kpos, qseg, kseg, span, scale)
+    p = jnp.where(mask, jnp.exp(s - lse[..., None]), 0.0)  # (Hkv, G, Tq, Tk)
+    dog = do.reshape(t, hkv, hq // hkv, d)
+    dv = jnp.einsum("kgts,tkgd->skd", p, dog.astype(jnp.float32))
+    dp = jnp.einsum("tkgd,skd->kgts", dog, v, preferred_element_type=jnp.float32)
+    ds = p * (dp - delta[..., None]) * scale
+    dq = jnp.einsum("kgts,skd->tkgd", ds, k.astype(jnp.float32)).reshape(t, hq, d)
+    dk = jnp.einsum("kgts,tkgd->skd", ds, q.reshape(t, hkv, hq // hkv, d).astype(jnp.float32))
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------- on one context shard (inside shard_map)
+
+BLOCK = 1024  # queries and keys per block at most: one block's scores are (heads, BLOCK, BLOCK) in float32
+
+
+def block_size(chunk: int) -> int:
+    """Tokens per block: the largest divisor of ``chunk`` (the tokens of one
+    of the ``2C`` chunks of the dual-chunk order) not above `BLOCK`, so that
+    a block never straddles two chunks."""
+    return next(b for b in range(min(chunk, BLOCK), 0, -1) if chunk % b == 0)
+
+
+def _pairs(q_ids, k_ids, span: Span, b: int) -> np.ndarray:
+    """(P, 2): every (query block, key block) whose scores are not all
+    masked, by the blocks' places in the original order (``*_ids``): under a
+    causal mask a key block after the query block is skipped, under a
+    sliding window one wholly before it too."""
+    pairs = [(i, j) for i, qi in enumerate(q_ids) for j, kj in enumerate(k_ids) if span.sees_block(qi, kj, b)]
+    return np.asarray(pairs, np.int32).reshape(-1, 2)
+
+
+PAD = -1  # a table entry that stands for no pair: skipped (`_pads_skipped`)
+
+
+def _mine(tables: list[np.ndarray], span: Span, n: int | None = None):
+    """This context shard's row of per-shard pair tables, each padded to
+    ``n`` pairs (default: the longest) with ``(PAD, PAD)``. The dual-chunk
+    order gives every shard the same number of pairs under a plain causal
+    mask (no padding); a sliding window does not, and its loops skip the
+    padding (`_pads_skipped`)."""
+    n = max(map(len, tables)) if n is None else n
+    assert span.window is not None or all(len(t) == n for t in tables), [len(t) for t in tables]
+    padded = [np.concatenate([t, np.full((n - len(t), 2), PAD, np.int32)]) for t in tables]
+    return jnp.asarray(np.stack(padded))[jax.lax.axis_index(CONTEXT)]
+
+
+def _pads_skipped(step, span: Span):
+    """A loop step over (query block, key block) pairs that leaves the carry
+    as it is for a `PAD` pair: a conditional, only where tables can hold
+    padding (a sliding window), so the causal loop stays branch-free."""
+    if span.window is None:
+        return step
+    return lambda carry, pair: jax.lax.cond(pair[0] != PAD, step, lambda c, _: (c, None), carry, pair)
+
+
+def _init(q, hkv):
+    t, hq, d = q.shape
+    g = hq // hkv
+    return (jnp.zeros((hkv, g, t, d), jnp.float32), jnp.full((hkv, g, t), -jnp.inf, jnp.float32),
+            jnp.zeros((hkv, g, t), jnp.float32))
+
+
+def _finish(o, m, l, q):
+    """(out (Tq, Hq, D) in q's dtype, log-sum-exp (Hkv, G, Tq))."""
+    t, hq, d = q.shape
+    l = jnp.where(l == 0, 1.0, l)  # a query that sees no key (cannot happen with its own segment) gives 0
+    out = (o / l[..., None]).transpose(2, 0, 1, 3).reshape(t, hq, d)
+    return out.astype(q.dtype), m + jnp.log(l)
+
+
+def _delta(dout, out, hkv):
+    """Row sums of dout * out, (Hkv, G, Tq): the softmax backward's correction."""
+    t, hq, _ = out.shape
+    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1)
+    return delta.reshape(t, hkv, hq // hkv).transpose(1, 2, 0)
+
+
+def _next(x, n: int):
+    """``x`` handed to the next context shard (shard i gets shard i - 1's)."""
+    return jax.lax.ppermute(x, CONTEXT, [(i, (i + 1) % n) for i in range(n)])
+
+
+def _rows(a, start, size: int, axis: int = 0):
+    return jax.lax.dynamic_slice_in_dim(a, start, size, axis)
+
+
+def _add_rows(a, x, start):
+    return jax.lax.dynamic_update_slice_in_dim(a, _rows(a, start, x.shape[0]) + x, start, 0)
+
+
+# -- the two loops over (query block, key block) pairs: flash attention's, with the masked pairs left out
+
+
+def _forward(acc, q, k, v, qpos, kpos, qseg, kseg, pairs, b: int, span: Span, scale: float):
+    """Running (out, max, sum) of queries ``q`` updated with keys ``k``, one
+    (query block, key block) of ``pairs`` (blocks of ``b`` tokens) at a time."""
+
+    def step(carry, pair):
+        i, j = pair[0] * b, pair[1] * b
+        new = _block_forward(tuple(_rows(a, i, b, 2) for a in carry), _rows(q, i, b), _rows(k, j, b), _rows(v, j, b),
+                             _rows(qpos, i, b), _rows(kpos, j, b), _rows(qseg, i, b), _rows(kseg, j, b), span, scale)
+        return tuple(jax.lax.dynamic_update_slice_in_dim(a, x, i, 2) for a, x in zip(carry, new)), None
+
+    return jax.lax.scan(_pads_skipped(step, span), acc, pairs)[0]
+
+
+def _grads(init, q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, pairs, b: int, span: Span, scale: float):
+    """(dq, dk, dv) in float32, ``init`` plus the gradients over ``pairs``."""
+
+    def step(carry, pair):
+        i, j = pair[0] * b, pair[1] * b
+        dq, dk, dv = _block_backward(_rows(q, i, b), _rows(k, j, b), _rows(v, j, b), _rows(do, i, b),
+                                     _rows(lse, i, b, 2), _rows(delta, i, b, 2), _rows(qpos, i, b), _rows(kpos, j, b),
+                                     _rows(qseg, i, b), _rows(kseg, j, b), span, scale)
+        return (_add_rows(carry[0], dq, i), _add_rows(carry[1], dk, j), _add_rows(carry[2], dv, j)), None
+
+    return jax.lax.scan(_pads_skipped(step, span), init, pairs)[0]
+
+
+def _zeros(*xs):
+    return tuple(jnp.zeros(x.shape, jnp.float32) for x in xs)
+
+
+# -- all gathered: this shard's queries over every shard's keys
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _flash(q, k, v, qpos, kpos, qseg, kseg, pairs, b, span, scale):
+    return _flash_fwd(q, k, v, qpos, kpos, qseg, kseg, pairs, b, span, scale)[0]
+
+
+def _flash_fwd(q, k, v, qpos, kpos, qseg, kseg, pairs, b, span, scale):
+    acc = _forward(_init(q, k.shape[1]), q, k, v, qpos, kpos, qseg, kseg, pairs, b, span, scale)
+    out, lse = _finish(*acc, q)
+    return out, (q, k, v, qpos, kpos, qseg, kseg, pairs, out, lse)
+
+
+def _flash_bwd(b, span, scale, res, dout):
+    q, k, v, qpos, kpos, qseg, kseg, pairs, out, lse = res
+    dq, dk, dv = _grads(_zeros(q, k, v), q, k, v, dout, lse, _delta(dout, out, k.shape[1]), qpos, kpos, qseg, kseg,
+                        pairs, b, span, scale)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+@jax.custom_vjp
+def _gather(x):
+    """``x`` all-gathered over ``context``: its gradient is reduce-scattered back."""
+    return jax.lax.all_gather(x, CONTEXT, tiled=True)
+
+
+def _scatter(_, g):
+    # XLA:CPU fails to compile a bfloat16 reduce-scatter ("Invalid binary instruction opcode copy"):
+    # there it reduces in float32; accelerators reduce in the gradient's own dtype
+    wide = g.astype(jnp.float32) if traced_platform() == "cpu" and g.dtype == jnp.bfloat16 else g
+    return (jax.lax.psum_scatter(wide, CONTEXT, scatter_dimension=0, tiled=True).astype(g.dtype),)
+
+
+_gather.defvjp(lambda x: (_gather(x), None), _scatter)
+
+
+def gather_attention(q, k, v, pos, seg, span, scale, n, layout, b):
+    """This shard's queries over every shard's keys gathered once
+    (differentiating the all-gather reduce-scatters their gradients back).
+    ``layout[i]``: the original place, in blocks of ``b`` tokens, of each
+    block shard ``i`` holds."""
+    if n > 1:
+        k, v = _gather(k), _gather(v)
+        kpos, kseg = (jax.lax.all_gather(a, CONTEXT, tiled=True) for a in (pos, seg))
+    else:
+        kpos, kseg = pos, seg
+    everyone = np.asarray(layout).reshape(-1)  # the gathered keys' blocks: every shard's, in shard order
+    tables = [_pairs(mine, everyone, span, b) for mine in layout]
+    pairs = _mine(tables, span)
+    return _flash(q, k, v, pos, kpos, seg, kseg, pairs, b, span, scale)
+
+
+# -- the ring: each shard's keys in turn, passed on with ppermute
+
+
+def _ring_pairs(layout, span: Span, b: int):
+    """This shard's pairs against its own keys, and against the keys of
+    each later hop, (n - 1, P, 2): after ``h`` hops shard ``i`` holds shard
+    ``i - h``'s keys. Under a causal mask each hop's keys are half seen."""
+    n = len(layout)
+    keys = [[layout[(i - h) % n] for i in range(n)] for h in range(n)]
+    tables = [[_pairs(layout[i], keys[h][i], span, b) for i in range(n)] for h in range(n)]
+    most = max(len(t) for hop in tables[1:] for t in hop)  # the later hops run in one scan: one length
+    return _mine(tables[0], span), jnp.stack([_mine(tables[h], span, most) for h in range(1, n)])
+
+
+def _ring_forward(q, k, v, pos, seg, span, scale, n, layout, b):
+    first, later = _ring_pairs(layout, span, b)
+    hop = functools.partial(_forward, q=q, qpos=pos, qseg=seg, b=b, span=span, scale=scale)
+
+    def step(carry, pairs):
+        acc, kv = carry
+        kv = jax.tree.map(lambda a: _next(a, n), kv)
+        return (hop(acc, k=kv[0], v=kv[1], kpos=kv[2], kseg=kv[3], pairs=pairs), kv), None
+
+    acc = hop(_init(q, k.shape[1]), k=k, v=v, kpos=pos, kseg=seg, pairs=first)  # this shard's own keys first
+    ((o, m, l), _), _ = jax.lax.scan(step, (acc, (k, v, pos, seg)), later)
+    return _finish(o, m, l, q)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def ring_attention(q, k, v, pos, seg, span, scale, n, layout, b):
+    return _ring_forward(q, k, v, pos, seg, span, scale, n, layout, b)[0]
+
+
+def _ring_fwd(q, k, v, pos, seg, span, scale, n, layout, b):
+    out, lse = _ring_forward(q, k, v, pos, seg, span, scale, n, layout, b)
+    return out, (q, k, v, pos, seg, out, lse)
+
+
+def _ring_bwd(span, scale, n, layout, b, res, dout):
+    """K/V go round the ring again, their gradients with them: home after ``n`` hops."""
+    q, k, v, pos, seg, out, lse = res
+    first, later = _ring_pairs(layout, span, b)
+    grads = functools.partial(_grads, q=q, do=dout, lse=lse, delta=_delta(dout, out, k.shape[1]), qpos=pos, qseg=seg,
+                              b=b, span=span, scale=scale)
+
+    def hop(carry, pairs):
+        dq, kv, dkv = carry
+        dq, dk, dv = grads((dq, *dkv), k=kv[0], v=kv[1], kpos=kv[2], kseg=kv[3], pairs=pairs)
+        return (dq, *jax.tree.map(lambda a: _next(a, n), (kv, (dk, dv)))), None
+
+    carry = hop((_zeros(q)[0], (k, v, pos, seg), _zeros(k, v)), first)[0]
+    (dq, _, (dk, dv)), _ = jax.lax.scan(hop, carry, later)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+ring_attention.defvjp(_ring_fwd, _ring_bwd)

@@ -1,0 +1,1 @@
+"""Processes: `initialize` and `preflight` over hosts, cluster detection, the step watchdog."""

@@ -1,0 +1,169 @@
+"""The immutable training state: `TrainState`, `init_state` (a sharded one,
+or an abstract one for `plan`) and `apply_gradients`.
+
+The pieces it is built from have their own modules: spec and argument
+checks (``_spec_checks.py``), placing arrays (``_placement.py``), the
+optimizer state (``_opt_state.py``) and building a model in its shards
+(``_build.py``). Their names stay importable from here too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jaxtyping import Array, Int, PRNGKeyArray, PyTree
+
+from ._build import abstract_model, constructor, init_model, is_abstract, is_constructor
+from ..mesh._mesh import check_mesh
+from ._opt_state import Optimizer, as_optimizer, init_opt_state, mirror_specs, opt_state_specs, trainable_params
+from ..mesh._placement import place, place_tree, replicate_key, shard
+from ..mesh._spec_checks import check_key, check_leaf, check_specs, check_specs_match, refuse_deleted
+from .._trees import is_array_like, is_none, is_spec
+from .._typing import typechecked
+from ..sharding._specs import sharding_of
+
+__all__ = [  # this module's own names, and those of the modules it was split into
+    "TrainState", "apply_gradients", "init_state",
+    "abstract_model", "constructor", "init_model", "is_abstract", "is_constructor",
+    "Optimizer", "as_optimizer", "init_opt_state", "mirror_specs", "opt_state_specs", "trainable_params",
+    "place", "place_tree", "replicate_key", "shard",
+    "check_key", "check_leaf", "check_specs", "check_specs_match", "refuse_deleted",
+]
+
+
+class TrainState(eqx.Module):
+    """Everything a training step reads and returns, as one immutable value.
+
+    ``step`` counts optimizer updates done so far (0 before the first).
+    ``key`` is split once per step for the step's randomness (dropout...).
+    ``model_state`` holds a model's non-trained state (``eqx.nn.State``:
+    BatchNorm statistics), or None. Replace fields with ``eqx.tree_at`` or
+    ``dataclasses.replace``; steps return a new state and never change the
+    old one.
+    """
+
+    model: PyTree
+    opt_state: optax.OptState
+    step: Int[Array, ""]
+    key: PRNGKeyArray
+    model_state: PyTree = None
+
+
+@typechecked
+def init_state(
+    model: PyTree,
+    optimizer: Optimizer,
+    mesh: Mesh,
+    specs: PyTree,
+    *,
+    key: PRNGKeyArray,
+    trainable: Any = None,
+    model_state: PyTree = None,
+    donate_model: bool = False,
+) -> TrainState:
+    """A sharded `TrainState`: the model placed by ``specs`` and the optimizer
+    state sharded like the parameters it mirrors (see `init_opt_state`).
+
+    - ``trainable`` is the same Equinox filter spec given to
+      `make_train_step`: frozen leaves get no optimizer state.
+    - ``model_state`` is the model's ``eqx.nn.State`` (BatchNorm statistics),
+      if it has one: kept replicated in ``state.model_state`` and passed to
+      ``loss_fn`` as its fourth argument (see `make_train_step`).
+    - ``donate_model=False`` (default): the state holds copies, so ``model``
+      stays alive and usable after the first (donating) train step.
+      ``donate_model=True`` moves the arrays instead, for a model too large to
+      hold twice: ``model`` must not be used afterwards (its arrays may be
+      deleted by the first step).
+    - ``model`` may also be a constructor ``make_model(key)``: it is built
+      straight into its shards (see `init_model`, using ``key``), or an
+      abstract model (``eqx.filter_eval_shape``): the result is then the
+      abstract TrainState, ``jax.ShapeDtypeStruct`` leaves with their
+      shardings, to compile a step on with `plan` without allocating.
+
+    **Example:**
+
+    ```python
+    state = redeqx.init_state(model, optax.adamw(1e-3), mesh, specs, key=jax.random.key(0))
+    ```
+    """
+    optimizer = as_optimizer(optimizer)
+    check_key(key)
+    mesh = check_mesh(mesh)
+    check_specs(specs, mesh)
+    if is_constructor(model):  # build it in its shards; nobody else holds these arrays
+        jitted, static = constructor(model, mesh, specs, key)
+        model, donate_model = eqx.combine(jitted(key), static), True
+    if is_abstract(model):
+        return _abstract_state(model, optimizer, mesh, specs, key, trainable, model_state)
+    model = place_tree(model, specs, mesh, copy=not donate_model, what="model")
+    opt_state = init_opt_state(optimizer, model, mesh, specs, trainable=trainable)
+    if model_state is not None:
+        model_state = place_tree(model_state, jax.tree.map(lambda _: P(), model_state), mesh,
+                                  copy=True, what="model_state")
+    replicated = NamedSharding(mesh, P())
+    return TrainState(
+        model=model,
+        opt_state=opt_state,
+        step=place(jnp.zeros((), jnp.int32), replicated, copy=False),
+        key=replicate_key(key, mesh),
+        model_state=model_state,
+    )
+
+
+def _abstract_state(model, optimizer, mesh: Mesh, specs, key, trainable, model_state) -> TrainState:
+    """`init_state` on an abstract model: the same TrainState as
+    ``jax.ShapeDtypeStruct`` leaves carrying their shardings (for `plan`)."""
+    check_specs_match(model, specs, "model")
+
+    def with_sharding(x, spec):
+        if is_array_like(x):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding_of(spec, mesh))
+        return x
+
+    leaves, treedef = jax.tree.flatten(model, is_leaf=is_none)
+    model = jax.tree.unflatten(treedef, [with_sharding(x, s) for x, s in
+                                         zip(leaves, jax.tree.leaves(specs, is_leaf=is_spec))])
+    params = trainable_params(model, trainable)
+    abstract_os = jax.eval_shape(optimizer.init, params)
+    os_specs = mirror_specs(abstract_os, model, specs)
+    opt_state = jax.tree.map(with_sharding, abstract_os, os_specs)
+    replicated = NamedSharding(mesh, P())
+    key_struct = jax.eval_shape(lambda: key)
+    if model_state is not None:
+        model_state = jax.tree.map(lambda x: with_sharding(x, P()), model_state)
+    return TrainState(model=model, opt_state=opt_state,
+                      step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
+                      key=jax.ShapeDtypeStruct(key_struct.shape, key_struct.dtype, sharding=replicated),
+                      model_state=model_state)
+
+
+@typechecked
+def apply_gradients(
+    state: TrainState, grads: PyTree, optimizer: Optimizer, *, trainable: Any = None
+) -> TrainState:
+    """One optimizer update of ``state`` with ``grads`` (as from
+    ``eqx.filter_grad(loss)(state.model)``): the new model, the new
+    optimizer state and ``step + 1``, the key unchanged. For steps you write
+    with `make_step` over several models; `make_train_step` does this for one.
+
+    **Example:**
+
+    ```python
+    def step(state, batch):
+        grads = eqx.filter_grad(actor_loss)(state["actor"].model, batch)
+        return {**state, "actor": redeqx.apply_gradients(state["actor"], grads, actor_optimizer)}, {}
+    ```
+    """
+    optimizer = as_optimizer(optimizer)
+    params = trainable_params(state.model, trainable)  # as init_state(..., trainable=) made the optimizer state
+    mask = jax.tree.map(lambda x: x is not None, params, is_leaf=is_none)
+    grads = eqx.filter(grads, mask)
+    updates, opt_state = optimizer.update(grads, state.opt_state, params)
+    return dataclasses.replace(state, model=eqx.apply_updates(state.model, updates), opt_state=opt_state,
+                               step=state.step + 1)

@@ -1,0 +1,393 @@
+"""Compiled, sharded steps: `make_step` for a step you write, and the train,
+eval and predict steps made from a ``loss_fn`` or ``pred_fn``.
+
+Each is a `CompiledStep`: one ``jax.jit`` per structure of its first
+argument, whose array leaves are placed before the call (by ``specs`` for
+the train, eval and predict steps, where they are for `make_step`). The
+train step's gradients come from the composable gradient functions of
+`redeqx.steps._loss` (and `redeqx.steps._shard_mean`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from ._compiled import (
+    CompiledStep,
+    FirstCallCheck,
+    StepFunction,
+    batch_size,
+    check_batch,
+    stay_in_place,
+    where_it_is,
+)
+from ._loss import (
+    LOSS_CALL,
+    LOSS_EXAMPLE,
+    accumulated,
+    call_loss,
+    cast_floats,
+    check_signature,
+    check_user_fn,
+    fn_name,
+    loss_and_grads,
+    split_trainable,
+)
+from ..mesh._mesh import DATA, check_mesh
+from ..state._opt_state import Optimizer, as_optimizer, mirror_specs
+from ._remat import ScanResiduals
+from ._shard_mean import check_whole_over_data, gradient_gap, judge, shard_mean
+from ..mesh._spec_checks import check_specs, check_specs_match
+from ..state._state import TrainState
+from .._trees import is_array_like, leaves_with_specs
+from .._typing import floating_dtype, positive_int, short_repr, typechecked
+from ..sharding._specs import sharding_of
+
+# ----------------------------------------------------------------------------- make_step
+
+
+@typechecked
+def make_step(step_fn: Callable, mesh: Mesh, *, donate: bool = True) -> Callable:
+    """Compile a pure step ``step_fn(state, *args) -> (new_state, outputs)``.
+
+    ``state`` is any pytree (one model or several, `TrainState`\\ s, optimizer
+    states, a replay buffer...). Every array leaf of the new state keeps the
+    sharding of the same leaf in the input state (leaves not yet on a mesh,
+    such as NumPy arrays, are replicated; a leaf on another mesh is an
+    error), so the step can be called in a loop with no re-layout and no
+    retrace. ``donate=True`` reuses the old state's buffers for the new one:
+    do not use the old state after the call (`init_state`, `init_opt_state`
+    and `shard` copy, so the arrays you built it from stay yours). Non-array
+    leaves are compile-time constants and must come back unchanged.
+    ``outputs`` stay on the device, laid out as the compiler chooses.
+    Arguments are passed as they are (a batch from `batches` is already split
+    over ``data``; split one made inside the step with
+    ``redeqx.constrain(batch, P("data"))``); with several processes they must
+    be global arrays. `apply_gradients` is one model's optimizer update
+    inside such a step.
+
+    **Example** (two models and two optimizers, as in a GAN or actor-critic):
+
+    ```python
+    state = {"g": redeqx.init_state(gen, opt_g, mesh, g_specs, key=k1),
+             "d": redeqx.init_state(disc, opt_d, mesh, d_specs, key=k2)}
+
+    def gan_step(state, batch):
+        ...  # gradients of each model, optimizer.update for each
+        return {"g": new_g, "d": new_d}, {"g_loss": g_loss, "d_loss": d_loss}
+
+    step = redeqx.make_step(gan_step, mesh)
+    state, losses = step(state, batch)
+    ```
+    """
+    if not callable(step_fn):
+        raise TypeError(f"step_fn must be a function (state, *args) -> (state, outputs), got {short_repr(step_fn)}.")
+    mesh = check_mesh(mesh)
+    step = CompiledStep(step_fn, mesh, placement=stay_in_place(mesh), what="state", donate=donate,
+                        returns_state=True, warn_moves=False)
+    return _named_like(step_fn, StepFunction(step))
+
+
+def _named_like(fn, step):
+    """``step`` with ``fn``'s name and docstring (what ``functools.wraps`` copies)."""
+    return functools.update_wrapper(step, fn, updated=())
+
+
+# ----------------------------------------------------------------------------- shared by the three steps
+
+
+def _check_step_args(fn, role: str, call: str, example: str, mesh, specs, compute_dtype) -> Mesh:
+    """The arguments every ``make_*_step`` takes: the user's function, the
+    mesh, the specs and the compute dtype."""
+    floating_dtype(compute_dtype, "compute_dtype")
+    check_user_fn(fn, role, call, example)
+    mesh = check_mesh(mesh)
+    check_specs(specs, mesh)
+    return mesh
+
+
+def _model_placement(mesh: Mesh, specs):
+    """A model (the eval and predict steps' first argument) laid out by ``specs``."""
+
+    def placement(model, paths, leaves):
+        check_specs_match(model, specs, "model")
+        return [sharding_of(spec, mesh) for _, _, spec in leaves_with_specs(model, specs)]
+
+    return placement
+
+
+def _train_state_placement(mesh: Mesh, specs):
+    """A TrainState: the model by ``specs``, the optimizer state like the
+    parameters it mirrors, ``step`` and ``key`` replicated, a model state
+    where it is."""
+
+    def placement(state, paths, leaves):
+        if not isinstance(state, TrainState):
+            raise TypeError(
+                f"state must be a redeqx.TrainState from redeqx.init_state, got {type(state).__name__}; for a "
+                "step over another kind of state, write it with redeqx.make_step."
+            )
+        check_specs_match(state.model, specs, "model")
+        model_state_specs = jax.tree.map(
+            lambda x: where_it_is("model_state", x, mesh).spec if is_array_like(x) else None, state.model_state)
+        spec_state = TrainState(model=specs, opt_state=mirror_specs(state.opt_state, state.model, specs), step=P(),
+                                key=P(), model_state=model_state_specs)
+        return [sharding_of(spec, mesh) for _, _, spec in leaves_with_specs(state, spec_state)]
+
+    return placement
+
+
+def _inference(model, compute_dtype):
+    return cast_floats(eqx.nn.inference_mode(model, True), compute_dtype)
+
+
+def _update(optimizer, grads, opt_state, params, loss):
+    """``optimizer.update``, passing the loss as ``value`` to an optimizer that
+    takes extra arguments (optax's ``GradientTransformationExtraArgs``, e.g.
+    ``optax.contrib.reduce_on_plateau``)."""
+    if isinstance(optimizer, optax.GradientTransformationExtraArgs):
+        return optimizer.update(grads, opt_state, params, value=loss)
+    return optimizer.update(grads, opt_state, params)
+
+
+# ----------------------------------------------------------------------------- train
+
+
+@typechecked
+def make_train_step(
+    loss_fn: Callable,
+    optimizer: Optimizer,
+    mesh: Mesh,
+    specs: Any,
+    *,
+    accumulate: int = 1,
+    compute_dtype: Any = None,
+    trainable: Any = None,
+    shard_mean_loss: bool = False,
+    scan_residuals: ScanResiduals = "products",
+) -> Callable[..., tuple[TrainState, dict]]:
+    """The training step: ``(state, batch) -> (new_state, metrics)``.
+
+    One compiled, sharded step, donating ``state``: gradients of
+    ``loss_fn(model, batch, key)``, an ``optimizer`` update, ``step + 1``.
+    ``metrics`` holds ``loss``, ``grad_norm`` (the gradients' global L2 norm)
+    and ``loss_fn``'s aux dict, all on the device (no host sync). The model
+    enters and leaves laid out by ``specs``, the optimizer state like the
+    parameters it mirrors; a state laid out otherwise is moved there, with a
+    warning naming the leaves.
+
+    - ``accumulate=k``: the batch is split into ``k`` micro-batches run one
+      after another, their gradients averaged: one update per batch with the
+      activation memory of a micro-batch (a loss that is a mean over rows
+      gets exactly the whole batch's update). For an update every ``k``
+      batches instead (a batch larger than one step's), wrap the optimizer in
+      ``optax.MultiSteps(optimizer, k)``.
+    - ``compute_dtype=jnp.bfloat16``: forward and backward in that dtype;
+      parameters, gradients and the optimizer state keep theirs.
+    - ``trainable`` (an Equinox filter spec): the rest gets no gradient and
+      comes out bit-identical; pass the same to `init_state`.
+    - ``shard_mean_loss=True``: the promise that ``loss_fn`` is a mean over
+      the batch's rows; each data shard's gradients come from its own rows
+      and are averaged with one all-reduce (`redeqx.steps._shard_mean`). The first
+      call checks the promise on its batch and raises if it does not hold.
+      Not with ``fsdp`` or a ``model_state``.
+    - ``scan_residuals``: what a ``jax.lax.scan`` in ``loss_fn`` (a stack of
+      layers) keeps for its backward pass. ``"products"`` (the default): the
+      results of matrix products, reductions and other non-elementwise
+      operations; the elementwise ones (activations, norms' scalings,
+      softmax's exponentials) are recomputed from them in the backward pass,
+      as a compiler does by fusion for the same layers unrolled. ``"all"``:
+      every intermediate, JAX's own choice: for a transformer stack
+      1.06-3.7x the temporaries of its layers unrolled, against 0.42-1.15x
+      (benchmarks/RESULTS.md, History: "`scan_residuals`").
+      A scan whose body runs ``jax.checkpoint`` (`redeqx.remat`, or the
+      user's own) keeps what that says. Losses and gradients are the same
+      either way.
+    - An optimizer that takes extra arguments (optax's
+      ``GradientTransformationExtraArgs``, e.g. ``reduce_on_plateau``) gets
+      ``value=loss``; for others, write the step with `make_step`.
+    - A model with state (``eqx.nn.State``, given to `init_state` as
+      ``model_state``): ``loss_fn(model, batch, key, model_state)`` returns
+      ``(loss, new_model_state)`` or ``(loss, aux, new_model_state)``.
+
+    **Example:**
+
+    ```python
+    def loss_fn(model, batch, key):
+        logits = jax.vmap(model)(batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    train_step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs)
+    state, metrics = train_step(state, batch)
+    ```
+    """
+    mesh = _check_step_args(loss_fn, "loss_fn", LOSS_CALL, LOSS_EXAMPLE, mesh, specs, compute_dtype)
+    accumulate = positive_int(accumulate, "accumulate")
+    optimizer = as_optimizer(optimizer)
+    grads_of = loss_and_grads(loss_fn, compute_dtype, scan_residuals=scan_residuals)
+    if shard_mean_loss:
+        check_whole_over_data(specs)
+        grads_of = shard_mean(accumulated(grads_of, accumulate, None), mesh)
+    else:
+        grads_of = accumulated(grads_of, accumulate, mesh)
+
+    def train_step(state: TrainState, batch):
+        check_batch(batch, mesh)
+        key, step_key = jax.random.split(state.key)
+        params, static = split_trainable(state.model, trainable)
+        _check_opt_state(optimizer, params, state.opt_state)
+        loss, aux, grads, model_state = grads_of(params, static, batch, step_key, state.model_state)
+        updates, opt_state = _update(optimizer, grads, state.opt_state, params, loss)
+        model = eqx.combine(optax.apply_updates(params, updates), static)
+        new_state = TrainState(model=model, opt_state=opt_state, step=state.step + 1, key=key, model_state=model_state)
+        return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
+
+    placement = _train_state_placement(mesh, specs)
+    step = CompiledStep(train_step, mesh, placement=placement, what="state", donate=True, returns_state=True,
+                        batch_args=(0,))
+    check = None
+    if shard_mean_loss and mesh.shape[DATA] > 1:  # one data shard: the shards' mean is the loss
+        measure = CompiledStep(gradient_gap(loss_fn, accumulate, mesh, trainable), mesh, placement=placement,
+                               what="state", batch_args=(0,))
+        check = FirstCallCheck(measure, functools.partial(judge, loss_fn=loss_fn))
+    return _named_like(loss_fn, StepFunction(step, first_call_check=check))
+
+
+def _check_opt_state(optimizer, params, opt_state) -> None:
+    if jax.tree.structure(jax.eval_shape(optimizer.init, params)) != jax.tree.structure(opt_state):
+        raise ValueError(
+            "state.opt_state does not match the trainable parameters of this step: pass the same "
+            "optimizer and trainable= to redeqx.init_state and redeqx.make_train_step."
+        )
+
+
+# ----------------------------------------------------------------------------- eval and predict
+
+
+class EvalStep:
+    """Compiled evaluation: ``eval_step(model, batch, key, *, model_state=None)
+    -> metrics`` (example means). `evaluate` also uses ``eval_step.sums`` to
+    weight examples exactly across a padded last batch."""
+
+    def __init__(self, loss_fn, mesh: Mesh, specs, compute_dtype):
+        def per_example(model, batch, key, model_state):
+            check_batch(batch, mesh)
+            model = _inference(model, compute_dtype)
+            batch = cast_floats(batch, compute_dtype)
+            keys = jax.random.split(key, batch_size(batch))
+
+            def one(example, k):
+                loss, aux, _ = call_loss(loss_fn, model, jax.tree.map(lambda x: x[None], example), k, model_state)
+                return {"loss": loss, **aux}
+
+            return jax.vmap(one)(batch, keys)
+
+        def means(model, batch, key, model_state):
+            return jax.tree.map(lambda v: v.mean(0), per_example(model, batch, key, model_state))
+
+        def sums(model, batch, key, weights, model_state):
+            return jax.tree.map(lambda v: jnp.tensordot(weights, v, axes=1), per_example(model, batch, key, model_state))
+
+        placement = _model_placement(mesh, specs)
+        self._means = CompiledStep(means, mesh, placement=placement, what="model", batch_args=(0,))
+        self._sums = CompiledStep(sums, mesh, placement=placement, what="model", batch_args=(0, 2))
+        self.mesh, self.specs = mesh, specs
+
+    def __call__(self, model, batch, key, *, model_state=None):
+        return self._means(model, batch, key, model_state)
+
+    def sums(self, model, batch, key, weights, *, model_state=None):
+        return self._sums(model, batch, key, weights, model_state)
+
+    def lower(self, model, batch, key, *, model_state=None):
+        return self._means.lower(model, batch, key, model_state)
+
+
+@typechecked
+def make_eval_step(loss_fn: Callable, mesh: Mesh, specs: Any, *, compute_dtype: Any = None) -> EvalStep:
+    """Compiled evaluation: ``(model, batch, key) -> metrics``, the example
+    mean of ``loss`` and ``loss_fn``'s aux, with the model in inference mode
+    (``eqx.nn.inference_mode``: dropout off) and laid out by ``specs``. Each
+    example's loss is computed on its own (``loss_fn`` on a batch of one,
+    vmapped), so means are exact however the batch was padded; ``loss_fn``
+    must treat rows independently (BatchNorm in inference mode reads its
+    running statistics from ``model_state=``, passed to the call).
+
+    **Example:**
+
+    ```python
+    eval_step = redeqx.make_eval_step(loss_fn, mesh, specs)
+    metrics = redeqx.evaluate(eval_step, state.model, test, collate_fn, 64, mesh, key=key)
+    ```
+    """
+    mesh = _check_step_args(loss_fn, "loss_fn", LOSS_CALL, LOSS_EXAMPLE, mesh, specs, compute_dtype)
+    return EvalStep(loss_fn, mesh, specs, compute_dtype)
+
+
+class PredictStep:
+    """Compiled prediction: ``predict_step(model, batch, key, *,
+    model_state=None) -> preds``."""
+
+    def __init__(self, pred_fn, mesh: Mesh, specs, compute_dtype):
+        name = fn_name(pred_fn)
+
+        def predict_step(model, batch, key, model_state):
+            b = batch_size(batch)  # any number of rows: those the data axis does not divide run on every shard
+            model, batch = _inference(model, compute_dtype), cast_floats(batch, compute_dtype)
+            if model_state is None:
+                out = pred_fn(model, batch, key)
+            else:
+                check_signature(pred_fn, "pred_fn", 4, "(model, batch, key, model_state)",
+                                "def pred_fn(model, batch, key, model_state): ...")
+                out = pred_fn(model, batch, key, model_state)
+            for x in jax.tree.leaves(out):
+                if jnp.ndim(x) == 0 or jnp.shape(x)[0] != b:
+                    raise ValueError(
+                        f"pred_fn {name!r} must return arrays with the batch ({b} rows) as leading dim, got shape "
+                        f"{jnp.shape(x)}."
+                    )
+            return out
+
+        self._step = CompiledStep(predict_step, mesh, placement=_model_placement(mesh, specs), what="model",
+                                  batch_args=(0,))
+        self.mesh, self.specs = mesh, specs
+        _named_like(pred_fn, self)
+
+    def __call__(self, model, batch, key, *, model_state=None):
+        return self._step(model, batch, key, model_state)
+
+    def lower(self, model, batch, key, *, model_state=None):
+        return self._step.lower(model, batch, key, model_state)
+
+
+@typechecked
+def make_predict_step(pred_fn: Callable, mesh: Mesh, specs: Any, *, compute_dtype: Any = None) -> PredictStep:
+    """Compiled prediction: ``(model, batch, key) -> preds``, with the model in
+    inference mode and laid out by ``specs`` (moved there, with a warning,
+    if it is not). Every array in ``preds`` has the batch as its leading dim
+    (one row per example), which `predict` relies on. A batch of any size
+    works (rows the ``data`` axis does not divide, such as a few
+    environments' observations, are computed on every data shard).
+    ``compute_dtype`` is as in `make_train_step`.
+
+    **Example:**
+
+    ```python
+    def pred_fn(model, batch, key):
+        return jnp.argmax(jax.vmap(model)(batch["x"]), -1)
+
+    predict_step = redeqx.make_predict_step(pred_fn, mesh, specs)
+    preds = redeqx.predict(predict_step, state.model, test, collate_fn, 64, mesh, key=key)
+    ```
+    """
+    mesh = _check_step_args(pred_fn, "pred_fn", "(model, batch, key)", "def pred_fn(model, batch, key): ...",
+                            mesh, specs, compute_dtype)
+    return PredictStep(pred_fn, mesh, specs, compute_dtype)
