@@ -155,6 +155,11 @@ def breakdown(xplane: str, hlo_text: str, steps: int, top: int = 30) -> dict:
     spans = []
     for name, hlo_op, start, duration in device_events(xplane):
         op = ops.get(hlo_op)
+        if op is None or op["opcode"] == "call":
+            # inside a CUDA command buffer every kernel names the buffer as its instruction
+            # (one instruction for the whole step on an H200); XLA names a fusion's kernel
+            # after the fusion, so the kernel's own name finds its instruction
+            hlo_op, op = name, ops.get(name)
         kind = kind_of(op, name)
         by_kind[kind] += duration / 1e6 / steps
         entry = by_op.setdefault(hlo_op or name, [kind, 0.0, 0, name[:80]])
