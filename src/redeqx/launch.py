@@ -46,7 +46,7 @@ import threading
 import time
 from pathlib import Path
 
-from .run._distributed import ENV
+from .run import ENV
 from ._hooks import StoppedByLauncher, stop_on_launcher_signal
 from .checkpoints._preemption import PREEMPTED_EXIT_CODE
 
@@ -148,7 +148,7 @@ def _child() -> None:
     ``__main__`` with its own argv, as ``python script.py args`` would."""
     _die_with_launcher()
     script, *args = sys.argv[1:]
-    from .run._distributed import launcher_start
+    from .run import launcher_start
 
     launcher_start()
     stop_on_launcher_signal(STOP_SIGNAL)

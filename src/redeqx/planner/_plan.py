@@ -27,20 +27,16 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ..context._context import batch_spec, check_per_token_keys, check_seq_keys, check_whole_keys
+from ..context import batch_spec, check_per_token_keys, check_seq_keys, check_whole_keys
 from ._grouped_flops import overcount
 from ._hlo import collective_summary, estimated_flops, loop_factor
-from ..mesh._mesh import CONTEXT, DATA, MODEL, check_mesh, make_mesh
-from ..state._optimizers import with_opt_state_dtype
+from ..mesh import CONTEXT, DATA, MODEL, check_mesh, check_specs, check_specs_match, make_mesh, sharding_of
+from ..state import abstract_model, init_state, is_constructor, with_opt_state_dtype
 from ..steps._remat import ScanResiduals, remat as remat_loss
-from ..sharding._public import read as read_program, specs_from
-from ..state._build import abstract_model, is_constructor
-from ..state._state import init_state
-from ..mesh._spec_checks import check_specs, check_specs_match
+from ..sharding import program_facts, specs_from
 from .._trees import human_bytes, is_spec, named_leaves, per_device_shape
 from ..steps._steps import make_train_step
 from .._typing import typechecked, warn_user
-from ..sharding._specs import sharding_of
 
 _UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -406,7 +402,7 @@ def plan(
         check_specs_match(abstract, specs, "model")
     settings = dict(fsdp=fsdp, remat=remat, accumulate=accumulate, compute_dtype=compute_dtype,
                     opt_state_dtype=opt_state_dtype, overrides=tuple(overrides), trainable=trainable,
-                    scan_residuals=scan_residuals, facts=read_program(abstract, loss_fn, batch),
+                    scan_residuals=scan_residuals, facts=program_facts(abstract, loss_fn, batch),
                     seq_keys=seq_keys, specs=specs)
     first = _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, settings, device_memory)
     text = _versus_names(abstract, loss_fn, optimizer, batch, mesh, key, settings, first)

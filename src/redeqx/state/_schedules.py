@@ -8,7 +8,7 @@ from typing import Literal
 import optax
 from jax.sharding import Mesh
 
-from ..mesh._mesh import DATA
+from ..mesh import DATA
 from .._typing import positive_int, typechecked
 
 
