@@ -8,7 +8,7 @@ form no circle, so each has a *floor*: 1 for a room that imports no other,
 else 1 + the highest floor it imports. Code outside a package reaches it only
 through its ``__init__`` and only by names without a leading underscore (a
 package's own ``__init__`` may import its private modules). Files stay under
-500 lines (``models/`` excepted) and functions under 60.
+500 lines (``models/`` excepted) and functions under 60 (docstrings aside).
 
 The allow-lists below name today's exceptions, each with its reason; an entry
 that no longer offends fails the test, so the lists only shrink.
@@ -72,17 +72,8 @@ LONG_FILES_ALLOWED = {
 }
 # Functions over MAX_FUNCTION_LINES, as "file:qualified.name".
 LONG_FUNCTIONS_ALLOWED = {
-    "checkpoints/_checkpoint.py:restore_checkpoint": "the checkpoints split (issue 42 item 2) is in progress",
     "checkpoints/_manager.py:CheckpointManager.__init__": "the checkpoints split (issue 42 item 2) is in progress",
     "checkpoints/_manager.py:CheckpointManager.save": "the checkpoints split (issue 42 item 2) is in progress",
-    "data/_data.py:batches": "the data owner splits it (issue 42) in progress",
-    "models/_pretrained.py:from_pretrained": "the zoo configs as data (issue 42 item 4) rewrite it",
-    "models/_pretrained.py:save_pretrained": "the zoo configs as data (issue 42 item 4) rewrite it",
-    "steps/_steps.py:make_train_step": "one home for the first-call check (issue 42 item 3) rewrites it",
-    "_inference.py:predict": "to be split into named helpers (issue 42)",
-    "context/_context.py:attention": "to be split into named helpers (issue 42)",
-    "launch.py:main": "to be split into named helpers (issue 42)",
-    "mesh/_mesh.py:make_mesh": "to be split into named helpers (issue 42)",
     "planner/_plan.py:plan": "to be split into named helpers (issue 42)",
     "run/_distributed.py:_start": "to be split into named helpers (issue 42)",
     "state/_schedules.py:lr_schedule": "to be split into named helpers (issue 42)",
@@ -210,7 +201,9 @@ def test_no_file_too_long():
 
 
 def _functions(path: Path) -> dict[str, int]:
-    """Each function's qualified name in ``path`` -> its lines, from `def` to its last line."""
+    """Each function's qualified name in ``path`` -> its lines, from `def` to
+    its last line, less its docstring (a public function's documentation and
+    example are not what makes it hard to read)."""
     lengths = {}
 
     def walk(node, prefix):
@@ -218,7 +211,11 @@ def _functions(path: Path) -> dict[str, int]:
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 name = prefix + child.name
                 if not isinstance(child, ast.ClassDef):
-                    lengths[name] = child.end_lineno - child.lineno + 1
+                    doc = child.body[0]
+                    is_doc = isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(
+                        doc.value.value, str)
+                    lengths[name] = child.end_lineno - child.lineno + 1 - (
+                        doc.end_lineno - doc.lineno + 1 if is_doc else 0)
                 walk(child, name + ".")
             else:
                 walk(child, prefix)
