@@ -74,7 +74,6 @@ LONG_FUNCTIONS_ALLOWED = {
     "checkpoints/_manager.py:CheckpointManager.__init__": "the checkpoints split (issue 42 item 2) is in progress",
     "checkpoints/_manager.py:CheckpointManager.save": "the checkpoints split (issue 42 item 2) is in progress",
     "run/_distributed.py:_start": "to be split into named helpers (issue 42)",
-    "state/_schedules.py:lr_schedule": "to be split into named helpers (issue 42)",
 }
 
 
