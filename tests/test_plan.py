@@ -138,7 +138,7 @@ def test_auto_plans_each_candidate_once_and_explores_only_at_the_end(monkeypatch
     its "tried" list showed fsdp=True twice, kept options that raised the
     peak, and said "more devices are needed" without trying the most model
     shards the devices allow."""
-    from redeqx.planner import _plan
+    from redeqx.planner import _explore, _plan
 
     compiles = []
     real = _plan._one_plan
@@ -155,7 +155,7 @@ def test_auto_plans_each_candidate_once_and_explores_only_at_the_end(monkeypatch
     labels = [line.split(" peak ")[0].strip() for line in tried]
     assert labels and len(labels) == len(set(labels)), labels  # fsdp=True was listed twice
     settings = dict(fsdp=False, remat=False, accumulate=1, compute_dtype=None, opt_state_dtype=None)
-    options = [label for label, _, _ in _plan._options(settings, redeqx.make_mesh(1, devices=devices), 16)]
+    options = [label for label, _, _ in _explore.options(settings, redeqx.make_mesh(1, devices=devices), 16)]
     assert "n_model_shards=2" in options and "n_model_shards=4" in options, options  # the most there are, too
 
 
@@ -194,7 +194,7 @@ MLP_SWAPPED = [(r"mlp\.fc1\.weight", P(None, "model")), (r"mlp\.fc1\.bias", P())
 
 
 def _counting(monkeypatch):
-    from redeqx.planner import _plan
+    from redeqx.planner import _explore, _plan
 
     compiles = []
     real = _plan._one_plan

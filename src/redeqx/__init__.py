@@ -8,32 +8,38 @@ from .checkpoints._checkpoint import (
     restore_checkpoint as restore_checkpoint,
     save_checkpoint as save_checkpoint,
 )
-from .state._build import init_model as init_model
-from .mesh._constrain import constrain as constrain
+from .state import (
+    TrainState as TrainState,
+    apply_gradients as apply_gradients,
+    init_model as init_model,
+    init_opt_state as init_opt_state,
+    init_state as init_state,
+    lr_schedule as lr_schedule,
+    with_opt_state_dtype as with_opt_state_dtype,
+)
+from .mesh import check_mesh as check_mesh, constrain as constrain, make_mesh as make_mesh, shard as shard
 from .steps._conv_grads import exact_conv_grads as exact_conv_grads
-from .context._context import (
+from .context import (
     attention as attention,
     context_order as context_order,
     restore_order as restore_order,
     sequence_positions as sequence_positions,
 )
 from .data._data import batches as batches, shuffled as shuffled
-from .run._distributed import initialize as initialize, preflight as preflight
+from .run import (
+    HUNG_EXIT_CODE as HUNG_EXIT_CODE,
+    StepWatchdog as StepWatchdog,
+    initialize as initialize,
+    preflight as preflight,
+)
 from .data._grain import GrainBatches as GrainBatches, grain_batches as grain_batches
-from .planner._hlo import collective_summary as collective_summary
+from .planner import Plan as Plan, collective_summary as collective_summary, plan as plan
 from ._inference import evaluate as evaluate, predict as predict
 from ._logging import Logger as Logger
 from .checkpoints._manager import CheckpointManager as CheckpointManager
-from .mesh._mesh import check_mesh as check_mesh, make_mesh as make_mesh
-from .state._opt_state import init_opt_state as init_opt_state
-from .state._optimizers import with_opt_state_dtype as with_opt_state_dtype
-from .mesh._placement import shard as shard
-from .planner._plan import Plan as Plan, plan as plan
 from .checkpoints._preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE, Preempted as Preempted
 from .steps._remat import checkpoint as checkpoint, remat as remat
 from .sharding import explain as explain, sharding_rules as sharding_rules, specs_from_overrides as specs_from_overrides
-from .state._schedules import lr_schedule as lr_schedule
-from .state._state import TrainState as TrainState, apply_gradients as apply_gradients, init_state as init_state
 from .steps._steps import (
     make_eval_step as make_eval_step,
     make_predict_step as make_predict_step,
@@ -41,4 +47,3 @@ from .steps._steps import (
     make_train_step as make_train_step,
 )
 from ._version import __version__ as __version__
-from .run._watchdog import HUNG_EXIT_CODE as HUNG_EXIT_CODE, StepWatchdog as StepWatchdog

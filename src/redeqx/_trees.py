@@ -68,7 +68,7 @@ def leaves_with_specs(tree, specs) -> list[tuple[str, Any, P]]:
     """``(path, leaf, spec)`` for every array leaf of ``tree`` (concrete or
     abstract), ``spec`` from the spec tree of the same structure (``P()``
     where it says None). Structures are assumed to match (see
-    `redeqx.state._state.check_specs_match`): ``None`` fields, such as a Linear's
+    `redeqx.mesh.check_specs_match`): ``None`` fields, such as a Linear's
     missing bias, are leaves on both sides."""
     leaves = named_leaves(tree, is_leaf=is_none)
     spec_leaves = jax.tree.leaves(specs, is_leaf=is_spec)

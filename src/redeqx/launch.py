@@ -46,7 +46,7 @@ import threading
 import time
 from pathlib import Path
 
-from .run._distributed import ENV
+from .run import ENV
 from ._hooks import StoppedByLauncher, stop_on_launcher_signal
 from .checkpoints._preemption import PREEMPTED_EXIT_CODE
 
@@ -148,7 +148,7 @@ def _child() -> None:
     ``__main__`` with its own argv, as ``python script.py args`` would."""
     _die_with_launcher()
     script, *args = sys.argv[1:]
-    from .run._distributed import launcher_start
+    from .run import launcher_start
 
     launcher_start()
     stop_on_launcher_signal(STOP_SIGNAL)
@@ -277,13 +277,9 @@ def _names(indices) -> str:
     return ("process " if len(indices) == 1 else "processes ") + ", ".join(map(str, indices))
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m redeqx.launch -n N script.py [args]``; returns the exit status."""
-    ns = _parse(argv)
-    port = ns.port or free_port()
-    per = ns.devices // ns.n_processes
-    marks = Path(tempfile.mkdtemp(prefix="redeqx-launch-"))
-    procs: list[subprocess.Popen] = []
+def _spawn(ns: argparse.Namespace, port: int, marks: Path) -> list[subprocess.Popen]:
+    """Starts the ``ns.n_processes`` processes of the script."""
+    procs, per = [], ns.devices // ns.n_processes
     for i in range(ns.n_processes):
         env = child_env(i, ns.n_processes, port, per, heartbeat_timeout=ns.heartbeat_timeout)
         env[LAUNCH_DIR] = str(marks)
@@ -291,95 +287,125 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, "-c", "from redeqx.launch import _child; _child()", ns.script, *ns.args]
         # Own process group: a Ctrl-C reaches each process once, through the launcher.
         procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
+    return procs
 
-    received: list[int] = []
-    received_at: list[float] = []
-    killed: list[str] = []  # why the launcher SIGKILLed processes, if it did
 
-    def say(text: str) -> None:
-        print(f"redeqx.launch: {text}", file=sys.stderr, flush=True)
+def _say(text: str) -> None:
+    print(f"redeqx.launch: {text}", file=sys.stderr, flush=True)
 
-    def kill_all(why: str) -> None:
-        killed.append(why)
-        for p in procs:
+
+class _Run:
+    """The launched processes, and what the launcher has seen of them so far:
+    the signals it forwarded, the processes that exited preempted, the first
+    process to end its script, and why it SIGKILLed them, if it did."""
+
+    def __init__(self, ns: argparse.Namespace, marks: Path, procs: list[subprocess.Popen]):
+        self.ns, self.marks, self.procs = ns, marks, procs
+        self.received: list[int] = []
+        self.received_at: list[float] = []
+        self.killed: list[str] = []
+        self.preempted: dict[int, float] = {}  # process -> when it exited with the preemption status
+        self.first_end: float | None = None
+
+    def kill_all(self, why: str) -> None:
+        self.killed.append(why)
+        for p in self.procs:
             if p.poll() is None:
                 _signal_group(p, signal.SIGKILL)
 
-    def forward(sig, frame):
-        if received:
+    def forward(self, sig, frame) -> None:
+        if self.received:
             if sig == signal.SIGINT:  # Ctrl-C again: the person at the keyboard wants out now
-                kill_all("a second Ctrl-C")
+                self.kill_all("a second Ctrl-C")
             # a repeated SIGTERM (a scheduler that signals twice, or every process of a job) is the
             # same notice: the checkpoint it asked for is being written, so keep waiting for it
             return
-        received.append(sig)
-        received_at.append(time.monotonic())
-        for p in procs:
+        self.received.append(sig)
+        self.received_at.append(time.monotonic())
+        for p in self.procs:
             if p.poll() is None:
                 _signal_group(p, sig)
 
-    handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    previous = {s: signal.signal(s, forward) for s in handled}
-    status = 0
-    preempted: dict[int, float] = {}  # process -> when it exited with the preemption status
-    first_end: float | None = None
+    def poll(self) -> int | None:
+        """The launcher's exit status once the run is over, else None."""
+        codes = [p.poll() for p in self.procs]
+        now = time.monotonic()
+        failed = [(i, rc) for i, rc in enumerate(codes) if rc not in (None, 0, PREEMPTED_EXIT_CODE)]
+        if failed and not self.received and not self.preempted:
+            return self._one_failed(codes, *failed[0])
+        for i, rc in enumerate(codes):
+            if rc == PREEMPTED_EXIT_CODE and i not in self.preempted:
+                self.preempted[i] = now
+                _say(f"process {i} {_describe_exit(rc)}.")
+        if self._ended_alone(codes, now):
+            _stop(self.procs)
+            return 1
+        self._kill_after_grace(codes, now)
+        if all(rc is not None for rc in codes):
+            return self._all_ended(codes, failed)
+        return None
+
+    def _one_failed(self, codes, i: int, rc: int) -> int:
+        alive = sum(rc is None for rc in codes)
+        stopping = f"; stopping the other {alive} process(es)" if alive else ""
+        _say(f"process {i} (pid {self.procs[i].pid}) {_describe_exit(rc)}{stopping}.")
+        _stop(self.procs)
+        return 128 - rc if rc < 0 else rc
+
+    def _ended_alone(self, codes, now: float) -> bool:
+        """Whether some processes ended the script and others still run ``--exit-timeout`` later."""
+        ended = sorted(i for i, rc in enumerate(codes) if rc == 0 or (self.marks / f"ended_{i}").exists())
+        running = [i for i, rc in enumerate(codes) if rc is None and i not in ended]
+        if not (ended and running and not self.received and not self.preempted):
+            return False
+        self.first_end = self.first_end if self.first_end is not None else now
+        if now - self.first_end <= self.ns.exit_timeout:
+            return False
+        _say(f"{_names(ended)} ended the script, and {_names(running)} still ran {self.ns.exit_timeout:g} s "
+             "later: a process that ends early (sys.exit, return or break taken by one process only) "
+             "leaves the others waiting for it in a collective forever. Stopping them all "
+             "(--exit-timeout sets the wait).")
+        return True
+
+    def _kill_after_grace(self, codes, now: float) -> None:
+        since = self.received_at[0] if self.received else min(self.preempted.values(), default=None)
+        grace = GRACE_SECONDS if self.received and self.received[0] == signal.SIGINT else self.ns.grace
+        if since is not None and now - since > grace and any(rc is None for rc in codes):
+            # JAX takes SIGTERM as a preemption notice and keeps running
+            # (jax.experimental.multihost_utils.reached_preemption_sync_point):
+            # after the grace period, stop for good, as a scheduler would.
+            late = [i for i, rc in enumerate(codes) if rc is None]
+            what = "signal" if self.received else "preemption"
+            _say(f"{_names(late)} still ran {grace:g} s after the {what}; killing them.")
+            self.kill_all(f"the end of the {grace:g} s grace period")
+
+    def _all_ended(self, codes, failed) -> int:
+        status = _final_status(codes, self.received, bool(self.preempted), failed)
+        if self.received and self.received[0] == signal.SIGTERM and status != PREEMPTED_EXIT_CODE:
+            why = f" (killed at {self.killed[0]})" if self.killed else ""
+            _say(f"no process saved a checkpoint after the SIGTERM{why}: nothing was saved for this "
+                 f"preemption; exiting with status {status}, not {PREEMPTED_EXIT_CODE}. A restart resumes "
+                 "from the last complete checkpoint (an unfinished save is never picked).")
+        elif self.killed and status != PREEMPTED_EXIT_CODE:
+            _say(f"killed every process at {self.killed[0]}: nothing was saved; exiting with status {status}.")
+        return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m redeqx.launch -n N script.py [args]``; returns the exit status."""
+    ns = _parse(argv)
+    marks = Path(tempfile.mkdtemp(prefix="redeqx-launch-"))
+    run = _Run(ns, marks, _spawn(ns, ns.port or free_port(), marks))
+    previous = {s: signal.signal(s, run.forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        while True:
-            codes = [p.poll() for p in procs]
-            now = time.monotonic()
-            failed = [(i, rc) for i, rc in enumerate(codes) if rc not in (None, 0, PREEMPTED_EXIT_CODE)]
-            if failed and not received and not preempted:
-                i, rc = failed[0]
-                alive = sum(rc is None for rc in codes)
-                stopping = f"; stopping the other {alive} process(es)" if alive else ""
-                say(f"process {i} (pid {procs[i].pid}) {_describe_exit(rc)}{stopping}.")
-                _stop(procs)
-                status = 128 - rc if rc < 0 else rc
-                break
-            for i, rc in enumerate(codes):
-                if rc == PREEMPTED_EXIT_CODE and i not in preempted:
-                    preempted[i] = now
-                    say(f"process {i} {_describe_exit(rc)}.")
-            ended = sorted(i for i, rc in enumerate(codes) if rc == 0 or (marks / f"ended_{i}").exists())
-            running = [i for i, rc in enumerate(codes) if rc is None and i not in ended]
-            if ended and running and not received and not preempted:
-                first_end = first_end if first_end is not None else now
-                if now - first_end > ns.exit_timeout:
-                    say(f"{_names(ended)} ended the script, and {_names(running)} still ran {ns.exit_timeout:g} s "
-                        "later: a process that ends early (sys.exit, return or break taken by one process only) "
-                        "leaves the others waiting for it in a collective forever. Stopping them all "
-                        "(--exit-timeout sets the wait).")
-                    _stop(procs)
-                    status = 1
-                    break
-            since = received_at[0] if received else min(preempted.values(), default=None)
-            grace = GRACE_SECONDS if received and received[0] == signal.SIGINT else ns.grace
-            if since is not None and now - since > grace and any(rc is None for rc in codes):
-                # JAX takes SIGTERM as a preemption notice and keeps running
-                # (jax.experimental.multihost_utils.reached_preemption_sync_point):
-                # after the grace period, stop for good, as a scheduler would.
-                late = [i for i, rc in enumerate(codes) if rc is None]
-                say(f"{_names(late)} still ran {grace:g} s after the {'signal' if received else 'preemption'}; "
-                    "killing them.")
-                kill_all(f"the end of the {grace:g} s grace period")
-            if all(rc is not None for rc in codes):
-                status = _final_status(codes, received, bool(preempted), failed)
-                if received and received[0] == signal.SIGTERM and status != PREEMPTED_EXIT_CODE:
-                    why = f" (killed at {killed[0]})" if killed else ""
-                    say(f"no process saved a checkpoint after the SIGTERM{why}: nothing was saved for this "
-                        f"preemption; exiting with status {status}, not {PREEMPTED_EXIT_CODE}. A restart resumes "
-                        "from the last complete checkpoint (an unfinished save is never picked).")
-                elif killed and status != PREEMPTED_EXIT_CODE:
-                    say(f"killed every process at {killed[0]}: nothing was saved; exiting with status {status}.")
-                break
+        while (status := run.poll()) is None:
             time.sleep(0.1)
     finally:
-        _stop(procs)
+        _stop(run.procs)
         for s, h in previous.items():
             signal.signal(s, h)
         shutil.rmtree(marks, ignore_errors=True)
     return status
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..mesh._mesh import CONTEXT, traced_platform
+from ..mesh import CONTEXT, traced_platform
 
 
 # ----------------------------------------------------------------------------- one block: queries against one shard's keys

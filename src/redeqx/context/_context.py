@@ -39,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from ._blockwise import Span, block_scores, block_size, gather_attention, ring_attention
-from ..mesh._mesh import CONTEXT, DATA, traced_platform
+from ..mesh import CONTEXT, DATA, traced_platform
 from .._typing import typechecked
 
 IMPLS = ("gather", "ring")

@@ -15,7 +15,7 @@ needs none of this and can ignore the first.
 from __future__ import annotations
 
 
-from ..mesh._mesh import CONTEXT
+from ..mesh import CONTEXT
 from .._rewrite import inner_jaxprs
 from .._typing import warn_user
 

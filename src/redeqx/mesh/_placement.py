@@ -1,5 +1,6 @@
-"""Placing arrays on the mesh: one array (`place`, never sharing memory
-with its input when asked), a tree by its specs (`shard`)."""
+"""Placing arrays on the mesh: a spec's `NamedSharding` (`sharding_of`,
+`named_shardings`), one array (`place`, never sharing memory with its input
+when asked), a tree by its specs (`shard`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,16 @@ from ._mesh import check_mesh
 from ._spec_checks import check_leaf, check_specs, check_specs_match
 from .._trees import is_array, is_none, is_spec, named_leaves
 from .._typing import typechecked
-from ..sharding._specs import sharding_of
+
+
+def named_shardings(specs, mesh: Mesh):
+    """PartitionSpec tree -> NamedSharding tree (``None`` stays ``None``): the one place a spec meets a mesh."""
+    return jax.tree.map(lambda s: None if s is None else NamedSharding(mesh, s), specs, is_leaf=is_spec)
+
+
+def sharding_of(spec: P | None, mesh: Mesh) -> NamedSharding:
+    """One leaf's NamedSharding; ``None`` (no spec) is replicated."""
+    return NamedSharding(mesh, P() if spec is None else spec)
 
 
 def _buffers(x) -> set | None:

@@ -27,20 +27,17 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ..context._context import batch_spec, check_per_token_keys, check_seq_keys, check_whole_keys
+from ..context import batch_spec, check_per_token_keys, check_seq_keys, check_whole_keys
+from ._explore import explore_options
 from ._grouped_flops import overcount
 from ._hlo import collective_summary, estimated_flops, loop_factor
-from ..mesh._mesh import CONTEXT, DATA, MODEL, check_mesh, make_mesh
-from ..state._optimizers import with_opt_state_dtype
+from ..mesh import DATA, MODEL, check_mesh, check_specs, check_specs_match, sharding_of
+from ..state import abstract_model, init_state, is_constructor, with_opt_state_dtype
 from ..steps._remat import ScanResiduals, remat as remat_loss
-from ..sharding._public import read as read_program, specs_from
-from ..state._build import abstract_model, is_constructor
-from ..state._state import init_state
-from ..mesh._spec_checks import check_specs, check_specs_match
+from ..sharding import program_facts, specs_from
 from .._trees import human_bytes, is_spec, named_leaves, per_device_shape
 from ..steps._steps import make_train_step
 from .._typing import typechecked, warn_user
-from ..sharding._specs import sharding_of
 
 _UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -267,31 +264,6 @@ def _refused_temporaries(message: str) -> int:
     return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2) or " "))
 
 
-def _options(settings: dict, mesh: Mesh, global_batch: int) -> list[tuple[str, dict, int]]:
-    """Changes worth trying, each ``(label, settings change, n_model_shards)``."""
-    n_model, n_dev = mesh.shape[MODEL], mesh.devices.size
-    out = []
-    fixed = settings.get("specs") is not None  # specs given by hand: neither fsdp nor another mesh re-derives them
-    if not settings["fsdp"] and not fixed:
-        out.append(("fsdp=True", {"fsdp": True}, n_model))
-    if not settings["remat"]:
-        out.append(("remat (redeqx.remat(loss_fn))", {"remat": True}, n_model))
-    if settings["compute_dtype"] is None:
-        out.append(("compute_dtype=jnp.bfloat16", {"compute_dtype": jnp.bfloat16}, n_model))
-    if settings["opt_state_dtype"] is None:
-        out.append(("bfloat16 optimizer state", {"opt_state_dtype": jnp.bfloat16}, n_model))
-    per_device = global_batch // mesh.shape[DATA]
-    for k in (2, 4, 8):
-        if per_device % (settings["accumulate"] * k) == 0:
-            out.append((f"accumulate={settings['accumulate'] * k}", {"accumulate": settings["accumulate"] * k}, n_model))
-            break
-    bigger = [k for k in range(n_model + 1, n_dev + 1) if n_dev % k == 0 and global_batch % (n_dev // k) == 0
-              and not fixed]
-    for k in dict.fromkeys(bigger[:1] + bigger[-1:]):  # the next split, and the most these devices allow
-        out.append((f"n_model_shards={k}", {}, k))
-    return out
-
-
 @typechecked
 def plan(
     model: Any,
@@ -397,16 +369,10 @@ def plan(
         abstract = eqx.filter_eval_shape(lambda: model)
     device_memory = parse_bytes(device_memory)
     if specs is not None:
-        if fsdp or tuple(overrides):
-            given = "fsdp=True" if fsdp else f"overrides={list(overrides)!r}"
-            raise ValueError(f"redeqx.plan got specs= and {given}: the specs are final. Build them with the "
-                             "overrides and fsdp instead (redeqx.sharding_rules(model, mesh, overrides=..., "
-                             "fsdp=...)), or leave specs out and pass overrides and fsdp here.")
-        check_specs(specs, mesh)
-        check_specs_match(abstract, specs, "model")
+        _check_specs_given(specs, abstract, mesh, fsdp, overrides)
     settings = dict(fsdp=fsdp, remat=remat, accumulate=accumulate, compute_dtype=compute_dtype,
                     opt_state_dtype=opt_state_dtype, overrides=tuple(overrides), trainable=trainable,
-                    scan_residuals=scan_residuals, facts=read_program(abstract, loss_fn, batch),
+                    scan_residuals=scan_residuals, facts=program_facts(abstract, loss_fn, batch),
                     seq_keys=seq_keys, specs=specs)
     first = _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, settings, device_memory)
     text = _versus_names(abstract, loss_fn, optimizer, batch, mesh, key, settings, first)
@@ -415,42 +381,21 @@ def plan(
         first = dataclasses.replace(first, warnings=(*first.warnings, text))
     if first.fits is not False or not explore:
         return first
-    global_batch = first.global_batch
-    devices = list(mesh.devices.flat)
-    tried = []
-    for label, change, n_model in _options(settings, mesh, global_batch):
-        other_mesh = mesh if n_model == mesh.shape[MODEL] else make_mesh(
-            n_model, n_context_shards=dict(mesh.shape).get(CONTEXT, 1), devices=devices)
-        tried.append((label, _one_plan(abstract, loss_fn, optimizer, batch, other_mesh, key,
-                                       {**settings, **change}, device_memory)))
-    if not any(p.fits for _, p in tried):
-        # combine, on this mesh, the options that lowered the peak alone, best first; keep each that
-        # lowers the combination's peak further (one that raises it is left out, and said so)
-        alone = {label: p for label, p in tried}
-        helping = sorted(((name, change) for name, change, n_model in _options(settings, mesh, global_batch)
-                          if n_model == mesh.shape[MODEL] and alone[name].peak < first.peak),
-                         key=lambda nc: alone[nc[0]].peak)
-        combined, label, best = dict(settings), [], None
-        for name, change in helping:
-            if not label:  # the best one alone was compiled already
-                combined.update(change)
-                label.append(name)
-                best = alone[name]
-                continue
-            attempt = {**combined, **change}
-            p = _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, attempt, device_memory)
-            if p.peak < best.peak:
-                combined, best = attempt, p
-                label.append(name)
-                tried.append((" + ".join(label), p))
-                if p.fits:
-                    break
-            else:
-                tried.append((f"{' + '.join(label)} + {name} (raises the peak: left out)", p))
-        if best is not None and not best.fits:
-            tried += _accumulate_more(abstract, loss_fn, optimizer, batch, mesh, key, combined, label, device_memory,
-                                      global_batch)
-    return dataclasses.replace(first, tried=tuple(tried))
+
+    def attempt(mesh, settings):
+        return _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, settings, device_memory)
+
+    return dataclasses.replace(first, tried=tuple(explore_options(first, settings, mesh, attempt)))
+
+
+def _check_specs_given(specs, abstract, mesh: Mesh, fsdp: bool, overrides: Sequence) -> None:
+    if fsdp or tuple(overrides):
+        given = "fsdp=True" if fsdp else f"overrides={list(overrides)!r}"
+        raise ValueError(f"redeqx.plan got specs= and {given}: the specs are final. Build them with the "
+                         "overrides and fsdp instead (redeqx.sharding_rules(model, mesh, overrides=..., "
+                         "fsdp=...)), or leave specs out and pass overrides and fsdp here.")
+    check_specs(specs, mesh)
+    check_specs_match(abstract, specs, "model")
 
 
 def _collective_bytes(p: Plan) -> int:
@@ -496,21 +441,3 @@ def _versus_names(abstract, loss_fn, optimizer, batch, mesh, key, settings, plan
             f"(sharding_rules(model, mesh), {human_bytes(names_moved)}); they differ at {shown}. Compare the two with "
             "redeqx.explain; to train with the names' layout pass its specs, or pin these leaves with "
             "overrides=[(regex, spec)].")
-
-
-def _accumulate_more(abstract, loss_fn, optimizer, batch, mesh, key, combined, label, device_memory,
-                     global_batch) -> list[tuple[str, Plan]]:
-    """The combination with ever smaller micro-batches (accumulate doubled while it divides the
-    per-device batch, down to one row), stopping at the first that fits: the least accumulation
-    that fits, in at most log2(per-device batch) compiles."""
-    tried = []
-    per_device = global_batch // mesh.shape[DATA]
-    k = combined["accumulate"] * 2
-    base = " + ".join(n for n in label if not n.startswith("accumulate="))
-    while per_device % k == 0:
-        p = _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, {**combined, "accumulate": k}, device_memory)
-        tried.append((f"{base + ' + ' if base else ''}accumulate={k}", p))
-        if p.fits:
-            break
-        k *= 2
-    return tried

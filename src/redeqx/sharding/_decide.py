@@ -20,7 +20,7 @@ import math
 import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from ..mesh._mesh import MODEL
+from ..mesh import MODEL
 from .._trees import human_bytes, is_array_like, path_parts
 from ._name_rules import UNPLACED, classify
 from ._names import _ancestors

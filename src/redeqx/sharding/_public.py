@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from ..mesh._mesh import DATA, MODEL, check_mesh
+from ..mesh import DATA, MODEL, check_mesh
 from .._trees import human_bytes, is_array_like, path_parts, path_str, per_device_shape
 from .._typing import typechecked, warn_user
 from ._decide import leaf_specs
@@ -18,7 +18,7 @@ from ._program import read_program
 from ._specs import Overrides, unplaced_warning
 
 
-def read(model, loss_fn, batch):
+def program_facts(model, loss_fn, batch):
     """The program's facts about ``model``'s leaves, or None without a program;
     an error naming what to pass when only half of it is given."""
     if loss_fn is None and batch is None:
@@ -109,7 +109,7 @@ def sharding_rules(model, mesh: Mesh, *, loss_fn: Callable | None = None, batch:
     print(redeqx.explain(model, specs, mesh, loss_fn=loss_fn, batch=batch))
     ```
     """
-    return specs_from(model, check_mesh(mesh), read(model, loss_fn, batch), overrides, fsdp, name)
+    return specs_from(model, check_mesh(mesh), program_facts(model, loss_fn, batch), overrides, fsdp, name)
 
 
 def specs_from(model, mesh: Mesh, facts, overrides=(), fsdp: bool = False, name: str | None = None):
@@ -186,7 +186,7 @@ def explain(model, specs, mesh: Mesh, *, loss_fn: Callable | None = None, batch:
     """
     mesh = check_mesh(mesh)
     full = reasons == "full"
-    facts = read(model, loss_fn, batch)
+    facts = program_facts(model, loss_fn, batch)
     candidates = [leaf_specs(model, mesh, overrides, f, None, facts)[1]
                   for f in ((False, True) if fsdp is None else (fsdp,))]
     by_path = [{p.path: p for p in decided if p is not None} for decided in candidates]

@@ -16,11 +16,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
-from ..mesh._mesh import CONTEXT, DATA, MODEL, check_mesh
+from ..mesh import CONTEXT, DATA, MODEL, check_mesh
+from ..mesh import named_shardings as named_shardings, sharding_of as sharding_of  # old importers (issue 42)
 from ._stacks import layer_axes
-from .._trees import is_array_like, is_spec, path_parts, path_str
+from .._trees import is_array_like, path_parts, path_str
 from ._name_rules import UNPLACED, classify
 from ._names import ADAPTER_NAMES, BIAS_NAMES, WEIGHT_NAMES, _ancestors, _tokens
 from ._names_special import _peeled
@@ -64,16 +65,6 @@ def brief(reason: str) -> str:
     if len(reason) <= SHORT_LIMIT:
         return reason
     return reason[:SHORT_LIMIT - 1].rsplit(" ", 1)[0].rstrip(",;:") + "…"
-
-
-def named_shardings(specs, mesh: Mesh):
-    """PartitionSpec tree -> NamedSharding tree (``None`` stays ``None``): the one place a spec meets a mesh."""
-    return jax.tree.map(lambda s: None if s is None else NamedSharding(mesh, s), specs, is_leaf=is_spec)
-
-
-def sharding_of(spec: P | None, mesh: Mesh) -> NamedSharding:
-    """One leaf's NamedSharding; ``None`` (no spec) is replicated."""
-    return NamedSharding(mesh, P() if spec is None else spec)
 
 
 def split_spec(ndim: int, dim: int, axis: str = MODEL) -> P:

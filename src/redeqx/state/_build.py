@@ -13,12 +13,10 @@ import numpy as np
 from jax.sharding import Mesh
 from jaxtyping import PRNGKeyArray, PyTree
 
-from ..mesh._mesh import check_mesh
-from ..mesh._spec_checks import check_key, check_specs_match
+from ..mesh import check_key, check_mesh, check_specs_match, sharding_of
 from .._trees import is_none, is_spec
 from .._typing import typechecked
 from ..sharding import sharding_rules
-from ..sharding._specs import sharding_of
 
 
 def _call_with_key(make_model, key):

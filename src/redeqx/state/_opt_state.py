@@ -11,12 +11,9 @@ import optax
 from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import PyTree
 
-from ..mesh._mesh import check_mesh
-from ..mesh._placement import place_tree
-from ..mesh._spec_checks import check_specs, check_specs_match
+from ..mesh import check_mesh, check_specs, check_specs_match, named_shardings, place_tree
 from .._trees import is_floating, leaves_with_specs, path_str
 from .._typing import typechecked
-from ..sharding._specs import named_shardings
 
 
 def mirror_specs(abstract_state, model, specs):

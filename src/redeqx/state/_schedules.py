@@ -8,7 +8,7 @@ from typing import Literal
 import optax
 from jax.sharding import Mesh
 
-from ..mesh._mesh import DATA
+from ..mesh import DATA
 from .._typing import positive_int, typechecked
 
 
@@ -57,25 +57,8 @@ def lr_schedule(
     optimizer = optax.adamw(schedule)
     ```
     """
-    for name, v in (("train_size", train_size), ("per_device_batch_size", per_device_batch_size),
-                    ("n_epochs", n_epochs), ("accumulate", accumulate)):
-        positive_int(v, name)
-    for name, v in (("learning_rate", learning_rate), ("init_learning_rate", init_learning_rate),
-                    ("end_learning_rate", end_learning_rate)):
-        if not (math.isfinite(v) and v >= 0):
-            raise ValueError(
-                f"{name} must be a finite rate >= 0, got {v}; optax's optimizers descend with a positive rate "
-                "(to maximise an objective, negate it in loss_fn)."
-            )
-    if schedule_type not in ("linear", "cosine"):
-        raise ValueError(f"schedule_type must be 'linear' or 'cosine', got {schedule_type!r}.")
-    if per_device_batch_size % accumulate:
-        raise ValueError(
-            f"per_device_batch_size={per_device_batch_size} is not a multiple of accumulate={accumulate}: "
-            f"make_train_step(..., accumulate={accumulate}) splits each data shard's {per_device_batch_size} rows "
-            f"into {accumulate} micro-batches. per_device_batch_size is the rows of a whole step (what batches "
-            f"yields), so use a multiple of {accumulate}, e.g. {per_device_batch_size * accumulate}."
-        )
+    _check_arguments(train_size, per_device_batch_size, n_epochs, accumulate, learning_rate, init_learning_rate,
+                     end_learning_rate, schedule_type)
     n_data = mesh.shape[DATA]
     per_step = per_device_batch_size * n_data
     steps_per_epoch = train_size // per_step if drop_last else math.ceil(train_size / per_step)
@@ -103,3 +86,26 @@ def lr_schedule(
     if warmup_steps == 0:
         return decay
     return optax.join_schedules([warmup, decay], [warmup_steps])
+
+
+def _check_arguments(train_size, per_device_batch_size, n_epochs, accumulate, learning_rate, init_learning_rate,
+                     end_learning_rate, schedule_type) -> None:
+    for name, v in (("train_size", train_size), ("per_device_batch_size", per_device_batch_size),
+                    ("n_epochs", n_epochs), ("accumulate", accumulate)):
+        positive_int(v, name)
+    for name, v in (("learning_rate", learning_rate), ("init_learning_rate", init_learning_rate),
+                    ("end_learning_rate", end_learning_rate)):
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(
+                f"{name} must be a finite rate >= 0, got {v}; optax's optimizers descend with a positive rate "
+                "(to maximise an objective, negate it in loss_fn)."
+            )
+    if schedule_type not in ("linear", "cosine"):
+        raise ValueError(f"schedule_type must be 'linear' or 'cosine', got {schedule_type!r}.")
+    if per_device_batch_size % accumulate:
+        raise ValueError(
+            f"per_device_batch_size={per_device_batch_size} is not a multiple of accumulate={accumulate}: "
+            f"make_train_step(..., accumulate={accumulate}) splits each data shard's {per_device_batch_size} rows "
+            f"into {accumulate} micro-batches. per_device_batch_size is the rows of a whole step (what batches "
+            f"yields), so use a multiple of {accumulate}, e.g. {per_device_batch_size * accumulate}."
+        )

@@ -19,22 +19,11 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
-from ._build import abstract_model, constructor, init_model, is_abstract, is_constructor
-from ..mesh._mesh import check_mesh
-from ._opt_state import Optimizer, as_optimizer, init_opt_state, mirror_specs, opt_state_specs, trainable_params
-from ..mesh._placement import place, place_tree, replicate_key, shard
-from ..mesh._spec_checks import check_key, check_leaf, check_specs, check_specs_match, refuse_deleted
+from ._build import constructor, is_abstract, is_constructor
+from ..mesh import check_key, check_mesh, check_specs, check_specs_match, place, place_tree, replicate_key, sharding_of
+from ._opt_state import Optimizer, as_optimizer, init_opt_state, mirror_specs, trainable_params
 from .._trees import is_array_like, is_none, is_spec
 from .._typing import typechecked
-from ..sharding._specs import sharding_of
-
-__all__ = [  # this module's own names, and those of the modules it was split into
-    "TrainState", "apply_gradients", "init_state",
-    "abstract_model", "constructor", "init_model", "is_abstract", "is_constructor",
-    "Optimizer", "as_optimizer", "init_opt_state", "mirror_specs", "opt_state_specs", "trainable_params",
-    "place", "place_tree", "replicate_key", "shard",
-    "check_key", "check_leaf", "check_specs", "check_specs_match", "refuse_deleted",
-]
 
 
 class TrainState(eqx.Module):
