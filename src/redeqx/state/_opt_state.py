@@ -4,7 +4,6 @@ like their weight), and `init_opt_state`, which builds it in its shards."""
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Any
 
 import equinox as eqx
@@ -17,7 +16,7 @@ from ..mesh._mesh import check_mesh
 from ..mesh._placement import place_tree
 from ..mesh._spec_checks import check_specs, check_specs_match
 from .._trees import is_floating, leaves_with_specs, path_str
-from .._typing import typechecked
+from .._typing import typechecked, warn_user
 from ..sharding._specs import named_shardings
 
 
@@ -111,9 +110,9 @@ def _accept_old_order(fn):
     @functools.wraps(fn)
     def init_opt_state(*args, **kwargs):
         if len(args) >= 2 and isinstance(args[0], Optimizer) and not isinstance(args[1], Optimizer):
-            warnings.warn("redeqx.init_opt_state(optimizer, model, ...) is deprecated and will stop working in the "
-                          "next release: pass the model first, as to init_state: "
-                          "init_opt_state(model, optimizer, mesh, specs).", DeprecationWarning, stacklevel=2)
+            warn_user("redeqx.init_opt_state(optimizer, model, ...) is deprecated and stops working in the next "
+                      "release: pass the model first, as to init_state: init_opt_state(model, optimizer, mesh, specs).",
+                      DeprecationWarning)
             args = (args[1], args[0], *args[2:])
         return fn(*args, **kwargs)
 
