@@ -70,7 +70,7 @@ def _family(name: str, stacked: bool, layers: int = 16):
             decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048, max_position_embeddings=1024)),
     }[name]
     config = dataclasses.replace(config, scan_layers=stacked)
-    shift = {"t5": m.shift_right, "bart": m.shift_tokens_right}.get(name)
+    shift = m.shift_right if name in ("t5", "bart") else None
 
     def loss(model, batch, key):
         if shift is None:

@@ -116,7 +116,7 @@ def _model_and_loss(row: Row):
     if row.kind == "causal":  # ids (B, T + 1): T tokens in, the next T out
         return (model_maker, lambda model, batch, key: xent(jax.vmap(model)(batch["ids"][:, :-1]), batch["ids"][:, 1:]),
                 lambda n, seq: {"ids": jax.ShapeDtypeStruct((n, seq + 1), jnp.int32)})
-    shift, cfg = models.shift_right if row.kind == "t5" else models.shift_tokens_right, config_cls(**config)
+    shift, cfg = models.shift_right, config_cls(**config)
 
     def loss_fn(model, batch, key):
         return xent(jax.vmap(lambda s, t: model(s, shift(t, cfg)))(batch["src"], batch["tgt"]), batch["tgt"])

@@ -21,7 +21,14 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 LOOP = DOCS / "guides" / "loop.md"
 sys.path.insert(0, str(DOCS))
-from api_pages import api_pages  # noqa: E402  (the pages the site generates, one per public name)
+from api_pages import api_index, api_pages  # noqa: E402  (the pages the site generates, one per public name)
+
+
+def test_the_api_overview_is_generated_from_the_signatures():
+    # docs/api/index.md's table: every public name of redeqx, each with the signature inspect.signature reads
+    assert (DOCS / "api" / "index.md").read_text() == api_index(), (
+        "docs/api/index.md is not what docs/api_pages.py generates: run python docs/api_pages.py"
+    )
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ from redeqx.models import (
     from_pretrained,
     generate,
     save_pretrained,
-    shift_tokens_right,
+    shift_right,
 )
 from redeqx.models._pretrained import _skeleton, hf_tensors
 
@@ -156,7 +156,7 @@ def test_train_step_communication_is_megatron(bart):
     batch = jax.device_put({"src": jnp.asarray(src), "tgt": jnp.asarray(tgt)}, NamedSharding(mesh, P("data")))
 
     def loss_fn(m, batch, key):
-        logits = jax.vmap(lambda s, t: m(s, shift_tokens_right(t, c)))(batch["src"], batch["tgt"])
+        logits = jax.vmap(lambda s, t: m(s, shift_right(t, c)))(batch["src"], batch["tgt"])
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tgt"]).mean()
 
     summary = accelerator_collectives(redeqx.make_train_step(loss_fn, optimizer, mesh, specs), state, batch)
@@ -189,9 +189,9 @@ def test_bart_large_shapes_equal_transformers():
     assert sum(x.size for x in jax.tree.leaves(model)) == n_params + hf_config.vocab_size  # + final_logits_bias
 
 
-def test_shift_tokens_right_and_config_errors():
+def test_shift_right_and_config_errors():
     config = BartConfig(**SIZES)
-    np.testing.assert_array_equal(shift_tokens_right(jnp.asarray([[5, -100, 6]]), config), [[2, 5, 1]])
+    np.testing.assert_array_equal(shift_right(jnp.asarray([[5, -100, 6]]), config), [[2, 5, 1]])
     with pytest.raises(ValueError, match="decoder_attention_heads=5"):
         BartConfig(**{**SIZES, "decoder_attention_heads": 5})
     with pytest.raises(ValueError, match="normalize_before"):

@@ -155,8 +155,6 @@ def test_remat_reaches_the_scan_body():
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
     with pytest.raises(TypeError, match="remat\\(\\): argument keep='all' is a str, expected 'nothing' or 'dots'"):
         redeqx.remat(loss_fn, keep="all")
-    with pytest.raises(TypeError, match="checkpoint\\(\\): argument keep='all' is a str, expected 'nothing' or 'dots'"):
-        redeqx.checkpoint(loss_fn, keep="all")
 
 
 @pytest.mark.slow

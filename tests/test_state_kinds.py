@@ -101,9 +101,14 @@ def test_init_opt_state_mirrors_parameters():
     mesh = redeqx.make_mesh(2)
     actor, _ = actor_critic(jax.random.key(0))
     specs = redeqx.sharding_rules(actor, mesh)
-    opt_state = redeqx.init_opt_state(optax.adamw(1e-3), actor, mesh, specs)
+    opt_state = redeqx.init_opt_state(actor, optax.adamw(1e-3), mesh, specs)
     assert opt_state[0].mu.layers[0].weight.sharding.spec == specs.layers[0].weight
     assert opt_state[0].count.sharding.spec == jax.sharding.PartitionSpec()
+    with pytest.warns(DeprecationWarning, match=r"init_opt_state\(model, optimizer, mesh, specs\)"):
+        old_order = redeqx.init_opt_state(optax.adamw(1e-3), actor, mesh, specs)  # redeqx 0.1.0's order, one release
+    for x, y in zip(jax.tree.leaves(opt_state), jax.tree.leaves(old_order)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        assert x.sharding == y.sharding
 
 
 # ----------------------------------------------------------------------------- models with state

@@ -55,7 +55,7 @@ def test_exempt_names_exist():
     lambda: redeqx.read_metadata(3),
     lambda: redeqx.check_mesh(redeqx.make_mesh(1), name=3),
     lambda: redeqx.collective_summary(3),
-    lambda: redeqx.checkpoint(lambda x: x, keep="everything"),
+    lambda: redeqx.remat(lambda x: x, keep="everything"),
     lambda: redeqx.Logger(3),
     lambda: redeqx.CheckpointManager(3),
 ])

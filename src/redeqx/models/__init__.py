@@ -1,11 +1,7 @@
 """Equinox models that load and save Hugging Face checkpoints, laid out so
 that `redeqx.sharding_rules` gives the Megatron-LM plan with no overrides."""
 
-from ._bart import (
-    BartConfig as BartConfig,
-    BartForConditionalGeneration as BartForConditionalGeneration,
-    shift_tokens_right as shift_tokens_right,
-)
+from ._bart import BartConfig as BartConfig, BartForConditionalGeneration as BartForConditionalGeneration
 from ._generate import (
     Decoder as Decoder,
     Recomputing as Recomputing,

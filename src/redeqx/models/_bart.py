@@ -57,7 +57,7 @@ from ._layers import (
     scan_unroll,
 )
 from ._safetensors import HFTensor, leaf_tensors
-from ._seq2seq import EncoderDecoderLM, cache_slots, layer_caches, refuse_split, shift_right
+from ._seq2seq import EncoderDecoderLM, cache_slots, layer_caches, refuse_split
 
 POSITION_OFFSET = 2  # position p reads row p + 2 of each table, as fairseq and Hugging Face do
 
@@ -259,14 +259,14 @@ class BartForConditionalGeneration(EncoderDecoderLM):
                         decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
                         encoder_ffn_dim=128, decoder_ffn_dim=128)
     model = BartForConditionalGeneration(config, key=jax.random.key(0))
-    decoder_inputs = redeqx.models.shift_tokens_right(labels, config)
+    decoder_inputs = redeqx.models.shift_right(labels, config)
     logits = jax.vmap(model)(inputs, decoder_inputs)   # (batch, tgt_len, vocab)
     tokens = redeqx.models.generate(model, inputs, attention_mask=mask, max_new_tokens=32, eos_token_id=2)
     ```
 
     The encoder reads ``input_ids`` (padding on the right, ``False`` in
     ``attention_mask``); ``decoder_input_ids`` are the labels shifted right
-    behind ``config.decoder_start_token_id`` (`shift_tokens_right`).
+    behind ``config.decoder_start_token_id`` (`shift_right`).
     `redeqx.models.generate` and `beam_search` encode the input once and
     decode from the start token, returning the new tokens.
     """
@@ -380,9 +380,3 @@ class BartForConditionalGeneration(EncoderDecoderLM):
             out.append(t)
         return out
 
-
-def shift_tokens_right(labels: Int[Array, "*batch tgt"], config: BartConfig) -> Int[Array, "*batch tgt"]:
-    """Decoder inputs for teacher forcing: ``decoder_start_token_id`` then the
-    labels but the last, with ignored labels (``-100``) read as padding (the
-    same rule as T5's `shift_right`, with BART's token ids)."""
-    return shift_right(labels, config)

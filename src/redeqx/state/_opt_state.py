@@ -3,6 +3,7 @@ like their weight), and `init_opt_state`, which builds it in its shards."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import equinox as eqx
@@ -13,7 +14,7 @@ from jaxtyping import PyTree
 
 from ..mesh import check_mesh, check_specs, check_specs_match, named_shardings, place_tree
 from .._trees import is_floating, leaves_with_specs, path_str
-from .._typing import typechecked
+from .._typing import typechecked, warn_user
 
 
 def mirror_specs(abstract_state, model, specs):
@@ -66,8 +67,8 @@ def as_optimizer(optimizer) -> optax.GradientTransformation:
 
 @typechecked
 def init_opt_state(
-    optimizer: Optimizer,
     model: PyTree,
+    optimizer: Optimizer,
     mesh: Mesh,
     specs: PyTree,
     *,
@@ -79,12 +80,14 @@ def init_opt_state(
     that writes each shard where it lives: nothing is gathered.
 
     For steps you write yourself with `make_step` over several models and
-    optimizers; `init_state` uses it for one model.
+    optimizers; `init_state` uses it for one model. Its arguments come in
+    `init_state`'s order; the old order ``(optimizer, model, ...)`` still
+    works this release, with a ``DeprecationWarning``.
 
     **Example:**
 
     ```python
-    actor_opt = redeqx.init_opt_state(optax.adam(3e-4), actor, mesh, actor_specs)
+    actor_opt = redeqx.init_opt_state(actor, optax.adam(3e-4), mesh, actor_specs)
     ```
     """
     optimizer = as_optimizer(optimizer)
@@ -95,3 +98,22 @@ def init_opt_state(
     # on the mesh first (a no-op for a placed model): the compiled init takes its inputs where they are
     params = trainable_params(place_tree(model, specs, mesh, copy=False, what="model"), trainable)
     return jax.jit(optimizer.init, out_shardings=named_shardings(os_specs, mesh))(params)
+
+
+def _accept_old_order(fn):
+    """``fn`` that also takes redeqx 0.1.0's order, ``(optimizer, model, ...)``,
+    for one release: an optimizer first and none second can only be that."""
+
+    @functools.wraps(fn)
+    def init_opt_state(*args, **kwargs):
+        if len(args) >= 2 and isinstance(args[0], Optimizer) and not isinstance(args[1], Optimizer):
+            warn_user("redeqx.init_opt_state(optimizer, model, ...) is deprecated and stops working in the next "
+                      "release: pass the model first, as to init_state: init_opt_state(model, optimizer, mesh, specs).",
+                      DeprecationWarning)
+            args = (args[1], args[0], *args[2:])
+        return fn(*args, **kwargs)
+
+    return init_opt_state
+
+
+init_opt_state = _accept_old_order(init_opt_state)

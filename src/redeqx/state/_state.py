@@ -91,7 +91,7 @@ def init_state(
     if is_abstract(model):
         return _abstract_state(model, optimizer, mesh, specs, key, trainable, model_state)
     model = place_tree(model, specs, mesh, copy=not donate_model, what="model")
-    opt_state = init_opt_state(optimizer, model, mesh, specs, trainable=trainable)
+    opt_state = init_opt_state(model, optimizer, mesh, specs, trainable=trainable)
     if model_state is not None:
         model_state = place_tree(model_state, jax.tree.map(lambda _: P(), model_state), mesh,
                                   copy=True, what="model_state")

@@ -1,4 +1,5 @@
-"""Rematerialisation: `checkpoint` for one call, `remat` for a whole loss.
+"""Rematerialisation: `remat` for a whole loss, `recomputed_call` for one call
+inside it (and `checkpoint`, its deprecated public name).
 
 Recomputing a block's activations in the backward pass, instead of keeping
 them from the forward pass, trades about one more forward pass of compute for
@@ -22,7 +23,7 @@ import jax.extend.core as jex
 
 from ._cpu import on_cpu, tied_checkpoint
 from .._rewrite import inner_jaxprs, rewritten
-from .._typing import typechecked
+from .._typing import typechecked, warn_user
 
 Keep = Literal["nothing", "dots"]
 
@@ -55,8 +56,7 @@ def _check_keep(keep) -> None:
         )
 
 
-@typechecked
-def checkpoint(fn: Callable, *, keep: Keep = "nothing") -> Callable:
+def recomputed_call(fn: Callable, *, keep: Keep = "nothing") -> Callable:
     """``fn`` whose intermediate values are recomputed in the backward pass:
     only its array inputs (and, with ``keep="dots"``, its matrix products
     without batch dims) are kept from the forward pass. ``fn``'s non-array
@@ -65,13 +65,6 @@ def checkpoint(fn: Callable, *, keep: Keep = "nothing") -> Callable:
     It is ``jax.checkpoint``; on CPU with ``keep="nothing"`` the
     recomputation is also tied to the incoming gradient, since XLA:CPU would
     otherwise merge it back into the forward pass (`redeqx.steps._cpu`).
-
-    **Example:**
-
-    ```python
-    for block in self.blocks:
-        x = redeqx.checkpoint(block)(x)
-    ```
     """
     _check_keep(keep)
 
@@ -83,6 +76,29 @@ def checkpoint(fn: Callable, *, keep: Keep = "nothing") -> Callable:
         return call(fn, *args, **kwargs)
 
     return recomputed
+
+
+CHECKPOINT_DEPRECATED = (
+    "redeqx.checkpoint is deprecated and goes in the next release (a checkpoint in redeqx is one on disk): "
+    "use redeqx.remat(loss_fn), which recomputes every layer of a loss, stacked or listed, without touching the "
+    "model's code; for one call of your own, eqx.filter_checkpoint(fn)."
+)
+
+
+@typechecked
+def checkpoint(fn: Callable, *, keep: Keep = "nothing") -> Callable:
+    """Deprecated (it goes in the next release): use `remat` on the loss.
+    ``fn`` whose intermediate values are recomputed in the backward pass, as
+    before, with a ``DeprecationWarning``.
+
+    **Example:**
+
+    ```python
+    train_step = redeqx.make_train_step(redeqx.remat(loss_fn), optimizer, mesh, specs)
+    ```
+    """
+    warn_user(CHECKPOINT_DEPRECATED, DeprecationWarning)
+    return recomputed_call(fn, keep=keep)
 
 
 # ----------------------------------------------------------------------------- blocks in a list
@@ -104,13 +120,13 @@ def is_repeated_blocks(x) -> bool:
 
 class Recomputed(eqx.Module):
     """A block as `remat` hands it to the loss: called, it runs the block
-    under `checkpoint`; any other attribute is the block's own."""
+    under `recomputed_call`; any other attribute is the block's own."""
 
     block: eqx.Module
     keep: Keep = eqx.field(static=True)
 
     def __call__(self, *args, **kwargs):
-        return checkpoint(self.block, keep=self.keep)(*args, **kwargs)
+        return recomputed_call(self.block, keep=self.keep)(*args, **kwargs)
 
     def __getattr__(self, name):
         if name in ("block", "keep") or name.startswith("__"):
@@ -219,7 +235,7 @@ def remat(loss_fn: Callable, *, keep: Keep = "nothing") -> Callable:
     - each element of a list or tuple of at least two modules of one class,
       each holding at least two weight matrices (the blocks of a
       transformer, the units of a ResNet stage): while ``loss_fn`` runs,
-      each is wrapped in `Recomputed`, which calls it under `checkpoint` and
+      each is wrapped in `Recomputed`, which calls it under `recomputed_call` and
       passes any other attribute through (so ``isinstance`` checks on a
       block see the wrapper).
 
