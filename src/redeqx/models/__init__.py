@@ -25,6 +25,7 @@ from ._moe import (
     router_stats as router_stats,
 )
 from ._opt import OPTConfig as OPTConfig, OPTForCausalLM as OPTForCausalLM
+from ._qwen2 import Qwen2Config as Qwen2Config, Qwen2ForCausalLM as Qwen2ForCausalLM
 from ._qwen3_moe import Qwen3MoeConfig as Qwen3MoeConfig, Qwen3MoeForCausalLM as Qwen3MoeForCausalLM
 from ._pretrained import from_pretrained as from_pretrained, save_pretrained as save_pretrained
 from ._seq2seq import shift_right as shift_right

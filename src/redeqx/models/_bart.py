@@ -41,7 +41,6 @@ from ..mesh._constrain import constrain
 from ..mesh._mesh import MODEL
 from ._layers import (
     Stackable,
-    SCAN_LAYERS,
     ACTIVATIONS,
     Attention,
     Embedding,
@@ -51,11 +50,10 @@ from ._layers import (
     build_layers,
     causal_mask,
     check_positions,
-    check_positive_ints,
-    check_scan_unroll,
     run_layers,
     scan_unroll,
 )
+from ._config import ZooConfig, check_activation
 from ._safetensors import HFTensor, leaf_tensors
 from ._seq2seq import EncoderDecoderLM, cache_slots, layer_caches, refuse_split
 
@@ -63,15 +61,9 @@ POSITION_OFFSET = 2  # position p reads row p + 2 of each table, as fairseq and 
 
 
 @dataclasses.dataclass(frozen=True)
-class BartConfig:
+class BartConfig(ZooConfig):
     """Sizes and options of a BART model; names follow Hugging Face's
-    ``config.json``. The defaults are BART-Large.
-
-    ``scan_layers=True`` (the default) stacks the layers, run by a ``lax.scan``: compile time
-    flat in depth, the same step (`redeqx.models._layers.SCAN_LAYERS` says why); False lists them.
-    ``scan_unroll`` is the scan's ``unroll``: by default every layer on a GPU (a loop there costs
-    about 9 % of the step) and a loop elsewhere (`redeqx.models._layers.SCAN_UNROLL`).
-    """
+    ``config.json``. The defaults are BART-Large."""
 
     vocab_size: int = 50265
     max_position_embeddings: int = 1024
@@ -92,64 +84,35 @@ class BartConfig:
     decoder_start_token_id: int = 2  # BART starts decoding from </s>
     forced_bos_token_id: int | None = None  # kept for config.json; redeqx's generate does not force tokens
     forced_eos_token_id: int | None = 2
-    scan_layers: bool = SCAN_LAYERS  # layers stacked and run by a lax.scan (see SCAN_LAYERS); False: a list
-    scan_unroll: int | bool | None = None  # the stack's lax.scan unroll; None: per platform (SCAN_UNROLL)
 
-    def __post_init__(self):
-        check_scan_unroll(self)
-        check_positive_ints(self, ("vocab_size", "max_position_embeddings", "d_model", "encoder_layers",
-                                   "decoder_layers", "encoder_attention_heads", "decoder_attention_heads",
-                                   "encoder_ffn_dim", "decoder_ffn_dim"))
+    hf_architecture = "BartForConditionalGeneration"
+    hf_type = "bart"
+    hf_keys = {"layer_norm_eps": None}
+    hf_required = ("vocab_size", "d_model", "encoder_layers", "decoder_layers", "encoder_attention_heads",
+                   "decoder_attention_heads", "encoder_ffn_dim", "decoder_ffn_dim")
+    hf_absent = {"bos_token_id": None, "eos_token_id": None, "forced_eos_token_id": None}
+    hf_fixed = {"is_encoder_decoder": True}
+    positive = ("vocab_size", "max_position_embeddings", "d_model", *hf_required[2:])
+
+    def check(self):
         for name in ("encoder_attention_heads", "decoder_attention_heads"):
             if self.d_model % getattr(self, name):
                 raise ValueError(f"BartConfig: d_model={self.d_model} must be a multiple of {name}={getattr(self, name)}.")
-        if self.activation_function not in ACTIVATIONS:
-            raise ValueError(
-                f"BartConfig.activation_function={self.activation_function!r} is not supported; "
-                f"use one of {sorted(ACTIVATIONS)}."
-            )
+        check_activation(self)
 
     @property
     def embed_scale(self) -> float:
         return math.sqrt(self.d_model) if self.scale_embedding else 1.0
 
     @classmethod
-    def from_hf(cls, d: dict) -> "BartConfig":
-        """From a Hugging Face ``config.json`` dict (Transformers 4 or 5 layout)."""
+    def hf_in(cls, d, values, tensor_names):
         # Options of old (Transformers 3/4) BART config.json files; mBART-style models set the first two.
         for key, ok in (("normalize_before", False), ("add_final_layer_norm", False), ("normalize_embedding", True),
                         ("add_bias_logits", False), ("static_position_embeddings", False)):
             if d.get(key, ok) != ok:
                 raise ValueError(f"BART config.json has {key}={d[key]!r}; redeqx supports only BART's own layout "
                                  f"({key}={ok}): post-LN blocks, layernorm_embedding, learned positions.")
-        return cls(
-            vocab_size=d["vocab_size"], max_position_embeddings=d.get("max_position_embeddings", 1024),
-            d_model=d["d_model"], encoder_layers=d["encoder_layers"], decoder_layers=d["decoder_layers"],
-            encoder_attention_heads=d["encoder_attention_heads"], decoder_attention_heads=d["decoder_attention_heads"],
-            encoder_ffn_dim=d["encoder_ffn_dim"], decoder_ffn_dim=d["decoder_ffn_dim"],
-            activation_function=d.get("activation_function", "gelu"),
-            scale_embedding=bool(d.get("scale_embedding", False)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
-            pad_token_id=d.get("pad_token_id", 1), bos_token_id=d.get("bos_token_id"),
-            eos_token_id=d.get("eos_token_id"), decoder_start_token_id=d.get("decoder_start_token_id", 2),
-            forced_bos_token_id=d.get("forced_bos_token_id"), forced_eos_token_id=d.get("forced_eos_token_id"),
-        )
-
-    def to_hf(self) -> dict:
-        """A Hugging Face ``config.json`` dict that Transformers loads as is."""
-        return {
-            "architectures": ["BartForConditionalGeneration"], "model_type": "bart", "is_encoder_decoder": True,
-            "vocab_size": self.vocab_size, "max_position_embeddings": self.max_position_embeddings,
-            "d_model": self.d_model, "encoder_layers": self.encoder_layers, "decoder_layers": self.decoder_layers,
-            "encoder_attention_heads": self.encoder_attention_heads,
-            "decoder_attention_heads": self.decoder_attention_heads,
-            "encoder_ffn_dim": self.encoder_ffn_dim, "decoder_ffn_dim": self.decoder_ffn_dim,
-            "activation_function": self.activation_function, "scale_embedding": self.scale_embedding,
-            "tie_word_embeddings": self.tie_word_embeddings, "pad_token_id": self.pad_token_id,
-            "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
-            "decoder_start_token_id": self.decoder_start_token_id, "forced_bos_token_id": self.forced_bos_token_id,
-            "forced_eos_token_id": self.forced_eos_token_id,
-        }
+        return values
 
 
 def _feed_forward(fc1: Linear, fc2: Linear, activation: str, x: Float[Array, "seq d_model"]) -> Float[Array, "seq d_model"]:

@@ -23,7 +23,6 @@ from ..mesh._constrain import constrain
 from ..mesh._mesh import CONTEXT, MODEL
 from ._layers import (
     Stackable,
-    SCAN_LAYERS,
     Cache,
     CausalLM,
     Embedding,
@@ -32,28 +31,20 @@ from ._layers import (
     Linear,
     attention,
     build_layers,
-    check_positive_ints,
-    check_context_attention,
-    check_scan_unroll,
     heads,
     inv_sqrt,
     run_layers,
     scan_unroll,
     update_cache,
 )
+from ._config import DecoderConfig
 from ._safetensors import HFTensor
 
 
 
 @dataclasses.dataclass(frozen=True)
-class GPT2Config:
-    """Sizes of a GPT-2 model; names follow Hugging Face's ``config.json``.
-
-    ``scan_layers=True`` (the default) stacks the layers, run by a ``lax.scan``: compile time
-    flat in depth, the same step (`redeqx.models._layers.SCAN_LAYERS` says why); False lists them.
-    ``scan_unroll`` is the scan's ``unroll``: by default every layer on a GPU (a loop there costs
-    about 9 % of the step) and a loop elsewhere (`redeqx.models._layers.SCAN_UNROLL`).
-    """
+class GPT2Config(DecoderConfig):
+    """Sizes of a GPT-2 model; names follow Hugging Face's ``config.json``."""
 
     vocab_size: int = 50257
     n_positions: int = 1024
@@ -64,14 +55,15 @@ class GPT2Config:
     layer_norm_epsilon: float = 1e-5
     bos_token_id: int | None = 50256
     eos_token_id: int | None = 50256
-    scan_layers: bool = SCAN_LAYERS  # layers stacked and run by a lax.scan (see SCAN_LAYERS); False: a list
-    scan_unroll: int | bool | None = None  # the stack's lax.scan unroll; None: per platform (SCAN_UNROLL)
-    context_attention: str = "gather"  # K/V across a context split: "gather" or "ring" (redeqx.attention's impl)
 
-    def __post_init__(self):
-        check_scan_unroll(self)
-        check_context_attention(self)
-        check_positive_ints(self, ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"))
+    hf_architecture = "GPT2LMHeadModel"
+    hf_type = "gpt2"
+    hf_required = ("vocab_size", "n_embd", "n_layer", "n_head")
+    hf_absent = {"bos_token_id": None, "eos_token_id": None}
+    hf_fixed = {"activation_function": "gelu_new", "tie_word_embeddings": True}
+    positive = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")
+
+    def check(self):
         if self.n_embd % self.n_head:
             raise ValueError(f"GPT2Config: n_embd={self.n_embd} must be a multiple of n_head={self.n_head}.")
 
@@ -80,32 +72,21 @@ class GPT2Config:
         return self.n_inner or 4 * self.n_embd
 
     @classmethod
-    def from_hf(cls, d: dict) -> "GPT2Config":
-        unsupported = {
-            "activation_function": ("gelu_new", "gelu_pytorch_tanh"),
-            "scale_attn_weights": (True,),
-            "scale_attn_by_inverse_layer_idx": (False,),
-            "reorder_and_upcast_attn": (False,),
-            "add_cross_attention": (False,),
-        }
-        for k, ok in unsupported.items():
+    def hf_in(cls, d, values, tensor_names):
+        for k, ok in _UNSUPPORTED.items():
             if k in d and d[k] not in ok:
                 raise ValueError(f"GPT-2 config.json has {k}={d[k]!r}; redeqx supports only {ok}.")
-        return cls(
-            vocab_size=d["vocab_size"], n_positions=d.get("n_positions", 1024), n_embd=d["n_embd"],
-            n_layer=d["n_layer"], n_head=d["n_head"], n_inner=d.get("n_inner"),
-            layer_norm_epsilon=d.get("layer_norm_epsilon", 1e-5),
-            bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"),
-        )
+        return values
 
-    def to_hf(self) -> dict:
-        return {
-            "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": self.vocab_size,
-            "n_positions": self.n_positions, "n_embd": self.n_embd, "n_layer": self.n_layer,
-            "n_head": self.n_head, "n_inner": self.n_inner, "layer_norm_epsilon": self.layer_norm_epsilon,
-            "activation_function": "gelu_new", "tie_word_embeddings": True,
-            "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
-        }
+
+# Options of GPT-2's config.json that redeqx's blocks do not implement, and the values they do.
+_UNSUPPORTED = {
+    "activation_function": ("gelu_new", "gelu_pytorch_tanh"),
+    "scale_attn_weights": (True,),
+    "scale_attn_by_inverse_layer_idx": (False,),
+    "reorder_and_upcast_attn": (False,),
+    "add_cross_attention": (False,),
+}
 
 
 class GPT2Attention(eqx.Module):

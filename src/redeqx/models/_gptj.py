@@ -38,7 +38,6 @@ from ..mesh._constrain import constrain
 from ..mesh._mesh import CONTEXT, MODEL
 from ._layers import (
     Stackable,
-    SCAN_LAYERS,
     ACTIVATIONS,
     Cache,
     CausalLM,
@@ -48,9 +47,6 @@ from ._layers import (
     Linear,
     attention,
     build_layers,
-    check_positive_ints,
-    check_context_attention,
-    check_scan_unroll,
     heads,
     inv_sqrt,
     run_layers,
@@ -58,19 +54,14 @@ from ._layers import (
     summed_linears,
     update_cache,
 )
+from ._config import DecoderConfig, check_activation
 
 
 
 @dataclasses.dataclass(frozen=True)
-class GPTJConfig:
+class GPTJConfig(DecoderConfig):
     """Sizes of a GPT-J model; names follow Hugging Face's ``config.json``.
-    The defaults are GPT-J-6B.
-
-    ``scan_layers=True`` (the default) stacks the layers, run by a ``lax.scan``: compile time
-    flat in depth, the same step (`redeqx.models._layers.SCAN_LAYERS` says why); False lists them.
-    ``scan_unroll`` is the scan's ``unroll``: by default every layer on a GPU (a loop there costs
-    about 9 % of the step) and a loop elsewhere (`redeqx.models._layers.SCAN_UNROLL`).
-    """
+    The defaults are GPT-J-6B."""
 
     vocab_size: int = 50400
     n_positions: int = 2048
@@ -84,14 +75,15 @@ class GPTJConfig:
     bos_token_id: int | None = 50256
     eos_token_id: int | None = 50256
     pad_token_id: int | None = None
-    scan_layers: bool = SCAN_LAYERS  # layers stacked and run by a lax.scan (see SCAN_LAYERS); False: a list
-    scan_unroll: int | bool | None = None  # the stack's lax.scan unroll; None: per platform (SCAN_UNROLL)
-    context_attention: str = "gather"  # K/V across a context split: "gather" or "ring" (redeqx.attention's impl)
 
-    def __post_init__(self):
-        check_scan_unroll(self)
-        check_context_attention(self)
-        check_positive_ints(self, ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"))
+    hf_architecture = "GPTJForCausalLM"
+    hf_type = "gptj"
+    hf_required = ("vocab_size", "n_embd", "n_layer", "n_head")
+    hf_absent = {"rotary_dim": None, "bos_token_id": None, "eos_token_id": None}
+    hf_fixed = {"tie_word_embeddings": False}
+    positive = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")
+
+    def check(self):
         if self.n_embd % self.n_head:
             raise ValueError(f"GPTJConfig: n_embd={self.n_embd} must be a multiple of n_head={self.n_head}.")
         head_dim = self.n_embd // self.n_head
@@ -102,11 +94,7 @@ class GPTJConfig:
             raise ValueError(
                 f"GPTJConfig.rotary_dim must be None or an even int in 1..head_dim={head_dim}, got {self.rotary_dim!r}."
             )
-        if self.activation_function not in ACTIVATIONS:
-            raise ValueError(
-                f"GPTJConfig.activation_function={self.activation_function!r} is not supported; "
-                f"use one of {sorted(ACTIVATIONS)}."
-            )
+        check_activation(self)
 
     @property
     def inner(self) -> int:
@@ -122,30 +110,10 @@ class GPTJConfig:
         return self.rotary_dim or self.head_dim
 
     @classmethod
-    def from_hf(cls, d: dict) -> "GPTJConfig":
-        """From a Hugging Face ``config.json`` dict (Transformers 4 or 5 layout)."""
+    def hf_in(cls, d, values, tensor_names):
         if d.get("tie_word_embeddings", False):
             raise ValueError("GPT-J config.json has tie_word_embeddings=true; GPT-J's LM head is its own (with a bias).")
-        eos = d.get("eos_token_id")
-        return cls(
-            vocab_size=d["vocab_size"], n_positions=d.get("n_positions", 2048), n_embd=d["n_embd"],
-            n_layer=d["n_layer"], n_head=d["n_head"], rotary_dim=d.get("rotary_dim"), n_inner=d.get("n_inner"),
-            activation_function=d.get("activation_function", "gelu_new"),
-            layer_norm_epsilon=d.get("layer_norm_epsilon", 1e-5),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_id=eos[0] if isinstance(eos, list) and len(eos) == 1 else eos,
-            pad_token_id=d.get("pad_token_id"),
-        )
-
-    def to_hf(self) -> dict:
-        """A Hugging Face ``config.json`` dict that Transformers loads as is."""
-        return {
-            "architectures": ["GPTJForCausalLM"], "model_type": "gptj", "vocab_size": self.vocab_size,
-            "n_positions": self.n_positions, "n_embd": self.n_embd, "n_layer": self.n_layer, "n_head": self.n_head,
-            "rotary_dim": self.rotary_dim, "n_inner": self.n_inner, "activation_function": self.activation_function,
-            "layer_norm_epsilon": self.layer_norm_epsilon, "tie_word_embeddings": False,
-            "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id, "pad_token_id": self.pad_token_id,
-        }
+        return values
 
 
 def rotary_every_two(

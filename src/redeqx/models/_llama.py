@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from typing import Any
 
 import equinox as eqx
@@ -27,7 +26,6 @@ from ..mesh._constrain import constrain
 from ..mesh._mesh import CONTEXT, MODEL
 from ._layers import (
     Stackable,
-    SCAN_LAYERS,
     Cache,
     CausalLM,
     Embedding,
@@ -36,9 +34,6 @@ from ._layers import (
     RMSNorm,
     attention,
     build_layers,
-    check_positive_ints,
-    check_context_attention,
-    check_scan_unroll,
     default_head_dim,
     heads,
     inv_sqrt,
@@ -46,26 +41,19 @@ from ._layers import (
     scan_unroll,
     update_cache,
 )
+from ._config import DecoderConfig
 
 _MODEL_TYPES = ("llama", "mistral", "qwen2")
-# Whether layers are stacked by default: compile time flat in depth, the same step figures
-# (benchmarks/RESULTS.md, "Stacked layers (benchmarks/stacked.py)").
 _ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclasses.dataclass(frozen=True)
-class LlamaConfig:
+class LlamaConfig(DecoderConfig):
     """Sizes and options of a LLaMA-family model; names follow Hugging Face's ``config.json``.
 
     ``rope_scaling`` is ``None`` or a tuple of ``(key, value)`` pairs such as
     ``(("rope_type", "llama3"), ("factor", 8.0), ...)`` (a tuple, so the config
-    is hashable and can be a static field).
-
-    ``scan_layers=True`` (the default) stacks the layers, run by a ``lax.scan``: compile time
-    flat in depth, the same step (`redeqx.models._layers.SCAN_LAYERS` says why); False lists them.
-    ``scan_unroll`` is the scan's ``unroll``: by default every layer on a GPU (a loop there costs
-    about 9 % of the step) and a loop elsewhere (`redeqx.models._layers.SCAN_UNROLL`).
-    """
+    is hashable and can be a static field)."""
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -88,16 +76,16 @@ class LlamaConfig:
     pad_token_id: int | None = None
     sliding_window: int | None = None  # attention span when use_sliding_window (Mistral)
     use_sliding_window: bool = False
-    scan_layers: bool = SCAN_LAYERS  # layers stacked and run by a lax.scan (see SCAN_LAYERS); False: a list
-    scan_unroll: int | bool | None = None  # the stack's lax.scan unroll; None: per platform (SCAN_UNROLL)
-    context_attention: str = "gather"  # K/V across a context split: "gather" or "ring" (redeqx.attention's impl)
 
-    def __post_init__(self):
-        check_scan_unroll(self)
-        check_context_attention(self)
-        check_positive_ints(
-            self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-        )
+    hf_architecture = "LlamaForCausalLM"
+    hf_type = "llama"
+    hf_keys = dict.fromkeys(("rope_theta", "rope_scaling", "qkv_bias", "sliding_window", "use_sliding_window"))
+    hf_required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    hf_absent = {"bos_token_id": None}
+    hf_fixed = {"hidden_act": "silu"}
+    positive = hf_required
+
+    def check(self):
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"LlamaConfig: num_attention_heads={self.n_heads} must be a multiple of "
@@ -132,87 +120,44 @@ class LlamaConfig:
         return self.head_dim or default_head_dim(self.hidden_size, self.num_attention_heads)
 
     @classmethod
-    def from_hf(cls, d: dict) -> "LlamaConfig":
-        """From a Hugging Face ``config.json`` dict (Transformers 4 or 5 layout)."""
-        model_type = d.get("model_type", "llama")
-        rope = d.get("rope_parameters")
-        if rope is not None:  # Transformers 5
-            theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
-            scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-        else:
-            theta = d.get("rope_theta", 10000.0)
-            scaling = dict(d.get("rope_scaling") or {})
-        if "type" in scaling and "rope_type" not in scaling:
-            scaling["rope_type"] = scaling.pop("type")
-        if scaling.get("rope_type", "default") == "default":
-            scaling = {}
-        window = d.get("sliding_window")
-        # Mistral slides its window in every layer; Qwen2 only in layers past max_window_layers,
-        # which this model does not do, so such a Qwen2 checkpoint attends over everything
-        use_window = window is not None and model_type == "mistral"
-        if window is not None and model_type == "qwen2" and d.get("use_sliding_window"):
-            warnings.warn(
-                f"qwen2 config has use_sliding_window with sliding_window={window}: redeqx attends over the "
-                f"whole sequence, which matches this checkpoint only for sequences of at most {window} tokens.",
-                stacklevel=3,
-            )
-        eos = d.get("eos_token_id", 2)
-        attention_bias = bool(d.get("attention_bias", False))
-        return cls(
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=d["num_attention_heads"],
-            num_key_value_heads=d.get("num_key_value_heads"),
-            head_dim=d.get("head_dim"),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            rope_scaling=tuple(sorted(scaling.items())) or None,
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=attention_bias,
-            qkv_bias=model_type == "qwen2",
-            mlp_bias=bool(d.get("mlp_bias", False)),
-            model_type=model_type,
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
-            pad_token_id=d.get("pad_token_id"),
-            sliding_window=window,
-            use_sliding_window=use_window,
-        )
+    def hf_in(cls, d, values, tensor_names):
+        # Mistral slides its window in every layer; Qwen2 (redeqx.models.Qwen2Config) in some
+        model_type, window = d.get("model_type", "llama"), d.get("sliding_window")
+        return {**values, **rope_from_hf(d), "qkv_bias": model_type == "qwen2", "sliding_window": window,
+                "use_sliding_window": window is not None and model_type == "mistral"}
 
-    def to_hf(self) -> dict:
-        """A Hugging Face ``config.json`` dict that Transformers loads as is."""
+    def hf_out(self, d):
         arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-        rope = {"rope_theta": self.rope_theta, "rope_type": "default", **dict(self.rope_scaling or ())}
-        d = {
-            "architectures": [arch[self.model_type]],
-            "model_type": self.model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.n_heads,
-            "num_key_value_heads": self.n_kv_heads,
-            "head_dim": self.dim_head,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_parameters": rope,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
-            "pad_token_id": self.pad_token_id,
-        }
-        if self.model_type == "llama":
-            d["attention_bias"] = self.attention_bias
-            d["mlp_bias"] = self.mlp_bias
+        d.update(architectures=[arch[self.model_type]], **rope_to_hf(self))
+        if self.model_type != "llama":  # their configs have no such options
+            del d["attention_bias"], d["mlp_bias"]
         if self.model_type == "mistral":  # Mistral applies whatever window config.json names
             d["sliding_window"] = self.sliding_window if self.use_sliding_window else None
         if self.model_type == "qwen2":
             d["sliding_window"] = self.sliding_window
         return d
+
+
+def rope_from_hf(d: dict) -> dict:
+    """``rope_theta`` and ``rope_scaling`` of a ``config.json`` dict in the Transformers 4 or 5 layout."""
+    rope = d.get("rope_parameters")
+    if rope is not None:  # Transformers 5
+        theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    else:
+        theta = d.get("rope_theta", 10000.0)
+        scaling = dict(d.get("rope_scaling") or {})
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    if scaling.get("rope_type", "default") == "default":
+        scaling = {}
+    return {"rope_theta": float(theta), "rope_scaling": tuple(sorted(scaling.items())) or None}
+
+
+def rope_to_hf(config) -> dict:
+    """The ``config.json`` keys of a config's RoPE, and its resolved heads (which LLaMA's blocks read)."""
+    return {"rope_parameters": {"rope_theta": config.rope_theta, "rope_type": "default", **dict(config.rope_scaling or ())},
+            "num_key_value_heads": config.n_kv_heads, "head_dim": config.dim_head}
 
 
 def rope_frequencies(config: LlamaConfig) -> np.ndarray:
@@ -363,8 +308,13 @@ class LlamaForCausalLM(CausalLM):
         )
         self.config = config
 
+    @property
+    def llama_config(self) -> LlamaConfig:
+        """The `LlamaConfig` LLaMA's blocks read (a family built on them converts its own config)."""
+        return self.config
+
     def _run(self, ids, positions, mask, cache: Cache | None):
-        c = self.config
+        c = self.llama_config
         inv_freq = rope_frequencies(c)
         x = constrain(self.model.embed_tokens(ids), P(CONTEXT))
         index = None if cache is None else cache.index
@@ -376,9 +326,9 @@ class LlamaForCausalLM(CausalLM):
         return constrain(logits, P(CONTEXT, MODEL)), new_layers  # vocab parallel, sequence split over context
 
     def _window(self):
-        c = self.config
+        c = self.llama_config
         return c.sliding_window if c.use_sliding_window else None
 
     def _kv_shape(self):
-        c = self.config
+        c = self.llama_config
         return c.num_hidden_layers, c.n_kv_heads, c.dim_head

@@ -19,33 +19,22 @@ import equinox as eqx
 import jax
 from jaxtyping import PRNGKeyArray
 
-from ._layers import (
-    SCAN_LAYERS,
-    Embedding,
-    Linear,
-    RMSNorm,
-    build_layers,
-    check_context_attention,
-    check_positive_ints,
-    check_scan_unroll,
-)
+from ._config import DecoderConfig
+from ._layers import Embedding, Linear, RMSNorm, build_layers
 from ._llama import LlamaAttention
 from ._moe import MoE
-from ._moe_lm import MoECausalLM, attention_config, llama_fields, sparse_block
+from ._moe_lm import LlamaFields, MoECausalLM, attention_config, sparse_block
 
 
 @dataclasses.dataclass(frozen=True)
-
-
-class MixtralConfig:
+class MixtralConfig(LlamaFields, DecoderConfig):
     """Sizes and options of a Mixtral model; names follow Hugging Face's ``config.json``.
 
     ``intermediate_size`` is each expert's; ``router_aux_loss_coef`` weighs the
     load-balancing loss (`redeqx.models.RouterStats.load_balancing_loss`) that
     a training loss adds (Transformers adds it when given labels).
     ``router_jitter_noise`` (training noise on the router's input) is not
-    applied. ``scan_layers``/``scan_unroll`` as in `redeqx.models.LlamaConfig`.
-    """
+    applied."""
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -67,16 +56,15 @@ class MixtralConfig:
     bos_token_id: int | None = 1
     eos_token_id: int | tuple[int, ...] | None = 2
     pad_token_id: int | None = None
-    scan_layers: bool = SCAN_LAYERS
-    scan_unroll: int | bool | None = None
-    context_attention: str = "gather"  # K/V across a context split: "gather" or "ring" (redeqx.attention's impl)
     model_type: str = "mixtral"
 
-    def __post_init__(self):
-        check_scan_unroll(self)
-        check_context_attention(self)
-        check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                   "num_attention_heads", "num_local_experts", "num_experts_per_tok"))
+    hf_architecture = "MixtralForCausalLM"
+    hf_type = "mixtral"
+    hf_required = ("intermediate_size", "num_local_experts", "num_experts_per_tok")
+    positive = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_local_experts", "num_experts_per_tok")
+
+    def check(self):
         if self.num_experts_per_tok > self.num_local_experts:
             raise ValueError(
                 f"MixtralConfig: num_experts_per_tok={self.num_experts_per_tok} exceeds num_local_experts="
@@ -84,27 +72,11 @@ class MixtralConfig:
             )
         if self.model_type != "mixtral":
             raise ValueError(f"MixtralConfig.model_type must be 'mixtral', got {self.model_type!r}.")
-        attention_config(self)  # LLaMA's checks of heads, head_dim, window
+        super().check()  # LLaMA's checks of heads, head_dim, window
 
     @property
     def n_experts(self) -> int:
         return self.num_local_experts
-
-    @classmethod
-    def from_hf(cls, d: dict) -> "MixtralConfig":
-        """From a Hugging Face ``config.json`` dict (Transformers 4 or 5 layout)."""
-        return cls(**llama_fields(d), intermediate_size=d["intermediate_size"],
-                   num_local_experts=d["num_local_experts"], num_experts_per_tok=d["num_experts_per_tok"],
-                   router_aux_loss_coef=d.get("router_aux_loss_coef", 0.001), sliding_window=d.get("sliding_window"))
-
-    def to_hf(self) -> dict:
-        """A Hugging Face ``config.json`` dict that Transformers loads as is."""
-        d = attention_config(self).to_hf()
-        d.update(architectures=["MixtralForCausalLM"], model_type="mixtral", intermediate_size=self.intermediate_size,
-                 num_local_experts=self.num_local_experts, num_experts_per_tok=self.num_experts_per_tok,
-                 router_aux_loss_coef=self.router_aux_loss_coef, sliding_window=self.sliding_window,
-                 attention_bias=self.attention_bias)
-        return d
 
 
 class MixtralDecoderLayer(eqx.Module):

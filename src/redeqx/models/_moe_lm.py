@@ -42,6 +42,24 @@ def attention_config(config) -> LlamaConfig:
                        sliding_window=window, use_sliding_window=window is not None, scan_layers=False)
 
 
+class LlamaFields:
+    """A family config's `LLAMA_FIELDS` read from and written to ``config.json`` as `LlamaConfig`
+    does (RoPE, token ids, heads) and checked by LLaMA's checks; the family's own table reads and
+    writes the rest (``attention_bias`` with them, which Mistral's ``config.json`` has no place for)."""
+
+    hf_keys: ClassVar[dict] = dict.fromkeys(f for f in LLAMA_FIELDS if f != "attention_bias")
+
+    def check(self):
+        attention_config(self)
+
+    @classmethod
+    def hf_in(cls, d, values, tensor_names):
+        return {**values, **llama_fields(d)}
+
+    def hf_out(self, d):
+        return {**attention_config(self).to_hf(), **d}
+
+
 def sparse_block(x, block, valid):
     """A layer's feed-forward block: a `MoE` gives its output and stats; a dense MLP, zero stats."""
     if isinstance(block, MoE):

@@ -32,7 +32,6 @@ from ..mesh._constrain import constrain
 from ..mesh._mesh import CONTEXT, MODEL
 from ._layers import (
     Stackable,
-    SCAN_LAYERS,
     ACTIVATIONS,
     Attention,
     Cache,
@@ -42,29 +41,22 @@ from ._layers import (
     Linear,
     build_layers,
     check_positive_ints,
-    check_context_attention,
-    check_scan_unroll,
     default_head_dim,
     run_layers,
     scan_unroll,
 )
+from ._config import DecoderConfig, check_activation
 from ._safetensors import HFTensor, leaf_tensors
 
 POSITION_OFFSET = 2  # position p reads row p + 2 of the table, as fairseq and Hugging Face do
 
 
 @dataclasses.dataclass(frozen=True)
-class OPTConfig:
+class OPTConfig(DecoderConfig):
     """Sizes and options of an OPT model; names follow Hugging Face's ``config.json``.
 
     The defaults are OPT-125m. OPT-13B is ``hidden_size=5120, num_hidden_layers=40,
-    num_attention_heads=40, ffn_dim=20480``; OPT-66B ``9216, 64, 72, 36864``.
-
-    ``scan_layers=True`` (the default) stacks the layers, run by a ``lax.scan``: compile time
-    flat in depth, the same step (`redeqx.models._layers.SCAN_LAYERS` says why); False lists them.
-    ``scan_unroll`` is the scan's ``unroll``: by default every layer on a GPU (a loop there costs
-    about 9 % of the step) and a loop elsewhere (`redeqx.models._layers.SCAN_UNROLL`).
-    """
+    num_attention_heads=40, ffn_dim=20480``; OPT-66B ``9216, 64, 72, 36864``."""
 
     vocab_size: int = 50272
     hidden_size: int = 768
@@ -83,23 +75,21 @@ class OPTConfig:
     bos_token_id: int | None = 2
     eos_token_id: int | None = 2
     hf_prefix: str = "model."  # prefix of the checkpoint's tensor names ("" in the hub's OPTModel files)
-    scan_layers: bool = SCAN_LAYERS  # layers stacked and run by a lax.scan (see SCAN_LAYERS); False: a list
-    scan_unroll: int | bool | None = None  # the stack's lax.scan unroll; None: per platform (SCAN_UNROLL)
-    context_attention: str = "gather"  # K/V across a context split: "gather" or "ring" (redeqx.attention's impl)
 
-    def __post_init__(self):
-        check_scan_unroll(self)
-        check_context_attention(self)
-        check_positive_ints(self, ("vocab_size", "hidden_size", "num_hidden_layers", "ffn_dim",
-                                   "num_attention_heads", "max_position_embeddings"))
+    hf_architecture = "OPTForCausalLM"
+    hf_type = "opt"
+    hf_keys = {"remove_final_layer_norm": "_remove_final_layer_norm", "hf_prefix": None, "layer_norm_eps": None}
+    hf_required = ("vocab_size", "hidden_size", "num_hidden_layers", "ffn_dim", "num_attention_heads")
+    hf_absent = {"pad_token_id": None, "bos_token_id": None}
+    hf_fixed = {"layer_norm_elementwise_affine": True}
+    positive = ("vocab_size", "hidden_size", "num_hidden_layers", "ffn_dim", "num_attention_heads",
+                "max_position_embeddings")
+
+    def check(self):
         default_head_dim(self.hidden_size, self.num_attention_heads)
         if self.word_embed_proj_dim is not None:
             check_positive_ints(self, ("word_embed_proj_dim",))
-        if self.activation_function not in ACTIVATIONS:
-            raise ValueError(
-                f"OPTConfig.activation_function={self.activation_function!r} is not supported; "
-                f"use one of {sorted(ACTIVATIONS)}."
-            )
+        check_activation(self)
         if self.hf_prefix not in ("model.", ""):
             raise ValueError(f"OPTConfig.hf_prefix must be 'model.' or '', got {self.hf_prefix!r}.")
 
@@ -117,52 +107,21 @@ class OPTConfig:
         return self.do_layer_norm_before and not self.remove_final_layer_norm
 
     @classmethod
-    def from_hf(cls, d: dict) -> "OPTConfig":
-        """From a Hugging Face ``config.json`` dict (Transformers 4 or 5 layout)."""
-        return cls.from_hf_checkpoint(d, None)
-
-    @classmethod
-    def from_hf_checkpoint(cls, d: dict, tensor_names) -> "OPTConfig":
-        """From ``config.json`` and the names of the checkpoint's tensors: the
-        hub's OPT files were saved from ``OPTModel`` and name their tensors
-        ``decoder.*``, files saved from ``OPTForCausalLM`` ``model.decoder.*``."""
+    def hf_in(cls, d, values, tensor_names):
+        """The hub's OPT files were saved from ``OPTModel`` and name their tensors ``decoder.*``,
+        files saved from ``OPTForCausalLM`` ``model.decoder.*``."""
         if not d.get("layer_norm_elementwise_affine", True):
             raise ValueError(
                 "OPT config.json has layer_norm_elementwise_affine=false (LayerNorms without weights); "
                 "redeqx supports only OPT with affine LayerNorms."
             )
-        prefix = "model."
         if tensor_names is not None and "model.decoder.embed_tokens.weight" not in tensor_names \
                 and "decoder.embed_tokens.weight" in tensor_names:
-            prefix = ""
-        eos = d.get("eos_token_id", 2)
-        return cls(
-            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], num_hidden_layers=d["num_hidden_layers"],
-            ffn_dim=d["ffn_dim"], num_attention_heads=d["num_attention_heads"],
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
-            do_layer_norm_before=bool(d.get("do_layer_norm_before", True)),
-            word_embed_proj_dim=d.get("word_embed_proj_dim"),
-            remove_final_layer_norm=bool(d.get("_remove_final_layer_norm", False)),
-            activation_function=d.get("activation_function", "relu"),
-            enable_bias=bool(d.get("enable_bias", True)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
-            pad_token_id=d.get("pad_token_id"), bos_token_id=d.get("bos_token_id"),
-            eos_token_id=eos[0] if isinstance(eos, list) and len(eos) == 1 else eos,
-            hf_prefix=prefix,
-        )
+            values["hf_prefix"] = ""
+        return values
 
-    def to_hf(self) -> dict:
-        """A Hugging Face ``config.json`` dict that Transformers loads as is."""
-        return {
-            "architectures": ["OPTForCausalLM"], "model_type": "opt", "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size, "num_hidden_layers": self.num_hidden_layers, "ffn_dim": self.ffn_dim,
-            "num_attention_heads": self.num_attention_heads, "max_position_embeddings": self.max_position_embeddings,
-            "do_layer_norm_before": self.do_layer_norm_before, "word_embed_proj_dim": self.embed_dim,
-            "_remove_final_layer_norm": self.remove_final_layer_norm,
-            "activation_function": self.activation_function, "enable_bias": self.enable_bias,
-            "layer_norm_elementwise_affine": True, "tie_word_embeddings": self.tie_word_embeddings,
-            "pad_token_id": self.pad_token_id, "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
-        }
+    def hf_out(self, d):
+        return {**d, "word_embed_proj_dim": self.embed_dim}
 
 
 class OPTDecoderLayer(Stackable):

@@ -40,6 +40,7 @@ from ._lora import LoRALinear
 from ._mixtral import MixtralConfig, MixtralForCausalLM
 from ._moe import LoRAExperts
 from ._opt import OPTConfig, OPTForCausalLM
+from ._qwen2 import Qwen2Config, Qwen2ForCausalLM
 from ._qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from ._safetensors import Entry, HFTensor, leaf_tensors, read_entries, read_json, write_checkpoint
 from ._t5 import T5Config, T5ForConditionalGeneration
@@ -48,7 +49,7 @@ from ..sharding._specs import sharding_of
 FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "mistral": (LlamaConfig, LlamaForCausalLM),
-    "qwen2": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "gpt2": (GPT2Config, GPT2LMHeadModel),
     "t5": (T5Config, T5ForConditionalGeneration),
     "opt": (OPTConfig, OPTForCausalLM),
@@ -164,37 +165,39 @@ def from_pretrained(local_dir: str | os.PathLike, mesh: Mesh, specs=None, *, dty
         by_path = {path: (leaf, spec) for path, leaf, spec in leaves_with_specs(skeleton, specs)}
         _check_tensors(tensors, entries, by_path, getattr(model_cls, "hf_ignore", ()), local_dir)
 
-        placed: dict[str, jax.Array] = {}
-        for t in tensors:
-            entry = entries[t.name]
-            # A tensor that is one leaf as stored is read one device's shard at a time; one that is
-            # cut or transposed into leaves (GPT-2's fused c_attn) is read whole first.
-            reads = [entry.read] if t.whole else [
-                functools.partial(_at, part) for part in t.split(entry.read())]
-            for path, read in zip(t.paths, reads):
-                leaf, spec = by_path[path]
-                target = entry.dtype if dtype is None and np.issubdtype(entry.dtype, np.floating) else np.dtype(
-                    leaf.dtype)
-                sharding = sharding_of(spec, mesh)
-                at = t.at
-                if not at:
-                    placed[path] = _placed(read, leaf.shape, sharding, target, entry)
-                    continue
-                if path not in placed:  # the first slice (layer, expert) of this stacked leaf
-                    placed[path] = _zeros(tuple(leaf.shape), target, sharding)()
-                piece = _placed(read, leaf.shape[len(at):], NamedSharding(mesh, P(*spec[len(at):])), target, entry)
-                placed[path] = _write_at(sharding)(placed[path], piece, tuple(jnp.int32(i) for i in at))
+        placed = _place(tensors, entries, by_path, mesh, dtype)
     return replace_array_leaves(skeleton, [placed[path] for path in by_path])
+
+
+def _place(tensors: Sequence[HFTensor], entries: dict[str, Entry], by_path, mesh: Mesh, dtype) -> dict[str, jax.Array]:
+    """Each model leaf's global array, read tensor by tensor from the checkpoint into its shards."""
+    placed: dict[str, jax.Array] = {}
+    for t in tensors:
+        entry = entries[t.name]
+        # A tensor that is one leaf as stored is read one device's shard at a time; one that is
+        # cut or transposed into leaves (GPT-2's fused c_attn) is read whole first.
+        reads = [entry.read] if t.whole else [functools.partial(_at, part) for part in t.split(entry.read())]
+        for path, read in zip(t.paths, reads):
+            leaf, spec = by_path[path]
+            target = entry.dtype if dtype is None and np.issubdtype(entry.dtype, np.floating) else np.dtype(leaf.dtype)
+            sharding = sharding_of(spec, mesh)
+            at = t.at
+            if not at:
+                placed[path] = _placed(read, leaf.shape, sharding, target, entry)
+                continue
+            if path not in placed:  # the first slice (layer, expert) of this stacked leaf
+                placed[path] = _zeros(tuple(leaf.shape), target, sharding)()
+            piece = _placed(read, leaf.shape[len(at):], NamedSharding(mesh, P(*spec[len(at):])), target, entry)
+            placed[path] = _write_at(sharding)(placed[path], piece, tuple(jnp.int32(i) for i in at))
+    return placed
 
 
 def _config(config_cls, hf_config: dict, entries: dict[str, Entry], config_path: Path):
     """The family's config from ``config.json``; a missing or ill-typed field is an error naming the file."""
     # A family whose config.json does not say everything (T5 under Transformers 5
     # marks every head tied) also reads which tensors the checkpoint holds.
-    from_checkpoint = getattr(config_cls, "from_hf_checkpoint", None)
     try:
-        return config_cls.from_hf(hf_config) if from_checkpoint is None else from_checkpoint(hf_config,
-                                                                                               frozenset(entries))
+        return config_cls.from_hf_checkpoint(hf_config, frozenset(entries))
     except KeyError as e:
         raise ValueError(f"{config_path} has no field {e}; download or save it again.") from e
     except (TypeError, ValueError, AttributeError) as e:
@@ -349,14 +352,7 @@ def save_pretrained(model, local_dir: str | os.PathLike, *, max_shard_bytes: int
     hf = transformers.AutoModelForCausalLM.from_pretrained("out/finetuned")
     ```
     """
-    if not hasattr(model, "config") or not hasattr(model.config, "to_hf"):
-        raise TypeError(f"model must be a redeqx.models model (with a config), got {type(model).__name__}.")
-    adapted = (LoRALinear, LoRAExperts)
-    if any(isinstance(x, adapted) for x in jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, adapted))):
-        raise ValueError(
-            "model has LoRA adapters, which a Hugging Face checkpoint of this family has no place for: fold them "
-            "into the weights first, save_pretrained(redeqx.models.merge_lora(model), ...)."
-        )
+    _check_savable(model)
     local_dir = Path(local_dir)
     writer = jax.process_index() == 0
     leaves = dict(named_leaves(model))
@@ -378,12 +374,7 @@ def save_pretrained(model, local_dir: str | os.PathLike, *, max_shard_bytes: int
     staging = _staging_dir(target) if writer else None
     try:
         if staging is not None:
-            config = model.config.to_hf()
-            (staging / "config.json").write_text(json.dumps(config, indent=2))
-            generation = {k: config[k] for k in _GENERATION_FIELDS if config.get(k) is not None}
-            if generation:  # what Transformers' generate() reads for its defaults
-                (staging / "generation_config.json").write_text(
-                    json.dumps({**generation, "_from_model_config": True}, indent=2))
+            _write_configs(staging, model.config.to_hf())
         write_checkpoint(staging, shapes, lambda i: np.asarray(tensors[i].join(*parts(tensors[i], abstract=False))),
                          max_shard_bytes=max_shard_bytes, writer=writer)
         if staging is not None:
@@ -391,6 +382,25 @@ def save_pretrained(model, local_dir: str | os.PathLike, *, max_shard_bytes: int
     finally:
         if staging is not None and staging.exists():
             shutil.rmtree(staging)
+
+
+def _check_savable(model) -> None:
+    if not hasattr(model, "config") or not hasattr(model.config, "to_hf"):
+        raise TypeError(f"model must be a redeqx.models model (with a config), got {type(model).__name__}.")
+    adapted = (LoRALinear, LoRAExperts)
+    if any(isinstance(x, adapted) for x in jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, adapted))):
+        raise ValueError(
+            "model has LoRA adapters, which a Hugging Face checkpoint of this family has no place for: fold them "
+            "into the weights first, save_pretrained(redeqx.models.merge_lora(model), ...)."
+        )
+
+
+def _write_configs(staging: Path, config: dict) -> None:
+    """``config.json``, and ``generation_config.json`` when the config names special tokens."""
+    (staging / "config.json").write_text(json.dumps(config, indent=2))
+    generation = {k: config[k] for k in _GENERATION_FIELDS if config.get(k) is not None}
+    if generation:  # what Transformers' generate() reads for its defaults
+        (staging / "generation_config.json").write_text(json.dumps({**generation, "_from_model_config": True}, indent=2))
 
 
 # What a model save writes, or an older one (PyTorch, TensorFlow, Flax weights) left: replaced as a whole.

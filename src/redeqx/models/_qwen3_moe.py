@@ -22,25 +22,15 @@ import equinox as eqx
 import jax
 from jaxtyping import PRNGKeyArray
 
-from ._layers import (
-    SCAN_LAYERS,
-    Embedding,
-    KVCache,
-    Linear,
-    RMSNorm,
-    build_layers,
-    check_positive_ints,
-    check_context_attention,
-    check_scan_unroll,
-    heads,
-)
+from ._config import DecoderConfig
+from ._layers import SCAN_LAYERS, Embedding, KVCache, Linear, RMSNorm, build_layers, heads
 from ._llama import LlamaConfig, LlamaMLP, apply_rope, attend_and_project
 from ._moe import MoE
-from ._moe_lm import MoECausalLM, attention_config, llama_fields, sparse_block
+from ._moe_lm import LlamaFields, MoECausalLM, attention_config, sparse_block
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen3MoeConfig:
+class Qwen3MoeConfig(LlamaFields, DecoderConfig):
     """Sizes and options of a Qwen3-MoE model; names follow Hugging Face's ``config.json``.
 
     ``moe_intermediate_size`` is each expert's, ``intermediate_size`` the dense
@@ -49,8 +39,7 @@ class Qwen3MoeConfig:
     (`redeqx.models.RouterStats.load_balancing_loss`). ``sliding_window``: the
     attention span of every layer (None: the whole sequence; Transformers'
     ``use_sliding_window``). ``scan_layers`` must be False when the layers mix
-    dense and sparse blocks.
-    """
+    dense and sparse blocks."""
 
     vocab_size: int = 151936
     hidden_size: int = 2048
@@ -76,17 +65,17 @@ class Qwen3MoeConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
-    scan_layers: bool = SCAN_LAYERS
-    scan_unroll: int | bool | None = None
-    context_attention: str = "gather"  # K/V across a context split: "gather" or "ring" (redeqx.attention's impl)
     model_type: str = "qwen3_moe"
 
-    def __post_init__(self):
-        check_scan_unroll(self)
-        check_context_attention(self)
-        check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
-                                   "num_hidden_layers", "num_attention_heads", "num_experts", "num_experts_per_tok",
-                                   "decoder_sparse_step"))
+    hf_architecture = "Qwen3MoeForCausalLM"
+    hf_type = "qwen3_moe"
+    hf_keys = {**LlamaFields.hf_keys, "sliding_window": None}
+    hf_required = ("intermediate_size", "moe_intermediate_size", "num_experts_per_tok")
+    hf_absent = {"norm_topk_prob": False}
+    positive = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_experts", "num_experts_per_tok", "decoder_sparse_step")
+
+    def check(self):
         if self.num_experts_per_tok > self.num_experts:
             raise ValueError(
                 f"Qwen3MoeConfig: num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts="
@@ -100,7 +89,7 @@ class Qwen3MoeConfig:
                 f"(mlp_only_layers={self.mlp_only_layers}, decoder_sparse_step={self.decoder_sparse_step}) and the "
                 "others sparse, which one stack of layers cannot hold; pass scan_layers=False (a list of layers)."
             )
-        attention_config(self)  # LLaMA's checks of heads, head_dim, window
+        super().check()  # LLaMA's checks of heads, head_dim, window
 
     @property
     def n_experts(self) -> int:
@@ -113,33 +102,19 @@ class Qwen3MoeConfig:
                      for i in range(self.num_hidden_layers))
 
     @classmethod
-    def from_hf(cls, d: dict) -> "Qwen3MoeConfig":
-        """From a Hugging Face ``config.json`` dict (Transformers 5 says ``num_local_experts``, 4
-        ``num_experts``); a model mixing dense and sparse layers gets ``scan_layers=False``."""
-        fields = dict(
-            **llama_fields(d), intermediate_size=d["intermediate_size"],
-            moe_intermediate_size=d["moe_intermediate_size"],
-            num_experts=d.get("num_experts", d.get("num_local_experts")),
-            num_experts_per_tok=d["num_experts_per_tok"], norm_topk_prob=bool(d.get("norm_topk_prob", False)),
-            decoder_sparse_step=d.get("decoder_sparse_step", 1), mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
-            router_aux_loss_coef=d.get("router_aux_loss_coef", 0.001),
-            sliding_window=d.get("sliding_window") if d.get("use_sliding_window") else None,
-        )
-        mixed = len(set(cls(**fields, scan_layers=False).sparse_layers)) > 1
-        return cls(**fields, scan_layers=SCAN_LAYERS and not mixed)
+    def hf_in(cls, d, values, tensor_names):
+        """Transformers 5 says ``num_local_experts``, 4 ``num_experts``; a model mixing dense and
+        sparse layers gets ``scan_layers=False``."""
+        values = {**super().hf_in(d, values, tensor_names), "num_experts": d.get("num_experts", d.get("num_local_experts")),
+                  "mlp_only_layers": tuple(d.get("mlp_only_layers") or ()),
+                  "sliding_window": d.get("sliding_window") if d.get("use_sliding_window") else None}
+        mixed = len(set(cls(**values, scan_layers=False).sparse_layers)) > 1
+        return {**values, "scan_layers": SCAN_LAYERS and not mixed}
 
-    def to_hf(self) -> dict:
-        """A Hugging Face ``config.json`` dict that Transformers loads as is (``num_experts``, the name
-        Transformers 4 reads and 5 maps to its ``num_local_experts``)."""
-        d = attention_config(self).to_hf()
-        d.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
-                 intermediate_size=self.intermediate_size,
-                 moe_intermediate_size=self.moe_intermediate_size, num_experts=self.num_experts,
-                 num_experts_per_tok=self.num_experts_per_tok, norm_topk_prob=self.norm_topk_prob,
-                 decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers),
-                 router_aux_loss_coef=self.router_aux_loss_coef, attention_bias=self.attention_bias,
-                 use_sliding_window=self.sliding_window is not None, sliding_window=self.sliding_window)
-        return d
+    def hf_out(self, d):
+        """``num_experts``: the name Transformers 4 reads and 5 maps to its ``num_local_experts``."""
+        return {**super().hf_out(d), "use_sliding_window": self.sliding_window is not None,
+                "sliding_window": self.sliding_window}
 
 
 class Qwen3MoeAttention(eqx.Module):

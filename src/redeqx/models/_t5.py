@@ -36,7 +36,6 @@ from ..mesh._constrain import constrain
 from ..mesh._mesh import MODEL
 from ._layers import (
     Stackable,
-    SCAN_LAYERS,
     Embedding,
     KVCache,
     Linear,
@@ -44,14 +43,13 @@ from ._layers import (
     attention,
     build_layers,
     causal_mask,
-    check_positive_ints,
-    check_scan_unroll,
     heads,
     is_stacked,
     run_layers,
     scan_unroll,
     update_cache,
 )
+from ._config import ZooConfig
 from ._safetensors import HFTensor
 from ._seq2seq import EncoderDecoderLM, cache_slots, layer_caches, refuse_split
 
@@ -65,18 +63,12 @@ _ACTIVATIONS = {
 
 
 @dataclasses.dataclass(frozen=True)
-class T5Config:
+class T5Config(ZooConfig):
     """Sizes and options of a T5 model; names follow Hugging Face's ``config.json``.
 
     ``feed_forward_proj`` is ``"relu"`` (T5 v1.0), ``"gated-gelu"`` (v1.1,
     Flan-T5: ``gelu(wi_0 x) * wi_1 x``, GELU in its tanh form), or another
-    ``[gated-]relu|gelu|gelu_new|silu``.
-
-    ``scan_layers=True`` (the default) stacks the layers, run by a ``lax.scan``: compile time
-    flat in depth, the same step (`redeqx.models._layers.SCAN_LAYERS` says why); False lists them.
-    ``scan_unroll`` is the scan's ``unroll``: by default every layer on a GPU (a loop there costs
-    about 9 % of the step) and a loop elsewhere (`redeqx.models._layers.SCAN_UNROLL`).
-    """
+    ``[gated-]relu|gelu|gelu_new|silu``."""
 
     vocab_size: int = 32128
     d_model: int = 512
@@ -95,16 +87,17 @@ class T5Config:
     eos_token_id: int | tuple[int, ...] | None = 1
     decoder_start_token_id: int = 0  # T5 starts decoding from the pad token
     initializer_factor: float = 1.0  # scales T5's initialisation (below); Transformers' name
-    scan_layers: bool = SCAN_LAYERS  # layers stacked and run by a lax.scan (see SCAN_LAYERS); False: a list
-    scan_unroll: int | bool | None = None  # the stack's lax.scan unroll; None: per platform (SCAN_UNROLL)
 
-    def __post_init__(self):
-        check_scan_unroll(self)
+    hf_architecture = "T5ForConditionalGeneration"
+    hf_type = "t5"
+    hf_required = ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_heads")
+    hf_fixed = {"is_encoder_decoder": True}
+    positive = (*hf_required, "relative_attention_num_buckets", "relative_attention_max_distance")
+
+    def check(self):
         if isinstance(self.initializer_factor, bool) or not isinstance(self.initializer_factor, (int, float)) \
                 or not self.initializer_factor > 0:
             raise ValueError(f"T5Config.initializer_factor must be a positive number, got {self.initializer_factor!r}.")
-        check_positive_ints(self, ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_heads",
-                                   "relative_attention_num_buckets", "relative_attention_max_distance"))
         if self.num_decoder_layers is not None and (
             isinstance(self.num_decoder_layers, bool) or not isinstance(self.num_decoder_layers, int)
             or self.num_decoder_layers < 1
@@ -140,64 +133,21 @@ class T5Config:
         return self.tie_word_embeddings if self.scale_decoder_outputs is None else self.scale_decoder_outputs
 
     @classmethod
-    def from_hf(cls, d: dict) -> "T5Config":
-        """From a Hugging Face ``config.json`` dict (Transformers 4 or 5 layout)."""
-        return cls.from_hf_checkpoint(d, None)
-
-    @classmethod
-    def from_hf_checkpoint(cls, d: dict, tensor_names) -> "T5Config":
-        """From ``config.json`` and the names of the checkpoint's tensors.
-
-        Transformers 5 writes ``tie_word_embeddings: true`` for every T5 and
+    def hf_in(cls, d, values, tensor_names):
+        """Transformers 5 writes ``tie_word_embeddings: true`` for every T5 and
         keeps the head untied when the checkpoint holds an ``lm_head.weight``
         of its own, so its presence decides; ``scale_decoder_outputs`` (or,
-        in older files, ``tie_word_embeddings``) decides the scaling.
-        """
+        in older files, ``tie_word_embeddings``) decides the scaling."""
         tied = bool(d.get("tie_word_embeddings", True))
         scale = bool(d.get("scale_decoder_outputs", tied))
         if tensor_names is not None:
             tied = "lm_head.weight" not in tensor_names
-        eos = d.get("eos_token_id", 1)
-        return cls(
-            vocab_size=d["vocab_size"], d_model=d["d_model"], d_kv=d["d_kv"], d_ff=d["d_ff"],
-            num_layers=d["num_layers"], num_decoder_layers=d.get("num_decoder_layers"),
-            num_heads=d["num_heads"],
-            relative_attention_num_buckets=d.get("relative_attention_num_buckets", 32),
-            relative_attention_max_distance=d.get("relative_attention_max_distance", 128),
-            layer_norm_epsilon=d.get("layer_norm_epsilon", 1e-6),
-            feed_forward_proj=d.get("feed_forward_proj", "relu"),
-            tie_word_embeddings=tied,
-            scale_decoder_outputs=None if scale == tied else scale,
-            pad_token_id=d.get("pad_token_id", 0),
-            eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
-            decoder_start_token_id=d.get("decoder_start_token_id", d.get("pad_token_id", 0)),
-            initializer_factor=d.get("initializer_factor", 1.0),
-        )
+        return {**values, "tie_word_embeddings": tied, "scale_decoder_outputs": None if scale == tied else scale,
+                "decoder_start_token_id": d.get("decoder_start_token_id", d.get("pad_token_id", 0))}
 
-    def to_hf(self) -> dict:
-        """A Hugging Face ``config.json`` dict that Transformers 4 and 5 load as is."""
-        return {
-            "architectures": ["T5ForConditionalGeneration"],
-            "model_type": "t5",
-            "is_encoder_decoder": True,
-            "vocab_size": self.vocab_size,
-            "d_model": self.d_model,
-            "d_kv": self.d_kv,
-            "d_ff": self.d_ff,
-            "num_layers": self.num_layers,
-            "num_decoder_layers": self.n_decoder_layers,
-            "num_heads": self.num_heads,
-            "relative_attention_num_buckets": self.relative_attention_num_buckets,
-            "relative_attention_max_distance": self.relative_attention_max_distance,
-            "layer_norm_epsilon": self.layer_norm_epsilon,
-            "feed_forward_proj": self.feed_forward_proj,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "initializer_factor": self.initializer_factor,
-            "scale_decoder_outputs": self.scale_head,
-            "pad_token_id": self.pad_token_id,
-            "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
-            "decoder_start_token_id": self.decoder_start_token_id,
-        }
+    def hf_out(self, d):
+        """Transformers 4 and 5 load it as is."""
+        return {**d, "num_decoder_layers": self.n_decoder_layers, "scale_decoder_outputs": self.scale_head}
 
 
 def relative_position_buckets(
