@@ -106,7 +106,7 @@ def test_dtype_cast_on_save(tmp_path):
 
 
 def test_read_without_redeqx(tmp_path):
-    """The recipe in redeqx.checkpoints._checkpoint's docstring: plain orbax + NumPy, names = attribute paths."""
+    """The recipe in redeqx.checkpoints._format's docstring: plain orbax + NumPy, names = attribute paths."""
     state, _ = trained_state(redeqx.make_mesh(2))
     redeqx.save_checkpoint(tmp_path / "c", state)
     path = tmp_path / "c"

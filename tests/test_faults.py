@@ -21,7 +21,7 @@ import pytest
 
 import redeqx
 from _helpers import mlp, mse_loss
-from redeqx.checkpoints import _checkpoint
+from redeqx.checkpoints import _format, _save
 
 OPT = optax.adamw(1e-2)
 BATCH = {"x": jnp.ones((8, 8)), "y": jnp.zeros((8, 4))}
@@ -122,7 +122,7 @@ def test_a_nonfinite_metric_is_never_the_best(tmp_path, setup):
 
 
 def test_retention_is_a_pure_function():
-    from redeqx.checkpoints._manager import retained
+    from redeqx.checkpoints._retention import retained
 
     metrics = {1: {"acc": 0.9}, 2: {"acc": math.nan}, 3: {"acc": 0.1}, 4: {}, 5: {"acc": 0.9}}
     assert retained([1, 2, 3, 4, 5], metrics, keep_last=2, best={"acc": "max"}) == {1, 4, 5}  # ties: the older
@@ -143,7 +143,7 @@ def test_a_full_disk_names_the_directory_and_the_cause_and_the_state_trains_on(t
     def full(directory):
         raise OSError(errno.ENOSPC, "No space left on device", str(directory))
 
-    monkeypatch.setattr(_checkpoint, "_probe", full)
+    monkeypatch.setattr(_save, "_probe", full)
     with pytest.raises(redeqx.CheckpointError, match=r"step_000000001: the disk is full \(ENOSPC; .*checkpoints"):
         manager.save(at_step(state, 1))
     monkeypatch.undo()
@@ -284,7 +284,7 @@ def test_a_newer_format_is_refused_not_read_half_right(tmp_path, setup):
     manager.save(model, step=2)
     file = manager.path(2) / "metadata" / "metadata"
     meta = json.loads(file.read_text())
-    meta["redeqx"]["format_version"] = _checkpoint.FORMAT_VERSION + 1
+    meta["redeqx"]["format_version"] = _format.FORMAT_VERSION + 1
     file.write_text(json.dumps(meta))
     with pytest.raises(redeqx.CheckpointError, match=r"format version 2, written by redeqx .*Upgrade redeqx"):
         redeqx.restore_checkpoint(manager.path(2), model, mesh, specs)

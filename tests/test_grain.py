@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import redeqx
-from redeqx.data._grain import state_from_json, state_to_json
+from redeqx._json import state_from_json, state_to_json
 
 grain = pytest.importorskip("grain")
 

@@ -2,7 +2,7 @@
 small functions (``collate_fn``, ``loss_fn``, ``pred_fn``) and one number
 (``n_model_shards``)."""
 
-from .checkpoints._checkpoint import (
+from .checkpoints import (
     CheckpointError as CheckpointError,
     read_metadata as read_metadata,
     restore_checkpoint as restore_checkpoint,
@@ -36,8 +36,8 @@ from .data._grain import GrainBatches as GrainBatches, grain_batches as grain_ba
 from .planner import Plan as Plan, collective_summary as collective_summary, plan as plan
 from ._inference import evaluate as evaluate, predict as predict
 from ._logging import Logger as Logger
-from .checkpoints._manager import CheckpointManager as CheckpointManager
-from .checkpoints._preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE, Preempted as Preempted
+from .checkpoints import CheckpointManager as CheckpointManager
+from .checkpoints import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE, Preempted as Preempted
 from .steps._remat import checkpoint as checkpoint, remat as remat
 from .sharding import explain as explain, sharding_rules as sharding_rules, specs_from_overrides as specs_from_overrides
 from .steps._steps import (

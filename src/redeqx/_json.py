@@ -7,10 +7,16 @@ string ``"NaN"``, ``"Infinity"`` or ``"-Infinity"`` (``float(s)`` reads it
 back; `as_number` too). Arrays (JAX or NumPy) become nested lists, a typed
 PRNG key ``{"prng_key": impl, "data": [...]}`` (`from_json` turns it back
 into a key), anything else an error naming where it is.
+
+The iterator-position protocol lives here too: an iterator whose position a
+checkpoint keeps has ``get_state()`` and ``set_state()`` (`checkpointable`),
+and its state is kept as strict JSON (`state_to_json`, `state_from_json`),
+never a pickle.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 from collections.abc import Mapping
@@ -18,6 +24,8 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from ._typing import short_repr
 
 NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
@@ -80,3 +88,46 @@ def as_number(value) -> float | None:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     return None
+
+
+# ----------------------------------------------------------------------------- iterator positions
+# (an iterator whose position a checkpoint keeps: Grain's, `grain_batches`', or any with get_state/set_state)
+
+_NOT_CHECKPOINTABLE = (
+    "{name} must be a Grain dataset or iterator whose position can be saved (grain.MapDataset, "
+    "grain.IterDataset, a grain.DatasetIterator, grain.DataLoader): an iterator with get_state() and "
+    "set_state(). Got {got}. For a plain iterable, use redeqx.batches(examples, ..., start=batch) to resume."
+)
+
+
+def checkpointable(iterator, name: str = "data_iterator"):
+    """``iterator`` if it has ``get_state`` and ``set_state``, else a
+    ``TypeError`` saying what is needed."""
+    if not (callable(getattr(iterator, "get_state", None)) and callable(getattr(iterator, "set_state", None))):
+        raise TypeError(_NOT_CHECKPOINTABLE.format(name=name, got=short_repr(iterator)))
+    return iterator
+
+
+def state_to_json(state, where: str = "data_iterator.get_state()"):
+    """An iterator's state as strict JSON: bytes (a ``DataLoader``'s) as
+    base64, anything else as itself if JSON gives it back unchanged."""
+    if isinstance(state, (bytes, bytearray)):
+        return {"base64": base64.b64encode(bytes(state)).decode("ascii")}
+    try:
+        same = json.loads(json.dumps(state, allow_nan=False)) == state
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{where} returned {short_repr(state)}, which is not JSON ({e}); a checkpoint holds the "
+                        "data position as JSON, never a pickle.") from None
+    if not same:
+        raise TypeError(f"{where} returned {short_repr(state)}, which JSON does not give back unchanged (a tuple, "
+                        "or a non-string key?); a checkpoint holds the data position as JSON, never a pickle.")
+    return {"json": state}
+
+
+def state_from_json(saved):
+    """The inverse of `state_to_json`."""
+    if isinstance(saved, dict) and set(saved) == {"base64"}:
+        return base64.b64decode(saved["base64"])
+    if isinstance(saved, dict) and set(saved) == {"json"}:
+        return saved["json"]
+    raise ValueError(f"not a saved data iterator state: {short_repr(saved)}.")

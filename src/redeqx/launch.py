@@ -48,7 +48,7 @@ from pathlib import Path
 
 from .run import ENV
 from ._hooks import StoppedByLauncher, stop_on_launcher_signal
-from .checkpoints._preemption import PREEMPTED_EXIT_CODE
+from .checkpoints import PREEMPTED_EXIT_CODE
 
 GRACE_SECONDS = 5.0  # after a failure or a Ctrl-C, before SIGKILL
 DEFAULT_PREEMPTION_GRACE = 20  # after a forwarded SIGTERM: time to save a checkpoint and exit
@@ -112,7 +112,7 @@ def _script_ended() -> None:
     """The script returned: finish any checkpoint still being written (the
     writer's threads still run here, unlike at interpreter exit), then tell
     the launcher this process is done."""
-    from .checkpoints._manager import finish_in_flight
+    from .checkpoints import finish_in_flight
 
     failures = finish_in_flight("at the end of the script, without close()")
     for line in failures:

@@ -18,6 +18,7 @@ waits for it, and raises `Preempted`, which exits with status 143.
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -102,3 +103,11 @@ def reached(call: int) -> bool:
     from jax.experimental import multihost_utils
 
     return multihost_utils.reached_preemption_sync_point(call)
+
+
+def exit_saved(path: Path, step: int) -> None:
+    """Says (process 0) that the preemption's checkpoint is on disk, and raises `Preempted`."""
+    if jax.process_index() == 0:
+        print(f"redeqx: preempted (SIGTERM): saved step {step} to {path}; exiting with status "
+              f"{PREEMPTED_EXIT_CODE}.", file=sys.stderr, flush=True)
+    raise Preempted(path, step)

@@ -17,9 +17,7 @@ the last batch the loop took, never the read-ahead's.
 
 from __future__ import annotations
 
-import base64
 import itertools
-import json
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -29,23 +27,9 @@ import numpy as np
 from jax.sharding import Mesh
 
 from ._data import DEFAULT_PREFETCH, _check_prefetch, _fn_name, _prefetched, collate, local_rows, to_global
+from .._json import checkpointable, state_from_json, state_to_json
 from ..mesh._mesh import DATA, check_mesh
 from .._typing import positive_int, short_repr, typechecked
-
-_NOT_CHECKPOINTABLE = (
-    "{name} must be a Grain dataset or iterator whose position can be saved (grain.MapDataset, "
-    "grain.IterDataset, a grain.DatasetIterator, grain.DataLoader): an iterator with get_state() and "
-    "set_state(). Got {got}. For a plain iterable, use redeqx.batches(examples, ..., start=batch) to resume."
-)
-
-
-def checkpointable(iterator, name: str = "data_iterator"):
-    """``iterator`` if it has ``get_state`` and ``set_state``, else a
-    ``TypeError`` saying what is needed."""
-    if not (callable(getattr(iterator, "get_state", None)) and callable(getattr(iterator, "set_state", None))):
-        raise TypeError(_NOT_CHECKPOINTABLE.format(name=name, got=short_repr(iterator)))
-    return iterator
-
 
 def _grain_iterator(dataset):
     """A checkpointable iterator over ``dataset``: a ``MapDataset`` is read
@@ -56,34 +40,6 @@ def _grain_iterator(dataset):
     if not hasattr(dataset, "__next__") and hasattr(dataset, "__iter__"):
         dataset = iter(dataset)
     return checkpointable(dataset, "dataset")
-
-
-# ----------------------------------------------------------------------------- states as JSON
-
-
-def state_to_json(state, where: str = "data_iterator.get_state()"):
-    """An iterator's state as strict JSON: bytes (a ``DataLoader``'s) as
-    base64, anything else as itself if JSON gives it back unchanged."""
-    if isinstance(state, (bytes, bytearray)):
-        return {"base64": base64.b64encode(bytes(state)).decode("ascii")}
-    try:
-        same = json.loads(json.dumps(state, allow_nan=False)) == state
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"{where} returned {short_repr(state)}, which is not JSON ({e}); a checkpoint holds the "
-                        "data position as JSON, never a pickle.") from None
-    if not same:
-        raise TypeError(f"{where} returned {short_repr(state)}, which JSON does not give back unchanged (a tuple, "
-                        "or a non-string key?); a checkpoint holds the data position as JSON, never a pickle.")
-    return {"json": state}
-
-
-def state_from_json(saved):
-    """The inverse of `state_to_json`."""
-    if isinstance(saved, dict) and set(saved) == {"base64"}:
-        return base64.b64decode(saved["base64"])
-    if isinstance(saved, dict) and set(saved) == {"json"}:
-        return saved["json"]
-    raise ValueError(f"not a saved data iterator state: {short_repr(saved)}.")
 
 
 # ----------------------------------------------------------------------------- the batches
