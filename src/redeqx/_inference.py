@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from .context import check_seq_keys, check_whole_keys, mesh_context, restore_order
 from .data._data import DEFAULT_PREFETCH, _every_example, _fn_name, _global_batch_size, local_rows, to_global, to_host
 from .mesh import check_mesh
-from .steps._steps import EvalStep
+from .steps import EvalStep
 from ._typing import typechecked, warn_user
 
 

@@ -45,7 +45,7 @@ import jax
 import numpy as np
 
 from .._trees import is_array_like, path_parts
-from ..state._state import TrainState
+from ..state import TrainState
 
 FORMAT = "redeqx-checkpoint"
 FORMAT_VERSION = 1  # raise it when the layout on disk changes; readers refuse a newer one

@@ -23,7 +23,7 @@ from jaxtyping import PyTree
 
 from .. import _hooks
 from .._json import checkpointable
-from ..mesh._spec_checks import refuse_deleted
+from ..mesh import refuse_deleted
 from .._typing import positive_int, typechecked
 from . import _preemption
 from ._directory import RunDirectory

@@ -14,7 +14,7 @@ import jax
 from jax.sharding import Mesh
 
 from .._json import state_from_json, state_to_json
-from ..mesh._mesh import DATA
+from ..mesh import DATA
 from .._typing import positive_int
 from ._format import all_processes
 

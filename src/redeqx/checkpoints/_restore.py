@@ -17,13 +17,13 @@ from jaxtyping import PyTree
 
 from .. import _hooks
 from .._json import is_key as _is_key
-from ..mesh._mesh import check_mesh, same_devices
-from ..state._opt_state import mirror_specs as _mirror_specs
-from ..mesh._spec_checks import check_specs_match as _check_specs_match
-from ..state._state import TrainState
+from ..mesh import check_mesh, same_devices
+from ..state import mirror_specs as _mirror_specs
+from ..mesh import check_specs_match as _check_specs_match
+from ..state import TrainState
 from .._trees import is_array_like, is_none as _is_none, is_spec as _is_spec, path_parts
 from .._typing import typechecked
-from ..sharding._specs import sharding_of
+from ..sharding import sharding_of
 from ._format import CheckpointError, array_leaves, leaf_at, nest, train_view
 from ._integrity import check_arrays, check_match, raw_metadata
 

@@ -22,8 +22,8 @@ from jaxtyping import PyTree
 from .. import _hooks
 from .._failures import describe_failure
 from .._json import dumps, is_key as _is_key, to_json as _to_json
-from ..mesh._spec_checks import refuse_deleted
-from ..state._state import TrainState
+from ..mesh import refuse_deleted
+from ..state import TrainState
 from .._version import __version__
 from .._typing import floating_dtype, typechecked
 from ._format import (

@@ -30,3 +30,4 @@ from ._qwen3_moe import Qwen3MoeConfig as Qwen3MoeConfig, Qwen3MoeForCausalLM as
 from ._pretrained import from_pretrained as from_pretrained, save_pretrained as save_pretrained
 from ._seq2seq import shift_right as shift_right
 from ._t5 import T5Config as T5Config, T5ForConditionalGeneration as T5ForConditionalGeneration
+from ._moe import RECOMPUTE as RECOMPUTE

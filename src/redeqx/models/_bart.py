@@ -37,8 +37,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from ..mesh._constrain import constrain
-from ..mesh._mesh import MODEL
+from ..mesh import constrain
+from ..mesh import MODEL
 from ._layers import (
     Stackable,
     ACTIVATIONS,

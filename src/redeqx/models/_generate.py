@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from ..context._context import context_shards
+from ..context import context_shards
 from .._typing import positive_int
 from ._layers import CausalLM
 

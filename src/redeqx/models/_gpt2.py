@@ -19,8 +19,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PRNGKeyArray
 
-from ..mesh._constrain import constrain
-from ..mesh._mesh import CONTEXT, MODEL
+from ..mesh import constrain
+from ..mesh import CONTEXT, MODEL
 from ._layers import (
     Stackable,
     Cache,

@@ -34,8 +34,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ..mesh._constrain import constrain
-from ..mesh._mesh import CONTEXT, MODEL
+from ..mesh import constrain
+from ..mesh import CONTEXT, MODEL
 from ._layers import (
     Stackable,
     ACTIVATIONS,

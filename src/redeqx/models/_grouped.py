@@ -64,7 +64,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from ..mesh._mesh import traced_platform
+from ..mesh import traced_platform
 
 # ragged_dot's dimension numbers for rows (N, in) against weights (E, out, in): contract `in`
 # with the weights' last dim, the rows' dim 0 ragged over the weights' groups (dim 0).

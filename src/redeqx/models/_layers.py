@@ -16,10 +16,10 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from ..mesh._constrain import constrain
+from ..mesh import constrain
 from .._typing import positive_int
-from ..context._context import attention as split_attention, context_axis, sequence_positions
-from ..mesh._mesh import CONTEXT, MODEL, traced_platform
+from ..context import attention as split_attention, context_axis, sequence_positions
+from ..mesh import CONTEXT, MODEL, traced_platform
 
 INIT_STD = 0.02  # the initializer_range of the Hugging Face configs
 
@@ -282,7 +282,7 @@ def check_scan_unroll(config) -> None:
 
 def check_context_attention(config) -> None:
     """A clear error for a config's ``context_attention`` that `redeqx.attention` would not take."""
-    from ..context._context import IMPLS
+    from ..context import IMPLS
 
     if config.context_attention not in IMPLS:
         raise ValueError(

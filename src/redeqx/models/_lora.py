@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
-from ..sharding._stacks import declared_ndim
+from ..sharding import declared_ndim
 from .._trees import path_parts
 from .._typing import positive_int, typechecked
 from ._moe import Experts, LoRAExperts, lora_experts

@@ -69,7 +69,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from ..mesh._mesh import CONTEXT, DATA, MODEL, traced_platform
+from ..mesh import CONTEXT, DATA, MODEL, traced_platform
 from .._typing import positive_int, typechecked
 from ._grouped import grouped, provisional
 from ._layers import ACTIVATIONS, INIT_STD, Linear

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from ..mesh._constrain import constrain
-from ..mesh._mesh import CONTEXT, MODEL
+from ..mesh import constrain
+from ..mesh import CONTEXT, MODEL
 from .._trees import is_array_like, named_leaves
 from ._layers import Cache, CausalLM, is_stacked, run_layers, scan_unroll
 from ._llama import LlamaConfig, rope_frequencies

@@ -28,8 +28,8 @@ import jax
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from ..mesh._constrain import constrain
-from ..mesh._mesh import CONTEXT, MODEL
+from ..mesh import constrain
+from ..mesh import CONTEXT, MODEL
 from ._layers import (
     Stackable,
     ACTIVATIONS,

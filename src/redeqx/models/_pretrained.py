@@ -44,7 +44,7 @@ from ._qwen2 import Qwen2Config, Qwen2ForCausalLM
 from ._qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from ._safetensors import Entry, HFTensor, leaf_tensors, read_entries, read_json, write_checkpoint
 from ._t5 import T5Config, T5ForConditionalGeneration
-from ..sharding._specs import sharding_of
+from ..sharding import sharding_of
 
 FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM),

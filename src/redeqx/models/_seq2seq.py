@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ..context._context import context_shards
+from ..context import context_shards
 from ._layers import KVCache, check_fits, empty_caches, is_stacked, n_layers
 
 

@@ -18,7 +18,7 @@ import math
 import jax
 import jax.extend.core
 
-from ..models._moe import RECOMPUTE
+from ..models import RECOMPUTE
 
 
 def _rows_flops(eqn) -> float:
