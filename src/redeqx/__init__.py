@@ -18,29 +18,29 @@ from .state import (
     with_opt_state_dtype as with_opt_state_dtype,
 )
 from .mesh import check_mesh as check_mesh, constrain as constrain, make_mesh as make_mesh, shard as shard
-from .steps._conv_grads import exact_conv_grads as exact_conv_grads
+from .steps import exact_conv_grads as exact_conv_grads
 from .context import (
     attention as attention,
     context_order as context_order,
     restore_order as restore_order,
     sequence_positions as sequence_positions,
 )
-from .data._data import batches as batches, shuffled as shuffled
+from .data import batches as batches, shuffled as shuffled
 from .run import (
     HUNG_EXIT_CODE as HUNG_EXIT_CODE,
     StepWatchdog as StepWatchdog,
     initialize as initialize,
     preflight as preflight,
 )
-from .data._grain import GrainBatches as GrainBatches, grain_batches as grain_batches
+from .data import GrainBatches as GrainBatches, grain_batches as grain_batches
 from .planner import Plan as Plan, collective_summary as collective_summary, plan as plan
 from ._inference import evaluate as evaluate, predict as predict
 from ._logging import Logger as Logger
 from .checkpoints._manager import CheckpointManager as CheckpointManager
 from .checkpoints._preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE, Preempted as Preempted
-from .steps._remat import checkpoint as checkpoint, remat as remat
+from .steps import checkpoint as checkpoint, remat as remat
 from .sharding import explain as explain, sharding_rules as sharding_rules, specs_from_overrides as specs_from_overrides
-from .steps._steps import (
+from .steps import (
     make_eval_step as make_eval_step,
     make_predict_step as make_predict_step,
     make_step as make_step,
