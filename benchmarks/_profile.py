@@ -34,7 +34,7 @@ _FRAME = re.compile(r"stack_frame_id=(\d+)")
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 _COPIES = ("copy", "copy-start", "copy-done", "transpose", "dynamic-slice", "dynamic-update-slice", "bitcast",
            "slice", "concatenate", "pad")
-# function names whose frames mark the loss, and the optimizer update (redeqx.steps._steps._update and optax)
+# function names whose frames mark the loss, and the optimizer update (redeqx.state.optimizer_update and optax)
 _LOSS_FUNCTIONS = ("loss", "cross_entropy", "log_softmax", "logsumexp")
 _UPDATE_FUNCTIONS = ("_update", "update_fn", "apply_updates", "apply_gradients", "global_norm", "clip")
 

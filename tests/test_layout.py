@@ -25,54 +25,15 @@ MAX_FLOORS = 8
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 60
 
-_OWNER = "its owner rewrites these imports to the packages' __init__ (issue 42)"
-_EXPORTS = "waits for that package's owner to export the names from its __init__ (issue 42)"
 # Imports that may still reach into other packages' private modules: "file" (all
 # of its imports) or "file -> package" (its imports from that package).
-PRIVATE_IMPORTS_ALLOWED = {
-    "__init__.py -> redeqx.checkpoints": _EXPORTS,
-    "__init__.py -> redeqx.data": _EXPORTS,
-    "__init__.py -> redeqx.steps": _EXPORTS,
-    "_inference.py -> redeqx.data": _EXPORTS + "; _every_example, _fn_name, _global_batch_size renamed",
-    "_inference.py -> redeqx.steps": _EXPORTS,
-    "launch.py -> redeqx.checkpoints": _EXPORTS,
-    "planner/_grouped_flops.py -> redeqx.models": _EXPORTS,
-    "planner/_plan.py -> redeqx.steps": _EXPORTS,
-    "checkpoints/_checkpoint.py": _OWNER,
-    "checkpoints/_manager.py": _OWNER,
-    "data/_data.py": _OWNER,
-    "data/_grain.py": _OWNER,
-    "steps/_compiled.py": _OWNER,
-    "steps/_cpu.py": _OWNER,
-    "steps/_loss.py": _OWNER,
-    "steps/_shard_mean.py": _OWNER,
-    "steps/_steps.py": _OWNER,
-    "models/_bart.py": _OWNER,
-    "models/_generate.py": _OWNER,
-    "models/_gpt2.py": _OWNER,
-    "models/_gptj.py": _OWNER,
-    "models/_grouped.py": _OWNER,
-    "models/_layers.py": _OWNER,
-    "models/_llama.py": _OWNER,
-    "models/_lora.py": _OWNER,
-    "models/_moe.py": _OWNER,
-    "models/_moe_lm.py": _OWNER,
-    "models/_opt.py": _OWNER,
-    "models/_pretrained.py": _OWNER,
-    "models/_seq2seq.py": _OWNER,
-    "models/_t5.py": _OWNER,
-}
+PRIVATE_IMPORTS_ALLOWED: dict[str, str] = {}
 # Files over MAX_FILE_LINES (models/ is exempt).
 LONG_FILES_ALLOWED = {
-    "checkpoints/_checkpoint.py": "the checkpoints split by concern (issue 42 item 2) is in progress",
-    "checkpoints/_manager.py": "the checkpoints split by concern (issue 42 item 2) is in progress",
-    "data/_data.py": "the data owner moves the data position out (issue 42 item 1) in progress",
     "run/_distributed.py": "_start() to be split into named steps (issue 42)",
 }
 # Functions over MAX_FUNCTION_LINES, as "file:qualified.name".
 LONG_FUNCTIONS_ALLOWED = {
-    "checkpoints/_manager.py:CheckpointManager.__init__": "the checkpoints split (issue 42 item 2) is in progress",
-    "checkpoints/_manager.py:CheckpointManager.save": "the checkpoints split (issue 42 item 2) is in progress",
     "run/_distributed.py:_start": "to be split into named helpers (issue 42)",
 }
 

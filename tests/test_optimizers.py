@@ -5,6 +5,7 @@ loop on one device."""
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -103,3 +104,44 @@ def test_with_multisteps_state_step_counts_batches_and_the_parameters_move_every
         moves += not np.array_equal(now, weights)
         weights = now
     assert int(state.step) == 4 and moves == 2 and int(state.opt_state.gradient_step) == 2
+
+
+def linear_loss(model, batch, key):
+    """A loss whose value and gradients are exact in float32 whatever the
+    order of the sums (dyadic weights times powers of two), so two programs
+    give the same bits: what the optimizer update makes of them is compared."""
+    return jnp.sum(model.weight * batch["gw"].mean(0)) + jnp.sum(model.bias * batch["gb"].mean(0))
+
+
+@pytest.mark.parametrize("optimizer, trainable", [
+    (optax.chain(optax.sgd(0.5), optax.contrib.reduce_on_plateau(patience=0, factor=0.5, accumulation_size=1)), None),
+    (optax.adam(0.25), None),
+    (optax.sgd(0.5, momentum=0.5), "weight only"),
+])
+def test_the_train_step_and_apply_gradients_update_alike(optimizer, trainable):
+    """One optimizer update serves both: the same gradients (and the loss as
+    ``value=`` for reduce_on_plateau) give bit-identical states."""
+    rng = np.random.default_rng(0)
+    model = eqx.nn.Linear(4, 3, key=jax.random.key(0))
+    model = eqx.tree_at(lambda m: (m.weight, m.bias), model,
+                        (jnp.asarray(rng.integers(-8, 8, (3, 4)) / 8, jnp.float32), jnp.asarray(rng.integers(-8, 8, 3) / 8, jnp.float32)))
+    if trainable is not None:
+        trainable = eqx.tree_at(lambda m: (m.weight, m.bias), jax.tree.map(lambda _: False, model), (True, False))
+    mesh = redeqx.make_mesh(2)
+    specs = redeqx.sharding_rules(model, mesh)
+    batch = {"gw": np.full((8, 3, 4), 2.0 ** -rng.integers(0, 4, (3, 4)), np.float32),
+             "gb": np.full((8, 3), 2.0 ** -rng.integers(0, 4, 3), np.float32)}
+    train_step = redeqx.make_train_step(linear_loss, optimizer, mesh, specs, trainable=trainable)
+
+    def by_hand(state, batch):
+        loss, grads = eqx.filter_value_and_grad(linear_loss)(state.model, batch, None)
+        return redeqx.apply_gradients(state, grads, optimizer, trainable=trainable, value=loss), loss
+
+    by_hand = redeqx.make_step(by_hand, mesh)
+    a, b = (redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1), trainable=trainable) for _ in "ab")
+    for _ in range(3):
+        a, metrics = train_step(a, batch)
+        b, loss = by_hand(b, batch)
+        assert float(metrics["loss"]) == float(loss)
+    for x, y in zip(jax.tree.leaves((a.model, a.opt_state, a.step)), jax.tree.leaves((b.model, b.opt_state, b.step))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

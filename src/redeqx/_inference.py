@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from .context import check_seq_keys, check_whole_keys, mesh_context, restore_order
-from .data._data import DEFAULT_PREFETCH, _every_example, _fn_name, _global_batch_size, local_rows, to_global, to_host
+from .data import DEFAULT_PREFETCH, every_example, fn_name, global_batch_size, local_rows, to_global, to_host
 from .mesh import check_mesh
 from .steps import EvalStep
 from ._typing import typechecked, warn_user
@@ -68,9 +68,9 @@ def evaluate(
     mesh = check_mesh(mesh)
     seq_keys = check_seq_keys(seq_keys, mesh, "redeqx.evaluate")
     whole_keys = check_whole_keys(whole_keys, seq_keys)
-    size = _global_batch_size(per_device_batch_size, mesh)
+    size = global_batch_size(per_device_batch_size, mesh)
     totals, n = None, 0
-    for i, (batch, n_real) in enumerate(_every_example(examples, collate_fn, per_device_batch_size, mesh, desc,
+    for i, (batch, n_real) in enumerate(every_example(examples, collate_fn, per_device_batch_size, mesh, desc,
                                                        prefetch, seq_keys, whole_keys)):
         weights = np.zeros(size, np.float32)
         weights[:n_real] = 1.0
@@ -182,7 +182,7 @@ def predict(
     seq_keys = check_seq_keys(seq_keys, mesh, "redeqx.predict")
     whole_keys = check_whole_keys(whole_keys, seq_keys)
     seq_outputs = _check_seq_outputs(seq_outputs)
-    made = _every_example(examples, collate_fn, per_device_batch_size, mesh, desc, prefetch, seq_keys, whole_keys)
+    made = every_example(examples, collate_fn, per_device_batch_size, mesh, desc, prefetch, seq_keys, whole_keys)
     outputs: list = []
     state_kw = {} if model_state is None else {"model_state": model_state}
 
@@ -198,7 +198,7 @@ def predict(
         if output_fn is not None:
             got = list(output_fn(preds))
             if len(got) != n_real:
-                raise ValueError(f"output_fn {_fn_name(output_fn)!r} returned {len(got)} outputs for {n_real} examples.")
+                raise ValueError(f"output_fn {fn_name(output_fn)!r} returned {len(got)} outputs for {n_real} examples.")
             outputs.extend(got)
         else:
             outputs.extend(jax.tree.map(lambda x: x[j], preds) for j in range(n_real))

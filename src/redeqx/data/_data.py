@@ -32,26 +32,24 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-import queue
-import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping, MappingView, Sequence, Set
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from tqdm.auto import tqdm
 
 from .. import _progress
-from ..steps._compiled import narrow_64bit
-from ..context._context import batch_spec, check_seq_keys, check_whole_keys, order_sequences
-from ..mesh._mesh import DATA, check_mesh
+from ._batch import narrow_64bit
+from ._prefetch import DEFAULT_PREFETCH, check_prefetch, prefetched
+from ..context import batch_spec, check_seq_keys, check_whole_keys, order_sequences
+from ..mesh import DATA, check_mesh
 from .._typing import positive_int, typechecked
 
 
-def _fn_name(fn) -> str:
+def fn_name(fn) -> str:
     return getattr(fn, "__name__", repr(fn))
 
 
@@ -63,10 +61,10 @@ def collate(collate_fn: Callable, examples: list, n_rows: int):
     is_leaf = lambda x: isinstance(x, list)  # noqa: E731
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(out, is_leaf=is_leaf)
     if not leaves_with_path:
-        raise ValueError(f"collate_fn {_fn_name(collate_fn)!r} returned no arrays (got {out!r}).")
+        raise ValueError(f"collate_fn {fn_name(collate_fn)!r} returned no arrays (got {out!r}).")
     checked = []
     for kp, leaf in leaves_with_path:
-        where = f"collate_fn {_fn_name(collate_fn)!r} output{jax.tree_util.keystr(kp)}"
+        where = f"collate_fn {fn_name(collate_fn)!r} output{jax.tree_util.keystr(kp)}"
         try:
             arr = np.asarray(leaf)
         except ValueError as e:  # ragged nested lists
@@ -117,12 +115,7 @@ def to_global(local_batch, mesh: Mesh, global_batch: int, seq_keys: tuple[str, .
     return jax.tree_util.tree_map_with_path(one, local_batch)
 
 
-# batches made ahead of the loop by default: one to overlap the running step,
-# one to absorb a slow collate; each holds one global batch in device memory
-DEFAULT_PREFETCH = 2
-
-
-def _global_batch_size(per_device_batch_size, mesh) -> int:
+def global_batch_size(per_device_batch_size, mesh) -> int:
     per_device_batch_size = positive_int(per_device_batch_size, "per_device_batch_size")
     return per_device_batch_size * mesh.shape[DATA]
 
@@ -133,74 +126,6 @@ def _order(n: int, shuffle: bool, key) -> np.ndarray:
     if key is None:
         raise ValueError("shuffle=True needs key=: pass e.g. key=jax.random.fold_in(key, epoch) for a new order each epoch.")
     return np.asarray(jax.random.permutation(key, n))
-
-
-def _check_prefetch(prefetch) -> int:
-    if isinstance(prefetch, bool) or not isinstance(prefetch, (int, np.integer)) or prefetch < 0:
-        raise ValueError(
-            f"prefetch must be an int >= 0 (batches collated and sent to the devices ahead of the loop; "
-            f"0 turns that off), got {prefetch!r}."
-        )
-    return int(prefetch)
-
-
-_DONE = object()
-
-
-def _prefetched(items: Iterator, prefetch: int) -> Iterator:
-    """The items of the generator ``items``, in order, made by a background
-    thread up to ``prefetch`` items ahead of the consumer (with
-    ``prefetch=0``: in the consumer's thread, when asked for).
-
-    An exception raised while making an item reaches the consumer when it
-    asks for that item, after the items before it: the same exception
-    object, whose traceback still shows where it was raised. Closing this
-    generator (``break``, an exception in the loop, ``close()``, garbage
-    collection) stops the thread, waits for it and closes ``items``, so no
-    thread outlives the loop and no file a stream opened stays open.
-    """
-    if prefetch == 0:
-        with contextlib.closing(items):
-            yield from items
-        return
-    ready: queue.SimpleQueue = queue.SimpleQueue()  # (item, error), in order
-    slots = threading.Semaphore(prefetch)  # items made and not yet taken <= prefetch
-    stop = threading.Event()
-
-    def work():  # refers to `items`, never to this generator, so an abandoned loop can be collected
-        try:
-            while True:
-                slots.acquire()
-                if stop.is_set():
-                    return
-                try:
-                    item = next(items)
-                except StopIteration:
-                    break
-                except BaseException as e:  # raised in the consumer's thread instead
-                    ready.put((None, e))
-                    return
-                ready.put((item, None))
-            ready.put((_DONE, None))
-        finally:
-            items.close()  # here: a generator is closed by the thread that runs it
-
-    thread = threading.Thread(target=work, name="redeqx-prefetch", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item, error = ready.get()
-            slots.release()
-            if error is not None:
-                raise error
-            if item is _DONE:
-                return
-            yield item
-    finally:
-        stop.set()
-        slots.release()  # wakes the thread if it waits for a slot
-        if thread is not threading.current_thread():
-            thread.join()  # at most the batch it is making
 
 
 def _bar_title(desc: str, per_device_batch_size: int, mesh: Mesh) -> str:
@@ -220,7 +145,7 @@ def _sequence_rows(examples, order, per_device_batch_size, mesh, start, drop_las
     batch is padded to full size (with the order's first examples, cycling
     through them when it holds fewer than the padding, or with copies of its
     own last example) so every step sees one shape."""
-    size = _global_batch_size(per_device_batch_size, mesh)
+    size = global_batch_size(per_device_batch_size, mesh)
     lo, hi = local_rows(mesh, size)
     for b in range(start, _n_batches(len(order), size, drop_last)):
         rows = order[b * size:(b + 1) * size]
@@ -237,7 +162,7 @@ def _stream_rows(examples, per_device_batch_size, mesh, start, drop_last, wrap) 
     a short last one). The batches before ``start`` are read, not collated.
     What only the end of the stream tells (it was empty, too short for
     ``drop_last``, or ended before ``start``) is raised there."""
-    size = _global_batch_size(per_device_batch_size, mesh)
+    size = global_batch_size(per_device_batch_size, mesh)
     lo, hi = local_rows(mesh, size)
     stream = iter(examples)
     first: list = []
@@ -293,7 +218,7 @@ def _padded_batches(rows: Iterator[tuple[list, int]], collate_fn, per_device_bat
     ``rows``: this process's examples collated and made one global batch,
     up to ``prefetch`` batches ahead. ``n_batches`` is the progress bar's
     total (None for a stream: a bar without a total)."""
-    size = _global_batch_size(per_device_batch_size, mesh)
+    size = global_batch_size(per_device_batch_size, mesh)
 
     def made():  # in the prefetch thread
         with contextlib.closing(rows):
@@ -305,7 +230,7 @@ def _padded_batches(rows: Iterator[tuple[list, int]], collate_fn, per_device_bat
                disable=desc is None or jax.process_index() != 0, leave=False, dynamic_ncols=True)
     if not bar.disable:
         _progress.opened(bar)  # where `Logger.log` shows the loss
-    batches = _prefetched(made(), prefetch)
+    batches = prefetched(made(), prefetch)
     try:
         for item in batches:
             yield item
@@ -322,7 +247,7 @@ _DICT_OF_ARRAYS = (
 )
 
 
-def _check_examples(examples, name="examples") -> bool:
+def check_examples(examples, name="examples") -> bool:
     """What `batches`, `evaluate` and `predict` accept as examples; returns
     whether they are a sequence (True) or a stream (False).
 
@@ -389,6 +314,16 @@ def _only_batches(made, warning: str | None, stream_size: int | None = None):
             if stream_size is not None and n_real < stream_size:
                 warnings.warn(_fill_warning(n_real, stream_size), stacklevel=2)
             yield batch
+
+
+def _check_batches_args(collate_fn, mesh: Mesh, start, prefetch, seq_keys, whole_keys):
+    """`batches`' ``collate_fn`` and ``start`` checked; ``(seq_keys, whole_keys, prefetch)`` as it uses them."""
+    if not callable(collate_fn):
+        raise TypeError(f"collate_fn must be a function list[example] -> dict of arrays, got {collate_fn!r}.")
+    if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or start < 0:
+        raise ValueError(f"start must be a batch index >= 0, got {start!r}.")
+    seq_keys = check_seq_keys(seq_keys, mesh)
+    return seq_keys, check_whole_keys(whole_keys, seq_keys), check_prefetch(prefetch)
 
 
 @typechecked
@@ -499,15 +434,9 @@ def batches(
     ```
     """
     mesh = check_mesh(mesh)
-    sequence = _check_examples(examples)
-    if not callable(collate_fn):
-        raise TypeError(f"collate_fn must be a function list[example] -> dict of arrays, got {collate_fn!r}.")
-    seq_keys = check_seq_keys(seq_keys, mesh)
-    whole_keys = check_whole_keys(whole_keys, seq_keys)
-    size = _global_batch_size(per_device_batch_size, mesh)
-    if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or start < 0:
-        raise ValueError(f"start must be a batch index >= 0, got {start!r}.")
-    prefetch = _check_prefetch(prefetch)
+    sequence = check_examples(examples)
+    seq_keys, whole_keys, prefetch = _check_batches_args(collate_fn, mesh, start, prefetch, seq_keys, whole_keys)
+    size = global_batch_size(per_device_batch_size, mesh)
     if drop_last is None:
         drop_last = shuffle
     if not sequence:
@@ -527,99 +456,18 @@ def batches(
     return _only_batches(made, warning)
 
 
-def _key_words(key) -> tuple[int, ...]:
-    """A PRNG key's raw ``uint32`` words, to seed NumPy with."""
-    typed = isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
-    if typed and key.shape == ():
-        return tuple(int(w) for w in np.asarray(jax.random.key_data(key)).ravel())
-    if not typed and isinstance(key, (jax.Array, np.ndarray)) and key.dtype == np.uint32 and key.ndim == 1:
-        return tuple(int(w) for w in np.asarray(key))  # a raw key, from jax.random.PRNGKey
-    raise TypeError(
-        f"key must be one PRNG key, e.g. key=jax.random.fold_in(jax.random.key(0), epoch) for a new order each "
-        f"epoch, got {key!r}."
-    )
-
-
-class Shuffled:
-    """A stream read through a seeded shuffle buffer; made by `shuffled`.
-    Each ``iter()`` reads ``examples`` again and gives the same order."""
-
-    def __init__(self, examples, buffer_size: int, seed: tuple[int, ...]):
-        self.examples = examples
-        self.buffer_size = buffer_size
-        self.seed = seed
-
-    def __repr__(self) -> str:
-        return f"shuffled({type(self.examples).__name__}, buffer_size={self.buffer_size})"
-
-    def __iter__(self) -> Iterator:
-        # PCG64's raw words from a SeedSequence are the same in every NumPy
-        # version (unlike Generator's methods), so a resumed run gets the order
-        # it was saved in; a 64-bit word mod the buffer size is off uniform by
-        # at most buffer_size / 2**64
-        bits = np.random.PCG64(np.random.SeedSequence(self.seed))
-        draws = itertools.chain.from_iterable(iter(lambda: bits.random_raw(1024).tolist(), None))
-        buffer: list = []
-        stream = iter(self.examples)
-        try:
-            for example in stream:
-                if len(buffer) < self.buffer_size:
-                    buffer.append(example)
-                    continue
-                j = next(draws) % self.buffer_size
-                yield buffer[j]  # a random one of the buffer out, the new example in its place
-                buffer[j] = example
-        finally:
-            if hasattr(stream, "close"):  # as `batches` does
-                stream.close()
-        for i in range(len(buffer) - 1, 0, -1):  # the stream has ended: what is left, in a random order
-            j = next(draws) % (i + 1)
-            buffer[i], buffer[j] = buffer[j], buffer[i]
-        yield from buffer
-
-
-@typechecked
-def shuffled(examples: Any, buffer_size: int, *, key) -> Shuffled:
-    """``examples`` (a stream, or a sequence) read through a shuffle buffer of
-    ``buffer_size`` examples, seeded by ``key``: a stream you can pass to
-    `batches` where ``shuffle=True`` needs ``len()``.
-
-    The buffer holds the first ``buffer_size`` examples; each further example
-    takes the place of one drawn at random from it, which is given out; at
-    the end, what is left comes out in a random order. So an example moves
-    at most ``buffer_size`` places earlier, and a buffer as large as the
-    data is a full shuffle. The same ``key`` gives the same order on every
-    process and in every run (NumPy's PCG64, seeded by the key's words), so
-    ``batches(shuffled(...), ..., start=s)`` resumes exactly; pass a new key
-    each epoch. Each ``iter()`` reads ``examples`` again, so it is a stream
-    that starts over when ``examples`` does.
-
-    **Example:**
-
-    ```python
-    for epoch in range(n_epochs):
-        stream = redeqx.shuffled(read_jsonl("train.jsonl"), 10_000, key=jax.random.fold_in(key, epoch))
-        for batch in redeqx.batches(stream, collate_fn, 32, mesh, drop_last=True):
-            state, metrics = train_step(state, batch)
-    ```
-    """
-    _check_examples(examples)
-    buffer_size = positive_int(buffer_size, "buffer_size")
-    return Shuffled(examples, buffer_size, _key_words(key))
-
-
-def _every_example(examples, collate_fn, per_device_batch_size, mesh, desc, prefetch, seq_keys: tuple[str, ...] = (),
+def every_example(examples, collate_fn, per_device_batch_size, mesh, desc, prefetch, seq_keys: tuple[str, ...] = (),
                    whole_keys: tuple[str, ...] = ()):
     """``(global_batch, n_real)`` for `evaluate` and `predict`: every example
     once, in order, the last batch padded with copies of its last example;
     ``seq_keys`` and ``whole_keys`` (checked by the caller) as `batches` takes them."""
-    if _check_examples(examples):
+    if check_examples(examples):
         n = len(examples)
         rows = _sequence_rows(examples, np.arange(n), per_device_batch_size, mesh, 0, False, False)
-        n_batches = _n_batches(n, _global_batch_size(per_device_batch_size, mesh), False)
+        n_batches = _n_batches(n, global_batch_size(per_device_batch_size, mesh), False)
     else:
         rows, n_batches = _stream_rows(examples, per_device_batch_size, mesh, 0, False, False), None
-    return _padded_batches(rows, collate_fn, per_device_batch_size, mesh, n_batches, 0, desc, _check_prefetch(prefetch),
+    return _padded_batches(rows, collate_fn, per_device_batch_size, mesh, n_batches, 0, desc, check_prefetch(prefetch),
                            seq_keys, whole_keys)
 
 

@@ -26,9 +26,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from ._data import DEFAULT_PREFETCH, _check_prefetch, _fn_name, _prefetched, collate, local_rows, to_global
+from ._data import collate, fn_name, local_rows, to_global
+from ._prefetch import DEFAULT_PREFETCH, check_prefetch, prefetched
+from ..mesh import DATA, check_mesh
 from .._json import checkpointable, state_from_json, state_to_json
-from ..mesh._mesh import DATA, check_mesh
 from .._typing import positive_int, short_repr, typechecked
 
 def _grain_iterator(dataset):
@@ -117,7 +118,7 @@ class GrainBatches:
 
     def __next__(self):
         if self._made is None:
-            self._made = _prefetched(self._made_batches(), self._prefetch)
+            self._made = prefetched(self._made_batches(), self._prefetch)
         batch, self._state = next(self._made)
         self._taken += 1
         return batch
@@ -198,6 +199,6 @@ def grain_batches(
     mesh = check_mesh(mesh)
     if collate_fn is not None and not callable(collate_fn):
         raise TypeError(f"collate_fn must be a function list[example] -> dict of arrays, or None, got "
-                        f"{_fn_name(collate_fn)}.")
+                        f"{fn_name(collate_fn)}.")
     per_device_batch_size = positive_int(per_device_batch_size, "per_device_batch_size")
-    return GrainBatches(_grain_iterator(dataset), collate_fn, per_device_batch_size, mesh, _check_prefetch(prefetch))
+    return GrainBatches(_grain_iterator(dataset), collate_fn, per_device_batch_size, mesh, check_prefetch(prefetch))

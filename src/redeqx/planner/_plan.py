@@ -33,10 +33,9 @@ from ._grouped_flops import overcount
 from ._hlo import collective_summary, estimated_flops, loop_factor
 from ..mesh import DATA, MODEL, check_mesh, check_specs, check_specs_match, sharding_of
 from ..state import abstract_model, init_state, is_constructor, with_opt_state_dtype
-from ..steps import ScanResiduals, remat as remat_loss
 from ..sharding import program_facts, specs_from
 from .._trees import human_bytes, is_spec, named_leaves, per_device_shape
-from ..steps import make_train_step
+from ..steps import ScanResiduals, make_train_step, remat as remat_loss
 from .._typing import typechecked, warn_user
 
 _UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

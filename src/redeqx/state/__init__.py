@@ -6,8 +6,14 @@ from ._opt_state import (
     as_optimizer as as_optimizer,
     init_opt_state as init_opt_state,
     mirror_specs as mirror_specs,
+    split_trainable as split_trainable,
     trainable_params as trainable_params,
 )
 from ._optimizers import with_opt_state_dtype as with_opt_state_dtype
 from ._schedules import lr_schedule as lr_schedule
-from ._state import TrainState as TrainState, apply_gradients as apply_gradients, init_state as init_state
+from ._state import (
+    TrainState as TrainState,
+    apply_gradients as apply_gradients,
+    init_state as init_state,
+    optimizer_update as optimizer_update,
+)

@@ -43,6 +43,13 @@ def trainable_params(model, trainable):
     return eqx.filter(params, trainable)
 
 
+def split_trainable(model, trainable):
+    """(trainable floating arrays, everything else), as ``eqx.partition`` gives."""
+    params = trainable_params(model, trainable)
+    mask = jax.tree.map(lambda x: x is not None, params, is_leaf=lambda x: x is None)
+    return eqx.partition(model, mask)
+
+
 def opt_state_specs(optimizer: optax.GradientTransformation, model, specs, trainable=None):
     """PartitionSpecs for the optimizer state of ``model``'s trainable
     parameters, each mirroring the spec of the parameter it belongs to."""

@@ -21,7 +21,7 @@ from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from ._build import constructor, is_abstract, is_constructor
 from ..mesh import check_key, check_mesh, check_specs, check_specs_match, place, place_tree, replicate_key, sharding_of
-from ._opt_state import Optimizer, as_optimizer, init_opt_state, mirror_specs, trainable_params
+from ._opt_state import Optimizer, as_optimizer, init_opt_state, mirror_specs, split_trainable, trainable_params
 from .._trees import is_array_like, is_none, is_spec
 from .._typing import typechecked
 
@@ -132,14 +132,38 @@ def _abstract_state(model, optimizer, mesh: Mesh, specs, key, trainable, model_s
                       model_state=model_state)
 
 
+def optimizer_update(optimizer: optax.GradientTransformation, model, grads, opt_state, trainable=None,
+                     **extra_args):
+    """``(new_model, new_opt_state)``: the one optimizer update, of `make_train_step` and `apply_gradients`.
+
+    ``optimizer.update`` of ``model``'s trainable parameters (``grads``
+    filtered to them), with ``extra_args`` passed to an optimizer that takes
+    them (optax's ``GradientTransformationExtraArgs``, e.g. ``value=`` for
+    ``reduce_on_plateau``) and ignored by one that does not, as
+    ``optax.with_extra_args_support`` does; the updates are added in each
+    parameter's own dtype (``optax.apply_updates``)."""
+    params, static = split_trainable(model, trainable)  # as init_state(..., trainable=) made the optimizer state
+    if jax.tree.structure(jax.eval_shape(optimizer.init, params)) != jax.tree.structure(opt_state):
+        raise ValueError(
+            "state.opt_state does not match the trainable parameters of this step: pass the same optimizer and "
+            "trainable= to redeqx.init_state and to redeqx.make_train_step (or redeqx.apply_gradients)."
+        )
+    grads = eqx.filter(grads, jax.tree.map(lambda x: x is not None, params, is_leaf=is_none))
+    updates, opt_state = optax.with_extra_args_support(optimizer).update(grads, opt_state, params, **extra_args)
+    return eqx.combine(optax.apply_updates(params, updates), static), opt_state
+
+
 @typechecked
 def apply_gradients(
-    state: TrainState, grads: PyTree, optimizer: Optimizer, *, trainable: Any = None
+    state: TrainState, grads: PyTree, optimizer: Optimizer, *, trainable: Any = None, **extra_args: Any
 ) -> TrainState:
     """One optimizer update of ``state`` with ``grads`` (as from
     ``eqx.filter_grad(loss)(state.model)``): the new model, the new
     optimizer state and ``step + 1``, the key unchanged. For steps you write
-    with `make_step` over several models; `make_train_step` does this for one.
+    with `make_step` over several models; `make_train_step` does this for
+    one, by the same code. ``extra_args`` go to an optimizer that takes
+    them (optax's ``GradientTransformationExtraArgs``: ``value=loss`` for
+    ``optax.contrib.reduce_on_plateau``); one that does not ignores them.
 
     **Example:**
 
@@ -149,10 +173,6 @@ def apply_gradients(
         return {**state, "actor": redeqx.apply_gradients(state["actor"], grads, actor_optimizer)}, {}
     ```
     """
-    optimizer = as_optimizer(optimizer)
-    params = trainable_params(state.model, trainable)  # as init_state(..., trainable=) made the optimizer state
-    mask = jax.tree.map(lambda x: x is not None, params, is_leaf=is_none)
-    grads = eqx.filter(grads, mask)
-    updates, opt_state = optimizer.update(grads, state.opt_state, params)
-    return dataclasses.replace(state, model=eqx.apply_updates(state.model, updates), opt_state=opt_state,
-                               step=state.step + 1)
+    model, opt_state = optimizer_update(as_optimizer(optimizer), state.model, grads, state.opt_state, trainable,
+                                        **extra_args)
+    return dataclasses.replace(state, model=model, opt_state=opt_state, step=state.step + 1)

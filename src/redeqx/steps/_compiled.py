@@ -1,6 +1,6 @@
 """One ``jax.jit`` per structure of a step's first argument, with its array
-leaves placed where the step says before the call: `CompiledStep`, and the
-batch placement every step shares.
+leaves placed where the step says before the call: `CompiledStep` (its
+batches placed by `redeqx.data.place_batch`).
 
 A step's first argument (a state, or a model) is split into its array
 leaves, the dynamic inputs, and everything else (activation functions,
@@ -20,13 +20,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ..context._context import mesh_context, split_lengths, splitting
-from ..context._context_checks import check_split_program
 from ._cpu import wait_for_program
 from ._loss import fn_name
-from ..mesh._mesh import DATA, mesh_text, same_devices
-from ..mesh._placement import place
-from ..mesh._spec_checks import check_leaf, refuse_deleted
+from ..context import check_split_program, mesh_context, split_lengths, splitting
+from ..data import place_batch
+from ..mesh import check_leaf, mesh_text, place, refuse_deleted, same_devices
 from .._trees import CONCRETE_ARRAYS, named_leaves
 from .._typing import short_repr, warn_user
 
@@ -268,26 +266,13 @@ def _note_changed_batch(error: Exception, before: dict[str, tuple] | None, now: 
     )
 
 
-class FirstCallCheck:
-    """A promise checked on a step's first arguments: ``judge`` of what the
-    compiled ``measure`` finds (fetched to the host)."""
-
-    def __init__(self, measure: CompiledStep, judge: Callable):
-        self.measure, self.judge = measure, judge
-
-    def __call__(self, *args) -> None:
-        self.judge(*jax.device_get(self.measure(*args)))
-
-    def lower(self, *args):
-        return self.measure.lower(*args)
-
-
 class StepFunction:
     """What a ``make_*_step`` returns: call it to run the step, ``lower`` it
     to compile for (possibly abstract) arguments. A ``first_call_check``
-    runs on the first call's arguments, before the step."""
+    (`redeqx.steps._shard_mean.FirstCallCheck`) runs on the first call's
+    arguments, before the step."""
 
-    def __init__(self, compiled: CompiledStep, first_call_check: FirstCallCheck | None = None):
+    def __init__(self, compiled: CompiledStep, first_call_check: Callable[..., None] | None = None):
         self._compiled = compiled
         self._first_call_check = first_call_check
         self.mesh = compiled.mesh
@@ -308,25 +293,6 @@ class StepFunction:
         return self._compiled.trace(*args)
 
 
-# ----------------------------------------------------------------------------- batches
-
-
-def batch_size(batch) -> int:
-    sizes = {x.shape[0] for x in jax.tree.leaves(batch) if hasattr(x, "shape") and x.ndim > 0}
-    if len(sizes) != 1:
-        raise ValueError(f"every batch array needs the same leading (batch) dim, got sizes {sorted(sizes) or 'none'}.")
-    return sizes.pop()
-
-
-def check_batch(batch, mesh: Mesh) -> None:
-    b, n_data = batch_size(batch), mesh.shape[DATA]
-    if b % n_data:
-        raise ValueError(
-            f"a batch of {b} rows cannot be split over the data axis of {n_data} devices: use a batch size "
-            f"that is a multiple of {n_data}, e.g. build batches with redeqx.batches(..., per_device_batch_size, mesh)."
-        )
-
-
 def _refuse_local_arrays(args) -> None:
     """With several processes a NumPy argument would be taken as the same
     global value everywhere; if processes hold different rows they would
@@ -339,56 +305,3 @@ def _refuse_local_arrays(args) -> None:
                 "jax.make_array_from_process_local_data(NamedSharding(mesh, P('data')), x) (what redeqx.batches "
                 "does), or a value every process holds alike with jax.device_put(x, NamedSharding(mesh, P()))."
             )
-
-
-def narrow_64bit(arr: np.ndarray, where: str) -> np.ndarray:
-    """``arr`` as JAX will hold it: with 64-bit types off (JAX's default),
-    ``jnp.asarray`` turns int64 into int32 by dropping the high bits, so
-    ``2**32 + 5`` arrives as ``5``. A 64-bit integer array whose values all
-    fit 32 bits is narrowed here (what JAX would do, said); one that does not
-    is refused, naming ``where`` and the values' range."""
-    if jax.config.jax_enable_x64 or arr.dtype not in (np.int64, np.uint64) or arr.size == 0:
-        return arr
-    narrow = np.dtype(np.int32 if arr.dtype == np.int64 else np.uint32)
-    lo, hi = arr.min(), arr.max()
-    info = np.iinfo(narrow)
-    if lo < info.min or hi > info.max:
-        raise ValueError(
-            f"{where} is {arr.dtype} with values from {lo} to {hi}, outside {narrow}'s range [{info.min}, {info.max}]; "
-            f"JAX (64-bit types off, its default) would keep only the low 32 bits, so {hi} would arrive as "
-            f"{int(np.asarray(hi).astype(narrow))}. Map the values into {narrow}'s range in collate_fn (e.g. ids "
-            "modulo the vocabulary, a hash bucket, or two int32 columns), or turn 64-bit types on with "
-            "jax.config.update('jax_enable_x64', True) before building anything."
-        )
-    return arr.astype(narrow)
-
-
-def place_batch(batch, mesh: Mesh):
-    """Batch arrays onto ``mesh``: arrays on it stay; arrays on the same
-    devices under another mesh object (an ``Explicit`` twin) keep their
-    layout; NumPy or single-device arrays are split over ``data``: with one
-    process such an array is the whole global batch, with several each
-    process's array is its own rows of it (as `batches` makes them)."""
-    n_data = mesh.shape[DATA]
-    one_process = jax.process_count() == 1
-
-    def one(kp, x):
-        if isinstance(x, np.ndarray):  # a NumPy batch made without redeqx.batches: same 64-bit check
-            x = narrow_64bit(x, f"batch{jax.tree_util.keystr(kp)}")
-        sh = getattr(x, "sharding", None)
-        if isinstance(x, jax.ShapeDtypeStruct) and sh is None:  # an abstract batch, for lowering
-            spec = P(DATA, *([None] * (x.ndim - 1))) if x.ndim and x.shape[0] % n_data == 0 else P()
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
-        if isinstance(sh, NamedSharding):
-            if sh.mesh == mesh or sh.mesh.axis_names != mesh.axis_names or sh.mesh.devices.shape != mesh.devices.shape:
-                return x
-            return jax.device_put(x, NamedSharding(mesh, sh.spec))
-        if isinstance(x, (np.ndarray, jax.Array)) and x.ndim >= 1:
-            sharding = NamedSharding(mesh, P(DATA, *([None] * (x.ndim - 1))))
-            if not one_process:
-                return jax.make_array_from_process_local_data(sharding, np.asarray(x))
-            if x.shape[0] % n_data == 0:
-                return jax.device_put(x, sharding)
-        return x
-
-    return jax.tree_util.tree_map_with_path(one, batch)

@@ -30,7 +30,6 @@ K) per offset instead of one per weight, the same bytes in all
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import Callable
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from ..mesh._mesh import traced_platform
+from ..mesh import traced_platform
 from .._trees import is_array, is_floating
 
 

@@ -20,11 +20,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ..mesh._mesh import CONTEXT, DATA
 from ._conv_grads import exact_grouped_convs
 from ._remat import ScanResiduals, keep_products
+from ..mesh import CONTEXT, DATA
 from .._rewrite import rewritten
-from ..state._opt_state import trainable_params
 from .._trees import is_floating
 from .._typing import short_repr
 
@@ -150,13 +149,6 @@ def cast_floats(tree, dtype):
     if dtype is None:
         return tree
     return jax.tree.map(lambda x: x.astype(dtype) if eqx.is_array(x) and is_floating(x) else x, tree)
-
-
-def split_trainable(model, trainable):
-    """(trainable floating arrays, everything else), as ``eqx.partition`` gives."""
-    params = trainable_params(model, trainable)
-    mask = jax.tree.map(lambda x: x is not None, params, is_leaf=lambda x: x is None)
-    return eqx.partition(model, mask)
 
 
 # ----------------------------------------------------------------------------- gradient functions

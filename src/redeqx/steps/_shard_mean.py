@@ -6,10 +6,15 @@ shard's summed gradient reduces it once (benchmarks/RESULTS.md, History: "A tied
 embedding's gradient").
 
 It holds only for a loss that is a mean over the batch's rows, so the first
-call of the step checks that on its batch (`check_first_call`).
+call of the step checks that on its batch (a `FirstCallCheck`: `gradient_gap`
+measured, then `judge`d). `by_shard` is the one entry from
+`make_train_step`: the gradient function and that check.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -17,13 +22,46 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from ._compiled import check_batch
-from ._loss import GradFn, accumulated, fn_name, loss_and_grads, split_trainable
-from ..mesh._mesh import DATA
+from ._compiled import CompiledStep, Placement
+from ._loss import GradFn, accumulated, fn_name, loss_and_grads
+from ..data import check_batch
+from ..mesh import DATA
+from ..state import split_trainable
 from .._trees import is_spec, named_leaves
 from .._typing import warn_user
 
 TOLERANCE = 1e-3  # relative L2 distance between the shards' mean gradient and the whole batch's
+
+
+def by_shard(grad_fn: GradFn, loss_fn, accumulate: int, mesh: Mesh, specs, trainable,
+             placement: Placement) -> tuple[GradFn, FirstCallCheck | None]:
+    """``shard_mean_loss=True`` for `make_train_step`: ``grad_fn`` (of one
+    micro-batch) accumulated on each data shard's rows and averaged over
+    ``data`` (`shard_mean`), and the check of the promise that ``loss_fn`` is
+    a mean over rows, to run on the step's first call (None with one data
+    shard, where the shards' mean is the loss)."""
+    check_whole_over_data(specs)
+    grads_of = shard_mean(accumulated(grad_fn, accumulate, None), mesh)
+    if mesh.shape[DATA] == 1:
+        return grads_of, None
+    measure = CompiledStep(gradient_gap(loss_fn, accumulate, mesh, trainable), mesh, placement=placement,
+                           what="state", batch_args=(0,))
+    return grads_of, FirstCallCheck(measure, functools.partial(judge, loss_fn=loss_fn))
+
+
+class FirstCallCheck:
+    """A promise checked on a step's first arguments: ``judge`` of what the
+    compiled ``measure`` finds (fetched to the host). A step's
+    ``first_call_check`` (`StepFunction`)."""
+
+    def __init__(self, measure: CompiledStep, judge: Callable):
+        self.measure, self.judge = measure, judge
+
+    def __call__(self, *args) -> None:
+        self.judge(*jax.device_get(self.measure(*args)))
+
+    def lower(self, *args):
+        return self.measure.lower(*args)
 
 
 def refuse_model_state(model_state) -> None:

@@ -20,15 +20,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from ._compiled import (
-    CompiledStep,
-    FirstCallCheck,
-    StepFunction,
-    batch_size,
-    check_batch,
-    stay_in_place,
-    where_it_is,
-)
+from ._compiled import CompiledStep, StepFunction, stay_in_place, where_it_is
 from ._loss import (
     LOSS_CALL,
     LOSS_EXAMPLE,
@@ -39,17 +31,14 @@ from ._loss import (
     check_user_fn,
     fn_name,
     loss_and_grads,
-    split_trainable,
 )
-from ..mesh._mesh import DATA, check_mesh
-from ..state._opt_state import Optimizer, as_optimizer, mirror_specs
 from ._remat import ScanResiduals
-from ._shard_mean import check_whole_over_data, gradient_gap, judge, shard_mean
-from ..mesh._spec_checks import check_specs, check_specs_match
-from ..state._state import TrainState
+from ._shard_mean import by_shard
+from ..data import batch_size, check_batch
+from ..mesh import check_mesh, check_specs, check_specs_match, sharding_of
+from ..state import Optimizer, TrainState, as_optimizer, mirror_specs, optimizer_update, split_trainable
 from .._trees import is_array_like, leaves_with_specs
 from .._typing import floating_dtype, positive_int, short_repr, typechecked
-from ..sharding._specs import sharding_of
 
 # ----------------------------------------------------------------------------- make_step
 
@@ -149,15 +138,6 @@ def _inference(model, compute_dtype):
     return cast_floats(eqx.nn.inference_mode(model, True), compute_dtype)
 
 
-def _update(optimizer, grads, opt_state, params, loss):
-    """``optimizer.update``, passing the loss as ``value`` to an optimizer that
-    takes extra arguments (optax's ``GradientTransformationExtraArgs``, e.g.
-    ``optax.contrib.reduce_on_plateau``)."""
-    if isinstance(optimizer, optax.GradientTransformationExtraArgs):
-        return optimizer.update(grads, opt_state, params, value=loss)
-    return optimizer.update(grads, opt_state, params)
-
-
 # ----------------------------------------------------------------------------- train
 
 
@@ -231,42 +211,32 @@ def make_train_step(
     """
     mesh = _check_step_args(loss_fn, "loss_fn", LOSS_CALL, LOSS_EXAMPLE, mesh, specs, compute_dtype)
     accumulate = positive_int(accumulate, "accumulate")
-    optimizer = as_optimizer(optimizer)
-    grads_of = loss_and_grads(loss_fn, compute_dtype, scan_residuals=scan_residuals)
+    placement = _train_state_placement(mesh, specs)
+    grads_of, check = loss_and_grads(loss_fn, compute_dtype, scan_residuals=scan_residuals), None
     if shard_mean_loss:
-        check_whole_over_data(specs)
-        grads_of = shard_mean(accumulated(grads_of, accumulate, None), mesh)
+        grads_of, check = by_shard(grads_of, loss_fn, accumulate, mesh, specs, trainable, placement)
     else:
         grads_of = accumulated(grads_of, accumulate, mesh)
+    step = CompiledStep(_train_step(grads_of, as_optimizer(optimizer), mesh, trainable), mesh, placement=placement,
+                        what="state", donate=True, returns_state=True, batch_args=(0,))
+    return _named_like(loss_fn, StepFunction(step, first_call_check=check))
+
+
+def _train_step(grads_of, optimizer, mesh: Mesh, trainable):
+    """``(state, batch) -> (new_state, metrics)``: ``grads_of`` the trainable
+    parameters, one `redeqx.state.optimizer_update` (given the loss as
+    ``value``), ``step + 1``."""
 
     def train_step(state: TrainState, batch):
         check_batch(batch, mesh)
         key, step_key = jax.random.split(state.key)
         params, static = split_trainable(state.model, trainable)
-        _check_opt_state(optimizer, params, state.opt_state)
         loss, aux, grads, model_state = grads_of(params, static, batch, step_key, state.model_state)
-        updates, opt_state = _update(optimizer, grads, state.opt_state, params, loss)
-        model = eqx.combine(optax.apply_updates(params, updates), static)
+        model, opt_state = optimizer_update(optimizer, state.model, grads, state.opt_state, trainable, value=loss)
         new_state = TrainState(model=model, opt_state=opt_state, step=state.step + 1, key=key, model_state=model_state)
         return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
 
-    placement = _train_state_placement(mesh, specs)
-    step = CompiledStep(train_step, mesh, placement=placement, what="state", donate=True, returns_state=True,
-                        batch_args=(0,))
-    check = None
-    if shard_mean_loss and mesh.shape[DATA] > 1:  # one data shard: the shards' mean is the loss
-        measure = CompiledStep(gradient_gap(loss_fn, accumulate, mesh, trainable), mesh, placement=placement,
-                               what="state", batch_args=(0,))
-        check = FirstCallCheck(measure, functools.partial(judge, loss_fn=loss_fn))
-    return _named_like(loss_fn, StepFunction(step, first_call_check=check))
-
-
-def _check_opt_state(optimizer, params, opt_state) -> None:
-    if jax.tree.structure(jax.eval_shape(optimizer.init, params)) != jax.tree.structure(opt_state):
-        raise ValueError(
-            "state.opt_state does not match the trainable parameters of this step: pass the same "
-            "optimizer and trainable= to redeqx.init_state and redeqx.make_train_step."
-        )
+    return train_step
 
 
 # ----------------------------------------------------------------------------- eval and predict
