@@ -1,13 +1,14 @@
-"""The zoo's decoder families split over a 'context' axis train as on one device
-(LLaMA itself is in test_context.py; the seq2seq families refuse the split)."""
+"""The zoo's decoder families split over a 'context' axis train as on one device: their
+options with code of their own (each family's tiny config splits in test_family_contract.py,
+LLaMA's training in test_context.py)."""
 
 import equinox as eqx
 import jax
 import numpy as np
-import optax
 import pytest
 
 import redeqx
+from families import FAMILIES
 from redeqx import models
 from redeqx.planner._hlo import estimated_flops
 from test_context import SEQ_KEYS, _collate, _examples, _like_one_device, _mesh, _token_mean, llama_loss
@@ -27,42 +28,26 @@ def _moe_common(**kw):
     return dict(vocab_size=V, hidden_size=H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, **kw)
 
 
-# Each family's tiny config: learned position tables (GPT-2, OPT with its offset of 2 and a projected,
-# post-LN variant), interleaved partial rotary (GPT-J), LLaMA's options with code of their own (biases,
-# a tied head, listed layers, llama3 RoPE), and the two mixture-of-experts families.
+# Options with code of their own: OPT's post-LN variant with projected embeddings, LLaMA's biases,
+# tied head and listed layers, Qwen2's q/k/v biases, and a mixture of experts with a dense layer among
+# the sparse ones; the families' own tiny configs are tests/families.py's.
 CASES = {
-    "gpt2": lambda: models.GPT2LMHeadModel(
-        models.GPT2Config(vocab_size=V, n_positions=32, n_embd=H, n_layer=2, n_head=4), key=jax.random.key(0)),
-    "gptj": lambda: models.GPTJForCausalLM(
-        models.GPTJConfig(vocab_size=V, n_positions=32, n_embd=H, n_layer=2, n_head=4, rotary_dim=4),
-        key=jax.random.key(0)),
-    "opt": lambda: models.OPTForCausalLM(
-        models.OPTConfig(vocab_size=V, hidden_size=H, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
-                         max_position_embeddings=32), key=jax.random.key(0)),
+    "gpt2": FAMILIES["gpt2"].build,
     "opt_350m_like": lambda: models.OPTForCausalLM(
         models.OPTConfig(vocab_size=V, hidden_size=H, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
                          max_position_embeddings=32, do_layer_norm_before=False, word_embed_proj_dim=16,
                          tie_word_embeddings=False, scan_layers=False), key=jax.random.key(0)),
     "llama_biases_tied_listed": lambda: models.LlamaForCausalLM(
-        _llama(attention_bias=True, mlp_bias=True, tie_word_embeddings=True, scan_layers=False,
-               rope_scaling=(("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
-                             ("original_max_position_embeddings", 16), ("rope_type", "llama3"))),
+        _llama(attention_bias=True, mlp_bias=True, tie_word_embeddings=True, scan_layers=False),
         key=jax.random.key(0)),
     "qwen2": lambda: models.LlamaForCausalLM(_llama(qkv_bias=True, model_type="qwen2"), key=jax.random.key(0)),
-    "mixtral": lambda: models.MixtralForCausalLM(
-        models.MixtralConfig(**_moe_common(), intermediate_size=24, num_local_experts=4, num_experts_per_tok=2),
-        key=jax.random.key(0)),
-    "qwen3_moe": lambda: models.Qwen3MoeForCausalLM(
-        models.Qwen3MoeConfig(**_moe_common(), intermediate_size=40, moe_intermediate_size=24, head_dim=8,
-                              num_experts=4, num_experts_per_tok=2, tie_word_embeddings=True),
-        key=jax.random.key(0)),
     "qwen3_moe_mixed": lambda: models.Qwen3MoeForCausalLM(
         models.Qwen3MoeConfig(**_moe_common(), intermediate_size=40, moe_intermediate_size=24, head_dim=8,
                               num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=(1,),
                               scan_layers=False),
         key=jax.random.key(0)),
 }
-MOE = ("mixtral", "qwen3_moe", "qwen3_moe_mixed")
+MOE = ("mixtral", "qwen3_moe_mixed")
 
 
 def moe_loss(model, batch, key):
@@ -83,7 +68,7 @@ def test_family_trains_like_one_device_split_over_context(devices, family):
     _like_one_device(CASES[family], moe_loss if family in MOE else llama_loss, (2, 2, 2))
 
 
-def _gradient(make, loss_fn, mesh, seq_keys):
+def gradient_and_flops(make, loss_fn, mesh, seq_keys):
     """The loss's gradient on ``mesh`` (padded batch), and the matrix-product FLOPs per device of its
     compiled program. The elementwise ops are left out of the count: the split attention's block
     bookkeeping adds some, which at these tiny sizes is not small."""
@@ -96,20 +81,20 @@ def _gradient(make, loss_fn, mesh, seq_keys):
         return compiled(params, batch), estimated_flops(compiled.as_text(), ops=("dot",))
 
 
-@pytest.mark.parametrize("family", list(CASES))
-def test_family_splits_its_work_over_four_context_shards(devices, family):
-    """On (data, context, model) = (1, 4, 1) the gradient is one device's, and each device multiplies
-    a quarter of the tokens, as for LLaMA: a layer that brought the sequence together on every device
-    (a constraint replicating the residual stream, experts run on every token) would multiply the whole
-    sequence there."""
-    loss_fn = moe_loss if family in MOE else llama_loss
-    want, one = _gradient(CASES[family], loss_fn, redeqx.make_mesh(1, devices=jax.devices()[:1]), None)
-    got, split = _gradient(CASES[family], loss_fn, _mesh(1, 4, 1), SEQ_KEYS)
+def assert_split_like_one_device(make, loss_fn, mesh):
+    """The gradient on ``mesh``, the sequence split over its 'context' axis, is one device's;
+    returns the matrix-product FLOPs per device of both: ``(split, one)``."""
+    want, one = gradient_and_flops(make, loss_fn, redeqx.make_mesh(1, devices=jax.devices()[:1]), None)
+    got, split = gradient_and_flops(make, loss_fn, mesh, SEQ_KEYS)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
-    # a quarter, or a little less: split over context, causal attention skips the key blocks its mask
-    # hides whole, which one device's attention computes masked
-    assert 0.2 < split / one < 0.26, (family, split / one)
+    return split, one
+
+
+@pytest.mark.parametrize("family", [name for name in CASES if name != "gpt2"])
+def test_option_splits_like_one_device(devices, family):
+    """On (data, context, model) = (1, 4, 1), the gradient is one device's (the work per device: the contract)."""
+    assert_split_like_one_device(CASES[family], moe_loss if family in MOE else llama_loss, _mesh(1, 4, 1))
 
 WINDOWED = {  # a sliding window of 5 tokens over chunks of 4 (8 tokens to a shard): the shards' pair tables differ
     "mistral_ring": lambda: models.LlamaForCausalLM(
@@ -127,22 +112,7 @@ WINDOWED = {  # a sliding window of 5 tokens over chunks of 4 (8 tokens to a sha
 def test_sliding_window_splits_like_one_device(devices, family):
     """The gradient of a sliding-window model on (data, context, model) = (1, 4, 2), padded on both
     sides, is one device's."""
-    loss_fn = moe_loss if family == "mixtral" else llama_loss
-    want, _ = _gradient(WINDOWED[family], loss_fn, redeqx.make_mesh(1, devices=jax.devices()[:1]), None)
-    got, _ = _gradient(WINDOWED[family], loss_fn, _mesh(1, 4, 2), SEQ_KEYS)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
-
-
-SEQ2SEQ = {
-    "t5": lambda: models.T5ForConditionalGeneration(
-        models.T5Config(vocab_size=V, d_model=H, d_kv=8, d_ff=48, num_layers=1, num_heads=4,
-                        relative_attention_num_buckets=8, relative_attention_max_distance=20), key=jax.random.key(0)),
-    "bart": lambda: models.BartForConditionalGeneration(
-        models.BartConfig(vocab_size=V, d_model=H, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
-                          decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=48,
-                          max_position_embeddings=32), key=jax.random.key(0)),
-}
+    assert_split_like_one_device(WINDOWED[family], moe_loss if family in MOE else llama_loss, _mesh(1, 4, 2))
 
 
 def seq2seq_loss(model, batch, key):
@@ -151,23 +121,9 @@ def seq2seq_loss(model, batch, key):
     return _token_mean(logits, batch)
 
 
-@pytest.mark.parametrize("family", list(SEQ2SEQ))
-def test_seq2seq_refuses_a_context_mesh(devices, family):
-    """T5 and BART read positions and masks in the original order: split, they would train on wrong ones."""
-    model, mesh, opt = SEQ2SEQ[family](), _mesh(2, 2, 2), optax.adamw(1e-2)
-    specs = redeqx.sharding_rules(model, mesh)
-    state = redeqx.init_state(model, opt, mesh, specs, key=jax.random.key(1))
-    step = redeqx.make_train_step(seq2seq_loss, opt, mesh, specs)
-    batch = next(redeqx.batches(_examples(), _collate, 2, mesh, seq_keys=SEQ_KEYS))
-    with pytest.raises(ValueError, match=r"encoder-decoder models cannot run on a mesh that splits sequences(.|\n)*"
-                                         r"without n_context_shards"):
-        step(state, batch)
-
-
 def test_every_decoder_config_takes_the_ring(devices):
     """``context_attention`` on every decoder-only config: checked, and the ring is what runs."""
-    configs = [models.GPT2Config, models.GPTJConfig, models.OPTConfig, models.LlamaConfig, models.MixtralConfig,
-               models.Qwen3MoeConfig]
+    configs = [type(family.config) for family in FAMILIES.values() if family.kind != "seq2seq"]
     for config in configs:
         with pytest.raises(ValueError, match=rf"{config.__name__}.context_attention='rings': choose one of"):
             config(context_attention="rings")

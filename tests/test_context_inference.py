@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 from test_context import CONFIG, SEQ_KEYS, UserModel, _collate, _examples, _mesh, llama_loss, user_loss
-from test_context_families import CASES
+from families import FAMILIES
 
 import redeqx
 from redeqx import models
@@ -133,12 +133,13 @@ GENERATED = {  # the prompts padded on the left (row 0) and the right (row 1)
     "llama": (_llama, models.generate, (2, 2, 2)),
     "llama_beams": (_llama, functools.partial(models.beam_search, num_beams=3), (1, 4, 2)),
     "mistral_window_ring": (lambda: models.LlamaForCausalLM(MISTRAL, key=jax.random.key(0)), models.generate, (1, 4, 2)),
-    "gpt2": (CASES["gpt2"], models.generate, (2, 2, 2)),
-    "mixtral": (CASES["mixtral"], models.generate, (1, 4, 2)),
+    "gpt2": (FAMILIES["gpt2"].build, models.generate, (2, 2, 2)),
+    "mixtral": (FAMILIES["mixtral"].build, models.generate, (1, 4, 2)),
 }
+SLOW = ("mistral_window_ring", "gpt2", "mixtral")  # 30-55 s each on a busy core; the split prefill: llama's
 
 
-@pytest.mark.parametrize("case", list(GENERATED))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow if c in SLOW else ()) for c in GENERATED])
 def test_generate_splits_the_prefill_like_one_device(devices, case):
     """A prompt batched in the split order: its forward split over context, the cache put back in the
     original order; the same next-token logits and the same tokens as on one device."""

@@ -56,7 +56,7 @@ def _grads(x, index, weights, stacks):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))(x, weights, *stacks)
 
 
-@pytest.mark.parametrize("n_model", [1, 2])
+@pytest.mark.parametrize("n_model", [pytest.param(1, marks=pytest.mark.slow), 2])  # 1: 32 s; 2 keeps it fast
 def test_mix_experts_through_the_kernels(monkeypatch, n_model):
     """The block's loss and gradients with the kernels equal those with ragged_dot: vmapped (the
     batch one run of rows), and under a mesh whose model axis splits the experts (each device's

@@ -1,7 +1,6 @@
 """T5 against Transformers' PyTorch reference (tiny random v1.0- and
 v1.1-style configs built and saved here: no download)."""
 
-import re
 
 import jax
 import jax.numpy as jnp
@@ -113,31 +112,6 @@ def test_forward_agrees_across_model_shards(checkpoints):
     np.testing.assert_allclose(outs[4], outs[1], atol=1e-5, rtol=1e-5)
 
 
-def test_explain_shows_the_megatron_plan():
-    for ff, tied in (("relu", True), ("gated-gelu", False)):
-        config = T5Config(**{**SIZES, "num_layers": 1, "num_decoder_layers": 1}, feed_forward_proj=ff, scan_layers=False,
-                          tie_word_embeddings=tied)
-        model = T5ForConditionalGeneration(config, key=jax.random.key(0))
-        mesh = redeqx.make_mesh(2)
-        table = redeqx.explain(model, redeqx.sharding_rules(model, mesh), mesh)
-        want = {
-            r"^shared\.weight": "P('model', None)",
-            r"^lm_head\.weight": "P('model', None)",
-            r"Attention\.(q|k|v)\.weight": "P('model', None)",
-            r"Attention\.o\.weight": "P(None, 'model')",
-            r"relative_attention_bias\.weight": "P(None, 'model')",  # heads, never buckets
-            r"DenseReluDense\.(wi|wi_0|wi_1)\.weight": "P('model', None)",
-            r"DenseReluDense\.wo\.weight": "P(None, 'model')",
-            r"layer_norm\.weight": "P()",
-        }
-        rows = [line for line in table.splitlines()[2:] if line.startswith(("shared", "encoder", "decoder", "lm_head"))]
-        assert len(rows) == len(jax.tree.leaves(model))
-        for row in rows:
-            path, spec = row.split()[0], re.search(r"P\([^)]*\)", row).group(0)
-            (expected,) = [v for k, v in want.items() if re.search(k, path)]
-            assert spec == expected, (path, spec, expected)
-
-
 def _hf_generate(hf, ids, mask, **kw):
     # use_cache=False: Transformers 5 sizes T5's decoding cache by the encoder's
     # layer count and fails when the decoder has more layers, as here
@@ -145,24 +119,6 @@ def _hf_generate(hf, ids, mask, **kw):
     with torch.no_grad():
         out = hf.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), **kw).numpy()
     return out[:, 1:]  # drop the decoder start token
-
-
-def test_greedy_generation_matches_transformers_sharded_as_pred_fn(checkpoints):
-    d, hf = checkpoints["v11"]
-    ids, mask, _ = _inputs()
-    ref = _hf_generate(hf, ids, mask, max_new_tokens=10)
-    mesh = redeqx.make_mesh(2)
-    model = from_pretrained(d, mesh)
-
-    def pred_fn(model, batch, key):
-        return generate(model, batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=10)
-
-    step = redeqx.make_predict_step(pred_fn, mesh, redeqx.sharding_rules(model, mesh))
-    batch = {"input_ids": jnp.asarray(np.concatenate([ids] * 4)),
-             "attention_mask": jnp.asarray(np.concatenate([mask] * 4).astype(bool))}  # 2 rows per data shard
-    out = np.asarray(step(model, batch, jax.random.key(0)))
-    np.testing.assert_array_equal(out[:2], ref)
-    np.testing.assert_array_equal(out[6:], ref)
 
 
 @pytest.mark.slow
