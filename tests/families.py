@@ -132,4 +132,9 @@ FAMILIES = {
                               head_dim=8, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                               num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=True),
         _MOE_PLAN, kind="moe"),
+    "qwen2": Family(  # LLaMA's blocks with q/k/v biases and no o_proj bias, a tied head
+        models.Qwen2ForCausalLM,
+        models.Qwen2Config(vocab_size=V, hidden_size=H, intermediate_size=48, num_hidden_layers=3,
+                           num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+        _LLAMA_PLAN),
 }
