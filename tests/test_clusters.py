@@ -1,12 +1,12 @@
 """What `initialize` starts with under each scheduler (docs/guides/clusters.md),
 from the scheduler's environment variables simulated here: the settings
-redeqx resolves (`_resolve`, which reads the environment and starts
+redeqx resolves (`resolve`, which reads the environment and starts
 nothing), with arguments and ``REDEQX_*`` variables still first."""
 
 import pytest
 
 from redeqx.run._clusters import first_host
-from redeqx.run._distributed import DEFAULT_PORT, _cluster_hint, _resolve
+from redeqx.run._settings import DEFAULT_PORT, cluster_hint, resolve
 
 SLURM_2_NODES_1_TASK_EACH = {  # sbatch --nodes=2 --ntasks-per-node=1, then srun, on the second node
     "SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "gpu[017-018]", "SLURM_NTASKS": "2", "SLURM_PROCID": "1",
@@ -46,7 +46,7 @@ def environment(monkeypatch):
 def resolved(**arguments):
     names = ("host0_address", "host0_port", "n_processes", "process_id", "local_device_ids", "timeout",
              "heartbeat_timeout")
-    return _resolve(*(arguments.get(n) for n in names))
+    return resolve(*(arguments.get(n) for n in names))
 
 
 def test_slurm_one_task_a_node_takes_every_device_of_its_node(environment):
@@ -54,7 +54,7 @@ def test_slurm_one_task_a_node_takes_every_device_of_its_node(environment):
     c = resolved()
     assert (c.host0_address, c.host0_port, c.n_processes, c.process_id) == ("gpu017", 61440 + 4242 % 4096, 2, 1)
     assert c.local_device_ids is None
-    assert _cluster_hint() == "SLURM"
+    assert cluster_hint() == "SLURM"
 
 
 def test_slurm_one_task_a_gpu_takes_its_own(environment):
@@ -83,7 +83,7 @@ def test_kubernetes_jobset_and_indexed_job(environment):
     environment(JOBSET)
     c = resolved()
     assert (c.host0_address, c.host0_port, c.n_processes, c.process_id) == ("train-workers-0-0.train", None, 4, 3)
-    assert _cluster_hint() is None  # Kubernetes alone says nothing of several processes
+    assert cluster_hint() is None  # Kubernetes alone says nothing of several processes
 
 
 def test_kubernetes_indexed_job_with_the_manifest_address(environment):
@@ -97,7 +97,7 @@ def test_cloud_tpu_is_left_to_jax(environment):
     environment(TPU_VM)
     c = resolved()
     assert (c.host0_address, c.n_processes, c.process_id, c.local_device_ids) == (None, None, None, None)
-    assert _cluster_hint() == "Cloud TPU"
+    assert cluster_hint() == "Cloud TPU"
 
 
 def test_a_bad_scheduler_variable_is_named(environment):

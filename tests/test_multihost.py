@@ -20,7 +20,7 @@ import multihost_worker
 import redeqx
 from _helpers import DAMAGES, run_python
 from redeqx import launch
-from redeqx.run import _distributed
+from redeqx.run import _distributed, _settings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROCESS_TIMEOUT = 240  # a generous cap so a bug fails the test instead of hanging it
@@ -318,7 +318,7 @@ def test_preflight_names_the_process_that_differs(tmp_path):
 def fresh_runtime_state(monkeypatch):
     monkeypatch.setattr(_distributed, "_started_by", None)
     monkeypatch.setattr(_distributed, "_started_with", None)
-    for name in _distributed.ENV.values():
+    for name in _settings.ENV.values():
         monkeypatch.delenv(name, raising=False)
 
 
@@ -404,7 +404,7 @@ def test_a_process_that_never_comes_is_named_by_every_process_within_the_timeout
     """Before: process 0 waited in JAX's runtime and aborted (status 134,
     "DEADLINE_EXCEEDED", a C++ stack) naming nobody; the default timeout was
     60 s, too short for a large job's cold start."""
-    assert _distributed.DEFAULT_TIMEOUT >= 1800
+    assert _settings.DEFAULT_TIMEOUT >= 1800
     script = tmp_path / "roll.py"
     script.write_text(ROLL_CALL)
     port = launch.free_port()

@@ -1,31 +1,21 @@
 """Many processes, one program: start-up of JAX's multi-controller runtime
 (`jax.distributed`) and a preflight check that every process agrees.
 
-Configuration comes from, in order: the arguments of `initialize`, these
-environment variables, a scheduler's variables (SLURM, a Kubernetes indexed
-Job or JobSet: `_clusters`), then whatever cluster `jax.distributed` detects
-by itself (Cloud TPU, Open MPI, Kubernetes through its API):
-
-    REDEQX_HOST0_ADDRESS      address of process 0 ("10.0.0.1" or "10.0.0.1:1234")
-    REDEQX_HOST0_PORT         port process 0 listens on (default 12321)
-    REDEQX_N_PROCESSES        number of processes
-    REDEQX_PROCESS_ID         this process's index, 0 .. n_processes - 1
-    REDEQX_LOCAL_DEVICE_IDS   devices this process uses, e.g. "0,1,2,3"
-    REDEQX_INIT_TIMEOUT       seconds to wait for every process to connect (default 1800)
-    REDEQX_HEARTBEAT_TIMEOUT  seconds of silence after which a process counts as dead (default 100)
+Configuration comes from, in order: the arguments of `initialize`, the
+``REDEQX_*`` environment variables, a scheduler's variables (all three read
+by `_settings`), then whatever cluster `jax.distributed` detects by itself
+(Cloud TPU, Open MPI, Kubernetes through its API).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import socket
 import time
 import zlib
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
 
 import jax
 import jax.numpy as jnp
@@ -33,43 +23,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .. import _hooks
-from ._clusters import scheduler_settings
 from .._typing import typechecked
-
-DEFAULT_PORT = 12321
-# A cold start of a large job (containers pulled, a filesystem mounted, thousands of processes
-# scheduled) can take many minutes: JAX's own default is 300 s, and large runs raise it to 1,800 s.
-# Waiting longer costs nothing when the processes do come; when one does not, the roll call
-# (`_roll_call`) names it.
-DEFAULT_TIMEOUT = 1800
-DEFAULT_HEARTBEAT_TIMEOUT = 100
-
-ENV = {
-    "host0_address": "REDEQX_HOST0_ADDRESS",
-    "host0_port": "REDEQX_HOST0_PORT",
-    "n_processes": "REDEQX_N_PROCESSES",
-    "process_id": "REDEQX_PROCESS_ID",
-    "local_device_ids": "REDEQX_LOCAL_DEVICE_IDS",
-    "timeout": "REDEQX_INIT_TIMEOUT",
-    "heartbeat_timeout": "REDEQX_HEARTBEAT_TIMEOUT",
-}
-
-
-@dataclass(frozen=True)
-class _Config:
-    host0_address: str | None
-    host0_port: int | None
-    n_processes: int | None
-    process_id: int | None
-    local_device_ids: tuple[int, ...] | None
-    timeout: int
-    heartbeat_timeout: int
-
+from ._settings import DEFAULT_PORT, ENV, Config, cluster_hint, describe, resolve
 
 # Who started the runtime in this process: None (nobody yet), "user" (a call to
 # `initialize`) or "launcher" (`python -m redeqx.launch`, before the script ran).
 _started_by: str | None = None
-_started_with: _Config | None = None
+_started_with: Config | None = None
 
 _BACKEND_STARTED = """\
 redeqx.initialize() must run before anything starts JAX's backend, but JAX is
@@ -80,98 +40,6 @@ compiled a function). Call it first thing in the script:
     redeqx.initialize()          # before any other jax / redeqx call
     mesh = redeqx.make_mesh(...)
 """
-
-
-def _int_setting(name: str, value, *, minimum: int) -> int | None:
-    """An int setting from an argument, else from its environment variable."""
-    where = f"{name}"
-    if value is None and os.environ.get(ENV[name], "").strip():
-        value, where = os.environ[ENV[name]].strip(), f"{ENV[name]} (environment variable)"
-        try:
-            value = int(value)
-        except ValueError:
-            raise ValueError(f"{where} must be an integer, got {value!r}.") from None
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{where} must be an int, got {value!r} ({type(value).__name__}).")
-    if value < minimum:
-        raise ValueError(f"{where} must be >= {minimum}, got {value}.")
-    return int(value)
-
-
-def _split_address(address: str) -> tuple[str, int | None]:
-    """"host", "host:port", "[v6]:port" or a bare IPv6 address -> (host, port)."""
-    if address.startswith("["):
-        host, _, rest = address[1:].partition("]")
-        port = rest[1:] if rest.startswith(":") else None
-        return f"[{host}]", int(port) if port else None
-    if address.count(":") == 1:
-        host, port = address.split(":")
-        if not port.isdigit():
-            raise ValueError(f"host0_address={address!r} has a port that is not a number; write 'host:1234'.")
-        return host, int(port)
-    if address.count(":") > 1:  # bare IPv6
-        return f"[{address}]", None
-    return address, None
-
-
-def _resolve(host0_address, host0_port, n_processes, process_id, local_device_ids, timeout, heartbeat_timeout) -> _Config:
-    """The settings `initialize` starts with: each from its argument, else its
-    ``REDEQX_*`` variable, else the scheduler's variables (`_clusters`)."""
-    _, scheduler = scheduler_settings(os.environ)
-    if host0_address is None:
-        host0_address = os.environ.get(ENV["host0_address"], "").strip() or scheduler.get("host0_address")
-    if host0_address is not None and (not isinstance(host0_address, str) or not host0_address.strip()):
-        raise TypeError(f"host0_address must be a host name or IP address string, got {host0_address!r}.")
-    port = _int_setting("host0_port", host0_port, minimum=1)
-    if port is None and host0_address == scheduler.get("host0_address"):
-        port = scheduler.get("host0_port")
-    if host0_address is not None:
-        host0_address, address_port = _split_address(host0_address.strip())
-        if address_port is not None and port is not None and address_port != port:
-            raise ValueError(
-                f"host0_address gives port {address_port} but host0_port={port}: give the port once."
-            )
-        port = address_port if address_port is not None else port
-    if port is not None and port > 65535:
-        raise ValueError(f"host0_port must be a TCP port 1..65535, got {port}.")
-    n_processes = _int_setting("n_processes", n_processes, minimum=1)
-    n_processes = scheduler.get("n_processes") if n_processes is None else n_processes
-    process_id = _int_setting("process_id", process_id, minimum=0)
-    process_id = scheduler.get("process_id") if process_id is None else process_id
-    if n_processes is not None and process_id is not None and process_id >= n_processes:
-        raise ValueError(
-            f"process_id={process_id} is not below n_processes={n_processes}: number the processes "
-            f"0 .. {n_processes - 1}."
-        )
-    if local_device_ids is None and os.environ.get(ENV["local_device_ids"], "").strip():
-        raw = os.environ[ENV["local_device_ids"]]
-        try:
-            local_device_ids = [int(x) for x in raw.split(",") if x.strip()]
-        except ValueError:
-            raise ValueError(f"{ENV['local_device_ids']} must be a comma-separated list of ints, got {raw!r}.") from None
-    if local_device_ids is not None:
-        if isinstance(local_device_ids, (int, np.integer)) and not isinstance(local_device_ids, bool):
-            local_device_ids = [local_device_ids]
-        if not isinstance(local_device_ids, Sequence) or not all(
-            isinstance(i, (int, np.integer)) and not isinstance(i, bool) and i >= 0 for i in local_device_ids
-        ):
-            raise TypeError(f"local_device_ids must be an int or a list of ints >= 0, got {local_device_ids!r}.")
-        local_device_ids = tuple(int(i) for i in local_device_ids)
-    elif host0_address is not None and host0_address == scheduler.get("host0_address"):
-        local_device_ids = scheduler.get("local_device_ids")
-    timeout = _int_setting("timeout", timeout, minimum=1)
-    heartbeat_timeout = _int_setting("heartbeat_timeout", heartbeat_timeout, minimum=1)
-    return _Config(
-        host0_address=host0_address,
-        host0_port=port,
-        n_processes=n_processes,
-        process_id=process_id,
-        local_device_ids=local_device_ids,
-        timeout=DEFAULT_TIMEOUT if timeout is None else timeout,
-        heartbeat_timeout=DEFAULT_HEARTBEAT_TIMEOUT if heartbeat_timeout is None else heartbeat_timeout,
-    )
 
 
 @typechecked
@@ -232,21 +100,40 @@ def initialize(
     mesh = redeqx.make_mesh(n_model_shards=2)                    # spans both hosts' devices
     ```
     """
-    config = _resolve(host0_address, host0_port, n_processes, process_id, local_device_ids, timeout, heartbeat_timeout)
+    config = resolve(host0_address, host0_port, n_processes, process_id, local_device_ids, timeout, heartbeat_timeout)
     _start(config, by="user", explicit=(host0_address, host0_port, n_processes, process_id, local_device_ids))
 
 
-def _start(config: _Config, *, by: str, explicit=()) -> None:
+def _start(config: Config, *, by: str, explicit=()) -> None:
+    """Starts the runtime with ``config`` for ``by`` ("user": `initialize`,
+    whose arguments are ``explicit``; "launcher": `launcher_start`), records
+    who did, and checks the processes (`preflight`)."""
     global _started_by, _started_with
     if _started_by == "launcher" and by == "user":
-        if any(v is not None for v in explicit) and config != _started_with:
-            raise RuntimeError(
-                "redeqx.initialize: this script runs under `python -m redeqx.launch`, which already started "
-                f"the processes with {_describe(_started_with)}; the arguments given here ask for "
-                f"{_describe(config)}. Drop the arguments (the launcher's settings apply), or run the script "
-                "without redeqx.launch."
-            )
+        _check_launcher_settings(config, explicit)
         return  # the launcher did it; a bare call in the script is fine
+    _check_not_started()
+    joined = config.n_processes != 1 and _join(config)
+    _started_by, _started_with = by, config
+    if joined:
+        if jax.process_count() > 1:
+            _hooks.stop_process_on_uncaught_exception()
+        preflight()
+
+
+def _check_launcher_settings(config: Config, explicit) -> None:
+    """Arguments to `initialize` under `python -m redeqx.launch` must ask for
+    what the launcher started."""
+    if any(v is not None for v in explicit) and config != _started_with:
+        raise RuntimeError(
+            "redeqx.initialize: this script runs under `python -m redeqx.launch`, which already started "
+            f"the processes with {describe(_started_with)}; the arguments given here ask for "
+            f"{describe(config)}. Drop the arguments (the launcher's settings apply), or run the script "
+            "without redeqx.launch."
+        )
+
+
+def _check_not_started() -> None:
     if _started_by is not None:
         raise RuntimeError(
             "redeqx.initialize was already called in this process; call it once, at the start of the script."
@@ -256,48 +143,34 @@ def _start(config: _Config, *, by: str, explicit=()) -> None:
             "jax.distributed.initialize was already called in this process; use either it or "
             "redeqx.initialize, once."
         )
-    if config.n_processes == 1:
-        _started_by, _started_with = by, config
-        return
+
+
+def _join(config: Config) -> bool:
+    """Starts `jax.distributed` with ``config``, after process 0's roll call
+    where every setting is known. False where there was nothing to start (no
+    settings and no cluster: the run is this host alone)."""
     address = None
     if config.host0_address is not None:
         address = f"{config.host0_address}:{config.host0_port or DEFAULT_PORT}"
     nothing_given = address is None and config.n_processes is None and config.process_id is None
-    if address is not None and config.n_processes is not None and config.process_id is not None:
+    complete = address is not None and config.n_processes is not None and config.process_id is not None
+    if complete:
         if config.process_id == 0 and _backend_started():  # else its roll call would wait first
             raise RuntimeError(_BACKEND_STARTED)
         _roll_call(config)
     _use_cpu_collectives()
-    complete = address is not None and config.n_processes is not None and config.process_id is not None
     try:
-        jax.distributed.initialize(
-            coordinator_address=address,
-            num_processes=config.n_processes,
-            process_id=config.process_id,
-            local_device_ids=None if config.local_device_ids is None else list(config.local_device_ids),
-            # everything known: JAX's own detection would only narrow the devices (one a process under SLURM)
-            cluster_detection_method="deactivate" if complete else None,
-            initialization_timeout=config.timeout,
-            heartbeat_timeout_seconds=config.heartbeat_timeout,
-        )
+        _initialize_jax(config, address, complete)
     except RuntimeError as e:
         if "backend" not in str(e):
             raise
-        if nothing_given and _cluster_hint() is None:  # one host: there was nothing to start anyway
-            _started_by, _started_with = by, config
-            return
+        if nothing_given and cluster_hint() is None:  # one host: there was nothing to start anyway
+            return False
         raise RuntimeError(_BACKEND_STARTED) from None
     except ValueError as e:
         if nothing_given:  # no settings, and JAX detected no cluster: one host
-            _started_by, _started_with = by, config
-            return
-        missing = [ENV[k].replace("REDEQX_", "").lower() for k in ("host0_address", "n_processes", "process_id")
-                   if getattr(config, k) is None]
-        raise ValueError(
-            f"redeqx.initialize could not start a multi-process run with {_describe(config)}: {e} "
-            f"Give {', '.join(missing) or 'every setting'} (as arguments or as the REDEQX_* environment variables), "
-            "or run under a cluster manager JAX detects (SLURM, Open MPI, Kubernetes, Cloud TPU)."
-        ) from None
+            return False
+        raise _incomplete_settings(config, e) from None
     except Exception as e:  # connection timeouts and the like, from XLA
         raise RuntimeError(
             f"redeqx.initialize: process {config.process_id} could not join the run at {address} within "
@@ -305,10 +178,31 @@ def _start(config: _Config, *, by: str, explicit=()) -> None:
             f"host0_address / host0_port point at it, that every process got the same n_processes, and that "
             "the port is open between the hosts."
         ) from None
-    _started_by, _started_with = by, config
-    if jax.process_count() > 1:
-        _hooks.stop_process_on_uncaught_exception()
-    preflight()
+    return True
+
+
+def _initialize_jax(config: Config, address: str | None, complete: bool) -> None:
+    jax.distributed.initialize(
+        coordinator_address=address,
+        num_processes=config.n_processes,
+        process_id=config.process_id,
+        local_device_ids=None if config.local_device_ids is None else list(config.local_device_ids),
+        # everything known: JAX's own detection would only narrow the devices (one a process under SLURM)
+        cluster_detection_method="deactivate" if complete else None,
+        initialization_timeout=config.timeout,
+        heartbeat_timeout_seconds=config.heartbeat_timeout,
+    )
+
+
+def _incomplete_settings(config: Config, error: ValueError) -> ValueError:
+    """JAX could not tell the run from ``config`` and found no cluster."""
+    missing = [ENV[k].replace("REDEQX_", "").lower() for k in ("host0_address", "n_processes", "process_id")
+               if getattr(config, k) is None]
+    return ValueError(
+        f"redeqx.initialize could not start a multi-process run with {describe(config)}: {error} "
+        f"Give {', '.join(missing) or 'every setting'} (as arguments or as the REDEQX_* environment variables), "
+        "or run under a cluster manager JAX detects (SLURM, Open MPI, Kubernetes, Cloud TPU)."
+    )
 
 
 def _backend_started() -> bool:
@@ -328,7 +222,7 @@ def _backend_started() -> bool:
 _ROLL_CALL = b"redeqx-roll-call"
 
 
-def _roll_call(config: _Config) -> None:
+def _roll_call(config: Config) -> None:
     """Every process checks in with process 0 on ``host0_port`` before JAX's
     runtime starts there, so that a process that never comes is named: JAX's
     own wait ends in a fatal ``DEADLINE_EXCEEDED`` abort that names nobody.
@@ -342,7 +236,7 @@ def _roll_call(config: _Config) -> None:
         _answer_the_roll(config)
 
 
-def _call_the_roll(config: _Config) -> None:
+def _call_the_roll(config: Config) -> None:
     n, port = config.n_processes, config.host0_port or DEFAULT_PORT
     family = socket.AF_INET6 if socket.has_dualstack_ipv6() else socket.AF_INET
     try:
@@ -403,7 +297,7 @@ def _missing_text(missing: list[int], n: int, timeout: int) -> str:
     return f"waited {timeout}s for {who} (of {n}), which never connected"
 
 
-def _answer_the_roll(config: _Config) -> None:
+def _answer_the_roll(config: Config) -> None:
     host, port = config.host0_address.strip("[]"), config.host0_port or DEFAULT_PORT
     deadline = time.monotonic() + config.timeout
     while True:
@@ -437,34 +331,6 @@ def _answer_the_roll(config: _Config) -> None:
         )
     raise RuntimeError(f"redeqx.initialize: process {config.process_id} checked in with process 0 at {host}:{port}, "
                        f"which answered {reply!r}.")
-
-
-def _cluster_hint() -> str | None:
-    """The cluster manager whose environment variables are set, if any (the
-    ones `jax.distributed` detects); only used to decide whether a late call
-    may be a one-host no-op."""
-    env = os.environ
-
-    def count(name: str) -> int:
-        value = env.get(name, "1").strip()
-        return int(value) if value.isdigit() else 1
-
-    if env.get("JAX_COORDINATOR_ADDRESS"):
-        return "JAX_COORDINATOR_ADDRESS"
-    if "SLURM_JOB_ID" in env and count("SLURM_NTASKS") > 1:
-        return "SLURM"
-    if "OMPI_MCA_orte_hnp_uri" in env or count("OMPI_COMM_WORLD_SIZE") > 1:
-        return "Open MPI"
-    if "TPU_WORKER_HOSTNAMES" in env or "CLOUD_TPU_TASK_ID" in env:
-        return "Cloud TPU"
-    return None  # (not Kubernetes: every pod has its variables, single-host ones too)
-
-
-def _describe(config: _Config | None) -> str:
-    if config is None:
-        return "no settings"
-    shown = {k: v for k, v in asdict(config).items() if v is not None}
-    return ", ".join(f"{k}={v!r}" for k, v in shown.items())
 
 
 def _use_cpu_collectives() -> None:
@@ -558,5 +424,5 @@ def preflight() -> None:
 
 def launcher_start() -> None:
     """Used by `python -m redeqx.launch` in each child before the script runs."""
-    config = _resolve(None, None, None, None, None, None, None)
+    config = resolve(None, None, None, None, None, None, None)
     _start(config, by="launcher")
