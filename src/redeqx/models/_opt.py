@@ -40,10 +40,11 @@ from ._layers import (
     LayerNorm,
     Linear,
     build_layers,
+    check_config,
     check_positive_ints,
     default_head_dim,
-    run_layers,
-    scan_unroll,
+    lm_logits,
+    model_and_head,
 )
 from ._config import DecoderConfig, check_activation
 from ._safetensors import HFTensor, leaf_tensors
@@ -207,37 +208,29 @@ class OPTForCausalLM(CausalLM):
     hf_stacks = ("model.decoder.layers",)
 
     def __init__(self, config: OPTConfig, *, key: PRNGKeyArray):
-        if not isinstance(config, OPTConfig):
-            raise TypeError(f"config must be a redeqx.models.OPTConfig, got {type(config).__name__}.")
-        km, kh = jax.random.split(key)
-        self.model = OPTModel(config, key=km)
-        self.lm_head = None if config.tie_word_embeddings else Linear(
-            config.embed_dim, config.vocab_size, bias=False, key=kh
-        )
+        check_config(config, OPTConfig)
+        self.model, self.lm_head = model_and_head(OPTModel, config, config.embed_dim, key=key)
         self.config = config
 
     def _kv_shape(self):
         c = self.config
-        return c.num_hidden_layers, c.num_attention_heads, c.hidden_size // c.num_attention_heads
+        return c.num_hidden_layers, c.num_attention_heads, default_head_dim(c.hidden_size, c.num_attention_heads)
 
     def _max_positions(self):
         return self.config.max_position_embeddings, "max_position_embeddings"
 
     def _run(self, ids, positions, mask, cache: Cache | None):
-        c, d = self.config, self.model.decoder
+        d = self.model.decoder
         x = constrain(d.embed_tokens(ids), P(CONTEXT))  # vocab-split lookup: one all-reduce
         if d.project_in is not None:
             x = d.project_in(x)
         x = constrain(x + d.embed_positions(positions + POSITION_OFFSET), P(CONTEXT))
-        index = None if cache is None else cache.index
-        x, new_layers = run_layers(d.layers, x, None if cache is None else cache.layers,
-                                   lambda layer, x, lc: layer(x, mask, lc, index), unroll=scan_unroll(c))
+        x, new_layers = self._through_layers(d.layers, x, cache, mask)
         if d.final_layer_norm is not None:
             x = d.final_layer_norm(x)
         if d.project_out is not None:
             x = d.project_out(x)
-        logits = d.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
-        return constrain(logits, P(CONTEXT, MODEL)), new_layers  # vocab parallel
+        return constrain(lm_logits(d.embed_tokens, self.lm_head, x), P(CONTEXT, MODEL)), new_layers  # vocab parallel
 
     def hf_tensors(self) -> list[HFTensor]:
         """Checkpoint tensors: each leaf under its own path, the ``model.``
