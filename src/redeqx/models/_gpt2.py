@@ -23,6 +23,7 @@ from ..mesh import constrain
 from ..mesh import CONTEXT, MODEL
 from ._layers import (
     Stackable,
+    ACTIVATIONS,
     Cache,
     CausalLM,
     Embedding,
@@ -32,6 +33,7 @@ from ._layers import (
     attend_and_project,
     build_layers,
     check_config,
+    feed_forward,
     heads,
     square_linears,
 )
@@ -103,8 +105,7 @@ class GPT2MLP(eqx.Module):
         self.c_proj = Linear(config.inner, config.n_embd, bias=True, key=k2)
 
     def __call__(self, x):
-        h = constrain(jax.nn.gelu(self.c_fc(x), approximate=True), P(CONTEXT, MODEL))  # column parallel
-        return constrain(self.c_proj(h), P(CONTEXT))  # row parallel: one all-reduce
+        return feed_forward(self.c_fc, self.c_proj, ACTIVATIONS["gelu_new"], x)
 
 
 class GPT2Block(Stackable):

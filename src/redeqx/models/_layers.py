@@ -500,6 +500,12 @@ def attend_and_project(o_proj, q, k, v, mask, cache: KVCache | None, index, **kw
     return constrain(o_proj(out), P(CONTEXT)), cache
 
 
+def feed_forward(fc1: Linear, fc2: Linear, activation: Callable, x: Float[Array, "seq dim"]) -> Float[Array, "seq dim"]:
+    """``fc2(activation(fc1(x)))``: ``fc1`` column parallel, ``fc2`` row parallel (one all-reduce)."""
+    h = constrain(activation(fc1(x)), P(CONTEXT, MODEL))
+    return constrain(fc2(h), P(CONTEXT))
+
+
 def square_linears(dim: int, n: int, *, bias: bool, key: PRNGKeyArray) -> tuple[Linear, ...]:
     """``n`` ``(dim, dim)`` `Linear` layers, one per key of ``jax.random.split(key, n)``
     (an attention block's Q, K, V and output projections)."""

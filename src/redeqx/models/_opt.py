@@ -43,6 +43,7 @@ from ._layers import (
     check_config,
     check_positive_ints,
     default_head_dim,
+    feed_forward,
     lm_logits,
     model_and_head,
 )
@@ -144,8 +145,7 @@ class OPTDecoderLayer(Stackable):
         self.config = config
 
     def _mlp(self, x: Float[Array, "seq hidden"]) -> Float[Array, "seq hidden"]:
-        h = constrain(ACTIVATIONS[self.config.activation_function](self.fc1(x)), P(CONTEXT, MODEL))  # column parallel
-        return constrain(self.fc2(h), P(CONTEXT))  # row parallel: one all-reduce
+        return feed_forward(self.fc1, self.fc2, ACTIVATIONS[self.config.activation_function], x)
 
     def __call__(self, x, mask, cache, index):
         pre = self.config.do_layer_norm_before
