@@ -44,6 +44,7 @@ from ._layers import (
     ACTIVATIONS,
     Attention,
     Embedding,
+    FairseqLayer,
     KVCache,
     LayerNorm,
     Linear,
@@ -117,27 +118,16 @@ class BartConfig(ZooConfig):
         return values
 
 
-class BartEncoderLayer(Stackable):
-    self_attn: Attention
-    self_attn_layer_norm: LayerNorm
-    fc1: Linear
-    fc2: Linear
-    final_layer_norm: LayerNorm
+class BartEncoderLayer(FairseqLayer):
     activation: str = eqx.field(static=True)
 
     def __init__(self, config: BartConfig, *, key: PRNGKeyArray):
-        ka, k1, k2 = jax.random.split(key, 3)
-        d, eps = config.d_model, config.layer_norm_eps
-        self.self_attn = Attention(d, config.encoder_attention_heads, bias=True, key=ka)
-        self.self_attn_layer_norm = LayerNorm(d, eps)
-        self.fc1 = Linear(d, config.encoder_ffn_dim, bias=True, key=k1)
-        self.fc2 = Linear(config.encoder_ffn_dim, d, bias=True, key=k2)
-        self.final_layer_norm = LayerNorm(d, eps)
+        c = config
+        super().__init__(c.d_model, c.encoder_attention_heads, c.encoder_ffn_dim, c.layer_norm_eps, bias=True, key=key)
         self.activation = config.activation_function
 
     def __call__(self, x, mask):
-        x = self.self_attn_layer_norm(x + self.self_attn(x, mask)[0])
-        return self.final_layer_norm(x + feed_forward(self.fc1, self.fc2, ACTIVATIONS[self.activation], x))
+        return self._forward(x, mask, None, None, activation=ACTIVATIONS[self.activation], pre_norm=False)[0]
 
 
 class BartDecoderLayer(Stackable):

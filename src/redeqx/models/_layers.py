@@ -557,6 +557,34 @@ class Attention(eqx.Module):
         return KVCache(k, v)
 
 
+class FairseqLayer(Stackable):
+    """The fairseq layout's transformer layer (BART's encoder layer, OPT's decoder layer):
+    self-attention, then a two-layer MLP (``fc1``, ``fc2``), each added to the residual stream
+    with its LayerNorm before (``pre_norm``) or after the addition."""
+
+    self_attn: Attention
+    self_attn_layer_norm: LayerNorm
+    fc1: Linear
+    fc2: Linear
+    final_layer_norm: LayerNorm
+
+    def __init__(self, dim: int, n_heads: int, ffn_dim: int, eps: float, *, bias: bool, key: PRNGKeyArray):
+        ka, k1, k2 = jax.random.split(key, 3)
+        self.self_attn = Attention(dim, n_heads, bias=bias, key=ka)
+        self.self_attn_layer_norm = LayerNorm(dim, eps)
+        self.fc1 = Linear(dim, ffn_dim, bias=bias, key=k1)
+        self.fc2 = Linear(ffn_dim, dim, bias=bias, key=k2)
+        self.final_layer_norm = LayerNorm(dim, eps)
+
+    def _forward(self, x, mask, cache, index, *, activation: Callable, pre_norm: bool):
+        a, cache = self.self_attn(self.self_attn_layer_norm(x) if pre_norm else x, mask, cache=cache, index=index)
+        x = x + a
+        if not pre_norm:
+            x = self.self_attn_layer_norm(x)
+        y = x + feed_forward(self.fc1, self.fc2, activation, self.final_layer_norm(x) if pre_norm else x)
+        return (y if pre_norm else self.final_layer_norm(y)), cache
+
+
 def causal_mask(
     valid_keys: Bool[Array, " kv_seq"], first_slot, n_queries: int, window: int | None = None
 ) -> Bool[Array, "q_seq kv_seq"]:

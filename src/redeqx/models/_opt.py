@@ -26,24 +26,22 @@ import dataclasses
 import equinox as eqx
 import jax
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import PRNGKeyArray
 
 from ..mesh import constrain
 from ..mesh import CONTEXT, MODEL
 from ._layers import (
-    Stackable,
     ACTIVATIONS,
-    Attention,
     Cache,
     CausalLM,
     Embedding,
+    FairseqLayer,
     LayerNorm,
     Linear,
     build_layers,
     check_config,
     check_positive_ints,
     default_head_dim,
-    feed_forward,
     lm_logits,
     model_and_head,
 )
@@ -126,35 +124,17 @@ class OPTConfig(DecoderConfig):
         return {**d, "word_embed_proj_dim": self.embed_dim}
 
 
-class OPTDecoderLayer(Stackable):
-    self_attn: Attention
-    self_attn_layer_norm: LayerNorm
-    fc1: Linear
-    fc2: Linear
-    final_layer_norm: LayerNorm
+class OPTDecoderLayer(FairseqLayer):
     config: OPTConfig = eqx.field(static=True)
 
     def __init__(self, config: OPTConfig, *, key: PRNGKeyArray):
-        ka, k1, k2 = jax.random.split(key, 3)
-        h, b = config.hidden_size, config.enable_bias
-        self.self_attn = Attention(h, config.num_attention_heads, bias=b, key=ka)
-        self.self_attn_layer_norm = LayerNorm(h, config.layer_norm_eps)
-        self.fc1 = Linear(h, config.ffn_dim, bias=b, key=k1)
-        self.fc2 = Linear(config.ffn_dim, h, bias=b, key=k2)
-        self.final_layer_norm = LayerNorm(h, config.layer_norm_eps)
+        c = config
+        super().__init__(c.hidden_size, c.num_attention_heads, c.ffn_dim, c.layer_norm_eps, bias=c.enable_bias, key=key)
         self.config = config
 
-    def _mlp(self, x: Float[Array, "seq hidden"]) -> Float[Array, "seq hidden"]:
-        return feed_forward(self.fc1, self.fc2, ACTIVATIONS[self.config.activation_function], x)
-
     def __call__(self, x, mask, cache, index):
-        pre = self.config.do_layer_norm_before
-        a, cache = self.self_attn(self.self_attn_layer_norm(x) if pre else x, mask, cache=cache, index=index)
-        x = x + a
-        if not pre:
-            x = self.self_attn_layer_norm(x)
-        y = x + self._mlp(self.final_layer_norm(x) if pre else x)
-        return (y if pre else self.final_layer_norm(y)), cache
+        activation = ACTIVATIONS[self.config.activation_function]
+        return self._forward(x, mask, cache, index, activation=activation, pre_norm=self.config.do_layer_norm_before)
 
 
 class OPTDecoder(eqx.Module):
