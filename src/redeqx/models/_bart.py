@@ -46,22 +46,20 @@ from ._layers import (
     Embedding,
     FairseqLayer,
     KVCache,
+    POSITION_OFFSET,
     LayerNorm,
     Linear,
-    build_layers,
     causal_mask,
     check_positions,
     feed_forward,
     lm_logits,
     run_layers,
     scan_unroll,
+    table_and_layers,
 )
 from ._config import ZooConfig, check_activation
 from ._safetensors import HFTensor, leaf_tensors
 from ._seq2seq import EncoderDecoderLM, cache_slots, layer_caches, refuse_split
-
-POSITION_OFFSET = 2  # position p reads row p + 2 of each table, as fairseq and Hugging Face do
-
 
 @dataclasses.dataclass(frozen=True)
 class BartConfig(ZooConfig):
@@ -172,9 +170,9 @@ class BartStack(eqx.Module):
     layernorm_embedding: LayerNorm
 
     def __init__(self, config: BartConfig, layer: type[Stackable], n_layers: int, *, key: PRNGKeyArray):
-        keys = jax.random.split(key, n_layers + 1)
-        self.embed_positions = Embedding(config.max_position_embeddings + POSITION_OFFSET, config.d_model, key=keys[0])
-        self.layers = build_layers(lambda k: layer(config, key=k), keys[1:], stacked=config.scan_layers)
+        self.embed_positions, self.layers = table_and_layers(
+            config.max_position_embeddings + POSITION_OFFSET, config.d_model, lambda k: layer(config, key=k), n_layers,
+            stacked=config.scan_layers, key=key)
         self.layernorm_embedding = LayerNorm(config.d_model, config.layer_norm_eps)
 
 

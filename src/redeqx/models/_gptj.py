@@ -46,11 +46,11 @@ from ._layers import (
     LayerNorm,
     Linear,
     attend,
-    build_layers,
     check_config,
     heads,
     square_linears,
     summed_linears,
+    table_and_layers,
 )
 from ._config import DecoderConfig, GPTFields, check_activation
 
@@ -181,9 +181,8 @@ class GPTJModel(eqx.Module):
     ln_f: LayerNorm
 
     def __init__(self, config: GPTJConfig, *, key: PRNGKeyArray):
-        keys = jax.random.split(key, config.n_layer + 1)
-        self.wte = Embedding(config.vocab_size, config.n_embd, key=keys[0])
-        self.h = build_layers(lambda k: GPTJBlock(config, key=k), keys[1:], stacked=config.scan_layers)
+        self.wte, self.h = table_and_layers(config.vocab_size, config.n_embd, lambda k: GPTJBlock(config, key=k),
+                                            config.n_layer, stacked=config.scan_layers, key=key)
         self.ln_f = LayerNorm(config.n_embd, config.layer_norm_epsilon)
 
 

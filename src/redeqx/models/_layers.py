@@ -200,6 +200,14 @@ def build_layers(make: Callable[[PRNGKeyArray], eqx.Module], keys: PRNGKeyArray,
     return [make(k) for k in keys]
 
 
+def table_and_layers(rows: int, dim: int, make: Callable[[PRNGKeyArray], eqx.Module], n: int, *, stacked: bool,
+                     key: PRNGKeyArray) -> tuple[Embedding, list | eqx.Module]:
+    """A ``(rows, dim)`` `Embedding` (a model's token table, a stack's position table) and the
+    ``n`` layers after it (`build_layers`), from ``key`` split ``n + 1`` ways, the first the table's."""
+    keys = jax.random.split(key, n + 1)
+    return Embedding(rows, dim, key=keys[0]), build_layers(make, keys[1:], stacked=stacked)
+
+
 def stack_depth(layer) -> int | None:
     """The number of layers in a zoo stack (one layer whose every array has
     a leading layer axis), or None for one layer: a zoo layer always holds a
@@ -555,6 +563,11 @@ class Attention(eqx.Module):
         h, source = self.n_heads, gradients_summed_first(source)
         k, v = (heads(proj(source), h) for proj in (self.k_proj, self.v_proj))
         return KVCache(k, v)
+
+
+# fairseq's learned position tables (BART's, OPT's) keep two rows for padding first: position p reads
+# row p + 2 of a table of max_position_embeddings + 2 rows, as fairseq and Hugging Face do.
+POSITION_OFFSET = 2
 
 
 class FairseqLayer(Stackable):

@@ -34,12 +34,12 @@ from ._layers import (
     Linear,
     RMSNorm,
     attend_and_project,
-    build_layers,
     check_config,
     default_head_dim,
     heads,
     lm_logits,
     model_and_head,
+    table_and_layers,
 )
 from ._config import DecoderConfig
 
@@ -266,9 +266,9 @@ class LlamaModel(eqx.Module):
     norm: RMSNorm
 
     def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray, layer: Callable = LlamaDecoderLayer):
-        keys = jax.random.split(key, config.num_hidden_layers + 1)
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, key=keys[0])
-        self.layers = build_layers(lambda k: layer(config, key=k), keys[1:], stacked=config.scan_layers)
+        self.embed_tokens, self.layers = table_and_layers(
+            config.vocab_size, config.hidden_size, lambda k: layer(config, key=k), config.num_hidden_layers,
+            stacked=config.scan_layers, key=key)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 

@@ -36,6 +36,7 @@ from ._layers import (
     CausalLM,
     Embedding,
     FairseqLayer,
+    POSITION_OFFSET,
     LayerNorm,
     Linear,
     build_layers,
@@ -47,9 +48,6 @@ from ._layers import (
 )
 from ._config import DecoderConfig, check_activation
 from ._safetensors import HFTensor, leaf_tensors
-
-POSITION_OFFSET = 2  # position p reads row p + 2 of the table, as fairseq and Hugging Face do
-
 
 @dataclasses.dataclass(frozen=True)
 class OPTConfig(DecoderConfig):
