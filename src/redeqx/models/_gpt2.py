@@ -141,7 +141,19 @@ class GPT2Model(eqx.Module):
         self.ln_f = LayerNorm(config.n_embd, config.layer_norm_epsilon)
 
 
-class GPT2LMHeadModel(CausalLM):
+class GPTCausalLM(CausalLM):
+    """What GPT-2 and GPT-J share: their layers at ``transformer.h`` (stacked when
+    ``config.scan_layers``), a `GPTFields` config, and the causal-mask buffers their old
+    checkpoints carry."""
+
+    hf_ignore = (r".*attn\.bias", r".*attn\.masked_bias")
+    hf_stacks = ("transformer.h",)
+
+    def _kv_shape(self):
+        return self.config.n_layer, self.config.n_head, self.config.head_dim
+
+
+class GPT2LMHeadModel(GPTCausalLM):
     """GPT-2 for one sequence (batch with ``jax.vmap``); the LM head is the
     token embedding (tied).
 
@@ -156,17 +168,12 @@ class GPT2LMHeadModel(CausalLM):
     transformer: GPT2Model
     config: GPT2Config = eqx.field(static=True)
 
-    # Old checkpoints carry the causal mask as buffers; newer ones may save the tied head.
-    hf_ignore = (r".*attn\.bias", r".*attn\.masked_bias", r"lm_head\.weight")
-    hf_stacks = ("transformer.h",)
+    hf_ignore = (*GPTCausalLM.hf_ignore, r"lm_head\.weight")  # newer checkpoints may save the tied head
 
     def __init__(self, config: GPT2Config, *, key: PRNGKeyArray):
         check_config(config, GPT2Config)
         self.transformer = GPT2Model(config, key=key)
         self.config = config
-
-    def _kv_shape(self):
-        return self.config.n_layer, self.config.n_head, self.config.head_dim
 
     def _max_positions(self):
         return self.config.n_positions, "n_positions"

@@ -40,7 +40,6 @@ from ._layers import (
     Stackable,
     ACTIVATIONS,
     Cache,
-    CausalLM,
     Embedding,
     KVCache,
     LayerNorm,
@@ -53,6 +52,7 @@ from ._layers import (
     table_and_layers,
 )
 from ._config import DecoderConfig, GPTFields, check_activation
+from ._gpt2 import GPTCausalLM
 
 
 
@@ -186,7 +186,7 @@ class GPTJModel(eqx.Module):
         self.ln_f = LayerNorm(config.n_embd, config.layer_norm_epsilon)
 
 
-class GPTJForCausalLM(CausalLM):
+class GPTJForCausalLM(GPTCausalLM):
     """GPT-J for one sequence (batch with ``jax.vmap``).
 
     **Example:**
@@ -203,9 +203,7 @@ class GPTJForCausalLM(CausalLM):
     lm_head: Linear
     config: GPTJConfig = eqx.field(static=True)
 
-    # Causal-mask and rotary buffers that old checkpoints carry.
-    hf_ignore = (r".*attn\.bias", r".*attn\.masked_bias", r".*attn\.embed_positions")
-    hf_stacks = ("transformer.h",)
+    hf_ignore = (*GPTCausalLM.hf_ignore, r".*attn\.embed_positions")  # and old checkpoints' rotary buffers
 
     def __init__(self, config: GPTJConfig, *, key: PRNGKeyArray):
         check_config(config, GPTJConfig)
@@ -213,9 +211,6 @@ class GPTJForCausalLM(CausalLM):
         self.transformer = GPTJModel(config, key=kt)
         self.lm_head = Linear(config.n_embd, config.vocab_size, bias=True, key=kh)
         self.config = config
-
-    def _kv_shape(self):
-        return self.config.n_layer, self.config.n_head, self.config.head_dim
 
     def _run(self, ids, positions, mask, cache: Cache | None):
         t = self.transformer
