@@ -44,21 +44,22 @@ from ._layers import (
     ACTIVATIONS,
     Attention,
     Embedding,
+    FairseqLayer,
     KVCache,
+    POSITION_OFFSET,
     LayerNorm,
     Linear,
-    build_layers,
     causal_mask,
     check_positions,
+    feed_forward,
+    lm_logits,
     run_layers,
     scan_unroll,
+    table_and_layers,
 )
 from ._config import ZooConfig, check_activation
 from ._safetensors import HFTensor, leaf_tensors
 from ._seq2seq import EncoderDecoderLM, cache_slots, layer_caches, refuse_split
-
-POSITION_OFFSET = 2  # position p reads row p + 2 of each table, as fairseq and Hugging Face do
-
 
 @dataclasses.dataclass(frozen=True)
 class BartConfig(ZooConfig):
@@ -115,32 +116,16 @@ class BartConfig(ZooConfig):
         return values
 
 
-def _feed_forward(fc1: Linear, fc2: Linear, activation: str, x: Float[Array, "seq d_model"]) -> Float[Array, "seq d_model"]:
-    h = constrain(ACTIVATIONS[activation](fc1(x)), P(None, MODEL))  # column parallel
-    return constrain(fc2(h), P())  # row parallel: one all-reduce
-
-
-class BartEncoderLayer(Stackable):
-    self_attn: Attention
-    self_attn_layer_norm: LayerNorm
-    fc1: Linear
-    fc2: Linear
-    final_layer_norm: LayerNorm
+class BartEncoderLayer(FairseqLayer):
     activation: str = eqx.field(static=True)
 
     def __init__(self, config: BartConfig, *, key: PRNGKeyArray):
-        ka, k1, k2 = jax.random.split(key, 3)
-        d, eps = config.d_model, config.layer_norm_eps
-        self.self_attn = Attention(d, config.encoder_attention_heads, bias=True, key=ka)
-        self.self_attn_layer_norm = LayerNorm(d, eps)
-        self.fc1 = Linear(d, config.encoder_ffn_dim, bias=True, key=k1)
-        self.fc2 = Linear(config.encoder_ffn_dim, d, bias=True, key=k2)
-        self.final_layer_norm = LayerNorm(d, eps)
+        c = config
+        super().__init__(c.d_model, c.encoder_attention_heads, c.encoder_ffn_dim, c.layer_norm_eps, bias=True, key=key)
         self.activation = config.activation_function
 
     def __call__(self, x, mask):
-        x = self.self_attn_layer_norm(x + self.self_attn(x, mask)[0])
-        return self.final_layer_norm(x + _feed_forward(self.fc1, self.fc2, self.activation, x))
+        return self._forward(x, mask, None, None, activation=ACTIVATIONS[self.activation], pre_norm=False)[0]
 
 
 class BartDecoderLayer(Stackable):
@@ -173,31 +158,36 @@ class BartDecoderLayer(Stackable):
         x = self.self_attn_layer_norm(x + a)
         kv = source if isinstance(source, KVCache) else self.encoder_attn.project_kv(source)
         x = self.encoder_attn_layer_norm(x + self.encoder_attn(x, source_mask, kv=kv)[0])
-        return self.final_layer_norm(x + _feed_forward(self.fc1, self.fc2, self.activation, x)), cache
+        return self.final_layer_norm(x + feed_forward(self.fc1, self.fc2, ACTIVATIONS[self.activation], x)), cache
 
 
-class BartEncoder(eqx.Module):
+class BartStack(eqx.Module):
+    """What each of BART's stacks (`BartEncoder`, `BartDecoder`) holds: its position table, its
+    layers of class ``layer`` and the LayerNorm of its embedded tokens."""
+
     embed_positions: Embedding  # (max_position_embeddings + 2, d_model)
-    layers: list[BartEncoderLayer] | BartEncoderLayer  # stacked: one layer, every array (layers, ...)
+    layers: list[Stackable] | Stackable  # stacked: one layer, every array (layers, ...)
     layernorm_embedding: LayerNorm
 
-    def __init__(self, config: BartConfig, *, key: PRNGKeyArray):
-        keys = jax.random.split(key, config.encoder_layers + 1)
-        self.embed_positions = Embedding(config.max_position_embeddings + POSITION_OFFSET, config.d_model, key=keys[0])
-        self.layers = build_layers(lambda k: BartEncoderLayer(config, key=k), keys[1:], stacked=config.scan_layers)
+    def __init__(self, config: BartConfig, layer: type[Stackable], n_layers: int, *, key: PRNGKeyArray):
+        self.embed_positions, self.layers = table_and_layers(
+            config.max_position_embeddings + POSITION_OFFSET, config.d_model, lambda k: layer(config, key=k), n_layers,
+            stacked=config.scan_layers, key=key)
         self.layernorm_embedding = LayerNorm(config.d_model, config.layer_norm_eps)
 
 
-class BartDecoder(eqx.Module):
-    embed_positions: Embedding  # (max_position_embeddings + 2, d_model)
-    layers: list[BartDecoderLayer] | BartDecoderLayer  # stacked: one layer, every array (layers, ...)
-    layernorm_embedding: LayerNorm
+class BartEncoder(BartStack):
+    layers: list[BartEncoderLayer] | BartEncoderLayer
 
     def __init__(self, config: BartConfig, *, key: PRNGKeyArray):
-        keys = jax.random.split(key, config.decoder_layers + 1)
-        self.embed_positions = Embedding(config.max_position_embeddings + POSITION_OFFSET, config.d_model, key=keys[0])
-        self.layers = build_layers(lambda k: BartDecoderLayer(config, key=k), keys[1:], stacked=config.scan_layers)
-        self.layernorm_embedding = LayerNorm(config.d_model, config.layer_norm_eps)
+        super().__init__(config, BartEncoderLayer, config.encoder_layers, key=key)
+
+
+class BartDecoder(BartStack):
+    layers: list[BartDecoderLayer] | BartDecoderLayer
+
+    def __init__(self, config: BartConfig, *, key: PRNGKeyArray):
+        super().__init__(config, BartDecoderLayer, config.decoder_layers, key=key)
 
 
 class BartModel(eqx.Module):
@@ -280,28 +270,15 @@ class BartForConditionalGeneration(EncoderDecoderLM):
         return x
 
     def _logits(self, x):
-        logits = self.model.shared.attend(x) if self.lm_head is None else self.lm_head(x)
+        logits = lm_logits(self.model.shared, self.lm_head, x)
         bias = jax.lax.stop_gradient(self.final_logits_bias).astype(logits.dtype)  # a buffer, as in Transformers
         return constrain(logits + bias[None, :], P(None, MODEL))  # vocab parallel
 
-    def __call__(
-        self,
-        input_ids: Int[Array, " src"],
-        decoder_input_ids: Int[Array, " tgt"],
-        *,
-        attention_mask: Bool[Array, " src"] | None = None,
-        key: PRNGKeyArray | None = None,
-    ) -> Float[Array, "tgt vocab"]:
-        """Logits for every decoder position (teacher forcing).
-        ``attention_mask`` marks real encoder tokens. ``key`` is unused (no dropout)."""
-        del key
-        s, t = input_ids.shape[0], decoder_input_ids.shape[0]
-        self._check_positions("__call__ (decoder_input_ids)", t)
-        valid = jnp.ones((s,), bool) if attention_mask is None else attention_mask.astype(bool)
-        source = self.encode(input_ids, valid)
+    def _teacher_forced(self, decoder_input_ids, source, valid):
+        t = decoder_input_ids.shape[0]
         x = self._embed(decoder_input_ids, jnp.arange(t), self.model.decoder)
         mask = causal_mask(jnp.ones((t,), bool), 0, t)
-        source_mask = jnp.broadcast_to(valid[None, :], (t, s))
+        source_mask = jnp.broadcast_to(valid[None, :], (t, valid.shape[0]))
         x, _ = run_layers(self.model.decoder.layers, x, None,
                           lambda layer, x, _: layer(x, mask, source, source_mask),
                           unroll=scan_unroll(self.config))

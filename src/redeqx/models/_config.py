@@ -122,6 +122,27 @@ class DecoderConfig(ZooConfig):
         super().__post_init__()
 
 
+class GPTFields:
+    """What GPT-2's and GPT-J's configs share beyond their fields' defaults: ``n_embd`` split
+    into ``n_head`` heads, an MLP ``n_inner`` wide (None: ``4 * n_embd``), and the same table of
+    required and positive fields."""
+
+    hf_required: ClassVar[tuple[str, ...]] = ("vocab_size", "n_embd", "n_layer", "n_head")
+    positive: ClassVar[tuple[str, ...]] = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")
+
+    def check(self):
+        if self.n_embd % self.n_head:
+            raise ValueError(f"{type(self).__name__}: n_embd={self.n_embd} must be a multiple of n_head={self.n_head}.")
+
+    @property
+    def inner(self) -> int:
+        return self.n_inner or 4 * self.n_embd
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
 def check_activation(config) -> None:
     """A clear error for a config's ``activation_function`` that `ACTIVATIONS` does not name."""
     if config.activation_function not in ACTIVATIONS:

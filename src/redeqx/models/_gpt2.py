@@ -23,27 +23,27 @@ from ..mesh import constrain
 from ..mesh import CONTEXT, MODEL
 from ._layers import (
     Stackable,
+    ACTIVATIONS,
     Cache,
     CausalLM,
     Embedding,
     KVCache,
     LayerNorm,
     Linear,
-    attention,
+    attend_and_project,
     build_layers,
+    check_config,
+    feed_forward,
     heads,
-    inv_sqrt,
-    run_layers,
-    scan_unroll,
-    update_cache,
+    square_linears,
 )
-from ._config import DecoderConfig
+from ._config import DecoderConfig, GPTFields
 from ._safetensors import HFTensor
 
 
 
 @dataclasses.dataclass(frozen=True)
-class GPT2Config(DecoderConfig):
+class GPT2Config(GPTFields, DecoderConfig):
     """Sizes of a GPT-2 model; names follow Hugging Face's ``config.json``."""
 
     vocab_size: int = 50257
@@ -58,18 +58,8 @@ class GPT2Config(DecoderConfig):
 
     hf_architecture = "GPT2LMHeadModel"
     hf_type = "gpt2"
-    hf_required = ("vocab_size", "n_embd", "n_layer", "n_head")
     hf_absent = {"bos_token_id": None, "eos_token_id": None}
     hf_fixed = {"activation_function": "gelu_new", "tie_word_embeddings": True}
-    positive = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")
-
-    def check(self):
-        if self.n_embd % self.n_head:
-            raise ValueError(f"GPT2Config: n_embd={self.n_embd} must be a multiple of n_head={self.n_head}.")
-
-    @property
-    def inner(self) -> int:
-        return self.n_inner or 4 * self.n_embd
 
     @classmethod
     def hf_in(cls, d, values, tensor_names):
@@ -97,20 +87,12 @@ class GPT2Attention(eqx.Module):
     n_head: int = eqx.field(static=True)
 
     def __init__(self, config: GPT2Config, *, key: PRNGKeyArray):
-        kq, kk, kv, ko = jax.random.split(key, 4)
-        h = config.n_embd
-        self.q_proj, self.k_proj, self.v_proj = (Linear(h, h, bias=True, key=k) for k in (kq, kk, kv))
-        self.c_proj = Linear(h, h, bias=True, key=ko)
+        self.q_proj, self.k_proj, self.v_proj, self.c_proj = square_linears(config.n_embd, 4, bias=True, key=key)
         self.n_head = config.n_head
 
     def __call__(self, x, mask, cache: KVCache | None, index):
         q, k, v = (heads(proj(x), self.n_head) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        if cache is not None:
-            cache = update_cache(cache, k, v, index)
-            k, v = cache.read(q.dtype)
-        out = attention(q, k, v, mask, scale=inv_sqrt(q.shape[-1]))
-        out = constrain(out.reshape(out.shape[0], -1), P(CONTEXT, MODEL))
-        return constrain(self.c_proj(out), P(CONTEXT)), cache
+        return attend_and_project(self.c_proj, q, k, v, mask, cache, index)
 
 
 class GPT2MLP(eqx.Module):
@@ -123,8 +105,7 @@ class GPT2MLP(eqx.Module):
         self.c_proj = Linear(config.inner, config.n_embd, bias=True, key=k2)
 
     def __call__(self, x):
-        h = constrain(jax.nn.gelu(self.c_fc(x), approximate=True), P(CONTEXT, MODEL))  # column parallel
-        return constrain(self.c_proj(h), P(CONTEXT))  # row parallel: one all-reduce
+        return feed_forward(self.c_fc, self.c_proj, ACTIVATIONS["gelu_new"], x)
 
 
 class GPT2Block(Stackable):
@@ -160,7 +141,19 @@ class GPT2Model(eqx.Module):
         self.ln_f = LayerNorm(config.n_embd, config.layer_norm_epsilon)
 
 
-class GPT2LMHeadModel(CausalLM):
+class GPTCausalLM(CausalLM):
+    """What GPT-2 and GPT-J share: their layers at ``transformer.h`` (stacked when
+    ``config.scan_layers``), a `GPTFields` config, and the causal-mask buffers their old
+    checkpoints carry."""
+
+    hf_ignore = (r".*attn\.bias", r".*attn\.masked_bias")
+    hf_stacks = ("transformer.h",)
+
+    def _kv_shape(self):
+        return self.config.n_layer, self.config.n_head, self.config.head_dim
+
+
+class GPT2LMHeadModel(GPTCausalLM):
     """GPT-2 for one sequence (batch with ``jax.vmap``); the LM head is the
     token embedding (tied).
 
@@ -175,19 +168,12 @@ class GPT2LMHeadModel(CausalLM):
     transformer: GPT2Model
     config: GPT2Config = eqx.field(static=True)
 
-    # Old checkpoints carry the causal mask as buffers; newer ones may save the tied head.
-    hf_ignore = (r".*attn\.bias", r".*attn\.masked_bias", r"lm_head\.weight")
-    hf_stacks = ("transformer.h",)
+    hf_ignore = (*GPTCausalLM.hf_ignore, r"lm_head\.weight")  # newer checkpoints may save the tied head
 
     def __init__(self, config: GPT2Config, *, key: PRNGKeyArray):
-        if not isinstance(config, GPT2Config):
-            raise TypeError(f"config must be a redeqx.models.GPT2Config, got {type(config).__name__}.")
+        check_config(config, GPT2Config)
         self.transformer = GPT2Model(config, key=key)
         self.config = config
-
-    def _kv_shape(self):
-        c = self.config
-        return c.n_layer, c.n_head, c.n_embd // c.n_head
 
     def _max_positions(self):
         return self.config.n_positions, "n_positions"
@@ -195,9 +181,7 @@ class GPT2LMHeadModel(CausalLM):
     def _run(self, ids, positions, mask, cache: Cache | None):
         t = self.transformer
         x = constrain(t.wte(ids) + t.wpe(positions), P(CONTEXT))
-        index = None if cache is None else cache.index
-        x, new_layers = run_layers(t.h, x, None if cache is None else cache.layers,
-                                   lambda block, x, lc: block(x, mask, lc, index), unroll=scan_unroll(self.config))
+        x, new_layers = self._through_layers(t.h, x, cache, mask)
         return constrain(t.wte.attend(t.ln_f(x)), P(CONTEXT, MODEL)), new_layers
 
     def hf_tensors(self) -> list[HFTensor]:

@@ -40,26 +40,24 @@ from ._layers import (
     Stackable,
     ACTIVATIONS,
     Cache,
-    CausalLM,
     Embedding,
     KVCache,
     LayerNorm,
     Linear,
-    attention,
-    build_layers,
+    attend,
+    check_config,
     heads,
-    inv_sqrt,
-    run_layers,
-    scan_unroll,
+    square_linears,
     summed_linears,
-    update_cache,
+    table_and_layers,
 )
-from ._config import DecoderConfig, check_activation
+from ._config import DecoderConfig, GPTFields, check_activation
+from ._gpt2 import GPTCausalLM
 
 
 
 @dataclasses.dataclass(frozen=True)
-class GPTJConfig(DecoderConfig):
+class GPTJConfig(GPTFields, DecoderConfig):
     """Sizes of a GPT-J model; names follow Hugging Face's ``config.json``.
     The defaults are GPT-J-6B."""
 
@@ -78,15 +76,12 @@ class GPTJConfig(DecoderConfig):
 
     hf_architecture = "GPTJForCausalLM"
     hf_type = "gptj"
-    hf_required = ("vocab_size", "n_embd", "n_layer", "n_head")
     hf_absent = {"rotary_dim": None, "bos_token_id": None, "eos_token_id": None}
     hf_fixed = {"tie_word_embeddings": False}
-    positive = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")
 
     def check(self):
-        if self.n_embd % self.n_head:
-            raise ValueError(f"GPTJConfig: n_embd={self.n_embd} must be a multiple of n_head={self.n_head}.")
-        head_dim = self.n_embd // self.n_head
+        super().check()
+        head_dim = self.head_dim
         if self.rotary_dim is not None and (
             isinstance(self.rotary_dim, bool) or not isinstance(self.rotary_dim, int)
             or not 0 < self.rotary_dim <= head_dim or self.rotary_dim % 2
@@ -95,14 +90,6 @@ class GPTJConfig(DecoderConfig):
                 f"GPTJConfig.rotary_dim must be None or an even int in 1..head_dim={head_dim}, got {self.rotary_dim!r}."
             )
         check_activation(self)
-
-    @property
-    def inner(self) -> int:
-        return self.n_inner or 4 * self.n_embd
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
 
     @property
     def rotated(self) -> int:
@@ -141,11 +128,7 @@ class GPTJAttention(eqx.Module):
     config: GPTJConfig = eqx.field(static=True)
 
     def __init__(self, config: GPTJConfig, *, key: PRNGKeyArray):
-        kq, kk, kv, ko = jax.random.split(key, 4)
-        h = config.n_embd
-        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (
-            Linear(h, h, bias=False, key=k) for k in (kq, kk, kv, ko)
-        )
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = square_linears(config.n_embd, 4, bias=False, key=key)
         self.config = config
 
     def attend(self, q, k, v, positions, mask, cache: KVCache | None, index):
@@ -154,12 +137,7 @@ class GPTJAttention(eqx.Module):
         c = self.config
         q = rotary_every_two(heads(q, c.n_head), positions, c.rotated)
         k = rotary_every_two(heads(k, c.n_head), positions, c.rotated)
-        v = heads(v, c.n_head)
-        if cache is not None:
-            cache = update_cache(cache, k, v, index)
-            k, v = cache.read(q.dtype)
-        out = attention(q, k, v, mask, scale=inv_sqrt(c.head_dim))
-        return constrain(out.reshape(out.shape[0], -1), P(CONTEXT, MODEL)), cache
+        return attend(q, k, heads(v, c.n_head), mask, cache, index)
 
 
 class GPTJMLP(eqx.Module):
@@ -203,13 +181,12 @@ class GPTJModel(eqx.Module):
     ln_f: LayerNorm
 
     def __init__(self, config: GPTJConfig, *, key: PRNGKeyArray):
-        keys = jax.random.split(key, config.n_layer + 1)
-        self.wte = Embedding(config.vocab_size, config.n_embd, key=keys[0])
-        self.h = build_layers(lambda k: GPTJBlock(config, key=k), keys[1:], stacked=config.scan_layers)
+        self.wte, self.h = table_and_layers(config.vocab_size, config.n_embd, lambda k: GPTJBlock(config, key=k),
+                                            config.n_layer, stacked=config.scan_layers, key=key)
         self.ln_f = LayerNorm(config.n_embd, config.layer_norm_epsilon)
 
 
-class GPTJForCausalLM(CausalLM):
+class GPTJForCausalLM(GPTCausalLM):
     """GPT-J for one sequence (batch with ``jax.vmap``).
 
     **Example:**
@@ -226,27 +203,17 @@ class GPTJForCausalLM(CausalLM):
     lm_head: Linear
     config: GPTJConfig = eqx.field(static=True)
 
-    # Causal-mask and rotary buffers that old checkpoints carry.
-    hf_ignore = (r".*attn\.bias", r".*attn\.masked_bias", r".*attn\.embed_positions")
-    hf_stacks = ("transformer.h",)
+    hf_ignore = (*GPTCausalLM.hf_ignore, r".*attn\.embed_positions")  # and old checkpoints' rotary buffers
 
     def __init__(self, config: GPTJConfig, *, key: PRNGKeyArray):
-        if not isinstance(config, GPTJConfig):
-            raise TypeError(f"config must be a redeqx.models.GPTJConfig, got {type(config).__name__}.")
+        check_config(config, GPTJConfig)
         kt, kh = jax.random.split(key)
         self.transformer = GPTJModel(config, key=kt)
         self.lm_head = Linear(config.n_embd, config.vocab_size, bias=True, key=kh)
         self.config = config
 
-    def _kv_shape(self):
-        c = self.config
-        return c.n_layer, c.n_head, c.head_dim
-
     def _run(self, ids, positions, mask, cache: Cache | None):
         t = self.transformer
         x = constrain(t.wte(ids), P(CONTEXT))  # vocab-split lookup: one all-reduce
-        index = None if cache is None else cache.index
-        x, new_layers = run_layers(t.h, x, None if cache is None else cache.layers,
-                                   lambda block, x, lc: block(x, positions, mask, lc, index),
-                                   unroll=scan_unroll(self.config))
+        x, new_layers = self._through_layers(t.h, x, cache, positions, mask)
         return constrain(self.lm_head(t.ln_f(x)), P(CONTEXT, MODEL)), new_layers  # vocab parallel

@@ -200,6 +200,14 @@ def build_layers(make: Callable[[PRNGKeyArray], eqx.Module], keys: PRNGKeyArray,
     return [make(k) for k in keys]
 
 
+def table_and_layers(rows: int, dim: int, make: Callable[[PRNGKeyArray], eqx.Module], n: int, *, stacked: bool,
+                     key: PRNGKeyArray) -> tuple[Embedding, list | eqx.Module]:
+    """A ``(rows, dim)`` `Embedding` (a model's token table, a stack's position table) and the
+    ``n`` layers after it (`build_layers`), from ``key`` split ``n + 1`` ways, the first the table's."""
+    keys = jax.random.split(key, n + 1)
+    return Embedding(rows, dim, key=keys[0]), build_layers(make, keys[1:], stacked=stacked)
+
+
 def stack_depth(layer) -> int | None:
     """The number of layers in a zoo stack (one layer whose every array has
     a leading layer axis), or None for one layer: a zoo layer always holds a
@@ -483,6 +491,35 @@ def update_cache(layer: KVCache, k, v, index) -> KVCache:
     return KVCache(put(layer.k, k), put(layer.v, v), layer.layer, layer.stack)
 
 
+def attend(q, k, v, mask, cache: KVCache | None, index, *, scale: float | None = None, bias=None):
+    """Attention of heads ``q`` (T, Hq, D) over ``k``/``v`` (T, Hkv, D), appended to ``cache``
+    at slot ``index`` when given; the heads joined back (T, Hq * D), split over ``model``, as a
+    row-parallel output projection reads them. ``scale`` defaults to ``1 / sqrt(D)``."""
+    if cache is not None:
+        cache = update_cache(cache, k, v, index)
+        k, v = cache.read(q.dtype)
+    out = attention(q, k, v, mask, scale=inv_sqrt(q.shape[-1]) if scale is None else scale, bias=bias)
+    return constrain(out.reshape(out.shape[0], -1), P(CONTEXT, MODEL)), cache
+
+
+def attend_and_project(o_proj, q, k, v, mask, cache: KVCache | None, index, **kwargs):
+    """`attend`, then the output projection ``o_proj`` (row parallel: one all-reduce)."""
+    out, cache = attend(q, k, v, mask, cache, index, **kwargs)
+    return constrain(o_proj(out), P(CONTEXT)), cache
+
+
+def feed_forward(fc1: Linear, fc2: Linear, activation: Callable, x: Float[Array, "seq dim"]) -> Float[Array, "seq dim"]:
+    """``fc2(activation(fc1(x)))``: ``fc1`` column parallel, ``fc2`` row parallel (one all-reduce)."""
+    h = constrain(activation(fc1(x)), P(CONTEXT, MODEL))
+    return constrain(fc2(h), P(CONTEXT))
+
+
+def square_linears(dim: int, n: int, *, bias: bool, key: PRNGKeyArray) -> tuple[Linear, ...]:
+    """``n`` ``(dim, dim)`` `Linear` layers, one per key of ``jax.random.split(key, n)``
+    (an attention block's Q, K, V and output projections)."""
+    return tuple(Linear(dim, dim, bias=bias, key=k) for k in jax.random.split(key, n))
+
+
 class Attention(eqx.Module):
     """Multi-head attention with ``q_proj``, ``k_proj``, ``v_proj`` and
     ``out_proj`` (the fairseq layout of BART and OPT), scores scaled by
@@ -498,10 +535,7 @@ class Attention(eqx.Module):
     n_heads: int = eqx.field(static=True)
 
     def __init__(self, dim: int, n_heads: int, *, bias: bool, key: PRNGKeyArray):
-        kq, kk, kv, ko = jax.random.split(key, 4)
-        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (
-            Linear(dim, dim, bias=bias, key=k) for k in (kq, kk, kv, ko)
-        )
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = square_linears(dim, 4, bias=bias, key=key)
         self.n_heads = n_heads
 
     def __call__(
@@ -522,18 +556,46 @@ class Attention(eqx.Module):
         else:
             x = gradients_summed_first(x)
             q, k, v = (heads(proj(x), h) for proj in (self.q_proj, self.k_proj, self.v_proj))
-            if cache is not None:
-                cache = update_cache(cache, k, v, index)
-                k, v = cache.read(q.dtype)
-        out = attention(q, k, v, mask, scale=inv_sqrt(q.shape[-1]))
-        out = constrain(out.reshape(out.shape[0], -1), P(CONTEXT, MODEL))
-        return constrain(self.out_proj(out), P(CONTEXT)), cache  # row parallel: one all-reduce
+        return attend_and_project(self.out_proj, q, k, v, mask, cache, index)
 
     def project_kv(self, source: Float[Array, "src dim"]) -> KVCache:
         """Keys and values of an encoder output, for cross attention."""
         h, source = self.n_heads, gradients_summed_first(source)
         k, v = (heads(proj(source), h) for proj in (self.k_proj, self.v_proj))
         return KVCache(k, v)
+
+
+# fairseq's learned position tables (BART's, OPT's) keep two rows for padding first: position p reads
+# row p + 2 of a table of max_position_embeddings + 2 rows, as fairseq and Hugging Face do.
+POSITION_OFFSET = 2
+
+
+class FairseqLayer(Stackable):
+    """The fairseq layout's transformer layer (BART's encoder layer, OPT's decoder layer):
+    self-attention, then a two-layer MLP (``fc1``, ``fc2``), each added to the residual stream
+    with its LayerNorm before (``pre_norm``) or after the addition."""
+
+    self_attn: Attention
+    self_attn_layer_norm: LayerNorm
+    fc1: Linear
+    fc2: Linear
+    final_layer_norm: LayerNorm
+
+    def __init__(self, dim: int, n_heads: int, ffn_dim: int, eps: float, *, bias: bool, key: PRNGKeyArray):
+        ka, k1, k2 = jax.random.split(key, 3)
+        self.self_attn = Attention(dim, n_heads, bias=bias, key=ka)
+        self.self_attn_layer_norm = LayerNorm(dim, eps)
+        self.fc1 = Linear(dim, ffn_dim, bias=bias, key=k1)
+        self.fc2 = Linear(ffn_dim, dim, bias=bias, key=k2)
+        self.final_layer_norm = LayerNorm(dim, eps)
+
+    def _forward(self, x, mask, cache, index, *, activation: Callable, pre_norm: bool):
+        a, cache = self.self_attn(self.self_attn_layer_norm(x) if pre_norm else x, mask, cache=cache, index=index)
+        x = x + a
+        if not pre_norm:
+            x = self.self_attn_layer_norm(x)
+        y = x + feed_forward(self.fc1, self.fc2, activation, self.final_layer_norm(x) if pre_norm else x)
+        return (y if pre_norm else self.final_layer_norm(y)), cache
 
 
 def causal_mask(
@@ -587,6 +649,25 @@ def inv_sqrt(d: int) -> float:
     return 1.0 / math.sqrt(d)
 
 
+def check_config(config, cls: type) -> None:
+    """A clear error for a family built from another family's config (or none)."""
+    if not isinstance(config, cls):
+        raise TypeError(f"config must be a redeqx.models.{cls.__name__}, got {type(config).__name__}.")
+
+
+def model_and_head(model_cls: Callable, config, width: int, *, key: PRNGKeyArray):
+    """A family's model body ``model_cls(config, key=...)`` and its bias-free LM head ``(width,
+    vocab)``: None when ``config.tie_word_embeddings`` (the token embedding serves, `lm_logits`)."""
+    km, kh = jax.random.split(key)
+    tied = config.tie_word_embeddings
+    return model_cls(config, key=km), None if tied else Linear(width, config.vocab_size, bias=False, key=kh)
+
+
+def lm_logits(embedding: Embedding, lm_head: Linear | None, x: Float[Array, "seq dim"]) -> Float[Array, "seq vocab"]:
+    """The LM head's logits, or the token embedding's (``lm_head`` None: tied)."""
+    return embedding.attend(x) if lm_head is None else lm_head(x)
+
+
 class CausalLM(eqx.Module):
     """What every decoder-only family shares: the full forward, the cache and
     cached decoding (`redeqx.models.Decoder`'s protocol), built on the
@@ -599,6 +680,13 @@ class CausalLM(eqx.Module):
 
     def _kv_shape(self) -> tuple[int, int, int]:
         raise NotImplementedError
+
+    def _through_layers(self, layers, x, cache: Cache | None, *args):
+        """``x`` through ``layers``, each called ``layer(x, *args, layer_cache, index)`` (the
+        layer's cache and the cache's ``index`` None without ``cache``): ``x`` and the new caches."""
+        index = None if cache is None else cache.index
+        return run_layers(layers, x, None if cache is None else cache.layers,
+                          lambda layer, x, lc: layer(x, *args, lc, index), unroll=scan_unroll(self.config))
 
     def _window(self) -> int | None:
         """Sliding-window attention span, or None for full causal attention."""

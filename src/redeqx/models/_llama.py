@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -32,14 +33,13 @@ from ._layers import (
     KVCache,
     Linear,
     RMSNorm,
-    attention,
-    build_layers,
+    attend_and_project,
+    check_config,
     default_head_dim,
     heads,
-    inv_sqrt,
-    run_layers,
-    scan_unroll,
-    update_cache,
+    lm_logits,
+    model_and_head,
+    table_and_layers,
 )
 from ._config import DecoderConfig
 
@@ -209,23 +209,15 @@ class LlamaAttention(eqx.Module):
         self.o_proj = Linear(c.n_heads * d, c.hidden_size, bias=c.attention_bias, key=ko)
         self.config = config
 
-    def __call__(self, x, positions, mask, inv_freq, cache: KVCache | None, index):
+    def _heads(self, x):
+        """The projections' heads (column parallel): Q (T, Hq, D), K and V (T, Hkv, D)."""
         c = self.config
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # column parallel
-        q = apply_rope(heads(q, c.n_heads), positions, inv_freq)  # (T, Hq, D)
-        k = apply_rope(heads(k, c.n_kv_heads), positions, inv_freq)  # (T, Hkv, D)
-        return attend_and_project(self.o_proj, q, k, heads(v, c.n_kv_heads), mask, c.dim_head, cache, index)
+        return heads(self.q_proj(x), c.n_heads), heads(self.k_proj(x), c.n_kv_heads), heads(self.v_proj(x), c.n_kv_heads)
 
-
-def attend_and_project(o_proj, q, k, v, mask, head_dim: int, cache: KVCache | None, index):
-    """Grouped-query attention of heads ``q`` (T, Hq, D) over ``k``/``v`` (T, Hkv, D), appended to
-    ``cache`` when given, then the output projection (row parallel: one all-reduce)."""
-    if cache is not None:
-        cache = update_cache(cache, k, v, index)
-        k, v = cache.read(q.dtype)
-    out = attention(q, k, v, mask, scale=inv_sqrt(head_dim))  # (T, Hq, D)
-    out = constrain(out.reshape(out.shape[0], -1), P(CONTEXT, MODEL))
-    return constrain(o_proj(out), P(CONTEXT)), cache
+    def __call__(self, x, positions, mask, inv_freq, cache: KVCache | None, index):
+        q, k, v = self._heads(x)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        return attend_and_project(self.o_proj, q, k, v, mask, cache, index)
 
 
 class LlamaMLP(eqx.Module):
@@ -266,14 +258,17 @@ class LlamaDecoderLayer(Stackable):
 
 
 class LlamaModel(eqx.Module):
+    """The token embedding, the decoder layers and the final norm of a LLaMA-style model
+    (the mixture-of-experts families' too, with their own ``layer``)."""
+
     embed_tokens: Embedding
     layers: list[LlamaDecoderLayer] | LlamaDecoderLayer  # stacked: one layer, every array (layers, ...)
     norm: RMSNorm
 
-    def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray):
-        keys = jax.random.split(key, config.num_hidden_layers + 1)
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, key=keys[0])
-        self.layers = build_layers(lambda k: LlamaDecoderLayer(config, key=k), keys[1:], stacked=config.scan_layers)
+    def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray, layer: Callable = LlamaDecoderLayer):
+        self.embed_tokens, self.layers = table_and_layers(
+            config.vocab_size, config.hidden_size, lambda k: layer(config, key=k), config.num_hidden_layers,
+            stacked=config.scan_layers, key=key)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -299,13 +294,8 @@ class LlamaForCausalLM(CausalLM):
     hf_stacks = ("model.layers",)  # the layer lists, stacked when config.scan_layers
 
     def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray):
-        if not isinstance(config, LlamaConfig):
-            raise TypeError(f"config must be a redeqx.models.LlamaConfig, got {type(config).__name__}.")
-        km, kh = jax.random.split(key)
-        self.model = LlamaModel(config, key=km)
-        self.lm_head = None if config.tie_word_embeddings else Linear(
-            config.hidden_size, config.vocab_size, bias=False, key=kh
-        )
+        check_config(config, LlamaConfig)
+        self.model, self.lm_head = model_and_head(LlamaModel, config, config.hidden_size, key=key)
         self.config = config
 
     @property
@@ -317,12 +307,8 @@ class LlamaForCausalLM(CausalLM):
         c = self.llama_config
         inv_freq = rope_frequencies(c)
         x = constrain(self.model.embed_tokens(ids), P(CONTEXT))
-        index = None if cache is None else cache.index
-        x, new_layers = run_layers(self.model.layers, x, None if cache is None else cache.layers,
-                                   lambda layer, x, lc: layer(x, positions, mask, inv_freq, lc, index),
-                                   unroll=scan_unroll(c))
-        x = self.model.norm(x)
-        logits = self.model.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
+        x, new_layers = self._through_layers(self.model.layers, x, cache, positions, mask, inv_freq)
+        logits = lm_logits(self.model.embed_tokens, self.lm_head, self.model.norm(x))
         return constrain(logits, P(CONTEXT, MODEL)), new_layers  # vocab parallel, sequence split over context
 
     def _window(self):

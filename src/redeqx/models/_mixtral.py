@@ -20,10 +20,10 @@ import jax
 from jaxtyping import PRNGKeyArray
 
 from ._config import DecoderConfig
-from ._layers import Embedding, Linear, RMSNorm, build_layers
-from ._llama import LlamaAttention
+from ._layers import Linear, RMSNorm, check_config, model_and_head
+from ._llama import LlamaAttention, LlamaModel
 from ._moe import MoE
-from ._moe_lm import LlamaFields, MoECausalLM, attention_config, sparse_block
+from ._moe_lm import LlamaFields, MoECausalLM, MoEDecoderLayer, attention_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +79,7 @@ class MixtralConfig(LlamaFields, DecoderConfig):
         return self.num_local_experts
 
 
-class MixtralDecoderLayer(eqx.Module):
+class MixtralDecoderLayer(MoEDecoderLayer):
     self_attn: LlamaAttention
     block_sparse_moe: MoE
     input_layernorm: RMSNorm
@@ -94,23 +94,16 @@ class MixtralDecoderLayer(eqx.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def __call__(self, x, positions, mask, inv_freq, cache, index, valid):
-        a, cache = self.self_attn(self.input_layernorm(x), positions, mask, inv_freq, cache, index)
-        x = x + a
-        y, stats = sparse_block(self.post_attention_layernorm(x), self.block_sparse_moe, valid)
-        return x + y, cache, stats
+    @property
+    def feed_forward(self) -> MoE:
+        return self.block_sparse_moe
 
 
-class MixtralModel(eqx.Module):
-    embed_tokens: Embedding
+class MixtralModel(LlamaModel):
     layers: list[MixtralDecoderLayer] | MixtralDecoderLayer  # stacked: one layer, every array (layers, ...)
-    norm: RMSNorm
 
     def __init__(self, config: MixtralConfig, *, key: PRNGKeyArray):
-        keys = jax.random.split(key, config.num_hidden_layers + 1)
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, key=keys[0])
-        self.layers = build_layers(lambda k: MixtralDecoderLayer(config, key=k), keys[1:], stacked=config.scan_layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        super().__init__(config, key=key, layer=MixtralDecoderLayer)
 
 
 class MixtralForCausalLM(MoECausalLM):
@@ -136,11 +129,6 @@ class MixtralForCausalLM(MoECausalLM):
     hf_experts = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
     def __init__(self, config: MixtralConfig, *, key: PRNGKeyArray):
-        if not isinstance(config, MixtralConfig):
-            raise TypeError(f"config must be a redeqx.models.MixtralConfig, got {type(config).__name__}.")
-        km, kh = jax.random.split(key)
-        self.model = MixtralModel(config, key=km)
-        self.lm_head = None if config.tie_word_embeddings else Linear(
-            config.hidden_size, config.vocab_size, bias=False, key=kh
-        )
+        check_config(config, MixtralConfig)
+        self.model, self.lm_head = model_and_head(MixtralModel, config, config.hidden_size, key=key)
         self.config = config

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from typing import ClassVar
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -17,7 +18,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from ..mesh import constrain
 from ..mesh import CONTEXT, MODEL
 from .._trees import is_array_like, named_leaves
-from ._layers import Cache, CausalLM, is_stacked, run_layers, scan_unroll
+from ._layers import Cache, CausalLM, is_stacked, lm_logits, run_layers, scan_unroll
 from ._llama import LlamaConfig, rope_frequencies
 from ._moe import MoE, RouterStats
 from ._safetensors import HFTensor
@@ -68,6 +69,21 @@ def sparse_block(x, block, valid):
     return block(x), None
 
 
+class MoEDecoderLayer(eqx.Module):
+    """LLaMA's decoder layer whose feed-forward block (a subclass's ``feed_forward``) may be a
+    `MoE`: it returns its router's `RouterStats` too (None for a dense block)."""
+
+    @property
+    def feed_forward(self):
+        raise NotImplementedError
+
+    def __call__(self, x, positions, mask, inv_freq, cache, index, valid):
+        a, cache = self.self_attn(self.input_layernorm(x), positions, mask, inv_freq, cache, index)
+        x = x + a
+        y, stats = sparse_block(self.post_attention_layernorm(x), self.feed_forward, valid)
+        return x + y, cache, stats
+
+
 class MoECausalLM(CausalLM):
     """A decoder-only LM whose layers return ``(x, cache, stats)``; subclasses
     hold ``model.embed_tokens``, ``model.layers``, ``model.norm``, ``lm_head``
@@ -92,8 +108,7 @@ class MoECausalLM(CausalLM):
         else:
             new_layers = [lc for lc, _ in out]
             stats = sum((s for _, s in out), empty)
-        x = self.model.norm(x)
-        logits = self.model.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
+        logits = lm_logits(self.model.embed_tokens, self.lm_head, self.model.norm(x))
         return constrain(logits, P(CONTEXT, MODEL)), new_layers, stats  # vocab parallel
 
     def _run(self, ids, positions, mask, cache):

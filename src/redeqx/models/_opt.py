@@ -26,30 +26,28 @@ import dataclasses
 import equinox as eqx
 import jax
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import PRNGKeyArray
 
 from ..mesh import constrain
 from ..mesh import CONTEXT, MODEL
 from ._layers import (
-    Stackable,
     ACTIVATIONS,
-    Attention,
     Cache,
     CausalLM,
     Embedding,
+    FairseqLayer,
+    POSITION_OFFSET,
     LayerNorm,
     Linear,
     build_layers,
+    check_config,
     check_positive_ints,
     default_head_dim,
-    run_layers,
-    scan_unroll,
+    lm_logits,
+    model_and_head,
 )
 from ._config import DecoderConfig, check_activation
 from ._safetensors import HFTensor, leaf_tensors
-
-POSITION_OFFSET = 2  # position p reads row p + 2 of the table, as fairseq and Hugging Face do
-
 
 @dataclasses.dataclass(frozen=True)
 class OPTConfig(DecoderConfig):
@@ -124,36 +122,17 @@ class OPTConfig(DecoderConfig):
         return {**d, "word_embed_proj_dim": self.embed_dim}
 
 
-class OPTDecoderLayer(Stackable):
-    self_attn: Attention
-    self_attn_layer_norm: LayerNorm
-    fc1: Linear
-    fc2: Linear
-    final_layer_norm: LayerNorm
+class OPTDecoderLayer(FairseqLayer):
     config: OPTConfig = eqx.field(static=True)
 
     def __init__(self, config: OPTConfig, *, key: PRNGKeyArray):
-        ka, k1, k2 = jax.random.split(key, 3)
-        h, b = config.hidden_size, config.enable_bias
-        self.self_attn = Attention(h, config.num_attention_heads, bias=b, key=ka)
-        self.self_attn_layer_norm = LayerNorm(h, config.layer_norm_eps)
-        self.fc1 = Linear(h, config.ffn_dim, bias=b, key=k1)
-        self.fc2 = Linear(config.ffn_dim, h, bias=b, key=k2)
-        self.final_layer_norm = LayerNorm(h, config.layer_norm_eps)
+        c = config
+        super().__init__(c.hidden_size, c.num_attention_heads, c.ffn_dim, c.layer_norm_eps, bias=c.enable_bias, key=key)
         self.config = config
 
-    def _mlp(self, x: Float[Array, "seq hidden"]) -> Float[Array, "seq hidden"]:
-        h = constrain(ACTIVATIONS[self.config.activation_function](self.fc1(x)), P(CONTEXT, MODEL))  # column parallel
-        return constrain(self.fc2(h), P(CONTEXT))  # row parallel: one all-reduce
-
     def __call__(self, x, mask, cache, index):
-        pre = self.config.do_layer_norm_before
-        a, cache = self.self_attn(self.self_attn_layer_norm(x) if pre else x, mask, cache=cache, index=index)
-        x = x + a
-        if not pre:
-            x = self.self_attn_layer_norm(x)
-        y = x + self._mlp(self.final_layer_norm(x) if pre else x)
-        return (y if pre else self.final_layer_norm(y)), cache
+        activation = ACTIVATIONS[self.config.activation_function]
+        return self._forward(x, mask, cache, index, activation=activation, pre_norm=self.config.do_layer_norm_before)
 
 
 class OPTDecoder(eqx.Module):
@@ -207,37 +186,29 @@ class OPTForCausalLM(CausalLM):
     hf_stacks = ("model.decoder.layers",)
 
     def __init__(self, config: OPTConfig, *, key: PRNGKeyArray):
-        if not isinstance(config, OPTConfig):
-            raise TypeError(f"config must be a redeqx.models.OPTConfig, got {type(config).__name__}.")
-        km, kh = jax.random.split(key)
-        self.model = OPTModel(config, key=km)
-        self.lm_head = None if config.tie_word_embeddings else Linear(
-            config.embed_dim, config.vocab_size, bias=False, key=kh
-        )
+        check_config(config, OPTConfig)
+        self.model, self.lm_head = model_and_head(OPTModel, config, config.embed_dim, key=key)
         self.config = config
 
     def _kv_shape(self):
         c = self.config
-        return c.num_hidden_layers, c.num_attention_heads, c.hidden_size // c.num_attention_heads
+        return c.num_hidden_layers, c.num_attention_heads, default_head_dim(c.hidden_size, c.num_attention_heads)
 
     def _max_positions(self):
         return self.config.max_position_embeddings, "max_position_embeddings"
 
     def _run(self, ids, positions, mask, cache: Cache | None):
-        c, d = self.config, self.model.decoder
+        d = self.model.decoder
         x = constrain(d.embed_tokens(ids), P(CONTEXT))  # vocab-split lookup: one all-reduce
         if d.project_in is not None:
             x = d.project_in(x)
         x = constrain(x + d.embed_positions(positions + POSITION_OFFSET), P(CONTEXT))
-        index = None if cache is None else cache.index
-        x, new_layers = run_layers(d.layers, x, None if cache is None else cache.layers,
-                                   lambda layer, x, lc: layer(x, mask, lc, index), unroll=scan_unroll(c))
+        x, new_layers = self._through_layers(d.layers, x, cache, mask)
         if d.final_layer_norm is not None:
             x = d.final_layer_norm(x)
         if d.project_out is not None:
             x = d.project_out(x)
-        logits = d.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
-        return constrain(logits, P(CONTEXT, MODEL)), new_layers  # vocab parallel
+        return constrain(lm_logits(d.embed_tokens, self.lm_head, x), P(CONTEXT, MODEL)), new_layers  # vocab parallel
 
     def hf_tensors(self) -> list[HFTensor]:
         """Checkpoint tensors: each leaf under its own path, the ``model.``

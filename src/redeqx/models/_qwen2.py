@@ -18,11 +18,10 @@ import dataclasses
 from typing import Any
 
 import equinox as eqx
-import jax
 from jaxtyping import PRNGKeyArray
 
 from ._config import DecoderConfig
-from ._layers import Linear
+from ._layers import check_config, model_and_head
 from ._llama import LlamaConfig, LlamaForCausalLM, LlamaModel, rope_from_hf, rope_to_hf
 
 
@@ -121,12 +120,8 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     config: Qwen2Config = eqx.field(static=True)
 
     def __init__(self, config: Qwen2Config, *, key: PRNGKeyArray):
-        if not isinstance(config, Qwen2Config):
-            raise TypeError(f"config must be a redeqx.models.Qwen2Config, got {type(config).__name__}.")
-        c = config.llama()
-        km, kh = jax.random.split(key)
-        self.model = LlamaModel(c, key=km)
-        self.lm_head = None if c.tie_word_embeddings else Linear(c.hidden_size, c.vocab_size, bias=False, key=kh)
+        check_config(config, Qwen2Config)
+        self.model, self.lm_head = model_and_head(LlamaModel, config.llama(), config.hidden_size, key=key)
         self.config = config
 
     @property

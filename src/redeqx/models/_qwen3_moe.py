@@ -23,10 +23,10 @@ import jax
 from jaxtyping import PRNGKeyArray
 
 from ._config import DecoderConfig
-from ._layers import SCAN_LAYERS, Embedding, KVCache, Linear, RMSNorm, build_layers, heads
-from ._llama import LlamaConfig, LlamaMLP, apply_rope, attend_and_project
+from ._layers import SCAN_LAYERS, KVCache, Linear, RMSNorm, attend_and_project, check_config, model_and_head
+from ._llama import LlamaAttention, LlamaConfig, LlamaMLP, LlamaModel, apply_rope
 from ._moe import MoE
-from ._moe_lm import LlamaFields, MoECausalLM, attention_config, sparse_block
+from ._moe_lm import LlamaFields, MoECausalLM, MoEDecoderLayer, attention_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,37 +117,25 @@ class Qwen3MoeConfig(LlamaFields, DecoderConfig):
                 "sliding_window": self.sliding_window}
 
 
-class Qwen3MoeAttention(eqx.Module):
-    """LLaMA's attention with ``q_norm``/``k_norm``: each head's query and key RMS-normed before RoPE."""
+class Qwen3MoeAttention(LlamaAttention):
+    """LLaMA's attention with ``q_norm``/``k_norm``: each head's query and key RMS-normed before RoPE
+    (its config, `attention_config`'s, puts ``attention_bias`` on all four projections)."""
 
-    q_proj: Linear
-    k_proj: Linear
-    v_proj: Linear
-    o_proj: Linear
     q_norm: RMSNorm
     k_norm: RMSNorm
-    config: LlamaConfig = eqx.field(static=True)
 
     def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray):
-        kq, kk, kv, ko = jax.random.split(key, 4)
-        c, d, b = config, config.dim_head, config.attention_bias
-        self.q_proj = Linear(c.hidden_size, c.n_heads * d, bias=b, key=kq)
-        self.k_proj = Linear(c.hidden_size, c.n_kv_heads * d, bias=b, key=kk)
-        self.v_proj = Linear(c.hidden_size, c.n_kv_heads * d, bias=b, key=kv)
-        self.o_proj = Linear(c.n_heads * d, c.hidden_size, bias=b, key=ko)
-        self.q_norm = RMSNorm(d, c.rms_norm_eps)
-        self.k_norm = RMSNorm(d, c.rms_norm_eps)
-        self.config = config
+        super().__init__(config, key=key)
+        self.q_norm = RMSNorm(config.dim_head, config.rms_norm_eps)
+        self.k_norm = RMSNorm(config.dim_head, config.rms_norm_eps)
 
     def __call__(self, x, positions, mask, inv_freq, cache: KVCache | None, index):
-        c = self.config
-        q = apply_rope(self.q_norm(heads(self.q_proj(x), c.n_heads)), positions, inv_freq)  # (T, Hq, D)
-        k = apply_rope(self.k_norm(heads(self.k_proj(x), c.n_kv_heads)), positions, inv_freq)  # (T, Hkv, D)
-        return attend_and_project(self.o_proj, q, k, heads(self.v_proj(x), c.n_kv_heads), mask, c.dim_head,
-                                  cache, index)
+        q, k, v = self._heads(x)
+        q, k = apply_rope(self.q_norm(q), positions, inv_freq), apply_rope(self.k_norm(k), positions, inv_freq)
+        return attend_and_project(self.o_proj, q, k, v, mask, cache, index)
 
 
-class Qwen3MoeDecoderLayer(eqx.Module):
+class Qwen3MoeDecoderLayer(MoEDecoderLayer):
     self_attn: Qwen3MoeAttention
     mlp: MoE | LlamaMLP
     input_layernorm: RMSNorm
@@ -166,27 +154,19 @@ class Qwen3MoeDecoderLayer(eqx.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def __call__(self, x, positions, mask, inv_freq, cache, index, valid):
-        a, cache = self.self_attn(self.input_layernorm(x), positions, mask, inv_freq, cache, index)
-        x = x + a
-        y, stats = sparse_block(self.post_attention_layernorm(x), self.mlp, valid)
-        return x + y, cache, stats
+    @property
+    def feed_forward(self) -> MoE | LlamaMLP:
+        return self.mlp
 
 
-class Qwen3MoeModel(eqx.Module):
-    embed_tokens: Embedding
+class Qwen3MoeModel(LlamaModel):
     layers: list[Qwen3MoeDecoderLayer] | Qwen3MoeDecoderLayer  # stacked: one layer, every array (layers, ...)
-    norm: RMSNorm
 
     def __init__(self, config: Qwen3MoeConfig, *, key: PRNGKeyArray):
-        keys = jax.random.split(key, config.num_hidden_layers + 1)
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, key=keys[0])
-        sparse = config.sparse_layers
-        if config.scan_layers:  # every layer alike (checked by the config)
-            self.layers = build_layers(lambda k: Qwen3MoeDecoderLayer(config, sparse[0], key=k), keys[1:], stacked=True)
-        else:
-            self.layers = [Qwen3MoeDecoderLayer(config, s, key=k) for s, k in zip(sparse, keys[1:])]
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # build_layers makes listed layers in order, and a stack from one traced call: its
+        # layers are alike (checked by the config), as sparse or dense as the first.
+        sparse = iter(config.sparse_layers)
+        super().__init__(config, key=key, layer=lambda c, key: Qwen3MoeDecoderLayer(c, next(sparse), key=key))
 
 
 class Qwen3MoeForCausalLM(MoECausalLM):
@@ -212,11 +192,6 @@ class Qwen3MoeForCausalLM(MoECausalLM):
     hf_experts = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
 
     def __init__(self, config: Qwen3MoeConfig, *, key: PRNGKeyArray):
-        if not isinstance(config, Qwen3MoeConfig):
-            raise TypeError(f"config must be a redeqx.models.Qwen3MoeConfig, got {type(config).__name__}.")
-        km, kh = jax.random.split(key)
-        self.model = Qwen3MoeModel(config, key=km)
-        self.lm_head = None if config.tie_word_embeddings else Linear(
-            config.hidden_size, config.vocab_size, bias=False, key=kh
-        )
+        check_config(config, Qwen3MoeConfig)
+        self.model, self.lm_head = model_and_head(Qwen3MoeModel, config, config.hidden_size, key=key)
         self.config = config

@@ -6,7 +6,7 @@ from __future__ import annotations
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ..context import context_shards
 from ._layers import KVCache, check_fits, empty_caches, is_stacked, n_layers
@@ -70,14 +70,35 @@ class EncoderDecoderLM(eqx.Module):
     """Cached decoding for an encoder-decoder family (`redeqx.models.Decoder`'s
     protocol), built on its ``encode(input_ids, attention_mask) -> source``,
     ``_decoder_layers()``, ``_cross_kv(layer, source) -> KVCache``,
-    ``_self_attention_shape() -> (heads, head_dim)`` and
-    ``_decode(ids, cache) -> (logits, new self-attention caches)``."""
+    ``_self_attention_shape() -> (heads, head_dim)``,
+    ``_decode(ids, cache) -> (logits, new self-attention caches)``, and the teacher-forced
+    forward (``__call__``) on its ``_teacher_forced``."""
 
     def _dtype(self):
         return jax.tree.leaves(eqx.filter(self, eqx.is_array))[0].dtype
 
     def _check_positions(self, where: str, n: int) -> None:
         """A family with a learned position table checks ``n`` positions fit it."""
+
+    def __call__(
+        self,
+        input_ids: Int[Array, " src"],
+        decoder_input_ids: Int[Array, " tgt"],
+        *,
+        attention_mask: Bool[Array, " src"] | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> Float[Array, "tgt vocab"]:
+        """Logits for every decoder position (teacher forcing).
+        ``attention_mask`` marks real encoder tokens. ``key`` is unused (no dropout)."""
+        del key
+        self._check_positions("__call__ (decoder_input_ids)", decoder_input_ids.shape[0])
+        valid = jnp.ones(input_ids.shape, bool) if attention_mask is None else attention_mask.astype(bool)
+        return self._teacher_forced(decoder_input_ids, self.encode(input_ids, valid), valid)
+
+    def _teacher_forced(self, decoder_input_ids, source, valid) -> Float[Array, "tgt vocab"]:
+        """The decoder's logits for ``decoder_input_ids`` over the encoder output ``source``
+        (``valid``: its real tokens), as the family computes them."""
+        raise NotImplementedError
 
     def init_cache(
         self, encoder_output: Float[Array, "src d_model"], attention_mask: Bool[Array, " src"], max_len: int

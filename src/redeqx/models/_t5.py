@@ -40,14 +40,14 @@ from ._layers import (
     KVCache,
     Linear,
     RMSNorm,
-    attention,
+    attend_and_project,
     build_layers,
     causal_mask,
     heads,
     is_stacked,
+    lm_logits,
     run_layers,
     scan_unroll,
-    update_cache,
 )
 from ._config import ZooConfig
 from ._safetensors import HFTensor
@@ -233,12 +233,7 @@ class T5Attention(eqx.Module):
             k, v = heads(self.k(source), h), heads(self.v(source), h)
         else:
             q, k, v = heads(self.q(x), h), heads(self.k(x), h), heads(self.v(x), h)
-            if cache is not None:
-                cache = update_cache(cache, k, v, index)
-                k, v = cache.read(q.dtype)
-        out = attention(q, k, v, mask, scale=1.0, bias=bias)  # T5 does not scale the scores
-        out = constrain(out.reshape(out.shape[0], -1), P(None, MODEL))
-        return constrain(self.o(out), P()), cache  # row parallel: one all-reduce
+        return attend_and_project(self.o, q, k, v, mask, cache, index, scale=1.0, bias=bias)  # scores not scaled
 
     def project_kv(self, source: Float[Array, "src d_model"]) -> KVCache:
         h = self.config.num_heads
@@ -420,23 +415,10 @@ class T5ForConditionalGeneration(EncoderDecoderLM):
         x = self.decoder.final_layer_norm(x)
         if self.config.scale_head:
             x = x * (self.config.d_model ** -0.5)
-        logits = self.shared.attend(x) if self.lm_head is None else self.lm_head(x)
-        return constrain(logits, P(None, MODEL))  # vocab parallel
+        return constrain(lm_logits(self.shared, self.lm_head, x), P(None, MODEL))  # vocab parallel
 
-    def __call__(
-        self,
-        input_ids: Int[Array, " src"],
-        decoder_input_ids: Int[Array, " tgt"],
-        *,
-        attention_mask: Bool[Array, " src"] | None = None,
-        key: PRNGKeyArray | None = None,
-    ) -> Float[Array, "tgt vocab"]:
-        """Logits for every decoder position (teacher forcing).
-        ``attention_mask`` marks real encoder tokens. ``key`` is unused (no dropout)."""
-        del key
-        s, t = input_ids.shape[0], decoder_input_ids.shape[0]
-        valid = jnp.ones((s,), bool) if attention_mask is None else attention_mask.astype(bool)
-        source = self.encode(input_ids, valid)
+    def _teacher_forced(self, decoder_input_ids, source, valid):
+        t = decoder_input_ids.shape[0]
         x = constrain(self.shared(decoder_input_ids), P())
         pos = jnp.arange(t)
         bias = self.decoder.bias(pos, pos, bidirectional=False)

@@ -220,16 +220,25 @@ def reduction(r: Reader, eqn) -> None:
     r.set_tags(out, tags, eqn.primitive.name)
 
 
+def _off_axis(r: Reader, v, axis: int, why: str) -> dict[int, int]:
+    """``v``'s tags but those on ``axis``, whose seeds are blocked, ``why`` saying why."""
+    tags = {}
+    for seed, d in r.tag(v).items():
+        if d == axis:
+            r.facts.block(seed, why)
+        else:
+            tags[seed] = d
+    return tags
+
+
 def ordered(r: Reader, eqn) -> None:
     src = eqn.invars[0]
     nd = len(_shape(src))
     axis = eqn.params.get("axis", eqn.params.get("dimension", nd - 1)) % max(nd, 1)
-    for seed, d in r.tag(src).items():
-        if d == axis:
-            r.facts.block(seed, f"{eqn.primitive.name} runs along its output features and needs all of them")
+    tags = _off_axis(r, src, axis, f"{eqn.primitive.name} runs along its output features and needs all of them")
     for out in eqn.outvars:
         if len(_shape(out)) == nd:
-            r.set_tags(out, {s: d for s, d in r.tag(src).items() if d != axis}, eqn.primitive.name)
+            r.set_tags(out, dict(tags), eqn.primitive.name)
 
 
 def split(r: Reader, eqn) -> None:
@@ -239,13 +248,8 @@ def split(r: Reader, eqn) -> None:
     for out in eqn.outvars:
         if vw is not None:
             r.views[out] = vw.mapped(lambda dims: tuple(None if d == axis else x for d, x in enumerate(dims)))
-        tags = {}
-        for seed, d in r.tag(src).items():
-            if d == axis:
-                r.facts.block(seed, "jnp.split cuts its output features into pieces (a fused projection)")
-            else:
-                tags[seed] = d
-        r.set_tags(out, tags, "split")
+        r.set_tags(out, _off_axis(r, src, axis, "jnp.split cuts its output features into pieces (a fused projection)"),
+                   "split")
 
 
 def stack(r: Reader, eqn) -> None:
@@ -262,11 +266,7 @@ def concatenate(r: Reader, eqn) -> None:
     axis, out = eqn.params["dimension"], eqn.outvars[0]
     tags: dict[int, int] = {}
     for v in eqn.invars:
-        for seed, d in r.tag(v).items():
-            if d == axis:
-                r.facts.block(seed, "its output features are concatenated with another value's")
-            else:
-                tags[seed] = d
+        tags.update(_off_axis(r, v, axis, "its output features are concatenated with another value's"))
     r.set_tags(out, tags, "concatenate")
 
 
