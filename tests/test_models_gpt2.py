@@ -1,6 +1,8 @@
 """GPT-2 against Transformers' PyTorch reference (tiny random config built and
 saved here: no download)."""
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,7 @@ from accelerator_count import accelerator_collectives
 from megatron_count import megatron_bytes
 
 import redeqx
-from _helpers import sharded_state
+from _helpers import one_device, random_ids, redeqx_logits, sharded_state, torch_logits
 from redeqx.models import GPT2Config, GPT2LMHeadModel, from_pretrained, save_pretrained
 
 torch = pytest.importorskip("torch")
@@ -35,30 +37,20 @@ def gpt2(tmp_path_factory):
     return d, hf
 
 
-def _ids(batch=2, seq=12, seed=0):
-    return np.random.RandomState(seed).randint(3, VOCAB, (batch, seq))
-
-
-def _torch_logits(model, ids):
-    with torch.no_grad():
-        return model(torch.tensor(ids)).logits.numpy()
-
-
-def _logits(model, ids):
-    return np.asarray(jax.jit(jax.vmap(model))(jnp.asarray(ids)))
+_ids = partial(random_ids, VOCAB, low=3)
 
 
 def test_logits_match_transformers_at_1_2_4_model_shards(gpt2):
     d, hf = gpt2
     ids = _ids(batch=8)
-    ref = _torch_logits(hf, ids)
+    ref = torch_logits(hf, ids)
     for n in (1, 2, 4):
-        np.testing.assert_allclose(_logits(from_pretrained(d, redeqx.make_mesh(n)), ids), ref, atol=1e-4, rtol=0)
+        np.testing.assert_allclose(redeqx_logits(from_pretrained(d, redeqx.make_mesh(n)), ids), ref, atol=1e-4, rtol=0)
 
 
 def test_c_attn_is_split_into_oriented_q_k_v(gpt2):
     d, hf = gpt2
-    model = from_pretrained(d, redeqx.make_mesh(1, devices=jax.devices()[:1]), scan_layers=False)
+    model = from_pretrained(d, one_device(), scan_layers=False)
     c_attn = hf.transformer.h[0].attn.c_attn.weight.detach().numpy()  # (in, 3 * out)
     attn = model.transformer.h[0].attn
     np.testing.assert_array_equal(attn.k_proj.weight, c_attn[:, 32:64].T)
@@ -70,7 +62,7 @@ def test_save_pretrained_round_trip(gpt2, tmp_path):
     save_pretrained(from_pretrained(d, redeqx.make_mesh(2)), tmp_path)
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     ids = _ids(seed=1)
-    np.testing.assert_allclose(_torch_logits(again, ids), _torch_logits(hf, ids), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(torch_logits(again, ids), torch_logits(hf, ids), atol=1e-5, rtol=0)
 
 
 @pytest.mark.slow
