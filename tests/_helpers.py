@@ -75,6 +75,12 @@ def xent_loss(model, batch, key):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
 
+def next_token_loss(model, batch, key):
+    """Next-token cross-entropy of a language model on ``batch["ids"]`` ``(B, T+1)``, mean over every position."""
+    logits = jax.vmap(model)(batch["ids"][:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:]).mean()
+
+
 def sharded_state(model, optimizer, mesh, key=1):
     """``model``'s sharding rules on ``mesh`` and a train state built with them: ``(specs, state)``."""
     specs = redeqx.sharding_rules(model, mesh)
@@ -151,6 +157,21 @@ def hf_checkpoints(tmp_path_factory, build, kinds) -> dict:
         hf.save_pretrained(d)
         out[kind] = (d, hf)
     return out
+
+
+def nudged(hf, norms=("norm",), scale=lambda name, p: 1):
+    """``hf`` (a Transformers model) with N(0, 0.1²) added to its biases and to the parameters named with one of
+    ``norms``, and every other parameter multiplied by ``scale(name, p)``, in place from torch's random state:
+    non-trivial biases and norms, and logits large enough, that a wrong mapping shows."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("bias") or any(n in name for n in norms):
+                p.add_(0.1 * torch.randn_like(p))
+            elif (factor := scale(name, p)) != 1:
+                p.mul_(factor)
+    return hf
 
 
 def random_ids(vocab, batch=2, seq=12, seed=0, low=0) -> np.ndarray:

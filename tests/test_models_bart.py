@@ -24,7 +24,7 @@ from redeqx.models import (
     shift_right,
 )
 from redeqx.models._pretrained import _skeleton
-from _helpers import hf_shapes, one_device, redeqx_logits, seq2seq_inputs, sharded_state, torch_logits
+from _helpers import hf_shapes, nudged, one_device, redeqx_logits, seq2seq_inputs, sharded_state, torch_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -38,14 +38,9 @@ SIZES = dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=1, e
 def bart(tmp_path_factory):
     torch.manual_seed(0)
     hf = transformers.BartForConditionalGeneration(transformers.BartConfig(**SIZES, scale_embedding=True)).eval()
-    with torch.no_grad():  # non-trivial biases, norms and logit bias, so a wrong mapping shows,
-        for name, p in hf.named_parameters():  # and weights large enough that greedy tokens vary
-            if name.endswith("bias") or "layer_norm" in name or "layernorm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-            elif "shared" in name:
-                p.mul_(5)
-            elif p.ndim == 2:
-                p.mul_(20)
+    nudged(hf, norms=("layer_norm", "layernorm"),  # and weights large enough that greedy tokens vary
+           scale=lambda name, p: 5 if "shared" in name else 20 if p.ndim == 2 else 1)
+    with torch.no_grad():  # and a non-trivial logit bias
         hf.final_logits_bias.copy_(0.1 * torch.randn_like(hf.final_logits_bias))
     d = tmp_path_factory.mktemp("bart")
     hf.save_pretrained(d)

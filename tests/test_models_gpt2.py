@@ -13,7 +13,8 @@ from accelerator_count import accelerator_collectives
 from megatron_count import megatron_bytes
 
 import redeqx
-from _helpers import one_device, random_ids, redeqx_logits, sharded_state, torch_logits
+from _helpers import hf_checkpoints, next_token_loss, nudged, one_device, random_ids
+from _helpers import redeqx_logits, sharded_state, torch_logits
 from redeqx.models import GPT2Config, GPT2LMHeadModel, from_pretrained, save_pretrained
 
 torch = pytest.importorskip("torch")
@@ -22,19 +23,16 @@ transformers = pytest.importorskip("transformers")
 VOCAB = 64
 
 
-@pytest.fixture(scope="module")
-def gpt2(tmp_path_factory):
+def _hf_model(kind):
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4,
                                      bos_token_id=1, eos_token_id=2)
-    hf = transformers.GPT2LMHeadModel(config).eval()
-    with torch.no_grad():  # non-trivial biases and norms, so a wrong mapping shows
-        for name, p in hf.named_parameters():
-            if name.endswith("bias") or ".ln_" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    d = tmp_path_factory.mktemp("gpt2")
-    hf.save_pretrained(d)
-    return d, hf
+    return nudged(transformers.GPT2LMHeadModel(config).eval(), norms=(".ln_",))
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    return hf_checkpoints(tmp_path_factory, _hf_model, ["gpt2"])["gpt2"]
 
 
 _ids = partial(random_ids, VOCAB, low=3)
@@ -75,11 +73,7 @@ def test_train_step_communication_is_megatron(getkey):
     ids = np.random.RandomState(0).randint(0, 256, (8, 17))
     batch = jax.device_put({"ids": jnp.asarray(ids)}, NamedSharding(mesh, P("data")))
 
-    def loss_fn(m, batch, key):
-        logits = jax.vmap(m)(batch["ids"][:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:]).mean()
-
-    summary = accelerator_collectives(redeqx.make_train_step(loss_fn, optimizer, mesh, specs), state, batch)
+    summary = accelerator_collectives(redeqx.make_train_step(next_token_loss, optimizer, mesh, specs), state, batch)
     grad_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state.model))
     analytic = megatron_bytes(config.n_embd, config.n_layer, 8 // mesh.shape["data"], 16, grad_bytes)
     moved = sum(v["bytes"] for v in summary.values())

@@ -14,7 +14,8 @@ from megatron_count import step_at_4_shards_vs_one_device
 import redeqx
 from redeqx.models import GPTJConfig, GPTJForCausalLM, from_pretrained, save_pretrained
 from redeqx.models._pretrained import _skeleton
-from _helpers import hf_shapes, one_device, random_ids, redeqx_logits, torch_logits
+from _helpers import hf_checkpoints, hf_shapes, next_token_loss, nudged, one_device, random_ids
+from _helpers import redeqx_logits, torch_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -25,19 +26,15 @@ SIZES = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_p
              eos_token_id=2)
 
 
+def _hf_model(kind):
+    torch.manual_seed(0)
+    return nudged(transformers.GPTJForCausalLM(transformers.GPTJConfig(**SIZES)).eval(), norms=(".ln_",),  # logits ~1
+                  scale=lambda name, p: 10 if ("wte" in name or "lm_head" in name or "q_proj" in name) else 1)
+
+
 @pytest.fixture(scope="module")
 def gptj(tmp_path_factory):
-    torch.manual_seed(0)
-    hf = transformers.GPTJForCausalLM(transformers.GPTJConfig(**SIZES)).eval()
-    with torch.no_grad():  # non-trivial biases and norms, logits of order 1, so a wrong mapping shows
-        for name, p in hf.named_parameters():
-            if name.endswith("bias") or ".ln_" in name:
-                p.add_(0.1 * torch.randn_like(p))
-            elif "wte" in name or "lm_head" in name or "q_proj" in name:
-                p.mul_(10)
-    d = tmp_path_factory.mktemp("gptj")
-    hf.save_pretrained(d)
-    return d, hf
+    return hf_checkpoints(tmp_path_factory, _hf_model, ["gptj"])["gptj"]
 
 
 _ids = partial(random_ids, VOCAB, low=3)
@@ -93,12 +90,8 @@ def test_train_step_communication_is_megatron_and_matches_one_device(gptj):
     optimizer = optax.sgd(0.1)
     ids = _ids(batch=8, seq=17)
 
-    def loss_fn(m, batch, key):
-        logits = jax.vmap(m)(batch["ids"][:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:]).mean()
-
     # the fused column- and row-parallel matmuls train exactly like one device
-    mesh, state4, summary = step_at_4_shards_vs_one_device(model, optimizer, loss_fn, {"ids": ids})
+    mesh, state4, summary = step_at_4_shards_vs_one_device(model, optimizer, next_token_loss, {"ids": ids})
     grad_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state4.model))
     c = model.config
     analytic = megatron_parallel_block_bytes(c.n_embd, c.n_layer, 8 // mesh.shape["data"], 16, grad_bytes)

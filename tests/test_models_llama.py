@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import redeqx
 from megatron_count import megatron_bytes, step_at_4_shards_vs_one_device
-from _helpers import hf_checkpoints, one_device, random_ids, redeqx_logits, torch_logits
+from _helpers import hf_checkpoints, next_token_loss, nudged, one_device, random_ids, redeqx_logits, torch_logits
 from redeqx.models import LlamaConfig, LlamaForCausalLM, from_pretrained, save_pretrained
 
 torch = pytest.importorskip("torch")
@@ -41,12 +41,7 @@ def _hf_config(kind):
 def _hf_model(kind):
     torch.manual_seed(0)
     cls = transformers.Qwen2ForCausalLM if kind == "qwen2" else transformers.LlamaForCausalLM
-    model = cls(_hf_config(kind)).eval()
-    with torch.no_grad():  # non-trivial biases and norms, so a wrong mapping shows
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    return model
+    return nudged(cls(_hf_config(kind)).eval())
 
 
 @pytest.fixture(scope="module")
@@ -230,11 +225,7 @@ def test_train_step_communication_is_megatron_and_matches_one_device(getkey):
     optimizer = optax.sgd(0.1)
     ids = np.random.RandomState(0).randint(0, 256, (8, 17))
 
-    def loss_fn(m, batch, key):
-        logits = jax.vmap(m)(batch["ids"][:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:]).mean()
-
-    mesh, state4, summary = step_at_4_shards_vs_one_device(model, optimizer, loss_fn, {"ids": ids})
+    mesh, state4, summary = step_at_4_shards_vs_one_device(model, optimizer, next_token_loss, {"ids": ids})
 
     grad_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state4.model))
     local_batch = ids.shape[0] // mesh.shape["data"]

@@ -16,7 +16,8 @@ from megatron_count import megatron_bytes
 import redeqx
 from redeqx.models import OPTConfig, OPTForCausalLM, from_pretrained, generate, save_pretrained
 from redeqx.models._pretrained import _skeleton
-from _helpers import hf_checkpoints, hf_shapes, one_device, random_ids, redeqx_logits, sharded_state, torch_logits
+from _helpers import hf_checkpoints, hf_shapes, next_token_loss, nudged, one_device, random_ids
+from _helpers import redeqx_logits, sharded_state, torch_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -32,16 +33,9 @@ def _hf_model(kind):
         config = transformers.OPTConfig(**SIZES)
     else:  # OPT-350m: post-LN, no final LayerNorm, 16-wide embeddings projected in and out
         config = transformers.OPTConfig(**SIZES, do_layer_norm_before=False, word_embed_proj_dim=16)
-    hf = transformers.OPTForCausalLM(config).eval()
-    with torch.no_grad():  # non-trivial biases and norms, logits of order 1, so a wrong mapping shows,
-        for name, p in hf.named_parameters():  # and weights large enough that greedy tokens vary
-            if name.endswith("bias") or "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-            elif "embed_positions" in name:
-                p.mul_(20)
-            elif p.ndim == 2:
-                p.mul_(10)
-    return hf
+    # logits of order 1, and weights large enough that greedy tokens vary
+    return nudged(transformers.OPTForCausalLM(config).eval(),
+                  scale=lambda name, p: 20 if "embed_positions" in name else 10 if p.ndim == 2 else 1)
 
 
 @pytest.fixture(scope="module")
@@ -122,11 +116,7 @@ def test_train_step_communication_is_megatron(checkpoints):
     specs, state = sharded_state(model, optimizer, mesh, key=0)
     batch = jax.device_put({"ids": jnp.asarray(_ids(batch=8, seq=17))}, NamedSharding(mesh, P("data")))
 
-    def loss_fn(m, batch, key):
-        logits = jax.vmap(m)(batch["ids"][:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:]).mean()
-
-    summary = accelerator_collectives(redeqx.make_train_step(loss_fn, optimizer, mesh, specs), state, batch)
+    summary = accelerator_collectives(redeqx.make_train_step(next_token_loss, optimizer, mesh, specs), state, batch)
     grad_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state.model))
     c = model.config
     analytic = megatron_bytes(c.hidden_size, c.num_hidden_layers, 8 // mesh.shape["data"], 16, grad_bytes)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import redeqx
-from _helpers import hf_checkpoints, one_device, random_ids, redeqx_logits, torch_logits
+from _helpers import hf_checkpoints, nudged, one_device, random_ids, redeqx_logits, torch_logits
 from redeqx.models import Qwen2Config, Qwen2ForCausalLM, from_pretrained, generate, save_pretrained
 
 torch = pytest.importorskip("torch")
@@ -25,12 +25,7 @@ def _hf_model(tied: bool, **kw):
     torch.manual_seed(0)
     config = transformers.Qwen2Config(**TINY, tie_word_embeddings=tied, **kw)
     config._attn_implementation = "eager"
-    model = transformers.Qwen2ForCausalLM(config).eval()
-    with torch.no_grad():  # non-trivial biases and norms, so a wrong mapping shows
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    return model
+    return nudged(transformers.Qwen2ForCausalLM(config).eval())
 
 
 @pytest.fixture(scope="module")
