@@ -230,3 +230,31 @@ def hf_shapes(model) -> dict[str, tuple[int, ...]]:
     leaves = {path_str(kp): leaf for kp, leaf in jax.tree_util.tree_flatten_with_path(model)[0]}
     return {t.name: tuple(jax.eval_shape(t.join, *(jax.ShapeDtypeStruct(leaves[p].shape, leaves[p].dtype)
                                                    for p in t.paths)).shape) for t in hf_tensors(model)}
+
+
+def export_matches_transformers(hf_dir: Path, text: str):
+    """An example's exported directory loads in Transformers and in redeqx with
+    the same logits on ``text``; returns Transformers' model and the tokenizer."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)
+    import redeqx.models
+
+    ours = redeqx.models.from_pretrained(hf_dir, redeqx.make_mesh(1, devices=jax.devices()[:1]))
+    tokenizer = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    ids = np.array(tokenizer.encode(text).ids)
+    with torch.no_grad():
+        want = hf(torch.tensor(ids[None])).logits[0].numpy()
+    np.testing.assert_allclose(np.asarray(ours(ids)), want, rtol=1e-4, atol=1e-4)
+    return hf, tokenizer
+
+
+def torch_lm_loss(hf, blocks) -> float:
+    """Transformers' next-token cross-entropy over ``blocks`` (a (rows, length) LongTensor)."""
+    import torch
+
+    with torch.no_grad():
+        logits = hf(blocks[:, :-1]).logits
+        return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), blocks[:, 1:].reshape(-1)))
