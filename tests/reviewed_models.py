@@ -117,6 +117,12 @@ class RWKVBlock(eqx.Module):
         return x + self.ffn(_norm(x, self.ln2))
 
 
+
+def _embedding_blocks_head(block, vocab, c, heads, layers, key):
+    """A token embedding, ``layers`` blocks, a final norm's scale and an LM head."""
+    k = jax.random.split(key, layers + 2)
+    return eqx.nn.Embedding(vocab, c, key=k[0]), [block(c, heads, kk) for kk in k[1:-1]], jnp.ones(c), _lin(c, vocab, k[-1])
+
 class RWKV(eqx.Module):
     emb: eqx.nn.Embedding
     blocks: list
@@ -124,11 +130,7 @@ class RWKV(eqx.Module):
     head: eqx.nn.Linear
 
     def __init__(self, vocab=64, c=32, heads=4, layers=2, *, key):
-        k = jax.random.split(key, layers + 2)
-        self.emb = eqx.nn.Embedding(vocab, c, key=k[0])
-        self.blocks = [RWKVBlock(c, heads, kk) for kk in k[1:-1]]
-        self.ln_out = jnp.ones(c)
-        self.head = _lin(c, vocab, k[-1])
+        self.emb, self.blocks, self.ln_out, self.head = _embedding_blocks_head(RWKVBlock, vocab, c, heads, layers, key)
 
     def __call__(self, tokens):
         x = jax.vmap(self.emb)(tokens)
@@ -699,11 +701,7 @@ class MoETransformer(eqx.Module):
     head: eqx.nn.Linear
 
     def __init__(self, vocab=64, c=32, heads=4, layers=2, *, key):
-        k = jax.random.split(key, layers + 2)
-        self.emb = eqx.nn.Embedding(vocab, c, key=k[0])
-        self.blocks = [MoEBlock(c, heads, kk) for kk in k[1:-1]]
-        self.ln_f = jnp.ones(c)
-        self.head = _lin(c, vocab, k[-1])
+        self.emb, self.blocks, self.ln_f, self.head = _embedding_blocks_head(MoEBlock, vocab, c, heads, layers, key)
 
     def __call__(self, tokens):
         x = jax.vmap(self.emb)(tokens)

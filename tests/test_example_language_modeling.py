@@ -6,11 +6,10 @@ processes train exactly as one."""
 import importlib.util
 import re
 
-import jax
 import numpy as np
 import pytest
 
-from _helpers import EXAMPLES, run_example
+from _helpers import EXAMPLES, export_matches_transformers, run_example, torch_lm_loss
 
 # one worker runs this module, so its module-scoped process run happens once under -n 2
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_example_language_modeling")]
@@ -48,19 +47,9 @@ def test_held_out_loss_falls_and_samples_print(one_process):
 
 def test_export_loads_in_transformers_with_the_same_logits_and_loss(one_process):
     torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer
-
-    from redeqx import make_mesh, models
-
+    pytest.importorskip("transformers")
     tmp, stdout = one_process
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp / "hf")
-    ours = models.from_pretrained(tmp / "hf", make_mesh(1, devices=jax.devices()[:1]))
-    tokenizer = Tokenizer.from_file(str(tmp / "hf" / "tokenizer.json"))
-    ids = np.array(tokenizer.encode("def read(self, n=-1):\n    return self._buf[:n]").ids)
-    with torch.no_grad():
-        want = hf(torch.tensor(ids[None])).logits[0].numpy()
-    np.testing.assert_allclose(np.asarray(ours(ids)), want, rtol=1e-4, atol=1e-4)
+    hf, tokenizer = export_matches_transformers(tmp / "hf", "def read(self, n=-1):\n    return self._buf[:n]")
 
     # the export is the trained model: its loss on the script's held-out blocks is the one the script printed
     spec = importlib.util.spec_from_file_location("lm_example", SCRIPT)
@@ -68,10 +57,7 @@ def test_export_loads_in_transformers_with_the_same_logits_and_loss(one_process)
     spec.loader.exec_module(lm)
     _, held_out_texts = lm.load_texts(30000, 15000)
     blocks = torch.tensor(lm.to_blocks(tokenizer, held_out_texts, 32), dtype=torch.long)
-    with torch.no_grad():
-        logits = hf(blocks[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), blocks[:, 1:].reshape(-1))
-    np.testing.assert_allclose(float(loss), losses(stdout)[0][-1], rtol=2e-4)
+    np.testing.assert_allclose(torch_lm_loss(hf, blocks), losses(stdout)[0][-1], rtol=2e-4)
 
 
 def test_init_from_continues_from_the_export(one_process, tmp_path):

@@ -5,11 +5,10 @@ adapted model: Transformers loads it and gets the loss the script printed."""
 import importlib.util
 import re
 
-import jax
 import numpy as np
 import pytest
 
-from _helpers import EXAMPLES, run_example
+from _helpers import EXAMPLES, export_matches_transformers, run_example, torch_lm_loss
 
 SCRIPT = EXAMPLES / "lora/main.py"
 TINY = ["--source_chars", "30000", "--docs_chars", "24000", "--pretrain_epochs", "1", "--n_epochs", "2",
@@ -20,11 +19,7 @@ TINY = ["--source_chars", "30000", "--docs_chars", "24000", "--pretrain_epochs",
 @pytest.mark.slow
 def test_lora_adapts_to_docs_and_exports_merged_weights(tmp_path):
     torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer
-
-    from redeqx import make_mesh, models
-
+    pytest.importorskip("transformers")
     out = run_example("lora/main.py", *TINY, "--workdir", tmp_path / "run", "--export", tmp_path / "hf")
     n_train, n_total = (int(x.replace(",", "")) for x in
                         re.search(r"trainable parameters ([0-9,]+) of ([0-9,]+)", out).groups())
@@ -34,20 +29,11 @@ def test_lora_adapts_to_docs_and_exports_merged_weights(tmp_path):
     assert list((tmp_path / "run" / "checkpoints").glob("step_*"))
 
     # the merged export is a plain LLaMA that Transformers reads as redeqx does...
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
-    ours = models.from_pretrained(tmp_path / "hf", make_mesh(1, devices=jax.devices()[:1]))
-    tokenizer = Tokenizer.from_file(str(tmp_path / "hf" / "tokenizer.json"))
-    ids = np.array(tokenizer.encode('The "while" statement is used for repeated execution').ids)
-    with torch.no_grad():
-        want = hf(torch.tensor(ids[None])).logits[0].numpy()
-    np.testing.assert_allclose(np.asarray(ours(ids)), want, rtol=1e-4, atol=1e-4)
+    hf, tokenizer = export_matches_transformers(tmp_path / "hf", 'The "while" statement is used for repeated execution')
     # ...and is the adapted model: its held-out docs loss is the one the script printed for the adapters
     spec = importlib.util.spec_from_file_location("lora_example", SCRIPT)
     lora = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(lora)
     _, _, docs_test = lora.load_texts(30000, 24000)
     blocks = torch.tensor(lora.to_blocks(tokenizer, docs_test, 32), dtype=torch.long)
-    with torch.no_grad():
-        logits = hf(blocks[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), blocks[:, 1:].reshape(-1))
-    np.testing.assert_allclose(float(loss), held_out[-1], rtol=2e-4)
+    np.testing.assert_allclose(torch_lm_loss(hf, blocks), held_out[-1], rtol=2e-4)

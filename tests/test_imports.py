@@ -3,40 +3,14 @@ read knowing only what it imports, and `import redeqx, redeqx.models` imports
 no module twice through a circle. Imports inside functions count too: a lazy
 import that closes a circle only hides it."""
 
-import ast
 from pathlib import Path
 
-import redeqx
-
-SRC = Path(redeqx.__file__).resolve().parent
-
-
-def _module(path: Path) -> str:
-    parts = path.relative_to(SRC.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+from test_layout import SRC, _imports as layout_imports, _module
 
 
 def _imports(path: Path, modules: set[str]) -> set[str]:
-    """The redeqx modules ``path`` imports, anywhere in the file."""
-    name = _module(path)
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names if a.name.split(".")[0] == "redeqx")
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - node.level + 1]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
-            if target.split(".")[0] != "redeqx":
-                continue
-            for alias in node.names:  # `from . import x` imports the submodule x, when there is one
-                sub = f"{target}.{alias.name}"
-                found.add(sub if sub in modules else target)
-    return {m for m in found if m in modules and m != name}
+    """The redeqx modules ``path`` imports, anywhere in the file (read as the layering test reads them)."""
+    return {m for m, _ in layout_imports(path) if m in modules and m != _module(path)}
 
 
 def test_the_import_graph_has_no_cycles():

@@ -3,6 +3,7 @@ and saved here: no download), and BART-Large's shapes built abstractly."""
 
 import dataclasses
 import re
+from functools import partial
 
 import equinox as eqx
 import jax
@@ -15,8 +16,6 @@ from accelerator_count import accelerator_collectives
 from megatron_count import megatron_bytes_encoder_decoder
 
 import redeqx
-from _helpers import sharded_state
-from redeqx._trees import path_str
 from redeqx.models import (
     BartConfig,
     BartForConditionalGeneration,
@@ -24,7 +23,8 @@ from redeqx.models import (
     save_pretrained,
     shift_right,
 )
-from redeqx.models._pretrained import _skeleton, hf_tensors
+from redeqx.models._pretrained import _skeleton
+from _helpers import hf_shapes, nudged, one_device, redeqx_logits, seq2seq_inputs, sharded_state, torch_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -38,48 +38,26 @@ SIZES = dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=1, e
 def bart(tmp_path_factory):
     torch.manual_seed(0)
     hf = transformers.BartForConditionalGeneration(transformers.BartConfig(**SIZES, scale_embedding=True)).eval()
-    with torch.no_grad():  # non-trivial biases, norms and logit bias, so a wrong mapping shows,
-        for name, p in hf.named_parameters():  # and weights large enough that greedy tokens vary
-            if name.endswith("bias") or "layer_norm" in name or "layernorm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-            elif "shared" in name:
-                p.mul_(5)
-            elif p.ndim == 2:
-                p.mul_(20)
+    nudged(hf, norms=("layer_norm", "layernorm"),  # and weights large enough that greedy tokens vary
+           scale=lambda name, p: 5 if "shared" in name else 20 if p.ndim == 2 else 1)
+    with torch.no_grad():  # and a non-trivial logit bias
         hf.final_logits_bias.copy_(0.1 * torch.randn_like(hf.final_logits_bias))
     d = tmp_path_factory.mktemp("bart")
     hf.save_pretrained(d)
     return d, hf
 
 
-def _inputs(batch=2, src=14, tgt=9, seed=0):
-    rs = np.random.RandomState(seed)
-    ids = rs.randint(3, VOCAB, (batch, src))
-    mask = np.ones_like(ids)
-    mask[1, src - 4:] = 0  # the second input is right-padded
-    ids[1, src - 4:] = 1  # BART's pad token
-    return ids, mask, rs.randint(3, VOCAB, (batch, tgt))
-
-
-def _torch_logits(hf, ids, mask, dec):
-    with torch.no_grad():
-        return hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
-                  decoder_input_ids=torch.tensor(dec)).logits.numpy()
-
-
-@jax.jit
-def _logits(model, ids, mask, dec):
-    return jax.vmap(lambda i, a, d: model(i, d, attention_mask=a))(ids, mask.astype(bool), dec)
+_inputs = partial(seq2seq_inputs, VOCAB, low=3, pad_id=1, n_pad=4, src=14, tgt=9)  # 1: BART's pad token
 
 
 @pytest.mark.slow
 def test_logits_match_transformers_at_1_2_4_model_shards(bart):
     d, hf = bart
     ids, mask, dec = _inputs(batch=8)
-    ref = _torch_logits(hf, ids, mask, dec)
+    ref = torch_logits(hf, ids, mask, dec)
     for n in (1, 2, 4):
         model = from_pretrained(d, redeqx.make_mesh(n))
-        np.testing.assert_allclose(_logits(model, ids, mask, dec), ref, atol=1e-4, rtol=0)
+        np.testing.assert_allclose(redeqx_logits(model, ids, mask, dec), ref, atol=1e-4, rtol=0)
     assert model.config.scale_embedding and model.final_logits_bias.shape == (VOCAB,)
 
 
@@ -90,14 +68,14 @@ def test_save_pretrained_round_trip(bart, tmp_path):
     assert type(again) is transformers.BartForConditionalGeneration
     np.testing.assert_array_equal(again.final_logits_bias.numpy(), hf.final_logits_bias.numpy())
     ids, mask, dec = _inputs(seed=1)
-    np.testing.assert_allclose(_torch_logits(again, ids, mask, dec), _torch_logits(hf, ids, mask, dec),
+    np.testing.assert_allclose(torch_logits(again, ids, mask, dec), torch_logits(hf, ids, mask, dec),
                                atol=1e-5, rtol=0)
 
 
 @pytest.mark.slow
 def test_train_step_communication_is_megatron(bart):
     d, _ = bart
-    model = from_pretrained(d, redeqx.make_mesh(1, devices=jax.devices()[:1]))
+    model = from_pretrained(d, one_device())
     c = model.config
     optimizer = optax.sgd(0.1)
     mesh = redeqx.make_mesh(4)
@@ -119,13 +97,6 @@ def test_train_step_communication_is_megatron(bart):
     print(f"BART train step at n_model_shards=4: {moved} bytes, {moved / analytic:.3f}x Megatron's {analytic}")
 
 
-def _shapes(model) -> dict[str, tuple[int, ...]]:
-    """Checkpoint tensor name -> shape, as save_pretrained would write them."""
-    leaves = {path_str(kp): leaf for kp, leaf in jax.tree_util.tree_flatten_with_path(model)[0]}
-    return {t.name: tuple(jax.eval_shape(t.join, *(jax.ShapeDtypeStruct(leaves[p].shape, leaves[p].dtype)
-                                                   for p in t.paths)).shape) for t in hf_tensors(model)}
-
-
 def test_bart_large_shapes_equal_transformers():
     hf_config = transformers.BartConfig()  # BART-Large's sizes
     with torch.device("meta"):  # shapes only, nothing allocated
@@ -133,7 +104,7 @@ def test_bart_large_shapes_equal_transformers():
     config = dataclasses.replace(BartConfig.from_hf(hf_config.to_dict()), scan_layers=False)  # per-layer names
     model = _skeleton(BartForConditionalGeneration, config, None)  # eval_shape
     copies = re.compile(r"lm_head\.weight|model\.(encoder|decoder)\.embed_tokens\.weight")  # tied to model.shared
-    assert _shapes(model) == {k: tuple(v.shape) for k, v in hf.state_dict().items() if not copies.fullmatch(k)}
+    assert hf_shapes(model) == {k: tuple(v.shape) for k, v in hf.state_dict().items() if not copies.fullmatch(k)}
     n_params = sum(p.numel() for p in hf.parameters())
     assert n_params == 406_291_456
     assert sum(x.size for x in jax.tree.leaves(model)) == n_params + hf_config.vocab_size  # + final_logits_bias

@@ -1,6 +1,8 @@
 """GPT-2 against Transformers' PyTorch reference (tiny random config built and
 saved here: no download)."""
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,8 @@ from accelerator_count import accelerator_collectives
 from megatron_count import megatron_bytes
 
 import redeqx
-from _helpers import sharded_state
+from _helpers import hf_checkpoints, next_token_loss, nudged, one_device, random_ids
+from _helpers import redeqx_logits, sharded_state, torch_logits
 from redeqx.models import GPT2Config, GPT2LMHeadModel, from_pretrained, save_pretrained
 
 torch = pytest.importorskip("torch")
@@ -20,45 +23,32 @@ transformers = pytest.importorskip("transformers")
 VOCAB = 64
 
 
-@pytest.fixture(scope="module")
-def gpt2(tmp_path_factory):
+def _hf_model(kind):
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4,
                                      bos_token_id=1, eos_token_id=2)
-    hf = transformers.GPT2LMHeadModel(config).eval()
-    with torch.no_grad():  # non-trivial biases and norms, so a wrong mapping shows
-        for name, p in hf.named_parameters():
-            if name.endswith("bias") or ".ln_" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    d = tmp_path_factory.mktemp("gpt2")
-    hf.save_pretrained(d)
-    return d, hf
+    return nudged(transformers.GPT2LMHeadModel(config).eval(), norms=(".ln_",))
 
 
-def _ids(batch=2, seq=12, seed=0):
-    return np.random.RandomState(seed).randint(3, VOCAB, (batch, seq))
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    return hf_checkpoints(tmp_path_factory, _hf_model, ["gpt2"])["gpt2"]
 
 
-def _torch_logits(model, ids):
-    with torch.no_grad():
-        return model(torch.tensor(ids)).logits.numpy()
-
-
-def _logits(model, ids):
-    return np.asarray(jax.jit(jax.vmap(model))(jnp.asarray(ids)))
+_ids = partial(random_ids, VOCAB, low=3)
 
 
 def test_logits_match_transformers_at_1_2_4_model_shards(gpt2):
     d, hf = gpt2
     ids = _ids(batch=8)
-    ref = _torch_logits(hf, ids)
+    ref = torch_logits(hf, ids)
     for n in (1, 2, 4):
-        np.testing.assert_allclose(_logits(from_pretrained(d, redeqx.make_mesh(n)), ids), ref, atol=1e-4, rtol=0)
+        np.testing.assert_allclose(redeqx_logits(from_pretrained(d, redeqx.make_mesh(n)), ids), ref, atol=1e-4, rtol=0)
 
 
 def test_c_attn_is_split_into_oriented_q_k_v(gpt2):
     d, hf = gpt2
-    model = from_pretrained(d, redeqx.make_mesh(1, devices=jax.devices()[:1]), scan_layers=False)
+    model = from_pretrained(d, one_device(), scan_layers=False)
     c_attn = hf.transformer.h[0].attn.c_attn.weight.detach().numpy()  # (in, 3 * out)
     attn = model.transformer.h[0].attn
     np.testing.assert_array_equal(attn.k_proj.weight, c_attn[:, 32:64].T)
@@ -70,7 +60,7 @@ def test_save_pretrained_round_trip(gpt2, tmp_path):
     save_pretrained(from_pretrained(d, redeqx.make_mesh(2)), tmp_path)
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     ids = _ids(seed=1)
-    np.testing.assert_allclose(_torch_logits(again, ids), _torch_logits(hf, ids), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(torch_logits(again, ids), torch_logits(hf, ids), atol=1e-5, rtol=0)
 
 
 @pytest.mark.slow
@@ -83,11 +73,7 @@ def test_train_step_communication_is_megatron(getkey):
     ids = np.random.RandomState(0).randint(0, 256, (8, 17))
     batch = jax.device_put({"ids": jnp.asarray(ids)}, NamedSharding(mesh, P("data")))
 
-    def loss_fn(m, batch, key):
-        logits = jax.vmap(m)(batch["ids"][:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:]).mean()
-
-    summary = accelerator_collectives(redeqx.make_train_step(loss_fn, optimizer, mesh, specs), state, batch)
+    summary = accelerator_collectives(redeqx.make_train_step(next_token_loss, optimizer, mesh, specs), state, batch)
     grad_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state.model))
     analytic = megatron_bytes(config.n_embd, config.n_layer, 8 // mesh.shape["data"], 16, grad_bytes)
     moved = sum(v["bytes"] for v in summary.values())

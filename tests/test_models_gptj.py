@@ -2,6 +2,7 @@
 and saved here: no download), and GPT-J-6B's shapes built abstractly."""
 
 import dataclasses
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -11,9 +12,10 @@ import pytest
 from megatron_count import step_at_4_shards_vs_one_device
 
 import redeqx
-from redeqx._trees import path_str
 from redeqx.models import GPTJConfig, GPTJForCausalLM, from_pretrained, save_pretrained
-from redeqx.models._pretrained import _skeleton, hf_tensors
+from redeqx.models._pretrained import _skeleton
+from _helpers import hf_checkpoints, hf_shapes, next_token_loss, nudged, one_device, random_ids
+from _helpers import redeqx_logits, torch_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -24,42 +26,27 @@ SIZES = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_p
              eos_token_id=2)
 
 
+def _hf_model(kind):
+    torch.manual_seed(0)
+    return nudged(transformers.GPTJForCausalLM(transformers.GPTJConfig(**SIZES)).eval(), norms=(".ln_",),  # logits ~1
+                  scale=lambda name, p: 10 if ("wte" in name or "lm_head" in name or "q_proj" in name) else 1)
+
+
 @pytest.fixture(scope="module")
 def gptj(tmp_path_factory):
-    torch.manual_seed(0)
-    hf = transformers.GPTJForCausalLM(transformers.GPTJConfig(**SIZES)).eval()
-    with torch.no_grad():  # non-trivial biases and norms, logits of order 1, so a wrong mapping shows
-        for name, p in hf.named_parameters():
-            if name.endswith("bias") or ".ln_" in name:
-                p.add_(0.1 * torch.randn_like(p))
-            elif "wte" in name or "lm_head" in name or "q_proj" in name:
-                p.mul_(10)
-    d = tmp_path_factory.mktemp("gptj")
-    hf.save_pretrained(d)
-    return d, hf
+    return hf_checkpoints(tmp_path_factory, _hf_model, ["gptj"])["gptj"]
 
 
-def _ids(batch=2, seq=12, seed=0):
-    return np.random.RandomState(seed).randint(3, VOCAB, (batch, seq))
-
-
-def _torch_logits(hf, ids):
-    with torch.no_grad():
-        return hf(torch.tensor(ids)).logits.numpy()
-
-
-@jax.jit
-def _logits(model, ids):
-    return jax.vmap(model)(ids)
+_ids = partial(random_ids, VOCAB, low=3)
 
 
 def test_logits_match_transformers_at_1_2_4_model_shards(gptj):
     d, hf = gptj
     ids = _ids(batch=8)
-    ref = _torch_logits(hf, ids)
+    ref = torch_logits(hf, ids)
     assert np.abs(ref).max() > 1
     for n in (1, 2, 4):
-        np.testing.assert_allclose(_logits(from_pretrained(d, redeqx.make_mesh(n)), ids), ref, atol=1e-4, rtol=0)
+        np.testing.assert_allclose(redeqx_logits(from_pretrained(d, redeqx.make_mesh(n)), ids), ref, atol=1e-4, rtol=0)
 
 
 def test_rotary_turns_only_the_first_rotary_dim_features_in_pairs():
@@ -81,7 +68,7 @@ def test_save_pretrained_round_trip(gptj, tmp_path):
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(again) is transformers.GPTJForCausalLM
     ids = _ids(seed=1)
-    np.testing.assert_allclose(_torch_logits(again, ids), _torch_logits(hf, ids), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(torch_logits(again, ids), torch_logits(hf, ids), atol=1e-5, rtol=0)
 
 
 def megatron_parallel_block_bytes(hidden: int, n_layers: int, local_batch: int, seq: int, grad_bytes: int) -> int:
@@ -99,16 +86,12 @@ def megatron_parallel_block_bytes(hidden: int, n_layers: int, local_batch: int, 
 @pytest.mark.slow
 def test_train_step_communication_is_megatron_and_matches_one_device(gptj):
     d, _ = gptj
-    model = from_pretrained(d, redeqx.make_mesh(1, devices=jax.devices()[:1]))
+    model = from_pretrained(d, one_device())
     optimizer = optax.sgd(0.1)
     ids = _ids(batch=8, seq=17)
 
-    def loss_fn(m, batch, key):
-        logits = jax.vmap(m)(batch["ids"][:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:]).mean()
-
     # the fused column- and row-parallel matmuls train exactly like one device
-    mesh, state4, summary = step_at_4_shards_vs_one_device(model, optimizer, loss_fn, {"ids": ids})
+    mesh, state4, summary = step_at_4_shards_vs_one_device(model, optimizer, next_token_loss, {"ids": ids})
     grad_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state4.model))
     c = model.config
     analytic = megatron_parallel_block_bytes(c.n_embd, c.n_layer, 8 // mesh.shape["data"], 16, grad_bytes)
@@ -118,20 +101,13 @@ def test_train_step_communication_is_megatron_and_matches_one_device(gptj):
     print(f"GPT-J train step at n_model_shards=4: {moved} bytes, {moved / analytic:.3f}x Megatron's {analytic}")
 
 
-def _shapes(model) -> dict[str, tuple[int, ...]]:
-    """Checkpoint tensor name -> shape, as save_pretrained would write them."""
-    leaves = {path_str(kp): leaf for kp, leaf in jax.tree_util.tree_flatten_with_path(model)[0]}
-    return {t.name: tuple(jax.eval_shape(t.join, *(jax.ShapeDtypeStruct(leaves[p].shape, leaves[p].dtype)
-                                                   for p in t.paths)).shape) for t in hf_tensors(model)}
-
-
 def test_gptj_6b_shapes_equal_transformers():
     hf_config = transformers.GPTJConfig()  # GPT-J-6B's sizes
     with torch.device("meta"):  # shapes only, nothing allocated
         hf = transformers.AutoModelForCausalLM.from_config(hf_config)
     config = dataclasses.replace(GPTJConfig.from_hf(hf_config.to_dict()), scan_layers=False)  # per-layer names
     model = _skeleton(GPTJForCausalLM, config, None)  # eqx.filter_eval_shape
-    assert _shapes(model) == {k: tuple(v.shape) for k, v in hf.state_dict().items()}
+    assert hf_shapes(model) == {k: tuple(v.shape) for k, v in hf.state_dict().items()}
     assert sum(p.numel() for p in hf.parameters()) == sum(x.size for x in jax.tree.leaves(model)) == 6_050_882_784
 
 

@@ -3,6 +3,7 @@ configs built here, saved to a temp dir: no download)."""
 
 import json
 import struct
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import redeqx
 from megatron_count import megatron_bytes, step_at_4_shards_vs_one_device
+from _helpers import hf_checkpoints, next_token_loss, nudged, one_device, random_ids, redeqx_logits, torch_logits
 from redeqx.models import LlamaConfig, LlamaForCausalLM, from_pretrained, save_pretrained
 
 torch = pytest.importorskip("torch")
@@ -39,44 +41,23 @@ def _hf_config(kind):
 def _hf_model(kind):
     torch.manual_seed(0)
     cls = transformers.Qwen2ForCausalLM if kind == "qwen2" else transformers.LlamaForCausalLM
-    model = cls(_hf_config(kind)).eval()
-    with torch.no_grad():  # non-trivial biases and norms, so a wrong mapping shows
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    return model
+    return nudged(cls(_hf_config(kind)).eval())
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    out = {}
-    for kind in ("gqa", "tied", "qwen2"):
-        d = tmp_path_factory.mktemp(kind)
-        model = _hf_model(kind)
-        model.save_pretrained(d)
-        out[kind] = (d, model)
-    return out
+    return hf_checkpoints(tmp_path_factory, _hf_model, ("gqa", "tied", "qwen2"))
 
 
-def _ids(batch=2, seq=12, seed=0):
-    return np.random.RandomState(seed).randint(0, VOCAB, (batch, seq))
-
-
-def _torch_logits(model, ids):
-    with torch.no_grad():
-        return model(torch.tensor(ids)).logits.numpy()
-
-
-def _logits(model, ids):
-    return np.asarray(jax.jit(jax.vmap(model))(jnp.asarray(ids)))
+_ids = partial(random_ids, VOCAB)
 
 
 @pytest.mark.parametrize("kind,scan_layers", [("gqa", False), ("tied", False), ("qwen2", False), ("gqa", True)])
 def test_logits_match_transformers(checkpoints, kind, scan_layers):
     d, hf = checkpoints[kind]
-    model = from_pretrained(d, redeqx.make_mesh(1, devices=jax.devices()[:1]), scan_layers=scan_layers)
+    model = from_pretrained(d, one_device(), scan_layers=scan_layers)
     ids = _ids()
-    np.testing.assert_allclose(_logits(model, ids), _torch_logits(hf, ids), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(redeqx_logits(model, ids), torch_logits(hf, ids), atol=1e-4, rtol=0)
 
 
 @pytest.mark.slow
@@ -87,7 +68,7 @@ def test_save_pretrained_round_trip(checkpoints, kind, tmp_path):
     save_pretrained(model, tmp_path)
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     ids = _ids(seed=1)
-    np.testing.assert_allclose(_torch_logits(again, ids), _torch_logits(hf, ids), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(torch_logits(again, ids), torch_logits(hf, ids), atol=1e-5, rtol=0)
     assert type(again) is type(hf)
 
 
@@ -95,7 +76,7 @@ def test_save_pretrained_round_trip(checkpoints, kind, tmp_path):
 def test_forward_agrees_across_model_shards(checkpoints):
     d, _ = checkpoints["gqa"]
     ids = _ids(batch=8)
-    outs = {n: _logits(from_pretrained(d, redeqx.make_mesh(n)), ids) for n in (1, 2, 4)}
+    outs = {n: redeqx_logits(from_pretrained(d, redeqx.make_mesh(n)), ids) for n in (1, 2, 4)}
     np.testing.assert_allclose(outs[2], outs[1], atol=1e-5, rtol=0)
     np.testing.assert_allclose(outs[4], outs[1], atol=1e-5, rtol=0)
 
@@ -152,12 +133,12 @@ def test_sharded_checkpoint_with_index(checkpoints, tmp_path):
     assert (tmp_path / "model.safetensors.index.json").exists()
     model = from_pretrained(tmp_path, redeqx.make_mesh(2))
     ids = _ids()
-    np.testing.assert_allclose(_logits(model, ids), _torch_logits(hf, ids), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(redeqx_logits(model, ids), torch_logits(hf, ids), atol=1e-4, rtol=0)
     # and our writer's sharded layout reads back in Transformers
     save_pretrained(model, tmp_path / "ours", max_shard_bytes=20_000)
     assert (tmp_path / "ours" / "model.safetensors.index.json").exists()
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
-    np.testing.assert_allclose(_torch_logits(again, ids), _torch_logits(hf, ids), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(torch_logits(again, ids), torch_logits(hf, ids), atol=1e-5, rtol=0)
 
 
 def test_bf16_load_and_compute(checkpoints):
@@ -165,9 +146,9 @@ def test_bf16_load_and_compute(checkpoints):
     model = from_pretrained(d, redeqx.make_mesh(2), dtype=jnp.bfloat16)
     assert model.model.layers.mlp.up_proj.weight.dtype == jnp.bfloat16  # stacked, the default
     ids = _ids()
-    out = _logits(model, ids)
+    out = redeqx_logits(model, ids)
     assert out.dtype == jnp.bfloat16
-    np.testing.assert_allclose(out.astype(np.float32), _torch_logits(hf, ids), atol=0.1, rtol=0)
+    np.testing.assert_allclose(out.astype(np.float32), torch_logits(hf, ids), atol=0.1, rtol=0)
 
 
 @pytest.mark.slow
@@ -244,11 +225,7 @@ def test_train_step_communication_is_megatron_and_matches_one_device(getkey):
     optimizer = optax.sgd(0.1)
     ids = np.random.RandomState(0).randint(0, 256, (8, 17))
 
-    def loss_fn(m, batch, key):
-        logits = jax.vmap(m)(batch["ids"][:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:]).mean()
-
-    mesh, state4, summary = step_at_4_shards_vs_one_device(model, optimizer, loss_fn, {"ids": ids})
+    mesh, state4, summary = step_at_4_shards_vs_one_device(model, optimizer, next_token_loss, {"ids": ids})
 
     grad_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state4.model))
     local_batch = ids.shape[0] // mesh.shape["data"]
@@ -268,15 +245,15 @@ def test_mistral_sliding_window_matches_transformers(tmp_path):
     config._attn_implementation = "eager"
     hf = transformers.MistralForCausalLM(config).eval()
     hf.save_pretrained(tmp_path)
-    model = from_pretrained(tmp_path, redeqx.make_mesh(1, devices=jax.devices()[:1]))
+    model = from_pretrained(tmp_path, one_device())
     assert model.config.use_sliding_window and model.config.sliding_window == 4
     ids = _ids(seq=12)
-    np.testing.assert_allclose(_logits(model, ids), _torch_logits(hf, ids), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(redeqx_logits(model, ids), torch_logits(hf, ids), atol=1e-4, rtol=0)
     hf.config.sliding_window = None  # the same weights with full attention: the window really matters
     hf.save_pretrained(tmp_path / "full")
-    no_window = from_pretrained(tmp_path / "full", redeqx.make_mesh(1, devices=jax.devices()[:1]))
+    no_window = from_pretrained(tmp_path / "full", one_device())
     assert no_window._window() is None
-    assert np.abs(_logits(no_window, ids) - _logits(model, ids)).max() > 1e-3
+    assert np.abs(redeqx_logits(no_window, ids) - redeqx_logits(model, ids)).max() > 1e-3
     hf.config.sliding_window = 4
 
     from redeqx.models import generate

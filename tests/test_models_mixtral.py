@@ -2,6 +2,8 @@
 configs built here by Transformers, saved to a temp dir: no download): logits,
 the load-balancing loss, checkpoints both ways, cached decoding, init_model."""
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import redeqx
+from _helpers import hf_checkpoints, one_device, random_ids, torch_output
 from redeqx.models import (
     MixtralConfig,
     MixtralForCausalLM,
@@ -58,27 +61,14 @@ KINDS = ("mixtral", "qwen3_moe", "qwen3_moe_mixed")
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    out = {}
-    for kind in KINDS:
-        d = tmp_path_factory.mktemp(kind)
-        model = _hf_model(kind)
-        model.save_pretrained(d)
-        out[kind] = (d, model)
-    return out
+    return hf_checkpoints(tmp_path_factory, _hf_model, KINDS)
 
 
-def _ids(batch=2, seq=12, seed=0):
-    return np.random.RandomState(seed).randint(0, VOCAB, (batch, seq))
+_ids = partial(random_ids, VOCAB)
 
 
 def _torch(model, ids, mask=None):
-    with torch.no_grad():
-        mask = None if mask is None else torch.tensor(mask.astype(np.int64))
-        return model(torch.tensor(ids), attention_mask=mask, output_router_logits=True)
-
-
-def _one_device():
-    return redeqx.make_mesh(1, devices=jax.devices()[:1])
+    return torch_output(model, ids, mask, output_router_logits=True)
 
 
 @pytest.mark.parametrize("kind,scan_layers", [("mixtral", False), ("mixtral", True), ("qwen3_moe", True),
@@ -86,7 +76,7 @@ def _one_device():
 @pytest.mark.slow
 def test_logits_and_aux_loss_match_transformers(checkpoints, kind, scan_layers):
     d, hf = checkpoints[kind]
-    model = from_pretrained(d, _one_device(), scan_layers=scan_layers)
+    model = from_pretrained(d, one_device(), scan_layers=scan_layers)
     assert model.config.scan_layers == scan_layers
     ids = _ids()
     logits, stats = jax.jit(jax.vmap(model.with_aux))(jnp.asarray(ids))
@@ -102,7 +92,7 @@ def test_logits_and_aux_loss_match_transformers(checkpoints, kind, scan_layers):
 def test_padding_is_not_counted(checkpoints, kind):
     """Left padding: the real tokens' logits and Transformers' masked load-balancing loss."""
     d, hf = checkpoints[kind]
-    model = from_pretrained(d, _one_device())
+    model = from_pretrained(d, one_device())
     ids, mask = _ids(seed=2), np.ones((2, 12), bool)
     mask[0, :4] = False
     logits, stats = jax.vmap(model.with_aux)(jnp.asarray(ids), attention_mask=jnp.asarray(mask))
@@ -121,7 +111,7 @@ def test_transformers_loads_what_redeqx_writes(checkpoints, kind, scan_layers, t
     assert type(again) is type(hf)
     ids = _ids(seed=1)
     np.testing.assert_allclose(_torch(again, ids).logits.numpy(), _torch(hf, ids).logits.numpy(), atol=1e-6, rtol=0)
-    reloaded = from_pretrained(tmp_path, _one_device())
+    reloaded = from_pretrained(tmp_path, one_device())
     assert reloaded.config.to_hf() == model.config.to_hf()
     for a, b in zip(jax.tree.leaves(reloaded), jax.tree.leaves(model)):
         np.testing.assert_array_equal(a, b)
@@ -142,7 +132,7 @@ def _hf_greedy(hf, prompt, n):
 def test_cached_generate_and_beam_search(checkpoints, kind):
     """Greedy decoding with the cache gives Transformers' greedy tokens; beam search with one beam is greedy."""
     d, hf = checkpoints[kind]
-    model = from_pretrained(d, _one_device())
+    model = from_pretrained(d, one_device())
     prompt = _ids(batch=2, seq=5, seed=3)
     ours = np.asarray(jax.jit(lambda m, p: generate(m, p, max_new_tokens=6))(model, jnp.asarray(prompt)))
     np.testing.assert_array_equal(ours, _hf_greedy(hf, prompt, 6))
@@ -195,7 +185,7 @@ def test_mixtral_sliding_window(tmp_path):
     config._attn_implementation = "eager"
     hf = transformers.MixtralForCausalLM(config).eval()
     hf.save_pretrained(tmp_path)
-    model = from_pretrained(tmp_path, _one_device())
+    model = from_pretrained(tmp_path, one_device())
     assert model.config.sliding_window == 4
     ids = _ids()
     np.testing.assert_allclose(jax.vmap(model)(jnp.asarray(ids)), _torch(hf, ids).logits.numpy(), atol=1e-4, rtol=0)

@@ -2,6 +2,7 @@
 saved here: no download), and OPT-13B / OPT-66B's shapes built abstractly."""
 
 import dataclasses
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -13,10 +14,10 @@ from accelerator_count import accelerator_collectives
 from megatron_count import megatron_bytes
 
 import redeqx
-from _helpers import sharded_state
-from redeqx._trees import path_str
 from redeqx.models import OPTConfig, OPTForCausalLM, from_pretrained, generate, save_pretrained
-from redeqx.models._pretrained import _skeleton, hf_tensors
+from redeqx.models._pretrained import _skeleton
+from _helpers import hf_checkpoints, hf_shapes, next_token_loss, nudged, one_device, random_ids
+from _helpers import redeqx_logits, sharded_state, torch_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -32,50 +33,26 @@ def _hf_model(kind):
         config = transformers.OPTConfig(**SIZES)
     else:  # OPT-350m: post-LN, no final LayerNorm, 16-wide embeddings projected in and out
         config = transformers.OPTConfig(**SIZES, do_layer_norm_before=False, word_embed_proj_dim=16)
-    hf = transformers.OPTForCausalLM(config).eval()
-    with torch.no_grad():  # non-trivial biases and norms, logits of order 1, so a wrong mapping shows,
-        for name, p in hf.named_parameters():  # and weights large enough that greedy tokens vary
-            if name.endswith("bias") or "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-            elif "embed_positions" in name:
-                p.mul_(20)
-            elif p.ndim == 2:
-                p.mul_(10)
-    return hf
+    # logits of order 1, and weights large enough that greedy tokens vary
+    return nudged(transformers.OPTForCausalLM(config).eval(),
+                  scale=lambda name, p: 20 if "embed_positions" in name else 10 if p.ndim == 2 else 1)
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    out = {}
-    for kind in ("pre", "post"):
-        d = tmp_path_factory.mktemp(kind)
-        hf = _hf_model(kind)
-        hf.save_pretrained(d)
-        out[kind] = (d, hf)
-    return out
+    return hf_checkpoints(tmp_path_factory, _hf_model, ("pre", "post"))
 
 
-def _ids(batch=2, seq=12, seed=0):
-    return np.random.RandomState(seed).randint(3, VOCAB, (batch, seq))
-
-
-def _torch_logits(hf, ids, mask=None):
-    with torch.no_grad():
-        return hf(torch.tensor(ids), attention_mask=None if mask is None else torch.tensor(mask)).logits.numpy()
-
-
-@jax.jit
-def _logits(model, ids):
-    return jax.vmap(model)(ids)
+_ids = partial(random_ids, VOCAB, low=3)
 
 
 def test_logits_match_transformers_at_1_2_4_model_shards(checkpoints):
     d, hf = checkpoints["pre"]
     ids = _ids(batch=8)
-    ref = _torch_logits(hf, ids)
+    ref = torch_logits(hf, ids)
     assert np.abs(ref).max() > 1
     for n in (1, 2, 4):
-        np.testing.assert_allclose(_logits(from_pretrained(d, redeqx.make_mesh(n)), ids), ref, atol=1e-4, rtol=0)
+        np.testing.assert_allclose(redeqx_logits(from_pretrained(d, redeqx.make_mesh(n)), ids), ref, atol=1e-4, rtol=0)
 
 
 def test_post_layernorm_with_projected_embeddings_matches_transformers(checkpoints):
@@ -84,7 +61,7 @@ def test_post_layernorm_with_projected_embeddings_matches_transformers(checkpoin
     assert not model.config.do_layer_norm_before and model.config.embed_dim == 16
     assert model.model.decoder.final_layer_norm is None and model.model.decoder.project_in.weight.shape == (32, 16)
     ids = _ids(batch=8)
-    np.testing.assert_allclose(_logits(model, ids), _torch_logits(hf, ids), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(redeqx_logits(model, ids), torch_logits(hf, ids), atol=1e-4, rtol=0)
 
 
 def test_save_pretrained_round_trip_and_hub_names(checkpoints, tmp_path):
@@ -93,18 +70,18 @@ def test_save_pretrained_round_trip_and_hub_names(checkpoints, tmp_path):
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
     assert type(again) is transformers.OPTForCausalLM
     ids = _ids(seed=1)
-    np.testing.assert_allclose(_torch_logits(again, ids), _torch_logits(hf, ids), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(torch_logits(again, ids), torch_logits(hf, ids), atol=1e-5, rtol=0)
     # The hub's OPT files were saved from OPTModel: tensors named decoder.*, no lm_head
     d, hf = checkpoints["pre"]
     hf.model.save_pretrained(tmp_path / "hub")
-    one_device = redeqx.make_mesh(1, devices=jax.devices()[:1])
-    hub, ours = from_pretrained(tmp_path / "hub", one_device), from_pretrained(d, one_device)
+    mesh = one_device()
+    hub, ours = from_pretrained(tmp_path / "hub", mesh), from_pretrained(d, mesh)
     assert hub.config.hf_prefix == "" and ours.config.hf_prefix == "model."
     for a, b in zip(jax.tree.leaves(hub), jax.tree.leaves(ours), strict=True):
         np.testing.assert_array_equal(a, b)
     save_pretrained(hub, tmp_path / "hub_again")  # written under the same names, which Transformers reads too
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hub_again").eval()
-    np.testing.assert_allclose(_torch_logits(again, ids), _torch_logits(hf, ids), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(torch_logits(again, ids), torch_logits(hf, ids), atol=1e-5, rtol=0)
 
 
 def test_greedy_generation_from_left_padded_prompts_matches_transformers(checkpoints):
@@ -133,17 +110,13 @@ def test_greedy_generation_from_left_padded_prompts_matches_transformers(checkpo
 
 def test_train_step_communication_is_megatron(checkpoints):
     d, _ = checkpoints["pre"]
-    model = from_pretrained(d, redeqx.make_mesh(1, devices=jax.devices()[:1]))
+    model = from_pretrained(d, one_device())
     optimizer = optax.sgd(0.1)
     mesh = redeqx.make_mesh(4)
     specs, state = sharded_state(model, optimizer, mesh, key=0)
     batch = jax.device_put({"ids": jnp.asarray(_ids(batch=8, seq=17))}, NamedSharding(mesh, P("data")))
 
-    def loss_fn(m, batch, key):
-        logits = jax.vmap(m)(batch["ids"][:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:]).mean()
-
-    summary = accelerator_collectives(redeqx.make_train_step(loss_fn, optimizer, mesh, specs), state, batch)
+    summary = accelerator_collectives(redeqx.make_train_step(next_token_loss, optimizer, mesh, specs), state, batch)
     grad_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state.model))
     c = model.config
     analytic = megatron_bytes(c.hidden_size, c.num_hidden_layers, 8 // mesh.shape["data"], 16, grad_bytes)
@@ -151,13 +124,6 @@ def test_train_step_communication_is_megatron(checkpoints):
     assert set(summary) == {"all-reduce"}, summary  # no activation gathers
     assert moved <= 1.15 * analytic, (moved, analytic, summary)
     print(f"OPT train step at n_model_shards=4: {moved} bytes, {moved / analytic:.3f}x Megatron's {analytic}")
-
-
-def _shapes(model) -> dict[str, tuple[int, ...]]:
-    """Checkpoint tensor name -> shape, as save_pretrained would write them."""
-    leaves = {path_str(kp): leaf for kp, leaf in jax.tree_util.tree_flatten_with_path(model)[0]}
-    return {t.name: tuple(jax.eval_shape(t.join, *(jax.ShapeDtypeStruct(leaves[p].shape, leaves[p].dtype)
-                                                   for p in t.paths)).shape) for t in hf_tensors(model)}
 
 
 @pytest.mark.parametrize("name, sizes, n_params", [
@@ -171,7 +137,7 @@ def test_full_size_shapes_equal_transformers(name, sizes, n_params):
     config = dataclasses.replace(OPTConfig.from_hf(hf_config.to_dict()), scan_layers=False)  # per-layer names
     model = _skeleton(OPTForCausalLM, config, None)  # built by eqx.filter_eval_shape: nothing allocated
     theirs = {k: tuple(v.shape) for k, v in hf.state_dict().items() if k != "lm_head.weight"}  # the head is tied
-    assert _shapes(model) == theirs
+    assert hf_shapes(model) == theirs
     assert sum(p.numel() for p in hf.parameters()) == sum(x.size for x in jax.tree.leaves(model)) == n_params
 
 

@@ -1,12 +1,15 @@
 """Qwen2 against Transformers' PyTorch reference (tiny random configs built
 here, saved to a temp dir: no download)."""
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import redeqx
+from _helpers import hf_checkpoints, nudged, one_device, random_ids, redeqx_logits, torch_logits
 from redeqx.models import Qwen2Config, Qwen2ForCausalLM, from_pretrained, generate, save_pretrained
 
 torch = pytest.importorskip("torch")
@@ -22,65 +25,40 @@ def _hf_model(tied: bool, **kw):
     torch.manual_seed(0)
     config = transformers.Qwen2Config(**TINY, tie_word_embeddings=tied, **kw)
     config._attn_implementation = "eager"
-    model = transformers.Qwen2ForCausalLM(config).eval()
-    with torch.no_grad():  # non-trivial biases and norms, so a wrong mapping shows
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    return model
+    return nudged(transformers.Qwen2ForCausalLM(config).eval())
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    out = {}
-    for tied in (False, True):
-        d = tmp_path_factory.mktemp(f"qwen2_tied{tied}")
-        model = _hf_model(tied)
-        model.save_pretrained(d)
-        out[tied] = (d, model)
-    return out
+    return hf_checkpoints(tmp_path_factory, _hf_model, (False, True))
 
 
-def _one_device():
-    return redeqx.make_mesh(1, devices=jax.devices()[:1])
-
-
-def _ids(batch=2, seq=12, seed=0):
-    return np.random.RandomState(seed).randint(0, VOCAB, (batch, seq))
-
-
-def _torch_logits(model, ids):
-    with torch.no_grad():
-        return model(torch.tensor(ids)).logits.numpy()
-
-
-def _logits(model, ids):
-    return np.asarray(jax.jit(jax.vmap(model))(jnp.asarray(ids)))
+_ids = partial(random_ids, VOCAB)
 
 
 @pytest.mark.parametrize("tied,scan_layers", [(False, True), (True, True), (False, False)])
 def test_logits_match_transformers(checkpoints, tied, scan_layers):
     d, hf = checkpoints[tied]
-    model = from_pretrained(d, _one_device(), scan_layers=scan_layers)
+    model = from_pretrained(d, one_device(), scan_layers=scan_layers)
     assert isinstance(model, Qwen2ForCausalLM) and model.config.tie_word_embeddings == tied
     assert model.model.layers.self_attn.k_proj.bias is not None if scan_layers else True
-    np.testing.assert_allclose(_logits(model, _ids()), _torch_logits(hf, _ids()), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(redeqx_logits(model, _ids()), torch_logits(hf, _ids()), atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_transformers_loads_what_redeqx_writes(checkpoints, tied, tmp_path):
     d, hf = checkpoints[tied]
-    model = from_pretrained(d, _one_device())
+    model = from_pretrained(d, one_device())
     save_pretrained(model, tmp_path)
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(again) is transformers.Qwen2ForCausalLM
-    np.testing.assert_allclose(_torch_logits(again, _ids(seed=1)), _torch_logits(hf, _ids(seed=1)), atol=1e-6, rtol=0)
-    assert from_pretrained(tmp_path, _one_device()).config == model.config
+    np.testing.assert_allclose(torch_logits(again, _ids(seed=1)), torch_logits(hf, _ids(seed=1)), atol=1e-6, rtol=0)
+    assert from_pretrained(tmp_path, one_device()).config == model.config
 
 
 def test_generate_matches_transformers_greedy(checkpoints):
     d, hf = checkpoints[False]
-    model = from_pretrained(d, _one_device())
+    model = from_pretrained(d, one_device())
     prompt = _ids(batch=1, seq=5, seed=3)
     ours = np.asarray(jax.jit(lambda m, p: generate(m, p, max_new_tokens=6))(model, jnp.asarray(prompt)))
     with torch.no_grad():
@@ -94,15 +72,16 @@ def test_two_model_shards_agree_with_one_device(checkpoints):
     ids = _ids(batch=8)
     sharded = from_pretrained(d, redeqx.make_mesh(2))
     assert sharded.model.layers.self_attn.q_proj.weight.sharding.spec == jax.sharding.PartitionSpec(None, "model", None)
-    np.testing.assert_allclose(_logits(sharded, ids), _logits(from_pretrained(d, _one_device()), ids), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(redeqx_logits(sharded, ids), redeqx_logits(from_pretrained(d, one_device()), ids),
+                               atol=1e-5, rtol=0)
 
 
 def test_a_window_in_every_layer_matches_transformers(tmp_path):
     hf = _hf_model(False, use_sliding_window=True, sliding_window=4, max_window_layers=0)
     hf.save_pretrained(tmp_path)
-    model = from_pretrained(tmp_path, _one_device())
+    model = from_pretrained(tmp_path, one_device())
     assert model._window() == 4
-    np.testing.assert_allclose(_logits(model, _ids()), _torch_logits(hf, _ids()), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(redeqx_logits(model, _ids()), torch_logits(hf, _ids()), atol=1e-4, rtol=0)
 
 
 def test_a_window_in_some_layers_is_refused(tmp_path):
@@ -110,7 +89,7 @@ def test_a_window_in_some_layers_is_refused(tmp_path):
         Qwen2Config(**TINY, use_sliding_window=True, sliding_window=4, max_window_layers=1)
     _hf_model(False, use_sliding_window=True, sliding_window=4, max_window_layers=1).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="config.json is not a valid qwen2 config.*max_window_layers=0"):
-        from_pretrained(tmp_path, _one_device())
+        from_pretrained(tmp_path, one_device())
 
 
 def test_config_errors_name_the_field():

@@ -1,6 +1,7 @@
 """T5 against Transformers' PyTorch reference (tiny random v1.0- and
 v1.1-style configs built and saved here: no download)."""
 
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ import pytest
 from megatron_count import megatron_bytes_encoder_decoder, step_at_4_shards_vs_one_device
 
 import redeqx
+from _helpers import hf_checkpoints, one_device, redeqx_logits, seq2seq_inputs, torch_logits
 from redeqx.models import (
     T5Config,
     T5ForConditionalGeneration,
@@ -49,47 +51,21 @@ def _hf_model(kind):
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    out = {}
-    for kind in ("v1", "v11"):
-        d = tmp_path_factory.mktemp(kind)
-        hf = _hf_model(kind)
-        hf.save_pretrained(d)
-        out[kind] = (d, hf)
-    return out
+    return hf_checkpoints(tmp_path_factory, _hf_model, ("v1", "v11"))
 
 
-def _inputs(batch=2, src=16, tgt=13, seed=0):
-    rs = np.random.RandomState(seed)
-    ids = rs.randint(2, VOCAB, (batch, src))
-    mask = np.ones_like(ids)
-    mask[1, src - 5:] = 0  # the second input is right-padded
-    ids[1, src - 5:] = 0
-    return ids, mask, rs.randint(2, VOCAB, (batch, tgt))
-
-
-def _torch_logits(hf, ids, mask, dec):
-    with torch.no_grad():
-        return hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
-                  decoder_input_ids=torch.tensor(dec)).logits.numpy()
-
-
-@jax.jit
-def _logits(model, ids, mask, dec):
-    return jax.vmap(lambda i, a, d: model(i, d, attention_mask=a))(ids, mask.astype(bool), dec)
-
-
-def _one_device():
-    return redeqx.make_mesh(1, devices=jax.devices()[:1])
+_inputs = partial(seq2seq_inputs, VOCAB, low=2, pad_id=0, n_pad=5, src=16, tgt=13)
 
 
 @pytest.mark.parametrize("kind", ["v1", "v11"])
 def test_logits_match_transformers(checkpoints, kind):
     d, hf = checkpoints[kind]
-    model = from_pretrained(d, _one_device())
+    model = from_pretrained(d, one_device())
     assert model.config.tie_word_embeddings == (kind == "v1")
     assert model.config.gated == (kind == "v11")
     ids, mask, dec = _inputs()
-    np.testing.assert_allclose(_logits(model, ids, mask, dec), _torch_logits(hf, ids, mask, dec), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(redeqx_logits(model, ids, mask, dec), torch_logits(hf, ids, mask, dec),
+                               atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("kind", ["v1", "v11"])
@@ -98,7 +74,7 @@ def test_save_pretrained_round_trip(checkpoints, kind, tmp_path):
     save_pretrained(from_pretrained(d, redeqx.make_mesh(2)), tmp_path)
     again = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path).eval()
     ids, mask, dec = _inputs(seed=1)
-    np.testing.assert_allclose(_torch_logits(again, ids, mask, dec), _torch_logits(hf, ids, mask, dec),
+    np.testing.assert_allclose(torch_logits(again, ids, mask, dec), torch_logits(hf, ids, mask, dec),
                                atol=1e-5, rtol=0)
 
 
@@ -106,7 +82,7 @@ def test_save_pretrained_round_trip(checkpoints, kind, tmp_path):
 def test_forward_agrees_across_model_shards(checkpoints):
     d, _ = checkpoints["v11"]
     ids, mask, dec = _inputs(batch=8)
-    outs = {n: np.asarray(_logits(from_pretrained(d, redeqx.make_mesh(n)), ids, mask, dec)) for n in (1, 2, 4)}
+    outs = {n: redeqx_logits(from_pretrained(d, redeqx.make_mesh(n)), ids, mask, dec) for n in (1, 2, 4)}
     # the untied head's logits reach ~15: float32 sums in another order differ by a few 1e-6 of that
     np.testing.assert_allclose(outs[2], outs[1], atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(outs[4], outs[1], atol=1e-5, rtol=1e-5)
@@ -125,7 +101,7 @@ def _hf_generate(hf, ids, mask, **kw):
 def test_beam_search_and_eos_match_transformers(checkpoints):
     d, hf = checkpoints["v1"]
     ids, mask, _ = _inputs()
-    model = from_pretrained(d, _one_device())
+    model = from_pretrained(d, one_device())
     ref = _hf_generate(hf, ids, mask, max_new_tokens=6, num_beams=3, length_penalty=1.0, early_stopping=False)
     out = jax.jit(lambda m, i, a: beam_search(m, i, attention_mask=a, max_new_tokens=6, num_beams=3))(
         model, ids, mask.astype(bool))
@@ -178,9 +154,9 @@ def test_remat_and_bf16(checkpoints, getkey):
     model = from_pretrained(d, redeqx.make_mesh(2), dtype=jnp.bfloat16)
     assert model.decoder.block.layer[2].DenseReluDense.wi_0.weight.dtype == jnp.bfloat16  # stacked, the default
     ids, mask, dec = _inputs()
-    out = _logits(model, ids, mask, dec)
+    out = redeqx_logits(model, ids, mask, dec)
     assert out.dtype == jnp.bfloat16
-    ref = _torch_logits(hf, ids, mask, dec)
+    ref = torch_logits(hf, ids, mask, dec)
     assert np.abs(np.asarray(out, np.float32) - ref).max() < 0.05 * np.abs(ref).max()
 
 

@@ -10,6 +10,14 @@ import jax.numpy as jnp
 import optax
 
 
+
+def causal_attention(q, k, v):
+    """Softmax attention of (T, H, D) queries, keys and values under a causal mask -> (T, H * D)."""
+    t, h, d = q.shape
+    att = jnp.einsum("thd,shd->hts", q, k) / jnp.sqrt(d).astype(q.dtype)  # (H, T, T)
+    att = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((t, t), bool)), att, jnp.finfo(att.dtype).min), axis=-1)
+    return jnp.einsum("hts,shd->thd", att, v).reshape(t, h * d)
+
 class Attention(eqx.Module):
     wq: eqx.nn.Linear
     wk: eqx.nn.Linear
@@ -32,11 +40,7 @@ class Attention(eqx.Module):
         q = jax.vmap(self.wq)(x).reshape(t, h, c // h)  # (T, H, D)
         k = jax.vmap(self.wk)(x).reshape(t, h, c // h)
         v = jax.vmap(self.wv)(x).reshape(t, h, c // h)
-        att = jnp.einsum("thd,shd->hts", q, k) / jnp.sqrt(c // h).astype(x.dtype)  # (H, T, T)
-        mask = jnp.tril(jnp.ones((t, t), bool))
-        att = jax.nn.softmax(jnp.where(mask, att, jnp.finfo(att.dtype).min), axis=-1)
-        out = jnp.einsum("hts,shd->thd", att, v).reshape(t, c)
-        return jax.vmap(self.wo)(out)
+        return jax.vmap(self.wo)(causal_attention(q, k, v))
 
 
 class MLP(eqx.Module):

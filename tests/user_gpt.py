@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from tiny_transformer import causal_attention
+
 
 def linear(n_in, n_out, *, key):
     """GPT-2's initialisation: weight N(0, 0.02), bias 0."""
@@ -46,11 +48,7 @@ class Attention(eqx.Module):
         q = jax.vmap(self.query)(x).reshape(t, h, c // h)  # (T, H, D)
         k = jax.vmap(self.key)(x).reshape(t, h, c // h)
         v = jax.vmap(self.value)(x).reshape(t, h, c // h)
-        att = jnp.einsum("thd,shd->hts", q, k) / jnp.sqrt(c // h).astype(x.dtype)  # (H, T, T)
-        causal = jnp.tril(jnp.ones((t, t), bool))
-        att = jax.nn.softmax(jnp.where(causal, att, jnp.finfo(att.dtype).min), axis=-1)
-        y = jnp.einsum("hts,shd->thd", att, v).reshape(t, c)
-        return jax.vmap(self.proj)(y)
+        return jax.vmap(self.proj)(causal_attention(q, k, v))
 
 
 class MLP(eqx.Module):
