@@ -188,7 +188,7 @@ def test_the_zoo_gets_the_same_plan_from_its_program(family, stacked):
     x = zoo.ids()
 
     def loss(m, batch, key):
-        labels = batch["x"] if family not in zoo.ENC_DEC else batch["x"][:, :6]
+        labels = batch["x"] if zoo.FAMILIES[family].kind != "seq2seq" else batch["x"][:, :6]
         return optax.softmax_cross_entropy_with_integer_labels(zoo.forward(m, family, batch["x"]), labels).mean()
 
     for n in (2, 4):  # at 4 the LLaMA's 2 KV heads stay whole while Q and the output split

@@ -18,7 +18,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from ..mesh import constrain
 from ..mesh import CONTEXT, MODEL
 from .._trees import is_array_like, named_leaves
-from ._layers import Cache, CausalLM, is_stacked, lm_logits, run_layers, scan_unroll
+from ._layers import Cache, CausalLM, Stackable, is_stacked, lm_logits, run_layers, scan_unroll
 from ._llama import LlamaConfig, rope_frequencies
 from ._moe import MoE, RouterStats
 from ._safetensors import HFTensor
@@ -69,7 +69,7 @@ def sparse_block(x, block, valid):
     return block(x), None
 
 
-class MoEDecoderLayer(eqx.Module):
+class MoEDecoderLayer(Stackable):
     """LLaMA's decoder layer whose feed-forward block (a subclass's ``feed_forward``) may be a
     `MoE`: it returns its router's `RouterStats` too (None for a dense block)."""
 
