@@ -34,3 +34,18 @@ def getkey():
 def devices():
     assert len(jax.devices()) == 8, "tests need 8 simulated CPU devices; was jax imported before conftest?"
     return jax.devices()
+
+
+_SLOW_CASES = {line.strip() for line in open(os.path.join(os.path.dirname(__file__), "slow_cases.txt"))
+               if line.strip() and not line.startswith("#")}
+
+
+def pytest_collection_modifyitems(config, items):
+    """The cases listed in slow_cases.txt run only in the full suite; a listed id no test has is an error."""
+    ids = {item.nodeid.removeprefix("tests/"): item for item in items}
+    for case in _SLOW_CASES & ids.keys():
+        ids[case].add_marker(pytest.mark.slow)
+    if len(items) > 100:  # a whole run: every listed case must still exist (a renamed test leaves the list)
+        missing = sorted(c for c in _SLOW_CASES if c.split("::")[0] in {i.split("::")[0] for i in ids} and c not in ids)
+        if missing:
+            raise pytest.UsageError(f"tests/slow_cases.txt names cases no test has: {missing[:5]}")
