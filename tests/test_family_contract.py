@@ -118,13 +118,8 @@ def test_rules_give_the_megatron_plan(name):
 
 # Found by this contract: names-only rules read a stacked Qwen3-MoE's attention projections
 # (beside its q_norm/k_norm) as an expert stack, and split k_proj on its input features.
-_QWEN3_MOE_STACKED_NAMES = pytest.mark.xfail(
-    strict=True, reason="names-only plan of a stacked Qwen3-MoE's attention is read as an expert stack")
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_QWEN3_MOE_STACKED_NAMES) if n == "qwen3_moe" else n
-                                  for n in FAMILIES])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_stacked_layers_are_the_listed_ones(name, tmp_path):
     """The same weights stacked (a scan over layers) and listed: the same logits, the plan with None on
     the layer axis, Hugging Face names from either layout read into either, and the same generation."""

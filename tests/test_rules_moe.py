@@ -319,3 +319,35 @@ def test_a_stack_of_moe_blocks_peels_the_layer_axis_from_every_leaf(devices):
     # experts built with eqx.filter_vmap beside an unstacked gate keep their leading axis as the experts'
     specs = redeqx.sharding_rules(VmappedExperts(4, key=jax.random.key(0)), redeqx.make_mesh(2))
     assert specs.gate.weight == P() and specs.up.weight == specs.down.weight == P("model", None, None)
+
+
+class QwenMoeAttention(eqx.Module):  # a family's name on its attention: "Moe" here says nothing of experts
+    q_proj: eqx.nn.Linear
+    k_proj: eqx.nn.Linear
+    v_proj: eqx.nn.Linear
+    o_proj: eqx.nn.Linear
+
+    def __init__(self, *, key):
+        k = jax.random.split(key, 4)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
+            eqx.nn.Linear(DIM, DIM, use_bias=False, key=kk) for kk in k)
+
+
+class QwenMoeBlock(eqx.Module):
+    self_attn: QwenMoeAttention
+    mlp: MoEBlock
+
+    def __init__(self, *, key):
+        k = jax.random.split(key)
+        self.self_attn, self.mlp = QwenMoeAttention(key=k[0]), MoEBlock(4, key=k[1])
+
+
+def test_a_family_named_moe_keeps_its_stacked_attention_megatron():
+    """Stacked over 3 layers, attention projections have the rank of an expert stack; a class
+    named ``...MoeAttention`` must not make them one (k_proj was split on its input features)."""
+    blocks = eqx.filter_vmap(lambda kk: QwenMoeBlock(key=kk))(jax.random.split(jax.random.key(0), 3))
+    specs = redeqx.sharding_rules(blocks, redeqx.make_mesh(2))
+    column, row = P(None, "model", None), P(None, None, "model")
+    assert [specs.self_attn.q_proj.weight, specs.self_attn.k_proj.weight, specs.self_attn.v_proj.weight,
+            specs.self_attn.o_proj.weight] == [column, column, column, row]
+    assert specs.mlp.w_in == specs.mlp.w_out == P(None, "model", None, None)

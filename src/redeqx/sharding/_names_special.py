@@ -26,12 +26,17 @@ def _is_moe(obj, name: str, above: list[str]) -> bool:
     """Whether ``obj`` (the attribute ``name`` of its parent, ``above`` the path
     to that parent) is a mixture-of-experts layer or its block of expert
     weights: it holds experts, or its class or attribute name says ``moe`` or
-    ``experts`` and it is not itself one of the experts (in a list of them)."""
+    ``experts`` and it is not itself one of the experts (in a list of them) nor
+    an attention module (a family's ``Qwen3MoeAttention`` names the family, and
+    its projections, stacked over layers, have the rank of an expert stack)."""
     if _holds_experts(obj):
         return True
     if not _fields(obj) or name.isdigit() or any("expert" in p.lower() for p in above):
         return False
-    return any(w in name.lower() or w in type(obj).__name__.lower() for w in MOE_WORDS)
+    names = (name.lower(), type(obj).__name__.lower())
+    if isinstance(obj, eqx.nn.MultiheadAttention) or any(w in n for w in ("attn", "attention") for n in names):
+        return False
+    return any(w in n for w in MOE_WORDS for n in names)
 
 
 def _moe_role(parts: list[str], chain: list, shape: tuple[int, ...]) -> str | None:
