@@ -27,6 +27,18 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
 
+COLLECTIVES = """
+    # every process: redeqx.initialize(), a mesh, an array over it and a jitted sum (a collective)
+    import jax, jax.numpy as jnp, numpy as np
+    import redeqx
+    redeqx.initialize()
+    mesh = redeqx.make_mesh()
+    x = jax.make_array_from_callback((8,), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")),
+                                     lambda idx: np.ones(8, np.float32)[idx])
+    total = jax.jit(jnp.sum)
+"""
+
+
 def script_env(**extra) -> dict:
     """The environment a script runs in: this process's, whose ``XLA_FLAGS``
     (set by conftest.py) give 8 CPU devices and the suite's cheaper compiles
@@ -220,6 +232,16 @@ def redeqx_logits(model, ids, mask=None, dec=None) -> np.ndarray:
     encoder-decoder's of ``ids`` (``mask``: 1 on real tokens) and decoder ids ``dec``."""
     return np.asarray(_batched_logits(model, jnp.asarray(ids), None if mask is None else jnp.asarray(mask),
                                       None if dec is None else jnp.asarray(dec)))
+
+
+def logits_match_transformers(checkpoint, hf, *inputs, shards=(1, 2, 4), atol=1e-4) -> np.ndarray:
+    """Asserts the model saved in ``checkpoint``, loaded over each of ``shards`` model shards, gives
+    Transformers' logits (of ``hf``) for ``inputs`` (:func:`redeqx_logits`'s); returns them."""
+    ref = torch_logits(hf, *inputs)
+    for n in shards:
+        model = redeqx.models.from_pretrained(checkpoint, redeqx.make_mesh(n))
+        np.testing.assert_allclose(redeqx_logits(model, *inputs), ref, atol=atol, rtol=0, err_msg=f"{n} shards")
+    return ref
 
 
 def hf_shapes(model) -> dict[str, tuple[int, ...]]:

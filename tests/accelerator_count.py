@@ -9,10 +9,14 @@ move; redeqx itself reports the compiled program's own figures
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable
 
+import jax
 import numpy as np
+import optax
 
+import redeqx
 from redeqx.planner._hlo import DTYPE_BYTES, Collective, array_shapes, collectives, executions, parse_module, summarise
 
 # XLA's GPU and TPU pipelines run two passes after SPMD partitioning that XLA:CPU's does not
@@ -166,3 +170,16 @@ def accelerator_collectives(fn: Callable, *args, **kwargs) -> dict[str, dict[str
     """``{kind: {"count", "bytes"}}`` of ``fn``'s collectives as XLA's GPU and
     TPU pipelines move them (see `reassociated_collectives`), read on any backend."""
     return summarise(reassociated_collectives(partitioned_text(fn, *args, **kwargs)))
+
+
+def step_bytes(model, loss, data, n: int, **rules):
+    """The collective bytes an accelerator moves in one SGD train step of ``model`` on
+    ``make_mesh(n)`` under ``sharding_rules(model, mesh, **rules)`` (warnings silenced), and those specs."""
+    mesh = redeqx.make_mesh(n)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        specs = redeqx.sharding_rules(model, mesh, **rules)
+    optimizer = optax.sgd(0.1)
+    state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
+    step = redeqx.make_train_step(loss, optimizer, mesh, specs)
+    return sum(v["bytes"] for v in accelerator_collectives(step, state, data).values()), specs

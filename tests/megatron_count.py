@@ -88,3 +88,19 @@ def megatron_bytes_encoder_decoder(
     backward = (2 * n_encoder + n_decoder) * enc + (3 * n_decoder + 1) * dec
     loss = 3 * local_batch * tgt * 4
     return forward + backward + loss + grad_bytes
+
+
+def gradient_bytes(model) -> int:
+    """The bytes one device holds of ``model``'s arrays: what its data-parallel gradient all-reduce carries."""
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(model))
+
+
+def near_megatron(summary: dict, analytic: int, name: str, slack: float = 1.15) -> float:
+    """Asserts a train step's collectives (``accelerator_collectives``'s summary) are all-reduces
+    only (no activation gathers) moving at most ``slack`` x Megatron's ``analytic`` bytes; prints
+    and returns the ratio."""
+    moved = sum(v["bytes"] for v in summary.values())
+    assert set(summary) == {"all-reduce"}, summary
+    assert moved <= slack * analytic, (moved, analytic, summary)
+    print(f"{name} train step at n_model_shards=4: {moved} bytes, {moved / analytic:.3f}x Megatron's {analytic}")
+    return moved / analytic

@@ -11,20 +11,14 @@ import time
 
 import pytest
 
-from _helpers import run_python
+from _helpers import COLLECTIVES, run_python
 
 pytestmark = pytest.mark.slow
 PROCESS_TIMEOUT = 120  # a bug fails the test instead of hanging it (before: 300 s in JAX's shutdown barrier)
 
 TRAINING = """
     import sys, time
-    import jax, jax.numpy as jnp, numpy as np
-    import redeqx
-    redeqx.initialize()
-    mesh = redeqx.make_mesh()
-    x = jax.make_array_from_callback((8,), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")),
-                                     lambda idx: np.ones(8, np.float32)[idx])
-    total = jax.jit(jnp.sum)
+""" + COLLECTIVES + """
     for step in range(10**6):  # a training loop: collectives with host work in between
         total(x).block_until_ready()
         if step == 3 and jax.process_index() == 1:

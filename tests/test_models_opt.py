@@ -11,13 +11,13 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 from accelerator_count import accelerator_collectives
-from megatron_count import megatron_bytes
+from megatron_count import megatron_bytes, gradient_bytes, near_megatron
 
 import redeqx
 from redeqx.models import OPTConfig, OPTForCausalLM, from_pretrained, generate, save_pretrained
 from redeqx.models._pretrained import _skeleton
 from _helpers import hf_checkpoints, hf_shapes, next_token_loss, nudged, one_device, random_ids
-from _helpers import redeqx_logits, sharded_state, torch_logits
+from _helpers import logits_match_transformers, redeqx_logits, sharded_state, torch_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -49,10 +49,7 @@ _ids = partial(random_ids, VOCAB, low=3)
 def test_logits_match_transformers_at_1_2_4_model_shards(checkpoints):
     d, hf = checkpoints["pre"]
     ids = _ids(batch=8)
-    ref = torch_logits(hf, ids)
-    assert np.abs(ref).max() > 1
-    for n in (1, 2, 4):
-        np.testing.assert_allclose(redeqx_logits(from_pretrained(d, redeqx.make_mesh(n)), ids), ref, atol=1e-4, rtol=0)
+    assert np.abs(logits_match_transformers(d, hf, ids)).max() > 1
 
 
 def test_post_layernorm_with_projected_embeddings_matches_transformers(checkpoints):
@@ -117,13 +114,10 @@ def test_train_step_communication_is_megatron(checkpoints):
     batch = jax.device_put({"ids": jnp.asarray(_ids(batch=8, seq=17))}, NamedSharding(mesh, P("data")))
 
     summary = accelerator_collectives(redeqx.make_train_step(next_token_loss, optimizer, mesh, specs), state, batch)
-    grad_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state.model))
+    grad_bytes = gradient_bytes(state.model)
     c = model.config
     analytic = megatron_bytes(c.hidden_size, c.num_hidden_layers, 8 // mesh.shape["data"], 16, grad_bytes)
-    moved = sum(v["bytes"] for v in summary.values())
-    assert set(summary) == {"all-reduce"}, summary  # no activation gathers
-    assert moved <= 1.15 * analytic, (moved, analytic, summary)
-    print(f"OPT train step at n_model_shards=4: {moved} bytes, {moved / analytic:.3f}x Megatron's {analytic}")
+    near_megatron(summary, analytic, "OPT")
 
 
 @pytest.mark.parametrize("name, sizes, n_params", [

@@ -18,7 +18,7 @@ import pytest
 import checkpoint_damage_worker
 import multihost_worker
 import redeqx
-from _helpers import DAMAGES, run_python
+from _helpers import COLLECTIVES, DAMAGES, run_python
 from redeqx import launch
 from redeqx.run import _distributed, _settings
 
@@ -143,13 +143,7 @@ def test_damage_is_caught_by_two_processes_on_every_layout(tmp_path):
 
 RUN_UNTIL_KILLED = """
     import os, sys, time
-    import jax, jax.numpy as jnp, numpy as np
-    import redeqx
-    redeqx.initialize()
-    mesh = redeqx.make_mesh()
-    x = jax.make_array_from_callback((8,), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")),
-                                     lambda idx: np.ones(8, np.float32)[idx])
-    total = jax.jit(jnp.sum)
+""" + COLLECTIVES + """
     total(x).block_until_ready()
     open(os.path.join(sys.argv[1], f"ready_{jax.process_index()}"), "w").write(str(os.getpid()))
     while True:  # a training loop: collectives with host work in between

@@ -324,13 +324,11 @@ def test_a_stack_of_moe_blocks_peels_the_layer_axis_from_every_leaf(devices):
 class QwenMoeAttention(eqx.Module):  # a family's name on its attention: "Moe" here says nothing of experts
     q_proj: eqx.nn.Linear
     k_proj: eqx.nn.Linear
-    v_proj: eqx.nn.Linear
     o_proj: eqx.nn.Linear
 
     def __init__(self, *, key):
-        k = jax.random.split(key, 4)
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
-            eqx.nn.Linear(DIM, DIM, use_bias=False, key=kk) for kk in k)
+        self.q_proj, self.k_proj, self.o_proj = (eqx.nn.Linear(DIM, DIM, use_bias=False, key=kk)
+                                                 for kk in jax.random.split(key, 3))
 
 
 class QwenMoeBlock(eqx.Module):
@@ -348,6 +346,6 @@ def test_a_family_named_moe_keeps_its_stacked_attention_megatron():
     blocks = eqx.filter_vmap(lambda kk: QwenMoeBlock(key=kk))(jax.random.split(jax.random.key(0), 3))
     specs = redeqx.sharding_rules(blocks, redeqx.make_mesh(2))
     column, row = P(None, "model", None), P(None, None, "model")
-    assert [specs.self_attn.q_proj.weight, specs.self_attn.k_proj.weight, specs.self_attn.v_proj.weight,
-            specs.self_attn.o_proj.weight] == [column, column, column, row]
+    attention = specs.self_attn
+    assert [attention.q_proj.weight, attention.k_proj.weight, attention.o_proj.weight] == [column, column, row]
     assert specs.mlp.w_in == specs.mlp.w_out == P(None, "model", None, None)

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import redeqx
 import written_otherwise as w
-from accelerator_count import accelerator_collectives
+from accelerator_count import step_bytes
 from redeqx._trees import is_spec, named_leaves
 from user_gpt import collate_fn, loss_fn, make_examples
 
@@ -24,17 +24,6 @@ RNG = np.random.default_rng(0)
 IMAGES = {"x": RNG.normal(size=(16, 3, 16, 16)).astype(np.float32), "y": RNG.integers(0, 10, 16).astype(np.int32)}
 VECTORS = {"x": RNG.normal(size=(16, 16)).astype(np.float32), "y": RNG.integers(0, 10, 16).astype(np.int32)}
 TOKENS = {"tokens": RNG.integers(0, 64, (16, 17)).astype(np.int32)}
-
-
-def step_bytes(model, loss, data, n, **rules):
-    mesh = redeqx.make_mesh(n)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        specs = redeqx.sharding_rules(model, mesh, **rules)
-    optimizer = optax.sgd(0.1)
-    state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
-    step = redeqx.make_train_step(loss, optimizer, mesh, specs)
-    return sum(v["bytes"] for v in accelerator_collectives(step, state, data).values()), specs
 
 
 @pytest.fixture(scope="module")

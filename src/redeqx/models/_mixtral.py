@@ -20,7 +20,7 @@ import jax
 from jaxtyping import PRNGKeyArray
 
 from ._config import DecoderConfig
-from ._layers import Linear, RMSNorm, check_config, model_and_head
+from ._layers import Linear, RMSNorm
 from ._llama import LlamaAttention, LlamaModel
 from ._moe import MoE
 from ._moe_lm import LlamaFields, MoECausalLM, MoEDecoderLayer, attention_config
@@ -126,9 +126,5 @@ class MixtralForCausalLM(MoECausalLM):
     lm_head: Linear | None
     config: MixtralConfig = eqx.field(static=True)
 
+    model_class, config_class = MixtralModel, MixtralConfig
     hf_experts = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
-
-    def __init__(self, config: MixtralConfig, *, key: PRNGKeyArray):
-        check_config(config, MixtralConfig)
-        self.model, self.lm_head = model_and_head(MixtralModel, config, config.hidden_size, key=key)
-        self.config = config

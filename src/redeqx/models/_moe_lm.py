@@ -18,7 +18,9 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from ..mesh import constrain
 from ..mesh import CONTEXT, MODEL
 from .._trees import is_array_like, named_leaves
-from ._layers import Cache, CausalLM, Stackable, is_stacked, lm_logits, run_layers, scan_unroll
+from ._layers import (
+    Cache, CausalLM, Stackable, check_config, is_stacked, lm_logits, model_and_head, run_layers, scan_unroll,
+)
 from ._llama import LlamaConfig, rope_frequencies
 from ._moe import MoE, RouterStats
 from ._safetensors import HFTensor
@@ -87,7 +89,15 @@ class MoEDecoderLayer(Stackable):
 class MoECausalLM(CausalLM):
     """A decoder-only LM whose layers return ``(x, cache, stats)``; subclasses
     hold ``model.embed_tokens``, ``model.layers``, ``model.norm``, ``lm_head``
-    and a ``config`` with ``n_experts``."""
+    and a ``config`` with ``n_experts``, and name their model and config classes."""
+
+    model_class: ClassVar[type]  # built from the config: embed_tokens, layers, norm
+    config_class: ClassVar[type]
+
+    def __init__(self, config, *, key: PRNGKeyArray):
+        check_config(config, self.config_class)
+        self.model, self.lm_head = model_and_head(self.model_class, config, config.hidden_size, key=key)
+        self.config = config
 
     def _run_aux(self, ids, positions, mask, cache: Cache | None, valid):
         c = self.config

@@ -23,7 +23,7 @@ import jax
 from jaxtyping import PRNGKeyArray
 
 from ._config import DecoderConfig
-from ._layers import SCAN_LAYERS, KVCache, Linear, RMSNorm, attend_and_project, check_config, model_and_head
+from ._layers import SCAN_LAYERS, KVCache, Linear, RMSNorm, attend_and_project
 from ._llama import LlamaAttention, LlamaConfig, LlamaMLP, LlamaModel, apply_rope
 from ._moe import MoE
 from ._moe_lm import LlamaFields, MoECausalLM, MoEDecoderLayer, attention_config
@@ -189,9 +189,5 @@ class Qwen3MoeForCausalLM(MoECausalLM):
     lm_head: Linear | None
     config: Qwen3MoeConfig = eqx.field(static=True)
 
+    model_class, config_class = Qwen3MoeModel, Qwen3MoeConfig
     hf_experts = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
-
-    def __init__(self, config: Qwen3MoeConfig, *, key: PRNGKeyArray):
-        check_config(config, Qwen3MoeConfig)
-        self.model, self.lm_head = model_and_head(Qwen3MoeModel, config, config.hidden_size, key=key)
-        self.config = config
