@@ -132,17 +132,16 @@ def _abstract_state(model, optimizer, mesh: Mesh, specs, key, trainable, model_s
                       model_state=model_state)
 
 
-def optimizer_update(optimizer: optax.GradientTransformation, model, grads, opt_state, trainable=None,
-                     **extra_args):
+def optimizer_update(optimizer: optax.GradientTransformation, params, static, grads, opt_state, **extra_args):
     """``(new_model, new_opt_state)``: the one optimizer update, of `make_train_step` and `apply_gradients`.
 
-    ``optimizer.update`` of ``model``'s trainable parameters (``grads``
+    ``optimizer.update`` of the trainable parameters ``params`` (with
+    ``static``, the rest of the model: `split_trainable`'s pair; ``grads``
     filtered to them), with ``extra_args`` passed to an optimizer that takes
     them (optax's ``GradientTransformationExtraArgs``, e.g. ``value=`` for
     ``reduce_on_plateau``) and ignored by one that does not, as
     ``optax.with_extra_args_support`` does; the updates are added in each
     parameter's own dtype (``optax.apply_updates``)."""
-    params, static = split_trainable(model, trainable)  # as init_state(..., trainable=) made the optimizer state
     if jax.tree.structure(jax.eval_shape(optimizer.init, params)) != jax.tree.structure(opt_state):
         raise ValueError(
             "state.opt_state does not match the trainable parameters of this step: pass the same optimizer and "
@@ -173,6 +172,6 @@ def apply_gradients(
         return {**state, "actor": redeqx.apply_gradients(state["actor"], grads, actor_optimizer)}, {}
     ```
     """
-    model, opt_state = optimizer_update(as_optimizer(optimizer), state.model, grads, state.opt_state, trainable,
-                                        **extra_args)
+    params, static = split_trainable(state.model, trainable)  # as init_state(..., trainable=) made the optimizer state
+    model, opt_state = optimizer_update(as_optimizer(optimizer), params, static, grads, state.opt_state, **extra_args)
     return dataclasses.replace(state, model=model, opt_state=opt_state, step=state.step + 1)

@@ -232,7 +232,7 @@ def _train_step(grads_of, optimizer, mesh: Mesh, trainable):
         key, step_key = jax.random.split(state.key)
         params, static = split_trainable(state.model, trainable)
         loss, aux, grads, model_state = grads_of(params, static, batch, step_key, state.model_state)
-        model, opt_state = optimizer_update(optimizer, state.model, grads, state.opt_state, trainable, value=loss)
+        model, opt_state = optimizer_update(optimizer, params, static, grads, state.opt_state, value=loss)
         new_state = TrainState(model=model, opt_state=opt_state, step=state.step + 1, key=key, model_state=model_state)
         return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
 
