@@ -63,20 +63,7 @@ class MixtralConfig(LlamaFields, DecoderConfig):
     hf_required = ("intermediate_size", "num_local_experts", "num_experts_per_tok")
     positive = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads", "num_local_experts", "num_experts_per_tok")
-
-    def check(self):
-        if self.num_experts_per_tok > self.num_local_experts:
-            raise ValueError(
-                f"MixtralConfig: num_experts_per_tok={self.num_experts_per_tok} exceeds num_local_experts="
-                f"{self.num_local_experts}; pass num_experts_per_tok <= num_local_experts."
-            )
-        if self.model_type != "mixtral":
-            raise ValueError(f"MixtralConfig.model_type must be 'mixtral', got {self.model_type!r}.")
-        super().check()  # LLaMA's checks of heads, head_dim, window
-
-    @property
-    def n_experts(self) -> int:
-        return self.num_local_experts
+    experts_field = "num_local_experts"
 
 
 class MixtralDecoderLayer(MoEDecoderLayer):
@@ -121,10 +108,6 @@ class MixtralForCausalLM(MoECausalLM):
     aux = config.router_aux_loss_coef * stats.load_balancing_loss()
     ```
     """
-
-    model: MixtralModel
-    lm_head: Linear | None
-    config: MixtralConfig = eqx.field(static=True)
 
     model_class, config_class = MixtralModel, MixtralConfig
     hf_experts = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}

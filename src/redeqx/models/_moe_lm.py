@@ -19,8 +19,9 @@ from ..mesh import constrain
 from ..mesh import CONTEXT, MODEL
 from .._trees import is_array_like, named_leaves
 from ._layers import (
-    Cache, CausalLM, Stackable, check_config, is_stacked, lm_logits, model_and_head, run_layers, scan_unroll,
+    Cache, CausalLM, Linear, Stackable, check_config, is_stacked, lm_logits, model_and_head, run_layers, scan_unroll,
 )
+from ._config import DecoderConfig
 from ._llama import LlamaConfig, rope_frequencies
 from ._moe import MoE, RouterStats
 from ._safetensors import HFTensor
@@ -46,13 +47,26 @@ def attention_config(config) -> LlamaConfig:
 
 
 class LlamaFields:
-    """A family config's `LLAMA_FIELDS` read from and written to ``config.json`` as `LlamaConfig`
+    """A mixture-of-experts family config's `LLAMA_FIELDS` read from and written to ``config.json`` as `LlamaConfig`
     does (RoPE, token ids, heads) and checked by LLaMA's checks; the family's own table reads and
     writes the rest (``attention_bias`` with them, which Mistral's ``config.json`` has no place for)."""
 
     hf_keys: ClassVar[dict] = dict.fromkeys(f for f in LLAMA_FIELDS if f != "attention_bias")
+    experts_field: ClassVar[str]  # the family's name for its number of experts
+
+    @property
+    def n_experts(self) -> int:
+        return getattr(self, self.experts_field)
 
     def check(self):
+        """Each token's experts are among the layer's, ``model_type`` is the family's, and LLaMA's
+        checks of heads, head_dim and window hold."""
+        name, n, field = type(self).__name__, self.n_experts, self.experts_field
+        if self.num_experts_per_tok > n:
+            raise ValueError(f"{name}: num_experts_per_tok={self.num_experts_per_tok} exceeds {field}={n}; "
+                             f"pass num_experts_per_tok <= {field}.")
+        if self.model_type != self.hf_type:
+            raise ValueError(f"{name}.model_type must be {self.hf_type!r}, got {self.model_type!r}.")
         attention_config(self)
 
     @classmethod
@@ -91,7 +105,11 @@ class MoECausalLM(CausalLM):
     hold ``model.embed_tokens``, ``model.layers``, ``model.norm``, ``lm_head``
     and a ``config`` with ``n_experts``, and name their model and config classes."""
 
-    model_class: ClassVar[type]  # built from the config: embed_tokens, layers, norm
+    model: eqx.Module  # a `model_class`: embed_tokens, layers, norm
+    lm_head: Linear | None  # None: tied to the embedding
+    config: DecoderConfig = eqx.field(static=True)
+
+    model_class: ClassVar[type]  # built from the config
     config_class: ClassVar[type]
 
     def __init__(self, config, *, key: PRNGKeyArray):

@@ -75,25 +75,16 @@ class Qwen3MoeConfig(LlamaFields, DecoderConfig):
     positive = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
                 "num_attention_heads", "num_experts", "num_experts_per_tok", "decoder_sparse_step")
 
+    experts_field = "num_experts"
+
     def check(self):
-        if self.num_experts_per_tok > self.num_experts:
-            raise ValueError(
-                f"Qwen3MoeConfig: num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts="
-                f"{self.num_experts}; pass num_experts_per_tok <= num_experts."
-            )
-        if self.model_type != "qwen3_moe":
-            raise ValueError(f"Qwen3MoeConfig.model_type must be 'qwen3_moe', got {self.model_type!r}.")
         if self.scan_layers and len(set(self.sparse_layers)) > 1:
             raise ValueError(
                 f"Qwen3MoeConfig: layers {[i for i, s in enumerate(self.sparse_layers) if not s]} are dense "
                 f"(mlp_only_layers={self.mlp_only_layers}, decoder_sparse_step={self.decoder_sparse_step}) and the "
                 "others sparse, which one stack of layers cannot hold; pass scan_layers=False (a list of layers)."
             )
-        super().check()  # LLaMA's checks of heads, head_dim, window
-
-    @property
-    def n_experts(self) -> int:
-        return self.num_experts
+        super().check()  # the experts, model_type, and LLaMA's checks
 
     @property
     def sparse_layers(self) -> tuple[bool, ...]:
@@ -184,10 +175,6 @@ class Qwen3MoeForCausalLM(MoECausalLM):
     aux = config.router_aux_loss_coef * stats.load_balancing_loss()
     ```
     """
-
-    model: Qwen3MoeModel
-    lm_head: Linear | None
-    config: Qwen3MoeConfig = eqx.field(static=True)
 
     model_class, config_class = Qwen3MoeModel, Qwen3MoeConfig
     hf_experts = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
