@@ -95,7 +95,7 @@ def test_padding_is_not_counted(checkpoints, kind):
     model = from_pretrained(d, one_device())
     ids, mask = _ids(seed=2), np.ones((2, 12), bool)
     mask[0, :4] = False
-    logits, stats = jax.vmap(model.with_aux)(jnp.asarray(ids), attention_mask=jnp.asarray(mask))
+    logits, stats = jax.jit(jax.vmap(model.with_aux))(jnp.asarray(ids), attention_mask=jnp.asarray(mask))
     want = _torch(hf, ids, mask)
     np.testing.assert_allclose(np.asarray(logits)[mask], want.logits.numpy()[mask], atol=1e-4, rtol=0)
     np.testing.assert_allclose(float(stats.load_balancing_loss()), float(want.aux_loss), atol=1e-5, rtol=0)
@@ -162,7 +162,7 @@ def test_init_model_puts_the_experts_on_model(model_cls, config_cls):
         assert stack.sharding.spec == P(None, "model", None, None)
         assert stack.addressable_shards[0].data.shape[1] == 2  # 8 experts over 4 shards
     assert block.gate.weight.sharding.spec in (P(), P(None, None, None))
-    logits = jax.vmap(model)(jnp.asarray(_ids()))
+    logits = jax.jit(jax.vmap(model))(jnp.asarray(_ids()))
     assert logits.shape == (2, 12, VOCAB) and bool(jnp.all(jnp.isfinite(logits)))
 
 
@@ -188,7 +188,7 @@ def test_mixtral_sliding_window(tmp_path):
     model = from_pretrained(tmp_path, one_device())
     assert model.config.sliding_window == 4
     ids = _ids()
-    np.testing.assert_allclose(jax.vmap(model)(jnp.asarray(ids)), _torch(hf, ids).logits.numpy(), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(jax.jit(jax.vmap(model))(jnp.asarray(ids)), _torch(hf, ids).logits.numpy(), atol=1e-4, rtol=0)
     prompt = _ids(batch=1, seq=5, seed=3)
     ours = np.asarray(jax.jit(lambda m, p: generate(m, p, max_new_tokens=6))(model, jnp.asarray(prompt)))
     np.testing.assert_array_equal(ours, _hf_greedy(hf, prompt, 6))

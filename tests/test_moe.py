@@ -33,14 +33,15 @@ def test_routing_matches_every_expert_on_every_token(k, normalize):
     moe = MoE(H, I, E, k, normalize_top_k=normalize, key=jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (3, 10, H))
     got = jax.jit(jax.vmap(lambda x: moe(x)[0]))(x)
-    np.testing.assert_allclose(got, jax.vmap(lambda x: dense(moe, x))(x), atol=1e-6, rtol=0)
-    np.testing.assert_allclose(moe(x[1])[0], dense(moe, x[1]), atol=1e-6, rtol=0)  # one sequence, no vmap
+    np.testing.assert_allclose(got, jax.jit(jax.vmap(lambda x: dense(moe, x)))(x), atol=1e-6, rtol=0)
+    one = eqx.filter_jit(lambda f, m, x: f(m, x))  # one sequence, no vmap (jitted: eager compiles op by op)
+    np.testing.assert_allclose(one(lambda m, x: m(x)[0], moe, x[1]), one(dense, moe, x[1]), atol=1e-6, rtol=0)
 
     def loss(f):
         return lambda m, x: jnp.sum(jax.vmap(lambda x: f(m, x))(x) ** 2)
 
     got = eqx.filter_jit(jax.grad(loss(lambda m, x: m(x)[0]), argnums=(0, 1)))(moe, x)
-    want = jax.grad(loss(dense), argnums=(0, 1))(moe, x)
+    want = eqx.filter_jit(jax.grad(loss(dense), argnums=(0, 1)))(moe, x)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 
@@ -61,11 +62,11 @@ def test_stacked_blocks_in_a_remat_scan_and_vmapped_weights():
         return lambda st, x: jnp.sum(jax.vmap(lambda x: run(st, x, f))(x) ** 2)
 
     got = eqx.filter_jit(eqx.filter_value_and_grad(loss(lambda m, x: m(x)[0])))(stack, x)
-    want = eqx.filter_value_and_grad(loss(dense))(stack, x)
+    want = eqx.filter_jit(eqx.filter_value_and_grad(loss(dense)))(stack, x)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
-    per_model = eqx.filter_vmap(lambda m, x: m(x)[0])(stack, x)
-    np.testing.assert_allclose(per_model, eqx.filter_vmap(dense)(stack, x), atol=1e-6, rtol=0)
+    per_model = eqx.filter_jit(eqx.filter_vmap(lambda m, x: m(x)[0]))(stack, x)
+    np.testing.assert_allclose(per_model, eqx.filter_jit(eqx.filter_vmap(dense))(stack, x), atol=1e-6, rtol=0)
 
 
 def test_a_vmapped_batch_is_one_grouped_matmul_over_its_tokens():
@@ -144,7 +145,7 @@ def test_under_a_mesh_each_data_shard_routes_its_own_rows():
     def loss(m, x):
         return jnp.sum(jax.vmap(lambda x: m(x)[0])(x) ** 2)
 
-    want = eqx.filter_value_and_grad(loss)(moe, x)
+    want = eqx.filter_jit(eqx.filter_value_and_grad(loss))(moe, x)  # one device
     mesh = redeqx.make_mesh(2)  # data=4, model=2: the experts split over model
     xs = jax.device_put(x, NamedSharding(mesh, P("data")))
     with jax.set_mesh(mesh):

@@ -29,11 +29,16 @@ def by_hand(optimizer, data, value: bool):
     model = make_model()
     params, static = eqx.partition(model, eqx.is_array)
     opt_state = optimizer.init(params)
-    for batch in data:
+
+    @jax.jit  # as a user's hand-written step is (op by op, each op compiled on its own)
+    def step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(lambda p: loss_fn(eqx.combine(p, static), batch, None))(params)
         kwargs = {"value": loss} if value else {}
         updates, opt_state = optimizer.update(grads, opt_state, params, **kwargs)
-        params = optax.apply_updates(params, updates)
+        return optax.apply_updates(params, updates), opt_state
+
+    for batch in data:
+        params, opt_state = step(params, opt_state, batch)
     return params
 
 
