@@ -107,7 +107,7 @@ def test_grouped_conv_weights_train_like_one_device(case, dims, devices):
     width, stacked, options = CASES[case]
     model = ConvNet(dims, width, stacked=stacked, key=jax.random.key(0))
     batch = data(dims, width)
-    grads = eqx.filter_grad(loss_fn)(model, batch, None)  # one device, no redeqx
+    grads = eqx.filter_jit(eqx.filter_grad(loss_fn))(model, batch, None)  # one device, no redeqx
     for n in (2, 4):
         specs, update = one_sgd_step_update(model, batch, n, **options)
         if case == "fsdp":
