@@ -2,6 +2,7 @@
 dtype casts, reading without redeqx, and faults (shape mismatch, corruption,
 unwritable paths)."""
 
+import functools
 import json
 import resource
 import signal
@@ -35,7 +36,11 @@ def assert_same(a, b):
         np.testing.assert_array_equal(x, y)
 
 
+@functools.cache
 def trained_state(mesh, key=0):
+    """A state after one step on ``mesh``, and its specs: built and compiled
+    once per mesh for the whole module (its arrays are immutable, and no test
+    donates them), not once a test."""
     specs, state = sharded_state(mlp(key=key), OPT, mesh)
     step = redeqx.make_train_step(mse_loss, OPT, mesh, specs)
     batch = {"x": jnp.ones((8, 8)), "y": jnp.zeros((8, 4))}
