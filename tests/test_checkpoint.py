@@ -352,7 +352,7 @@ def test_an_async_save_in_flight_survives_the_end_of_the_script(tmp_path):
 
     script = textwrap.dedent(f"""
         import os
-        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+        os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # the suite's, if set
         import jax, equinox as eqx, optax, redeqx
         mesh = redeqx.make_mesh(2)
         model = eqx.nn.MLP(64, 64, 256, depth=3, key=jax.random.key(0))
