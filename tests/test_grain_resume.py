@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("grain")
 
-from test_resume_preempted import ENV, TIMEOUT, compilation_cache  # noqa: E402, F401 (a module fixture)
+from test_resume_preempted import ENV, TIMEOUT  # noqa: E402
 
 WORKER = Path(__file__).with_name("grain_resume_worker.py")
 N_STEPS = 10

@@ -31,23 +31,6 @@ N_STEPS, EVERY, PACE = 12, 1000, "0.3"  # PACE: seconds after each step, so a si
 TIMEOUT = 240
 
 
-CACHE_ENV = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
-             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-    """Every run of a worker is a fresh process that compiles the programs the
-    runs before it compiled (~60 small ones, a quarter of its time): they share
-    JAX's persistent compilation cache, in a directory of this session's, and
-    a later run loads the same executables instead of compiling them. Only
-    process 0 writes to it (JAX's rule). test_grain_resume.py uses it too."""
-    ENV.update(zip(CACHE_ENV, (str(tmp_path_factory.mktemp("xla_cache")), "0", "0")))
-    yield
-    for name in CACHE_ENV:
-        ENV.pop(name, None)
-
-
 def start(workdir, *, launch=False, pace="0", every=EVERY, n_processes=2):
     cmd = [str(WORKER), str(workdir), str(every), pace]
     cmd = ([sys.executable, "-m", "redeqx.launch", "-n", str(n_processes), *cmd] if launch else [sys.executable, *cmd])
