@@ -2,6 +2,7 @@
 dtype casts, reading without redeqx, and faults (shape mismatch, corruption,
 unwritable paths)."""
 
+import functools
 import json
 import resource
 import signal
@@ -35,7 +36,11 @@ def assert_same(a, b):
         np.testing.assert_array_equal(x, y)
 
 
+@functools.cache
 def trained_state(mesh, key=0):
+    """A state after one step on ``mesh``, and its specs: built and compiled
+    once per mesh for the whole module (its arrays are immutable, and no test
+    donates them), not once a test."""
     specs, state = sharded_state(mlp(key=key), OPT, mesh)
     step = redeqx.make_train_step(mse_loss, OPT, mesh, specs)
     batch = {"x": jnp.ones((8, 8)), "y": jnp.zeros((8, 4))}
@@ -347,7 +352,7 @@ def test_an_async_save_in_flight_survives_the_end_of_the_script(tmp_path):
 
     script = textwrap.dedent(f"""
         import os
-        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+        os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # the suite's, if set
         import jax, equinox as eqx, optax, redeqx
         mesh = redeqx.make_mesh(2)
         model = eqx.nn.MLP(64, 64, 256, depth=3, key=jax.random.key(0))

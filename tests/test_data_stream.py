@@ -235,17 +235,23 @@ def loss_fn(model, batch, key):
     return jnp.mean((jax.vmap(model)(batch["x"]).sum(-1) - batch["y"]) ** 2)
 
 
-def train(workdir, data_path, collate_fn, stop_after=None):
-    """The README's resume loop over a shuffled stream, saving after every
-    step; stops after step ``stop_after``. Returns the state, the global ids
-    of every batch this call trained on, and, per batch, the ids of the rows
-    this process's devices hold."""
+def training():
+    """The mesh, model, specs, optimizer and train step every `train` call
+    starts from: made (and the step compiled) once per `resume_run`."""
     mesh = redeqx.make_mesh(2)
     model = eqx.nn.MLP(4, 2, 8, depth=1, key=jax.random.key(0))
     specs = redeqx.sharding_rules(model, mesh)
     optimizer = optax.adam(1e-2)
+    return mesh, model, specs, optimizer, redeqx.make_train_step(loss_fn, optimizer, mesh, specs)
+
+
+def train(setup, workdir, data_path, collate_fn, stop_after=None):
+    """The README's resume loop over a shuffled stream, saving after every
+    step, from a fresh state (as a new process starts); stops after step
+    ``stop_after``. Returns the state, the global ids of every batch this call
+    trained on, and, per batch, the ids of the rows this process's devices hold."""
+    mesh, model, specs, optimizer, train_step = setup
     state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
-    train_step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs)
     manager = redeqx.CheckpointManager(workdir)
     start_epoch, start_batch, seen, local = 0, 0, [], []
     if (found := manager.restore(state, mesh, specs)) is not None:
@@ -286,10 +292,10 @@ def resume_run(out: Path) -> dict:
         sizes.append(len(es))
         return collate(es)
 
-    data = out / "train.jsonl"
-    whole, seen, local = train(out / "whole", data, recording)
-    first, seen_first, local_first = train(out / "stopped", data, recording, stop_after=STOP)
-    resumed, seen_resumed, local_resumed = train(out / "stopped", data, recording)
+    data, setup = out / "train.jsonl", training()
+    whole, seen, local = train(setup, out / "whole", data, recording)
+    first, seen_first, local_first = train(setup, out / "stopped", data, recording, stop_after=STOP)
+    resumed, seen_resumed, local_resumed = train(setup, out / "stopped", data, recording)
     same = all(np.array_equal(a, b) for a, b in zip(parameters(whole), parameters(resumed), strict=True))
     return {"seen": seen, "seen_first": seen_first, "seen_resumed": seen_resumed, "local": local,
             "local_resumed": local_first + local_resumed, "same_parameters": same, "collated": sorted(set(sizes)),

@@ -57,7 +57,7 @@ def test_a_process_ending_its_script_early_is_named_and_the_run_ends(tmp_path):
 
 SAVE_AND_END = """
     import os, resource, signal, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # the suite's, if set
     import jax, equinox as eqx, optax, redeqx
     mesh = redeqx.make_mesh(2)
     model = eqx.nn.MLP(512, 512, 512, depth=3, key=jax.random.key(0))   # ~3 MB of arrays, ~10 MB with Adam
@@ -98,7 +98,7 @@ def test_a_save_in_flight_at_the_end_of_a_script_is_finished_or_its_loss_is_an_e
 
 READ_ONLY = """
     import os, subprocess, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # the suite's, if set
     import jax, equinox as eqx, optax, redeqx
     mesh = redeqx.make_mesh(2)
     model = eqx.nn.MLP(64, 64, 256, depth=3, key=jax.random.key(0))

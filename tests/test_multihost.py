@@ -218,7 +218,7 @@ def test_launcher_forwards_sigterm(tmp_path):
         time.sleep(600)
         """,
     )
-    proc = subprocess.Popen([sys.executable, "-m", "redeqx.launch", "-n", "2", "--devices", "2", "--grace", "5", script,
+    proc = subprocess.Popen([sys.executable, "-m", "redeqx.launch", "-n", "2", "--devices", "2", "--grace", "2", script,
                              str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_for_files([tmp_path / "ready_0", tmp_path / "ready_1"], [proc])
