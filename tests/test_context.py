@@ -1,5 +1,6 @@
 """Sequences split over a 'context' axis: the split step computes what one device does."""
 
+import dataclasses
 import functools
 
 import equinox as eqx
@@ -69,17 +70,14 @@ def test_make_mesh_context_axis(devices):
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("impl", ["gather", "ring"])
 @pytest.mark.parametrize("block", [None, 2])  # 2: each shard's 4 queries and keys in blocks of 2
-def test_attention_split_equals_one_device(getkey, monkeypatch, causal, impl, block):
+def test_attention_split_equals_one_device(monkeypatch, causal, impl, block):
     if block is not None:
         monkeypatch.setattr("redeqx.context._blockwise.BLOCK", block)
-    q, k, v = _qkv(getkey())
-    seg = jnp.asarray(np.r_[np.zeros(3), np.ones(13)].astype(np.int32))[None].repeat(2, 0)  # 3 padding tokens
-    weights = jax.random.normal(getkey(), q.shape)
+    (q, k, v, seg, weights), (want, want_grads) = _naive_case(causal, 16, 3, None)  # 3 padding tokens
 
     def loss(q, k, v, seg, weights):
         return jnp.sum(redeqx.attention(q, k, v, causal=causal, segment_ids=seg, impl=impl) * weights)
 
-    want, want_grads = jax.value_and_grad(_naive_loss, argnums=(0, 1, 2))(q, k, v, seg, weights, causal)
     plain = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v, seg, weights)  # no mesh: plain attention
     np.testing.assert_allclose(plain[0], want, rtol=1e-5)
     mesh = _mesh(2, 2, 2)
@@ -96,20 +94,29 @@ def _naive_loss(q, k, v, seg, weights, causal, window=None):
     return jnp.sum(_naive(q, k, v, seg, causal, window) * weights)
 
 
+@functools.cache
+def _naive_case(causal, t, padding, window):
+    """The inputs of an attention test (2 sequences of ``t`` tokens, the first ``padding`` of them a
+    segment of their own) and the written-out attention's loss and gradients on them: computed once
+    for every impl and block size that is compared with them (jitted: eagerly each op compiled alone)."""
+    q, k, v = _qkv(jax.random.key(0), t=t)
+    seg = jnp.asarray(np.r_[np.zeros(padding), np.ones(t - padding)].astype(np.int32))[None].repeat(2, 0)
+    weights = jax.random.normal(jax.random.key(1), q.shape)
+    naive = jax.jit(jax.value_and_grad(_naive_loss, argnums=(0, 1, 2)), static_argnums=(5, 6))
+    return (q, k, v, seg, weights), naive(q, k, v, seg, weights, causal, window)
+
+
 @pytest.mark.parametrize("impl", ["gather", "ring"])
 @pytest.mark.parametrize("window", [1, 3, 6, 40])  # 1: itself only; 40: longer than the sequence
-def test_sliding_window_split_equals_one_device(getkey, monkeypatch, impl, window):
+def test_sliding_window_split_equals_one_device(monkeypatch, impl, window):
     """Blocks of 2 tokens over 4 shards: a window of 3 hides some pairs of
     every shard's table, unequally (the tables are padded with hidden pairs)."""
     monkeypatch.setattr("redeqx.context._blockwise.BLOCK", 2)
-    q, k, v = _qkv(getkey(), t=32)
-    seg = jnp.asarray(np.r_[np.zeros(5), np.ones(27)].astype(np.int32))[None].repeat(2, 0)
-    weights = jax.random.normal(getkey(), q.shape)
+    (q, k, v, seg, weights), (want, want_grads) = _naive_case(True, 32, 5, window)
 
     def loss(q, k, v, seg, weights):
         return jnp.sum(redeqx.attention(q, k, v, segment_ids=seg, window=window, impl=impl) * weights)
 
-    want, want_grads = jax.value_and_grad(_naive_loss, argnums=(0, 1, 2))(q, k, v, seg, weights, True, window)
     np.testing.assert_allclose(loss(q, k, v, seg, weights), want, rtol=1e-5)  # no mesh: plain attention
     mesh = _mesh(1, 4, 2)
     order = redeqx.context_order(32, 4)
@@ -186,8 +193,16 @@ def test_make_mesh_auto_searches_the_context_axis(devices):
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
 
     two = jax.devices()[:2]
-    planner = functools.partial(redeqx.plan, lambda key: models.LlamaForCausalLM(config, key=key), loss_fn,
-                                optax.adamw(1e-3), batch, seq_keys=("input_ids", "labels"), explore=False)
+    compiled = {}  # mesh shape -> its plan: each candidate mesh's step compiled once, whatever the device_memory
+
+    def planner(mesh, device_memory, explore=False):  # redeqx.plan's keywords, as make_mesh passes them
+        shape = tuple(dict(mesh.shape).items())
+        if shape not in compiled:
+            compiled[shape] = redeqx.plan(lambda key: models.LlamaForCausalLM(config, key=key), loss_fn,
+                                          optax.adamw(1e-3), batch, mesh, seq_keys=("input_ids", "labels"),
+                                          explore=False, device_memory=1e12)
+        return dataclasses.replace(compiled[shape], device_memory=device_memory)
+
     split_model = planner(redeqx.make_mesh(2, devices=two), device_memory=1e12).peak
     split_seq = planner(redeqx.make_mesh(1, n_context_shards=2, devices=two), device_memory=1e12).peak
     assert split_seq < split_model  # a long sequence: splitting it saves more than splitting the weights
@@ -327,8 +342,17 @@ def _train(make, loss_fn, mesh, seq_keys, steps=3, accumulate=1):
     return losses, jax.tree.leaves(eqx.filter(state.model, eqx.is_array))
 
 
-def _like_one_device(make, loss_fn, shape, accumulate=1):
-    want, want_params = _train(make, loss_fn, redeqx.make_mesh(1, devices=jax.devices()[:1]), None, accumulate=accumulate)
+_ONE_DEVICE = {}  # reference name -> one device's losses and parameters
+
+
+def _like_one_device(make, loss_fn, shape, accumulate=1, reference=None):
+    """Trains like one device on ``_mesh(*shape)``. The one-device run is computed once per
+    ``reference`` name (given where several cases train the same model with the same loss)."""
+    if reference is None or reference not in _ONE_DEVICE:
+        one = _train(make, loss_fn, redeqx.make_mesh(1, devices=jax.devices()[:1]), None, accumulate=accumulate)
+        if reference is not None:
+            _ONE_DEVICE[reference] = one
+    want, want_params = one if reference is None else _ONE_DEVICE[reference]
     got, params = _train(make, loss_fn, _mesh(*shape), SEQ_KEYS, accumulate=accumulate)
     np.testing.assert_allclose(got, want, rtol=2e-5)
     for a, b in zip(params, want_params):
@@ -393,22 +417,27 @@ def test_input_cut_in_loss_fn_names_the_cut_not_collate_fn(devices):
         next(redeqx.batches([{"input_ids": np.arange(6)}] * 2, _collate, 2, _mesh(1, 2, 1), seq_keys=("input_ids",)))
 
 
-# every mesh with the gather; the ring (which equals it, tested above on the attention alone) on the two
-# meshes whose rings are longest and mixed with data and model
-SPLITS = [(shape, "gather") for shape in MESHES] + [((1, 8, 1), "ring"), ((2, 2, 2), "ring")]
+# LLaMA on the two meshes that hold every split (the ring, which equals the gather as tested above on the
+# attention alone, included): (1, 8, 1), the longest ring and most context shards, and (2, 2, 2), context
+# mixed with data and model. The meshes between, (2, 4, 1) and (1, 4, 2), run the same split code (batches,
+# redeqx.attention, sequence_positions) with the user's model below on every mesh.
+SPLITS = [(shape, impl) for shape in ((1, 8, 1), (2, 2, 2)) for impl in ("gather", "ring")]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("shape", "impl"), SPLITS)
 def test_llama_trains_like_one_device_every_split(devices, shape, impl):
     config = models.LlamaConfig(**{**CONFIG.__dict__, "context_attention": impl})
-    _like_one_device(lambda: models.LlamaForCausalLM(config, key=jax.random.key(0)), llama_loss, shape)
+    # one device has no context axis, where redeqx.attention runs the same plain attention for either impl:
+    # one reference for every split
+    _like_one_device(lambda: models.LlamaForCausalLM(config, key=jax.random.key(0)), llama_loss, shape,
+                     reference="llama")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("shape", "causal"), [(shape, True) for shape in MESHES] + [((1, 8, 1), False), ((2, 2, 2), False)])
 def test_users_model_trains_like_one_device(devices, shape, causal):
-    _like_one_device(lambda: UserModel(causal, jax.random.key(0)), user_loss, shape)
+    _like_one_device(lambda: UserModel(causal, jax.random.key(0)), user_loss, shape, reference=("user", causal))
 
 
 @pytest.mark.slow

@@ -81,10 +81,18 @@ def gradient_and_flops(make, loss_fn, mesh, seq_keys):
         return compiled(params, batch), estimated_flops(compiled.as_text(), ops=("dot",))
 
 
-def assert_split_like_one_device(make, loss_fn, mesh):
+_ONE_DEVICE = {}  # reference name -> one device's gradient and FLOPs
+
+
+def assert_split_like_one_device(make, loss_fn, mesh, reference=None):
     """The gradient on ``mesh``, the sequence split over its 'context' axis, is one device's;
-    returns the matrix-product FLOPs per device of both: ``(split, one)``."""
-    want, one = gradient_and_flops(make, loss_fn, redeqx.make_mesh(1, devices=jax.devices()[:1]), None)
+    returns the matrix-product FLOPs per device of both: ``(split, one)``. One device's is
+    computed once per ``reference`` name (given where cases differ only in what a split changes)."""
+    if reference not in _ONE_DEVICE:
+        _ONE_DEVICE[reference] = gradient_and_flops(make, loss_fn, redeqx.make_mesh(1, devices=jax.devices()[:1]), None)
+    want, one = _ONE_DEVICE[reference]
+    if reference is None:
+        del _ONE_DEVICE[None]
     got, split = gradient_and_flops(make, loss_fn, mesh, SEQ_KEYS)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
@@ -112,7 +120,10 @@ WINDOWED = {  # a sliding window of 5 tokens over chunks of 4 (8 tokens to a sha
 def test_sliding_window_splits_like_one_device(devices, family):
     """The gradient of a sliding-window model on (data, context, model) = (1, 4, 2), padded on both
     sides, is one device's."""
-    assert_split_like_one_device(WINDOWED[family], moe_loss if family in MOE else llama_loss, _mesh(1, 4, 2))
+    # Mistral's ring and gather differ only in how a context axis splits attention, which one device has not
+    # (there redeqx.attention runs the same plain attention): one reference for both
+    assert_split_like_one_device(WINDOWED[family], moe_loss if family in MOE else llama_loss, _mesh(1, 4, 2),
+                                 reference="mistral" if family.startswith("mistral") else None)
 
 
 def seq2seq_loss(model, batch, key):

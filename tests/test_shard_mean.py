@@ -18,20 +18,31 @@ from accelerator_count import accelerator_collectives
 from user_gpt import GPT, collate_fn, loss_fn, make_examples
 
 
-def make_gpt():
-    return GPT(vocab=64, seq=16, width=32, layers=2, heads=4, key=jax.random.key(0))
+def make_gpt(layers=1):
+    """One block: what the option changes (each data shard's gradients, averaged) is the same for every
+    block, and a second one only lengthened every program the tests here compile (the memory test keeps two)."""
+    return GPT(vocab=64, seq=16, width=32, layers=layers, heads=4, key=jax.random.key(0))
 
 
 BATCHES = [collate_fn(make_examples(16, seq=16, vocab=64, seed=i)) for i in range(3)]
 
 
+OPTIMIZER = optax.sgd(0.1, momentum=0.9)
+_PLAIN_STEPS = {}  # (mesh, loss) -> a step without options, compiled once for every test that trains it
+
+
 def train(mesh, loss=loss_fn, batches=BATCHES, **kwargs):
     model = make_gpt()
     specs = redeqx.sharding_rules(model, mesh)
-    optimizer = optax.sgd(0.1, momentum=0.9)
-    state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1),
+    state = redeqx.init_state(model, OPTIMIZER, mesh, specs, key=jax.random.key(1),
                               trainable=kwargs.get("trainable"))
-    step = redeqx.make_train_step(loss, optimizer, mesh, specs, **kwargs)
+    if kwargs:  # shard_mean_loss=True among them: a step of its own, whose first call checks the loss
+        step = redeqx.make_train_step(loss, OPTIMIZER, mesh, specs, **kwargs)
+    else:
+        key = (tuple(mesh.devices.flat), tuple(dict(mesh.shape).items()), loss)
+        if key not in _PLAIN_STEPS:
+            _PLAIN_STEPS[key] = redeqx.make_train_step(loss, OPTIMIZER, mesh, specs)
+        step = _PLAIN_STEPS[key]
     losses = []
     for batch in batches:
         state, metrics = step(state, batch)
@@ -217,7 +228,7 @@ def test_the_first_call_check_needs_less_memory_than_the_step(devices):
     each shard, so it never needs more memory than the step it guards
     (XLA's own figures for both compiled programs)."""
     mesh = redeqx.make_mesh(2)
-    model = make_gpt()
+    model = make_gpt(layers=2)
     specs = redeqx.sharding_rules(model, mesh)
     optimizer = optax.adamw(1e-3)
     state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
