@@ -150,20 +150,26 @@ def reassociated_collectives(hlo_text: str) -> list[Collective]:
 def partitioned_text(fn: Callable, *args, **kwargs) -> str:
     """The HLO text of ``fn`` right after SPMD partitioning, before the
     backend's own passes (compiled once more, with XLA's dump switched on)."""
+    return compiled_and_partitioned_text(fn.lower(*args, **kwargs))[1]
+
+
+def compiled_and_partitioned_text(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, str]:
+    """``lowered`` compiled once, with XLA's dump switched on, and the HLO text right after SPMD
+    partitioning (see `partitioned_text`): the executable runs the program whose bytes are read,
+    so a test that also runs the step need not compile it again."""
     import glob
     import os
     import tempfile
 
-    lowered = fn.lower(*args, **kwargs)
     with tempfile.TemporaryDirectory() as d:
-        lowered.compile({"xla_dump_to": d, "xla_dump_hlo_pass_re": "spmd-partitioning"})
+        compiled = lowered.compile({"xla_dump_to": d, "xla_dump_hlo_pass_re": "spmd-partitioning"})
         files = glob.glob(os.path.join(d, "*after_spmd-partitioning*.txt"))
         if not files:
-            text = lowered.compile().as_text()
+            text = compiled.as_text()
             if re.search(r"num_partitions=([2-9]|\d\d)", text):
                 raise RuntimeError("XLA wrote no HLO after 'spmd-partitioning' (has the pass been renamed?)")
-            return text  # one device: nothing to partition, no collectives
-        return max((open(f).read() for f in files), key=len)
+            return compiled, text  # one device: nothing to partition, no collectives
+        return compiled, max((open(f).read() for f in files), key=len)
 
 
 def accelerator_collectives(fn: Callable, *args, **kwargs) -> dict[str, dict[str, int]]:

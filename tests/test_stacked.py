@@ -130,8 +130,16 @@ def test_stacked_step_costs_what_the_unrolled_one_does(n_model_shards):
     assert rematted[0] <= 1.15 * rematted[1], rematted
 
 
+@pytest.fixture(scope="module")
+def eight_layers_plain():
+    """The temporaries of the 8-layer stack's step at 2 model shards, no remat, the default
+    scan_residuals="products": the baseline of both tests below (compiled once for both)."""
+    return compiled_step(make(layers=8), 2).memory_analysis().temp_size_in_bytes
+
+
 @pytest.mark.slow
-def test_remat_reaches_the_scan_body():
+@pytest.mark.xdist_group("stacked_eight_layers")  # one worker compiles eight_layers_plain for both
+def test_remat_reaches_the_scan_body(eight_layers_plain):
     """Each layer of the scan recomputed: at least the unrolled model's saving
     (<= 0.6x of no remat at 8 layers), the same gradients, and a choice of
     what to keep."""
@@ -140,7 +148,7 @@ def test_remat_reaches_the_scan_body():
     def temp(m, loss):
         return compiled_step(m, 2, loss).memory_analysis().temp_size_in_bytes
 
-    plain, nothing, dots = temp(model, loss_fn), temp(model, redeqx.remat(loss_fn)), \
+    plain, nothing, dots = eight_layers_plain, temp(model, redeqx.remat(loss_fn)), \
         temp(model, redeqx.remat(loss_fn, keep="dots"))
     listed = unstacked(model)
     assert nothing <= 0.6 * plain, (nothing, plain)
@@ -148,7 +156,7 @@ def test_remat_reaches_the_scan_body():
     assert nothing <= dots <= plain, (nothing, dots, plain)
 
     data = jax.tree.map(jnp.asarray, batch(4))
-    grads = [eqx.filter_grad(f)(model, data, jax.random.key(0))
+    grads = [eqx.filter_jit(eqx.filter_grad(f))(model, data, jax.random.key(0))  # compiled: not op by op
              for f in (loss_fn, redeqx.remat(loss_fn), redeqx.remat(loss_fn, keep="dots"))]
     for g in grads[1:]:
         for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(grads[0])):
@@ -189,19 +197,20 @@ def _checkpoints(f, *args) -> int:
     return count(jax.make_jaxpr(f)(*args).jaxpr)
 
 
-def test_a_scan_keeps_only_its_products_by_default():
+@pytest.mark.xdist_group("stacked_eight_layers")
+def test_a_scan_keeps_only_its_products_by_default(eight_layers_plain):
     """make_train_step's scan_residuals="products" (the default): a stack's
     temporaries well below what JAX's scan keeps by itself ("all"), the same
     loss and gradients, a scan its author checkpointed left as written,
     non-array outputs passed through, and a wrong value a clear error."""
     model = make(layers=8)
-    products, everything = (compiled_step(model, 2, scan_residuals=s).memory_analysis().temp_size_in_bytes
-                            for s in ("products", "all"))
+    products = eight_layers_plain  # compiled with the default, scan_residuals="products"
+    everything = compiled_step(model, 2, scan_residuals="all").memory_analysis().temp_size_in_bytes
     assert products <= 0.6 * everything, (products, everything)
 
     keep_products = redeqx.steps._remat.scans_keep_products
     data, key = jax.tree.map(jnp.asarray, batch(4)), jax.random.key(0)
-    (loss, grads), (kept_loss, kept_grads) = (eqx.filter_value_and_grad(f)(model, data, key)
+    (loss, grads), (kept_loss, kept_grads) = (eqx.filter_jit(eqx.filter_value_and_grad(f))(model, data, key)
                                               for f in (loss_fn, keep_products(loss_fn)))
     np.testing.assert_allclose(kept_loss, loss, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(kept_grads), jax.tree.leaves(grads)):
