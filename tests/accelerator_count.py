@@ -189,3 +189,31 @@ def step_bytes(model, loss, data, n: int, **rules):
     state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
     step = redeqx.make_train_step(loss, optimizer, mesh, specs)
     return sum(v["bytes"] for v in accelerator_collectives(step, state, data).values()), specs
+
+
+def compiled_train_step(model, loss, data, n: int, optimizer, *, devices=None, **rules):
+    """The train step of ``model`` on ``make_mesh(n, devices=devices)`` under ``sharding_rules(model,
+    mesh, **rules)`` (warnings silenced), compiled once to serve both a bytes check and a run:
+    ``(bytes an accelerator moves in it, specs, initial state, run)``, where ``run(state, batch) ->
+    (state, metrics)`` runs that executable as the step's own call would (the batch placed on the
+    mesh, the state's array leaves donated). On one device the bytes are 0."""
+    from redeqx._trees import CONCRETE_ARRAYS
+    from redeqx.data._batch import place_batch
+
+    mesh = redeqx.make_mesh(n, devices=devices)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        specs = redeqx.sharding_rules(model, mesh, **rules)
+    state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
+    step = redeqx.make_train_step(loss, optimizer, mesh, specs)
+    compiled, text = compiled_and_partitioned_text(step.lower(state, data))
+    moved = sum(v["bytes"] for v in summarise(reassociated_collectives(text)).values())
+
+    def run(state, batch):
+        leaves, treedef = jax.tree.flatten(state)
+        is_array = [isinstance(x, CONCRETE_ARRAYS) for x in leaves]
+        new, metrics = compiled([x for x, a in zip(leaves, is_array) if a], (place_batch(batch, mesh),))
+        new = iter(new)
+        return jax.tree.unflatten(treedef, [next(new) if a else x for x, a in zip(leaves, is_array)]), metrics
+
+    return moved, specs, state, run

@@ -4,6 +4,7 @@ kernels used as x @ w, an unannotated stack under lax.scan, a conv patch
 embedding, Meta-style grouped-query attention, nested Sequential) gets the
 Megatron plan's collective bytes, and trains like one device."""
 
+import functools
 import warnings
 
 import jax
@@ -15,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import redeqx
 import written_otherwise as w
-from accelerator_count import step_bytes
+from accelerator_count import compiled_train_step, step_bytes
 from redeqx._trees import is_spec, named_leaves
 from user_gpt import collate_fn, loss_fn, make_examples
 
@@ -33,11 +34,15 @@ def reference_bytes():
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("written_otherwise")  # one worker compiles reference_bytes and at_4_shards for all
 @pytest.mark.parametrize("kind", ["raw", "flax", "scan"])
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_a_gpt_written_otherwise_moves_the_megatron_bytes(kind, n, reference_bytes):
-    model = w.OtherGPT(kind, key=jax.random.key(0))
-    program, specs = step_bytes(model, w.gpt_loss, GPT_BATCH, n, loss_fn=w.gpt_loss, batch=GPT_BATCH)
+    if n == 4:  # the step the training test below runs, compiled once for both
+        program, specs = at_4_shards(kind)[:2]
+    else:
+        model = w.OtherGPT(kind, key=jax.random.key(0))
+        program, specs = step_bytes(model, w.gpt_loss, GPT_BATCH, n, loss_fn=w.gpt_loss, batch=GPT_BATCH)
     assert program <= 1.15 * reference_bytes[n], (program, reference_bytes[n])
     layers = specs.blocks if kind == "scan" else specs.blocks[0]
     if kind == "flax":  # (in, out) kernels: the column splits dim 1, the row dim 0
@@ -61,13 +66,25 @@ WRITTEN_OTHERWISE = {
 }
 
 
+@functools.cache
+def at_4_shards(case):
+    """The program plan's train step of ``WRITTEN_OTHERWISE[case]`` at 4 model shards (SGD with
+    momentum), compiled once: ``(bytes, specs, state, run)`` (`compiled_train_step`). The bytes tests
+    read its bytes and specs (an optimizer's update moves nothing: its bytes are plain SGD's), the
+    training test runs it."""
+    make, loss, batch = WRITTEN_OTHERWISE[case]
+    return compiled_train_step(make(jax.random.key(0)), loss, batch, 4, optax.sgd(0.1, momentum=0.9),
+                               loss_fn=loss, batch=batch)
+
+
 @pytest.mark.slow
+@pytest.mark.xdist_group("written_otherwise")
 @pytest.mark.parametrize("case", sorted(WRITTEN_OTHERWISE))
 def test_a_model_written_otherwise_trains_like_one_device_at_4_shards(case, devices):
     make, loss, batch = WRITTEN_OTHERWISE[case]
 
-    def run(n, devs):
-        mesh = redeqx.make_mesh(n, devices=devs)
+    def one_device():
+        mesh = redeqx.make_mesh(1, devices=devices[:1])
         model = make(jax.random.key(0))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -81,8 +98,16 @@ def test_a_model_written_otherwise_trains_like_one_device_at_4_shards(case, devi
             losses.append(float(metrics["loss"]))
         return losses
 
+    def four_shards():  # the executable the bytes tests read, run from its first state
+        _, _, state, run = at_4_shards(case)
+        losses = []
+        for _ in range(3):
+            state, metrics = run(state, batch)
+            losses.append(float(metrics["loss"]))
+        return losses
+
     # 4 shards (2 data x 4 model): the bytes tests above hold the plans at 2 and 8 too
-    np.testing.assert_allclose(run(4, devices), run(1, devices[:1]), rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(four_shards(), one_device(), rtol=2e-5, atol=2e-6)
 
 
 def test_names_alone_warn_about_weights_they_cannot_place():
@@ -94,11 +119,15 @@ def test_names_alone_warn_about_weights_they_cannot_place():
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("written_otherwise")
 def test_a_conv_patch_embedding_does_not_split_the_residual_stream():
     model = w.ViT(key=jax.random.key(0))
     for n in (2, 4):
         hand, _ = step_bytes(model, w.image_loss, IMAGES, n, overrides=[(r"^patch\.", P())])
-        program, specs = step_bytes(model, w.image_loss, IMAGES, n, loss_fn=w.image_loss, batch=IMAGES)
+        if n == 4:  # the training test's step, compiled once for both
+            program, specs = at_4_shards("vit")[:2]
+        else:
+            program, specs = step_bytes(model, w.image_loss, IMAGES, n, loss_fn=w.image_loss, batch=IMAGES)
         assert specs.patch.weight == P() and program <= 1.15 * hand, (program, hand)
 
 

@@ -12,13 +12,10 @@ import numpy as np
 import optax
 import pytest
 import reviewed_models as R
-from accelerator_count import compiled_and_partitioned_text, reassociated_collectives, step_bytes
+from accelerator_count import compiled_train_step, step_bytes
 from jax.sharding import PartitionSpec as P
 
 import redeqx
-from redeqx._trees import CONCRETE_ARRAYS
-from redeqx.data._batch import place_batch
-from redeqx.planner._hlo import summarise
 
 
 def rules(name, n, **kwargs):
@@ -87,29 +84,13 @@ def test_names_alone_warn_about_flax_kernels():
 
 def program_step(name, n, devices):
     """One SGD step of the program's plan on ``make_mesh(n)`` at learning rate 1 (so the change is minus
-    the gradient): its loss, the changes, and the bytes an accelerator moves in it. On several devices
-    the one compile that shows the partitioned program (`compiled_and_partitioned_text`) also runs it."""
+    the gradient): the bytes an accelerator moves in it, its loss and the changes. The one compile
+    that shows the partitioned program also runs it (`compiled_train_step`)."""
     make, loss, batch = R.MODELS[name]
-    model = make(jax.random.key(0))
-    mesh = redeqx.make_mesh(n, devices=devices)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        specs = redeqx.sharding_rules(model, mesh, loss_fn=loss, batch=batch)
-    optimizer = optax.sgd(1.0)
-    state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
+    moved, _, state, run = compiled_train_step(make(jax.random.key(0)), loss, batch, n, optax.sgd(1.0),
+                                               devices=devices, loss_fn=loss, batch=batch)
     before = [np.asarray(x) for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_array))]
-    step = redeqx.make_train_step(loss, optimizer, mesh, specs)
-    if n == 1:
-        moved, (state, metrics) = 0, step(state, batch)
-    else:
-        compiled, text = compiled_and_partitioned_text(step.lower(state, batch))
-        moved = sum(v["bytes"] for v in summarise(reassociated_collectives(text)).values())
-        # the step's own call, on the executable compiled above: the state's array leaves, then the batch
-        leaves, treedef = jax.tree.flatten(state)
-        is_array = [isinstance(x, CONCRETE_ARRAYS) for x in leaves]
-        new, metrics = compiled([x for x, a in zip(leaves, is_array) if a], (place_batch(batch, mesh),))
-        new = iter(new)
-        state = jax.tree.unflatten(treedef, [next(new) if a else x for x, a in zip(leaves, is_array)])
+    state, metrics = run(state, batch)
     after = [np.asarray(x) for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_array))]
     return moved, float(metrics["loss"]), [b - a for a, b in zip(before, after)]
 
