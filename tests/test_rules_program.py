@@ -34,7 +34,6 @@ def reference_bytes():
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("written_otherwise")  # one worker compiles reference_bytes and at_4_shards for all
 @pytest.mark.parametrize("kind", ["raw", "flax", "scan"])
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_a_gpt_written_otherwise_moves_the_megatron_bytes(kind, n, reference_bytes):
@@ -78,7 +77,6 @@ def at_4_shards(case):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("written_otherwise")
 @pytest.mark.parametrize("case", sorted(WRITTEN_OTHERWISE))
 def test_a_model_written_otherwise_trains_like_one_device_at_4_shards(case, devices):
     make, loss, batch = WRITTEN_OTHERWISE[case]
@@ -119,7 +117,6 @@ def test_names_alone_warn_about_weights_they_cannot_place():
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("written_otherwise")
 def test_a_conv_patch_embedding_does_not_split_the_residual_stream():
     model = w.ViT(key=jax.random.key(0))
     for n in (2, 4):

@@ -138,7 +138,6 @@ def eight_layers_plain():
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("stacked_eight_layers")  # one worker compiles eight_layers_plain for both
 def test_remat_reaches_the_scan_body(eight_layers_plain):
     """Each layer of the scan recomputed: at least the unrolled model's saving
     (<= 0.6x of no remat at 8 layers), the same gradients, and a choice of
@@ -197,7 +196,6 @@ def _checkpoints(f, *args) -> int:
     return count(jax.make_jaxpr(f)(*args).jaxpr)
 
 
-@pytest.mark.xdist_group("stacked_eight_layers")
 def test_a_scan_keeps_only_its_products_by_default(eight_layers_plain):
     """make_train_step's scan_residuals="products" (the default): a stack's
     temporaries well below what JAX's scan keeps by itself ("all"), the same
