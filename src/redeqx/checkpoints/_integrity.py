@@ -92,26 +92,30 @@ def _hex(lanes) -> str:
 
 
 @jax.jit
-def _fingerprint(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One leaf's ``uint32`` word sum (wrapping mod 2**32), the two lanes of
-    its content hash, and whether every value is finite, in one pass on its
-    devices. Compiled once per shape, dtype and layout: a model's hundreds of
-    leaves come in a few shapes, so a save compiles a few small programs
-    (one program over every leaf took 2-4x as long to compile on XLA:CPU)."""
-    finite = jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
-    bits = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
-    bits = jax.lax.bitcast_convert_type(bits, jnp.dtype(f"uint{bits.dtype.itemsize * 8}"))
-    # as the first format defined it: a 64-bit word counts its low half
-    checksum = jnp.sum(bits.astype(jnp.uint32), dtype=jnp.uint32)
-    return checksum, _content_hash(_words(x)), finite
+def _fingerprints(leaves: list) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per leaf, its ``uint32`` word sum (wrapping mod 2**32), the two
+    lanes of its content hash, and whether every value is finite: one pass,
+    one fetch, inside every save and restore."""
+
+    def finite(x):
+        return jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
+
+    def checksum(x):  # as the first format defined it: a 64-bit word counts its low half
+        if x.dtype == jnp.bool_:
+            x = x.astype(jnp.uint8)
+        bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}"))
+        return jnp.sum(bits.astype(jnp.uint32), dtype=jnp.uint32)
+
+    if not leaves:
+        return jnp.zeros((0,), jnp.uint32), jnp.zeros((0, 2), jnp.uint32), jnp.zeros((0,), jnp.bool_)
+    return (jnp.stack([checksum(x) for x in leaves]), jnp.stack([_content_hash(_words(x)) for x in leaves]),
+            jnp.stack([finite(x) for x in leaves]))
 
 
 def fingerprints(leaves: list[jax.Array]) -> tuple[list[int], list[str], list[bool]]:
-    """`_fingerprint` of every leaf, on the host: word sums, content hashes
-    as hex, finiteness."""
-    # one leaf at a time: XLA:CPU can deadlock with many programs holding collectives in flight at once
-    got = [jax.device_get(_fingerprint(x)) for x in leaves]
-    return [int(s) for s, _, _ in got], [_hex(h) for _, h, _ in got], [bool(f) for _, _, f in got]
+    """`_fingerprints` on the host: word sums, content hashes as hex, finiteness."""
+    sums, hashes, finite = jax.device_get(_fingerprints(leaves))
+    return np.asarray(sums).tolist(), [_hex(h) for h in np.asarray(hashes)], np.asarray(finite).tolist()
 
 
 _PIECES = "xxh3_128"  # the older checkpoints' hashes, per saved piece
