@@ -36,6 +36,7 @@ from ._layers import (
     feed_forward,
     heads,
     square_linears,
+    up_and_down,
 )
 from ._config import DecoderConfig, GPTFields
 from ._safetensors import HFTensor
@@ -100,9 +101,7 @@ class GPT2MLP(eqx.Module):
     c_proj: Linear
 
     def __init__(self, config: GPT2Config, *, key: PRNGKeyArray):
-        k1, k2 = jax.random.split(key)
-        self.c_fc = Linear(config.n_embd, config.inner, bias=True, key=k1)
-        self.c_proj = Linear(config.inner, config.n_embd, bias=True, key=k2)
+        self.c_fc, self.c_proj = up_and_down(config.n_embd, config.inner, bias=True, key=key)
 
     def __call__(self, x):
         return feed_forward(self.c_fc, self.c_proj, ACTIVATIONS["gelu_new"], x)

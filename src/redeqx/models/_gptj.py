@@ -39,17 +39,17 @@ from ..mesh import CONTEXT, MODEL
 from ._layers import (
     Stackable,
     ACTIVATIONS,
+    Attention,
     Cache,
     Embedding,
-    KVCache,
     LayerNorm,
     Linear,
     attend,
     check_config,
     heads,
-    square_linears,
     summed_linears,
     table_and_layers,
+    up_and_down,
 )
 from ._config import DecoderConfig, GPTFields, check_activation
 from ._gpt2 import GPTCausalLM
@@ -118,28 +118,6 @@ def rotary_every_two(
     return jnp.concatenate([turned.astype(x.dtype), x[..., rotary_dim:]], axis=-1)
 
 
-class GPTJAttention(eqx.Module):
-    """Q/K/V/output projections (no biases); `GPTJBlock` runs them jointly with the MLP's."""
-
-    q_proj: Linear
-    k_proj: Linear
-    v_proj: Linear
-    out_proj: Linear
-    config: GPTJConfig = eqx.field(static=True)
-
-    def __init__(self, config: GPTJConfig, *, key: PRNGKeyArray):
-        self.q_proj, self.k_proj, self.v_proj, self.out_proj = square_linears(config.n_embd, 4, bias=False, key=key)
-        self.config = config
-
-    def attend(self, q, k, v, positions, mask, cache: KVCache | None, index):
-        """Attention of projected ``q``/``k``/``v`` ``(seq, n_embd)``: the heads
-        joined back ``(seq, n_embd)``, split over ``model``, before ``out_proj``."""
-        c = self.config
-        q = rotary_every_two(heads(q, c.n_head), positions, c.rotated)
-        k = rotary_every_two(heads(k, c.n_head), positions, c.rotated)
-        return attend(q, k, heads(v, c.n_head), mask, cache, index)
-
-
 class GPTJMLP(eqx.Module):
     """``fc_out(act(fc_in x))``, with biases; `GPTJBlock` runs it jointly with the attention."""
 
@@ -147,29 +125,32 @@ class GPTJMLP(eqx.Module):
     fc_out: Linear
 
     def __init__(self, config: GPTJConfig, *, key: PRNGKeyArray):
-        k1, k2 = jax.random.split(key)
-        self.fc_in = Linear(config.n_embd, config.inner, bias=True, key=k1)
-        self.fc_out = Linear(config.inner, config.n_embd, bias=True, key=k2)
+        self.fc_in, self.fc_out = up_and_down(config.n_embd, config.inner, bias=True, key=key)
 
 
 class GPTJBlock(Stackable):
+    """Attention (the fairseq layout of `Attention`: Q/K/V/``out_proj``, no biases) and MLP side by
+    side off one norm; the block runs their projections itself, with the rotary embedding between."""
+
     ln_1: LayerNorm
-    attn: GPTJAttention
+    attn: Attention
     mlp: GPTJMLP
     config: GPTJConfig = eqx.field(static=True)
 
     def __init__(self, config: GPTJConfig, *, key: PRNGKeyArray):
         ka, km = jax.random.split(key)
         self.ln_1 = LayerNorm(config.n_embd, config.layer_norm_epsilon)
-        self.attn = GPTJAttention(config, key=ka)
+        self.attn = Attention(config.n_embd, config.n_head, bias=False, key=ka)
         self.mlp = GPTJMLP(config, key=km)
         self.config = config
 
     def __call__(self, x, positions, mask, cache, index):
         c, a, m = self.config, self.attn, self.mlp
         h = self.ln_1(x)  # attention and MLP in parallel, off one norm
-        q, k, v, up = a.q_proj(h), a.k_proj(h), a.v_proj(h), m.fc_in(h)  # column parallel
-        attended, cache = a.attend(q, k, v, positions, mask, cache, index)
+        q, k, v = (heads(proj(h), c.n_head) for proj in (a.q_proj, a.k_proj, a.v_proj))  # column parallel
+        up = m.fc_in(h)  # column parallel
+        q, k = rotary_every_two(q, positions, c.rotated), rotary_every_two(k, positions, c.rotated)
+        attended, cache = attend(q, k, v, mask, cache, index)  # the heads joined back, split over `model`
         hidden = constrain(ACTIVATIONS[c.activation_function](up), P(CONTEXT, MODEL))
         out = summed_linears([(a.out_proj, attended), (m.fc_out, hidden)])  # row parallel: one all-reduce
         return x + constrain(out, P(CONTEXT)), cache

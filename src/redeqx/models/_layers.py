@@ -520,6 +520,13 @@ def square_linears(dim: int, n: int, *, bias: bool, key: PRNGKeyArray) -> tuple[
     return tuple(Linear(dim, dim, bias=bias, key=k) for k in jax.random.split(key, n))
 
 
+def up_and_down(dim: int, hidden: int, *, bias: bool, key: PRNGKeyArray) -> tuple[Linear, Linear]:
+    """An MLP's two `Linear` layers, ``(dim, hidden)`` and ``(hidden, dim)``, one per key of
+    ``jax.random.split(key)`` (column parallel, then row parallel)."""
+    k1, k2 = jax.random.split(key)
+    return Linear(dim, hidden, bias=bias, key=k1), Linear(hidden, dim, bias=bias, key=k2)
+
+
 class Attention(eqx.Module):
     """Multi-head attention with ``q_proj``, ``k_proj``, ``v_proj`` and
     ``out_proj`` (the fairseq layout of BART and OPT), scores scaled by

@@ -15,15 +15,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import equinox as eqx
 import jax
 from jaxtyping import PRNGKeyArray
 
 from ._config import DecoderConfig
-from ._layers import Linear, RMSNorm
-from ._llama import LlamaAttention, LlamaModel
+from ._llama import LlamaModel
 from ._moe import MoE
-from ._moe_lm import LlamaFields, MoECausalLM, MoEDecoderLayer, attention_config
+from ._moe_lm import LlamaFields, MoECausalLM, MoEDecoderLayer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,19 +65,14 @@ class MixtralConfig(LlamaFields, DecoderConfig):
 
 
 class MixtralDecoderLayer(MoEDecoderLayer):
-    self_attn: LlamaAttention
     block_sparse_moe: MoE
-    input_layernorm: RMSNorm
-    post_attention_layernorm: RMSNorm
 
     def __init__(self, config: MixtralConfig, *, key: PRNGKeyArray):
         ka, km = jax.random.split(key)
+        super().__init__(config, key=ka)
         c = config
-        self.self_attn = LlamaAttention(attention_config(c), key=ka)
         self.block_sparse_moe = MoE(c.hidden_size, c.intermediate_size, c.num_local_experts, c.num_experts_per_tok,
                                     key=km)
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
     @property
     def feed_forward(self) -> MoE:

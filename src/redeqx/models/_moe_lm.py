@@ -19,10 +19,10 @@ from ..mesh import constrain
 from ..mesh import CONTEXT, MODEL
 from .._trees import is_array_like, named_leaves
 from ._layers import (
-    Cache, CausalLM, Linear, Stackable, check_config, is_stacked, lm_logits, model_and_head, run_layers, scan_unroll,
+    Cache, CausalLM, Linear, RMSNorm, Stackable, check_config, is_stacked, lm_logits, model_and_head, run_layers, scan_unroll,
 )
 from ._config import DecoderConfig
-from ._llama import LlamaConfig, rope_frequencies
+from ._llama import LlamaAttention, LlamaConfig, rope_frequencies
 from ._moe import MoE, RouterStats
 from ._safetensors import HFTensor
 
@@ -87,7 +87,21 @@ def sparse_block(x, block, valid):
 
 class MoEDecoderLayer(Stackable):
     """LLaMA's decoder layer whose feed-forward block (a subclass's ``feed_forward``) may be a
-    `MoE`: it returns its router's `RouterStats` too (None for a dense block)."""
+    `MoE`: it returns its router's `RouterStats` too (None for a dense block). It holds the
+    attention (of class ``attention_class``) and both norms; a subclass adds its feed-forward
+    block under the family's Hugging Face name."""
+
+    self_attn: LlamaAttention
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+
+    attention_class: ClassVar[type] = LlamaAttention
+
+    def __init__(self, config, *, key: PRNGKeyArray):
+        """The attention, from ``key``, and the norms of a config with `LLAMA_FIELDS`."""
+        self.self_attn = self.attention_class(attention_config(config), key=key)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     @property
     def feed_forward(self):

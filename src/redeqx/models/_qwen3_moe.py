@@ -18,12 +18,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import equinox as eqx
 import jax
 from jaxtyping import PRNGKeyArray
 
 from ._config import DecoderConfig
-from ._layers import SCAN_LAYERS, KVCache, Linear, RMSNorm, attend_and_project
+from ._layers import SCAN_LAYERS, KVCache, RMSNorm, attend_and_project
 from ._llama import LlamaAttention, LlamaConfig, LlamaMLP, LlamaModel, apply_rope
 from ._moe import MoE
 from ._moe_lm import LlamaFields, MoECausalLM, MoEDecoderLayer, attention_config
@@ -127,23 +126,20 @@ class Qwen3MoeAttention(LlamaAttention):
 
 
 class Qwen3MoeDecoderLayer(MoEDecoderLayer):
-    self_attn: Qwen3MoeAttention
     mlp: MoE | LlamaMLP
-    input_layernorm: RMSNorm
-    post_attention_layernorm: RMSNorm
+
+    attention_class = Qwen3MoeAttention
 
     def __init__(self, config: Qwen3MoeConfig, sparse: bool, *, key: PRNGKeyArray):
         ka, km = jax.random.split(key)
+        super().__init__(config, key=ka)
         c = config
-        self.self_attn = Qwen3MoeAttention(attention_config(c), key=ka)
         if sparse:
             self.mlp = MoE(c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok,
                            normalize_top_k=c.norm_topk_prob, key=km)
         else:
             dense = dataclasses.replace(attention_config(c), intermediate_size=c.intermediate_size)
             self.mlp = LlamaMLP(dense, key=km)
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
     @property
     def feed_forward(self) -> MoE | LlamaMLP:
