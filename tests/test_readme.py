@@ -14,7 +14,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-TINY_LLAMA = "vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4"
+# 8 heads, as a page's model has a multiple of them: every page's mesh, up to 8 model shards, splits them
+TINY_LLAMA = "vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8"
 
 BLOCK = re.compile(r"^(<!-- not run[^\n]*-->\n)?```python\n(.*?)^```", flags=re.S | re.M)
 
