@@ -129,8 +129,10 @@ class GPTJMLP(eqx.Module):
 
 
 class GPTJBlock(Stackable):
-    """Attention (the fairseq layout of `Attention`: Q/K/V/``out_proj``, no biases) and MLP side by
-    side off one norm; the block runs their projections itself, with the rotary embedding between."""
+    """Attention and MLP side by side off one norm. ``attn`` holds the attention's weights in the
+    fairseq layout of `Attention` (Q/K/V/``out_proj``, no biases); the block runs those projections
+    itself, with GPT-J's rotary embedding between, so ``attn`` called alone is not GPT-J's attention
+    (it has no positions)."""
 
     ln_1: LayerNorm
     attn: Attention

@@ -19,7 +19,8 @@ from ..mesh import constrain
 from ..mesh import CONTEXT, MODEL
 from .._trees import is_array_like, named_leaves
 from ._layers import (
-    Cache, CausalLM, Linear, RMSNorm, Stackable, check_config, is_stacked, lm_logits, model_and_head, run_layers, scan_unroll,
+    Cache, CausalLM, Linear, RMSNorm, Stackable, check_config, is_stacked, lm_logits, model_and_head, run_layers,
+    scan_unroll,
 )
 from ._config import DecoderConfig
 from ._llama import LlamaAttention, LlamaConfig, rope_frequencies
