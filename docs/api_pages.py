@@ -98,8 +98,8 @@ ROWS = [
     (["remat"], ("recompute each layer's activations in the backward pass: every `lax.scan` iteration (stacked "
                  "layers) and every block of a list of repeated blocks, in any Equinox model")),
     (["exact_conv_grads"], ("grouped and depthwise convolutions' weight gradients from matrix products: XLA's are "
-                            "`n_model_shards` times too large on redeqx's batch layout (train steps apply it; for "
-                            "`make_step`)")),
+                            "`n_model_shards` times too large on redeqx's batch layout (every step maker, `make_step` "
+                            "included, applies it; for your own `jax.jit`)")),
     (["with_opt_state_dtype"], "keep an optimizer's state in bfloat16"),
     (["collective_summary"], "kind, count and bytes of every collective in a compiled step"),
     (["constrain"], "pin an activation's layout inside a model (Megatron's points)"),

@@ -1,5 +1,7 @@
 """Grouped convolutions whose weight gradient the partitioner gets right:
-`exact_conv_grads`.
+`exact_conv_grads` (around a function to differentiate) and
+`products_for_batch_grouped_convs` (a rewrite of a program that already
+differentiates, which `make_step` applies to the step it compiles).
 
 XLA's fault (jax 0.10.2, under Shardy and under GSPMD): the weight gradient
 of a grouped convolution (``feature_group_count > 1``: ``eqx.nn.Conv(...,
@@ -15,16 +17,19 @@ gradient (convolutions with ``feature_group_count``, contracting channels)
 are right, and so is a batch split over ``model`` too, or channels split
 over ``model``. docs/guides/troubleshooting.md has the repro.
 
-So the weight gradient is computed without that convolution: for each
-offset of the kernel window, one ``dot_general`` of the incoming gradient
-with the (padded, dilated, strided) slice of the input that offset reads,
-batched over the groups and contracting batch and space. The partitioner
-reduces a ``dot_general``'s split contracting dim over exactly the axes that
-split it. It is the convolution's own multiply-adds; the offsets run in a
-``lax.scan`` so one slice of the input lives at a time (written out, XLA:CPU
-cuts all K = 49 slices of a 7 x 7 kernel before the first product: 3x the
-step's temporaries). The cost: one small all-reduce (the weight's size over
-K) per offset instead of one per weight, the same bytes in all
+So a convolution with ``batch_group_count > 1`` (what JAX's transpose rule
+makes of a grouped convolution's weight gradient; nothing else makes one)
+is computed without XLA's convolution (`batch_grouped_conv`): for each
+position of its output window (an offset of the original kernel), one
+``dot_general`` of the (padded, dilated, strided) slice of the input that
+position reads with the other operand, batched over the groups and
+contracting the rest. The partitioner reduces a ``dot_general``'s split
+contracting dim over exactly the axes that split it. It is the
+convolution's own multiply-adds; the positions run in a ``lax.scan`` so one
+slice of the input lives at a time (written out, XLA:CPU cuts all K = 49
+slices of a 7 x 7 kernel before the first product: 3x the step's
+temporaries). The cost: one small all-reduce (the weight's size over K) per
+position instead of one per weight, the same bytes in all
 (docs/guides/troubleshooting.md has the figures).
 """
 
@@ -52,45 +57,65 @@ def _is_grouped(eqn) -> bool:
             and eqn.params["batch_group_count"] == 1)
 
 
-def weight_grad(lhs, g, rhs_shape, rhs_dtype, params):
-    """The gradient of ``conv_general_dilated(lhs, rhs, **params)`` with respect
-    to ``rhs``, given the output's gradient ``g``: one batched ``dot_general``
-    per kernel offset, in a loop over the offsets."""
+def _is_batch_grouped(eqn) -> bool:
+    return (eqn.primitive.name == _CONV and eqn.params["batch_group_count"] > 1
+            and eqn.params["feature_group_count"] == 1)
+
+
+def batch_grouped_conv(lhs, rhs, params):
+    """``conv_general_dilated(lhs, rhs, **params)`` for ``batch_group_count = G > 1``
+    (the lhs batch and the output features cut into G groups, group ``b`` of the
+    one convolved with group ``b`` of the other), by one batched ``dot_general``
+    per output position, in a loop over the positions."""
     dn = params["dimension_numbers"]
-    groups = params["feature_group_count"]
-    x = jnp.transpose(lhs, dn.lhs_spec)  # (N, C, *spatial)
-    dy = jnp.transpose(g, dn.out_spec)  # (N, O, *out_spatial)
-    kernel = [rhs_shape[d] for d in dn.rhs_spec[2:]]
+    groups, strides, rhs_dilation = params["batch_group_count"], params["window_strides"], params["rhs_dilation"]
+    x = jnp.transpose(lhs, dn.lhs_spec)  # (N, C, *space)
+    w = jnp.transpose(rhs, dn.rhs_spec)  # (O, C, *kernel)
     # the input as the window reads it: padded at the edges, lhs_dilation - 1 zeros between elements
     x = jax.lax.pad(x, jnp.zeros((), x.dtype), [(0, 0, 0), (0, 0, 0)] + [
         (lo, hi, d - 1) for (lo, hi), d in zip(params["padding"], params["lhs_dilation"])])
-    (n, c), o, out_spatial = x.shape[:2], dy.shape[1], dy.shape[2:]
-    # groups first, then the features kept, then those summed (batch, space): a dot_general's own layout
-    x = x.reshape(n, groups, c // groups, *x.shape[2:]).swapaxes(0, 1).swapaxes(1, 2)  # (G, C/G, N, *spatial)
-    dy = dy.reshape(n, groups, o // groups, *out_spatial).swapaxes(0, 1).swapaxes(1, 2)  # (G, O/G, N, *out_spatial)
+    (n, c), (o, kernel) = x.shape[:2], (w.shape[0], w.shape[2:])
+    extent = [(k - 1) * d + 1 for k, d in zip(kernel, rhs_dilation)]  # what one position's window spans
+    out_space = [(s - e) // st + 1 for s, e, st in zip(x.shape[2:], extent, strides)]
+    # groups first, then the kept dims, then the summed ones (features, window): a dot_general's own layout
+    x = x.reshape(groups, n // groups, c, *x.shape[2:])  # (G, N/G, C, *space)
+    w = w.reshape(groups, o // groups, c, *kernel)  # (G, O/G, C, *kernel)
     summed = tuple(range(2, 3 + len(kernel)))
-    strides = params["window_strides"]
-    extent = [(t - 1) * stride + 1 for t, stride in zip(out_spatial, strides)]  # what one offset's window spans
-    offsets = np.array(list(itertools.product(*map(range, kernel))), np.int32).reshape(-1, len(kernel))
+    positions = np.array(list(itertools.product(*map(range, out_space))), np.int32).reshape(-1, len(kernel))
 
-    def one_offset(_, offset):  # a loop, so that one window lives at a time (unrolled, XLA cuts all K at once)
-        start = jnp.concatenate([jnp.zeros(3, jnp.int32), offset * np.asarray(params["rhs_dilation"], np.int32)])
+    def one_position(_, position):  # a loop, so that one window lives at a time
+        start = jnp.concatenate([jnp.zeros(3, jnp.int32), position * np.asarray(strides, np.int32)])
         window = jax.lax.dynamic_slice(x, start, (*x.shape[:3], *extent))
-        window = jax.lax.slice(window, (0,) * window.ndim, window.shape, (1, 1, 1, *strides))  # (G, C/G, N, *out_spatial)
-        return None, jax.lax.dot_general(dy, window, ((summed, summed), ((0,), (0,))), precision=params["precision"],
-                                         preferred_element_type=jnp.promote_types(rhs_dtype, jnp.float32))
+        window = jax.lax.slice(window, (0,) * window.ndim, window.shape, (1, 1, 1, *rhs_dilation))  # (G, N/G, C, *kernel)
+        return None, jax.lax.dot_general(window, w, ((summed, summed), ((0,), (0,))), precision=params["precision"],
+                                         preferred_element_type=params["preferred_element_type"])
 
-    _, parts = jax.lax.scan(one_offset, None, offsets)  # (K, G, O/G, C/G)
-    w = jnp.moveaxis(parts, 0, -1).reshape(o, c // groups, *kernel).astype(rhs_dtype)  # (O, C/G, *kernel)
-    return jnp.transpose(w, np.argsort(dn.rhs_spec))
+    _, parts = jax.lax.scan(one_position, None, positions)  # (positions, G, N/G, O/G)
+    out = parts.transpose(2, 1, 3, 0).reshape(n // groups, o, *out_space)  # (N/G, O, *out_space)
+    return jnp.transpose(out, np.argsort(dn.out_spec))
+
+
+def _jit_call_eqn(eqn, fn):
+    """A ``jit`` call of ``fn`` in ``eqn``'s place: same operands, same result."""
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+    (call,) = jax.make_jaxpr(jax.jit(fn))(*avals).jaxpr.eqns
+    return call.replace(invars=list(eqn.invars), outvars=list(eqn.outvars))
+
+
+def _products_eqn(eqn):
+    return _jit_call_eqn(eqn, lambda lhs, rhs: batch_grouped_conv(lhs, rhs, eqn.params))
 
 
 def _exact_conv(prim, params) -> Callable:
-    """``prim.bind(lhs, rhs, **params)`` (a grouped convolution) whose weight
-    gradient is `weight_grad`; the input's gradient is JAX's own."""
+    """``prim.bind(lhs, rhs, **params)`` (a grouped convolution) whose
+    gradients are JAX's own, with the weight's (a batch-grouped convolution)
+    computed by `batch_grouped_conv`."""
 
     def conv(lhs, rhs):
         return prim.bind(lhs, rhs, **params)
+
+    def conv_vjp(lhs, rhs, g):
+        return jax.vjp(conv, lhs, rhs)[1](g)
 
     @jax.custom_vjp
     def exact(lhs, rhs):
@@ -100,30 +125,27 @@ def _exact_conv(prim, params) -> Callable:
         return conv(lhs, rhs), (lhs, rhs)
 
     def bwd(res, g):
-        lhs, rhs = res
-        _, lhs_vjp = jax.vjp(lambda x: conv(x, rhs), lhs)
-        return lhs_vjp(g)[0], weight_grad(lhs, g, rhs.shape, rhs.dtype, params)
+        return tuple(rewritten(conv_vjp, products_for_batch_grouped_convs)(*res, g))
 
     exact.defvjp(fwd, bwd)
     return exact
 
 
 def _exact_conv_eqn(eqn):
-    """A ``jit`` call of `_exact_conv` in ``eqn``'s place: same operands, same result."""
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
-    (call,) = jax.make_jaxpr(jax.jit(_exact_conv(eqn.primitive, eqn.params)))(*avals).jaxpr.eqns
-    return call.replace(invars=list(eqn.invars), outvars=list(eqn.outvars))
+    return _jit_call_eqn(eqn, _exact_conv(eqn.primitive, eqn.params))
 
 
-def _rewrite_jaxpr(jaxpr: jex.Jaxpr) -> tuple[jex.Jaxpr, int]:
+def _rewrite_jaxpr(jaxpr: jex.Jaxpr, matches, replace) -> tuple[jex.Jaxpr, int]:
+    """``jaxpr`` with each equation that ``matches`` (in it and in the programs
+    it calls) replaced by ``replace(eqn)``; and how many that was."""
     eqns, found = [], 0
     for eqn in jaxpr.eqns:
-        if _is_grouped(eqn):
-            eqn, found = _exact_conv_eqn(eqn), found + 1
+        if matches(eqn):
+            eqn, found = replace(eqn), found + 1
         elif eqn.primitive.name not in _LEFT_ALONE:
             params = {}
             for name, value in eqn.params.items():
-                new, inner = _rewrite_param(value)
+                new, inner = _rewrite_param(value, matches, replace)
                 if inner:
                     params[name], found = new, found + inner
             if params:
@@ -132,26 +154,37 @@ def _rewrite_jaxpr(jaxpr: jex.Jaxpr) -> tuple[jex.Jaxpr, int]:
     return (jaxpr.replace(eqns=eqns) if found else jaxpr), found
 
 
-def _rewrite_param(value):
+def _rewrite_param(value, matches, replace):
     """A param holding a program (a scan's or a jit's body, a checkpoint's,
-    a cond's branches), rewritten; and how many convolutions that was."""
+    a cond's branches), rewritten; and how many equations that was."""
     if isinstance(value, jex.ClosedJaxpr):
-        inner, found = _rewrite_jaxpr(value.jaxpr)
+        inner, found = _rewrite_jaxpr(value.jaxpr, matches, replace)
         return (jex.ClosedJaxpr(inner, value.consts) if found else value), found
     if isinstance(value, jex.Jaxpr):
-        return _rewrite_jaxpr(value)
+        return _rewrite_jaxpr(value, matches, replace)
     if isinstance(value, tuple) and any(isinstance(v, (jex.ClosedJaxpr, jex.Jaxpr)) for v in value):
-        rewritten_values = [_rewrite_param(v) for v in value]
+        rewritten_values = [_rewrite_param(v, matches, replace) for v in value]
         return tuple(v for v, _ in rewritten_values), sum(n for _, n in rewritten_values)
     return value, 0
 
 
+def _rewrite_closed(closed: jex.ClosedJaxpr, matches, replace) -> jex.ClosedJaxpr:
+    inner, found = _rewrite_jaxpr(closed.jaxpr, matches, replace)
+    return jex.ClosedJaxpr(inner, closed.consts) if found else closed
+
+
 def exact_grouped_convs(closed: jex.ClosedJaxpr) -> jex.ClosedJaxpr:
     """Every grouped convolution in ``closed`` (and in the programs it calls)
-    with its weight gradient from `weight_grad`: a rewrite for
-    `redeqx._rewrite.rewritten`."""
-    inner, found = _rewrite_jaxpr(closed.jaxpr)
-    return jex.ClosedJaxpr(inner, closed.consts) if found else closed
+    made to take its weight gradient from `batch_grouped_conv`: a rewrite, for
+    `redeqx._rewrite.rewritten`, of a program yet to be differentiated."""
+    return _rewrite_closed(closed, _is_grouped, _exact_conv_eqn)
+
+
+def products_for_batch_grouped_convs(closed: jex.ClosedJaxpr) -> jex.ClosedJaxpr:
+    """Every batch-grouped convolution in ``closed`` (a grouped convolution's
+    weight gradient, in a program that already differentiates) computed by
+    `batch_grouped_conv`: a rewrite for `redeqx._rewrite.rewritten`."""
+    return _rewrite_closed(closed, _is_batch_grouped, _products_eqn)
 
 
 @typechecked
@@ -165,16 +198,17 @@ def exact_conv_grads(fn: Callable) -> Callable:
     times too large; docs/guides/troubleshooting.md). Values, and gradients
     on one device, do not change.
 
-    `make_train_step` applies it to ``loss_fn`` already. In a step you write
-    with `make_step`, apply it to the function you differentiate. ``fn`` is
-    traced once per call; its non-array arguments are constants.
+    `make_train_step` applies it to ``loss_fn`` already, and `make_step`
+    computes the same weight gradients in the step it compiles; apply it
+    yourself around a function you differentiate under your own
+    ``jax.jit``. ``fn`` is traced once per call; its non-array arguments are
+    constants.
 
     **Example:**
 
     ```python
-    def step_fn(state, batch):
-        grads = eqx.filter_grad(redeqx.exact_conv_grads(loss))(state.model, batch)
-        return redeqx.apply_gradients(state, grads, optimizer), {}
+    grad_fn = jax.jit(eqx.filter_grad(redeqx.exact_conv_grads(loss)))
+    grads = grad_fn(model, batch)  # one device's gradient, on any layout
     ```
     """
     if not callable(fn):

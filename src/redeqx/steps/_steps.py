@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
+from ._conv_grads import products_for_batch_grouped_convs
 from ._compiled import CompiledStep, StepFunction, stay_in_place, where_it_is
 from ._loss import (
     LOSS_CALL,
@@ -37,6 +38,7 @@ from ._shard_mean import by_shard
 from ..data import batch_size, check_batch
 from ..mesh import check_mesh, check_specs, check_specs_match, sharding_of
 from ..state import Optimizer, TrainState, as_optimizer, mirror_specs, optimizer_update, split_trainable
+from .._rewrite import rewritten
 from .._trees import is_array_like, leaves_with_specs
 from .._typing import floating_dtype, positive_int, short_repr, typechecked
 
@@ -61,7 +63,9 @@ def make_step(step_fn: Callable, mesh: Mesh, *, donate: bool = True) -> Callable
     over ``data``; split one made inside the step with
     ``redeqx.constrain(batch, P("data"))``); with several processes they must
     be global arrays. `apply_gradients` is one model's optimizer update
-    inside such a step.
+    inside such a step. Gradients of grouped and depthwise convolutions come
+    out as on one device (`exact_conv_grads`: the step's program computes
+    their weight gradients by matrix products).
 
     **Example** (two models and two optimizers, as in a GAN or actor-critic):
 
@@ -80,7 +84,10 @@ def make_step(step_fn: Callable, mesh: Mesh, *, donate: bool = True) -> Callable
     if not callable(step_fn):
         raise TypeError(f"step_fn must be a function (state, *args) -> (state, outputs), got {short_repr(step_fn)}.")
     mesh = check_mesh(mesh)
-    step = CompiledStep(step_fn, mesh, placement=stay_in_place(mesh), what="state", donate=donate,
+    # the weight gradients of grouped convolutions, which XLA's partitioner gets n_model_shards times too
+    # large on redeqx's batch layout, computed by matrix products (as make_train_step's loss_and_grads does)
+    exact = rewritten(step_fn, products_for_batch_grouped_convs)
+    step = CompiledStep(exact, mesh, placement=stay_in_place(mesh), what="state", donate=donate,
                         returns_state=True, warn_moves=False)
     return _named_like(step_fn, StepFunction(step))
 
