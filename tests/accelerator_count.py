@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -169,7 +170,7 @@ def compiled_and_partitioned_text(lowered: jax.stages.Lowered) -> tuple[jax.stag
             if re.search(r"num_partitions=([2-9]|\d\d)", text):
                 raise RuntimeError("XLA wrote no HLO after 'spmd-partitioning' (has the pass been renamed?)")
             return compiled, text  # one device: nothing to partition, no collectives
-        return compiled, max((open(f).read() for f in files), key=len)
+        return compiled, max((Path(f).read_text() for f in files), key=len)  # each file closed once read
 
 
 def accelerator_collectives(fn: Callable, *args, **kwargs) -> dict[str, dict[str, int]]:
