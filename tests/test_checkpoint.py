@@ -6,6 +6,8 @@ import functools
 import json
 import resource
 import signal
+import subprocess
+import sys
 import warnings
 
 import equinox as eqx
@@ -17,7 +19,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import redeqx
-from _helpers import DAMAGES, damaged, mlp, mse_loss, run_python, sharded_state
+from _helpers import DAMAGES, damaged, mlp, mse_loss, run_python, script_env, sharded_state
 
 OPT = optax.adamw(1e-2)
 
@@ -239,6 +241,68 @@ def test_manager_keeps_last_and_best(tmp_path):
     assert int(restored.step) == 5 and meta["metrics"] == {"acc": 0.1, "loss": 1.0}
     assert_same(at_step(state, 5), restored)
     manager.close()
+
+
+def test_a_save_below_the_newest_step_is_refused_not_pruned_away(tmp_path):
+    """A second phase that restores and resets the step (a fine-tune with a fresh optimizer), or a
+    step directory renamed upwards: each new save was deleted as the oldest at once (keep_last ranks
+    by step number), returned True, and the next restore went back to the old checkpoint."""
+    mesh = redeqx.make_mesh(2)
+    state, specs = trained_state(mesh)
+    with redeqx.CheckpointManager(tmp_path / "run", keep_last=1, async_save=False) as manager:
+        for s in (10, 30):
+            assert manager.save(at_step(state, s))
+    with redeqx.CheckpointManager(tmp_path / "run", keep_last=1, async_save=False) as manager:
+        restored, _ = manager.restore(state, mesh, specs)
+        assert int(restored.step) == 30
+        with pytest.raises(redeqx.CheckpointError, match=r"step 1 is below the newest checkpoint .* \(step 30\)"
+                           r".*do not reset state.step.*own workdir"):
+            manager.save(at_step(restored, 1))
+        assert manager.save(at_step(restored, 30))  # the same step again: recorded in place, as before
+        assert manager.save(at_step(restored, 31)) and manager.steps() == [31]
+    (tmp_path / "run" / "checkpoints" / "step_000000031").rename(tmp_path / "run" / "checkpoints" / "step_000000099")
+    with redeqx.CheckpointManager(tmp_path / "run", keep_last=1, async_save=False) as manager:
+        manager.restore(state, mesh, specs)
+        with pytest.raises(redeqx.CheckpointError, match="step 32 is below"):
+            manager.save(at_step(state, 32))
+
+
+@pytest.mark.slow
+def test_a_second_run_saving_into_a_live_runs_workdir_is_refused_naming_it(tmp_path):
+    """Two runs in one workdir: the second deleted the first one's save in flight. Now a run holds
+    the directory from its first save to close(); another process is refused at once (its first
+    save, or overwrite=True), and its manager leaves the live run's unfinished saves alone."""
+    mesh = redeqx.make_mesh(2)
+    state, specs = trained_state(mesh)
+    script = """
+import sys, time, redeqx, jax.numpy as jnp
+manager = redeqx.CheckpointManager(sys.argv[1], async_save=False)
+manager.save({"w": jnp.ones(3)}, step=1)
+unfinished = manager.directory / "step_000000002.orbax-checkpoint-tmp-1"
+unfinished.mkdir()
+print("saving", flush=True)
+time.sleep(60)
+"""
+    other = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "run")], env=script_env(),
+                             stdout=subprocess.PIPE, text=True)
+    assert other.stdout.readline().strip() == "saving"
+    try:
+        manager = redeqx.CheckpointManager(tmp_path / "run", async_save=False)
+        assert manager.steps() == [1]
+        with pytest.raises(redeqx.CheckpointError, match=rf"process {other.pid} on this host .* is saving "
+                                                         r"checkpoints into .*another workdir"):
+            manager.save({"w": jnp.ones(3)}, step=2)
+        with pytest.raises(redeqx.CheckpointError, match=f"process {other.pid}"):
+            redeqx.CheckpointManager(tmp_path / "run", overwrite=True)
+        assert (manager.directory / "step_000000002.orbax-checkpoint-tmp-1").exists()
+    finally:
+        other.kill()
+        other.wait()
+    with pytest.warns(UserWarning, match="deleting the checkpoints of steps 1"):  # a run that has ended holds nothing
+        manager = redeqx.CheckpointManager(tmp_path / "run", overwrite=True)
+    assert manager.save(at_step(state, 3))
+    manager.close()
+    assert not (manager.directory / ".writer").exists()
 
 
 def test_manager_every_k_epochs_and_data_position(tmp_path):

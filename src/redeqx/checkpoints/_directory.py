@@ -4,9 +4,13 @@ unreadable, and deleting those no longer kept (by `retained`'s rule)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import socket
+import threading
+import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -61,6 +65,70 @@ def _open(workdir: Path) -> Path:
     return directory
 
 
+WRITER = ".writer"  # who is saving into the directory: {"host", "pid"}; its mtime is a heartbeat
+HEARTBEAT_S = 10.0
+STALE_S = 60.0  # a writer on another host whose heartbeat is older than this has stopped
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
+def live_writer(directory: Path) -> str | None:
+    """The other process saving into ``directory`` (host and pid), or None: none, this process,
+    a process of this host that has ended, or one elsewhere whose heartbeat stopped."""
+    path = directory / WRITER
+    try:
+        holder = json.loads(path.read_text())
+        age = time.time() - path.stat().st_mtime
+        host, pid = str(holder["host"]), int(holder["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if host == socket.gethostname():
+        return None if pid == os.getpid() or not _alive(pid) else f"process {pid} on this host ({host})"
+    return f"process {pid} on host {host} (last heard of {age:.0f} s ago)" if age < STALE_S else None
+
+
+class WriterLock:
+    """``directory/.writer`` held by this process from its first save to `release`: a second run
+    saving into the same directory is refused at once, naming this one. The file's mtime is touched
+    every `HEARTBEAT_S`, so a run on another host that was killed stops holding it after `STALE_S`."""
+
+    def __init__(self, directory: Path):
+        self.path = directory / WRITER
+        other = live_writer(directory)
+        if other is not None:
+            raise CheckpointError(
+                f"CheckpointManager: {other} is saving checkpoints into {directory}; two runs in one workdir "
+                "would delete each other's saves. Give this run another workdir, or stop the other one first "
+                f"(if it has ended, delete {self.path})."
+            )
+        tmp = self.path.with_name(f"{WRITER}.{os.getpid()}{TMP_MARKER}")
+        tmp.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+        os.replace(tmp, self.path)
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat, name="redeqx-writer-heartbeat", daemon=True)
+        self._beat.start()
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                os.utime(self.path)
+            except OSError:
+                return
+
+    def release(self) -> None:
+        self._stop.set()
+        if live_writer(self.path.parent) is None:  # still ours (or nobody's): remove it
+            self.path.unlink(missing_ok=True)
+
+
 class RunDirectory:
     """The checkpoints in ``workdir/checkpoints``. Opening it removes the
     unfinished saves and half-deleted checkpoints of earlier runs, and with
@@ -71,7 +139,11 @@ class RunDirectory:
         self._meta: dict[str, dict | None] = {}
         self.unreadable: set[str] = set()  # checkpoints `restore` skipped: never counted as kept, replaced when saved
         self.ours = overwrite  # whether the checkpoints on disk are this run's (set by restore or a first save)
-        if jax.process_index() == 0:
+        self.lock: WriterLock | None = None  # taken by process 0 at the first save
+        if overwrite and jax.process_index() == 0:
+            self.lock = WriterLock(self.directory)  # never delete the checkpoints of a run still saving
+        # another run saving here: its unfinished save is not ours to clean up (its first save is refused)
+        if jax.process_index() == 0 and live_writer(self.directory) is None:
             for p in self.directory.iterdir():
                 if TMP_MARKER in p.name or p.name.endswith(DELETING):
                     shutil.rmtree(p, ignore_errors=True)
@@ -84,7 +156,10 @@ class RunDirectory:
     def claim(self) -> None:
         """Before a first save: a save into checkpoints of another run would
         mix two runs (`restore` would hand back the other run's newest, and
-        pruning would delete this run's as older)."""
+        pruning would delete this run's as older). Process 0 takes the
+        directory's `WriterLock`, refused while another run holds it."""
+        if self.lock is None and jax.process_index() == 0:
+            self.lock = WriterLock(self.directory)
         if not self.ours and (others := self.steps()):
             raise CheckpointError(
                 f"CheckpointManager: {self.directory} already holds checkpoints (steps {shown(others)}) that this "
@@ -93,6 +168,27 @@ class RunDirectory:
                 "CheckpointManager(..., overwrite=True) to delete them."
             )
         self.ours = True
+
+    def release(self) -> None:
+        """Lets another run save here (`close`)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def check_counts_up(self, step: int) -> None:
+        """A save of ``step`` below the newest checkpoint on disk would be the first one pruned (the
+        newest ``keep_last`` are kept by step number) and `restore` would go back to the newer one:
+        refused. One `restore` skipped as unreadable does not count (a save of its step replaces it)."""
+        newer = [s for s in self.steps() if s > step and self.path(s).name not in self.unreadable]
+        if newer:
+            raise CheckpointError(
+                f"CheckpointManager.save: step {step} is below the newest checkpoint in {self.directory} (step "
+                f"{newer[-1]}). Checkpoints are kept and restored by step number, so this save would be pruned "
+                "as the oldest and the next restore would go back to step "
+                f"{newer[-1]}. Keep the step counting up (do not reset state.step after a restore, or pass "
+                "save(..., step=) above it), or give this phase its own workdir (or overwrite=True to delete "
+                "the old checkpoints)."
+            )
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints on disk, oldest first."""

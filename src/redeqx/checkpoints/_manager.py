@@ -216,6 +216,7 @@ class CheckpointManager:
             return False
         self._writer.finish()
         self._disk.claim()
+        self._disk.check_counts_up(step)
         where = position(state, epoch=epoch, batch=batch, data_key=data_key,
                          per_device_batch_size=per_device_batch_size, data_iterator=data_iterator)
         encoded = encode(state, {**dict(metadata or {}), "step": step, **where, "metrics": metrics}, self.dtype)
@@ -268,6 +269,7 @@ class CheckpointManager:
         finally:
             self._writer.close()
             self._writer = None
+            self._disk.release()
             if self._watching:
                 _preemption.unwatch()
                 self._watching = False
