@@ -106,7 +106,15 @@ def summed_linears(pairs: list) -> Float[Array, "seq out"]:
 
 
 class Embedding(eqx.Module):
-    """A ``(vocab, dim)`` table; ``__call__`` looks rows up, `attend` is the tied LM head."""
+    """A ``(vocab, dim)`` table; ``__call__`` looks rows up, `attend` is the tied LM head.
+
+    An id outside ``0..vocab-1`` (a ``-1`` pad id left in the inputs, an id of
+    another tokenizer) looks up a row of NaN: inside ``jit`` the ids' values
+    cannot raise, and NaN makes the loss NaN, which `redeqx.Logger` reports,
+    where PyTorch's ``nn.Embedding`` raises ``IndexError``. ``jnp.take`` alone
+    would read ``-1`` as the last row (its fill mode wraps negative ids first)
+    and train on it with a finite loss. Valid ids' rows and gradients are
+    unchanged, and the lookup still runs on a table split over the vocabulary."""
 
     weight: Float[Array, "vocab dim"]
 
@@ -114,7 +122,12 @@ class Embedding(eqx.Module):
         self.weight = std * jax.random.normal(key, (vocab, dim), dtype)
 
     def __call__(self, ids: Int[Array, " seq"]) -> Float[Array, "seq dim"]:
-        return jnp.take(self.weight, ids, axis=0)
+        ids = jnp.asarray(ids)
+        if jnp.issubdtype(ids.dtype, jnp.signedinteger) and jnp.iinfo(ids.dtype).bits < 32:
+            ids = ids.astype(jnp.int32)  # room for the vocabulary's size below
+        if jnp.issubdtype(ids.dtype, jnp.signedinteger):
+            ids = jnp.where(ids < 0, self.weight.shape[0], ids)  # out of range, not wrapped: a row of NaN below
+        return jnp.take(self.weight, ids, axis=0, mode="fill", fill_value=jnp.nan)
 
     def attend(self, x: Float[Array, "seq dim"]) -> Float[Array, "seq vocab"]:
         return x @ self.weight.T.astype(x.dtype)
