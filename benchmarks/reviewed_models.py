@@ -1,4 +1,5 @@
-"""The ten models of issue 40's first-day review against their hand plans.
+"""The ten models of issue 40's first-day review (and four more written as a researcher would:
+ConvNeXt, wav2vec2, ALBERT, a Mamba with eqx.nn.Conv1d) against their hand plans.
 
     python -m benchmarks.reviewed_models                           # this tree only; writes its RESULTS.md section
     python -m benchmarks.reviewed_models --before /path/to/old/src  # and a "before" column from another tree's src
@@ -16,6 +17,7 @@ the models, batches and hand plans are this tree's.
 
 import json
 import sys
+import time
 from pathlib import Path
 
 from benchmarks._common import parser, report, serve, worker, worker_env
@@ -24,8 +26,48 @@ TARGET = 1.15  # issue 40: every model at most this many times its hand plan's b
 SHARDS = (2, 4)
 
 
+def planning_seconds(model, mesh, **rules) -> float:
+    """The best of three timed calls of ``sharding_rules(model, mesh, **rules)``, after one untimed."""
+    import warnings
+
+    import redeqx
+
+    times = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(4):
+            t0 = time.perf_counter()
+            redeqx.sharding_rules(model, mesh, **rules)
+            times.append(time.perf_counter() - t0)
+    return min(times[1:])
+
+
+def llama_1b_seconds() -> float:
+    """`planning_seconds` of the zoo's 1B LLaMA (TinyLlama's shape, 22 layers stacked, abstract) with
+    its loss and a batch of 8 x 2048 tokens, at n_model_shards=4."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import redeqx
+    from redeqx import models
+
+    config = models.LlamaConfig(num_hidden_layers=22, scan_layers=True, vocab_size=32000, hidden_size=2048,
+                                intermediate_size=5632, num_attention_heads=32, num_key_value_heads=4)
+    model = eqx.filter_eval_shape(lambda k: models.LlamaForCausalLM(config, key=k), jax.random.key(0))
+
+    def loss(model, batch, key):
+        logits = jax.vmap(model)(batch["ids"][:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:]).mean()
+
+    batch = {"ids": jax.ShapeDtypeStruct((8, 2049), jnp.int32)}
+    return planning_seconds(model, redeqx.make_mesh(4), loss_fn=loss, batch=batch)
+
+
 def measure(names: list[str]) -> dict:
-    """{model: {shards: [plan bytes, hand bytes] or an error}}, with the redeqx this process imports."""
+    """{model: {shards: [plan bytes, hand bytes, sharding_rules seconds] or an error}, "llama1b": seconds},
+    with the redeqx this process imports."""
     import jax
     from jax.sharding import PartitionSpec as P
 
@@ -37,42 +79,50 @@ def measure(names: list[str]) -> dict:
 
     out = {"redeqx": str(Path(redeqx.__file__).parent)}
     for name in names:
-        make, loss, batch = R.MODELS[name]
+        make, loss, batch = {**R.MODELS, **R.RESEARCHER_MODELS}[name]
         model, out[name] = make(jax.random.key(0)), {}
         for n in SHARDS:
             try:
-                plan = step_bytes(model, loss, batch, n, loss_fn=loss, batch=batch)
-                hand = step_bytes(model, loss, batch, n, overrides=R.HAND[name] + [(r".", P())])
-                out[name][str(n)] = [plan, hand]
+                plan, _ = step_bytes(model, loss, batch, n, loss_fn=loss, batch=batch)  # (bytes, specs)
+                hand, _ = step_bytes(model, loss, batch, n, overrides=R.HAND[name] + [(r".", P())])
+                seconds = planning_seconds(model, redeqx.make_mesh(n), loss_fn=loss, batch=batch)
+                out[name][str(n)] = [plan, hand, seconds]
             except Exception as e:  # say it in the table rather than stop the run
                 out[name][str(n)] = f"{type(e).__name__}: {str(e).partition('it raised: ')[2] or str(e)}"[:160]
             print(f"  {name} n={n}: {out[name][str(n)]}", file=sys.stderr, flush=True)
+    out["llama1b"] = llama_1b_seconds()
+    print(f"  llama1b: {out['llama1b']:.3f} s", file=sys.stderr, flush=True)
     return out
 
 
-def cell(measured) -> tuple[str, str]:
-    """(plan / hand KiB, ratio) of one measurement."""
+def cell(measured) -> tuple[str, str, str]:
+    """(plan / hand KiB, ratio, sharding_rules ms) of one measurement."""
     if isinstance(measured, str):
-        return f"error: {measured}", ""
-    plan, hand = measured
+        return f"error: {measured}", "", ""
+    plan, hand, *seconds = measured  # older JSON: no time
     ratio = plan / hand
-    return f"{plan / 1024:.1f} / {hand / 1024:.1f}", f"{ratio:.3f}{'' if ratio <= TARGET else ' **over**'}"
+    return (f"{plan / 1024:.1f} / {hand / 1024:.1f}", f"{ratio:.3f}{'' if ratio <= TARGET else ' **over**'}",
+            f"{seconds[0] * 1e3:.0f}" if seconds else "")
 
 
 def table(runs: dict) -> str:
     """A row per model and shard count, a (bytes, ratio) pair of columns per run."""
-    head = "| model | shards | " + " | ".join(f"{r}: plan / hand (KiB) | {r}: ratio" for r in runs) + " |"
-    rows = [head, "|---|---|" + "---|---|" * len(runs)]
-    names = next(iter(runs.values())).keys() - {"redeqx"}
+    head = "| model | shards | " + " | ".join(f"{r}: plan / hand (KiB) | {r}: ratio | {r}: rules (ms)"
+                                             for r in runs) + " |"
+    rows = [head, "|---|---|" + "---|---|---|" * len(runs)]
+    names = next(iter(runs.values())).keys() - {"redeqx", "llama1b"}
     order = [n for n in MODEL_ORDER if n in names]
     for name in order:
         for n in SHARDS:
             cells = [c for run in runs.values() for c in cell(run[name][str(n)])]
             rows.append(f"| {name} | {n} | " + " | ".join(cells) + " |")
+    rows.append("| LLaMA 1B (22 stacked layers, abstract), rules only | 4 | " + " | ".join(
+        f" | | {run['llama1b'] * 1e3:.0f}" if "llama1b" in run else " | | " for run in runs.values()) + " |")
     return "\n".join(rows)
 
 
-MODEL_ORDER = ("mixer", "rwkv", "haiku", "nnx", "mamba", "unet", "gnn", "t5", "perceiver", "moe")
+MODEL_ORDER = ("mixer", "rwkv", "haiku", "nnx", "mamba", "unet", "gnn", "t5", "perceiver", "moe",
+               "convnext", "wav2vec2", "albert", "mamba2")  # the last four: written as a researcher would
 
 
 def main():
@@ -91,11 +141,12 @@ def main():
         args.json.write_text(json.dumps(runs, indent=1))
     over = [f"{name} at {n}" for name in names for n in SHARDS
             if not isinstance(m := runs[list(runs)[-1]][name][str(n)], str) and m[0] > TARGET * m[1]]
-    report(args, "Issue 40's ten reviewed models against their hand plans", f"""
+    report(args, "The reviewed models against their hand plans", f"""
 Collective bytes of one SGD training step per device, as an accelerator's XLA moves them
 (`tests/accelerator_count.py`), with the specs of `sharding_rules(model, mesh, loss_fn=..., batch=...)` (plan)
 and of the hand-written Megatron-style plan of `tests/reviewed_models.py` (hand), on 8 simulated CPU devices
-(`make_mesh(shards)`: data x model). Target: plan <= {TARGET}x hand at 2 and 4 shards.
+(`make_mesh(shards)`: data x model). Target: plan <= {TARGET}x hand at 2 and 4 shards. "rules (ms)": the
+best of three calls of that `sharding_rules` (after one untimed), alone on this machine.
 {f"Before: redeqx at `{args.before}`. " if args.before else ""}Over the target now: {", ".join(over) or "none"}.
 
 {table(runs)}

@@ -13,6 +13,9 @@ an all-replicated tree):
 - ``Mamba``: a selective state-space block: ``in_proj`` into x and a gate, a
   causal depthwise conv (written as shifts), ``x_proj`` to dt/B/C, ``dt_proj``,
   a diagonal ``(E, N)`` state scanned over the tokens, ``out_proj``.
+
+The review's seven others follow (``NEW``), then four more written as a researcher would
+(``RESEARCHER``: ConvNeXt, wav2vec2, ALBERT, a Mamba with ``eqx.nn.Conv1d``).
 """
 
 from __future__ import annotations
@@ -753,3 +756,294 @@ MODELS |= {
     "moe": (lambda key: MoETransformer(key=key), moe_loss, TOKENS),
 }
 NEW = ("mixer", "haiku", "nnx", "gnn", "t5", "perceiver", "moe")
+
+
+# -- four more, written as a researcher would ----------------------------------------------------
+#
+# - ``ConvNeXt``: a patchify stem, blocks of a depthwise 7x7 conv on the residual stream, a
+#   channels-last LayerNorm per pixel and an inverted-bottleneck MLP (C -> 4C -> C), a mean pool, a
+#   LayerNorm and a classification head;
+# - ``Wav2Vec2``: a feature encoder of strided ``eqx.nn.Conv1d`` (a per-channel GroupNorm after the
+#   first), a feature projection, a grouped positional conv added to the frames, one post-norm
+#   transformer layer and a per-frame classifier;
+# - ``ALBERT``: a small factorised embedding lifted by ``proj_in`` into the residual width, ONE shared
+#   transformer block applied three times, ``proj_out`` back down and an LM head tied to the embedding;
+# - ``Mamba2``: Mamba written with ``eqx.nn.Conv1d`` (a causal depthwise conv: padded both sides, cut to
+#   T) and ``eqx.nn.RMSNorm``, the selective scan over a diagonal ``(E, N)`` state.
+
+
+class ConvNeXtBlock(eqx.Module):
+    dwconv: eqx.nn.Conv2d
+    norm: eqx.nn.LayerNorm
+    fc1: eqx.nn.Linear
+    fc2: eqx.nn.Linear
+
+    def __init__(self, c, key):
+        k = jax.random.split(key, 3)
+        self.dwconv = eqx.nn.Conv2d(c, c, 7, padding=3, groups=c, key=k[0])
+        self.norm = eqx.nn.LayerNorm(c)
+        self.fc1, self.fc2 = eqx.nn.Linear(c, 4 * c, key=k[1]), eqx.nn.Linear(4 * c, c, key=k[2])
+
+    def __call__(self, x):  # (C, H, W)
+        c, hh, ww = x.shape
+        h = self.dwconv(x).reshape(c, hh * ww).T  # channels last: (HW, C)
+        h = jax.vmap(lambda p: self.fc2(jax.nn.gelu(self.fc1(self.norm(p)))))(h)
+        return x + h.T.reshape(c, hh, ww)
+
+
+class ConvNeXt(eqx.Module):
+    stem: eqx.nn.Conv2d
+    blocks: list
+    norm: eqx.nn.LayerNorm
+    head: eqx.nn.Linear
+
+    def __init__(self, c=32, patch=2, layers=2, classes=10, *, key):
+        k = jax.random.split(key, layers + 2)
+        self.stem = eqx.nn.Conv2d(3, c, patch, stride=patch, key=k[0])
+        self.blocks = [ConvNeXtBlock(c, kk) for kk in k[1:-1]]
+        self.norm = eqx.nn.LayerNorm(c)
+        self.head = eqx.nn.Linear(c, classes, key=k[-1])
+
+    def __call__(self, x):  # (3, H, W)
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x.mean((1, 2))))
+
+
+class Wav2Vec2Attention(eqx.Module):
+    q_proj: eqx.nn.Linear
+    k_proj: eqx.nn.Linear
+    v_proj: eqx.nn.Linear
+    out_proj: eqx.nn.Linear
+    heads: int = eqx.field(static=True)
+
+    def __init__(self, c, heads, key):
+        k = jax.random.split(key, 4)
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (eqx.nn.Linear(c, c, key=kk) for kk in k)
+        self.heads = heads
+
+    def __call__(self, x):  # (T, C): bidirectional
+        t = x.shape[0]
+        q, k, v = (jax.vmap(f)(x).reshape(t, self.heads, -1) for f in (self.q_proj, self.k_proj, self.v_proj))
+        att = jax.nn.softmax(jnp.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1]), axis=-1)
+        return jax.vmap(self.out_proj)(jnp.einsum("hqk,khd->qhd", att, v).reshape(t, -1))
+
+
+class Wav2Vec2Layer(eqx.Module):
+    attention: Wav2Vec2Attention
+    layer_norm: eqx.nn.LayerNorm
+    intermediate_dense: eqx.nn.Linear
+    output_dense: eqx.nn.Linear
+    final_layer_norm: eqx.nn.LayerNorm
+
+    def __init__(self, c, heads, key):
+        k = jax.random.split(key, 3)
+        self.attention = Wav2Vec2Attention(c, heads, k[0])
+        self.layer_norm, self.final_layer_norm = eqx.nn.LayerNorm(c), eqx.nn.LayerNorm(c)
+        self.intermediate_dense = eqx.nn.Linear(c, 4 * c, key=k[1])
+        self.output_dense = eqx.nn.Linear(4 * c, c, key=k[2])
+
+    def __call__(self, x):  # post-norm, as wav2vec2 base
+        x = jax.vmap(self.layer_norm)(x + self.attention(x))
+        ff = jax.vmap(lambda r: self.output_dense(jax.nn.gelu(self.intermediate_dense(r))))(x)
+        return jax.vmap(self.final_layer_norm)(x + ff)
+
+
+class Wav2Vec2(eqx.Module):
+    conv_layers: list
+    conv_norm: eqx.nn.GroupNorm
+    projection_norm: eqx.nn.LayerNorm
+    projection: eqx.nn.Linear
+    pos_conv: eqx.nn.Conv1d
+    encoder_norm: eqx.nn.LayerNorm
+    layer: Wav2Vec2Layer
+    head: eqx.nn.Linear
+
+    def __init__(self, channels=32, c=32, heads=4, classes=8, *, key):
+        k = jax.random.split(key, 7)
+        self.conv_layers = [eqx.nn.Conv1d(1, channels, 4, stride=2, use_bias=False, key=k[0]),
+                            eqx.nn.Conv1d(channels, channels, 3, stride=2, use_bias=False, key=k[1]),
+                            eqx.nn.Conv1d(channels, channels, 3, stride=2, use_bias=False, key=k[2])]
+        self.conv_norm = eqx.nn.GroupNorm(channels, channels)  # per channel, over time
+        self.projection_norm = eqx.nn.LayerNorm(channels)
+        self.projection = eqx.nn.Linear(channels, c, key=k[3])
+        self.pos_conv = eqx.nn.Conv1d(c, c, 5, padding=2, groups=4, key=k[4])
+        self.encoder_norm = eqx.nn.LayerNorm(c)
+        self.layer = Wav2Vec2Layer(c, heads, k[5])
+        self.head = eqx.nn.Linear(c, classes, key=k[6])
+
+    def __call__(self, audio):  # (1, S) -> (T, classes)
+        h = jax.nn.gelu(self.conv_norm(self.conv_layers[0](audio)))
+        for conv in self.conv_layers[1:]:
+            h = jax.nn.gelu(conv(h))  # (channels, T)
+        x = jax.vmap(lambda f: self.projection(self.projection_norm(f)))(h.T)  # (T, C)
+        x = x + jax.nn.gelu(self.pos_conv(x.T)).T
+        x = self.layer(jax.vmap(self.encoder_norm)(x))
+        return jax.vmap(self.head)(x)
+
+
+def frame_loss(model, batch, key):
+    logits = jax.vmap(model)(batch["audio"])  # (B, T, classes)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.take_along_axis(logp, batch["labels"][..., None], axis=-1).mean()
+
+
+class AlbertBlock(eqx.Module):
+    query: eqx.nn.Linear
+    key: eqx.nn.Linear
+    value: eqx.nn.Linear
+    dense: eqx.nn.Linear
+    attention_norm: eqx.nn.LayerNorm
+    ffn: eqx.nn.Linear
+    ffn_output: eqx.nn.Linear
+    full_layer_norm: eqx.nn.LayerNorm
+    heads: int = eqx.field(static=True)
+
+    def __init__(self, c, heads, key):
+        k = jax.random.split(key, 6)
+        self.query, self.key, self.value, self.dense = (eqx.nn.Linear(c, c, key=kk) for kk in k[:4])
+        self.attention_norm, self.full_layer_norm = eqx.nn.LayerNorm(c), eqx.nn.LayerNorm(c)
+        self.ffn, self.ffn_output = eqx.nn.Linear(c, 4 * c, key=k[4]), eqx.nn.Linear(4 * c, c, key=k[5])
+        self.heads = heads
+
+    def __call__(self, x):  # (T, C): post-norm, as BERT; causal for the next-token loss
+        t = x.shape[0]
+        q, k, v = (jax.vmap(f)(x).reshape(t, self.heads, -1) for f in (self.query, self.key, self.value))
+        scores = jnp.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
+        scores = jnp.where(jnp.tril(jnp.ones((1, t, t), bool)), scores, -1e9)
+        att = jnp.einsum("hqk,khd->qhd", jax.nn.softmax(scores, -1), v).reshape(t, -1)
+        x = jax.vmap(self.attention_norm)(x + jax.vmap(self.dense)(att))
+        ff = jax.vmap(lambda r: self.ffn_output(jax.nn.gelu(self.ffn(r))))(x)
+        return jax.vmap(self.full_layer_norm)(x + ff)
+
+
+class ALBERT(eqx.Module):
+    embeddings: eqx.nn.Embedding
+    proj_in: eqx.nn.Linear
+    shared: AlbertBlock
+    proj_out: eqx.nn.Linear
+    bias: jax.Array  # (vocab,): the LM head is the embedding's transpose plus a bias
+    repeats: int = eqx.field(static=True)
+
+    def __init__(self, vocab=64, e=16, c=64, heads=4, repeats=3, *, key):
+        k = jax.random.split(key, 4)
+        self.embeddings = eqx.nn.Embedding(vocab, e, key=k[0])
+        self.proj_in = eqx.nn.Linear(e, c, key=k[1])
+        self.shared = AlbertBlock(c, heads, k[2])
+        self.proj_out = eqx.nn.Linear(c, e, key=k[3])
+        self.bias = jnp.zeros(vocab)
+        self.repeats = repeats
+
+    def __call__(self, tokens):
+        x = jax.vmap(lambda t: self.proj_in(self.embeddings(t)))(tokens)
+        for _ in range(self.repeats):  # the same weights every time
+            x = self.shared(x)
+        h = jax.vmap(self.proj_out)(x)
+        return h @ self.embeddings.weight.T + self.bias[None]  # tied
+
+
+class Mamba2Mixer(eqx.Module):
+    in_proj: eqx.nn.Linear
+    conv1d: eqx.nn.Conv1d  # depthwise, causal: padded by K - 1 and cut to T
+    x_proj: eqx.nn.Linear
+    dt_proj: eqx.nn.Linear
+    A_log: jax.Array  # (E, N)
+    D: jax.Array  # (E,)
+    out_proj: eqx.nn.Linear
+    rank: int = eqx.field(static=True)
+
+    def __init__(self, c, expand=2, state=8, rank=4, kernel=4, *, key):
+        e = expand * c
+        k = jax.random.split(key, 5)
+        self.in_proj = _lin(c, 2 * e, k[0])
+        self.conv1d = eqx.nn.Conv1d(e, e, kernel, padding=kernel - 1, groups=e, key=k[1])
+        self.x_proj = _lin(e, rank + 2 * state, k[2])
+        self.dt_proj = eqx.nn.Linear(rank, e, key=k[3])
+        self.A_log = jnp.log(jnp.tile(jnp.arange(1, state + 1, dtype=jnp.float32), (e, 1)))
+        self.D = jnp.ones(e)
+        self.out_proj = _lin(e, c, k[4])
+        self.rank = rank
+
+    def __call__(self, x):  # (T, C)
+        t = x.shape[0]
+        xs, z = jnp.split(jax.vmap(self.in_proj)(x), 2, axis=-1)  # (T, E) each
+        xs = jax.nn.silu(self.conv1d(xs.T)[:, :t].T)
+        n = self.A_log.shape[1]
+        dt, b, c = jnp.split(jax.vmap(self.x_proj)(xs), [self.rank, self.rank + n], axis=-1)
+        dt = jax.nn.softplus(jax.vmap(self.dt_proj)(dt))  # (T, E)
+        a = -jnp.exp(self.A_log)
+
+        def step(h, inp):  # h (E, N)
+            dt_t, b_t, c_t, x_t = inp
+            h = jnp.exp(dt_t[:, None] * a) * h + (dt_t * x_t)[:, None] * b_t[None, :]
+            return h, h @ c_t + self.D * x_t
+
+        _, y = jax.lax.scan(step, jnp.zeros_like(a), (dt, b, c, xs))
+        return jax.vmap(self.out_proj)(y * jax.nn.silu(z))
+
+
+class Mamba2Block(eqx.Module):
+    norm: eqx.nn.RMSNorm
+    mixer: Mamba2Mixer
+
+    def __init__(self, c, key):
+        self.norm, self.mixer = eqx.nn.RMSNorm(c, use_bias=False), Mamba2Mixer(c, key=key)
+
+    def __call__(self, x):
+        return x + self.mixer(jax.vmap(self.norm)(x))
+
+
+class Mamba2(eqx.Module):
+    embedding: eqx.nn.Embedding
+    layers: list
+    norm_f: eqx.nn.RMSNorm
+    lm_head: eqx.nn.Linear
+
+    def __init__(self, vocab=64, c=32, layers=2, *, key):
+        k = jax.random.split(key, layers + 2)
+        self.embedding = eqx.nn.Embedding(vocab, c, key=k[0])
+        self.layers = [Mamba2Block(c, kk) for kk in k[1:-1]]
+        self.norm_f = eqx.nn.RMSNorm(c, use_bias=False)
+        self.lm_head = _lin(c, vocab, k[-1])
+
+    def __call__(self, tokens):
+        x = jax.vmap(self.embedding)(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return jax.vmap(self.lm_head)(jax.vmap(self.norm_f)(x))
+
+
+_RNG4 = np.random.default_rng(2)
+PHOTOS = {"x": _RNG4.normal(size=(16, 3, 16, 16)).astype(np.float32),
+          "y": _RNG4.integers(0, 10, 16).astype(np.int32)}
+AUDIO_FRAMES = 15  # 128 samples through kernels 4, 3, 3 at stride 2: 63, 31, 15
+AUDIO = {"audio": _RNG4.normal(size=(16, 1, 128)).astype(np.float32),
+         "labels": _RNG4.integers(0, 8, (16, AUDIO_FRAMES)).astype(np.int32)}
+HAND |= {
+    # the depthwise convs whole (each channel its own filter, on the residual stream); each block's MLP
+    # column then row; stem, norms and head whole
+    "convnext": MLP_HAND,
+    # the feature encoder's convs and the positional conv whole; attention Q/K/V on whole heads, its
+    # output row; the FFN column then row
+    "wav2vec2": [(r"attention\.(q|k|v)_proj\.", P("model")), (r"attention\.out_proj\.weight", ROW),
+                 (r"intermediate_dense\.", P("model")), (r"output_dense\.weight", ROW)],
+    # the one shared block as any transformer block; the factorised embedding, proj_in, proj_out whole
+    "albert": [(r"shared\.(query|key|value)\.", P("model")), (r"shared\.dense\.weight", ROW),
+               (r"shared\.ffn\.", P("model")), (r"shared\.ffn_output\.weight", ROW)],
+    # Mamba's own tensor parallelism: in_proj column, everything per channel of E split with it (the
+    # depthwise conv, dt_proj's output, A and D), x_proj row (an all-reduce of dt/B/C), out_proj row
+    "mamba2": [(r"in_proj\.weight", COL), (r"conv1d\.weight", P("model", None, None)),
+               (r"conv1d\.bias", P("model", None)), (r"x_proj\.weight", ROW), (r"dt_proj\.weight", COL),
+               (r"dt_proj\.bias", P("model")), (r"A_log", P("model", None)), (r"\.D$", P("model")),
+               (r"out_proj\.weight", ROW)],
+}
+# Issue 48's four: kept out of MODELS (whose slow test holds each plan to 1.15x its hand plan's bytes)
+# until the plan is chosen by cost; benchmarks/reviewed_models.py measures them beside the others.
+RESEARCHER_MODELS = {
+    "convnext": (lambda key: ConvNeXt(key=key), class_loss, PHOTOS),
+    "wav2vec2": (lambda key: Wav2Vec2(key=key), frame_loss, AUDIO),
+    "albert": (lambda key: ALBERT(key=key), token_loss, TOKENS),
+    "mamba2": (lambda key: Mamba2(key=key), token_loss, TOKENS),
+}
+RESEARCHER = tuple(RESEARCHER_MODELS)
