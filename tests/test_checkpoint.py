@@ -305,6 +305,37 @@ time.sleep(60)
     assert not (manager.directory / ".writer").exists()
 
 
+def test_a_step_directory_this_user_cannot_read_is_a_checkpoint_error_and_restore_falls_back(tmp_path,
+                                                                                              monkeypatch):
+    """A bare PermissionError came out of restore() (the handler of the failed read looked at the
+    directory again, which raised too), with no fallback. The tests run as root, whom permissions do
+    not stop, so the unreadable directory is simulated where pathlib looks at it."""
+    import pathlib
+
+    mesh = redeqx.make_mesh(2)
+    state, specs = trained_state(mesh)
+    with redeqx.CheckpointManager(tmp_path / "run", keep_last=2, async_save=False) as manager:
+        for s in (1, 2):
+            manager.save(at_step(state, s))
+    locked = str(manager.path(2))
+
+    def refused(original):
+        def method(self, *args, **kwargs):
+            if str(self).startswith(locked + "/"):
+                raise PermissionError(13, "Permission denied", str(self))
+            return original(self, *args, **kwargs)
+        return method
+
+    for name in ("read_text", "read_bytes", "exists", "is_dir", "stat", "open"):
+        monkeypatch.setattr(pathlib.Path, name, refused(getattr(pathlib.Path, name)))
+    manager = redeqx.CheckpointManager(tmp_path / "run", keep_last=2)
+    with pytest.warns(UserWarning, match=rf"skipping {locked}: checkpoint at .* cannot be read by this user "
+                                         r"\(Permission denied.*make it readable"):
+        restored, _ = manager.restore(state, mesh, specs)
+    assert int(restored.step) == 1
+    manager.close()
+
+
 def test_manager_every_k_epochs_and_data_position(tmp_path):
     mesh = redeqx.make_mesh(2)
     state, specs = trained_state(mesh)

@@ -156,15 +156,26 @@ def unmatched_pieces(leaves: list[jax.Array], saved: list[dict[str, str] | None]
 # ----------------------------------------------------------------------------- metadata
 # (encoded to strict JSON by ``_json.py``, the one encoder of what redeqx writes)
 
+def _exists(path: Path) -> bool:
+    """``path.exists()``, False where it cannot even be looked at (a directory this user cannot read)."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
+
+
 def orbax_layout(path: Path) -> str | None:
     """What another tool's orbax directory at ``path`` looks like ("an orbax
     checkpoint", "an orbax CheckpointManager directory (steps 0, 1)"), or None."""
-    if not path.is_dir():
-        return None
-    if any((path / name).exists() for name in ("_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt")):
-        return "an orbax checkpoint"
-    steps = sorted(int(p.name) for p in path.iterdir()
-                   if p.is_dir() and p.name.isdigit() and (p / "_CHECKPOINT_METADATA").exists())
+    try:
+        if not path.is_dir():
+            return None
+        if any(_exists(path / name) for name in ("_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt")):
+            return "an orbax checkpoint"
+        steps = sorted(int(p.name) for p in path.iterdir()
+                       if p.is_dir() and p.name.isdigit() and _exists(p / "_CHECKPOINT_METADATA"))
+    except OSError:
+        return None  # not readable: not recognisably anything
     if steps:
         shown = ", ".join(map(str, steps[:5])) + (" ..." if len(steps) > 5 else "")
         return f"an orbax CheckpointManager directory (steps {shown})"
@@ -189,8 +200,13 @@ def raw_metadata(path: Path) -> dict:
         raise CheckpointError(f"{path} is an unfinished save (orbax temporary directory), not a checkpoint.")
     try:
         meta = json.loads(metadata_file(path).read_text())
+    except PermissionError as e:
+        raise CheckpointError(
+            f"checkpoint at {path} cannot be read by this user ({e.strerror}: {e.filename}): make it readable "
+            "(chmod/chown), or delete it."
+        ) from None
     except (OSError, ValueError) as e:
-        if not metadata_file(path).exists() and (kind := orbax_layout(path)) is not None:
+        if not _exists(metadata_file(path)) and (kind := orbax_layout(path)) is not None:
             raise CheckpointError(f"{path} is {kind}, not a redeqx checkpoint (it has no {metadata_file(path)}). "
                                   + _FOREIGN) from None
         raise CheckpointError(
