@@ -12,7 +12,7 @@ kept as a batch or free dim (attention's heads) it goes on.
 
 from __future__ import annotations
 
-from ._reader import View, _shape
+from ._reader import View, _shape, nbytes
 
 
 def _out_positions(lhs_nd: int, rhs_nd: int, dn) -> tuple[dict[int, int], dict[int, int]]:
@@ -69,6 +69,8 @@ def contract(r, eqn) -> None:
             known = lambda ds: tuple(dims[d] for d in ds if dims[d] is not None)  # noqa: E731
             produced = [d for d in range(len(dims)) if d not in contracting and d not in batch]
             seed = r.facts.use(leaf, known(contracting), known(produced), known(batch), "matmul")
+            activation = rhs if var is lhs else lhs
+            r.facts.moves(leaf, eqn, r.trips * nbytes(activation), r.trips * nbytes(out))
             outs = [d for d in produced if dims[d] is not None]
             if seed is not None and outs:
                 tags[seed] = pos[outs[0]]
@@ -105,6 +107,8 @@ def convolve(r, eqn) -> None:
                 r.facts.follow(seed, leaf, dims[k_out], f"grouped conv ({groups} groups) on the split channels")
                 tags[seed] = out_feature
     follows = groups > 1 and any(d == in_feature for d in r.tag(lhs).values())
+    for leaf, _ in (kv.parts if kv is not None else ()):
+        r.facts.moves(leaf, eqn, r.trips * nbytes(lhs), r.trips * nbytes(out))
     if kv is not None and not follows:  # a conv of a split input is a use too: its own output can be split
         for leaf, dims in kv.parts:
             spatial = tuple(dims[d] for d in dn.rhs_spec[2:] if dims[d] is not None)

@@ -55,6 +55,8 @@ class _Decider:
         self.decided: dict[int, LeafSpec] = {}
         self.program_layers: set[str] = set()  # layers whose weight the program placed
         self.kernels: list[str] = []  # (in, out)-named weights the names split as (out, in)
+        self.used = {leaf for leaf, _ in facts.traffic} if facts is not None else set()  # in a product
+        self.cost_notes: dict[int, str] = {}  # weight -> the estimate behind a split the names made
 
     # -- recording ------------------------------------------------------------------
     def finish(self, k: int, spec: P, reason: str, *, whole: bool = False, short: str | None = None) -> None:
@@ -86,6 +88,11 @@ class _Decider:
         if loud and math.prod(self._full(k).shape) < QUIET_SHARE * self.size:
             loud, why = False, f"{why}; under {QUIET_SHARE:.0%} of the model's parameters, so not warned"
             short = f"replicated (small): {short[len('replicated: '):]}"
+        elif loud and self.facts is not None and k in self.used and \
+                math.prod(self._full(k).shape) <= COSTED_SHARE * self.size and (c := self._costs(k))[1] <= c[0]:
+            loud = False  # whole is what it would cost least anyway: nothing lost
+            why = f"{why}; whole it moves {human_bytes(c[0] - c[1])} less a step than split (estimated), so not warned"
+            short = f"replicated (cheaper whole): {short[len('replicated: '):]}"
         self.fallbacks.append((f"{self.prefix}{'.'.join(path_parts(kp))} {shape}", why, loud))
         self.finish(k, P(), f"{reason}: replicated, {why}", whole=whole, short=short)
 
@@ -111,10 +118,18 @@ class _Decider:
         """With a program, at least one weight it contracts is split, or a warning says why none is."""
         if self.facts is None or self.n_model == 1:
             return
-        used = {u.leaf for u in self.facts.uses}
+        used = sorted({u.leaf for u in self.facts.uses})
         roles = [self.roles[k] for k in used if k in self.roles]
-        if roles and all(r.dim is None and r.refused is None for r in roles):
-            self.unread = (len(roles), roles[0].reason)
+        if not (roles and all(r.dim is None and r.refused is None for r in roles)):
+            return
+        costs = {k: self._costs(k) for k in used if k in self.roles}
+        dearer = [k for k, (split, whole) in costs.items() if whole > split and not _overridden(self, k)]
+        if not dearer:
+            return  # replication moves the fewest bytes (a small recurrent cell, one conv): nothing lost
+        k = max(dearer, key=lambda k: costs[k][1] - costs[k][0])
+        split, whole = costs[k]
+        self.unread = (len(roles), f"{self.facts.paths[k]}: {self.roles[k].short or self.roles[k].reason}; split, it "
+                                   f"would move {human_bytes(whole - split)} less a step (estimated)")
 
     def weight(self, k: int, parts, one, hit) -> None:
         role = self.roles.get(k)
@@ -142,10 +157,34 @@ class _Decider:
         if one.shape[dim] % self.n_model:  # a dim of 1 (a value head's output) has nothing to split: quiet
             return self.fall_back(k, one.shape[dim] >= self.n_model, reason,
                                   f"dim {dim} ({one.shape[dim]}) not divisible by n_model_shards={self.n_model}")
+        if role is None and self.facts is not None and self._whole_is_cheaper(k, one, dim, reason):
+            return
         self.weight_dims[layer] = dim
         if parts[-1] == "kernel" and one.ndim == 2 and self.facts is None:
             self.kernels.append(f"{self.prefix}{'.'.join(parts)} {tuple(one.shape)}")
-        self.finish(k, split_spec(one.ndim, dim), reason)
+        self.finish(k, split_spec(one.ndim, dim), reason + self.cost_notes.get(k, ""))
+
+    def _costs(self, k: int) -> tuple[float, float]:
+        """`split_cost` of weight ``k`` on this mesh."""
+        return split_cost(self.facts, k, self._full(k), self.mesh.size // self.n_model, self.n_model)
+
+    def _whole_is_cheaper(self, k: int, one, dim: int, reason: str) -> bool:
+        """For a weight the program contracts but whose split it does not prove (the names split it):
+        the split or the whole weight, whichever moves fewer bytes a step by `split_cost`, said in the
+        reason; True when it finished the leaf (whole)."""
+        if k not in self.used:
+            return False
+        split, whole = self._costs(k)
+        share = math.prod(self._full(k).shape) / self.size
+        if whole <= split and share <= COSTED_SHARE:
+            self.finish(k, P(), f"{reason} by the names, but kept whole: it moves {human_bytes(split - whole)} less "
+                                f"a step than split (estimated: split {human_bytes(split)}, whole {human_bytes(whole)})",
+                        short=f"whole: {human_bytes(split - whole)} less than split on dim {dim} (estimated)")
+            return True
+        if whole > split:
+            self.cost_notes[k] = (f"; split: it moves {human_bytes(whole - split)} less a step than whole "
+                                  f"(estimated: split {human_bytes(split)}, whole {human_bytes(whole)})")
+        return False
 
     def _alternate(self, rule, parts) -> tuple[int, str]:
         layer = weight_layer(parts)
@@ -208,14 +247,37 @@ def leaf_specs(model, mesh: Mesh, overrides=(), fsdp: bool = False, name: str | 
     return treedef, decided, decider.fallbacks, unplaced, advice(decider)
 
 
-# A block the program leaves wholly replicated is said when its matmul weights hold at least this
-# share of the model's bytes (a Mamba mixer's fused in_proj split by jnp.split: 76 of 84 KiB).
-REPLICATED_SHARE = 0.25
+# A weight the names split and the program does not prove may be kept whole, when that moves fewer
+# bytes, up to this share of the model's parameters (each device then holds it whole: its memory).
+COSTED_SHARE = 0.1
+
+
+def split_cost(facts, k: int, full, n_batch: int, n_model: int) -> tuple[float, float]:
+    """The bytes one device moves a step for weight ``k`` split over ``model`` without a proven
+    partner, and whole: ``(split, whole)``.
+
+    - Split (its input whole, as the program does not prove it split; its output met by an op that
+      needs it whole): each product reads its input sliced (free) and its output is gathered (an
+      all-gather or an all-reduce of the output's bytes); backward, the input's gradient is gathered
+      too (its bytes). One device holds ``1 / n_batch`` of the batch's activations.
+    - Both: the weight's gradient is summed over the devices that split the batch (``n_batch > 1``),
+      whole or ``1 / n_model`` of it.
+    """
+    act_in, act_out = facts.activation_bytes(k)
+    grad = math.prod(full.shape) * full.dtype.itemsize if n_batch > 1 else 0
+    return (act_in + act_out) / n_batch + grad / n_model, float(grad)
+
+
+# A block the program leaves wholly replicated is said when its matmul weights hold more than this
+# share of the model's bytes and splitting them would move fewer bytes (by `split_cost`'s estimate):
+# a mixer's fused in_proj cut by jnp.split, not a small recurrent cell that costs least whole.
+REPLICATED_SHARE = 0.01
 
 
 def replicated_blocks(d: _Decider) -> str | None:
-    """Modules with matmul weights the program read, all of them replicated (no override), when
-    they hold a material share of the model: which, how much, and the first reason."""
+    """Modules with matmul weights the program read, all of them replicated (no override), holding
+    over `REPLICATED_SHARE` of the model, some of which would move fewer bytes split: which, what
+    that would save, and the first reason."""
     if d.facts is None or d.n_model == 1 or d.unread is not None:
         return None
     by_block: dict[str, list[int]] = {}
@@ -231,18 +293,28 @@ def replicated_blocks(d: _Decider) -> str | None:
     whole = {}
     for block, leaves in by_block.items():
         roles = [d.roles.get(k) for k in leaves]
-        if len(leaves) >= 2 and not any(_splits(d, k) for k in leaves) and all(
+        if len(leaves) >= 2 and not any(_splits(d, k) or _overridden(d, k) for k in leaves) and all(
                 r is not None and r.dim is None and r.refused is None for r in roles):
-            whole[block] = (sum(sizes[k] for k in leaves), roles[0].reason.split("replicated: ", 1)[-1])
-    held = sum(b for b, _ in whole.values())
-    if not whole or held < REPLICATED_SHARE * total:
+            costs = {k: d._costs(k) for k in leaves}
+            lost = sum(max(0.0, whole - split) for split, whole in costs.values())
+            held = sum(sizes[k] for k in leaves)
+            if held > REPLICATED_SHARE * total and lost > 0:
+                dearest = max(leaves, key=lambda k: costs[k][1] - costs[k][0])
+                whole[block] = (held, lost, f"{d.facts.paths[dearest]}: {roles[leaves.index(dearest)].short}")
+    if not whole:
         return None
     names = sorted(whole)
+    held, lost = sum(h for h, _, _ in whole.values()), sum(x for _, x, _ in whole.values())
     return (f"the program's plan leaves {len(names)} block(s) with matmuls wholly replicated at n_model_shards="
-            f"{d.n_model}: {_listed(names)} ({human_bytes(held)} of "
-            f"{human_bytes(total)} of weights; {names[0]}: {whole[names[0]][1]}). Every device holds and computes "
-            "them whole; if a split suits them, pass overrides=[(regex, spec)] (redeqx.explain shows each "
-            "weight's reason).")
+            f"{d.n_model}: {_listed(names)} ({human_bytes(held)} of {human_bytes(total)} of weights; split, they "
+            f"would move about {human_bytes(lost)} less a step (estimated); {whole[names[0]][2]}). Every device "
+            "holds and computes them whole; to split them, pass overrides=[(regex, spec)] (redeqx.explain(..., "
+            "reasons='full') gives each weight's reason).")
+
+
+def _overridden(d: _Decider, k: int) -> bool:
+    """Whether the user placed weight ``k`` (an override: said where it goes, nothing to warn about)."""
+    return d.decided[d.leaves[k][0]].reason.startswith("override")
 
 
 def _splits(d: _Decider, k: int) -> bool:

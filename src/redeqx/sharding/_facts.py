@@ -60,6 +60,10 @@ class Facts:
         self.group_counts: dict[int, int] = {}
         self.layer_dims: dict[int, dict[int, str]] = {}
         self.lookups: dict[int, list[tuple[int, bool]]] = {}
+        # (leaf, equation) -> bytes of the activation a weight's matmul or conv reads and of what it
+        # writes, over all of the loop's trips (a scan over 22 layers: 22 times the body's); global
+        # (the whole batch), so one device's share is this over the devices splitting the batch
+        self.traffic: dict[tuple[int, int], tuple[int, int]] = {}
         self._leaf_seed: dict[int, int] = {}
 
     # -- recording ---------------------------------------------------------------
@@ -75,6 +79,16 @@ class Facts:
         else:
             self._leaf_seed[leaf] = seed
         return seed
+
+    def moves(self, leaf: int, eqn, act_in: int, act_out: int) -> None:
+        """``leaf``'s matmul or conv ``eqn`` reads ``act_in`` bytes of activations and writes ``act_out``
+        (a body a fixed point runs twice is counted once)."""
+        self.traffic[(leaf, id(eqn))] = (act_in, act_out)
+
+    def activation_bytes(self, leaf: int) -> tuple[int, int]:
+        """The bytes of activations ``leaf``'s products read and write in one step (forward)."""
+        found = [v for (k, _), v in self.traffic.items() if k == leaf]
+        return sum(a for a, _ in found), sum(b for _, b in found)
 
     def block(self, seed: int, why: str) -> None:
         self.blocked.setdefault(seed, why)

@@ -42,7 +42,11 @@ def scan(r: Reader, eqn) -> None:
             tags[i] = _shift_tags(r, tags[i], -1, "a lax.scan loops over its output features")
     for i in range(nc, nc + ncarry):
         views[i] = None
-    out_views, out_tags, out_static = _carry_fixed_point(r, jaxpr, views, tags, static, nc, ncarry)
+    outer, r.trips = r.trips, r.trips * eqn.params["length"]
+    try:
+        out_views, out_tags, out_static = _carry_fixed_point(r, jaxpr, views, tags, static, nc, ncarry)
+    finally:
+        r.trips = outer
     for i in range(ncarry):
         out_views[i] = None
     for i in range(ncarry, len(out_tags)):  # ys: stacked on a new axis 0

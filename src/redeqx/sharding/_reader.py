@@ -40,6 +40,7 @@ class Reader:
         self.tags: dict[Any, dict[int, int]] = {}
         self.static: set = set()
         self.within: dict[Any, dict[int, frozenset[int]]] = {}  # var -> {seed: dims made of its split dim's inner factors}
+        self.trips = 1  # how many times the body being read runs in one step (scans' lengths multiplied)
 
     # -- values ---------------------------------------------------------------
     def view(self, v):
@@ -107,4 +108,15 @@ def _open(j):
 
 def _shape(v) -> tuple[int, ...]:
     return tuple(getattr(v.aval, "shape", ()))
+
+
+def nbytes(v) -> int:
+    """The bytes of the value ``v`` (0 for a token or other non-array)."""
+    dtype = getattr(v.aval, "dtype", None)
+    if dtype is None:
+        return 0
+    size = 1
+    for d in _shape(v):
+        size *= d
+    return size * getattr(dtype, "itemsize", 4)
 
