@@ -70,7 +70,7 @@ def contract(r, eqn) -> None:
             produced = [d for d in range(len(dims)) if d not in contracting and d not in batch]
             seed = r.facts.use(leaf, known(contracting), known(produced), known(batch), "matmul")
             activation = rhs if var is lhs else lhs
-            r.facts.moves(leaf, eqn, r.trips * nbytes(activation), r.trips * nbytes(out))
+            r.facts.moves(leaf, eqn, r.trips * nbytes(activation), r.trips * nbytes(out), activation)
             outs = [d for d in produced if dims[d] is not None]
             if seed is not None and outs:
                 tags[seed] = pos[outs[0]]
@@ -108,7 +108,7 @@ def convolve(r, eqn) -> None:
                 tags[seed] = out_feature
     follows = groups > 1 and any(d == in_feature for d in r.tag(lhs).values())
     for leaf, _ in (kv.parts if kv is not None else ()):
-        r.facts.moves(leaf, eqn, r.trips * nbytes(lhs), r.trips * nbytes(out))
+        r.facts.moves(leaf, eqn, r.trips * nbytes(lhs), r.trips * nbytes(out), lhs)
     if kv is not None and not follows:  # a conv of a split input is a use too: its own output can be split
         for leaf, dims in kv.parts:
             spatial = tuple(dims[d] for d in dn.rhs_spec[2:] if dims[d] is not None)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import jax
 from jax.sharding import Mesh, PartitionSpec as P
@@ -24,7 +25,7 @@ from ..mesh import MODEL
 from .._trees import human_bytes, is_array_like, path_parts
 from ._name_rules import UNPLACED, classify
 from ._names import _ancestors
-from ._roles import Role, decide
+from ._roles import Pricing, Role, decide
 from ._specs import (
     LeafSpec, Overrides, axes_of, brief, check_mesh_model, fsdp_spec, is_weight, lifted, plain_why, small_leaf_spec,
     split_spec, stacked_leaves, vocab_sizes, weight_layer,
@@ -42,7 +43,8 @@ class _Decider:
         self.mesh, self.n_model = check_mesh_model(mesh)
         self.prefix = f"{name}." if name else ""
         self.overrides = Overrides(overrides, self.mesh, self.prefix)
-        self.roles: dict[int, Role] = decide(facts, self.n_model) if facts is not None else {}
+        self.pricing = Pricing(self.mesh.size // self.n_model, memory_budget(self.mesh))
+        self.roles: dict[int, Role] = decide(facts, self.n_model, self.pricing) if facts is not None else {}
         self.leaves = stacked_leaves(model, facts)
         self.arrays = [x for x in jax.tree_util.tree_leaves(model) if is_array_like(x)]
         self.size = sum(math.prod(x.shape) for x in self.arrays)
@@ -89,7 +91,7 @@ class _Decider:
             loud, why = False, f"{why}; under {QUIET_SHARE:.0%} of the model's parameters, so not warned"
             short = f"replicated (small): {short[len('replicated: '):]}"
         elif loud and self.facts is not None and k in self.used and \
-                math.prod(self._full(k).shape) <= COSTED_SHARE * self.size and (c := self._costs(k))[1] <= c[0]:
+                math.prod(self._full(k).shape) <= QUIET_WHOLE_SHARE * self.size and (c := self._costs(k))[1] <= c[0]:
             loud = False  # whole is what it would cost least anyway: nothing lost
             why = f"{why}; whole it moves {human_bytes(c[0] - c[1])} less a step than split (estimated), so not warned"
             short = f"replicated (cheaper whole): {short[len('replicated: '):]}"
@@ -175,8 +177,7 @@ class _Decider:
         if k not in self.used:
             return False
         split, whole = self._costs(k)
-        share = math.prod(self._full(k).shape) / self.size
-        if whole <= split and share <= COSTED_SHARE:
+        if whole <= split and self.pricing.affords(self.facts, [k], self.n_model):
             self.finish(k, P(), f"{reason} by the names, but kept whole: it moves {human_bytes(split - whole)} less "
                                 f"a step than split (estimated: split {human_bytes(split)}, whole {human_bytes(whole)})",
                         short=f"whole: {human_bytes(split - whole)} less than split on dim {dim} (estimated)")
@@ -247,9 +248,25 @@ def leaf_specs(model, mesh: Mesh, overrides=(), fsdp: bool = False, name: str | 
     return treedef, decided, decider.fallbacks, unplaced, advice(decider)
 
 
-# A weight the names split and the program does not prove may be kept whole, when that moves fewer
-# bytes, up to this share of the model's parameters (each device then holds it whole: its memory).
-COSTED_SHARE = 0.1
+# A leaf replicated because n_model_shards cannot split it is not warned about when whole is what
+# moves the fewest bytes anyway and it holds at most this share of the model's parameters.
+QUIET_WHOLE_SHARE = 0.1
+# Weights kept whole because that moves fewer bytes than their split may take this share of one
+# device's memory (parameters, gradients and two optimizer moments): enough for a small model's
+# convs, embeddings and heads, never a large model's blocks (which are why it is split).
+WHOLE_MEMORY_SHARE = 0.05
+
+
+def memory_budget(mesh: Mesh) -> float:
+    """`WHOLE_MEMORY_SHARE` of one device's memory: its allocator's limit on a GPU or TPU; on CPU
+    the host's memory over its devices (simulated devices share it)."""
+    try:
+        limit = (mesh.devices.flat[0].memory_stats() or {}).get("bytes_limit")
+    except Exception:  # a device that cannot say (an abstract TPU topology)
+        limit = None
+    if not limit:
+        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(1, jax.local_device_count())
+    return WHOLE_MEMORY_SHARE * limit
 
 
 def split_cost(facts, k: int, full, n_batch: int, n_model: int) -> tuple[float, float]:

@@ -45,8 +45,9 @@ class Whole:
 
 
 class Facts:
-    def __init__(self, paths: list[str], shapes: list[tuple[int, ...]]):
+    def __init__(self, paths: list[str], shapes: list[tuple[int, ...]], itemsizes: list[int] | None = None):
         self.paths, self.shapes = paths, shapes
+        self.itemsizes = itemsizes or [4] * len(shapes)
         self.uses: list[Use] = []
         self.seed_use: list[int] = []  # seed -> index in uses
         self.seed_dim: dict[int, int] = {}  # seed -> the leaf dim its output split comes from
@@ -63,7 +64,7 @@ class Facts:
         # (leaf, equation) -> bytes of the activation a weight's matmul or conv reads and of what it
         # writes, over all of the loop's trips (a scan over 22 layers: 22 times the body's); global
         # (the whole batch), so one device's share is this over the devices splitting the batch
-        self.traffic: dict[tuple[int, int], tuple[int, int]] = {}
+        self.traffic: dict[tuple[int, int], tuple[int, int, int | None]] = {}  # ..., and which activation read
         self._leaf_seed: dict[int, int] = {}
 
     # -- recording ---------------------------------------------------------------
@@ -80,15 +81,27 @@ class Facts:
             self._leaf_seed[leaf] = seed
         return seed
 
-    def moves(self, leaf: int, eqn, act_in: int, act_out: int) -> None:
-        """``leaf``'s matmul or conv ``eqn`` reads ``act_in`` bytes of activations and writes ``act_out``
-        (a body a fixed point runs twice is counted once)."""
-        self.traffic[(leaf, id(eqn))] = (act_in, act_out)
+    def moves(self, leaf: int, eqn, act_in: int, act_out: int, read=None) -> None:
+        """``leaf``'s matmul, conv or lookup ``eqn`` reads ``act_in`` bytes of the activation ``read``
+        and writes ``act_out`` (a body a fixed point runs twice is counted once)."""
+        self.traffic[(leaf, id(eqn))] = (act_in, act_out, None if read is None else id(read))
 
     def activation_bytes(self, leaf: int) -> tuple[int, int]:
         """The bytes of activations ``leaf``'s products read and write in one step (forward)."""
         found = [v for (k, _), v in self.traffic.items() if k == leaf]
-        return sum(a for a, _ in found), sum(b for _, b in found)
+        return sum(v[0] for v in found), sum(v[1] for v in found)
+
+    def inputs_read(self, leaves) -> int:
+        """The bytes of the activations the products of ``leaves`` read, each activation once (Q, K and
+        V reading one input: one backward all-reduce of its gradient, as XLA merges them)."""
+        seen: dict[object, int] = {}
+        for (k, eqn), (act_in, _, read) in self.traffic.items():
+            if k in leaves:
+                seen[(eqn, k) if read is None else read] = act_in
+        return sum(seen.values())
+
+    def nbytes(self, leaf: int) -> int:
+        return self.size(leaf) * self.itemsizes[leaf]
 
     def block(self, seed: int, why: str) -> None:
         self.blocked.setdefault(seed, why)

@@ -5,7 +5,7 @@ local, and is blocked, with the reason, where the op needs the whole dim."""
 from __future__ import annotations
 
 from ._facts import reshape_target
-from ._reader import Reader, View, _shape
+from ._reader import nbytes, Reader, View, _shape
 
 ELEMENTWISE = frozenset(
     "add sub mul div rem pow max min neg exp exp2 log log1p expm1 tanh logistic sin cos tan sqrt rsqrt cbrt "
@@ -279,6 +279,8 @@ def gather(r: Reader, eqn) -> None:
                 if dims[d] is not None:
                     r.facts.lookup(leaf, dims[d], positional=r.is_static(indices))
         out = eqn.outvars[0]
+        for leaf, _ in vw.parts:  # a table split on what it looks up sums its rows over 'model' (forward)
+            r.facts.moves(leaf, eqn, 0, r.trips * nbytes(out))
         kept = [d for d in range(len(_shape(table))) if d not in dn.collapsed_slice_dims]
         whole = [d for d in kept if eqn.params["slice_sizes"][d] == _shape(table)[d]]
         if len(kept) == len(dn.offset_dims):

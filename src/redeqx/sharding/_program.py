@@ -58,7 +58,7 @@ def read_program(model, loss_fn, batch, paths: list[str]) -> Facts:
         return loss_fn(eqx.combine(jax.tree_util.tree_unflatten(treedef, flat), static), b, k)
 
     closed = jax.make_jaxpr(program)(abstract, batch, key)
-    facts = Facts(paths, [tuple(x.shape) for x in abstract])
+    facts = Facts(paths, [tuple(x.shape) for x in abstract], [x.dtype.itemsize for x in abstract])
     reader = Reader(facts, HANDLERS)
     jaxpr = closed.jaxpr
     n = len(abstract)

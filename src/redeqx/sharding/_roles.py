@@ -25,8 +25,11 @@ not see beside a split, unused leaves) are left to the name rules.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from typing import NamedTuple
 
+from .._trees import human_bytes
 from ._facts import Facts
 
 
@@ -41,6 +44,54 @@ class Role:
     reason: str
     refused: str | None = None
     short: str | None = None  # the reason in a few words, for `explain`'s default table
+
+
+@dataclasses.dataclass
+class Pricing:
+    """What a split costs on one mesh (`priced`): ``n_batch`` devices split the batch (each holds
+    ``1 / n_batch`` of the program's activations, and gradients are summed over them); ``budget``:
+    the bytes of a device's memory that weights kept whole because they move fewer bytes so may
+    take (their parameters, gradients and two optimizer moments), less what is ``spent``."""
+
+    n_batch: int
+    budget: float
+    spent: float = 0.0
+
+    def gradient(self, facts: Facts, leaves) -> float:
+        """The bytes of ``leaves``' gradients summed over the batch's devices each step (none on one)."""
+        return float(sum(facts.nbytes(k) for k in leaves)) if self.n_batch > 1 else 0.0
+
+    def affords(self, facts: Facts, leaves, n: int) -> bool:
+        """Whether holding ``leaves`` whole (instead of ``1 / n`` of them) fits what is left of the
+        budget; if so it is spent."""
+        extra = 4 * sum(facts.nbytes(k) for k in leaves) * (1 - 1 / n)
+        if self.spent + extra > self.budget:
+            return False
+        self.spent += extra
+        return True
+
+
+def _kind_of(facts: Facts, leaves) -> tuple:
+    """Leaves of the same kind of block (paths equal but for layer numbers, same shapes): one decision."""
+    return tuple(sorted((re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", facts.paths[k]), facts.shapes[k]) for k in leaves))
+
+
+def _price(pricing: Pricing, facts: Facts, n: int, candidates: list[tuple[tuple, float, float]]) -> dict[int, str]:
+    """``candidates``: ``(leaves, split, whole)``, the bytes a step moves with ``leaves`` split as
+    proven and whole. Blocks of one kind are decided together; those whole moves fewer bytes for are
+    kept whole, most saved first, while the memory budget lasts. Returns each such leaf's reason."""
+    kinds: dict[tuple, list] = {}
+    for leaves, split, whole in candidates:
+        entry = kinds.setdefault(_kind_of(facts, leaves), [[], 0.0, 0.0])
+        entry[0] += list(leaves)
+        entry[1] += split
+        entry[2] += whole
+    out: dict[int, str] = {}
+    for leaves, split, whole in sorted(kinds.values(), key=lambda e: e[2] - e[1]):
+        if whole < split and pricing.affords(facts, leaves, n):
+            for k in leaves:
+                out[k] = (f"{human_bytes(split - whole)} less a step than split", split, whole)
+    return out
 
 
 @dataclasses.dataclass
@@ -171,7 +222,7 @@ def _describe(facts: Facts, group: Group, leaf: int, dim: int, text: str) -> Rol
                 short=f"follows its layer's split, dim {dim}")
 
 
-def experts(facts: Facts, n: int, decided: dict[int, Role]) -> None:
+def experts(facts: Facts, n: int, decided: dict[int, Role], pricing: Pricing | None = None) -> None:
     for use in facts.uses:
         if use.batch and use.leaf not in decided:
             axis = use.batch[0]
@@ -252,28 +303,72 @@ def _best(component: list[int], fits: list[_Fit]) -> list[int]:
     return best
 
 
-def blocks(facts: Facts, n: int, decided: dict[int, Role]) -> None:
+def _priced(facts: Facts, fit: _Fit) -> bool:
+    """Whether a proven split is weighed against its weights whole: a vocabulary-parallel head, or a
+    block whose layers are all convolutions with a kernel wider than 1 (a feature encoder over a long
+    signal, where activations outweigh weights; a 1 x 1 conv is a linear layer).
+    A block of linear layers is always split: its products are most of the model's work, which the
+    split divides (bytes alone would keep a small model's blocks whole, every device doing all of it)."""
+    if fit.kept.kind == "head":
+        return True
+    layers = {k for k, (_, t) in fit.kept.members.items() if t in ("column", "row")}
+    return all(u.kind == "conv" and math.prod(facts.shapes[k][d] for d in u.contracted) > _in_features(facts, u)
+               for u in facts.uses if (k := u.leaf) in layers)
+
+
+def _in_features(facts: Facts, use) -> int:
+    """A conv's input features alone (its first contracted dim): more contracted than that is a
+    kernel with extent, not a 1 x 1 conv (a linear layer by another name)."""
+    return facts.shapes[use.leaf][use.contracted[0]] if use.contracted else 1
+
+
+def _block_costs(facts: Facts, fit: _Fit, n: int, pricing: Pricing) -> tuple[float, float]:
+    """The bytes one device moves a step for ``fit``'s block split as proven, and whole. Split: each
+    column layer's input gradient summed over 'model' (backward; one activation read by several
+    layers once), each row layer's output summed (forward); the gradients, ``1 / n`` of them."""
+    members = fit.kept.members
+    cols = {k for k, (_, t) in members.items() if t == "column"}
+    rows = {k for k, (_, t) in members.items() if t == "row"}
+    acts = facts.inputs_read(cols) + sum(facts.activation_bytes(k)[1] for k in rows)
+    grad = pricing.gradient(facts, members)
+    return acts / pricing.n_batch + grad / n, grad
+
+
+def _whole_role(facts: Facts, leaf: int, role: Role, why) -> Role:
+    saved, split, whole = why
+    return Role(None, f"{role.reason}; but kept whole: it moves {saved} (estimated: split {human_bytes(split)}, "
+                      f"whole {human_bytes(whole)}, its kind of block together)",
+                short=f"whole: {saved} (estimated)")
+
+
+def blocks(facts: Facts, n: int, decided: dict[int, Role], pricing: Pricing | None = None) -> None:
     fits = []
     for group in _groups(facts):
         if group.why_not is None and not any(
                 leaf in decided and decided[leaf].dim != dim for leaf, (dim, _) in group.members.items()):
             fits.append(_fit(facts, group, n))
-    for fit in _choose([f for f in fits if f.refusal is None]):
+    chosen = _choose([f for f in fits if f.refusal is None])
+    whole = {} if pricing is None else _price(pricing, facts, n, [
+        (tuple(f.kept.members), *_block_costs(facts, f, n, pricing)) for f in chosen if _priced(facts, f)])
+    for fit in chosen:
         decided.update(fit.dropped)
         for leaf, (dim, text) in fit.kept.members.items():
             decided[leaf] = _describe(facts, fit.group, leaf, dim, text)
+            if leaf in whole:
+                decided[leaf] = _whole_role(facts, leaf, decided[leaf], whole[leaf])
     for fit in fits:  # a block no n_model_shards split fits: whole, and said so
         if fit.refusal is not None:
             for leaf, (dim, text) in fit.group.members.items():
                 decided.setdefault(leaf, Role(None, f"program: {text}, replicated", refused=fit.refusal))
 
 
-def lookups(facts: Facts, n: int, decided: dict[int, Role]) -> None:
+def lookups(facts: Facts, n: int, decided: dict[int, Role], pricing: Pricing | None = None) -> None:
+    tables = []
     for leaf, found in facts.lookups.items():
         dim, positional = found[0]
         if leaf in decided:
-            if decided[leaf].dim == dim:
-                decided[leaf] = Role(dim, decided[leaf].reason + "; also looked up (tied embedding)",
+            if decided[leaf].dim == dim or (decided[leaf].short or "").startswith("whole:"):
+                decided[leaf] = Role(decided[leaf].dim, decided[leaf].reason + "; also looked up (tied embedding)",
                                      short=f"{decided[leaf].short}, tied embedding")
             continue
         if all(p for _, p in found):
@@ -285,9 +380,15 @@ def lookups(facts: Facts, n: int, decided: dict[int, Role]) -> None:
         else:
             decided[leaf] = Role(dim, f"program: embedding, looked up by data on dim {dim} (vocab)",
                                  short=f"embedding, dim {dim} (vocab)")
+            tables.append(leaf)
+    if pricing is not None:  # split on vocab, each lookup's rows are summed over 'model' (forward)
+        costs = [((k,), facts.activation_bytes(k)[1] / pricing.n_batch + pricing.gradient(facts, [k]) / n,
+                  pricing.gradient(facts, [k])) for k in tables]
+        for k, why in _price(pricing, facts, n, costs).items():
+            decided[k] = _whole_role(facts, k, decided[k], why)
 
 
-def read(facts: Facts, n: int, decided: dict[int, Role]) -> None:
+def read(facts: Facts, n: int, decided: dict[int, Role], pricing: Pricing | None = None) -> None:
     groups = _groups(facts)
     for use in facts.uses:
         if use.leaf in decided:
@@ -304,9 +405,10 @@ def read(facts: Facts, n: int, decided: dict[int, Role]) -> None:
 RULES = (experts, blocks, lookups, read)
 
 
-def decide(facts: Facts, n: int) -> dict[int, Role]:
-    """Each leaf the program decides, by the first rule in `RULES` that does."""
+def decide(facts: Facts, n: int, pricing: Pricing | None = None) -> dict[int, Role]:
+    """Each leaf the program decides, by the first rule in `RULES` that does; with ``pricing``, a
+    proven split that moves more bytes than its weights whole is kept whole (`Pricing`)."""
     decided: dict[int, Role] = {}
     for rule in RULES:
-        rule(facts, n, decided)
+        rule(facts, n, decided, pricing)
     return decided
