@@ -323,7 +323,7 @@ def test_a_layer_at_the_root_is_a_layer(getkey):
     specs, caught = rules_warnings(eqx.nn.Linear(12, 16, key=getkey()), mesh)
     assert specs.weight == P("model", None) and specs.bias == P("model") and caught == []
     table = redeqx.explain(eqx.nn.Linear(12, 16, key=getkey()), specs, mesh)
-    assert "not a layer" not in table and "alternating under '<root>': dim 0" in table
+    assert "not a layer" not in table and "unnamed layers alternate column/row: column (dim 0)" in table
     specs, caught = rules_warnings(eqx.nn.Linear(12, 20, key=getkey()), mesh)  # 20 % 8: said, as for any layer
     assert specs.weight == P() and len(caught) == 1 and "weight (20, 12): dim 0 (20)" in str(caught[0].message)
     assert redeqx.sharding_rules(eqx.nn.Conv2d(3, 8, 3, key=getkey()), mesh).weight == P("model", None, None, None)

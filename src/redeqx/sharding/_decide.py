@@ -194,7 +194,9 @@ class _Decider:
         if dim is None:
             dim = rule.alternation[self.counters.get(group, 0) % 2]
             self.counters[group] = self.counters.get(group, 0) + 1
-            reason = f"{reason + ': ' if reason else ''}alternating under '{group or '<root>'}': dim {dim}"
+            where = f" under '{group}'" if group else ""
+            role = "column (dim 0)" if dim == 0 else f"row (dim {dim})"
+            reason = f"{reason + ': ' if reason else ''}unnamed layers{where} alternate column/row: {role}"
         elif rule.counts and dim in rule.alternation:
             self.counters[group] = rule.alternation.index(dim) + 1  # a named layer advances its parent's too
         return dim, reason

@@ -397,7 +397,8 @@ def read(facts: Facts, n: int, decided: dict[int, Role], pricing: Pricing | None
         why = next((g.left_whole[use.leaf] for g in groups if use.leaf in g.left_whole), None)
         why = why or next((g.why_not for g in mine if g.why_not), None)
         if why is None:
-            why = "its other role is taken by a larger block" if mine else "no output dim to split"
+            why = ("its block would split it another way than a larger block it is also in" if mine
+                   else "no output dim to split (its product yields no feature of its own)")
         decided[use.leaf] = Role(None, f"program: {use.kind} contracting dims {use.contracted} with its input, "
                                        f"replicated: {why}", short=f"replicated: {why}")
 

@@ -45,7 +45,7 @@ class LeafSpec:
 
 # `explain`'s default table keeps each reason to a few words: the counts that do not divide
 # said plainly, anything else cut at a word (the full reason is `explain(..., reasons="full")`).
-SHORT_LIMIT = 52
+SHORT_LIMIT = 90
 _NOT_DIVISIBLE = (
     (re.compile(r"dim (\d+) \((\d+)\) not divisible by n_model_shards=(\d+)"), r"dim \1 (\2) does not split \3 ways"),
     (re.compile(r"(\d+) ([a-z ]+?) not divisible by n_model_shards=(\d+)"), r"\1 \2 do not split \3 ways"),
