@@ -253,9 +253,10 @@ def test_processes_die_with_a_killed_launcher(tmp_path):
     script = write_script(
         tmp_path,
         """
-        import os, sys, time, jax, redeqx
+        import os, subprocess, sys, time, jax, redeqx
         redeqx.initialize()
-        open(os.path.join(sys.argv[1], f"ready_{jax.process_index()}"), "w").write(str(os.getpid()))
+        child = subprocess.Popen(["sleep", "600"])  # what a script starts (Grain's workers) goes too
+        open(os.path.join(sys.argv[1], f"ready_{jax.process_index()}"), "w").write(f"{os.getpid()} {child.pid}")
         time.sleep(600)
         """,
     )
@@ -264,17 +265,42 @@ def test_processes_die_with_a_killed_launcher(tmp_path):
     pids = []
     try:
         wait_for_files([tmp_path / "ready_0", tmp_path / "ready_1"], [proc])
-        pids = [int((tmp_path / f"ready_{i}").read_text()) for i in range(2)]
+        pids = [int(pid) for i in range(2) for pid in (tmp_path / f"ready_{i}").read_text().split()]
         proc.kill()
         proc.wait(timeout=30)
         deadline = time.monotonic() + 20
         while any(map(running, pids)) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not any(map(running, pids)), "the launched processes outlived their launcher"
+        assert not any(map(running, pids)), "the launched processes (or their children) outlived their launcher"
     finally:
         for pid in pids:
             if running(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_process_that_never_reaches_its_first_step_ends_the_run_naming_it(tmp_path):
+    """Before: a process stuck before its first step (compile, data, restore) hung `launch -n 2` forever:
+    the watchdog judges steps, and --exit-timeout starts only when a process ends."""
+    script = write_script(
+        tmp_path,
+        """
+        import time, jax, redeqx
+        if jax.process_index() == 1:
+            time.sleep(600)  # stuck before its first step
+        mesh = redeqx.make_mesh(devices=jax.local_devices())
+        step = redeqx.make_step(lambda state: (state + 1, None), mesh)
+        step(jax.numpy.zeros(2))
+        time.sleep(600)  # then waits, as in a collective with the stuck one
+        """,
+    )
+    started = time.monotonic()
+    done = run_launcher("-n", "2", "--devices", "2", "--startup-timeout", "10", script, timeout=120)
+    assert done.returncode == launch.STARTUP_EXIT_CODE == 124, done.stderr[-2000:]
+    assert time.monotonic() - started < 90
+    assert "process 1 (pid" in done.stderr and "has not run its first step 10 s after the start" in done.stderr
+    assert "running the script, before its first redeqx step" in done.stderr
+    assert "process 0 (pid" not in done.stderr and "raise --startup-timeout" in done.stderr
 
 
 @pytest.mark.slow

@@ -20,10 +20,15 @@ otherwise it says that nothing was saved and exits with another status
 launcher stops the others (within a few seconds) and exits with that
 process's exit status; if the launcher itself is killed (a scheduler's
 SIGKILL, the OOM killer), its processes are killed with it, never left
-training unsupervised; if one process ends its script while the others still
+training unsupervised, and so is what they started (Grain's worker processes,
+a data loader's pool: each process's whole process group); if one process ends its script while the others still
 run ``--exit-timeout`` seconds later (default 60; a ``sys.exit`` taken by one
 process only leaves the others waiting for it in a collective forever), it
 stops them all and exits with status 1, naming which ended and which did not.
+A process that has not run its first redeqx step ``--startup-timeout``
+seconds after the start (default 1800; stuck joining, compiling, restoring
+or in the script's own start) stops the run with status 124, naming the
+process and what it was doing.
 It is for trying multi-host code on one machine and for tests; on a real
 cluster start one process per host (or per GPU) with SLURM, mpirun or by
 hand, and call `redeqx.initialize` in the script.
@@ -48,13 +53,15 @@ from pathlib import Path
 
 from .run import ENV
 from ._hooks import StoppedByLauncher, stop_on_launcher_signal
+from ._startup import DOING, LAUNCH_DIR, STEPPED, doing
 from .checkpoints import PREEMPTED_EXIT_CODE
 
 GRACE_SECONDS = 5.0  # after a failure or a Ctrl-C, before SIGKILL
 DEFAULT_PREEMPTION_GRACE = 20  # after a forwarded SIGTERM: time to save a checkpoint and exit
 DEFAULT_EXIT_TIMEOUT = 60  # one process done, the others not: how long until that is a failure
 DEFAULT_HEARTBEAT_TIMEOUT = 10  # the processes are all here: a dead one is noticed fast
-LAUNCH_DIR = "REDEQX_LAUNCH_DIR"  # where each process marks that its script ended
+DEFAULT_STARTUP_TIMEOUT = 1800  # how long a process may take to reach its first step (0: no limit)
+STARTUP_EXIT_CODE = 124  # a process never reached its first step: what `timeout` returns
 LAUNCHER_PID = "REDEQX_LAUNCHER_PID"  # the launcher's pid: a launched process dies with it
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 STOP_SIGNAL = signal.SIGUSR1  # "another process failed": stop quietly
@@ -151,6 +158,7 @@ def _child() -> None:
     from .run import launcher_start
 
     launcher_start()
+    doing("running the script, before its first redeqx step (building the model, reading data, ...)")
     stop_on_launcher_signal(STOP_SIGNAL)
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
@@ -230,6 +238,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         default=DEFAULT_HEARTBEAT_TIMEOUT,
         help=f"seconds before a silent process counts as dead (default {DEFAULT_HEARTBEAT_TIMEOUT})",
     )
+    parser.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=DEFAULT_STARTUP_TIMEOUT,
+        help=f"seconds each process may take to run its first redeqx step (joining, building, compiling, "
+        f"restoring); past it the run is stopped, naming the process and what it was doing (default "
+        f"{DEFAULT_STARTUP_TIMEOUT}; 0: no limit)",
+    )
     parser.add_argument("script", help="the Python script every process runs")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     ns = parser.parse_args(argv)
@@ -243,6 +259,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     for name in ("grace", "exit_timeout"):
         if getattr(ns, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(ns, name)}.")
+    if ns.startup_timeout < 0:
+        parser.error(f"--startup-timeout must be >= 0 seconds (0: no limit), got {ns.startup_timeout}.")
     if ns.heartbeat_timeout < 1:
         parser.error(f"--heartbeat-timeout must be >= 1 second, got {ns.heartbeat_timeout}.")
     if not os.path.isfile(ns.script):
@@ -290,6 +308,39 @@ def _spawn(ns: argparse.Namespace, port: int, marks: Path) -> list[subprocess.Po
     return procs
 
 
+# The reaper: a small process of the launcher's that outlives it by a moment, to SIGKILL each launched
+# process's whole group (what the script started too: Grain's worker processes, a data loader's pool)
+# when the launcher ends, however it ends. The launched processes themselves die with the launcher
+# (PR_SET_PDEATHSIG), but the kernel does not reach their children. SIGUSR2 (from the kernel when the
+# launcher dies, or from the launcher at its end) reaps; a SIGTERM or Ctrl-C sent to the terminal's or
+# the job's process group is the launcher's to handle, and ignored here.
+_REAPER = """
+import ctypes, os, signal, sys, time
+groups = [int(g) for g in sys.argv[2:]]
+def reap(*_):
+    for g in groups:
+        try:
+            os.killpg(g, signal.SIGKILL)
+        except OSError:
+            pass
+    os._exit(0)
+for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(s, signal.SIG_IGN)
+signal.signal(signal.SIGUSR2, reap)
+if sys.platform.startswith("linux"):
+    ctypes.CDLL(None).prctl(1, signal.SIGUSR2, 0, 0, 0)
+launcher = int(sys.argv[1])
+while os.getppid() == launcher:
+    time.sleep(0.5)
+reap()
+"""
+
+
+def _start_reaper(procs: list[subprocess.Popen]) -> subprocess.Popen:
+    """The reaper of ``procs``' process groups (each launched process leads its own)."""
+    return subprocess.Popen([sys.executable, "-c", _REAPER, str(os.getpid()), *(str(p.pid) for p in procs)])
+
+
 def _say(text: str) -> None:
     print(f"redeqx.launch: {text}", file=sys.stderr, flush=True)
 
@@ -306,6 +357,7 @@ class _Run:
         self.killed: list[str] = []
         self.preempted: dict[int, float] = {}  # process -> when it exited with the preemption status
         self.first_end: float | None = None
+        self.started = time.monotonic()
 
     def kill_all(self, why: str) -> None:
         self.killed.append(why)
@@ -340,6 +392,9 @@ class _Run:
         if self._ended_alone(codes, now):
             _stop(self.procs)
             return 1
+        if self._never_stepped(codes, now):
+            _stop(self.procs)
+            return STARTUP_EXIT_CODE
         self._kill_after_grace(codes, now)
         if all(rc is not None for rc in codes):
             return self._all_ended(codes, failed)
@@ -365,6 +420,29 @@ class _Run:
              "later: a process that ends early (sys.exit, return or break taken by one process only) "
              "leaves the others waiting for it in a collective forever. Stopping them all "
              "(--exit-timeout sets the wait).")
+        return True
+
+    def _never_stepped(self, codes, now: float) -> bool:
+        """Whether a process still runs ``--startup-timeout`` after the start without having run its
+        first step (a hang in joining, compiling, restoring or the script's own start), said with
+        what each such process was last doing."""
+        limit = self.ns.startup_timeout
+        if not limit or now - self.started <= limit or self.received:
+            return False
+        late = [i for i, rc in enumerate(codes) if rc is None and not (self.marks / f"{STEPPED}_{i}").exists()
+                and not (self.marks / f"ended_{i}").exists()]
+        if not late:
+            return False
+        for i in late:
+            try:
+                what = (self.marks / f"{DOING}_{i}").read_text()
+            except OSError:
+                what = "starting Python and importing redeqx"
+            _say(f"process {i} (pid {self.procs[i].pid}) has not run its first step {limit:g} s after the start; "
+                 f"it was {what}.")
+        _say(f"stopping every process (exit status {STARTUP_EXIT_CODE}). A hang before the first step is often a "
+             "process waiting in a collective the others never join (each process must make the same meshes and "
+             "steps, in the same order); if the start is just slow, raise --startup-timeout.")
         return True
 
     def _kill_after_grace(self, codes, now: float) -> None:
@@ -396,12 +474,15 @@ def main(argv: list[str] | None = None) -> int:
     ns = _parse(argv)
     marks = Path(tempfile.mkdtemp(prefix="redeqx-launch-"))
     run = _Run(ns, marks, _spawn(ns, ns.port or free_port(), marks))
+    reaper = _start_reaper(run.procs)
     previous = {s: signal.signal(s, run.forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         while (status := run.poll()) is None:
             time.sleep(0.1)
     finally:
         _stop(run.procs)
+        reaper.send_signal(signal.SIGUSR2)  # what the processes started and left behind goes too
+        reaper.wait()
         for s, h in previous.items():
             signal.signal(s, h)
         shutil.rmtree(marks, ignore_errors=True)

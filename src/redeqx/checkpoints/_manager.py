@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jaxtyping import PyTree
 
-from .. import _hooks
+from .. import _hooks, _startup
 from .._json import checkpointable
 from ..mesh import refuse_deleted
 from .._typing import positive_int, typechecked
@@ -306,6 +306,7 @@ class CheckpointManager:
             raise ValueError(f"best={best!r} is not tracked; this manager tracks best={self.best_modes}.")
 
         def read(path: Path):
+            _startup.doing(f"restoring the checkpoint {path}")
             state, meta = restore_checkpoint(path, like, mesh, specs), read_metadata(path)
             warn_moved_position(meta, mesh, path, per_device_batch_size)
             if data_iterator is not None:

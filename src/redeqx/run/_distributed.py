@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from .. import _hooks
+from .. import _hooks, _startup
 from .._typing import typechecked
 from ._settings import DEFAULT_PORT, ENV, Config, cluster_hint, describe, resolve
 
@@ -424,5 +424,6 @@ def preflight() -> None:
 
 def launcher_start() -> None:
     """Used by `python -m redeqx.launch` in each child before the script runs."""
+    _startup.doing("joining the run (jax.distributed: waiting for every process)")
     config = resolve(None, None, None, None, None, None, None)
     _start(config, by="launcher")

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from .. import _startup
 from ._cpu import wait_for_program
 from ._loss import fn_name
 from ..context import check_split_program, mesh_context, split_lengths, splitting
@@ -212,6 +213,8 @@ class CompiledStep:
         jitted, arrays, current, shardings, paths, treedef, mask, constants = self._lookup(tree, abstract=False)
         arrays = self._placed(arrays, current, shardings, paths)
         shapes = self._batch_shapes(args) if self.batch_args else None
+        if _startup.pending():
+            _startup.doing(f"compiling and running its first step ({fn_name(self.fn)})")
         try:
             with jax.set_mesh(self.mesh):  # so redeqx.constrain inside user code sees the mesh
                 args = self._args(args)
@@ -223,6 +226,7 @@ class CompiledStep:
         except Exception as e:
             _note_changed_batch(e, self._last_batch, shapes)
             raise
+        _startup.stepped()
         self._last_batch = shapes
         if not self.returns_state:
             return result
