@@ -17,6 +17,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import redeqx
 from _helpers import DAMAGES, damaged, mlp, mse_loss, run_python, script_env, sharded_state
@@ -334,6 +335,20 @@ def test_a_step_directory_this_user_cannot_read_is_a_checkpoint_error_and_restor
         restored, _ = manager.restore(state, mesh, specs)
     assert int(restored.step) == 1
     manager.close()
+
+
+def test_restoring_floats_into_an_int_leaf_is_refused_naming_it(tmp_path):
+    """Before: a float32 array restored into an int32 leaf of like was cast, every value truncated."""
+    mesh = redeqx.make_mesh(2)
+    tree = {"w": jnp.linspace(0.0, 1.0, 8), "n": jnp.arange(3, dtype=jnp.int32)}
+    redeqx.save_checkpoint(tmp_path / "ckpt", tree)
+    specs = {"w": P(), "n": P()}
+    like = {"w": jax.ShapeDtypeStruct((8,), jnp.int32), "n": jax.ShapeDtypeStruct((3,), jnp.int32)}
+    with pytest.raises(ValueError, match=r"another kind than the checkpoint's for w \(saved float32, like has int32\)"):
+        redeqx.restore_checkpoint(tmp_path / "ckpt", like, mesh, specs)
+    like = {"w": jax.ShapeDtypeStruct((8,), jnp.bfloat16), "n": jax.ShapeDtypeStruct((3,), jnp.int32)}
+    back = redeqx.restore_checkpoint(tmp_path / "ckpt", like, mesh, specs)  # within a kind: cast, as before
+    assert back["w"].dtype == jnp.bfloat16 and back["n"].tolist() == [0, 1, 2]
 
 
 def test_manager_every_k_epochs_and_data_position(tmp_path):

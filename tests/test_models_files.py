@@ -8,6 +8,7 @@ import shutil
 import struct
 import time
 
+import equinox as eqx
 import jax
 import numpy as np
 import pytest
@@ -259,3 +260,53 @@ def test_save_refuses_a_directory_with_subdirectories(tmp_path):
     with pytest.raises(ValueError, match="runs"):
         save_pretrained(_model(0), d)
     assert sorted(p.name for p in d.iterdir()) == ["runs"]
+
+
+def test_a_tensor_named_twice_in_a_header_is_refused(saved, tmp_path):
+    """Before: a header that names one tensor twice (the second entry pointing at other bytes) loaded,
+    one of the two read and the other's bytes ignored, without a word."""
+    d = _copy(saved, tmp_path)
+    raw = (d / "model.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    text = raw[8:8 + n].decode()
+    name = "lm_head.weight"
+    entry = json.dumps({name: _read(d)[0][name]})[1:-1]
+    doubled = text.rstrip()[:-1] + "," + entry + "}"  # the same key again (its same bytes), at the end
+    h = doubled.encode()
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(h)) + h + raw[8 + n:])
+    _refused(d, "model.safetensors", f"'{name}' twice")
+
+
+def test_one_float16_tensor_in_a_float32_checkpoint_comes_back_float32(saved, tmp_path):
+    """Before: a mixed-dtype model (that tensor float16, the rest float32); Transformers casts to its
+    model's dtype."""
+    import ml_dtypes  # noqa: F401
+    d = _copy(saved, tmp_path)
+    header, data = _read(d)
+    name = "model.norm.weight"
+    begin, end = header[name]["data_offsets"]
+    values = np.frombuffer(data[begin:end], np.float32)
+    header[name] = {**header[name], "dtype": "F16"}
+    pieces, offset, new = [], 0, {}
+    for key in sorted(header, key=lambda k: header[k]["data_offsets"][0]):
+        b, e = _read(d)[0][key]["data_offsets"]
+        chunk = values.astype(np.float16).tobytes() if key == name else data[b:e]
+        new[key] = {**header[key], "data_offsets": [offset, offset + len(chunk)]}
+        pieces.append(chunk)
+        offset += len(chunk)
+    _write(d, new, b"".join(pieces))
+    model = _load(d)
+    assert {np.dtype(x.dtype) for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))} == {np.dtype(np.float32)}
+    np.testing.assert_allclose(np.asarray(model.model.norm.weight), values.astype(np.float16).astype(np.float32))
+
+
+def test_a_save_after_an_interrupted_one_removes_its_staging_directory(tmp_path):
+    """Before: an interrupted save_pretrained left its hidden staging directory (up to a whole model)
+    beside the target, and later saves never removed it."""
+    target = tmp_path / "model"
+    left = tmp_path / ".model.saving-deadbeef"
+    left.mkdir()
+    (left / "model.safetensors").write_bytes(b"\0" * 1024)
+    with pytest.warns(UserWarning, match="removing .*saving-deadbeef, left by an interrupted save"):
+        save_pretrained(_model(0), target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]

@@ -129,6 +129,7 @@ def restore_checkpoint(path: str | os.PathLike, like: PyTree, mesh: Mesh, specs:
     to_read = _leaves_to_read(like, mesh, specs)
     check_match(path, meta, to_read)
     saved = meta["redeqx"]["leaves"]
+    _check_kinds(path, saved, to_read)
     arrays = _read(path, saved, to_read)
     check_arrays(path, saved, arrays, to_read)
     _cast_back(arrays, saved, to_read)
@@ -156,6 +157,34 @@ def _read(path: Path, saved: dict, to_read) -> dict[str, list[jax.Array]]:
             f"checkpoint at {path} is truncated or corrupted: orbax could not read it ({type(e).__name__}: {e})."
         ) from e
     return {item: [leaf_at(restored[item], parts) for parts, _, _ in wanted] for item, wanted in to_read.items()}
+
+
+def _kind(dtype) -> str:
+    for kind in (jnp.bool_, jnp.integer, jnp.floating, jnp.complexfloating):
+        if jnp.issubdtype(dtype, kind):
+            return kind.__name__
+    return str(dtype)
+
+
+def _check_kinds(path: Path, saved: dict, to_read) -> None:
+    """Only a cast within a kind (float32 <-> bfloat16): float values read into an int leaf of
+    ``like`` would be truncated, an int or bool read as float is some other array than ``like``'s."""
+    wrong = []
+    for item, wanted in to_read.items():
+        for parts, like_leaf, _ in wanted:
+            name = ".".join(parts)
+            if jnp.issubdtype(like_leaf.dtype, jax.dtypes.prng_key) or _is_key_data(item, parts, saved):
+                continue
+            stored = jnp.dtype(saved[item][name]["dtype"])
+            if _kind(stored) != _kind(like_leaf.dtype):
+                wrong.append(f"{name} (saved {stored}, like has {jnp.dtype(like_leaf.dtype)})")
+    if wrong:
+        raise ValueError(
+            f"restore_checkpoint({str(path)!r}): like's dtypes are of another kind than the checkpoint's for "
+            f"{', '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}; casting would change the values (floats "
+            "truncated to integers). Build like with the dtypes the state was saved with (the same model, "
+            "optimizer and init_state call)."
+        )
 
 
 def _cast_back(arrays: dict[str, list[jax.Array]], saved: dict, to_read) -> None:

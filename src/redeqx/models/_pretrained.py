@@ -13,12 +13,14 @@ import ctypes
 import dataclasses
 import fnmatch
 import functools
+import glob
 import json
 import math
 import os
 import re
 import shutil
 import uuid
+import warnings
 from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
@@ -117,8 +119,10 @@ def from_pretrained(local_dir: str | os.PathLike, mesh: Mesh, specs=None, *, dty
     under ``specs`` (default: `redeqx.sharding_rules` of the model, reading
     the program of ``loss_fn`` on ``batch`` when both are given), one tensor
     at a time: each process reads and places only the shards its devices hold.
-    ``dtype`` casts floating tensors (e.g. ``jnp.bfloat16``); by default each
-    keeps the checkpoint's dtype. ``scan_layers`` overrides the family's
+    ``dtype`` casts floating tensors (e.g. ``jnp.bfloat16``); by default all
+    take the checkpoint's dtype (the one most of its values are in, as
+    Transformers casts to its model's: a stray float16 tensor in a float32
+    checkpoint comes back float32). ``scan_layers`` overrides the family's
     default layout (True: the layers stacked, for ``lax.scan``; False: a
     list), and ``scan_unroll`` how that scan is compiled (the config's
     ``scan_unroll``; None leaves the family's per-platform default).
@@ -158,6 +162,7 @@ def from_pretrained(local_dir: str | os.PathLike, mesh: Mesh, specs=None, *, dty
         if scan_unroll is not None:
             config = dataclasses.replace(config, scan_unroll=scan_unroll)
         _check_sizes(model_cls, config, entries, config_path)
+        dtype = dtype or _checkpoint_dtype(entries)  # one dtype for every floating tensor
         skeleton = _skeleton(model_cls, config, dtype)
         if specs is None:
             specs = sharding_rules(skeleton, mesh, loss_fn=loss_fn, batch=batch)
@@ -167,6 +172,17 @@ def from_pretrained(local_dir: str | os.PathLike, mesh: Mesh, specs=None, *, dty
 
         placed = _place(tensors, entries, by_path, mesh, dtype)
     return replace_array_leaves(skeleton, [placed[path] for path in by_path])
+
+
+def _checkpoint_dtype(entries: dict[str, Entry]):
+    """The floating dtype most of a checkpoint's values are in, which all its floating tensors are
+    cast to, as Transformers casts to its model's dtype: one float16 tensor in a float32 checkpoint
+    must not make a model of mixed dtypes. None for a checkpoint with no floating tensor."""
+    sizes: dict = {}
+    for e in entries.values():
+        if jnp.issubdtype(e.dtype, jnp.floating):
+            sizes[e.dtype] = sizes.get(e.dtype, 0) + math.prod(e.shape)
+    return max(sizes, key=sizes.get) if sizes else None
 
 
 def _place(tensors: Sequence[HFTensor], entries: dict[str, Entry], by_path, mesh: Mesh, dtype) -> dict[str, jax.Array]:
@@ -422,6 +438,10 @@ def _check_target(target: Path) -> None:
 def _staging_dir(target: Path) -> Path:
     """A new empty directory beside ``target`` for the save to fill."""
     target.parent.mkdir(parents=True, exist_ok=True)
+    for stale in target.parent.glob(f".{glob.escape(target.name)}.saving-*"):  # an earlier save, interrupted
+        warnings.warn(f"redeqx.models.save_pretrained: removing {stale}, left by an interrupted save of {target}.",
+                      stacklevel=4)
+        shutil.rmtree(stale, ignore_errors=True)
     staging = target.parent / f".{target.name}.saving-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
     return staging

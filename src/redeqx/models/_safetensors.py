@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 import struct
+from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path, PurePosixPath
@@ -130,6 +131,10 @@ def read_entries(local_dir: Path, files: ExitStack) -> dict[str, Entry]:
         except SafetensorError as e:
             raise ValueError(f"{path} is not a valid safetensors file{_blame(path)}: {e}. "
                              "Download or save it again.") from e
+        if twice := _named_twice(path):
+            raise ValueError(f"{path} names tensor{'s' if len(twice) > 1 else ''} {', '.join(map(repr, twice))} twice "
+                             "in its header (one of the two would be read, the other's bytes ignored): the file is "
+                             "damaged or was written wrongly. Download or save it again.")
         for name, info in names.items():
             dtype = info.get_dtype()
             if dtype not in DTYPES:
@@ -144,6 +149,16 @@ def read_entries(local_dir: Path, files: ExitStack) -> dict[str, Entry]:
                                  "the index does not belong to these files.")
             entries[name] = Entry(path, name, DTYPES[dtype], tuple(info.get_shape()), handle)
     return entries
+
+
+def _named_twice(path: Path) -> list[str]:
+    """The tensor names a safetensors header (already checked by the library) holds more than once:
+    a JSON object may repeat a key, and a reader keeps one of them."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = f.read(n)
+    names = Counter(key for key, _ in json.loads(header, object_pairs_hook=lambda items: items))
+    return sorted(name for name, count in names.items() if count > 1)
 
 
 def _relative(path: Path, local_dir: Path) -> str:
