@@ -66,8 +66,8 @@ def _open(workdir: Path) -> Path:
 
 
 WRITER = ".writer"  # who is saving into the directory: {"host", "pid"}; its mtime is a heartbeat
-HEARTBEAT_S = 10.0
-STALE_S = 60.0  # a writer on another host whose heartbeat is older than this has stopped
+HEARTBEAT_S = 5.0
+STALE_S = 30.0  # a writer on another host whose heartbeat is older than this has stopped
 
 
 def _alive(pid: int) -> bool:

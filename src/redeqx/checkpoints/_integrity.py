@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import xxhash
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .._json import from_json as _from_json
 from .._typing import typechecked
@@ -77,14 +78,95 @@ def _words(x):
     return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}")).astype(jnp.uint32)
 
 
-def _content_hash(words) -> jax.Array:
-    """The two lanes of the content hash of ``words`` (``uint32[2]``)."""
-    index, stride = jnp.zeros(words.shape, jnp.uint32), 1  # the row-major place of each word, mod 2**32
-    for d in reversed(range(words.ndim)):
-        index = index + jax.lax.broadcasted_iota(jnp.uint32, words.shape, d) * jnp.uint32(stride % 2**32)
-        stride *= words.shape[d]
-    return jnp.stack([jnp.sum(_fmix32(words ^ (index * jnp.uint32(c) + jnp.uint32(s))), dtype=jnp.uint32)
-                      for c, s in _LANES])
+# The pass runs on each device's own shard (`jax.shard_map`), a block of rows at a time, so that
+# what it adds to a device's memory is one block's words, never a copy of the leaf (a device of the
+# host on CPU: the host's memory). Each device sums its shard's terms at their places in the whole
+# array; one copy of each replicated shard counts; the sums are added over the mesh. Equal, term for
+# term, to the sum over the whole array, on any layout and process count.
+_BLOCK_WORDS = 1 << 22  # words a device hashes at once (16 MiB of uint32)
+
+
+def _place_index(shape, offsets, strides):
+    """The row-major place in the whole array (mod 2**32) of each word of a block of ``shape`` whose
+    first word sits at ``offsets`` (per dim) of an array with row-major ``strides``."""
+    index = jnp.zeros(shape, jnp.uint32)
+    for d in range(len(shape)):
+        at = jax.lax.broadcasted_iota(jnp.uint32, shape, d) + offsets[d].astype(jnp.uint32)
+        index = index + at * jnp.uint32(strides[d] % 2**32)
+    return index
+
+
+def _block_terms(x, offsets, strides):
+    """(word sum, the two hash lanes' sums, all finite) of the block ``x`` at ``offsets``."""
+    finite = jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
+    plain = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
+    bits = jax.lax.bitcast_convert_type(plain, jnp.dtype(f"uint{plain.dtype.itemsize * 8}"))
+    checksum = jnp.sum(bits.astype(jnp.uint32), dtype=jnp.uint32)  # a 64-bit word counts its low half
+    words = _words(x)
+    index = _place_index(words.shape, list(offsets) + [jnp.uint32(0)] * (words.ndim - len(offsets)), strides)
+    lanes = jnp.stack([jnp.sum(_fmix32(words ^ (index * jnp.uint32(c) + jnp.uint32(s))), dtype=jnp.uint32)
+                       for c, s in _LANES])
+    return checksum, lanes, finite
+
+
+def _shard_terms(x, offsets, strides):
+    """`_block_terms` of a device's shard ``x``, a block of its leading dim at a time."""
+    if x.ndim == 0 or x.size <= _BLOCK_WORDS:
+        return _block_terms(x, offsets, strides)
+    row = x.size // x.shape[0]
+    rows = max(1, min(x.shape[0], _BLOCK_WORDS // max(1, row)))
+    while x.shape[0] % rows:  # whole blocks only: a divisor of the leading dim
+        rows -= 1
+    n = x.shape[0] // rows
+
+    def body(i, acc):
+        block = jax.lax.dynamic_slice_in_dim(x, i * rows, rows, axis=0)
+        at = [offsets[0] + (i * rows).astype(jnp.uint32)] + list(offsets[1:])
+        c, h, f = _block_terms(block, at, strides)
+        return acc[0] + c, acc[1] + h, acc[2] & f
+
+    zero = (jnp.uint32(0), jnp.zeros(2, jnp.uint32), jnp.bool_(True))
+    return jax.lax.fori_loop(0, n, body, zero)
+
+
+def _word_strides(shape, dtype) -> list[int]:
+    """Row-major strides of the words of a leaf of ``shape`` (a trailing axis of two for 64 bits)."""
+    words = list(shape) + ([2] if jnp.dtype(dtype).itemsize > 4 else [])
+    strides, stride = [0] * len(words), 1
+    for d in reversed(range(len(words))):
+        strides[d], stride = stride, stride * words[d]
+    return strides
+
+
+def _leaf_terms(x):
+    """`_shard_terms` of every device's shard of ``x``, added over the mesh (inside ``jit``)."""
+    strides = _word_strides(x.shape, x.dtype)
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or x.ndim == 0:
+        return _shard_terms(x, [jnp.uint32(0)] * x.ndim, strides)
+    mesh, spec = sharding.mesh, tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+    used = {a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)}
+
+    def per_device(shard):
+        offsets = []
+        for d, entry in enumerate(spec):
+            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            k = jnp.uint32(0)
+            for a in axes:  # the shard's index along dim d: the axes in order, the first major
+                k = k * jnp.uint32(mesh.shape[a]) + jax.lax.axis_index(a).astype(jnp.uint32)
+            offsets.append(k * jnp.uint32(shard.shape[d]))
+        checksum, lanes, finite = _shard_terms(shard, offsets, strides)
+        first = jnp.bool_(True)  # one copy of a shard that other axes replicate
+        for a in mesh.axis_names:
+            if a not in used:
+                first = first & (jax.lax.axis_index(a) == 0)
+        keep = first.astype(jnp.uint32)
+        axes = tuple(mesh.axis_names)
+        return (jax.lax.psum(checksum * keep, axes), jax.lax.psum(lanes * keep, axes),
+                jax.lax.psum((~finite).astype(jnp.int32), axes) == 0)
+
+    return jax.shard_map(per_device, mesh=mesh, in_specs=(P(*spec),), out_specs=(P(), P(), P()),
+                         check_vma=False)(x)
 
 
 def _hex(lanes) -> str:
@@ -94,22 +176,13 @@ def _hex(lanes) -> str:
 @jax.jit
 def _fingerprints(leaves: list) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per leaf, its ``uint32`` word sum (wrapping mod 2**32), the two
-    lanes of its content hash, and whether every value is finite: one pass,
-    one fetch, inside every save and restore."""
-
-    def finite(x):
-        return jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
-
-    def checksum(x):  # as the first format defined it: a 64-bit word counts its low half
-        if x.dtype == jnp.bool_:
-            x = x.astype(jnp.uint8)
-        bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}"))
-        return jnp.sum(bits.astype(jnp.uint32), dtype=jnp.uint32)
-
+    lanes of its content hash, and whether every value is finite: one pass
+    over each device's shards (`_leaf_terms`), one fetch, inside every save
+    and restore."""
     if not leaves:
         return jnp.zeros((0,), jnp.uint32), jnp.zeros((0, 2), jnp.uint32), jnp.zeros((0,), jnp.bool_)
-    return (jnp.stack([checksum(x) for x in leaves]), jnp.stack([_content_hash(_words(x)) for x in leaves]),
-            jnp.stack([finite(x) for x in leaves]))
+    terms = [_leaf_terms(x) for x in leaves]
+    return (jnp.stack([t[0] for t in terms]), jnp.stack([t[1] for t in terms]), jnp.stack([t[2] for t in terms]))
 
 
 def fingerprints(leaves: list[jax.Array]) -> tuple[list[int], list[str], list[bool]]:

@@ -225,6 +225,7 @@ class CheckpointManager:
         self._write(self.path(step), encoded)
         if preempted:
             self._writer.finish()
+            self._disk.release()  # the run ends here: the next one may save at once
             _preemption.exit_saved(self.path(step), step)
         return True
 
