@@ -16,6 +16,7 @@ import pytest
 import redeqx
 from _helpers import next_token_loss, one_device, sharded_state
 from families import FAMILIES, V
+from redeqx import models
 from redeqx.models import shift_right
 from redeqx.models._layers import Embedding
 
@@ -107,3 +108,20 @@ def test_vocab_split_lookup_gives_a_nan_loss_for_a_minus_1_id():
     assert np.isfinite(results["one"][0])
     np.testing.assert_allclose(results["split"][0], results["one"][0], rtol=1e-5)
     np.testing.assert_allclose(results["split"][1], results["one"][1], rtol=0, atol=1e-6)
+
+
+def test_cross_entropy_skips_ignored_labels_and_refuses_out_of_range_ones():
+    """optax alone reads -100 or -1 as a token counted from the end of the vocabulary (a finite, wrong
+    loss); models.cross_entropy skips -100 on purpose and makes any other out-of-range label NaN."""
+    logits = jax.random.normal(jax.random.key(0), (2, 5, 7))
+    labels = jnp.array([[1, 2, -100, 3, 6], [0, -100, -100, 5, 4]])
+    counted = labels != -100
+    plain = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(counted, labels, 0))
+    loss = jax.jit(models.cross_entropy)(logits, labels)
+    np.testing.assert_allclose(loss, (plain * counted).sum() / counted.sum(), rtol=1e-6)
+    grads = jax.jit(jax.grad(models.cross_entropy))(logits, labels)
+    assert not np.asarray(grads[0, 2]).any() and np.isfinite(np.asarray(grads)).all()  # nothing from a skipped label
+    for bad in (-1, 7):
+        assert np.isnan(models.cross_entropy(logits, labels.at[0, 0].set(bad)))
+    assert float(models.cross_entropy(logits, jnp.full((2, 5), -100))) == 0.0
+    assert np.isnan(models.cross_entropy(logits, labels, ignore_index=None))  # then -100 is out of range too

@@ -13,6 +13,7 @@ from ._generate import (
 from ._gpt2 import GPT2Config as GPT2Config, GPT2LMHeadModel as GPT2LMHeadModel
 from ._gptj import GPTJConfig as GPTJConfig, GPTJForCausalLM as GPTJForCausalLM
 from ._llama import LlamaConfig as LlamaConfig, LlamaForCausalLM as LlamaForCausalLM
+from ._losses import cross_entropy as cross_entropy
 from ._lora import LoRALinear as LoRALinear, lora as lora, lora_trainable as lora_trainable, merge_lora as merge_lora
 from ._mixtral import MixtralConfig as MixtralConfig, MixtralForCausalLM as MixtralForCausalLM
 from ._moe import (

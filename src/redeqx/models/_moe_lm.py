@@ -179,7 +179,7 @@ class MoECausalLM(CausalLM):
 
         ```python
         logits, stats = jax.vmap(model.with_aux)(input_ids)
-        loss = cross_entropy(logits, labels) + model.config.router_aux_loss_coef * stats.load_balancing_loss()
+        loss = redeqx.models.cross_entropy(logits, labels) + model.config.router_aux_loss_coef * stats.load_balancing_loss()
         ```
         """
         del key
