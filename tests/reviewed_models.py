@@ -283,15 +283,21 @@ class Mixer(eqx.Module):
         dbc = jax.vmap(self.x_proj)(xs)
         dt, b, c = dbc[:, :self.rank], dbc[:, self.rank:self.rank + n], dbc[:, self.rank + n:]
         dt = jax.nn.softplus(jax.vmap(self.dt_proj)(dt))  # (T, E)
-        a = -jnp.exp(self.A_log)
-
-        def step(h, inp):  # h (E, N)
-            dt_t, b_t, c_t, x_t = inp
-            h = jnp.exp(dt_t[:, None] * a) * h + (dt_t * x_t)[:, None] * b_t[None, :]
-            return h, h @ c_t + self.D * x_t
-
-        _, y = jax.lax.scan(step, jnp.zeros_like(a), (dt, b, c, xs))
+        y = selective_scan(-jnp.exp(self.A_log), self.D, dt, b, c, xs)
         return jax.vmap(self.out_proj)(y * jax.nn.silu(z))
+
+
+def selective_scan(a, d, dt, b, c, xs):
+    """Mamba's diagonal state-space recurrence over the tokens: a state (E, N) per step, decayed by
+    exp(dt * a), fed dt * x along b, read along c, plus the skip d * x. dt, xs (T, E); b, c (T, N)."""
+
+    def step(h, inp):  # h (E, N)
+        dt_t, b_t, c_t, x_t = inp
+        h = jnp.exp(dt_t[:, None] * a) * h + (dt_t * x_t)[:, None] * b_t[None, :]
+        return h, h @ c_t + d * x_t
+
+    _, y = jax.lax.scan(step, jnp.zeros_like(a), (dt, b, c, xs))
+    return y
 
 
 class MambaBlock(eqx.Module):
@@ -972,14 +978,7 @@ class Mamba2Mixer(eqx.Module):
         n = self.A_log.shape[1]
         dt, b, c = jnp.split(jax.vmap(self.x_proj)(xs), [self.rank, self.rank + n], axis=-1)
         dt = jax.nn.softplus(jax.vmap(self.dt_proj)(dt))  # (T, E)
-        a = -jnp.exp(self.A_log)
-
-        def step(h, inp):  # h (E, N)
-            dt_t, b_t, c_t, x_t = inp
-            h = jnp.exp(dt_t[:, None] * a) * h + (dt_t * x_t)[:, None] * b_t[None, :]
-            return h, h @ c_t + self.D * x_t
-
-        _, y = jax.lax.scan(step, jnp.zeros_like(a), (dt, b, c, xs))
+        y = selective_scan(-jnp.exp(self.A_log), self.D, dt, b, c, xs)
         return jax.vmap(self.out_proj)(y * jax.nn.silu(z))
 
 
