@@ -199,3 +199,43 @@ def test_what_a_split_would_cost_keeps_small_convs_heads_and_tables_whole():
     specs, rows = plan("mamba2", 2)
     assert specs.embedding.weight == specs.lm_head.weight == P()
     assert specs.layers[0].mixer.out_proj.weight == R.ROW
+
+
+class Elman(eqx.Module):
+    """A width-16 Elman cell over the tokens: its carry is contracted by ``wh`` every step."""
+
+    wx: jax.Array
+    wh: jax.Array
+    out: eqx.nn.Linear
+
+    def __init__(self, key, d=8, h=16):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.wx, self.wh = 0.1 * jax.random.normal(k1, (h, d)), 0.1 * jax.random.normal(k2, (h, h))
+        self.out = eqx.nn.Linear(h, 1, key=k3)
+
+    def __call__(self, xs):  # (T, d) -> ()
+        h, _ = jax.lax.scan(lambda h, x: (jnp.tanh(self.wx @ x + self.wh @ h), None), jnp.zeros(self.wh.shape[0]), xs)
+        return self.out(h)[0]
+
+
+def test_no_warning_where_replication_is_the_cheaper_plan():
+    """Before: a width-16 Elman cell, or a model that is one Conv2d, at 2 and 4 shards got a warning
+    suggesting MAML and naming no weight, and a 10-class head (1.45 % of the model) one at 4 shards.
+    Whole, each moves fewer bytes than split would: nothing is lost, nothing is said."""
+    mse = lambda m, b, key: jnp.mean((jax.vmap(m)(b["x"]) - b["y"]) ** 2)  # noqa: E731
+    head = eqx.nn.MLP(64, 10, 128, depth=2, key=jax.random.key(0))
+
+    def head_loss(m, b, key):
+        return optax.softmax_cross_entropy_with_integer_labels(jax.vmap(m)(b["x"]), b["y"]).mean()
+
+    cases = [
+        (Elman(jax.random.key(0)), mse, {"x": np.zeros((16, 12, 8), np.float32), "y": np.zeros(16, np.float32)}),
+        (eqx.nn.Conv2d(3, 8, 3, padding=1, key=jax.random.key(0)), lambda m, b, key: jnp.mean(jax.vmap(m)(b["x"]) ** 2),
+         {"x": np.zeros((16, 3, 8, 8), np.float32)}),
+        (head, head_loss, {"x": np.zeros((16, 64), np.float32), "y": np.zeros(16, np.int32)}),
+    ]
+    for model, loss, batch in cases:
+        for n in (2, 4):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                redeqx.sharding_rules(model, redeqx.make_mesh(n), loss_fn=loss, batch=batch)
