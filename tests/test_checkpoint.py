@@ -296,6 +296,7 @@ time.sleep(60)
         with pytest.raises(redeqx.CheckpointError, match=f"process {other.pid}"):
             redeqx.CheckpointManager(tmp_path / "run", overwrite=True)
         assert (manager.directory / "step_000000002.orbax-checkpoint-tmp-1").exists()
+        manager.close()  # it listened for SIGTERM from its first save on
     finally:
         other.kill()
         other.wait()
