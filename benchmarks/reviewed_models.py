@@ -95,6 +95,51 @@ def measure(names: list[str]) -> dict:
     return out
 
 
+def validate(names: list[str]) -> dict:
+    """{model: {shards: [estimated saving, compiled saving] (bytes)}}: what the weights the rules keep
+    whole by their estimate (`sharding/_roles.py`, `Pricing`) save by that estimate, against what the
+    compiled steps move with and without pricing (every priced choice left as proven or as the names
+    split it), in one process."""
+    import jax
+
+    jax.config.update("jax_numpy_rank_promotion", "raise")
+    import reviewed_models as R
+    from test_rules_reviewed import step_bytes
+
+    import redeqx
+    from redeqx.sharding import _decide, _public
+
+    out = {}
+    for name in names:
+        make, loss, batch = {**R.MODELS, **R.RESEARCHER_MODELS}[name]
+        model, out[name] = make(jax.random.key(0)), {}
+        for n in SHARDS:
+            mesh = redeqx.make_mesh(n)
+            decider = _decide._Decider(model, mesh, (), False, None, _public.program_facts(model, loss, batch))
+            decider.run()
+            estimated = sum(split - whole for _, split, whole in decider.pricing.taken)
+            priced, _ = step_bytes(model, loss, batch, n, loss_fn=loss, batch=batch)
+            share, _decide.WHOLE_MEMORY_SHARE = _decide.WHOLE_MEMORY_SHARE, 0.0  # nothing may be kept whole
+            try:
+                unpriced, _ = step_bytes(model, loss, batch, n, loss_fn=loss, batch=batch)
+            finally:
+                _decide.WHOLE_MEMORY_SHARE = share
+            out[name][str(n)] = [estimated, unpriced - priced, len(decider.pricing.taken)]
+            print(f"  {name} n={n}: {out[name][str(n)]}", file=sys.stderr, flush=True)
+    return out
+
+
+def validation_table(found: dict) -> str:
+    rows = ["| model | shards | choices priced whole | estimated saving (KiB) | compiled saving (KiB) |",
+            "|---|---|---|---|---|"]
+    for name in [n for n in MODEL_ORDER if n in found]:
+        for n in SHARDS:
+            est, compiled, count = found[name][str(n)]
+            if count:
+                rows.append(f"| {name} | {n} | {count} | {est / 1024:.1f} | {compiled / 1024:.1f} |")
+    return "\n".join(rows)
+
+
 def cell(measured) -> tuple[str, str, str]:
     """(plan / hand KiB, ratio, sharding_rules ms) of one measurement."""
     if isinstance(measured, str):
@@ -130,8 +175,22 @@ def main():
     p.add_argument("--before", type=Path, default=None, help="another source tree's src/ for a 'before' column")
     p.add_argument("--models", default=",".join(MODEL_ORDER), help="comma-separated names of tests/reviewed_models")
     p.add_argument("--json", type=Path, default=None, help="also write the measurements to this JSON file")
+    p.add_argument("--validate", action="store_true", help="only the estimate of priced choices against the "
+                   "compiled steps' bytes, in its own section")
     args = p.parse_args()
     names = args.models.split(",")
+    if args.validate:
+        found = worker(__file__, "validate", names=names)
+        report(args, "What the rules' estimate of a split's cost says, against the compiled steps", f"""
+For each reviewed model whose plan keeps weights whole because the rules' estimate says that moves fewer bytes
+a step (`sharding_rules` with `loss_fn`/`batch`; see docs/guides/sharding_rules.md, "What a split costs"): the
+bytes those choices save by the estimate, and by the compiled SGD steps with and without them (every priced
+choice left split as the program proved it or as the names split it), as an accelerator's XLA moves them
+(`tests/accelerator_count.py`), per device, on 8 simulated CPU devices.
+
+{validation_table(found)}
+""")
+        return
     runs = {}
     if args.before:
         runs["before"] = worker(__file__, "measure", env=worker_env(8, PYTHONPATH=str(args.before.resolve())),

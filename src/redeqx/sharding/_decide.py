@@ -178,6 +178,7 @@ class _Decider:
             return False
         split, whole = self._costs(k)
         if whole <= split and self.pricing.affords(self.facts, [k], self.n_model):
+            self.pricing.taken.append(((k,), split, whole))
             self.finish(k, P(), f"{reason} by the names, but kept whole: it moves {human_bytes(split - whole)} less "
                                 f"a step than split (estimated: split {human_bytes(split)}, whole {human_bytes(whole)})",
                         short=f"whole: {human_bytes(split - whole)} less than split on dim {dim} (estimated)")

@@ -56,6 +56,7 @@ class Pricing:
     n_batch: int
     budget: float
     spent: float = 0.0
+    taken: list = dataclasses.field(default_factory=list)  # (leaves, split, whole) of each choice made whole
 
     def gradient(self, facts: Facts, leaves) -> float:
         """The bytes of ``leaves``' gradients summed over the batch's devices each step (none on one)."""
@@ -89,6 +90,7 @@ def _price(pricing: Pricing, facts: Facts, n: int, candidates: list[tuple[tuple,
     out: dict[int, str] = {}
     for leaves, split, whole in sorted(kinds.values(), key=lambda e: e[2] - e[1]):
         if whole < split and pricing.affords(facts, leaves, n):
+            pricing.taken.append((tuple(leaves), split, whole))
             for k in leaves:
                 out[k] = (f"{human_bytes(split - whole)} less a step than split", split, whole)
     return out
