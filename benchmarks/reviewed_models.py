@@ -119,11 +119,11 @@ def validate(names: list[str]) -> dict:
             decider.run()
             estimated = sum(split - whole for _, split, whole in decider.pricing.taken)
             priced, _ = step_bytes(model, loss, batch, n, loss_fn=loss, batch=batch)
-            share, _decide.WHOLE_MEMORY_SHARE = _decide.WHOLE_MEMORY_SHARE, 0.0  # nothing may be kept whole
+            budget, _decide.WHOLE_MEMORY_BYTES = _decide.WHOLE_MEMORY_BYTES, 0  # nothing may be kept whole
             try:
                 unpriced, _ = step_bytes(model, loss, batch, n, loss_fn=loss, batch=batch)
             finally:
-                _decide.WHOLE_MEMORY_SHARE = share
+                _decide.WHOLE_MEMORY_BYTES = budget
             out[name][str(n)] = [estimated, unpriced - priced, len(decider.pricing.taken)]
             print(f"  {name} n={n}: {out[name][str(n)]}", file=sys.stderr, flush=True)
     return out

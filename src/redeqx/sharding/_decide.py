@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import jax
 from jax.sharding import Mesh, PartitionSpec as P
@@ -254,22 +253,18 @@ def leaf_specs(model, mesh: Mesh, overrides=(), fsdp: bool = False, name: str | 
 # A leaf replicated because n_model_shards cannot split it is not warned about when whole is what
 # moves the fewest bytes anyway and it holds at most this share of the model's parameters.
 QUIET_WHOLE_SHARE = 0.1
-# Weights kept whole because that moves fewer bytes than their split may take this share of one
-# device's memory (parameters, gradients and two optimizer moments): enough for a small model's
-# convs, embeddings and heads, never a large model's blocks (which are why it is split).
-WHOLE_MEMORY_SHARE = 0.05
+# Weights kept whole because that moves fewer bytes than their split may take this much of each
+# device's memory in all (their parameters, gradients and two optimizer moments: 64M float32
+# parameters): a small model's convs, embeddings and heads, never a large model's blocks or tables
+# (which are why it is split). A constant, not the device's own figure, so that every process of a
+# run, whatever its devices report, makes the same plan.
+WHOLE_MEMORY_BYTES = 1 << 30
 
 
 def memory_budget(mesh: Mesh) -> float:
-    """`WHOLE_MEMORY_SHARE` of one device's memory: its allocator's limit on a GPU or TPU; on CPU
-    the host's memory over its devices (simulated devices share it)."""
-    try:
-        limit = (mesh.devices.flat[0].memory_stats() or {}).get("bytes_limit")
-    except Exception:  # a device that cannot say (an abstract TPU topology)
-        limit = None
-    if not limit:
-        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(1, jax.local_device_count())
-    return WHOLE_MEMORY_SHARE * limit
+    """`WHOLE_MEMORY_BYTES`, the same on every mesh and process."""
+    del mesh
+    return float(WHOLE_MEMORY_BYTES)
 
 
 def split_cost(facts, k: int, full, n_batch: int, n_model: int) -> tuple[float, float]:
