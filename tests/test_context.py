@@ -68,7 +68,7 @@ def test_make_mesh_context_axis(devices):
 
 
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("impl", ["gather", "ring"])
+@pytest.mark.parametrize("impl", ["gather", "ring", "heads"])
 @pytest.mark.parametrize("block", [None, 2])  # 2: each shard's 4 queries and keys in blocks of 2
 def test_attention_split_equals_one_device(monkeypatch, causal, impl, block):
     if block is not None:
@@ -106,7 +106,7 @@ def _naive_case(causal, t, padding, window):
     return (q, k, v, seg, weights), naive(q, k, v, seg, weights, causal, window)
 
 
-@pytest.mark.parametrize("impl", ["gather", "ring"])
+@pytest.mark.parametrize("impl", ["gather", "ring", "heads"])  # heads: 2 KV heads repeated over 4 shards
 @pytest.mark.parametrize("window", [1, 3, 6, 40])  # 1: itself only; 40: longer than the sequence
 def test_sliding_window_split_equals_one_device(monkeypatch, impl, window):
     """Blocks of 2 tokens over 4 shards: a window of 3 hides some pairs of
@@ -421,7 +421,7 @@ def test_input_cut_in_loss_fn_names_the_cut_not_collate_fn(devices):
 # attention alone, included): (1, 8, 1), the longest ring and most context shards, and (2, 2, 2), context
 # mixed with data and model. The meshes between, (2, 4, 1) and (1, 4, 2), run the same split code (batches,
 # redeqx.attention, sequence_positions) with the user's model below on every mesh.
-SPLITS = [(shape, impl) for shape in ((1, 8, 1), (2, 2, 2)) for impl in ("gather", "ring")]
+SPLITS = [(shape, impl) for shape in ((1, 8, 1), (2, 2, 2)) for impl in ("gather", "ring")] + [((2, 2, 2), "heads")]
 
 
 @pytest.mark.slow

@@ -42,7 +42,7 @@ from ._blockwise import Span, block_scores, block_size, gather_attention, ring_a
 from ..mesh import CONTEXT, DATA, traced_platform
 from .._typing import typechecked
 
-IMPLS = ("gather", "ring")
+IMPLS = ("gather", "ring", "heads")
 
 
 def context_shards() -> int:
@@ -286,15 +286,41 @@ def block_layout(n_tokens: int, n_shards: int) -> tuple[int, tuple[tuple[int, ..
     return b, tuple(tuple(int(i) for i in row) for row in ids)
 
 
+def _heads_attention(q, k, v, seg, span: Span, scale: float, n: int, order: np.ndarray):
+    """One device's part of attention split by heads (inside ``shard_map`` over ``context``): its
+    shard of the sequence (every head) traded by all-to-all for every token of ``1 / n`` of the
+    heads, put in the sequence's own order, attended as on one device (`_plain`: cuDNN's kernel on
+    a GPU), and traded back. KV heads that ``n`` does not divide are repeated, one per query head."""
+    if k.shape[1] % n:
+        k, v = (jnp.repeat(x, q.shape[1] // k.shape[1], axis=1) for x in (k, v))
+    to_heads = functools.partial(jax.lax.all_to_all, axis_name=CONTEXT, split_axis=1, concat_axis=0, tiled=True)
+    natural = np.argsort(order)  # where each position of the sequence sits in the layout
+    q, k, v = (to_heads(x)[natural] for x in (q, k, v))  # (T, heads / n, D), in the sequence's order
+    if seg is not None:
+        seg = jax.lax.all_gather(seg, CONTEXT, tiled=True)[natural]
+    out = _plain(q, k, v, jnp.arange(q.shape[0], dtype=jnp.int32), seg, span, scale)[order]
+    return jax.lax.all_to_all(out, CONTEXT, split_axis=0, concat_axis=1, tiled=True)
+
+
 def _split(q, k, v, pos, seg, span: Span, scale: float, impl: str, n: int):
     """Attention with the sequence split over ``context`` (``n`` shards)."""
+    seq, tok = P(CONTEXT, None, None), P(CONTEXT)
+    if impl == "heads" and n > 1:
+        if q.shape[1] % n:
+            raise ValueError(f"attention(impl='heads'): {q.shape[1]} query heads do not split over {n} context "
+                             "shards; use impl='gather' or 'ring', or a context shard count that divides them.")
+        body = functools.partial(_heads_attention, span=span, scale=scale, n=n, order=context_order(q.shape[0], n))
+        if seg is None:
+            return jax.shard_map(lambda a, b, c: body(a, b, c, None), in_specs=(seq, seq, seq), out_specs=seq,
+                                 axis_names=frozenset({CONTEXT}), check_vma=False)(q, k, v)
+        return jax.shard_map(body, in_specs=(seq, seq, seq, tok), out_specs=seq,
+                             axis_names=frozenset({CONTEXT}), check_vma=False)(q, k, v, seg)
     seg = jnp.zeros(pos.shape, jnp.int32) if seg is None else seg
     b, layout = block_layout(q.shape[0], n)
     if impl == "ring" and n > 1:
         body = functools.partial(ring_attention, span=span, scale=scale, n=n, layout=layout, b=b)
     else:
         body = functools.partial(gather_attention, span=span, scale=scale, n=n, layout=layout, b=b)
-    seq, tok = P(CONTEXT, None, None), P(CONTEXT)
     return jax.shard_map(lambda *a: body(*a), in_specs=(seq, seq, seq, tok, tok), out_specs=seq,
                          axis_names=frozenset({CONTEXT}), check_vma=False)(q, k, v, pos, seg)
 
@@ -334,11 +360,17 @@ def attention(
     come to it: all gathered over ``context`` (``impl="gather"``: ``C``
     times one shard's K/V in memory) or passed around a ring with
     ``ppermute`` (``impl="ring"``: two shards' K/V in memory, the transfers
-    beside the compute). Both compute blocks of up to 1024 queries by 1024
+    beside the compute), or the heads split instead of the sequence
+    (``impl="heads"``: q, k and v traded by all-to-all for every token of
+    ``1 / C`` of the heads, attended as on one device, cuDNN's kernel on a
+    GPU, and traded back; ``C`` must divide the query heads, and KV heads it
+    does not divide are repeated, one per query head). ``gather`` and
+    ``ring`` compute blocks of up to 1024 queries by 1024
     keys (the largest divisor of a chunk's ``T / 2C`` tokens not above
     1024), with an online softmax, skip the blocks a causal mask hides
     whole (and those a sliding window leaves behind), and differentiate by recomputing the scores (custom VJPs),
-    never forming the ``(T, T)`` scores.
+    never forming the ``(T, T)`` scores; ``heads`` forms them (for its heads)
+    wherever cuDNN's kernel does not run (segments, a window, float32, a CPU).
 
     **Example** (inside a model, one sequence; ``jax.vmap`` batches it):
 
@@ -348,7 +380,8 @@ def attention(
     ```
     """
     if impl not in IMPLS:
-        raise ValueError(f"attention: impl={impl!r}; choose one of {IMPLS} ('ring' when gathered K/V do not fit).")
+        raise ValueError(f"attention: impl={impl!r}; choose one of {IMPLS} ('ring' when gathered K/V do not fit, "
+                         "'heads' to split heads instead of the sequence).")
     if q.shape[-3] != k.shape[-3] or k.shape != v.shape or q.shape[-1] != k.shape[-1] or q.shape[-2] % k.shape[-2]:
         raise ValueError(
             f"attention: q {q.shape}, k {k.shape}, v {v.shape}: k and v need the same shape, the same sequence "

@@ -308,8 +308,8 @@ def check_context_attention(config) -> None:
     if config.context_attention not in IMPLS:
         raise ValueError(
             f"{type(config).__name__}.context_attention={config.context_attention!r}: choose one of {IMPLS} "
-            "(how keys/values cross a sequence split over 'context': all gathered, or passed around a ring when "
-            "the gathered ones do not fit)."
+            "(how keys/values cross a sequence split over 'context': all gathered, passed around a ring when "
+            "the gathered ones do not fit, or the heads split instead by all-to-all)."
         )
 
 
