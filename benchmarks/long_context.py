@@ -265,6 +265,9 @@ def _attention_bytes(run: Probes) -> str:
         "ring": (c - 1) * local * (2 * kv + 2 * tok) + c * local * (2 * kv + 2 * tok + 2 * 2 * kv),
         # libtpu writes every psum_scatter as an all-reduce of the whole array (a plain one too, on this slice)
         "gather, reduce as all-reduce": t * (2 * kv + tok) + t * 2 * kv,
+        # all-to-all of q, k, v to heads and the output back, then the same four in the backward pass: each
+        # moves its whole per-device size (q's: T x 32 heads x 128 x 2 B / C)
+        "heads": 4 * local * (4 * kv + 2 * kv),
     }
 
     def row(name, p):
