@@ -544,3 +544,17 @@ def test_a_loop_stepping_by_more_than_one_is_counted_by_its_trips(start, step, t
     shapes = {**params["batched"], **{i.name: i.shape for i in computations["batched"]}}
     conv = computations["batched"][-1]
     assert _flops(conv, shapes) == 2 * 8 * 8 * 2 * 16  # 8 x (8, 2) outputs, each 16 multiply-adds, one tap
+
+
+def test_auto_picks_gather_off_a_gpu_and_heads_where_cudnn_runs(monkeypatch):
+    from redeqx.context import _context
+
+    q = jnp.zeros((16, 4, 8), jnp.bfloat16)
+    plain, window = _context.Span(True, None), _context.Span(True, 4)
+    assert _context.auto_impl(q, None, plain, 2) == "gather"  # a CPU: blockwise, gathered
+    monkeypatch.setattr("redeqx.mesh.traced_platform", lambda: "gpu")
+    assert _context.auto_impl(q, None, plain, 2) == "heads"
+    assert _context.auto_impl(q, None, window, 2) == "gather"  # cuDNN would not run: no (T, T) scores
+    assert _context.auto_impl(q, jnp.zeros(16, jnp.int32), plain, 2) == "gather"
+    assert _context.auto_impl(q.astype(jnp.float32), None, plain, 2) == "gather"
+    assert _context.auto_impl(q, None, plain, 8) == "gather"  # 4 heads do not split 8 ways

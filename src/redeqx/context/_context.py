@@ -42,7 +42,7 @@ from ._blockwise import Span, block_scores, block_size, gather_attention, ring_a
 from ..mesh import CONTEXT, DATA, traced_platform
 from .._typing import typechecked
 
-IMPLS = ("gather", "ring", "heads")
+IMPLS = ("gather", "ring", "heads", "auto")
 
 
 def context_shards() -> int:
@@ -364,7 +364,9 @@ def attention(
     (``impl="heads"``: q, k and v traded by all-to-all for every token of
     ``1 / C`` of the heads, attended as on one device, cuDNN's kernel on a
     GPU, and traded back; ``C`` must divide the query heads, and KV heads it
-    does not divide are repeated, one per query head). ``gather`` and
+    does not divide are repeated, one per query head). ``impl="auto"``:
+    ``heads`` on a GPU where cuDNN's kernel then runs (half precision, no
+    segments or window), ``gather`` elsewhere. ``gather`` and
     ``ring`` compute blocks of up to 1024 queries by 1024
     keys (the largest divisor of a chunk's ``T / 2C`` tokens not above
     1024), with an online softmax, skip the blocks a causal mask hides
@@ -404,4 +406,17 @@ def attention(
         return _plain(q, k, v, pos, seg, span, scale)
     if n > 1:
         _check_split(q.shape[0], n, "redeqx.attention")
+    if impl == "auto":
+        impl = auto_impl(q, seg, span, n)
     return _split(q, k, v, pos, seg, span, scale, impl, n)
+
+
+def auto_impl(q, seg, span: Span, n: int) -> str:
+    """``impl="auto"``'s choice: ``heads`` on a GPU where each device then runs cuDNN's flash attention
+    (half precision, no segments or window, the heads split evenly), as published comparisons favour
+    there; ``gather`` elsewhere (MaxText's choice on TPUs, and blockwise where cuDNN would not run)."""
+    from ..mesh import traced_platform
+
+    kernel = (seg is None and span.window is None and q.dtype in (jnp.bfloat16, jnp.float16)
+              and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128)
+    return "heads" if traced_platform() == "gpu" and kernel and q.shape[1] % n == 0 else "gather"

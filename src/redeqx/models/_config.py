@@ -33,8 +33,9 @@ LAYOUT_DOC = """
 """
 
 CONTEXT_DOC = """    ``context_attention`` is how keys and values cross a sequence split over ``context``:
-    ``"gather"`` (all gathered), ``"ring"`` (passed around a ring) or ``"heads"`` (heads split
-    instead of the sequence, by all-to-all); `redeqx.attention`'s ``impl``.
+    ``"gather"`` (all gathered), ``"ring"`` (passed around a ring), ``"heads"`` (heads split
+    instead of the sequence, by all-to-all) or ``"auto"`` (``heads`` on a GPU where cuDNN's kernel
+    runs, ``gather`` elsewhere); `redeqx.attention`'s ``impl``.
 """
 
 _LAYOUT = ("scan_layers", "scan_unroll", "context_attention")
