@@ -42,7 +42,8 @@ class _Decider:
         self.mesh, self.n_model = check_mesh_model(mesh)
         self.prefix = f"{name}." if name else ""
         self.overrides = Overrides(overrides, self.mesh, self.prefix)
-        self.pricing = Pricing(self.mesh.size // self.n_model, memory_budget(self.mesh))
+        # one model shard splits nothing: nothing to price
+        self.pricing = Pricing(self.mesh.size // self.n_model, memory_budget(self.mesh)) if self.n_model > 1 else None
         self.roles: dict[int, Role] = decide(facts, self.n_model, self.pricing) if facts is not None else {}
         self.leaves = stacked_leaves(model, facts)
         self.arrays = [x for x in jax.tree_util.tree_leaves(model) if is_array_like(x)]
@@ -173,7 +174,7 @@ class _Decider:
         """For a weight the program contracts but whose split it does not prove (the names split it):
         the split or the whole weight, whichever moves fewer bytes a step by `split_cost`, said in the
         reason; True when it finished the leaf (whole)."""
-        if k not in self.used:
+        if k not in self.used or self.pricing is None:
             return False
         split, whole = self._costs(k)
         if whole <= split and self.pricing.affords(self.facts, [k], self.n_model):
