@@ -17,10 +17,9 @@ the models, batches and hand plans are this tree's.
 
 import json
 import sys
-import time
 from pathlib import Path
 
-from benchmarks._common import parser, report, serve, worker, worker_env
+from benchmarks._common import parser, report, serve, timed, worker, worker_env
 
 TARGET = 1.15  # issue 40: every model at most this many times its hand plan's bytes
 SHARDS = (2, 4)
@@ -32,14 +31,9 @@ def planning_seconds(model, mesh, **rules) -> float:
 
     import redeqx
 
-    times = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for _ in range(4):
-            t0 = time.perf_counter()
-            redeqx.sharding_rules(model, mesh, **rules)
-            times.append(time.perf_counter() - t0)
-    return min(times[1:])
+        return min(timed(lambda: redeqx.sharding_rules(model, mesh, **rules), 4)[1:])
 
 
 def llama_1b_seconds() -> float:

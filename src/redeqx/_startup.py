@@ -1,6 +1,6 @@
-"""What a process started by ``python -m redeqx.launch`` tells the launcher before its first step:
-what it is doing (joining the run, compiling a step, restoring a checkpoint), and that its first
-step ran. The launcher's start-up deadline (``--startup-timeout``) ends a run one of whose
+"""What a process started by ``python -m redeqx.launch`` tells the launcher, as files in its
+directory: before its first step what it is doing (joining the run, compiling a step, restoring a
+checkpoint), that its first step ran, and that its script ended. The launcher's start-up deadline (``--startup-timeout``) ends a run one of whose
 processes never gets there, naming it and what it was doing. Outside the launcher these do
 nothing: one environment lookup, and after the first step not even that."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 LAUNCH_DIR = "REDEQX_LAUNCH_DIR"  # where each launched process leaves its marks
 PROCESS = "REDEQX_PROCESS_ID"  # this process's index (`redeqx.run._settings.ENV["process_id"]`)
-DOING, STEPPED = "doing", "stepped"
+DOING, STEPPED, ENDED = "doing", "stepped", "ended"
 _stepped = False
 
 
@@ -45,3 +45,8 @@ def stepped() -> None:
     if not _stepped:
         _stepped = True
         _mark(STEPPED, "")
+
+
+def ended() -> None:
+    """This process's script returned (the launcher's ``--exit-timeout`` watches for the others)."""
+    _mark(ENDED, "")

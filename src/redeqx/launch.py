@@ -53,7 +53,8 @@ from pathlib import Path
 
 from .run import ENV
 from ._hooks import StoppedByLauncher, stop_on_launcher_signal
-from ._startup import DOING, LAUNCH_DIR, STEPPED, doing
+from . import _startup
+from ._startup import DOING, ENDED, LAUNCH_DIR, STEPPED
 from .checkpoints import PREEMPTED_EXIT_CODE
 
 GRACE_SECONDS = 5.0  # after a failure or a Ctrl-C, before SIGKILL
@@ -124,8 +125,7 @@ def _script_ended() -> None:
     failures = finish_in_flight("at the end of the script, without close()")
     for line in failures:
         print(line, file=sys.stderr)
-    if os.environ.get(LAUNCH_DIR):
-        Path(os.environ[LAUNCH_DIR], f"ended_{os.environ[ENV['process_id']]}").touch()
+    _startup.ended()
     if failures:
         _leave(1)
 
@@ -158,7 +158,7 @@ def _child() -> None:
     from .run import launcher_start
 
     launcher_start()
-    doing("running the script, before its first redeqx step (building the model, reading data, ...)")
+    _startup.doing("running the script, before its first redeqx step (building the model, reading data, ...)")
     stop_on_launcher_signal(STOP_SIGNAL)
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
@@ -409,7 +409,7 @@ class _Run:
 
     def _ended_alone(self, codes, now: float) -> bool:
         """Whether some processes ended the script and others still run ``--exit-timeout`` later."""
-        ended = sorted(i for i, rc in enumerate(codes) if rc == 0 or (self.marks / f"ended_{i}").exists())
+        ended = sorted(i for i, rc in enumerate(codes) if rc == 0 or (self.marks / f"{ENDED}_{i}").exists())
         running = [i for i, rc in enumerate(codes) if rc is None and i not in ended]
         if not (ended and running and not self.received and not self.preempted):
             return False
@@ -430,7 +430,7 @@ class _Run:
         if not limit or now - self.started <= limit or self.received:
             return False
         late = [i for i, rc in enumerate(codes) if rc is None and not (self.marks / f"{STEPPED}_{i}").exists()
-                and not (self.marks / f"ended_{i}").exists()]
+                and not (self.marks / f"{ENDED}_{i}").exists()]
         if not late:
             return False
         for i in late:

@@ -57,7 +57,7 @@ class _Decider:
         self.decided: dict[int, LeafSpec] = {}
         self.program_layers: set[str] = set()  # layers whose weight the program placed
         self.kernels: list[str] = []  # (in, out)-named weights the names split as (out, in)
-        self.used = {leaf for leaf, _ in facts.traffic} if facts is not None else set()  # in a product
+        self.used = set(facts.traffic) if facts is not None else set()  # weights in a product or lookup
         self.cost_notes: dict[int, str] = {}  # weight -> the estimate behind a split the names made
 
     # -- recording ------------------------------------------------------------------
@@ -168,7 +168,7 @@ class _Decider:
 
     def _costs(self, k: int) -> tuple[float, float]:
         """`split_cost` of weight ``k`` on this mesh."""
-        return split_cost(self.facts, k, self._full(k), self.mesh.size // self.n_model, self.n_model)
+        return split_cost(self.facts, k, self.mesh.size // self.n_model, self.n_model)
 
     def _whole_is_cheaper(self, k: int, one, dim: int, reason: str) -> bool:
         """For a weight the program contracts but whose split it does not prove (the names split it):
@@ -268,7 +268,7 @@ def memory_budget(mesh: Mesh) -> float:
     return float(WHOLE_MEMORY_BYTES)
 
 
-def split_cost(facts, k: int, full, n_batch: int, n_model: int) -> tuple[float, float]:
+def split_cost(facts, k: int, n_batch: int, n_model: int) -> tuple[float, float]:
     """The bytes one device moves a step for weight ``k`` split over ``model`` without a proven
     partner, and whole: ``(split, whole)``.
 
@@ -280,7 +280,7 @@ def split_cost(facts, k: int, full, n_batch: int, n_model: int) -> tuple[float, 
       whole or ``1 / n_model`` of it.
     """
     act_in, act_out = facts.activation_bytes(k)
-    grad = math.prod(full.shape) * full.dtype.itemsize if n_batch > 1 else 0
+    grad = facts.nbytes(k) if n_batch > 1 else 0
     return (act_in + act_out) / n_batch + grad / n_model, float(grad)
 
 

@@ -64,7 +64,7 @@ class Facts:
         # (leaf, equation) -> bytes of the activation a weight's matmul or conv reads and of what it
         # writes, over all of the loop's trips (a scan over 22 layers: 22 times the body's); global
         # (the whole batch), so one device's share is this over the devices splitting the batch
-        self.traffic: dict[tuple[int, int], tuple[int, int, int | None]] = {}  # ..., and which activation read
+        self.traffic: dict[int, dict[int, tuple[int, int, int | None]]] = {}  # leaf -> eqn -> ..., and what read
         self._leaf_seed: dict[int, int] = {}
 
     # -- recording ---------------------------------------------------------------
@@ -84,19 +84,19 @@ class Facts:
     def moves(self, leaf: int, eqn, act_in: int, act_out: int, read=None) -> None:
         """``leaf``'s matmul, conv or lookup ``eqn`` reads ``act_in`` bytes of the activation ``read``
         and writes ``act_out`` (a body a fixed point runs twice is counted once)."""
-        self.traffic[(leaf, id(eqn))] = (act_in, act_out, None if read is None else id(read))
+        self.traffic.setdefault(leaf, {})[id(eqn)] = (act_in, act_out, None if read is None else id(read))
 
     def activation_bytes(self, leaf: int) -> tuple[int, int]:
         """The bytes of activations ``leaf``'s products read and write in one step (forward)."""
-        found = [v for (k, _), v in self.traffic.items() if k == leaf]
+        found = self.traffic.get(leaf, {}).values()
         return sum(v[0] for v in found), sum(v[1] for v in found)
 
     def inputs_read(self, leaves) -> int:
         """The bytes of the activations the products of ``leaves`` read, each activation once (Q, K and
         V reading one input: one backward all-reduce of its gradient, as XLA merges them)."""
         seen: dict[object, int] = {}
-        for (k, eqn), (act_in, _, read) in self.traffic.items():
-            if k in leaves:
+        for k in leaves:
+            for eqn, (act_in, _, read) in self.traffic.get(k, {}).items():
                 seen[(eqn, k) if read is None else read] = act_in
         return sum(seen.values())
 

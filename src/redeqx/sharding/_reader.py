@@ -11,6 +11,7 @@ move these from an equation's inputs to its outputs; `_program` lists them.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from jax.extend import core as jcore
@@ -113,10 +114,4 @@ def _shape(v) -> tuple[int, ...]:
 def nbytes(v) -> int:
     """The bytes of the value ``v`` (0 for a token or other non-array)."""
     dtype = getattr(v.aval, "dtype", None)
-    if dtype is None:
-        return 0
-    size = 1
-    for d in _shape(v):
-        size *= d
-    return size * getattr(dtype, "itemsize", 4)
-
+    return 0 if dtype is None else math.prod(_shape(v)) * getattr(dtype, "itemsize", 4)

@@ -44,6 +44,7 @@ class Role:
     reason: str
     refused: str | None = None
     short: str | None = None  # the reason in a few words, for `explain`'s default table
+    priced: bool = False  # kept whole because that moves fewer bytes than the split proven (`Pricing`)
 
 
 @dataclasses.dataclass
@@ -77,22 +78,23 @@ def _kind_of(facts: Facts, leaves) -> tuple:
     return tuple(sorted((re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", facts.paths[k]), facts.shapes[k]) for k in leaves))
 
 
-def _price(pricing: Pricing, facts: Facts, n: int, candidates: list[tuple[tuple, float, float]]) -> dict[int, str]:
+def _price(pricing: Pricing, facts: Facts, n: int,
+           candidates: list[tuple[tuple, float, float]]) -> dict[int, tuple[float, float]]:
     """``candidates``: ``(leaves, split, whole)``, the bytes a step moves with ``leaves`` split as
     proven and whole. Blocks of one kind are decided together; those whole moves fewer bytes for are
-    kept whole, most saved first, while the memory budget lasts. Returns each such leaf's reason."""
+    kept whole, most saved first, while the memory budget lasts. Returns each such leaf's kind's
+    ``(split, whole)``."""
     kinds: dict[tuple, list] = {}
     for leaves, split, whole in candidates:
         entry = kinds.setdefault(_kind_of(facts, leaves), [[], 0.0, 0.0])
         entry[0] += list(leaves)
         entry[1] += split
         entry[2] += whole
-    out: dict[int, str] = {}
+    out: dict[int, tuple[float, float]] = {}
     for leaves, split, whole in sorted(kinds.values(), key=lambda e: e[2] - e[1]):
         if whole < split and pricing.affords(facts, leaves, n):
             pricing.taken.append((tuple(leaves), split, whole))
-            for k in leaves:
-                out[k] = (f"{human_bytes(split - whole)} less a step than split", split, whole)
+            out.update((k, (split, whole)) for k in leaves)
     return out
 
 
@@ -336,11 +338,11 @@ def _block_costs(facts: Facts, fit: _Fit, n: int, pricing: Pricing) -> tuple[flo
     return acts / pricing.n_batch + grad / n, grad
 
 
-def _whole_role(facts: Facts, leaf: int, role: Role, why) -> Role:
-    saved, split, whole = why
+def _whole_role(role: Role, split: float, whole: float) -> Role:
+    saved = f"{human_bytes(split - whole)} less a step than split"
     return Role(None, f"{role.reason}; but kept whole: it moves {saved} (estimated: split {human_bytes(split)}, "
                       f"whole {human_bytes(whole)}, its kind of block together)",
-                short=f"whole: {saved} (estimated)")
+                short=f"whole: {saved} (estimated)", priced=True)
 
 
 def blocks(facts: Facts, n: int, decided: dict[int, Role], pricing: Pricing | None = None) -> None:
@@ -357,7 +359,7 @@ def blocks(facts: Facts, n: int, decided: dict[int, Role], pricing: Pricing | No
         for leaf, (dim, text) in fit.kept.members.items():
             decided[leaf] = _describe(facts, fit.group, leaf, dim, text)
             if leaf in whole:
-                decided[leaf] = _whole_role(facts, leaf, decided[leaf], whole[leaf])
+                decided[leaf] = _whole_role(decided[leaf], *whole[leaf])
     for fit in fits:  # a block no n_model_shards split fits: whole, and said so
         if fit.refusal is not None:
             for leaf, (dim, text) in fit.group.members.items():
@@ -369,9 +371,9 @@ def lookups(facts: Facts, n: int, decided: dict[int, Role], pricing: Pricing | N
     for leaf, found in facts.lookups.items():
         dim, positional = found[0]
         if leaf in decided:
-            if decided[leaf].dim == dim or (decided[leaf].short or "").startswith("whole:"):
-                decided[leaf] = Role(decided[leaf].dim, decided[leaf].reason + "; also looked up (tied embedding)",
-                                     short=f"{decided[leaf].short}, tied embedding")
+            if decided[leaf].dim == dim or decided[leaf].priced:
+                decided[leaf] = dataclasses.replace(decided[leaf], reason=decided[leaf].reason + "; also looked up "
+                                                    "(tied embedding)", short=f"{decided[leaf].short}, tied embedding")
             continue
         if all(p for _, p in found):
             decided[leaf] = Role(None, "program: looked up at positions the program computes: replicated",
@@ -386,8 +388,8 @@ def lookups(facts: Facts, n: int, decided: dict[int, Role], pricing: Pricing | N
     if pricing is not None:  # split on vocab, each lookup's rows are summed over 'model' (forward)
         costs = [((k,), facts.activation_bytes(k)[1] / pricing.n_batch + pricing.gradient(facts, [k]) / n,
                   pricing.gradient(facts, [k])) for k in tables]
-        for k, why in _price(pricing, facts, n, costs).items():
-            decided[k] = _whole_role(facts, k, decided[k], why)
+        for k, (split, whole) in _price(pricing, facts, n, costs).items():
+            decided[k] = _whole_role(decided[k], split, whole)
 
 
 def read(facts: Facts, n: int, decided: dict[int, Role], pricing: Pricing | None = None) -> None:
