@@ -558,3 +558,10 @@ def test_auto_picks_gather_off_a_gpu_and_heads_where_cudnn_runs(monkeypatch):
     assert _context.auto_impl(q, jnp.zeros(16, jnp.int32), plain, 2) == "gather"
     assert _context.auto_impl(q.astype(jnp.float32), None, plain, 2) == "gather"
     assert _context.auto_impl(q, None, plain, 8) == "gather"  # 4 heads do not split 8 ways
+
+
+def test_heads_split_refuses_heads_the_shards_do_not_divide():
+    q, k, v = (x[0] for x in _qkv(jax.random.key(0)))  # 4 query heads, 16 tokens
+    with jax.set_mesh(_mesh(1, 8, 1)), pytest.raises(ValueError, match=r"impl='heads'.*4 query heads do not split "
+                                                                        r"over 8 context shards.*'gather' or 'ring'"):
+        redeqx.attention(q, k, v, impl="heads")
