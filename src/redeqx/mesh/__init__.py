@@ -5,6 +5,7 @@ from ._mesh import (
     CONTEXT as CONTEXT,
     DATA as DATA,
     MODEL as MODEL,
+    STAGE as STAGE,
     check_mesh as check_mesh,
     make_mesh as make_mesh,
     mesh_text as mesh_text,

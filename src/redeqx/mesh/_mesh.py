@@ -1,4 +1,5 @@
-"""Devices -> a ``("data", "model")`` mesh, or ``("data", "context", "model")`` with sequences split."""
+"""Devices -> a ``("data", "model")`` mesh, ``("data", "context", "model")`` with sequences split, and a
+``"stage"`` axis in front of either with the stacked layers pipelined."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from .._typing import typechecked
 DATA = "data"
 CONTEXT = "context"  # the sequence split (redeqx.context._context)
 MODEL = "model"
+STAGE = "stage"  # pipeline stages over the stacked layers (redeqx.steps._pipeline), outermost
 
 
 @typechecked
@@ -21,6 +23,7 @@ def make_mesh(
     n_model_shards: int | Literal["auto"] = 1,
     *,
     n_context_shards: int | Literal["auto"] = 1,
+    n_pipeline_stages: int = 1,
     devices: Sequence[jax.Device] | None = None,
     planner: Callable[[Mesh], Any] | None = None,
 ) -> Mesh:
@@ -50,7 +53,17 @@ def make_mesh(
     weights), and the first that fits is returned; a model whose weights
     fit but whose sequence does not then gets a context axis.
 
-    Both axes are ``Auto``: the sharding rules only place parameters, and the
+    ``n_pipeline_stages > 1`` adds a ``"stage"`` axis in front (outermost:
+    consecutive devices, so a host's devices share a stage and only the
+    stage boundary's activations cross the link between hosts): stage ``s``
+    holds layers ``[s L / S, (s + 1) L / S)`` of each stack of ``L`` layers,
+    and the train and eval steps run the stack's ``lax.scan`` as a pipeline of
+    ``microbatches`` (GPipe). Everything else (embedding, head, loss, every
+    other weight) is on every stage, as on a mesh without stages; the batch
+    is split over ``data`` only. ``data`` has the devices left:
+    ``len(devices) / (S x context x model)``. See the guide, "Pipeline stages".
+
+    Every axis is ``Auto``: the sharding rules only place parameters, and the
     partitioner's propagation (Shardy, this JAX's default) then decides the
     layout of every activation. ``Explicit``
     axes (this JAX's default for ``jax.make_mesh``) would make every user's
@@ -65,6 +78,7 @@ def make_mesh(
     ```python
     mesh = redeqx.make_mesh(n_model_shards=2)   # 8 devices -> data=4, model=2
     mesh = redeqx.make_mesh(2, n_context_shards=2)   # 8 devices -> data=2, context=2, model=2
+    mesh = redeqx.make_mesh(2, n_pipeline_stages=2)  # 8 devices -> stage=2, data=2, model=2
     ```
     """
     if devices is None:
@@ -74,6 +88,20 @@ def make_mesh(
         raise ValueError("devices is empty: pass at least one device, or leave devices=None to use jax.devices().")
     if n_context_shards != "auto":
         n_context_shards = _positive(n_context_shards, "n_context_shards")
+    n_stages = _positive(n_pipeline_stages, "n_pipeline_stages")
+    if n_stages > 1:
+        if len(devices) % n_stages:
+            raise ValueError(
+                f"n_pipeline_stages={n_stages} does not divide the {len(devices)} devices: pick one in "
+                f"{[d for d in range(1, len(devices) + 1) if len(devices) % d == 0]}.")
+        if "auto" in (n_model_shards, n_context_shards):
+            raise ValueError(
+                f"n_pipeline_stages={n_stages} with an 'auto' shard count: the search does not cover stages. Give "
+                "n_model_shards and n_context_shards as numbers (redeqx.plan on each mesh compares them).")
+        per_stage = len(devices) // n_stages
+        inner = make_mesh(n_model_shards, n_context_shards=n_context_shards, devices=devices[:per_stage])
+        grid = np.asarray(devices, dtype=object).reshape(n_stages, *inner.devices.shape)
+        return Mesh(grid, (STAGE, *inner.axis_names), axis_types=(AxisType.Auto,) * grid.ndim)
     if "auto" in (n_model_shards, n_context_shards):
         return _auto_mesh(devices, planner, n_model_shards, n_context_shards)
     if isinstance(n_model_shards, bool) or not isinstance(n_model_shards, (int, np.integer)):
@@ -162,15 +190,16 @@ def _takes(fn, name: str) -> bool:
 _MESH_FIX = (
     "build it with redeqx.make_mesh(n_model_shards), or name your own mesh's axes "
     "jax.make_mesh((n_data, n_model), ('data', 'model'), axis_types=(AxisType.Auto, AxisType.Auto)) "
-    "(or ('data', 'context', 'model') for sequences split over devices)"
+    "(or ('data', 'context', 'model') for sequences split over devices, with 'stage' in front for pipeline stages)"
 )
-_AXES = ((DATA, MODEL), (DATA, CONTEXT, MODEL))
+_AXES = ((DATA, MODEL), (DATA, CONTEXT, MODEL), (STAGE, DATA, MODEL), (STAGE, DATA, CONTEXT, MODEL))
 
 
 @typechecked
 def check_mesh(mesh, name: str = "mesh") -> Mesh:
     """The mesh redeqx works with: ``mesh`` itself when it has ``Auto`` axes
-    ``("data", "model")`` or ``("data", "context", "model")``; the same devices and axes with ``Auto`` types when
+    ``("data", "model")`` or ``("data", "context", "model")`` (either with
+    ``"stage"`` in front); the same devices and axes with ``Auto`` types when
     it has ``Explicit`` ones (``jax.make_mesh``'s default in this JAX); an
     error naming the axes and the fix for anything else."""
     if not isinstance(mesh, Mesh):
@@ -178,7 +207,7 @@ def check_mesh(mesh, name: str = "mesh") -> Mesh:
     if sorted(mesh.axis_names) not in [sorted(a) for a in _AXES]:
         raise ValueError(
             f"{name} has axes {tuple(mesh.axis_names)}, but redeqx needs ('data', 'model') or "
-            f"('data', 'context', 'model'); {_MESH_FIX}.")
+            f"('data', 'context', 'model'), either with 'stage' in front; {_MESH_FIX}.")
     types = tuple(getattr(mesh, "axis_types", ()) or ())
     if types and any(t != AxisType.Auto for t in types):
         # Explicit (or Manual) axes put shardings into array types, which users' loss

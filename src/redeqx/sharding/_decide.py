@@ -20,7 +20,7 @@ import math
 import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from ..mesh import MODEL
+from ..mesh import MODEL, STAGE
 from .._trees import human_bytes, is_array_like, path_parts
 from ._name_rules import UNPLACED, classify
 from ._names import _ancestors
@@ -29,6 +29,20 @@ from ._specs import (
     LeafSpec, Overrides, axes_of, brief, check_mesh_model, fsdp_spec, is_weight, lifted, plain_why, small_leaf_spec,
     split_spec, stacked_leaves, vocab_sizes, weight_layer,
 )
+
+def staged(spec: P, shape, mesh: Mesh, reason: str, short: str) -> tuple[P, str, str]:
+    """A stacked leaf on a mesh with pipeline stages: its layer axis (dim 0) split over ``stage``, each
+    stage holding its own layers (`redeqx.steps._pipeline`). A layer count the stages do not divide is
+    left whole here; the step that pipelines its scan says what to change."""
+    n = dict(mesh.shape).get(STAGE, 1)
+    if n == 1 or not shape or shape[0] % n:
+        return spec, reason, short
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    if entries[0] is not None:
+        return spec, reason, short
+    entries[0] = STAGE
+    return P(*entries), f"{reason}; layers over {n} pipeline stages", f"{short} + stages"
+
 
 # A leaf replicated because n_model_shards does not divide it is warned about unless it holds under
 # this share of the model's parameters (a 10-class head): its copy costs each device under 1 % more
@@ -76,6 +90,7 @@ class _Decider:
         if n:
             layers = " x ".join(map(str, full.shape[:n]))
             reason, short = f"layer axis (L={layers}), each layer: {reason}", f"L={layers} stacked: {short}"
+            spec, reason, short = staged(spec, full.shape, self.mesh, reason, short)
         self.decided[i] = LeafSpec(".".join(path_parts(kp)), tuple(full.shape), full.dtype, spec, reason, short)
 
     def _full(self, k: int):

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ._conv_grads import exact_grouped_convs
+from ._pipeline import pipelined_layer_scans
 from ._remat import ScanResiduals, keep_products
 from ..mesh import CONTEXT, DATA
 from .._rewrite import rewritten
@@ -155,7 +156,8 @@ def cast_floats(tree, dtype):
 
 
 def loss_and_grads(loss_fn, compute_dtype=None, *, inference: bool = False,
-                   scan_residuals: ScanResiduals = "products") -> GradFn:
+                   scan_residuals: ScanResiduals = "products", mesh: Mesh | None = None,
+                   microbatches: int | None = None) -> GradFn:
     """The gradient function of ``loss_fn``: model and batch floats cast to
     ``compute_dtype`` for the computation (gradients come back in the
     parameters' own dtypes); ``inference=True`` with dropout off;
@@ -163,8 +165,12 @@ def loss_and_grads(loss_fn, compute_dtype=None, *, inference: bool = False,
     non-elementwise results for the backward pass (`scans_keep_products`).
     Grouped convolutions take their weight gradient from matrix products
     (`redeqx.exact_conv_grads`: XLA's own is ``n_model_shards`` times too
-    large under redeqx's batch layout). Both rewrite one trace of ``loss_fn``."""
+    large under redeqx's batch layout). Both rewrite one trace of ``loss_fn``. On a ``mesh`` with
+    pipeline stages, its stacked layers run as a pipeline of ``microbatches``
+    (`redeqx.steps._pipeline.pipelined_layer_scans`)."""
     loss_fn = rewritten(loss_fn, exact_grouped_convs, *([keep_products] if scan_residuals == "products" else []))
+    if mesh is not None:
+        loss_fn = pipelined_layer_scans(loss_fn, mesh, microbatches)
 
     def grads_of(params, static, batch, key, model_state):
         def loss_of(params):

@@ -21,6 +21,7 @@ import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from ._conv_grads import products_for_batch_grouped_convs
+from ._pipeline import check_microbatches, pipelined_layer_scans
 from ._compiled import CompiledStep, StepFunction, stay_in_place, where_it_is
 from ._loss import (
     LOSS_CALL,
@@ -160,6 +161,7 @@ def make_train_step(
     trainable: Any = None,
     shard_mean_loss: bool = False,
     scan_residuals: ScanResiduals = "products",
+    microbatches: int | None = None,
 ) -> Callable[..., tuple[TrainState, dict]]:
     """The training step: ``(state, batch) -> (new_state, metrics)``.
 
@@ -198,6 +200,15 @@ def make_train_step(
       A scan whose body runs ``jax.checkpoint`` (`redeqx.remat`, or the
       user's own) keeps what that says. Losses and gradients are the same
       either way.
+    - ``microbatches=M`` (on a mesh with ``n_pipeline_stages = S``, see
+      `make_mesh`): the stacked layers' ``lax.scan`` runs as a pipeline,
+      the batch cut into ``M >= S`` microbatches that flow stage to stage;
+      each stage idles ``(S - 1) / (M + S - 1)`` of the stack's time (the
+      bubble). The default is ``4 S``. Each microbatch's rows ``j, j + M,
+      ...`` go through the layers on their own, then the rest of the loss
+      runs on the whole batch: the loss and gradients are those of the
+      unpipelined step for layers that treat rows independently. Composes
+      with ``accumulate`` (a pipeline per accumulated micro-batch).
     - An optimizer that takes extra arguments (optax's
       ``GradientTransformationExtraArgs``, e.g. ``reduce_on_plateau``) gets
       ``value=loss``; for others, write the step with `make_step`.
@@ -218,8 +229,14 @@ def make_train_step(
     """
     mesh = _check_step_args(loss_fn, "loss_fn", LOSS_CALL, LOSS_EXAMPLE, mesh, specs, compute_dtype)
     accumulate = positive_int(accumulate, "accumulate")
+    microbatches = check_microbatches(microbatches, mesh)
     placement = _train_state_placement(mesh, specs)
-    grads_of, check = loss_and_grads(loss_fn, compute_dtype, scan_residuals=scan_residuals), None
+    grads_of, check = loss_and_grads(loss_fn, compute_dtype, scan_residuals=scan_residuals, mesh=mesh,
+                                     microbatches=microbatches), None
+    if shard_mean_loss and microbatches is not None:
+        raise ValueError(
+            "shard_mean_loss=True with pipeline stages: each data shard's own step cannot hold the stages' "
+            "pipeline. Drop shard_mean_loss (the pipelined step averages gradients over data itself).")
     if shard_mean_loss:
         grads_of, check = by_shard(grads_of, loss_fn, accumulate, mesh, specs, trainable, placement)
     else:
@@ -254,9 +271,12 @@ class EvalStep:
     -> metrics`` (example means). `evaluate` also uses ``eval_step.sums`` to
     weight examples exactly across a padded last batch."""
 
-    def __init__(self, loss_fn, mesh: Mesh, specs, compute_dtype):
+    def __init__(self, loss_fn, mesh: Mesh, specs, compute_dtype, microbatches=None):
         def per_example(model, batch, key, model_state):
             check_batch(batch, mesh)
+            return pipelined_layer_scans(examples, mesh, microbatches)(model, batch, key, model_state)
+
+        def examples(model, batch, key, model_state):
             model = _inference(model, compute_dtype)
             batch = cast_floats(batch, compute_dtype)
             keys = jax.random.split(key, batch_size(batch))
@@ -289,14 +309,18 @@ class EvalStep:
 
 
 @typechecked
-def make_eval_step(loss_fn: Callable, mesh: Mesh, specs: Any, *, compute_dtype: Any = None) -> EvalStep:
+def make_eval_step(loss_fn: Callable, mesh: Mesh, specs: Any, *, compute_dtype: Any = None,
+                   microbatches: int | None = None) -> EvalStep:
     """Compiled evaluation: ``(model, batch, key) -> metrics``, the example
     mean of ``loss`` and ``loss_fn``'s aux, with the model in inference mode
     (``eqx.nn.inference_mode``: dropout off) and laid out by ``specs``. Each
     example's loss is computed on its own (``loss_fn`` on a batch of one,
     vmapped), so means are exact however the batch was padded; ``loss_fn``
     must treat rows independently (BatchNorm in inference mode reads its
-    running statistics from ``model_state=``, passed to the call).
+    running statistics from ``model_state=``, passed to the call). On a mesh
+    with pipeline stages the stacked layers run as a pipeline of
+    ``microbatches`` (as in `make_train_step`; the batch's rows must then be
+    a multiple of it).
 
     **Example:**
 
@@ -306,7 +330,7 @@ def make_eval_step(loss_fn: Callable, mesh: Mesh, specs: Any, *, compute_dtype: 
     ```
     """
     mesh = _check_step_args(loss_fn, "loss_fn", LOSS_CALL, LOSS_EXAMPLE, mesh, specs, compute_dtype)
-    return EvalStep(loss_fn, mesh, specs, compute_dtype)
+    return EvalStep(loss_fn, mesh, specs, compute_dtype, check_microbatches(microbatches, mesh))
 
 
 class PredictStep:
