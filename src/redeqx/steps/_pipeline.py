@@ -8,8 +8,9 @@ evaluate: it traces it, finds each ``lax.scan`` whose sliced operands include
 a model leaf (the stack), and evaluates the program with that scan replaced
 by `pipeline`:
 
-- the batch is cut into ``M`` microbatches (rows ``j, j + M, j + 2M, ...``,
-  as ``accumulate`` cuts it: each data shard keeps its own rows);
+- the batch is cut into ``M`` microbatches, each data shard's rows in ``M``
+  consecutive runs (microbatch ``j`` is run ``j`` of every shard): no row
+  moves between data shards;
 - tick ``t`` of ``M + S - 1``: stage ``s`` runs its layers on microbatch
   ``t - s`` and hands the result to stage ``s + 1`` (one collective permute
   of one microbatch's activations); stage 0 reads its microbatch from the
@@ -20,10 +21,16 @@ by `pipeline`:
 
 Which operands carry the batch is found by tracing the function a second
 time on one microbatch's rows: the dim that shrinks ``M`` times is the batch
-dim. Everything before and after the stack runs as written. The backward
-pass is JAX's derivative of this forward (the same ticks in reverse), so
-gradients are those of the unpipelined program. ``S = 1``: the function
-itself, untouched.
+dim. The stages run under one ``shard_map``, manual over ``stage`` and (when
+no weight is split over it, i.e. without ``fsdp``) over ``data``: each
+device runs its data shard's rows, and the weights' gradients are summed
+over ``data`` once, after the backward ticks, not once a tick. The layers'
+program is traced a third time there, on a data shard's microbatch, so that
+it is typed for the mesh it runs in (a mixture-of-experts layer, say, then
+splits its tokens over no manual axis). Everything before and after the
+stack runs as written. The backward pass is JAX's derivative of this
+forward (the same ticks in reverse), so gradients are those of the
+unpipelined program. ``S = 1``: the function itself, untouched.
 """
 
 from __future__ import annotations
@@ -74,10 +81,13 @@ class PipelineError(ValueError):
     """A program, batch or stack the pipeline cannot run as asked, and what to change."""
 
 
-def pipelined_layer_scans(fn: Callable, mesh: Mesh, microbatches: int | None, *, batch_arg: int = 1) -> Callable:
+def pipelined_layer_scans(fn: Callable, mesh: Mesh, microbatches: int | None, *, batch_arg: int = 1,
+                          weights_over_data: bool = False) -> Callable:
     """``fn(model, ..., batch, ...)`` with each stacked-layer scan it runs pipelined over
     ``stage`` in ``microbatches`` (see the module's text); ``fn`` itself without stages.
-    ``batch_arg``: which argument holds the batch (its leaves' leading dim is the rows)."""
+    ``batch_arg``: which argument holds the batch (its leaves' leading dim is the rows);
+    ``weights_over_data``: some weight is split over ``data`` (fsdp), which then stays the
+    partitioner's inside the stages."""
     s = n_stages(mesh)
     if s == 1 or microbatches is None:
         return fn
@@ -86,27 +96,43 @@ def pipelined_layer_scans(fn: Callable, mesh: Mesh, microbatches: int | None, *,
     def run(*args):
         closed, out_arrays, out_static = eqx.filter_make_jaxpr(fn)(*args)
         rows = batch_size(args[batch_arg])
-        m = microbatches
-        if rows % m:
+        m, n_data = microbatches, mesh.shape[DATA]
+        if rows % (m * n_data):
             raise PipelineError(
-                f"microbatches={m} does not divide the batch's {rows} rows: pick microbatches among "
-                f"{[d for d in range(s, rows + 1) if rows % d == 0][:8]}, or a batch of a multiple of {m} rows.")
-        n_data = mesh.shape[DATA]
-        if (rows // m) % n_data:
-            raise PipelineError(
-                f"microbatches={m} cuts the batch's {rows} rows into microbatches of {rows // m}, which the "
-                f"{n_data}-way data axis does not split: make rows per data shard ({rows // n_data}) a multiple "
-                f"of microbatches.")
-        micro = list(args)
-        micro[batch_arg] = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct((rows // m, *x.shape[1:]), x.dtype)
-            if eqx.is_array(x) and x.ndim and x.shape[0] == rows else x, args[batch_arg])
-        closed_mb = eqx.filter_make_jaxpr(fn)(*micro)[0]
+                f"microbatches={m} does not cut the batch's {rows} rows into microbatches the {n_data}-way data "
+                f"axis splits: the rows must be a multiple of microbatches x data = {m * n_data} (rows per data "
+                f"shard, {rows / n_data:g}, a multiple of microbatches). Pick microbatches among "
+                f"{[d for d in range(s, rows // n_data + 1) if (rows // n_data) % d == 0][:8] or 'none'}, or "
+                "a batch of a multiple of that many rows.")
+        manual = {STAGE} | ({DATA} if n_data > 1 and not weights_over_data else set())
+
+        def shaped(per):
+            out = list(args)
+            out[batch_arg] = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct((per, *x.shape[1:]), x.dtype)
+                if eqx.is_array(x) and x.ndim and x.shape[0] == rows else x, args[batch_arg])
+            return out
+
+        closed_mb = eqx.filter_make_jaxpr(fn)(*shaped(rows // m))[0]
+        local = shaped(rows // (m * n_data) if DATA in manual else rows // m)
+
+        def traced_here(path):  # the stack's body, traced where it runs (inside the stages' shard_map)
+            jaxpr = eqx.filter_make_jaxpr(fn)(*jax.tree.map(_abstract, local, is_leaf=eqx.is_array))[0].jaxpr
+            for i in path[:-1]:
+                jaxpr = _call_body(jaxpr.eqns[i]).jaxpr
+            eqn = jaxpr.eqns[path[-1]] if path[-1] < len(jaxpr.eqns) else None
+            if eqn is None or eqn.primitive.name != "scan":
+                raise PipelineError(
+                    f"{_name(fn)} traces to another program inside the pipeline's stages than outside them, so "
+                    "its stacked layers cannot be found there: keep the program's structure independent of the "
+                    "mesh axes in context.")
+            return eqn.params["jaxpr"]
+
         model_leaves = len(jax.tree.leaves(eqx.filter(args[0], eqx.is_array)))
-        model_vars = set(closed.jaxpr.invars[:model_leaves])
-        runner = _Runner(mesh, s, m, fn)
+        runner = _Runner(mesh, s, m, fn, manual, traced_here)
         leaves = jax.tree.leaves(eqx.filter(args, eqx.is_array))
-        outs = runner.eval(closed.jaxpr, closed.consts, leaves, closed_mb.jaxpr, model_vars)
+        outs = runner.eval(closed.jaxpr, closed.consts, leaves, closed_mb.jaxpr,
+                           set(closed.jaxpr.invars[:model_leaves]), ())
         if runner.found == 0:
             raise PipelineError(
                 f"the mesh has n_pipeline_stages={s}, but {_name(fn)} runs no jax.lax.scan over stacked layers for "
@@ -118,55 +144,64 @@ def pipelined_layer_scans(fn: Callable, mesh: Mesh, microbatches: int | None, *,
     return run
 
 
+def _abstract(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype) if eqx.is_array(x) else x
+
+
 def _name(fn) -> str:
     return f"loss_fn {getattr(fn, '__name__', type(fn).__name__)!r}"
 
 
-class _Runner:
-    """Evaluates a jaxpr equation by equation, running stacked-layer scans as `pipeline`."""
+def _call_body(eqn):
+    if eqn.primitive.name in _CALLS:
+        for name in ("jaxpr", "call_jaxpr"):
+            if isinstance(eqn.params.get(name), jex.ClosedJaxpr):
+                return eqn.params[name]
+    return None
 
-    def __init__(self, mesh: Mesh, s: int, m: int, fn):
-        self.mesh, self.s, self.m, self.fn, self.found = mesh, s, m, fn, 0
 
-    def _stack_scan(self, eqn, model_vars) -> bool:
-        if eqn.primitive.name != "scan":
-            return False
-        first_x = eqn.params["num_consts"] + eqn.params["num_carry"]
-        return any(not isinstance(v, jex.Literal) and v in model_vars for v in eqn.invars[first_x:])
+def _weights(jaxpr, model_vars) -> set:
+    """``model_vars`` and every value computed from them alone (a cast to the compute dtype, a LoRA
+    update merged into its weight): what a stack's scan may slice."""
+    found = set(model_vars)
+    for eqn in jaxpr.eqns:
+        ins = [v for v in eqn.invars if not isinstance(v, jex.Literal)]
+        if ins and all(v in found for v in ins):
+            found.update(eqn.outvars)
+    return found
 
-    @staticmethod
-    def _weights(jaxpr, model_vars) -> set:
-        """``model_vars`` and every value computed from them alone (a cast to the compute dtype, a
-        LoRA update merged into its weight): what a stack's scan may slice."""
-        found = set(model_vars)
-        for eqn in jaxpr.eqns:
-            ins = [v for v in eqn.invars if not isinstance(v, jex.Literal)]
-            if ins and all(v in found for v in ins):
-                found.update(eqn.outvars)
-        return found
 
-    def _holds_stack(self, jaxpr, model_vars) -> bool:
-        model_vars = self._weights(jaxpr, model_vars)
-        for eqn in jaxpr.eqns:
-            if self._stack_scan(eqn, model_vars):
-                return True
-            inner = self._call_body(eqn)
-            if inner is not None:
-                inner_vars = {iv for iv, ov in zip(inner.jaxpr.invars, eqn.invars)
-                              if not isinstance(ov, jex.Literal) and ov in model_vars}
-                if self._holds_stack(inner.jaxpr, inner_vars):
-                    return True
+def _stack_scan(eqn, weights) -> bool:
+    """A ``scan`` slicing a model's weights: a stack of layers."""
+    if eqn.primitive.name != "scan":
         return False
+    first_x = eqn.params["num_consts"] + eqn.params["num_carry"]
+    return any(not isinstance(v, jex.Literal) and v in weights for v in eqn.invars[first_x:])
 
-    @staticmethod
-    def _call_body(eqn):
-        if eqn.primitive.name in _CALLS:
-            for name in ("jaxpr", "call_jaxpr"):
-                if isinstance(eqn.params.get(name), jex.ClosedJaxpr):
-                    return eqn.params[name]
-        return None
 
-    def eval(self, jaxpr, consts, args, jaxpr_mb, model_vars):
+def _inner_weights(inner, eqn, weights) -> set:
+    return {iv for iv, ov in zip(inner.jaxpr.invars, eqn.invars) if not isinstance(ov, jex.Literal) and ov in weights}
+
+
+def _holds_stack(jaxpr, model_vars) -> bool:
+    weights = _weights(jaxpr, model_vars)
+    for eqn in jaxpr.eqns:
+        if _stack_scan(eqn, weights):
+            return True
+        inner = _call_body(eqn)
+        if inner is not None and _holds_stack(inner.jaxpr, _inner_weights(inner, eqn, weights)):
+            return True
+    return False
+
+
+class _Runner:
+    """Evaluates a jaxpr equation by equation, running stacked-layer scans as `pipeline_scan`."""
+
+    def __init__(self, mesh: Mesh, s: int, m: int, fn, manual: set, traced_here):
+        self.mesh, self.s, self.m, self.fn, self.manual, self.traced_here = mesh, s, m, fn, manual, traced_here
+        self.found = 0
+
+    def eval(self, jaxpr, consts, args, jaxpr_mb, model_vars, path: tuple):
         env = {}
 
         def read(v):
@@ -176,25 +211,21 @@ class _Runner:
             env[v] = x
         for v, x in zip(jaxpr.invars, args):
             env[v] = x
-        model_vars = self._weights(jaxpr, model_vars)
+        weights = _weights(jaxpr, model_vars)
         if len(jaxpr.eqns) != len(jaxpr_mb.eqns):
             raise PipelineError(
                 f"{_name(self.fn)} traces to a different program on one microbatch's rows than on the whole "
                 "batch, so the pipeline cannot tell which values carry the batch: keep the program's structure "
                 "independent of the batch size (no Python branches on it).")
-        for eqn, eqn_mb in zip(jaxpr.eqns, jaxpr_mb.eqns):
+        for i, (eqn, eqn_mb) in enumerate(zip(jaxpr.eqns, jaxpr_mb.eqns)):
             invals = [read(v) for v in eqn.invars]
-            inner = self._call_body(eqn)
-            if self._stack_scan(eqn, model_vars):
+            inner = _call_body(eqn)
+            if _stack_scan(eqn, weights):
                 self.found += 1
-                outs = pipeline_scan(eqn, eqn_mb, invals, self.mesh, self.s, self.m, self.fn)
-            elif inner is not None and self._holds_stack(
-                    inner.jaxpr, {iv for iv, ov in zip(inner.jaxpr.invars, eqn.invars)
-                                  if not isinstance(ov, jex.Literal) and ov in model_vars}):
-                inner_mb = self._call_body(eqn_mb)
-                inner_vars = {iv for iv, ov in zip(inner.jaxpr.invars, eqn.invars)
-                              if not isinstance(ov, jex.Literal) and ov in model_vars}
-                outs = self.eval(inner.jaxpr, inner.consts, invals, inner_mb.jaxpr, inner_vars)
+                outs = pipeline_scan(eqn, eqn_mb, invals, self, path + (i,))
+            elif inner is not None and _holds_stack(inner.jaxpr, _inner_weights(inner, eqn, weights)):
+                outs = self.eval(inner.jaxpr, inner.consts, invals, _call_body(eqn_mb).jaxpr,
+                                 _inner_weights(inner, eqn, weights), path + (i,))
             else:
                 with eqn.ctx.manager:
                     outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
@@ -219,37 +250,55 @@ def _batch_dim(full, micro, m: int, what: str, fn) -> int | None:
     return dims[0]
 
 
-def _to_micro(x, dim: int, m: int):
-    """(..., B, ...) at ``dim`` -> (M, ..., B / M, ...): microbatch j holds rows j, j + M, ..."""
+def _to_micro(x, dim: int, m: int, n_data: int):
+    """(..., B, ...) at ``dim`` -> (M, ..., B / M, ...): each data shard's rows cut in ``M`` runs,
+    microbatch ``j`` holding run ``j`` of every shard (so the ``B / M`` dim splits over ``data`` as
+    ``B`` did)."""
     shape = x.shape
-    x = x.reshape(*shape[:dim], shape[dim] // m, m, *shape[dim + 1:])
-    return jnp.moveaxis(x, dim + 1, 0)
+    x = x.reshape(*shape[:dim], n_data, m, shape[dim] // (n_data * m), *shape[dim + 1:])
+    x = jnp.moveaxis(x, dim + 1, 0)
+    return x.reshape(m, *shape[:dim], shape[dim] // m, *shape[dim + 1:])
 
 
-def _from_micro(x, dim: int):
+def _from_micro(x, dim: int, n_data: int):
     """`_to_micro` undone: (M, ..., B / M, ...) -> (..., B, ...)."""
-    m = x.shape[0]
+    m, shape = x.shape[0], x.shape[1:]
+    x = x.reshape(m, *shape[:dim], n_data, shape[dim] // n_data, *shape[dim + 1:])
     x = jnp.moveaxis(x, 0, dim + 1)
-    return x.reshape(*x.shape[:dim], x.shape[dim] * m, *x.shape[dim + 2:])
+    return x.reshape(*shape[:dim], shape[dim] * m, *shape[dim + 1:])
 
 
-def pipeline_scan(eqn, eqn_mb, invals, mesh: Mesh, s: int, m: int, fn) -> list:
+def _spec(ndim: int, stage: int | None = None, data: int | None = None) -> P:
+    """A spec of ``ndim`` entries naming ``stage`` and ``data`` at those dims (None: not named)."""
+    entries: list = [None] * ndim
+    for axis, d in ((STAGE, stage), (DATA, data)):
+        if d is not None:
+            entries[d] = axis
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
+
+
+def pipeline_scan(eqn, eqn_mb, invals, runner: _Runner, path: tuple) -> list:
     """The outputs of scan ``eqn`` on ``invals``, computed as a GPipe pipeline over ``stage``."""
+    mesh, s, m, fn = runner.mesh, runner.s, runner.m, runner.fn
     p = eqn.params
     length, n_consts, n_carry = p["length"], p["num_consts"], p["num_carry"]
     if length % s:
         raise PipelineError(
             f"{_name(fn)} scans a stack of {length} layers, which n_pipeline_stages={s} does not divide: pick "
-            f"n_pipeline_stages among {[d for d in range(1, length + 1) if length % d == 0 and d > 1]}, or a "
-            "layer count the stages divide.")
-    body = eqn_mb.params["jaxpr"]  # traced on one microbatch's rows: the shapes each stage runs
+            f"n_pipeline_stages among {[d for d in range(2, length + 1) if length % d == 0]}, or a layer count "
+            "the stages divide.")
+    n_data = mesh.shape[DATA]
+    data = DATA if DATA in runner.manual else None
     shapes = [tuple(v.aval.shape) for v in eqn.invars]
     shapes_mb = [tuple(v.aval.shape) for v in eqn_mb.invars]
-    dims = [_batch_dim(a, b, m, f"an input", fn) for a, b in zip(shapes, shapes_mb)]
+    dims = [_batch_dim(a, b, m, "an input", fn) for a, b in zip(shapes, shapes_mb)]
     out_dims = [_batch_dim(tuple(v.aval.shape), tuple(w.aval.shape), m, "an output", fn)
                 for v, w in zip(eqn.outvars, eqn_mb.outvars)]
     consts, carry, xs = invals[:n_consts], invals[n_consts:n_consts + n_carry], invals[n_consts + n_carry:]
     c_dims, k_dims, x_dims = dims[:n_consts], dims[n_consts:n_consts + n_carry], dims[n_consts + n_carry:]
+    y_dims = out_dims[n_carry:]
     if any(d == 0 for d in x_dims):
         raise PipelineError(f"{_name(fn)}'s stacked-layer scan slices the batch's rows as its layers: not a stack.")
     for d, od in zip(k_dims, out_dims[:n_carry]):
@@ -257,22 +306,25 @@ def pipeline_scan(eqn, eqn_mb, invals, mesh: Mesh, s: int, m: int, fn) -> list:
             raise PipelineError(f"{_name(fn)}'s stacked-layer scan moves the batch dim of its carry ({d} -> {od}).")
     if p["reverse"]:
         xs = [jnp.flip(x, 0) for x in xs]
-    # every carry per microbatch (one without a batch dim, e.g. a layer counter, copied to each)
-    carry_mb = [_to_micro(x, d, m) if d is not None else jnp.broadcast_to(x, (m, *x.shape))
-                for x, d in zip(carry, k_dims)]
-    consts_mb = [_to_micro(x, d, m) if d is not None else x for x, d in zip(consts, c_dims)]
     per_stage = length // s
-    xs_staged = [(_to_micro(x, d, m) if d is not None else x) for x, d in zip(xs, x_dims)]
+    share = m // s if m % s == 0 else None  # microbatches each stage sends in and takes out; None: all on every stage
+    micro = lambda x, d: _to_micro(x, d, m, n_data) if d is not None else x  # noqa: E731
+    # every carry per microbatch (one without a batch dim, e.g. a layer counter, copied to each)
+    carry_mb = [micro(x, d) if d is not None else jnp.broadcast_to(x, (m, *x.shape)) for x, d in zip(carry, k_dims)]
+    consts_mb = [micro(x, d) for x, d in zip(consts, c_dims)]
+    xs_staged = [micro(x, d) for x, d in zip(xs, x_dims)]
     xs_staged = [x.reshape(*x.shape[:int(d is not None)], s, per_stage, *x.shape[1 + int(d is not None):])
                  for x, d in zip(xs_staged, x_dims)]
     unroll = p.get("unroll", 1)
     unroll = per_stage if unroll is True else max(1, min(int(unroll), per_stage))
-    layer_fn = lambda *a: jex.jaxpr_as_fun(_in_this_mesh(body))(*a)  # noqa: E731
     ticks = m + s - 1
-    deal = m % s == 0  # the last stage's results dealt out, M / S microbatches to each stage
 
     def stages(consts_mb, carry_mb, xs_staged):
         me = jax.lax.axis_index(STAGE)
+        body = runner.traced_here(path)
+        layer_fn = jex.jaxpr_as_fun(body)
+        if share is not None:  # each stage holds its share of the microbatches: all to stage 0
+            carry_mb = [_collect(c, me, s) for c in carry_mb]
         local = [x[:, 0] if d is not None else x[0] for x, d in zip(xs_staged, x_dims)]
 
         def layers(state, j):
@@ -300,33 +352,46 @@ def pipeline_scan(eqn, eqn_mb, invals, mesh: Mesh, s: int, m: int, fn) -> list:
 
         state0 = [jnp.zeros_like(c[0]) for c in carry_mb]
         outs0 = [jnp.zeros_like(c) for c in carry_mb]
-        y_avals = body.out_avals[n_carry:]
-        ys0 = [jnp.zeros((m, per_stage, *a.shape), a.dtype) for a in y_avals]
+        ys0 = [jnp.zeros((m, per_stage, *a.shape), a.dtype) for a in body.out_avals[n_carry:]]
         (_, outs, ys), _ = jax.lax.scan(tick, (state0, outs0, ys0), jnp.arange(ticks))
-        if deal:
+        if share is not None:
             outs = [_deal(o, me, s) for o in outs]
         else:
             outs = [jax.lax.psum(jnp.where(me == s - 1, o, jnp.zeros_like(o)), STAGE) for o in outs]
+        if data is not None:  # a value without the batch's rows, from one data shard's: their mean
+            outs = [o if d is not None else jax.lax.pmean(o, DATA) for o, d in zip(outs, k_dims)]
+            ys = [y if d is not None else jax.lax.pmean(y, DATA) for y, d in zip(ys, y_dims)]
         return outs, ys
 
-    x_specs = [P(None, STAGE) if d is not None else P(STAGE) for d in x_dims]
-    out_spec = P(STAGE) if deal else P()
-    run = jax.shard_map(stages, mesh=mesh, in_specs=(P(), P(), x_specs),
-                        out_specs=([out_spec] * n_carry, [P(None, STAGE)] * len(body.out_avals[n_carry:])),
-                        axis_names=frozenset({STAGE}), check_vma=False)
+    shard = STAGE if share is not None else None
+    specs_in = (
+        [_spec(x.ndim, data=d + 1) if d is not None else P() for x, d in zip(consts_mb, c_dims)],
+        [_spec(x.ndim, stage=0 if shard else None, data=d + 1 if d is not None else None)
+         for x, d in zip(carry_mb, k_dims)],
+        [_spec(x.ndim, stage=1, data=d + 2) if d is not None else P(STAGE) for x, d in zip(xs_staged, x_dims)],
+    )
+    carry_specs = [_spec(x.ndim, stage=0 if shard else None, data=d + 1 if d is not None else None) for x, d in zip(carry_mb, k_dims)]
+    y_specs = [_spec(1 + len(a.aval.shape), stage=1, data=d + 1 if d is not None else None)
+               for a, d in zip(eqn.outvars[n_carry:], y_dims)]
+    if data is None:  # data is the partitioner's: name only stage
+        strip = lambda sp: P(*[e if e == STAGE else None for e in sp])  # noqa: E731
+        specs_in = tuple([strip(sp) for sp in group] for group in specs_in)
+        carry_specs, y_specs = [strip(sp) for sp in carry_specs], [strip(sp) for sp in y_specs]
+    run = jax.shard_map(stages, mesh=mesh, in_specs=specs_in, out_specs=(carry_specs, y_specs),
+                        axis_names=frozenset(runner.manual), check_vma=False)
     outs, ys = run(consts_mb, carry_mb, xs_staged)
     final = []
-    for o, d, x in zip(outs, k_dims, carry):
+    for o, d in zip(outs, k_dims):
         if d is not None:
-            final.append(_from_micro(o, d))
+            final.append(_from_micro(o, d, n_data))
         elif jnp.issubdtype(o.dtype, jnp.inexact):
             final.append(o.mean(0).astype(o.dtype))  # e.g. a loss summed over the layers: each microbatch's, averaged
         else:
             final.append(o[0])
     stacked = []
-    for y, d in zip(ys, out_dims[n_carry:]):
+    for y, d in zip(ys, y_dims):
         if d is not None:  # (M, L, ...): each stage's L / S layers side by side
-            y = _from_micro(y, d)
+            y = _from_micro(y, d, n_data)
         elif jnp.issubdtype(y.dtype, jnp.inexact):
             y = y.mean(0).astype(y.dtype)
         else:
@@ -345,67 +410,8 @@ def _deal(outs, me, s: int):
     return mine
 
 
-def _in_this_mesh(closed: jex.ClosedJaxpr) -> jex.ClosedJaxpr:
-    """``closed``, traced outside the stages' ``shard_map``, as a program of the mesh in context now
-    (inside it, with ``stage`` manual): every value's type, equation's context and param naming a mesh
-    (an out sharding, a call's context mesh) names this one, in it and in its inner programs. JAX
-    checks that the mesh a value was typed on is the one in context; the program is otherwise the same."""
-    from jax._src import mesh as mesh_lib
-
-    here = mesh_lib.get_abstract_mesh()
-    return _Transplant(here).closed(closed)
-
-
-class _Transplant:
-    def __init__(self, here):
-        from jax._src import core, mesh as mesh_lib
-
-        self.here, self.core, self.mesh_lib = here, core, mesh_lib
-
-    def _ours(self, mesh) -> bool:
-        return isinstance(mesh, self.mesh_lib.AbstractMesh) and mesh.axis_names == self.here.axis_names
-
-    def aval(self, aval):
-        sharding = getattr(aval, "sharding", None)
-        if isinstance(sharding, NamedSharding) and self._ours(sharding.mesh):
-            return aval.update(sharding=NamedSharding(self.here, sharding.spec, memory_kind=sharding.memory_kind))
-        return aval
-
-    def param(self, value):
-        if isinstance(value, jex.ClosedJaxpr):
-            return self.closed(value)
-        if isinstance(value, jex.Jaxpr):
-            return self.jaxpr(value)
-        if self._ours(value):
-            return self.here
-        if isinstance(value, NamedSharding) and self._ours(value.mesh):
-            return NamedSharding(self.here, value.spec, memory_kind=value.memory_kind)
-        if isinstance(value, tuple):
-            return tuple(self.param(v) for v in value)
-        return value
-
-    def closed(self, closed: jex.ClosedJaxpr) -> jex.ClosedJaxpr:
-        return jex.ClosedJaxpr(self.jaxpr(closed.jaxpr), closed.consts)
-
-    def jaxpr(self, jaxpr: jex.Jaxpr) -> jex.Jaxpr:
-        core = self.core
-        new: dict = {}
-
-        def var(v):
-            if isinstance(v, jex.Literal):
-                return jex.Literal(v.val, self.aval(v.aval))
-            if isinstance(v, jex.DropVar):
-                return jex.DropVar(self.aval(v.aval))
-            if v not in new:
-                new[v] = jex.Var(self.aval(v.aval))
-            return new[v]
-
-        constvars, invars = [var(v) for v in jaxpr.constvars], [var(v) for v in jaxpr.invars]
-        eqns = []
-        for eqn in jaxpr.eqns:
-            c = eqn.ctx
-            ctx = core.JaxprEqnContext._create(c.compute_type, c.threefry_partitionable, self.here,
-                                               c.remove_size_one_mesh_axis, c.xla_metadata)
-            eqns.append(eqn.replace(invars=[var(v) for v in eqn.invars], outvars=[var(v) for v in eqn.outvars],
-                                    params={k: self.param(v) for k, v in eqn.params.items()}, ctx=ctx))
-        return jaxpr.replace(constvars=constvars, invars=invars, outvars=[var(v) for v in jaxpr.outvars], eqns=eqns)
+def _collect(mine, me, s: int):
+    """`_deal` undone: each stage's ``(M / S, ...)`` share, all ``M`` on stage 0 (zeros elsewhere)."""
+    pieces = [jnp.where(me == 0, mine, jnp.zeros_like(mine))]
+    pieces += [jax.lax.ppermute(mine, STAGE, [(k, 0)]) for k in range(1, s)]
+    return jnp.concatenate(pieces, 0)

@@ -37,7 +37,7 @@ from ._loss import (
 from ._remat import ScanResiduals
 from ._shard_mean import by_shard
 from ..data import batch_size, check_batch
-from ..mesh import check_mesh, check_specs, check_specs_match, sharding_of
+from ..mesh import DATA, check_mesh, check_specs, check_specs_match, sharding_of
 from ..state import Optimizer, TrainState, as_optimizer, mirror_specs, optimizer_update, split_trainable
 from .._rewrite import rewritten
 from .._trees import is_array_like, leaves_with_specs
@@ -91,6 +91,12 @@ def make_step(step_fn: Callable, mesh: Mesh, *, donate: bool = True) -> Callable
     step = CompiledStep(exact, mesh, placement=stay_in_place(mesh), what="state", donate=donate,
                         returns_state=True, warn_moves=False)
     return _named_like(step_fn, StepFunction(step))
+
+
+def splits_over(specs, axis: str) -> bool:
+    """Whether some spec in ``specs`` names mesh axis ``axis``."""
+    found = [s for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)) if isinstance(s, P)]
+    return any(axis in (e if isinstance(e, tuple) else (e,)) for spec in found for e in spec if e is not None)
 
 
 def _named_like(fn, step):
@@ -232,7 +238,7 @@ def make_train_step(
     microbatches = check_microbatches(microbatches, mesh)
     placement = _train_state_placement(mesh, specs)
     grads_of, check = loss_and_grads(loss_fn, compute_dtype, scan_residuals=scan_residuals, mesh=mesh,
-                                     microbatches=microbatches), None
+                                     microbatches=microbatches, weights_over_data=splits_over(specs, DATA)), None
     if shard_mean_loss and microbatches is not None:
         raise ValueError(
             "shard_mean_loss=True with pipeline stages: each data shard's own step cannot hold the stages' "
@@ -274,7 +280,8 @@ class EvalStep:
     def __init__(self, loss_fn, mesh: Mesh, specs, compute_dtype, microbatches=None):
         def per_example(model, batch, key, model_state):
             check_batch(batch, mesh)
-            return pipelined_layer_scans(examples, mesh, microbatches)(model, batch, key, model_state)
+            return pipelined_layer_scans(examples, mesh, microbatches, weights_over_data=splits_over(specs, DATA))(
+                model, batch, key, model_state)
 
         def examples(model, batch, key, model_state):
             model = _inference(model, compute_dtype)
