@@ -25,6 +25,54 @@ class Collective:
     kind: str
     shapes: tuple[tuple[str, tuple[int, ...]], ...]  # (dtype, shape) of each result array
     bytes: int
+    # the devices (indices into the mesh's devices, flat) that take part together: each group of a
+    # reduction or gather, each (source, target) pair of a permute; None: every device
+    groups: tuple[tuple[int, ...], ...] | None = None
+
+
+_PAIRS = re.compile(r"source_target_pairs=\{(?P<body>[0-9,{}]*)\}")
+_LISTED = re.compile(r"replica_groups=\{(?P<body>[0-9,{}]*)\}")
+_IOTA = re.compile(r"replica_groups=\[(?P<shape>[0-9,]+)\]<=\[(?P<dims>[0-9,]+)\](?:T\((?P<perm>[0-9,]+)\))?")
+_MESH = re.compile(r"replica_groups=mesh\[(?P<axes>[^\]]*)\](?:,\s*device_ids=\((?P<ids>[^)]*\)?)\))?\s*"
+                   r"\{(?P<over>[^}]*)\}")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _iota(dims: list[int], perm: list[int] | None) -> np.ndarray:
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    return ids.transpose(perm) if perm else ids
+
+
+def collective_groups(attributes: str) -> tuple[tuple[int, ...], ...] | None:
+    """The device groups an HLO collective's attributes name (its ``source_target_pairs``, or
+    ``replica_groups`` listed, as an iota, or over named axes of a mesh); None for every device."""
+    if (m := _PAIRS.search(attributes)) is not None:
+        return tuple(tuple(_ints(g)) for g in re.findall(r"\{([0-9,]*)\}", m.group("body")))
+    if (m := _IOTA.search(attributes)) is not None:
+        shape = _ints(m.group("shape"))
+        ids = _iota(_ints(m.group("dims")), _ints(m.group("perm")) if m.group("perm") else None)
+        return tuple(tuple(int(x) for x in row) for row in ids.reshape(shape))
+    if (m := _MESH.search(attributes)) is not None:
+        axes = re.findall(r"'([^']+)'=(\d+)", m.group("axes"))
+        names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+        ids = np.arange(int(np.prod(sizes)))
+        if m.group("ids"):
+            if (t := re.match(r"\[([0-9,]+)\](?:T\(([0-9,]+)\))?", m.group("ids"))) is not None:
+                ids = _iota(_ints(t.group(1)), _ints(t.group(2)) if t.group(2) else None).reshape(-1)
+            else:
+                ids = np.asarray(_ints(m.group("ids").strip("()")))
+        ids = ids.reshape(sizes)
+        over = [names.index(a) for a in re.findall(r"'([^']+)'", m.group("over"))]
+        rest = [d for d in range(len(sizes)) if d not in over]
+        grouped = ids.transpose(rest + over).reshape(-1, int(np.prod([sizes[d] for d in over])) if over else 1)
+        return tuple(tuple(int(x) for x in row) for row in grouped)
+    if (m := _LISTED.search(attributes)) is not None:
+        groups = tuple(tuple(_ints(g)) for g in re.findall(r"\{([0-9,]*)\}", m.group("body")))
+        return groups or None
+    return None
 
 
 def array_shapes(shape_text: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -335,7 +383,7 @@ def collectives(hlo_text: str) -> list[Collective]:
             if op.endswith("-start") and kind in ("all-gather", "collective-permute", "all-to-all") and len(arrays) > 1:
                 arrays = arrays[len(arrays) // 2:]
             nbytes = sum(DTYPE_BYTES[d] * int(np.prod(s, dtype=np.int64)) for d, s in arrays)
-            found += [Collective(kind, tuple(arrays), nbytes)] * times.get(name, 1)
+            found += [Collective(kind, tuple(arrays), nbytes, collective_groups(ins.attributes))] * times.get(name, 1)
     return found
 
 

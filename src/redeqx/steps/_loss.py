@@ -157,7 +157,7 @@ def cast_floats(tree, dtype):
 
 def loss_and_grads(loss_fn, compute_dtype=None, *, inference: bool = False,
                    scan_residuals: ScanResiduals = "products", mesh: Mesh | None = None,
-                   microbatches: int | None = None, weights_over_data: bool = False) -> GradFn:
+                   microbatches: int | None = None, weights_over_data: bool = False, specs=None) -> GradFn:
     """The gradient function of ``loss_fn``: model and batch floats cast to
     ``compute_dtype`` for the computation (gradients come back in the
     parameters' own dtypes); ``inference=True`` with dropout off;
@@ -170,7 +170,8 @@ def loss_and_grads(loss_fn, compute_dtype=None, *, inference: bool = False,
     (`redeqx.steps._pipeline.pipelined_layer_scans`)."""
     loss_fn = rewritten(loss_fn, exact_grouped_convs, *([keep_products] if scan_residuals == "products" else []))
     if mesh is not None:
-        loss_fn = pipelined_layer_scans(loss_fn, mesh, microbatches, weights_over_data=weights_over_data)
+        loss_fn = pipelined_layer_scans(loss_fn, mesh, microbatches, weights_over_data=weights_over_data,
+                                        specs=specs)
 
     def grads_of(params, static, batch, key, model_state):
         def loss_of(params):

@@ -47,6 +47,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ..data import batch_size
 from ..mesh import DATA, STAGE
+from .._trees import leaves_with_specs
+from .._typing import warn_user
 
 _CALLS = ("pjit", "jit", "closed_call", "core_call")
 
@@ -82,12 +84,13 @@ class PipelineError(ValueError):
 
 
 def pipelined_layer_scans(fn: Callable, mesh: Mesh, microbatches: int | None, *, batch_arg: int = 1,
-                          weights_over_data: bool = False) -> Callable:
+                          weights_over_data: bool = False, specs=None) -> Callable:
     """``fn(model, ..., batch, ...)`` with each stacked-layer scan it runs pipelined over
     ``stage`` in ``microbatches`` (see the module's text); ``fn`` itself without stages.
     ``batch_arg``: which argument holds the batch (its leaves' leading dim is the rows);
     ``weights_over_data``: some weight is split over ``data`` (fsdp), which then stays the
-    partitioner's inside the stages."""
+    partitioner's inside the stages; ``specs``: the model's, checked to split each stacked
+    layer's leaves over ``stage`` (a warning names those they do not)."""
     s = n_stages(mesh)
     if s == 1 or microbatches is None:
         return fn
@@ -132,7 +135,9 @@ def pipelined_layer_scans(fn: Callable, mesh: Mesh, microbatches: int | None, *,
         runner = _Runner(mesh, s, m, fn, manual, traced_here)
         leaves = jax.tree.leaves(eqx.filter(args, eqx.is_array))
         outs = runner.eval(closed.jaxpr, closed.consts, leaves, closed_mb.jaxpr,
-                           set(closed.jaxpr.invars[:model_leaves]), ())
+                           {v: i for i, v in enumerate(closed.jaxpr.invars[:model_leaves])}, ())
+        if specs is not None:
+            _check_staged(leaves_with_specs(args[0], specs), runner.sliced, s)
         if runner.found == 0:
             raise PipelineError(
                 f"the mesh has n_pipeline_stages={s}, but {_name(fn)} runs no jax.lax.scan over stacked layers for "
@@ -142,6 +147,23 @@ def pipelined_layer_scans(fn: Callable, mesh: Mesh, microbatches: int | None, *,
         return eqx.combine(jax.tree.unflatten(jax.tree.structure(out_arrays), outs), out_static)
 
     return run
+
+
+def _check_staged(named, sliced: set[int], s: int) -> None:
+    """A warning naming the stacked leaves the pipeline slices whose spec does not split their layer
+    axis over ``stage``: each stage would hold every layer, and every step move them."""
+    whole = [f"{path} {spec}" for i, (path, _, spec) in enumerate(named)
+             if i in sliced and not (len(spec) and STAGE in _axes(spec[0]))]
+    if whole:
+        warn_user(
+            f"pipeline stages: {len(whole)} stacked leaves the stages' layers read are not split over 'stage' "
+            f"({', '.join(whole[:4])}{'...' if len(whole) > 4 else ''}): every stage holds every layer "
+            "and each step moves them. Build the specs with redeqx.sharding_rules(model, mesh, loss_fn=loss_fn, "
+            "batch=batch) on this mesh (the program shows the stack), or put 'stage' first in their specs.")
+
+
+def _axes(entry) -> tuple:
+    return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
 
 
 def _abstract(x):
@@ -160,7 +182,7 @@ def _call_body(eqn):
     return None
 
 
-def _weights(jaxpr, model_vars) -> set:
+def _weights(jaxpr, model_vars) -> set:  # model_vars: a set, or a dict keyed by them
     """``model_vars`` and every value computed from them alone (a cast to the compute dtype, a LoRA
     update merged into its weight): what a stack's scan may slice."""
     found = set(model_vars)
@@ -194,12 +216,25 @@ def _holds_stack(jaxpr, model_vars) -> bool:
     return False
 
 
+_SAME = ("convert_element_type", "copy", "copy_p", "reduce_precision")  # a weight by another dtype
+
+
+def _sources(jaxpr, model_vars: dict) -> dict:
+    """``model_vars`` (var -> model leaf) and the values that are a leaf in another dtype."""
+    found = dict(model_vars)
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _SAME and not isinstance(eqn.invars[0], jex.Literal) and eqn.invars[0] in found:
+            found[eqn.outvars[0]] = found[eqn.invars[0]]
+    return found
+
+
 class _Runner:
     """Evaluates a jaxpr equation by equation, running stacked-layer scans as `pipeline_scan`."""
 
     def __init__(self, mesh: Mesh, s: int, m: int, fn, manual: set, traced_here):
         self.mesh, self.s, self.m, self.fn, self.manual, self.traced_here = mesh, s, m, fn, manual, traced_here
         self.found = 0
+        self.sliced: set[int] = set()  # the model leaves (flat index) the pipelined scans slice
 
     def eval(self, jaxpr, consts, args, jaxpr_mb, model_vars, path: tuple):
         env = {}
@@ -211,7 +246,7 @@ class _Runner:
             env[v] = x
         for v, x in zip(jaxpr.invars, args):
             env[v] = x
-        weights = _weights(jaxpr, model_vars)
+        weights, sources = _weights(jaxpr, model_vars), _sources(jaxpr, model_vars)
         if len(jaxpr.eqns) != len(jaxpr_mb.eqns):
             raise PipelineError(
                 f"{_name(self.fn)} traces to a different program on one microbatch's rows than on the whole "
@@ -222,10 +257,14 @@ class _Runner:
             inner = _call_body(eqn)
             if _stack_scan(eqn, weights):
                 self.found += 1
+                first_x = eqn.params["num_consts"] + eqn.params["num_carry"]
+                self.sliced |= {sources[v] for v in eqn.invars[first_x:] if not isinstance(v, jex.Literal)
+                                and v in sources}
                 outs = pipeline_scan(eqn, eqn_mb, invals, self, path + (i,))
             elif inner is not None and _holds_stack(inner.jaxpr, _inner_weights(inner, eqn, weights)):
-                outs = self.eval(inner.jaxpr, inner.consts, invals, _call_body(eqn_mb).jaxpr,
-                                 _inner_weights(inner, eqn, weights), path + (i,))
+                inner_vars = {iv: sources.get(ov, -1) for iv, ov in zip(inner.jaxpr.invars, eqn.invars)
+                              if not isinstance(ov, jex.Literal) and ov in weights}
+                outs = self.eval(inner.jaxpr, inner.consts, invals, _call_body(eqn_mb).jaxpr, inner_vars, path + (i,))
             else:
                 with eqn.ctx.manager:
                     outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))

@@ -238,7 +238,8 @@ def make_train_step(
     microbatches = check_microbatches(microbatches, mesh)
     placement = _train_state_placement(mesh, specs)
     grads_of, check = loss_and_grads(loss_fn, compute_dtype, scan_residuals=scan_residuals, mesh=mesh,
-                                     microbatches=microbatches, weights_over_data=splits_over(specs, DATA)), None
+                                     microbatches=microbatches, weights_over_data=splits_over(specs, DATA),
+                                     specs=specs), None
     if shard_mean_loss and microbatches is not None:
         raise ValueError(
             "shard_mean_loss=True with pipeline stages: each data shard's own step cannot hold the stages' "
@@ -280,8 +281,8 @@ class EvalStep:
     def __init__(self, loss_fn, mesh: Mesh, specs, compute_dtype, microbatches=None):
         def per_example(model, batch, key, model_state):
             check_batch(batch, mesh)
-            return pipelined_layer_scans(examples, mesh, microbatches, weights_over_data=splits_over(specs, DATA))(
-                model, batch, key, model_state)
+            return pipelined_layer_scans(examples, mesh, microbatches, weights_over_data=splits_over(specs, DATA),
+                                         specs=specs)(model, batch, key, model_state)
 
         def examples(model, batch, key, model_state):
             model = _inference(model, compute_dtype)
