@@ -33,7 +33,7 @@ from .run import (
     preflight as preflight,
 )
 from .data import GrainBatches as GrainBatches, grain_batches as grain_batches
-from .planner import Plan as Plan, collective_summary as collective_summary, plan as plan
+from .planner import Plan as Plan, collective_summary as collective_summary, compare_plans as compare_plans, plan as plan
 from ._inference import evaluate as evaluate, predict as predict
 from ._logging import Logger as Logger
 from .checkpoints import CheckpointManager as CheckpointManager

@@ -30,8 +30,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ..context import batch_spec, check_per_token_keys, check_seq_keys, check_whole_keys
 from ._explore import explore_options
 from ._grouped_flops import overcount
-from ._hlo import collective_summary, estimated_flops, loop_factor
-from ..mesh import DATA, MODEL, check_mesh, check_specs, check_specs_match, sharding_of
+from ._hlo import Collective, collectives, estimated_flops, loop_factor, summarise
+from ..mesh import DATA, MODEL, STAGE, check_mesh, check_specs, check_specs_match, sharding_of
+from ..steps._pipeline import check_microbatches
 from ..state import abstract_model, init_state, is_constructor, with_opt_state_dtype
 from ..sharding import program_facts, specs_from
 from .._trees import human_bytes, is_spec, named_leaves, per_device_shape
@@ -81,6 +82,41 @@ class Plan:
     note: str | None = None  # how the FLOPs were counted, where that differs from the compiler's own figure
     compiler: str = ""  # whose figures these are: "XLA:CPU (cpu)", "XLA:GPU (NVIDIA H100 80GB HBM3)", ...
     warnings: tuple[str, ...] = ()  # what the plan found wrong with its own specs (printed, and warned once)
+    # every collective one step runs, with its device groups (for `stage_bytes` and `timing`)
+    found: tuple[Collective, ...] = dataclasses.field(default=(), repr=False)
+
+    @property
+    def stages(self) -> int:
+        return self.mesh.get(STAGE, 1)
+
+    @property
+    def bubble(self) -> float:
+        """The share of the stack's time each stage idles: ``(S - 1) / (M + S - 1)`` (0 without stages)."""
+        m = self.settings.get("microbatches")
+        return 0.0 if self.stages == 1 or not m else (self.stages - 1) / (m + self.stages - 1)
+
+    @property
+    def stage_bytes(self) -> int:
+        """Bytes one device sends a step to devices of other stages (on the wire: a ring's, see
+        `wire_bytes`): what crosses the slow link when stages are hosts."""
+        per_stage = math.prod(self.mesh.values()) // self.stages
+        return int(sum(wire_bytes(c) for c in self.found if crosses(c, per_stage)))
+
+    def timing(self, *, flops_per_second: Any, devices_per_host: int, within_host: Any = "450GB/s",
+               between_hosts: Any = "25GB/s") -> dict[str, float]:
+        """A step's seconds from its compiled FLOPs and bytes: ``compute`` (FLOPs / the device's
+        rate), ``within`` and ``between`` (each collective's bytes on the wire over the links of its
+        groups: between hosts when a group spans two, hosts being runs of ``devices_per_host``
+        consecutive devices of the mesh), ``serial`` (their sum: nothing overlaps) and ``overlapped``
+        (the largest: everything does). Rates as numbers (per second) or text ("25GB/s", "989TFLOP/s")."""
+        flops_rate, within, between = (parse_rate(v, n) for v, n in (
+            (flops_per_second, "flops_per_second"), (within_host, "within_host"), (between_hosts, "between_hosts")))
+        far = sum(wire_bytes(c) for c in self.found if crosses(c, devices_per_host))
+        near = sum(wire_bytes(c) for c in self.found) - far
+        out = {"compute": self.flops / flops_rate, "within": near / within, "between": far / between}
+        out["serial"] = out["compute"] + out["within"] + out["between"]
+        out["overlapped"] = max(out["compute"], out["within"], out["between"])
+        return out
 
     @property
     def fits(self) -> bool | None:
@@ -105,6 +141,8 @@ class Plan:
             parts.append(f"accumulate={s['accumulate']}")
         if s.get("scan_residuals", "products") != "products":
             parts.append(f"scan_residuals={s['scan_residuals']!r}")
+        if self.stages > 1 and s.get("microbatches"):
+            parts.append(f"microbatches={s['microbatches']}")
         return ", ".join(parts)
 
     def __str__(self) -> str:
@@ -123,6 +161,10 @@ class Plan:
         comm = ", ".join(f"{k} {v['count']} x = {human_bytes(v['bytes'])}" for k, v in self.collectives.items()) or "none"
         lines.append(f"collectives per step: {comm}")
         lines.append(f"FLOPs per step per device: {self.flops:.3e}")
+        if self.stages > 1:
+            lines.append(f"pipeline: {self.stages} stages x {self.settings.get('microbatches')} microbatches, each "
+                         f"stage idle {self.bubble:.1%} of the stack's time (the bubble); "
+                         f"{human_bytes(self.stage_bytes)} a step cross from each device to other stages")
         if self.note:
             lines.append(f"  ({self.note})")
         if self.tried:
@@ -198,7 +240,8 @@ def _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, settings, device_m
     state = init_state(abstract, optimizer, mesh, specs, key=key, trainable=trainable)
     step = make_train_step(remat_loss(loss_fn) if settings["remat"] else loss_fn, optimizer, mesh, specs,
                            accumulate=settings["accumulate"], compute_dtype=settings["compute_dtype"],
-                           trainable=trainable, scan_residuals=settings["scan_residuals"])
+                           trainable=trainable, scan_residuals=settings["scan_residuals"],
+                           microbatches=settings.get("microbatches"))
     batch = _abstract_batch(batch, mesh, settings["seq_keys"])
     params = _leaf_bytes(state.model)
     trainable_params = _leaf_bytes(eqx.filter(state.model, trainable)) if trainable is not None else params
@@ -246,8 +289,9 @@ def _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, settings, device_m
                 f"with each grouped matmul by its rows and once ({by_rows:.3e} FLOPs of them; XLA merges the "
                 "backward pass's recompute of the experts' forward with the forward)")
         flops = counted
+    found = tuple(collectives(text))
     return Plan(**common, temporaries=stats.temp_size_in_bytes, peak=peak,
-                collectives=collective_summary(text), flops=flops, note=note)
+                collectives=summarise(list(found)), flops=flops, note=note, found=found)
 
 
 _REFUSED = re.compile(r"required for HLO temporaries \(([0-9.]+)([KMGT]?)\)")
@@ -285,6 +329,7 @@ def plan(
     seq_keys: Sequence[str] = (),
     whole_keys: Sequence[str] = (),
     specs: Any = None,
+    microbatches: int | None = None,
 ) -> Plan:
     """Compile the training step for ``model`` on ``mesh`` without allocating
     anything, and report per device: parameters, optimizer state, batch,
@@ -302,6 +347,13 @@ def plan(
       optimizer state kept in that dtype (`with_opt_state_dtype`);
       ``seq_keys``, ``whole_keys``: as in `batches`, the batch keys whose
       dim 1 a mesh's ``context`` axis splits, and those it keeps whole.
+    - ``microbatches``: on a mesh with pipeline stages, as in
+      `make_train_step`; the plan then says the bubble and the bytes that
+      cross from each device to other stages (``stage_bytes``).
+      ``plan.timing(flops_per_second=..., devices_per_host=...,
+      within_host="450GB/s", between_hosts="25GB/s")`` turns a plan's
+      compiled FLOPs and bytes into seconds, and `compare_plans` sets plans
+      (stages over the hosts against FSDP over them, say) side by side.
     - ``specs``: a spec tree to plan instead of the rules' (`sharding_rules`,
       `specs_from_overrides`: a hand plan); then ``fsdp`` and ``overrides``
       are not taken, and the exploration keeps these specs and this mesh.
@@ -370,6 +422,7 @@ def plan(
     if specs is not None:
         _check_specs_given(specs, abstract, mesh, fsdp, overrides)
     settings = dict(fsdp=fsdp, remat=remat, accumulate=accumulate, compute_dtype=compute_dtype,
+                    microbatches=check_microbatches(microbatches, mesh),
                     opt_state_dtype=opt_state_dtype, overrides=tuple(overrides), trainable=trainable,
                     scan_residuals=scan_residuals, facts=program_facts(abstract, loss_fn, batch),
                     seq_keys=seq_keys, specs=specs)
@@ -440,3 +493,71 @@ def _versus_names(abstract, loss_fn, optimizer, batch, mesh, key, settings, plan
             f"(sharding_rules(model, mesh), {human_bytes(names_moved)}); they differ at {shown}. Compare the two with "
             "redeqx.explain; to train with the names' layout pass its specs, or pin these leaves with "
             "overrides=[(regex, spec)].")
+
+
+_RATE = re.compile(r"^\s*([0-9.]+(?:e[+-]?\d+)?)\s*([KMGTP]?)(?:B|FLOP|FLOPS|FLOPs)?(?:/s)?\s*$", re.IGNORECASE)
+
+
+def parse_rate(value, name: str) -> float:
+    """A rate per second: a number, or text such as "25GB/s" or "989TFLOP/s" (decimal units)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    m = _RATE.match(value) if isinstance(value, str) else None
+    if m is None or float(m.group(1)) <= 0:
+        raise ValueError(f"{name}={value!r}: give a positive rate per second, e.g. 25e9 or '25GB/s' "
+                         "(FLOPs: '989TFLOP/s').")
+    return float(m.group(1)) * 1000 ** " KMGTP".index(m.group(2).upper() or " ")
+
+
+def wire_bytes(c: Collective) -> float:
+    """What one device sends for collective ``c`` over a ring of its group's ``n`` devices: an
+    all-reduce ``2 (n - 1) / n`` of its result, an all-gather or all-to-all ``(n - 1) / n``, a
+    reduce-scatter ``n - 1`` times its (scattered) result, a permute its result."""
+    n = max((len(g) for g in c.groups), default=1) if c.groups else 2
+    if c.kind == "collective-permute" or n == 1:
+        return float(c.bytes) if c.kind == "collective-permute" else 0.0
+    return c.bytes * {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n, "all-to-all": (n - 1) / n,
+                      "reduce-scatter": n - 1}[c.kind]
+
+
+def crosses(c: Collective, per_group: int) -> bool:
+    """Whether a group of ``c`` holds devices of two runs of ``per_group`` consecutive devices
+    (two hosts, two stages); a collective over every device does when there are two runs."""
+    if c.groups is None:
+        return True
+    return any(len({d // per_group for d in g}) > 1 for g in c.groups)
+
+
+_COLUMNS = ("compute", "within", "between", "serial", "overlapped")
+
+
+@typechecked
+def compare_plans(plans: dict[str, Plan], *, flops_per_second: Any, devices_per_host: int,
+                  within_host: Any = "450GB/s", between_hosts: Any = "25GB/s") -> str:
+    """Plans of one model on one set of hosts (``{"stages over hosts": p1, "fsdp over hosts": p2}``)
+    side by side: each step's seconds by `Plan.timing` (compiled FLOPs and bytes at these rates,
+    nothing overlapped and everything overlapped), and which is fastest, by how much.
+
+    **Example:**
+
+    ```python
+    print(redeqx.compare_plans({"stages": staged, "fsdp": fsdp}, flops_per_second="275TFLOP/s",
+                               devices_per_host=8, between_hosts="25GB/s", within_host="450GB/s"))
+    ```
+    """
+    if not plans:
+        raise ValueError("compare_plans got no plans: pass {name: redeqx.plan(...)} for two or more.")
+    times = {k: p.timing(flops_per_second=flops_per_second, devices_per_host=devices_per_host,
+                         within_host=within_host, between_hosts=between_hosts) for k, p in plans.items()}
+    width = max(len(k) for k in plans)
+    lines = [f"per step at {between_hosts} between hosts of {devices_per_host} devices, {within_host} within, "
+             f"{flops_per_second} per device:",
+             f"  {'':{width}s}" + "".join(f"  {h:>11s}" for h in _COLUMNS)]
+    for k, t in times.items():
+        lines.append(f"  {k:{width}s}" + "".join(f"  {t[h] * 1e3:9.3f}ms" for h in _COLUMNS))
+    for how in ("serial", "overlapped"):
+        order = sorted(times, key=lambda k: times[k][how])
+        if len(order) > 1:
+            best, next_ = order[0], order[1]
+            lines.append(f"{how}: {best} is fastest, {times[next_][how] / times[best][how]:.2f}x faster than {next_}")
+    return "\n".join(lines)
