@@ -416,9 +416,18 @@ def pipeline_scan(eqn, eqn_mb, invals, runner: _Runner, path: tuple) -> list:
         strip = lambda sp: P(*[e if e == STAGE else None for e in sp])  # noqa: E731
         specs_in = tuple([strip(sp) for sp in group] for group in specs_in)
         carry_specs, y_specs = [strip(sp) for sp in carry_specs], [strip(sp) for sp in y_specs]
-    run = jax.shard_map(stages, mesh=mesh, in_specs=specs_in, out_specs=(carry_specs, y_specs),
-                        axis_names=frozenset(runner.manual), check_vma=False)
-    outs, ys = run(consts_mb, carry_mb, xs_staged)
+    # A float input not split over some manual axis enters with a leading dim over it (one copy per
+    # device, as it already is): its gradient is then summed over that axis by the partitioner, after
+    # the stages, not by the stages' own psum (whose bfloat16 reduction XLA:CPU fails to compile)
+    consts_in, c_extra, c_specs = _spread(consts_mb, specs_in[0], runner.manual, mesh)
+    xs_in, x_extra, x_specs = _spread(xs_staged, specs_in[2], runner.manual, mesh)
+
+    def entered(consts_in, carry_mb, xs_in):
+        return stages(_unspread(consts_in, c_extra), carry_mb, _unspread(xs_in, x_extra))
+
+    run = jax.shard_map(entered, mesh=mesh, in_specs=(c_specs, specs_in[1], x_specs),
+                        out_specs=(carry_specs, y_specs), axis_names=frozenset(runner.manual), check_vma=False)
+    outs, ys = run(consts_in, carry_mb, xs_in)
     final = []
     for o, d in zip(outs, k_dims):
         if d is not None:
@@ -437,6 +446,26 @@ def pipeline_scan(eqn, eqn_mb, invals, runner: _Runner, path: tuple) -> list:
             y = y[0]
         stacked.append(jnp.flip(y, 0) if p["reverse"] else y)
     return final + stacked
+
+
+def _spread(values, specs, manual: set, mesh: Mesh):
+    """Each floating value with a leading dim over each manual axis its spec does not name (a
+    broadcast: each device's piece is the value itself); ``(values, added dims, specs)``."""
+    out, extra, out_specs = [], [], []
+    for x, spec in zip(values, specs):
+        missing = [a for a in (STAGE, DATA) if a in manual and not any(a in _axes(e) for e in spec)]
+        if not missing or not jnp.issubdtype(x.dtype, jnp.inexact):
+            out.append(x), extra.append(0), out_specs.append(spec)
+            continue
+        sizes = tuple(mesh.shape[a] for a in missing)
+        out.append(jnp.broadcast_to(x, (*sizes, *x.shape)))
+        extra.append(len(missing))
+        out_specs.append(P(*missing, *spec))
+    return out, extra, out_specs
+
+
+def _unspread(values, extra):
+    return [x[(0,) * n] if n else x for x, n in zip(values, extra)]
 
 
 def _deal(outs, me, s: int):
