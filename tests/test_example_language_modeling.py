@@ -74,3 +74,12 @@ def test_two_processes_train_as_one(one_process, tmp_path):
     for got, want in zip(losses(two), losses(stdout)):
         np.testing.assert_allclose(got, want, rtol=1e-4)
     assert (tmp_path / "hf" / "model.safetensors").exists() and (tmp_path / "hf" / "tokenizer.json").exists()
+
+
+def test_pipeline_stages_train_as_the_same_batch_without_them():
+    """Two stages x 2 model shards x 2 data against 4 model shards x 2 data: the same global batch, the
+    same held-out losses."""
+    staged = losses(run("--n_pipeline_stages", "2", "--microbatches", "2"))[0]
+    plain = losses(run("--n_model_shards", "4"))[0]
+    assert len(staged) == 2 and staged[-1] < staged[0] - 0.7
+    np.testing.assert_allclose(staged, plain, rtol=1e-4)

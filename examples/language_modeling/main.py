@@ -4,6 +4,7 @@ trained here; held-out perplexity falls, and samples come from cached decoding.
 
     python examples/language_modeling/main.py                          # 8 simulated CPU devices, ~4 min
     python examples/language_modeling/main.py --n_model_shards 4 --per_device_batch_size 16
+    python examples/language_modeling/main.py --n_pipeline_stages 2   # layers in 2 stages x 2 model shards x 2 data
     python -m redeqx.launch -n 2 examples/language_modeling/main.py    # 2 processes x 4 devices, as on 2 hosts
     python examples/language_modeling/main.py --workdir runs/lm --export runs/lm/hf   # Transformers loads runs/lm/hf
     python examples/language_modeling/main.py --init_from runs/lm/hf   # fine-tune a Hugging Face checkpoint
@@ -101,6 +102,9 @@ def log(*args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n_model_shards", type=int, default=2)
+    parser.add_argument("--n_pipeline_stages", type=int, default=1,
+                        help="split the stacked layers into this many pipeline stages (dividing --n_layers)")
+    parser.add_argument("--microbatches", type=int, help="with stages: microbatches a step (default 4 x stages)")
     parser.add_argument("--per_device_batch_size", type=int, default=8)
     parser.add_argument("--n_epochs", type=int, default=3)
     parser.add_argument("--learning_rate", type=float, default=2e-3)
@@ -124,7 +128,7 @@ def main():
 
     key = jax.random.key(args.seed)
     model_key, state_key, data_key, sample_key = jax.random.split(key, 4)
-    mesh = redeqx.make_mesh(args.n_model_shards)
+    mesh = redeqx.make_mesh(args.n_model_shards, n_pipeline_stages=args.n_pipeline_stages)
     train_texts, eval_texts = load_texts(args.train_chars, args.eval_chars)
     if args.init_from:  # a checkpoint brings its own tokenizer and sizes
         tokenizer = Tokenizer.from_file(str(Path(args.init_from) / "tokenizer.json"))
@@ -152,8 +156,8 @@ def main():
                                   schedule_type="cosine", warmup_ratio=0.05)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.95, weight_decay=0.1))
     state = redeqx.init_state(model, optimizer, mesh, specs, key=state_key)
-    train_step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs)
-    eval_step = redeqx.make_eval_step(loss_fn, mesh, specs)
+    train_step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs, microbatches=args.microbatches)
+    eval_step = redeqx.make_eval_step(loss_fn, mesh, specs, microbatches=args.microbatches)
     pad = tokenizer.token_to_id(EOT)
     predict_step = redeqx.make_predict_step(
         functools.partial(pred_fn, max_new_tokens=args.sample_tokens, pad_token_id=pad), mesh, specs)
