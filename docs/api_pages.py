@@ -69,8 +69,9 @@ def on_files(files, config):
 
 # (names, what they do): a row of docs/api/index.md each, in this order; every public name of redeqx in one row
 ROWS = [
-    (["make_mesh"], ('a `("data", "model")` mesh (`"context"` too, with `n_context_shards`): `model` = n_model_shards, '
-                     '`data` = the rest; `"auto"` picks the smallest that fits (with `planner`)')),
+    (["make_mesh"], ('a `("data", "model")` mesh (`"context"` too, with `n_context_shards`; `"stage"` in front, with '
+                     '`n_pipeline_stages`): `model` = n_model_shards, `data` = the rest; `"auto"` picks the smallest '
+                     'that fits (with `planner`)')),
     (["sharding_rules"], ("a PartitionSpec for every array of an Equinox model, each weight's role read from "
                           "`loss_fn(model, batch, key)` when given; works on abstract models")),
     (["explain"], ("a table, one short line per array: path, shape, dtype, spec, bytes per device, why "
@@ -95,6 +96,8 @@ ROWS = [
     (["lr_schedule"], "linear or cosine decay with warm-up, exactly as long as the run `batches` yields"),
     (["plan", "Plan"], ("compile the real step on abstract shapes: memory per device, collectives and FLOPs (a loop "
                         "counted once per iteration), fits or not and what would make it fit; print the `Plan`")),
+    (["compare_plans"], ("plans side by side at the link speeds you give: each step's seconds from its compiled "
+                         "FLOPs and bytes (stages over hosts against FSDP over them, say), and which is faster")),
     (["remat"], ("recompute each layer's activations in the backward pass: every `lax.scan` iteration (stacked "
                  "layers) and every block of a list of repeated blocks, in any Equinox model")),
     (["exact_conv_grads"], ("grouped and depthwise convolutions' weight gradients from matrix products: XLA's are "
