@@ -31,12 +31,12 @@ from ..context import batch_spec, check_per_token_keys, check_seq_keys, check_wh
 from ._explore import explore_options
 from ._grouped_flops import overcount
 from ._hlo import Collective, collectives, estimated_flops, loop_factor, summarise
+from ._timing import crosses, seconds, wire_bytes
 from ..mesh import DATA, MODEL, STAGE, check_mesh, check_specs, check_specs_match, sharding_of
-from ..steps._pipeline import check_microbatches
 from ..state import abstract_model, init_state, is_constructor, with_opt_state_dtype
 from ..sharding import program_facts, specs_from
 from .._trees import human_bytes, is_spec, named_leaves, per_device_shape
-from ..steps import ScanResiduals, make_train_step, remat as remat_loss
+from ..steps import ScanResiduals, check_microbatches, make_train_step, remat as remat_loss
 from .._typing import typechecked, warn_user
 
 _UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -109,14 +109,8 @@ class Plan:
         groups: between hosts when a group spans two, hosts being runs of ``devices_per_host``
         consecutive devices of the mesh), ``serial`` (their sum: nothing overlaps) and ``overlapped``
         (the largest: everything does). Rates as numbers (per second) or text ("25GB/s", "989TFLOP/s")."""
-        flops_rate, within, between = (parse_rate(v, n) for v, n in (
-            (flops_per_second, "flops_per_second"), (within_host, "within_host"), (between_hosts, "between_hosts")))
-        far = sum(wire_bytes(c) for c in self.found if crosses(c, devices_per_host))
-        near = sum(wire_bytes(c) for c in self.found) - far
-        out = {"compute": self.flops / flops_rate, "within": near / within, "between": far / between}
-        out["serial"] = out["compute"] + out["within"] + out["between"]
-        out["overlapped"] = max(out["compute"], out["within"], out["between"])
-        return out
+        return seconds(self, flops_per_second=flops_per_second, devices_per_host=devices_per_host,
+                       within_host=within_host, between_hosts=between_hosts)
 
     @property
     def fits(self) -> bool | None:
@@ -274,24 +268,27 @@ def _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, settings, device_m
     stats = compiled.memory_analysis()
     peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
             + stats.temp_size_in_bytes)
+    flops, note = _counted_flops(compiled, lowered, traced, mesh)
+    found = tuple(collectives(compiled.as_text()))
+    return Plan(**common, temporaries=stats.temp_size_in_bytes, peak=peak,
+                collectives=summarise(list(found)), flops=flops, note=note, found=found)
+
+
+def _counted_flops(compiled, lowered, traced, mesh: Mesh) -> tuple[float, str | None]:
+    """The step's FLOPs per device and, where they are not the compiler's own figure, why."""
     # XLA counts a loop's body once: scaled by the loops of the compiled program itself, whose shapes are
     # each device's (the lowered text mixes the global shapes with a shard_map body's per-device ones,
     # which undercounted a context-split attention by up to 40%)
-    hlo = lowered.as_text(dialect="hlo")
-    text = compiled.as_text()
-    flops, note = _flops(compiled) * loop_factor(text), None
+    flops = _flops(compiled) * loop_factor(compiled.as_text())
     by_rows, extra = overcount(traced.jaxpr)
-    if extra and mesh.devices.flat[0].platform == "cpu":
-        # the program as written, every grouped matmul counted by its rows instead of over every group
-        counted = estimated_flops(hlo) - extra
-        note = (f"XLA:CPU lowers jax.lax.ragged_dot densely, a masked product over every expert: its compiled "
-                f"figure {flops:.3e} overstates what a grouped-matmul kernel spends. Counted here from the program's ops "
-                f"with each grouped matmul by its rows and once ({by_rows:.3e} FLOPs of them; XLA merges the "
-                "backward pass's recompute of the experts' forward with the forward)")
-        flops = counted
-    found = tuple(collectives(text))
-    return Plan(**common, temporaries=stats.temp_size_in_bytes, peak=peak,
-                collectives=summarise(list(found)), flops=flops, note=note, found=found)
+    if not (extra and mesh.devices.flat[0].platform == "cpu"):
+        return flops, None
+    # the program as written, every grouped matmul counted by its rows instead of over every group
+    note = (f"XLA:CPU lowers jax.lax.ragged_dot densely, a masked product over every expert: its compiled "
+            f"figure {flops:.3e} overstates what a grouped-matmul kernel spends. Counted here from the program's ops "
+            f"with each grouped matmul by its rows and once ({by_rows:.3e} FLOPs of them; XLA merges the "
+            "backward pass's recompute of the experts' forward with the forward)")
+    return estimated_flops(lowered.as_text(dialect="hlo")) - extra, note
 
 
 _REFUSED = re.compile(r"required for HLO temporaries \(([0-9.]+)([KMGT]?)\)")
@@ -493,71 +490,3 @@ def _versus_names(abstract, loss_fn, optimizer, batch, mesh, key, settings, plan
             f"(sharding_rules(model, mesh), {human_bytes(names_moved)}); they differ at {shown}. Compare the two with "
             "redeqx.explain; to train with the names' layout pass its specs, or pin these leaves with "
             "overrides=[(regex, spec)].")
-
-
-_RATE = re.compile(r"^\s*([0-9.]+(?:e[+-]?\d+)?)\s*([KMGTP]?)(?:B|FLOP|FLOPS|FLOPs)?(?:/s)?\s*$", re.IGNORECASE)
-
-
-def parse_rate(value, name: str) -> float:
-    """A rate per second: a number, or text such as "25GB/s" or "989TFLOP/s" (decimal units)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-        return float(value)
-    m = _RATE.match(value) if isinstance(value, str) else None
-    if m is None or float(m.group(1)) <= 0:
-        raise ValueError(f"{name}={value!r}: give a positive rate per second, e.g. 25e9 or '25GB/s' "
-                         "(FLOPs: '989TFLOP/s').")
-    return float(m.group(1)) * 1000 ** " KMGTP".index(m.group(2).upper() or " ")
-
-
-def wire_bytes(c: Collective) -> float:
-    """What one device sends for collective ``c`` over a ring of its group's ``n`` devices: an
-    all-reduce ``2 (n - 1) / n`` of its result, an all-gather or all-to-all ``(n - 1) / n``, a
-    reduce-scatter ``n - 1`` times its (scattered) result, a permute its result."""
-    n = max((len(g) for g in c.groups), default=1) if c.groups else 2
-    if c.kind == "collective-permute" or n == 1:
-        return float(c.bytes) if c.kind == "collective-permute" else 0.0
-    return c.bytes * {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n, "all-to-all": (n - 1) / n,
-                      "reduce-scatter": n - 1}[c.kind]
-
-
-def crosses(c: Collective, per_group: int) -> bool:
-    """Whether a group of ``c`` holds devices of two runs of ``per_group`` consecutive devices
-    (two hosts, two stages); a collective over every device does when there are two runs."""
-    if c.groups is None:
-        return True
-    return any(len({d // per_group for d in g}) > 1 for g in c.groups)
-
-
-_COLUMNS = ("compute", "within", "between", "serial", "overlapped")
-
-
-@typechecked
-def compare_plans(plans: dict[str, Plan], *, flops_per_second: Any, devices_per_host: int,
-                  within_host: Any = "450GB/s", between_hosts: Any = "25GB/s") -> str:
-    """Plans of one model on one set of hosts (``{"stages over hosts": p1, "fsdp over hosts": p2}``)
-    side by side: each step's seconds by `Plan.timing` (compiled FLOPs and bytes at these rates,
-    nothing overlapped and everything overlapped), and which is fastest, by how much.
-
-    **Example:**
-
-    ```python
-    print(redeqx.compare_plans({"stages": staged, "fsdp": fsdp}, flops_per_second="275TFLOP/s",
-                               devices_per_host=8, between_hosts="25GB/s", within_host="450GB/s"))
-    ```
-    """
-    if not plans:
-        raise ValueError("compare_plans got no plans: pass {name: redeqx.plan(...)} for two or more.")
-    times = {k: p.timing(flops_per_second=flops_per_second, devices_per_host=devices_per_host,
-                         within_host=within_host, between_hosts=between_hosts) for k, p in plans.items()}
-    width = max(len(k) for k in plans)
-    lines = [f"per step at {between_hosts} between hosts of {devices_per_host} devices, {within_host} within, "
-             f"{flops_per_second} per device:",
-             f"  {'':{width}s}" + "".join(f"  {h:>11s}" for h in _COLUMNS)]
-    for k, t in times.items():
-        lines.append(f"  {k:{width}s}" + "".join(f"  {t[h] * 1e3:9.3f}ms" for h in _COLUMNS))
-    for how in ("serial", "overlapped"):
-        order = sorted(times, key=lambda k: times[k][how])
-        if len(order) > 1:
-            best, next_ = order[0], order[1]
-            lines.append(f"{how}: {best} is fastest, {times[next_][how] / times[best][how]:.2f}x faster than {next_}")
-    return "\n".join(lines)

@@ -320,132 +320,144 @@ def _spec(ndim: int, stage: int | None = None, data: int | None = None) -> P:
 
 def pipeline_scan(eqn, eqn_mb, invals, runner: _Runner, path: tuple) -> list:
     """The outputs of scan ``eqn`` on ``invals``, computed as a GPipe pipeline over ``stage``."""
-    mesh, s, m, fn = runner.mesh, runner.s, runner.m, runner.fn
-    p = eqn.params
-    length, n_consts, n_carry = p["length"], p["num_consts"], p["num_carry"]
-    if length % s:
-        raise PipelineError(
-            f"{_name(fn)} scans a stack of {length} layers, which n_pipeline_stages={s} does not divide: pick "
-            f"n_pipeline_stages among {[d for d in range(2, length + 1) if length % d == 0]}, or a layer count "
-            "the stages divide.")
-    n_data = mesh.shape[DATA]
-    data = DATA if DATA in runner.manual else None
-    shapes = [tuple(v.aval.shape) for v in eqn.invars]
-    shapes_mb = [tuple(v.aval.shape) for v in eqn_mb.invars]
-    dims = [_batch_dim(a, b, m, "an input", fn) for a, b in zip(shapes, shapes_mb)]
-    out_dims = [_batch_dim(tuple(v.aval.shape), tuple(w.aval.shape), m, "an output", fn)
-                for v, w in zip(eqn.outvars, eqn_mb.outvars)]
-    consts, carry, xs = invals[:n_consts], invals[n_consts:n_consts + n_carry], invals[n_consts + n_carry:]
-    c_dims, k_dims, x_dims = dims[:n_consts], dims[n_consts:n_consts + n_carry], dims[n_consts + n_carry:]
-    y_dims = out_dims[n_carry:]
-    if any(d == 0 for d in x_dims):
-        raise PipelineError(f"{_name(fn)}'s stacked-layer scan slices the batch's rows as its layers: not a stack.")
-    for d, od in zip(k_dims, out_dims[:n_carry]):
-        if d != od:
-            raise PipelineError(f"{_name(fn)}'s stacked-layer scan moves the batch dim of its carry ({d} -> {od}).")
-    if p["reverse"]:
-        xs = [jnp.flip(x, 0) for x in xs]
-    per_stage = length // s
-    share = m // s if m % s == 0 else None  # microbatches each stage sends in and takes out; None: all on every stage
-    micro = lambda x, d: _to_micro(x, d, m, n_data) if d is not None else x  # noqa: E731
-    # every carry per microbatch (one without a batch dim, e.g. a layer counter, copied to each)
-    carry_mb = [micro(x, d) if d is not None else jnp.broadcast_to(x, (m, *x.shape)) for x, d in zip(carry, k_dims)]
-    consts_mb = [micro(x, d) for x, d in zip(consts, c_dims)]
-    xs_staged = [micro(x, d) for x, d in zip(xs, x_dims)]
-    xs_staged = [x.reshape(*x.shape[:int(d is not None)], s, per_stage, *x.shape[1 + int(d is not None):])
-                 for x, d in zip(xs_staged, x_dims)]
-    unroll = p.get("unroll", 1)
-    unroll = per_stage if unroll is True else max(1, min(int(unroll), per_stage))
-    ticks = m + s - 1
+    return _Pipeline(eqn, eqn_mb, runner, path).run(invals)
 
-    def stages(consts_mb, carry_mb, xs_staged):
+
+def _unbatched(x):
+    """A value of every microbatch without the batch's rows (``(M, ...)``): a float's mean (e.g. a
+    loss summed over the layers), else the first's (e.g. a layer counter)."""
+    return x.mean(0).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x[0]
+
+
+class _Pipeline:
+    """One stacked-layer scan run as a pipeline: the batch dims of its operands, their microbatched
+    and staged forms, the stages' ``shard_map`` and its specs, the outputs put back together."""
+
+    def __init__(self, eqn, eqn_mb, runner: _Runner, path: tuple):
+        self.runner, self.path, self.mesh, self.s, self.m = runner, path, runner.mesh, runner.s, runner.m
+        fn, p = runner.fn, eqn.params
+        self.length, self.n_consts, self.n_carry, self.reverse = p["length"], p["num_consts"], p["num_carry"], p["reverse"]
+        if self.length % self.s:
+            raise PipelineError(
+                f"{_name(fn)} scans a stack of {self.length} layers, which n_pipeline_stages={self.s} does not "
+                f"divide: pick n_pipeline_stages among {[d for d in range(2, self.length + 1) if self.length % d == 0]}"
+                ", or a layer count the stages divide.")
+        self.n_data, self.data = self.mesh.shape[DATA], DATA if DATA in runner.manual else None
+        dims = [_batch_dim(tuple(v.aval.shape), tuple(w.aval.shape), self.m, "an input", fn)
+                for v, w in zip(eqn.invars, eqn_mb.invars)]
+        out_dims = [_batch_dim(tuple(v.aval.shape), tuple(w.aval.shape), self.m, "an output", fn)
+                    for v, w in zip(eqn.outvars, eqn_mb.outvars)]
+        nc, nk = self.n_consts, self.n_carry
+        self.c_dims, self.k_dims, self.x_dims = dims[:nc], dims[nc:nc + nk], dims[nc + nk:]
+        self.y_dims, self.y_ndims = out_dims[nk:], [1 + len(v.aval.shape) for v in eqn.outvars[nk:]]
+        if any(d == 0 for d in self.x_dims):
+            raise PipelineError(f"{_name(fn)}'s stacked-layer scan slices the batch's rows as its layers: not a stack.")
+        if any(d != od for d, od in zip(self.k_dims, out_dims[:nk])):
+            raise PipelineError(f"{_name(fn)}'s stacked-layer scan moves the batch dim of its carry.")
+        self.per_stage = self.length // self.s
+        unroll = p.get("unroll", 1)
+        self.unroll = self.per_stage if unroll is True else max(1, min(int(unroll), self.per_stage))
+        # microbatches each stage sends in and takes out; None: all of them on every stage
+        self.share = self.m // self.s if self.m % self.s == 0 else None
+
+    def _micro(self, x, d):
+        return _to_micro(x, d, self.m, self.n_data) if d is not None else x
+
+    def run(self, invals) -> list:
+        nc, nk = self.n_consts, self.n_carry
+        consts, carry, xs = invals[:nc], invals[nc:nc + nk], invals[nc + nk:]
+        if self.reverse:
+            xs = [jnp.flip(x, 0) for x in xs]
+        # every carry per microbatch (one without a batch dim, e.g. a layer counter, copied to each)
+        carry_mb = [self._micro(x, d) if d is not None else jnp.broadcast_to(x, (self.m, *x.shape))
+                    for x, d in zip(carry, self.k_dims)]
+        consts_mb = [self._micro(x, d) for x, d in zip(consts, self.c_dims)]
+        xs_staged = []
+        for x, d in zip(xs, self.x_dims):  # (L, ...) -> ([M], S, L / S, ...)
+            x, lead = self._micro(x, d), int(d is not None)
+            xs_staged.append(x.reshape(*x.shape[:lead], self.s, self.per_stage, *x.shape[1 + lead:]))
+        c_specs, k_specs, x_specs, y_specs = self._specs(consts_mb, carry_mb, xs_staged)
+        # A float input not split over some manual axis enters with a leading dim over it (one copy per
+        # device, as it already is): its gradient is then summed over that axis by the partitioner, after
+        # the stages, not by the stages' own psum (whose bfloat16 reduction XLA:CPU fails to compile)
+        consts_in, c_extra, c_specs = _spread(consts_mb, c_specs, self.runner.manual, self.mesh)
+        xs_in, x_extra, x_specs = _spread(xs_staged, x_specs, self.runner.manual, self.mesh)
+
+        def entered(consts_in, carry_mb, xs_in):
+            return self._stages(_unspread(consts_in, c_extra), carry_mb, _unspread(xs_in, x_extra))
+
+        outs, ys = jax.shard_map(entered, mesh=self.mesh, in_specs=(c_specs, k_specs, x_specs),
+                                 out_specs=(k_specs, y_specs), axis_names=frozenset(self.runner.manual),
+                                 check_vma=False)(consts_in, carry_mb, xs_in)
+        final = [_from_micro(o, d, self.n_data) if d is not None else _unbatched(o) for o, d in zip(outs, self.k_dims)]
+        stacked = []
+        for y, d in zip(ys, self.y_dims):  # (M, L, ...): each stage's L / S layers side by side
+            y = _from_micro(y, d, self.n_data) if d is not None else _unbatched(y)
+            stacked.append(jnp.flip(y, 0) if self.reverse else y)
+        return final + stacked
+
+    def _specs(self, consts_mb, carry_mb, xs_staged):
+        """The stages' in and out specs: microbatches over ``stage`` (when each stage takes a share),
+        rows over ``data``, layers over ``stage``; only ``stage`` named when ``data`` is not manual."""
+        dealt = 0 if self.share is not None else None
+        c_specs = [_spec(x.ndim, data=d + 1) if d is not None else P() for x, d in zip(consts_mb, self.c_dims)]
+        k_specs = [_spec(x.ndim, stage=dealt, data=None if d is None else d + 1) for x, d in zip(carry_mb, self.k_dims)]
+        x_specs = [_spec(x.ndim, stage=1, data=d + 2) if d is not None else P(STAGE)
+                   for x, d in zip(xs_staged, self.x_dims)]
+        y_specs = [_spec(n, stage=1, data=None if d is None else d + 1) for n, d in zip(self.y_ndims, self.y_dims)]
+        groups = (c_specs, k_specs, x_specs, y_specs)
+        if self.data is None:  # data is the partitioner's: name only stage
+            groups = tuple([P(*[e if e == STAGE else None for e in sp]) for sp in group] for group in groups)
+        return groups
+
+    def _stages(self, consts_mb, carry_mb, xs_staged):
+        """The ``shard_map`` body: this stage's ``M + S - 1`` ticks over its layers."""
+        s, m, nk = self.s, self.m, self.n_carry
         me = jax.lax.axis_index(STAGE)
-        body = runner.traced_here(path)
-        layer_fn = jex.jaxpr_as_fun(body)
-        if share is not None:  # each stage holds its share of the microbatches: all to stage 0
+        body = self.runner.traced_here(self.path)
+        if self.share is not None:  # each stage holds its share of the microbatches: all to stage 0
             carry_mb = [_collect(c, me, s) for c in carry_mb]
-        local = [x[:, 0] if d is not None else x[0] for x, d in zip(xs_staged, x_dims)]
-
-        def layers(state, j):
-            cs = [c[j] if d is not None else c for c, d in zip(consts_mb, c_dims)]
-            xj = [x[j] if d is not None else x for x, d in zip(local, x_dims)]
-
-            def one(c, x):
-                out = layer_fn(*cs, *c, *x)
-                return list(out[:n_carry]), list(out[n_carry:])
-
-            return jax.lax.scan(one, state, xj, length=per_stage, unroll=unroll)
+        local = [x[:, 0] if d is not None else x[0] for x, d in zip(xs_staged, self.x_dims)]
+        layers = self._layers(jex.jaxpr_as_fun(body), consts_mb, local)
 
         def tick(loop, t):
             state, outs, ys = loop
             j = t - me
-            valid = (j >= 0) & (j < m)
-            jc = jnp.clip(j, 0, m - 1)
-            state = [jnp.where(me == 0, c[jc], h) for c, h in zip(carry_mb, state)]
-            new, y = layers(state, jc)
+            valid, jc = (j >= 0) & (j < m), jnp.clip(j, 0, m - 1)
+            new, y = layers([jnp.where(me == 0, c[jc], h) for c, h in zip(carry_mb, state)], jc)
             last = valid & (me == s - 1)
             outs = [o.at[jc].set(jnp.where(last, h, o[jc])) for o, h in zip(outs, new)]
             ys = [b.at[jc].set(jnp.where(valid, v, b[jc])) for b, v in zip(ys, y)]
             handed = [jax.lax.ppermute(h, STAGE, [(i, i + 1) for i in range(s - 1)]) for h in new]
             return (handed, outs, ys), None
 
-        state0 = [jnp.zeros_like(c[0]) for c in carry_mb]
-        outs0 = [jnp.zeros_like(c) for c in carry_mb]
-        ys0 = [jnp.zeros((m, per_stage, *a.shape), a.dtype) for a in body.out_avals[n_carry:]]
-        (_, outs, ys), _ = jax.lax.scan(tick, (state0, outs0, ys0), jnp.arange(ticks))
-        if share is not None:
+        ys0 = [jnp.zeros((m, self.per_stage, *a.shape), a.dtype) for a in body.out_avals[nk:]]
+        loop0 = ([jnp.zeros_like(c[0]) for c in carry_mb], [jnp.zeros_like(c) for c in carry_mb], ys0)
+        (_, outs, ys), _ = jax.lax.scan(tick, loop0, jnp.arange(m + s - 1))
+        if self.share is not None:
             outs = [_deal(o, me, s) for o in outs]
         else:
             outs = [jax.lax.psum(jnp.where(me == s - 1, o, jnp.zeros_like(o)), STAGE) for o in outs]
-        if data is not None:  # a value without the batch's rows, from one data shard's: their mean
-            outs = [o if d is not None else jax.lax.pmean(o, DATA) for o, d in zip(outs, k_dims)]
-            ys = [y if d is not None else jax.lax.pmean(y, DATA) for y, d in zip(ys, y_dims)]
+        if self.data is not None:  # a value without the batch's rows, from one data shard's: their mean
+            outs = [o if d is not None else jax.lax.pmean(o, DATA) for o, d in zip(outs, self.k_dims)]
+            ys = [y if d is not None else jax.lax.pmean(y, DATA) for y, d in zip(ys, self.y_dims)]
         return outs, ys
 
-    shard = STAGE if share is not None else None
-    specs_in = (
-        [_spec(x.ndim, data=d + 1) if d is not None else P() for x, d in zip(consts_mb, c_dims)],
-        [_spec(x.ndim, stage=0 if shard else None, data=d + 1 if d is not None else None)
-         for x, d in zip(carry_mb, k_dims)],
-        [_spec(x.ndim, stage=1, data=d + 2) if d is not None else P(STAGE) for x, d in zip(xs_staged, x_dims)],
-    )
-    carry_specs = [_spec(x.ndim, stage=0 if shard else None, data=d + 1 if d is not None else None) for x, d in zip(carry_mb, k_dims)]
-    y_specs = [_spec(1 + len(a.aval.shape), stage=1, data=d + 1 if d is not None else None)
-               for a, d in zip(eqn.outvars[n_carry:], y_dims)]
-    if data is None:  # data is the partitioner's: name only stage
-        strip = lambda sp: P(*[e if e == STAGE else None for e in sp])  # noqa: E731
-        specs_in = tuple([strip(sp) for sp in group] for group in specs_in)
-        carry_specs, y_specs = [strip(sp) for sp in carry_specs], [strip(sp) for sp in y_specs]
-    # A float input not split over some manual axis enters with a leading dim over it (one copy per
-    # device, as it already is): its gradient is then summed over that axis by the partitioner, after
-    # the stages, not by the stages' own psum (whose bfloat16 reduction XLA:CPU fails to compile)
-    consts_in, c_extra, c_specs = _spread(consts_mb, specs_in[0], runner.manual, mesh)
-    xs_in, x_extra, x_specs = _spread(xs_staged, specs_in[2], runner.manual, mesh)
+    def _layers(self, layer_fn, consts_mb, local):
+        """``(state, j) -> (new state, per-layer outputs)``: this stage's layers on microbatch ``j``."""
+        nk = self.n_carry
 
-    def entered(consts_in, carry_mb, xs_in):
-        return stages(_unspread(consts_in, c_extra), carry_mb, _unspread(xs_in, x_extra))
+        def layers(state, j):
+            cs = [c[j] if d is not None else c for c, d in zip(consts_mb, self.c_dims)]
+            xj = [x[j] if d is not None else x for x, d in zip(local, self.x_dims)]
 
-    run = jax.shard_map(entered, mesh=mesh, in_specs=(c_specs, specs_in[1], x_specs),
-                        out_specs=(carry_specs, y_specs), axis_names=frozenset(runner.manual), check_vma=False)
-    outs, ys = run(consts_in, carry_mb, xs_in)
-    final = []
-    for o, d in zip(outs, k_dims):
-        if d is not None:
-            final.append(_from_micro(o, d, n_data))
-        elif jnp.issubdtype(o.dtype, jnp.inexact):
-            final.append(o.mean(0).astype(o.dtype))  # e.g. a loss summed over the layers: each microbatch's, averaged
-        else:
-            final.append(o[0])
-    stacked = []
-    for y, d in zip(ys, y_dims):
-        if d is not None:  # (M, L, ...): each stage's L / S layers side by side
-            y = _from_micro(y, d, n_data)
-        elif jnp.issubdtype(y.dtype, jnp.inexact):
-            y = y.mean(0).astype(y.dtype)
-        else:
-            y = y[0]
-        stacked.append(jnp.flip(y, 0) if p["reverse"] else y)
-    return final + stacked
+            def one(c, x):
+                out = layer_fn(*cs, *c, *x)
+                return list(out[:nk]), list(out[nk:])
+
+            return jax.lax.scan(one, state, xj, length=self.per_stage, unroll=self.unroll)
+
+        return layers
 
 
 def _spread(values, specs, manual: set, mesh: Mesh):
