@@ -331,3 +331,42 @@ def test_a_stack_left_whole_by_its_specs_is_warned_about():
     step = redeqx.make_train_step(net_loss, optimizer, mesh, specs, microbatches=4)
     with pytest.warns(UserWarning, match="not split over 'stage'.*blocks.w_in"):
         step.lower(state, NET_BATCH)
+
+
+# ----------------------------------------------------------------------------- the links bytes cross
+
+
+def test_collective_groups_are_read_in_every_form_hlo_writes():
+    from redeqx.planner._hlo import collective_groups
+
+    assert collective_groups("source_target_pairs={{0,4},{1,5}}, metadata={}") == ((0, 4), (1, 5))
+    assert collective_groups("replica_groups={{0,1},{2,3}}, use_global_device_ids=true") == ((0, 1), (2, 3))
+    assert collective_groups("replica_groups=[4,2]<=[8], to_apply=%add") == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert collective_groups("replica_groups=[4,2]<=[2,2,2]T(1,0,2), x") == ((0, 1), (4, 5), (2, 3), (6, 7))
+    over_first = "replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,2,2]T(1,0,2)) {'axis_0'}, x"
+    assert collective_groups(over_first) == ((0, 4, 2, 6), (1, 5, 3, 7))
+    assert collective_groups("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, x") == (
+        (0, 4), (1, 5), (2, 6), (3, 7))
+    assert collective_groups("replica_groups={}, to_apply=%add") is None
+
+
+def test_timing_counts_each_collectives_wire_bytes_over_the_links_it_crosses():
+    from redeqx.planner._hlo import Collective
+    from redeqx.planner._timing import crosses, parse_rate, wire_bytes
+
+    ring = Collective("all-reduce", (("f32", (256,)),), 1024, ((0, 1, 2, 3),))
+    assert wire_bytes(ring) == 1536 and not crosses(ring, 4) and crosses(ring, 2)
+    hop = Collective("collective-permute", (("f32", (256,)),), 1024, ((0, 4), (1, 5)))
+    assert wire_bytes(hop) == 1024 and crosses(hop, 4) and not crosses(hop, 8)
+    assert wire_bytes(Collective("reduce-scatter", (), 100, ((0, 1, 2, 3),))) == 300
+    plan = redeqx.Plan(mesh={"data": 8}, settings={}, global_batch=8, parameters=0, optimizer=0, batch=0,
+                       gradients=0, temporaries=0, peak=0, collectives={}, flops=2e12, found=(ring, hop))
+    t = plan.timing(flops_per_second="1TFLOP/s", devices_per_host=2, within_host="100GB/s", between_hosts=1e9)
+    assert t["compute"] == 2.0 and t["within"] == 0 and t["between"] == (1536 + 1024) / 1e9
+    assert t["serial"] == pytest.approx(2.0 + 2.56e-6) and t["overlapped"] == 2.0
+    assert parse_rate("25GB/s", "x") == 25e9 and parse_rate("989TFLOP/s", "x") == 989e12
+    with pytest.raises(ValueError, match="between_hosts='fast'"):
+        plan.timing(flops_per_second=1e12, devices_per_host=2, between_hosts="fast")
+    text = redeqx.compare_plans({"a": plan, "b": dataclasses.replace(plan, flops=1e12)}, flops_per_second=1e12,
+                                devices_per_host=2)
+    assert "serial: b is fastest, 2.00x faster than a" in text
