@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ._conv_grads import exact_grouped_convs
+from ._fp8 import fp8_matmuls
 from ._pipeline import pipelined_layer_scans
 from ._remat import ScanResiduals, keep_products
 from ..mesh import CONTEXT, DATA
@@ -157,7 +158,8 @@ def cast_floats(tree, dtype):
 
 def loss_and_grads(loss_fn, compute_dtype=None, *, inference: bool = False,
                    scan_residuals: ScanResiduals = "products", mesh: Mesh | None = None,
-                   microbatches: int | None = None, weights_over_data: bool = False, specs=None) -> GradFn:
+                   microbatches: int | None = None, weights_over_data: bool = False, specs=None,
+                   fp8: bool = False) -> GradFn:
     """The gradient function of ``loss_fn``: model and batch floats cast to
     ``compute_dtype`` for the computation (gradients come back in the
     parameters' own dtypes); ``inference=True`` with dropout off;
@@ -167,7 +169,10 @@ def loss_and_grads(loss_fn, compute_dtype=None, *, inference: bool = False,
     (`redeqx.exact_conv_grads`: XLA's own is ``n_model_shards`` times too
     large under redeqx's batch layout). Both rewrite one trace of ``loss_fn``. On a ``mesh`` with
     pipeline stages, its stacked layers run as a pipeline of ``microbatches``
-    (`redeqx.steps._pipeline.pipelined_layer_scans`)."""
+    (`redeqx.steps._pipeline.pipelined_layer_scans`). ``fp8``: its weight-by-activation products
+    in float8 (`redeqx.steps._fp8.fp8_matmuls`), rewritten first."""
+    if fp8:
+        loss_fn = fp8_matmuls(loss_fn)
     loss_fn = rewritten(loss_fn, exact_grouped_convs, *([keep_products] if scan_residuals == "products" else []))
     if mesh is not None:
         loss_fn = pipelined_layer_scans(loss_fn, mesh, microbatches, weights_over_data=weights_over_data,

@@ -168,6 +168,7 @@ def make_train_step(
     shard_mean_loss: bool = False,
     scan_residuals: ScanResiduals = "products",
     microbatches: int | None = None,
+    fp8: bool = False,
 ) -> Callable[..., tuple[TrainState, dict]]:
     """The training step: ``(state, batch) -> (new_state, metrics)``.
 
@@ -215,6 +216,13 @@ def make_train_step(
       runs on the whole batch: the loss and gradients are those of the
       unpipelined step for layers that treat rows independently. Composes
       with ``accumulate`` (a pipeline per accumulated micro-batch).
+    - ``fp8=True``: every product of a weight and an activation (the
+      linear layers; not attention scores, not grouped expert products)
+      runs with float8_e4m3fn operands scaled by their current absolute
+      maximum, the output gradient in float8_e5m2: the form a Hopper GPU's
+      compiler runs as fp8 GEMMs (`redeqx.steps._fp8`). No scale state: the
+      optimizer state is as without it. XLA:CPU computes the same
+      values by converting the fp8 operands to float32.
     - An optimizer that takes extra arguments (optax's
       ``GradientTransformationExtraArgs``, e.g. ``reduce_on_plateau``) gets
       ``value=loss``; for others, write the step with `make_step`.
@@ -239,7 +247,7 @@ def make_train_step(
     placement = _train_state_placement(mesh, specs)
     grads_of, check = loss_and_grads(loss_fn, compute_dtype, scan_residuals=scan_residuals, mesh=mesh,
                                      microbatches=microbatches, weights_over_data=splits_over(specs, DATA),
-                                     specs=specs), None
+                                     specs=specs, fp8=fp8), None
     if shard_mean_loss and microbatches is not None:
         raise ValueError(
             "shard_mean_loss=True with pipeline stages: each data shard's own step cannot hold the stages' "
