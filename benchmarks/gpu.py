@@ -15,6 +15,9 @@ is skipped when what is left of ``--budget`` seconds is under its estimate:
 - ``moe``: ``moe1b`` (8 experts, top-2) against its dense twin ``1b``, one train step each;
 - ``decode``: greedy decoding of the 1B LLaMA at batch 1 and 8, stacked and
   listed, against the HBM roofline, and each layout's first call (`benchmarks.decode_gpu`);
+- ``fp8``: an 8B-shaped MLP block (4096 -> 14336 -> 4096, 16k tokens) forward and backward with
+  `redeqx.steps._fp8.fp8_dot` against bf16, and the cuBLAS fp8 GEMMs its compiled program calls
+  (6 expected: 3 per linear);
 - ``train``: the 1B LLaMA step stacked, listed and hand-written (MFU, first
   compile), and a profile of the stacked step's device time by kind (`benchmarks._profile`);
 - ``sweep``: block configs of each grouped-matmul kernel product (`benchmarks.moe_gpu.block_sweep`).
@@ -39,7 +42,7 @@ from benchmarks._common import ROOT, report, worker_env
 TITLE = "On one GPU (benchmarks/gpu.py)"
 # seconds each section needs on an H200 (estimates from earlier runs: start-up, compiles, timing)
 # (decode: six 1B decoders, each compiled for generate and for the prefill; it ran past 361 s on an H200)
-ESTIMATE = {"hardware": 20, "gmm": 60, "moe": 140, "decode": 240, "train": 140, "sweep": 90}
+ESTIMATE = {"hardware": 20, "gmm": 60, "moe": 140, "decode": 240, "fp8": 40, "train": 140, "sweep": 90}
 SECTIONS = tuple(ESTIMATE)
 
 
@@ -120,6 +123,40 @@ def decode(smoke: bool) -> dict:
                                              bandwidth_bytes=2**24 if smoke else 2**31)
         print(json.dumps(out), flush=True)
     return out
+
+
+def fp8(smoke: bool) -> dict:
+    """The MLP block's forward and backward in bf16 and with fp8 products, timed side by side, and
+    the fp8 GEMMs XLA:GPU's compiled program calls (custom calls to cuBLAS's fp8 matmul)."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks._common import alternate
+    from redeqx.steps._fp8 import fp8_dot
+
+    tokens, d, f = (256, 64, 224) if smoke else (16384, 4096, 14336)
+    k = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(k[0], (tokens, d), jnp.bfloat16)
+    w1 = (jax.random.normal(k[1], (d, f), jnp.float32) / d**0.5).astype(jnp.bfloat16)
+    w2 = (jax.random.normal(k[2], (f, d), jnp.float32) / f**0.5).astype(jnp.bfloat16)
+    dims = (((1,), (0,)), ((), ()))
+    products = {"bf16": lambda a, b: jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.bfloat16),
+                "fp8": lambda a, b: fp8_dot(a, b, dims, jnp.bfloat16)}
+    steps, out = {}, {}
+    for name, prod in products.items():
+        loss = lambda x, w1, w2, prod=prod: jnp.sum(prod(jax.nn.silu(prod(x, w1)), w2).astype(jnp.float32))  # noqa: E731
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, w1, w2).compile()
+        text = compiled.as_text()
+        out[f"{name}_fp8_gemms"] = len(re.findall(r'custom_call_target="__cublas\$lt\$matmul\$f8"', text))
+        out[f"{name}_gemms"] = len(re.findall(r'custom_call_target="__cublas\$(?:lt\$)?(?:matmul|gemm)', text))
+        steps[name] = lambda c=compiled: c(x, w1, w2)
+    times = alternate(steps, rounds=3, steps=3 if smoke else 10)
+    flops = 3 * 2 * 2 * tokens * d * f  # two products, forward and two gradients each
+    return {**out, "tokens": tokens, "d": d, "f": f, "expected_fp8_gemms": 6,
+            **{f"{n}_s": t for n, t in times.items()}, "speedup": times["bf16"] / times["fp8"],
+            **{f"{n}_flops_per_s": flops / t for n, t in times.items()}}
 
 
 def train(smoke: bool, profile_dir: str) -> dict:
@@ -209,7 +246,7 @@ def render(out: dict) -> str:
         lines += [f"Measured in the same run: HBM {hw['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s (bytes read + "
                   f"written by an elementwise pass over 2 GiB), bf16 matmul {hw['matmul_flops_per_s'] / 1e12:.0f} "
                   "TFLOP/s (8192^3).", ""]
-    for name, fn in (("gmm", _render_gmm), ("moe", _render_moe), ("decode", _render_decode),
+    for name, fn in (("gmm", _render_gmm), ("moe", _render_moe), ("decode", _render_decode), ("fp8", _render_fp8),
                      ("train", _render_train), ("sweep", _render_sweep)):
         sec = out.get(name, {})
         if "error" in sec or "skipped" in sec:
@@ -237,6 +274,16 @@ def _render_decode(sec, hw):
     from benchmarks import decode_gpu
 
     return decode_gpu.render(sec)
+
+
+def _render_fp8(sec, hw):
+    return [f"**fp8 products** (an MLP block {sec['d']} -> {sec['f']} -> {sec['d']}, {sec['tokens']} tokens, "
+            "forward and backward; target: fp8 >= 1.2x bf16):", "",
+            "| products | time | TFLOP/s | cuBLAS fp8 GEMMs (expected) |", "|---|---|---|---|",
+            f"| bf16 | {sec['bf16_s'] * 1e3:.2f} ms | {sec['bf16_flops_per_s'] / 1e12:.0f} | {sec['bf16_fp8_gemms']} (0) |",
+            f"| fp8 (`fp8_dot`) | {sec['fp8_s'] * 1e3:.2f} ms | {sec['fp8_flops_per_s'] / 1e12:.0f} | "
+            f"{sec['fp8_fp8_gemms']} ({sec['expected_fp8_gemms']}) |", "",
+            f"fp8 is {sec['speedup']:.2f}x bf16's speed."]
 
 
 def _render_moe(sec, hw):
