@@ -36,14 +36,13 @@ unpipelined program. ``S = 1``: the function itself, untouched.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 
 import equinox as eqx
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from ..data import batch_size
 from ..mesh import DATA, STAGE
