@@ -78,8 +78,10 @@ def test_two_processes_train_as_one(one_process, tmp_path):
 
 def test_pipeline_stages_train_as_the_same_batch_without_them():
     """Two stages x 2 model shards x 2 data against 4 model shards x 2 data: the same global batch, the
-    same held-out losses."""
+    same held-out losses; and with each stage a process of its own (two hosts over a slow link)."""
     staged = losses(run("--n_pipeline_stages", "2", "--microbatches", "2"))[0]
     plain = losses(run("--n_model_shards", "4"))[0]
     assert len(staged) == 2 and staged[-1] < staged[0] - 0.7
     np.testing.assert_allclose(staged, plain, rtol=1e-4)
+    two_hosts = losses(run("--n_pipeline_stages", "2", "--microbatches", "2", launch=True))[0]
+    np.testing.assert_allclose(two_hosts, staged, rtol=1e-4)

@@ -93,7 +93,8 @@ def local_rows(mesh: Mesh, global_batch: int) -> tuple[int, int]:
     n_data = mesh.shape[DATA]
     per = global_batch // n_data
     me = jax.process_index()
-    mine = [i for i in range(n_data) if any(d.process_index == me for d in mesh.devices[i].flat)]
+    rows = np.moveaxis(mesh.devices, mesh.axis_names.index(DATA), 0)  # data leads (a 'stage' axis may be first)
+    mine = [i for i in range(n_data) if any(d.process_index == me for d in rows[i].flat)]
     lo, hi = min(mine), max(mine) + 1
     if hi - lo != len(mine):
         raise ValueError("this process's devices are not contiguous on the mesh's data axis; build it with make_mesh.")
