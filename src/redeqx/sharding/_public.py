@@ -239,7 +239,7 @@ def _table(rows, total, per_dev, n_arrays, mesh) -> str:
     lines.append("")
     lines.append(
         f"total {human_bytes(total)} in {n_arrays} arrays; per device {human_bytes(per_dev)} "
-        f"(mesh data={n_data}, model={mesh.shape[MODEL]}); a step's global batch is "
+        f"(mesh {', '.join(f'{k}={v}' for k, v in mesh.shape.items())}); a step's global batch is "
         f"per_device_batch_size x {n_data} (data) rows"
     )
     return "\n".join(lines)
