@@ -14,12 +14,12 @@ from collections.abc import Callable
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from ..mesh import CONTEXT, DATA, MODEL, make_mesh
+from ..mesh import CONTEXT, DATA, MODEL, STAGE, make_mesh
 
 
 def options(settings: dict, mesh: Mesh, global_batch: int) -> list[tuple[str, dict, int]]:
     """Changes worth trying, each ``(label, settings change, n_model_shards)``."""
-    n_model, n_dev = mesh.shape[MODEL], mesh.devices.size
+    n_model, n_dev = mesh.shape[MODEL], mesh.devices.size // dict(mesh.shape).get(STAGE, 1)  # devices a stage
     out = []
     fixed = settings.get("specs") is not None  # specs given by hand: neither fsdp nor another mesh re-derives them
     if not settings["fsdp"] and not fixed:
@@ -48,7 +48,8 @@ def explore_options(first, settings: dict, mesh: Mesh, attempt: Callable) -> lis
     tried = []
     for label, change, n_model in options(settings, mesh, first.global_batch):
         other_mesh = mesh if n_model == mesh.shape[MODEL] else make_mesh(
-            n_model, n_context_shards=dict(mesh.shape).get(CONTEXT, 1), devices=devices)
+            n_model, n_context_shards=dict(mesh.shape).get(CONTEXT, 1),
+            n_pipeline_stages=dict(mesh.shape).get(STAGE, 1), devices=devices)
         tried.append((label, attempt(other_mesh, {**settings, **change})))
     if not any(p.fits for _, p in tried):
         tried += _combine(first, dict(tried), settings, mesh, attempt)

@@ -129,6 +129,8 @@ class Plan:
         parts += [k for k in ("fsdp", "remat") if s.get(k)]
         if s.get("compute_dtype"):
             parts.append(f"{np.dtype(s['compute_dtype']).name} compute")
+        if s.get("fp8"):
+            parts.append("fp8 products")
         if s.get("opt_state_dtype"):
             parts.append(f"{np.dtype(s['opt_state_dtype']).name} optimizer state")
         if s.get("accumulate", 1) > 1:
@@ -235,7 +237,7 @@ def _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, settings, device_m
     step = make_train_step(remat_loss(loss_fn) if settings["remat"] else loss_fn, optimizer, mesh, specs,
                            accumulate=settings["accumulate"], compute_dtype=settings["compute_dtype"],
                            trainable=trainable, scan_residuals=settings["scan_residuals"],
-                           microbatches=settings.get("microbatches"))
+                           microbatches=settings.get("microbatches"), fp8=settings.get("fp8", False))
     batch = _abstract_batch(batch, mesh, settings["seq_keys"])
     params = _leaf_bytes(state.model)
     trainable_params = _leaf_bytes(eqx.filter(state.model, trainable)) if trainable is not None else params
@@ -327,6 +329,7 @@ def plan(
     whole_keys: Sequence[str] = (),
     specs: Any = None,
     microbatches: int | None = None,
+    fp8: bool = False,
 ) -> Plan:
     """Compile the training step for ``model`` on ``mesh`` without allocating
     anything, and report per device: parameters, optimizer state, batch,
@@ -351,6 +354,7 @@ def plan(
       within_host="450GB/s", between_hosts="25GB/s")`` turns a plan's
       compiled FLOPs and bytes into seconds, and `compare_plans` sets plans
       (stages over the hosts against FSDP over them, say) side by side.
+    - ``fp8``: the linear layers' products in float8, as in `make_train_step`.
     - ``specs``: a spec tree to plan instead of the rules' (`sharding_rules`,
       `specs_from_overrides`: a hand plan); then ``fsdp`` and ``overrides``
       are not taken, and the exploration keeps these specs and this mesh.
@@ -419,7 +423,7 @@ def plan(
     if specs is not None:
         _check_specs_given(specs, abstract, mesh, fsdp, overrides)
     settings = dict(fsdp=fsdp, remat=remat, accumulate=accumulate, compute_dtype=compute_dtype,
-                    microbatches=check_microbatches(microbatches, mesh),
+                    microbatches=check_microbatches(microbatches, mesh), fp8=fp8,
                     opt_state_dtype=opt_state_dtype, overrides=tuple(overrides), trainable=trainable,
                     scan_residuals=scan_residuals, facts=program_facts(abstract, loss_fn, batch),
                     seq_keys=seq_keys, specs=specs)
