@@ -44,3 +44,31 @@ def inner_jaxprs(eqn):
                 yield v.jaxpr
             elif isinstance(v, jex.Jaxpr):
                 yield v
+
+
+CALLS = ("pjit", "jit", "closed_call", "core_call")  # primitives that call a closed jaxpr as it is
+
+
+def call_body(eqn) -> jex.ClosedJaxpr | None:
+    """The program a jitted or named call equation runs, else None."""
+    if eqn.primitive.name in CALLS:
+        for name in ("jaxpr", "call_jaxpr"):
+            if isinstance(eqn.params.get(name), jex.ClosedJaxpr):
+                return eqn.params[name]
+    return None
+
+
+def derived_from(jaxpr: jex.Jaxpr, seed) -> set:
+    """``seed`` (vars of ``jaxpr``) and every value computed from them alone: from a model's leaves,
+    its weights in another dtype, transposed, or with a LoRA update merged in."""
+    found = set(seed)
+    for eqn in jaxpr.eqns:
+        ins = [v for v in eqn.invars if not isinstance(v, jex.Literal)]
+        if ins and all(v in found for v in ins):
+            found.update(eqn.outvars)
+    return found
+
+
+def inner_seed(inner: jex.Jaxpr, eqn, found: set) -> set:
+    """The invars of ``eqn``'s inner program (a call's, a scan's body) that are in ``found`` outside it."""
+    return {iv for iv, ov in zip(inner.invars, eqn.invars) if not isinstance(ov, jex.Literal) and ov in found}

@@ -25,8 +25,9 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
+from .._rewrite import call_body, derived_from, inner_seed
+
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
-_CALLS = ("pjit", "jit", "closed_call", "core_call")
 
 
 def _quantized(x, dtype):
@@ -95,35 +96,20 @@ fp8_dot.defvjp(_fwd, _bwd)
 # ----------------------------------------------------------------------------- the rewrite
 
 
-def _weights(jaxpr, seed: set) -> set:
-    """``seed`` and every value computed from them alone."""
-    found = set(seed)
-    for eqn in jaxpr.eqns:
-        ins = [v for v in eqn.invars if not isinstance(v, jex.Literal)]
-        if ins and all(v in found for v in ins):
-            found.update(eqn.outvars)
-    return found
-
-
 def _floating(v) -> bool:
     return jnp.issubdtype(v.aval.dtype, jnp.floating)
 
 
-def _inner_seed(inner: jex.Jaxpr, eqn, weights: set) -> set:
-    """The invars of ``eqn``'s inner program that are weights outside it."""
-    return {iv for iv, ov in zip(inner.invars, eqn.invars) if not isinstance(ov, jex.Literal) and ov in weights}
-
-
 def vocabularies(jaxpr, seed: set) -> set[int]:
     """The row counts of the weights ``jaxpr`` looks up by index (``gather``: embedding tables)."""
-    weights, found = _weights(jaxpr, seed), set()
+    weights, found = derived_from(jaxpr, seed), set()
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "gather" and not isinstance(eqn.invars[0], jex.Literal) and eqn.invars[0] in weights:
             found.add(eqn.invars[0].aval.shape[0])
         for v in eqn.params.values():
             inner = v.jaxpr if isinstance(v, jex.ClosedJaxpr) else v if isinstance(v, jex.Jaxpr) else None
             if inner is not None and len(inner.invars) == len(eqn.invars):
-                found |= vocabularies(inner, _inner_seed(inner, eqn, weights))
+                found |= vocabularies(inner, inner_seed(inner, eqn, weights))
     return found
 
 
@@ -138,10 +124,10 @@ class _Fp8:
         read = lambda v: v.val if isinstance(v, jex.Literal) else env[v]  # noqa: E731
         env.update(zip(jaxpr.constvars, consts))
         env.update(zip(jaxpr.invars, args))
-        weights = _weights(jaxpr, seed)
+        weights = derived_from(jaxpr, seed)
         for eqn in jaxpr.eqns:
             invals = [read(v) for v in eqn.invars]
-            outs = self._eqn(eqn, invals, weights, lambda inner, e=eqn: _inner_seed(inner, e, weights))
+            outs = self._eqn(eqn, invals, weights, lambda inner, e=eqn: inner_seed(inner, e, weights))
             for v, x in zip(eqn.outvars, outs):
                 if not isinstance(v, jex.DropVar):
                     env[v] = x
@@ -156,8 +142,7 @@ class _Fp8:
             return [fp8_dot(*invals, p["dimension_numbers"], eqn.outvars[0].aval.dtype)]
         if name == "scan":
             return self._scan(eqn, invals, inner)
-        if name in _CALLS and isinstance(p.get("jaxpr"), jex.ClosedJaxpr):
-            body = p["jaxpr"]
+        if (body := call_body(eqn)) is not None:
             return self.eval(body.jaxpr, body.consts, invals, inner(body.jaxpr))
         if name in ("checkpoint", "remat2"):
             body = p["jaxpr"]

@@ -46,11 +46,9 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from ..data import batch_size
 from ..mesh import DATA, STAGE
+from .._rewrite import call_body, derived_from, inner_seed
 from .._trees import leaves_with_specs
 from .._typing import warn_user
-
-_CALLS = ("pjit", "jit", "closed_call", "core_call")
-
 
 def n_stages(mesh: Mesh) -> int:
     return dict(mesh.shape).get(STAGE, 1)
@@ -121,7 +119,7 @@ def pipelined_layer_scans(fn: Callable, mesh: Mesh, microbatches: int | None, *,
         def traced_here(path):  # the stack's body, traced where it runs (inside the stages' shard_map)
             jaxpr = eqx.filter_make_jaxpr(fn)(*jax.tree.map(_abstract, local, is_leaf=eqx.is_array))[0].jaxpr
             for i in path[:-1]:
-                jaxpr = _call_body(jaxpr.eqns[i]).jaxpr
+                jaxpr = call_body(jaxpr.eqns[i]).jaxpr
             eqn = jaxpr.eqns[path[-1]] if path[-1] < len(jaxpr.eqns) else None
             if eqn is None or eqn.primitive.name != "scan":
                 raise PipelineError(
@@ -173,25 +171,6 @@ def _name(fn) -> str:
     return f"loss_fn {getattr(fn, '__name__', type(fn).__name__)!r}"
 
 
-def _call_body(eqn):
-    if eqn.primitive.name in _CALLS:
-        for name in ("jaxpr", "call_jaxpr"):
-            if isinstance(eqn.params.get(name), jex.ClosedJaxpr):
-                return eqn.params[name]
-    return None
-
-
-def _weights(jaxpr, model_vars) -> set:  # model_vars: a set, or a dict keyed by them
-    """``model_vars`` and every value computed from them alone (a cast to the compute dtype, a LoRA
-    update merged into its weight): what a stack's scan may slice."""
-    found = set(model_vars)
-    for eqn in jaxpr.eqns:
-        ins = [v for v in eqn.invars if not isinstance(v, jex.Literal)]
-        if ins and all(v in found for v in ins):
-            found.update(eqn.outvars)
-    return found
-
-
 def _stack_scan(eqn, weights) -> bool:
     """A ``scan`` slicing a model's weights: a stack of layers."""
     if eqn.primitive.name != "scan":
@@ -200,17 +179,13 @@ def _stack_scan(eqn, weights) -> bool:
     return any(not isinstance(v, jex.Literal) and v in weights for v in eqn.invars[first_x:])
 
 
-def _inner_weights(inner, eqn, weights) -> set:
-    return {iv for iv, ov in zip(inner.jaxpr.invars, eqn.invars) if not isinstance(ov, jex.Literal) and ov in weights}
-
-
 def _holds_stack(jaxpr, model_vars) -> bool:
-    weights = _weights(jaxpr, model_vars)
+    weights = derived_from(jaxpr, model_vars)
     for eqn in jaxpr.eqns:
         if _stack_scan(eqn, weights):
             return True
-        inner = _call_body(eqn)
-        if inner is not None and _holds_stack(inner.jaxpr, _inner_weights(inner, eqn, weights)):
+        inner = call_body(eqn)
+        if inner is not None and _holds_stack(inner.jaxpr, inner_seed(inner.jaxpr, eqn, weights)):
             return True
     return False
 
@@ -245,7 +220,7 @@ class _Runner:
             env[v] = x
         for v, x in zip(jaxpr.invars, args):
             env[v] = x
-        weights, sources = _weights(jaxpr, model_vars), _sources(jaxpr, model_vars)
+        weights, sources = derived_from(jaxpr, model_vars), _sources(jaxpr, model_vars)
         if len(jaxpr.eqns) != len(jaxpr_mb.eqns):
             raise PipelineError(
                 f"{_name(self.fn)} traces to a different program on one microbatch's rows than on the whole "
@@ -253,17 +228,17 @@ class _Runner:
                 "independent of the batch size (no Python branches on it).")
         for i, (eqn, eqn_mb) in enumerate(zip(jaxpr.eqns, jaxpr_mb.eqns)):
             invals = [read(v) for v in eqn.invars]
-            inner = _call_body(eqn)
+            inner = call_body(eqn)
             if _stack_scan(eqn, weights):
                 self.found += 1
                 first_x = eqn.params["num_consts"] + eqn.params["num_carry"]
                 self.sliced |= {sources[v] for v in eqn.invars[first_x:] if not isinstance(v, jex.Literal)
                                 and v in sources}
                 outs = pipeline_scan(eqn, eqn_mb, invals, self, path + (i,))
-            elif inner is not None and _holds_stack(inner.jaxpr, _inner_weights(inner, eqn, weights)):
+            elif inner is not None and _holds_stack(inner.jaxpr, inner_seed(inner.jaxpr, eqn, weights)):
                 inner_vars = {iv: sources.get(ov, -1) for iv, ov in zip(inner.jaxpr.invars, eqn.invars)
                               if not isinstance(ov, jex.Literal) and ov in weights}
-                outs = self.eval(inner.jaxpr, inner.consts, invals, _call_body(eqn_mb).jaxpr, inner_vars, path + (i,))
+                outs = self.eval(inner.jaxpr, inner.consts, invals, call_body(eqn_mb).jaxpr, inner_vars, path + (i,))
             else:
                 with eqn.ctx.manager:
                     outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
