@@ -269,9 +269,9 @@ def test_checkpoint_moves_between_stage_counts_bit_identically(tmp_path):
 # ----------------------------------------------------------------------------- what crosses the stages
 
 
-def _step_text(microbatches):
+def _step_text(microbatches, n_model=1):
     model, batch = zoo("llama"), {"ids": jax.ShapeDtypeStruct((16, 9), jnp.int32)}
-    mesh = redeqx.make_mesh(1, n_pipeline_stages=2)
+    mesh = redeqx.make_mesh(n_model, n_pipeline_stages=2)
     specs = redeqx.sharding_rules(model, mesh, loss_fn=lm_loss, batch=batch)
     state = redeqx.init_state(eqx.filter_eval_shape(lambda: model), optax.sgd(1.0), mesh, specs, key=jax.random.key(0))
     step = redeqx.make_train_step(lm_loss, optax.sgd(1.0), mesh, specs, microbatches=microbatches)
@@ -291,6 +291,11 @@ def test_weight_gradients_are_summed_once_and_only_activations_cross_stages():
         if c.kind == "collective-permute":
             assert all(a // 4 != b // 4 for a, b in c.groups), c.groups  # devices 0-3 are stage 0, 4-7 stage 1
             assert c.bytes <= 2 * microbatch, c
+    # with 2 model shards (and so 2 data shards, each of twice the rows), each device of a model group sends
+    # half of the activations the group holds whole (gathered again within the stage): as much as before
+    hops = [c for c in collectives(_step_text(4, n_model=2)) if c.kind == "collective-permute"]
+    assert hops and all(c.bytes <= 2 * microbatch for c in hops)
+    assert sum(c.bytes for c in hops) == sum(c.bytes for c in found[4] if c.kind == "collective-permute")
 
 
 # ----------------------------------------------------------------------------- errors

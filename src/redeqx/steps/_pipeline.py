@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from ..data import batch_size
-from ..mesh import DATA, STAGE
+from ..mesh import DATA, MODEL, STAGE
 from .._rewrite import call_body, derived_from, inner_seed
 from .._trees import leaves_with_specs
 from .._typing import warn_user
@@ -317,6 +317,7 @@ class _Pipeline:
                 f"divide: pick n_pipeline_stages among {[d for d in range(2, self.length + 1) if self.length % d == 0]}"
                 ", or a layer count the stages divide.")
         self.n_data, self.data = self.mesh.shape[DATA], DATA if DATA in runner.manual else None
+        self.n_model = dict(self.mesh.shape).get(MODEL, 1)
         dims = [_batch_dim(tuple(v.aval.shape), tuple(w.aval.shape), self.m, "an input", fn)
                 for v, w in zip(eqn.invars, eqn_mb.invars)]
         out_dims = [_batch_dim(tuple(v.aval.shape), tuple(w.aval.shape), self.m, "an output", fn)
@@ -390,7 +391,7 @@ class _Pipeline:
         me = jax.lax.axis_index(STAGE)
         body = self.runner.traced_here(self.path)
         if self.share is not None:  # each stage holds its share of the microbatches: all to stage 0
-            carry_mb = [_collect(c, me, s) for c in carry_mb]
+            carry_mb = [_collect(c, me, s, self.n_model) for c in carry_mb]
         local = [x[:, 0] if d is not None else x[0] for x, d in zip(xs_staged, self.x_dims)]
         layers = self._layers(jex.jaxpr_as_fun(body), consts_mb, local)
 
@@ -402,14 +403,14 @@ class _Pipeline:
             last = valid & (me == s - 1)
             outs = [o.at[jc].set(jnp.where(last, h, o[jc])) for o, h in zip(outs, new)]
             ys = [b.at[jc].set(jnp.where(valid, v, b[jc])) for b, v in zip(ys, y)]
-            handed = [jax.lax.ppermute(h, STAGE, [(i, i + 1) for i in range(s - 1)]) for h in new]
+            handed = [_send(h, [(i, i + 1) for i in range(s - 1)], self.n_model) for h in new]
             return (handed, outs, ys), None
 
         ys0 = [jnp.zeros((m, self.per_stage, *a.shape), a.dtype) for a in body.out_avals[nk:]]
         loop0 = ([jnp.zeros_like(c[0]) for c in carry_mb], [jnp.zeros_like(c) for c in carry_mb], ys0)
         (_, outs, ys), _ = jax.lax.scan(tick, loop0, jnp.arange(m + s - 1))
         if self.share is not None:
-            outs = [_deal(o, me, s) for o in outs]
+            outs = [_deal(o, me, s, self.n_model) for o in outs]
         else:
             outs = [jax.lax.psum(jnp.where(me == s - 1, o, jnp.zeros_like(o)), STAGE) for o in outs]
         if self.data is not None:  # a value without the batch's rows, from one data shard's: their mean
@@ -454,18 +455,33 @@ def _unspread(values, extra):
     return [x[(0,) * n] if n else x for x, n in zip(values, extra)]
 
 
-def _deal(outs, me, s: int):
+def _send(x, perm, n_model: int):
+    """``x`` sent between stages by ``perm`` (a collective permute over ``stage``). A value every
+    device of a ``model`` group holds whole (the residual stream, as Megatron lays it out) is sent
+    ``1 / n_model`` by each (split over ``model`` on its last dim that divides, free) and gathered
+    again after (within the stage: its fast links), so the link between stages carries it once."""
+    dims = [d for d in range(x.ndim - 1, -1, -1) if x.shape[d] % n_model == 0 and x.shape[d] >= n_model]
+    if n_model == 1 or not dims:
+        return jax.lax.ppermute(x, STAGE, perm)
+    split, whole = [P.UNCONSTRAINED] * x.ndim, [P.UNCONSTRAINED] * x.ndim
+    split[dims[0]], whole[dims[0]] = MODEL, None
+    x = jax.lax.with_sharding_constraint(x, P(*whole))  # as the layers left it: the split stays out of them
+    sent = jax.lax.ppermute(jax.lax.with_sharding_constraint(x, P(*split)), STAGE, perm)
+    return jax.lax.with_sharding_constraint(sent, P(*whole))
+
+
+def _deal(outs, me, s: int, n_model: int):
     """The last stage's ``(M, ...)`` results, microbatches ``[k M / S, (k + 1) M / S)`` sent to
     stage ``k``: each stage's share, ``(M / S, ...)``."""
     pieces = outs.reshape(s, outs.shape[0] // s, *outs.shape[1:])
     mine = jnp.where(me == s - 1, pieces[s - 1], jnp.zeros_like(pieces[0]))
     for k in range(s - 1):
-        mine = mine + jax.lax.ppermute(pieces[k], STAGE, [(s - 1, k)])
+        mine = mine + _send(pieces[k], [(s - 1, k)], n_model)
     return mine
 
 
-def _collect(mine, me, s: int):
+def _collect(mine, me, s: int, n_model: int):
     """`_deal` undone: each stage's ``(M / S, ...)`` share, all ``M`` on stage 0 (zeros elsewhere)."""
     pieces = [jnp.where(me == 0, mine, jnp.zeros_like(mine))]
-    pieces += [jax.lax.ppermute(mine, STAGE, [(k, 0)]) for k in range(1, s)]
+    pieces += [_send(mine, [(k, 0)], n_model) for k in range(1, s)]
     return jnp.concatenate(pieces, 0)
