@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ._conv_grads import exact_grouped_convs
+from ._batch_pins import batch_over_data
 from ._fp8 import fp8_matmuls
 from ._pipeline import pipelined_layer_scans
 from ._remat import ScanResiduals, keep_products
@@ -170,10 +171,14 @@ def loss_and_grads(loss_fn, compute_dtype=None, *, inference: bool = False,
     large under redeqx's batch layout). Both rewrite one trace of ``loss_fn``. On a ``mesh`` with
     pipeline stages, its stacked layers run as a pipeline of ``microbatches``
     (`redeqx.steps._pipeline.pipelined_layer_scans`). ``fp8``: its weight-by-activation products
-    in float8 (`redeqx.steps._fp8.fp8_matmuls`), rewritten first."""
+    in float8 (`redeqx.steps._fp8.fp8_matmuls`), rewritten first. With weights split over ``data``
+    (fsdp), the model's layout pins keep the batch split over ``data``
+    (`redeqx.steps._batch_pins.batch_over_data`)."""
     if fp8:
         loss_fn = fp8_matmuls(loss_fn)
     loss_fn = rewritten(loss_fn, exact_grouped_convs, *([keep_products] if scan_residuals == "products" else []))
+    if mesh is not None and weights_over_data and mesh.shape[DATA] > 1:
+        loss_fn = batch_over_data(loss_fn)
     if mesh is not None:
         loss_fn = pipelined_layer_scans(loss_fn, mesh, microbatches, weights_over_data=weights_over_data,
                                         specs=specs)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
+from ._batch_pins import batch_over_data
 from ._conv_grads import products_for_batch_grouped_convs
 from ._pipeline import check_microbatches, pipelined_layer_scans
 from ._compiled import CompiledStep, StepFunction, stay_in_place, where_it_is
@@ -287,9 +288,12 @@ class EvalStep:
     weight examples exactly across a padded last batch."""
 
     def __init__(self, loss_fn, mesh: Mesh, specs, compute_dtype, microbatches=None):
+        fsdp = splits_over(specs, DATA) and mesh.shape[DATA] > 1
+
         def per_example(model, batch, key, model_state):
             check_batch(batch, mesh)
-            return pipelined_layer_scans(examples, mesh, microbatches, weights_over_data=splits_over(specs, DATA),
+            pinned = batch_over_data(examples) if fsdp else examples  # as loss_and_grads does
+            return pipelined_layer_scans(pinned, mesh, microbatches, weights_over_data=fsdp,
                                          specs=specs)(model, batch, key, model_state)
 
         def examples(model, batch, key, model_state):

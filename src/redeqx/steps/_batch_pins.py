@@ -1,0 +1,103 @@
+"""`batch_over_data`: the model's own layout pins keep the batch split over ``data``.
+
+A model pins its activations' layout where Megatron's plan fixes one (`redeqx.constrain`, or
+``jax.lax.with_sharding_constraint``); inside the loss's ``jax.vmap`` over examples, the batch dim is
+left free at those pins. With FSDP the partitioner then resolves the clash between the batch (split
+over ``data``) and the weights (also split over ``data``) by keeping the whole batch on every device
+and splitting the weights' contraction: libtpu compiled a 7B LLaMA's FSDP step with 2.3x the
+FLOPs and 6.5x the collective bytes of the same step with the batch pinned (benchmarks/RESULTS.md,
+"Pipeline stages"). With a weight split over ``data``, the train and eval steps therefore evaluate
+the loss with each pin that leaves its batch dim free naming ``data`` there instead, which is what
+``jax.vmap(model, spmd_axis_name="data")`` would do. The batch dim of a pinned value is found by
+tracing the loss a second time on half the rows: the dim that halves.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+import jax.extend.core as jex
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from ..data import batch_size
+from ..mesh import DATA
+
+
+def _pinned_dim(full, half) -> int | None:
+    dims = [d for d, (a, b) in enumerate(zip(full, half)) if a != b]
+    return dims[0] if len(full) == len(half) and len(dims) == 1 and full[dims[0]] == 2 * half[dims[0]] else None
+
+
+def _pin(eqn, eqn_half):
+    """A ``sharding_constraint`` whose batch dim is free, with ``data`` there; else ``eqn`` as it is."""
+    p = eqn.params
+    spec, free = p["sharding"].spec, p.get("unconstrained_dims") or frozenset()
+    d = _pinned_dim(tuple(eqn.invars[0].aval.shape), tuple(eqn_half.invars[0].aval.shape))
+    used = {a for e in spec if e is not None and e is not P.UNCONSTRAINED for a in (e if isinstance(e, tuple) else (e,))}
+    if d is None or d not in free or d >= len(spec) or spec[d] is not P.UNCONSTRAINED or DATA in used:
+        return eqn, 0
+    entries = list(spec)
+    entries[d] = DATA
+    sharding = NamedSharding(p["sharding"].mesh, P(*entries), memory_kind=p["sharding"].memory_kind)
+    return eqn.replace(params={**p, "sharding": sharding, "unconstrained_dims": frozenset(free - {d})}), 1
+
+
+def _pinned(jaxpr: jex.Jaxpr, half: jex.Jaxpr) -> tuple[jex.Jaxpr, int]:
+    """``jaxpr`` with its free batch dims pinned to ``data``, and how many pins that was; a part of
+    it whose half-batch twin has another structure is left as it is."""
+    if len(jaxpr.eqns) != len(half.eqns):
+        return jaxpr, 0
+    eqns, count = [], 0
+    for eqn, twin in zip(jaxpr.eqns, half.eqns):
+        if eqn.primitive is not twin.primitive:
+            eqns.append(eqn)
+            continue
+        if eqn.primitive.name == "sharding_constraint":
+            eqn, n = _pin(eqn, twin)
+            count += n
+        else:
+            params, here = {}, 0
+            for k, v in eqn.params.items():
+                params[k], n = _inner(v, twin.params.get(k))
+                here += n
+            eqn, count = (eqn.replace(params=params) if here else eqn), count + here
+        eqns.append(eqn)
+    return jaxpr.replace(eqns=eqns), count
+
+
+def _inner(value, twin):
+    if isinstance(value, jex.ClosedJaxpr) and isinstance(twin, jex.ClosedJaxpr):
+        inner, n = _pinned(value.jaxpr, twin.jaxpr)
+        return jex.ClosedJaxpr(inner, value.consts), n
+    if isinstance(value, jex.Jaxpr) and isinstance(twin, jex.Jaxpr):
+        return _pinned(value, twin)
+    if isinstance(value, tuple) and isinstance(twin, tuple) and len(value) == len(twin):
+        pairs = [_inner(v, t) for v, t in zip(value, twin)]
+        return tuple(v for v, _ in pairs), sum(n for _, n in pairs)
+    return value, 0
+
+
+def batch_over_data(fn: Callable, *, batch_arg: int = 1) -> Callable:
+    """``fn(model, ..., batch, ...)`` evaluated with the free batch dim of each of its layout pins
+    naming ``data`` (see the module's text). Under a ``data`` already manual (inside a
+    ``shard_map`` over it) or for a batch of one row: ``fn`` as it is."""
+
+    @functools.wraps(fn)
+    def run(*args):
+        rows = batch_size(args[batch_arg])
+        if rows < 2 or rows % 2 or DATA in jax.sharding.get_abstract_mesh().manual_axes:
+            return fn(*args)
+        closed, out_arrays, out_static = eqx.filter_make_jaxpr(fn)(*args)
+        halved = list(args)
+        halved[batch_arg] = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((rows // 2, *x.shape[1:]), x.dtype)
+            if eqx.is_array(x) and x.ndim and x.shape[0] == rows else x, args[batch_arg])
+        half = eqx.filter_make_jaxpr(fn)(*halved)[0]
+        jaxpr, _ = _pinned(closed.jaxpr, half.jaxpr)
+        outs = jex.jaxpr_as_fun(jex.ClosedJaxpr(jaxpr, closed.consts))(*jax.tree.leaves(eqx.filter(args, eqx.is_array)))
+        return eqx.combine(jax.tree.unflatten(jax.tree.structure(out_arrays), outs), out_static)
+
+    return run
