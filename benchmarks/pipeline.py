@@ -111,7 +111,7 @@ def probe(task: dict) -> dict:
 
 
 def _hlo(task: dict) -> dict:
-    """A small LLaMA's train step on 8 CPU devices (data 4 x model 2, fsdp, remat, bf16, no stages), by
+    """A small LLaMA's train step on 8 CPU devices (data 4 x model 2, remat, bf16, no stages), by
     the redeqx on this worker's path: the seconds from the abstract model to the compiled program
     (specs, state, trace, lower, compile), and the program's hash (its metadata and the tables of source
     locations, which name files and lines, left out)."""
@@ -138,7 +138,7 @@ def _hlo(task: dict) -> dict:
     batch = {k: jax.ShapeDtypeStruct((8, 256), jnp.int32, sharding=NamedSharding(mesh, P("data")))
              for k in ("input_ids", "labels")}
     model = eqx.filter_eval_shape(lambda: models.LlamaForCausalLM(config, key=jax.random.key(0)))
-    specs = redeqx.sharding_rules(model, mesh, loss_fn=loss_fn, batch=batch, fsdp=True)
+    specs = redeqx.sharding_rules(model, mesh, loss_fn=loss_fn, batch=batch)  # no fsdp: its pins changed after
     state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(0))
     step = redeqx.make_train_step(redeqx.remat(loss_fn), optimizer, mesh, specs, compute_dtype=jnp.bfloat16)
     with jax.set_mesh(mesh):
@@ -381,13 +381,15 @@ def _findings(found: dict) -> str:
                        f"{tokens * zero3 / 10 / sent / 1e3:.0f}k tokens a step (now {tokens / 1e3:.0f}k) they would "
                        "reach 1/10 of ZeRO-3's; a larger batch runs as accumulated steps of this one, each of which "
                        "gathers the weights again.")
-        if base and not base["refused"]:
+        if base and not base["refused"] and "flops" in ref:
+            whole = base.get("largest") and base["largest"][0][1].split("[")[1].startswith(f"{c['rows']},")
+            why = (f": the partitioner (Shardy) keeps every activation for the whole batch ({c['rows']} rows) on "
+                   "each device and splits the fsdp weights' contraction over data, all-reducing the products, "
+                   "instead of splitting the batch over data and gathering the weights" if whole else
+                   ", the batch split over data (the steps pin it at the model's layout pins with fsdp)")
             out.append(f"- {size.upper()}, FSDP as compiled (no stages, fsdp): its largest collective is "
-                       f"{_largest(base)}: the partitioner (Shardy) keeps every activation for the whole batch "
-                       f"({c['rows']} rows) on each device and splits the fsdp weights' contraction over data, "
-                       "all-reducing the products, instead of splitting the batch over data and gathering the weights; "
-                       f"so its FLOPs are {base['flops'] / ref['flops']:.2f}x the batch-split step's." if "flops" in ref
-                       else "")
+                       f"{_largest(base)}{why}; its FLOPs are {base['flops'] / ref['flops']:.2f}x the batch-split "
+                       "step's without fsdp.")
     return "\n".join(["", "What the tables say:", "", *[line for line in out if line]])
 
 
@@ -468,7 +470,7 @@ def _no_stages(run: Probes, before: str) -> str:
     low = {name: min(p["seconds"] for p in ps) for name, ps in got.items()}
     return "\n".join([
         "", "Cost to users who do not ask for stages: a small LLaMA (4 stacked layers, hidden 256, vocab 1024; data 4 "
-        "x model 2 on 8 XLA:CPU devices, fsdp, remat, bf16, AdamW, 8 rows of 256 tokens) built, traced, lowered and "
+        "x model 2 on 8 XLA:CPU devices, remat, bf16, AdamW, 8 rows of 256 tokens) built, traced, lowered and "
         f"compiled by `make_train_step` at HEAD ({commits['HEAD']}) and before the pipeline ({commits['before']}), "
         f"each in {ROUNDS} fresh processes, the two alternated:", "",
         "| redeqx | compiled HLO (sha256, metadata and source locations left out) | seconds, median | fastest | "
