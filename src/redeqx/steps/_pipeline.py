@@ -129,13 +129,12 @@ def pipelined_layer_scans(fn: Callable, mesh: Mesh, microbatches: int | None, *,
             return eqn.params["jaxpr"]
 
         model_leaves = len(jax.tree.leaves(eqx.filter(args[0], eqx.is_array)))
-        named = leaves_with_specs(args[0], specs) if specs is not None else None
-        runner = _Runner(mesh, s, m, fn, manual, traced_here, [spec for _, _, spec in named] if named else None)
+        runner = _Runner(mesh, s, m, fn, manual, traced_here)
         leaves = jax.tree.leaves(eqx.filter(args, eqx.is_array))
         outs = runner.eval(closed.jaxpr, closed.consts, leaves, closed_mb.jaxpr,
                            {v: i for i, v in enumerate(closed.jaxpr.invars[:model_leaves])}, ())
         if specs is not None:
-            _check_staged(named, runner.sliced, s)
+            _check_staged(leaves_with_specs(args[0], specs), runner.sliced, s)
         if runner.found == 0:
             raise PipelineError(
                 f"the mesh has n_pipeline_stages={s}, but {_name(fn)} runs no jax.lax.scan over stacked layers for "
@@ -206,16 +205,10 @@ def _sources(jaxpr, model_vars: dict) -> dict:
 class _Runner:
     """Evaluates a jaxpr equation by equation, running stacked-layer scans as `pipeline_scan`."""
 
-    def __init__(self, mesh: Mesh, s: int, m: int, fn, manual: set, traced_here, leaf_specs=None):
+    def __init__(self, mesh: Mesh, s: int, m: int, fn, manual: set, traced_here):
         self.mesh, self.s, self.m, self.fn, self.manual, self.traced_here = mesh, s, m, fn, manual, traced_here
-        self.leaf_specs = leaf_specs  # each model leaf's spec (flat), when the step knows them
         self.found = 0
         self.sliced: set[int] = set()  # the model leaves (flat index) the pipelined scans slice
-
-    def _spec_of(self, leaf: int | None) -> P | None:
-        if self.leaf_specs is None or leaf is None or leaf < 0:
-            return None
-        return self.leaf_specs[leaf]
 
     def eval(self, jaxpr, consts, args, jaxpr_mb, model_vars, path: tuple):
         env = {}
@@ -241,9 +234,7 @@ class _Runner:
                 first_x = eqn.params["num_consts"] + eqn.params["num_carry"]
                 self.sliced |= {sources[v] for v in eqn.invars[first_x:] if not isinstance(v, jex.Literal)
                                 and v in sources}
-                x_specs = [self._spec_of(sources.get(v)) if not isinstance(v, jex.Literal) else None
-                           for v in eqn.invars[first_x:]]
-                outs = pipeline_scan(eqn, eqn_mb, invals, self, path + (i,), x_specs)
+                outs = pipeline_scan(eqn, eqn_mb, invals, self, path + (i,))
             elif inner is not None and _holds_stack(inner.jaxpr, inner_seed(inner.jaxpr, eqn, weights)):
                 inner_vars = {iv: sources.get(ov, -1) for iv, ov in zip(inner.jaxpr.invars, eqn.invars)
                               if not isinstance(ov, jex.Literal) and ov in weights}
@@ -301,10 +292,9 @@ def _spec(ndim: int, stage: int | None = None, data: int | None = None) -> P:
     return P(*entries)
 
 
-def pipeline_scan(eqn, eqn_mb, invals, runner: _Runner, path: tuple, x_specs=None) -> list:
-    """The outputs of scan ``eqn`` on ``invals``, computed as a GPipe pipeline over ``stage``;
-    ``x_specs``: the spec of the model leaf each sliced operand is (None: not known)."""
-    return _Pipeline(eqn, eqn_mb, runner, path, x_specs).run(invals)
+def pipeline_scan(eqn, eqn_mb, invals, runner: _Runner, path: tuple) -> list:
+    """The outputs of scan ``eqn`` on ``invals``, computed as a GPipe pipeline over ``stage``."""
+    return _Pipeline(eqn, eqn_mb, runner, path).run(invals)
 
 
 def _unbatched(x):
@@ -317,7 +307,7 @@ class _Pipeline:
     """One stacked-layer scan run as a pipeline: the batch dims of its operands, their microbatched
     and staged forms, the stages' ``shard_map`` and its specs, the outputs put back together."""
 
-    def __init__(self, eqn, eqn_mb, runner: _Runner, path: tuple, x_specs=None):
+    def __init__(self, eqn, eqn_mb, runner: _Runner, path: tuple):
         self.runner, self.path, self.mesh, self.s, self.m = runner, path, runner.mesh, runner.s, runner.m
         fn, p = runner.fn, eqn.params
         self.length, self.n_consts, self.n_carry, self.reverse = p["length"], p["num_consts"], p["num_carry"], p["reverse"]
@@ -344,12 +334,6 @@ class _Pipeline:
         self.unroll = self.per_stage if unroll is True else max(1, min(int(unroll), self.per_stage))
         # microbatches each stage sends in and takes out; None: all of them on every stage
         self.share = self.m // self.s if self.m % self.s == 0 else None
-        # with data the partitioner's (fsdp), each tick's weight gradients laid out as the weights (a
-        # reduce-scatter a tick, as FSDP does a microbatch), so that their sum over the ticks stays split
-        # rather than whole on every device of a stage (the 70B's S=4: 8.5 GiB more temporaries)
-        self.grad_layouts = [None] * len(self.x_dims)
-        if self.data is None and x_specs is not None:
-            self.grad_layouts = [_local_layout(spec, d) for spec, d in zip(x_specs, self.x_dims)]
 
     def _micro(self, x, d):
         return _to_micro(x, d, self.m, self.n_data) if d is not None else x
@@ -441,7 +425,6 @@ class _Pipeline:
         def layers(state, j):
             cs = [c[j] if d is not None else c for c, d in zip(consts_mb, self.c_dims)]
             xj = [x[j] if d is not None else x for x, d in zip(local, self.x_dims)]
-            xj = [x if spec is None else _grad_laid_out(x, spec) for x, spec in zip(xj, self.grad_layouts)]
 
             def one(c, x):
                 out = layer_fn(*cs, *c, *x)
@@ -450,31 +433,6 @@ class _Pipeline:
             return jax.lax.scan(one, state, xj, length=self.per_stage, unroll=self.unroll)
 
         return layers
-
-
-def _local_layout(spec: P | None, batch_dim: int | None) -> P | None:
-    """A stacked leaf's spec as its stage sees its layers: ``stage`` dropped from the layer axis; None
-    for a leaf split over no auto axis, or one with rows (not a weight)."""
-    if spec is None or batch_dim is not None or not any(e is not None for e in list(spec)[1:]):
-        return None
-    return P(None, *list(spec)[1:])
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _grad_laid_out(x, spec):
-    """``x``; its gradient constrained to ``spec`` (inside the stages: over the auto axes)."""
-    return x
-
-
-def _grad_laid_out_fwd(x, spec):
-    return x, None
-
-
-def _grad_laid_out_bwd(spec, _, g):
-    return (jax.lax.with_sharding_constraint(g, spec),)
-
-
-_grad_laid_out.defvjp(_grad_laid_out_fwd, _grad_laid_out_bwd)
 
 
 def _spread(values, specs, manual: set, mesh: Mesh):
