@@ -8,7 +8,10 @@ and splitting the weights' contraction: libtpu compiled a 7B LLaMA's FSDP step w
 FLOPs and 6.5x the collective bytes of the same step with the batch pinned (benchmarks/RESULTS.md,
 "Pipeline stages"). With a weight split over ``data``, the train and eval steps therefore evaluate
 the loss with each pin that leaves its batch dim free naming ``data`` there instead, which is what
-``jax.vmap(model, spmd_axis_name="data")`` would do. The batch dim of a pinned value is found by
+``jax.vmap(model, spmd_axis_name="data")`` would do. With pipeline stages they name ``("data",
+"stage")``: the rows each stage holds outside the stack are those the pipeline deals it, so the
+embedding and the head run on ``1 / S`` of a data shard's rows on each stage, not all of them on every
+stage. The batch dim of a pinned value is found by
 tracing the loss a second time on half the rows: the dim that halves.
 """
 
@@ -23,7 +26,7 @@ import jax.extend.core as jex
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..data import batch_size
-from ..mesh import DATA
+from ..mesh import DATA, STAGE
 
 
 def _pinned_dim(full, half) -> int | None:
@@ -31,21 +34,21 @@ def _pinned_dim(full, half) -> int | None:
     return dims[0] if len(full) == len(half) and len(dims) == 1 and full[dims[0]] == 2 * half[dims[0]] else None
 
 
-def _pin(eqn, eqn_half):
-    """A ``sharding_constraint`` whose batch dim is free, with ``data`` there; else ``eqn`` as it is."""
+def _pin(eqn, eqn_half, axes: tuple[str, ...]):
+    """A ``sharding_constraint`` whose batch dim is free, with ``axes`` there; else ``eqn`` as it is."""
     p = eqn.params
     spec, free = p["sharding"].spec, p.get("unconstrained_dims") or frozenset()
     d = _pinned_dim(tuple(eqn.invars[0].aval.shape), tuple(eqn_half.invars[0].aval.shape))
     used = {a for e in spec if e is not None and e is not P.UNCONSTRAINED for a in (e if isinstance(e, tuple) else (e,))}
-    if d is None or d not in free or d >= len(spec) or spec[d] is not P.UNCONSTRAINED or DATA in used:
+    if d is None or d not in free or d >= len(spec) or spec[d] is not P.UNCONSTRAINED or used & set(axes):
         return eqn, 0
     entries = list(spec)
-    entries[d] = DATA
+    entries[d] = axes[0] if len(axes) == 1 else axes
     sharding = NamedSharding(p["sharding"].mesh, P(*entries), memory_kind=p["sharding"].memory_kind)
     return eqn.replace(params={**p, "sharding": sharding, "unconstrained_dims": frozenset(free - {d})}), 1
 
 
-def _pinned(jaxpr: jex.Jaxpr, half: jex.Jaxpr) -> tuple[jex.Jaxpr, int]:
+def _pinned(jaxpr: jex.Jaxpr, half: jex.Jaxpr, axes: tuple[str, ...]) -> tuple[jex.Jaxpr, int]:
     """``jaxpr`` with its free batch dims pinned to ``data``, and how many pins that was; a part of
     it whose half-batch twin has another structure is left as it is."""
     if len(jaxpr.eqns) != len(half.eqns):
@@ -56,39 +59,51 @@ def _pinned(jaxpr: jex.Jaxpr, half: jex.Jaxpr) -> tuple[jex.Jaxpr, int]:
             eqns.append(eqn)
             continue
         if eqn.primitive.name == "sharding_constraint":
-            eqn, n = _pin(eqn, twin)
+            eqn, n = _pin(eqn, twin, axes)
             count += n
         else:
             params, here = {}, 0
             for k, v in eqn.params.items():
-                params[k], n = _inner(v, twin.params.get(k))
+                params[k], n = _inner(v, twin.params.get(k), axes)
                 here += n
             eqn, count = (eqn.replace(params=params) if here else eqn), count + here
         eqns.append(eqn)
     return jaxpr.replace(eqns=eqns), count
 
 
-def _inner(value, twin):
+def _inner(value, twin, axes):
     if isinstance(value, jex.ClosedJaxpr) and isinstance(twin, jex.ClosedJaxpr):
-        inner, n = _pinned(value.jaxpr, twin.jaxpr)
+        inner, n = _pinned(value.jaxpr, twin.jaxpr, axes)
         return jex.ClosedJaxpr(inner, value.consts), n
     if isinstance(value, jex.Jaxpr) and isinstance(twin, jex.Jaxpr):
-        return _pinned(value, twin)
+        return _pinned(value, twin, axes)
     if isinstance(value, tuple) and isinstance(twin, tuple) and len(value) == len(twin):
-        pairs = [_inner(v, t) for v, t in zip(value, twin)]
+        pairs = [_inner(v, t, axes) for v, t in zip(value, twin)]
         return tuple(v for v, _ in pairs), sum(n for _, n in pairs)
     return value, 0
 
 
-def batch_over_data(fn: Callable, *, batch_arg: int = 1) -> Callable:
+def batch_pins(mesh, microbatches: int | None, weights_over_data: bool) -> tuple[str, ...]:
+    """The axes the batch is pinned to in a step on ``mesh``: ``data`` (and ``stage``, when the
+    stages deal each a share of the microbatches) with fsdp or stages; none otherwise."""
+    stages = dict(mesh.shape).get(STAGE, 1)
+    if stages > 1 and microbatches is not None and microbatches % stages == 0:
+        return (DATA, STAGE)
+    if stages > 1 or (weights_over_data and mesh.shape[DATA] > 1):
+        return (DATA,)
+    return ()
+
+
+def batch_over_data(fn: Callable, *, batch_arg: int = 1, axes: tuple[str, ...] = (DATA,)) -> Callable:
     """``fn(model, ..., batch, ...)`` evaluated with the free batch dim of each of its layout pins
-    naming ``data`` (see the module's text). Under a ``data`` already manual (inside a
-    ``shard_map`` over it) or for a batch of one row: ``fn`` as it is."""
+    naming ``axes`` (see the module's text): ``("data", "stage")`` with pipeline stages, whose
+    embedding and head then run on the rows the stages deal (`redeqx.steps._pipeline`). Under a
+    ``data`` already manual (inside a ``shard_map`` over it) or for a batch of one row: ``fn`` as it is."""
 
     @functools.wraps(fn)
     def run(*args):
         rows = batch_size(args[batch_arg])
-        if rows < 2 or rows % 2 or DATA in jax.sharding.get_abstract_mesh().manual_axes:
+        if rows < 2 or rows % 2 or set(axes) & set(jax.sharding.get_abstract_mesh().manual_axes):
             return fn(*args)
         closed, out_arrays, out_static = eqx.filter_make_jaxpr(fn)(*args)
         halved = list(args)
@@ -96,7 +111,7 @@ def batch_over_data(fn: Callable, *, batch_arg: int = 1) -> Callable:
             lambda x: jax.ShapeDtypeStruct((rows // 2, *x.shape[1:]), x.dtype)
             if eqx.is_array(x) and x.ndim and x.shape[0] == rows else x, args[batch_arg])
         half = eqx.filter_make_jaxpr(fn)(*halved)[0]
-        jaxpr, _ = _pinned(closed.jaxpr, half.jaxpr)
+        jaxpr, _ = _pinned(closed.jaxpr, half.jaxpr, axes)
         outs = jex.jaxpr_as_fun(jex.ClosedJaxpr(jaxpr, closed.consts))(*jax.tree.leaves(eqx.filter(args, eqx.is_array)))
         return eqx.combine(jax.tree.unflatten(jax.tree.structure(out_arrays), outs), out_static)
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ._conv_grads import exact_grouped_convs
-from ._batch_pins import batch_over_data
+from ._batch_pins import batch_over_data, batch_pins
 from ._fp8 import fp8_matmuls
 from ._pipeline import pipelined_layer_scans
 from ._remat import ScanResiduals, keep_products
@@ -177,8 +177,8 @@ def loss_and_grads(loss_fn, compute_dtype=None, *, inference: bool = False,
     if fp8:
         loss_fn = fp8_matmuls(loss_fn)
     loss_fn = rewritten(loss_fn, exact_grouped_convs, *([keep_products] if scan_residuals == "products" else []))
-    if mesh is not None and weights_over_data and mesh.shape[DATA] > 1:
-        loss_fn = batch_over_data(loss_fn)
+    if mesh is not None and (pins := batch_pins(mesh, microbatches, weights_over_data)):
+        loss_fn = batch_over_data(loss_fn, axes=pins)
     if mesh is not None:
         loss_fn = pipelined_layer_scans(loss_fn, mesh, microbatches, weights_over_data=weights_over_data,
                                         specs=specs)

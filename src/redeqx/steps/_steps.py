@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from ._batch_pins import batch_over_data
+from ._batch_pins import batch_over_data, batch_pins
 from ._conv_grads import products_for_batch_grouped_convs
 from ._pipeline import check_microbatches, pipelined_layer_scans
 from ._compiled import CompiledStep, StepFunction, stay_in_place, where_it_is
@@ -289,10 +289,11 @@ class EvalStep:
 
     def __init__(self, loss_fn, mesh: Mesh, specs, compute_dtype, microbatches=None):
         fsdp = splits_over(specs, DATA) and mesh.shape[DATA] > 1
+        pins = batch_pins(mesh, microbatches, fsdp)
 
         def per_example(model, batch, key, model_state):
             check_batch(batch, mesh)
-            pinned = batch_over_data(examples) if fsdp else examples  # as loss_and_grads does
+            pinned = batch_over_data(examples, axes=pins) if pins else examples  # as loss_and_grads does
             return pipelined_layer_scans(pinned, mesh, microbatches, weights_over_data=fsdp,
                                          specs=specs)(model, batch, key, model_state)
 
