@@ -26,14 +26,51 @@ def rewritten(fn: Callable, *rewrites: Rewrite) -> Callable:
 
     @functools.wraps(fn)
     def run(*args):
-        closed, out_arrays, out_static = eqx.filter_make_jaxpr(fn)(*args)  # fn runs once, here
+        closed, leaves, rebuild = traced(fn, *args)  # fn runs once, here
         for rewrite in rewrites:
             closed = rewrite(closed)
-        leaves = jax.tree.leaves(eqx.filter(args, eqx.is_array))
-        outs = jex.jaxpr_as_fun(closed)(*leaves)
-        return eqx.combine(jax.tree.unflatten(jax.tree.structure(out_arrays), outs), out_static)
+        return rebuild(jex.jaxpr_as_fun(closed)(*leaves))
 
     return run
+
+
+def traced(fn: Callable, *args):
+    """``fn(*args)`` traced: ``(closed jaxpr, the arguments' array leaves (its inputs), rebuild)``,
+    ``rebuild(outputs)`` giving back ``fn``'s result from the program's outputs (non-array results as
+    they were)."""
+    closed, out_arrays, out_static = eqx.filter_make_jaxpr(fn)(*args)
+    leaves = jax.tree.leaves(eqx.filter(args, eqx.is_array))
+    return closed, leaves, lambda outs: eqx.combine(jax.tree.unflatten(jax.tree.structure(out_arrays), outs),
+                                                    out_static)
+
+
+def with_rows(args: tuple, batch_arg: int, rows: int, new_rows: int) -> list:
+    """``args`` with the batch (``args[batch_arg]``) as abstract arrays of ``new_rows`` rows where it
+    has ``rows``: the same program traced on another batch size, to find which values carry it."""
+    out = list(args)
+    out[batch_arg] = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((new_rows, *x.shape[1:]), x.dtype)
+        if eqx.is_array(x) and x.ndim and x.shape[0] == rows else x, args[batch_arg])
+    return out
+
+
+def rows_dim(full: tuple, part: tuple, factor: int) -> int | None | bool:
+    """Which dim of a value carries the batch, from its shape traced on the whole batch (``full``)
+    and on ``1 / factor`` of it (``part``): that dim; None where the shapes agree (no batch dim);
+    False where no single dim shrank ``factor``-fold."""
+    if full == part:
+        return None
+    dims = [d for d, (a, b) in enumerate(zip(full, part)) if a != b]
+    if len(full) != len(part) or len(dims) != 1 or full[dims[0]] != factor * part[dims[0]]:
+        return False
+    return dims[0]
+
+
+def bind(eqn, invals) -> list:
+    """``eqn`` applied to ``invals`` as its program would (in its own context): its outputs, a list."""
+    with eqn.ctx.manager:
+        outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+    return outs if eqn.primitive.multiple_results else [outs]
 
 
 def inner_jaxprs(eqn):

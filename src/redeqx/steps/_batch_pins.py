@@ -27,20 +27,16 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..data import batch_size
 from ..mesh import DATA, STAGE
-
-
-def _pinned_dim(full, half) -> int | None:
-    dims = [d for d, (a, b) in enumerate(zip(full, half)) if a != b]
-    return dims[0] if len(full) == len(half) and len(dims) == 1 and full[dims[0]] == 2 * half[dims[0]] else None
+from .._rewrite import rows_dim, traced, with_rows
 
 
 def _pin(eqn, eqn_half, axes: tuple[str, ...]):
     """A ``sharding_constraint`` whose batch dim is free, with ``axes`` there; else ``eqn`` as it is."""
     p = eqn.params
     spec, free = p["sharding"].spec, p.get("unconstrained_dims") or frozenset()
-    d = _pinned_dim(tuple(eqn.invars[0].aval.shape), tuple(eqn_half.invars[0].aval.shape))
+    d = rows_dim(tuple(eqn.invars[0].aval.shape), tuple(eqn_half.invars[0].aval.shape), 2)
     used = {a for e in spec if e is not None and e is not P.UNCONSTRAINED for a in (e if isinstance(e, tuple) else (e,))}
-    if d is None or d not in free or d >= len(spec) or spec[d] is not P.UNCONSTRAINED or used & set(axes):
+    if d is None or d is False or d not in free or d >= len(spec) or spec[d] is not P.UNCONSTRAINED or used & set(axes):
         return eqn, 0
     entries = list(spec)
     entries[d] = axes[0] if len(axes) == 1 else axes
@@ -105,14 +101,9 @@ def batch_over_data(fn: Callable, *, batch_arg: int = 1, axes: tuple[str, ...] =
         rows = batch_size(args[batch_arg])
         if rows < 2 or rows % 2 or set(axes) & set(jax.sharding.get_abstract_mesh().manual_axes):
             return fn(*args)
-        closed, out_arrays, out_static = eqx.filter_make_jaxpr(fn)(*args)
-        halved = list(args)
-        halved[batch_arg] = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct((rows // 2, *x.shape[1:]), x.dtype)
-            if eqx.is_array(x) and x.ndim and x.shape[0] == rows else x, args[batch_arg])
-        half = eqx.filter_make_jaxpr(fn)(*halved)[0]
+        closed, leaves, rebuild = traced(fn, *args)
+        half = eqx.filter_make_jaxpr(fn)(*with_rows(args, batch_arg, rows, rows // 2))[0]
         jaxpr, _ = _pinned(closed.jaxpr, half.jaxpr, axes)
-        outs = jex.jaxpr_as_fun(jex.ClosedJaxpr(jaxpr, closed.consts))(*jax.tree.leaves(eqx.filter(args, eqx.is_array)))
-        return eqx.combine(jax.tree.unflatten(jax.tree.structure(out_arrays), outs), out_static)
+        return rebuild(jex.jaxpr_as_fun(jex.ClosedJaxpr(jaxpr, closed.consts))(*leaves))
 
     return run

@@ -25,7 +25,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
-from .._rewrite import call_body, derived_from, inner_seed
+from .._rewrite import bind, call_body, derived_from, inner_seed, traced
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
@@ -149,9 +149,7 @@ class _Fp8:
             run = jax.checkpoint(lambda *a: self.eval(body, (), a, inner(body)), prevent_cse=p["prevent_cse"],
                                  policy=p["policy"])
             return run(*invals)
-        with eqn.ctx.manager:
-            outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(p))
-        return outs if eqn.primitive.multiple_results else [outs]
+        return bind(eqn, invals)
 
     def _scan(self, eqn, invals, inner) -> list:
         p = eqn.params
@@ -174,15 +172,15 @@ def fp8_matmuls(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def run(*args):
-        closed, out_arrays, out_static = eqx.filter_make_jaxpr(fn)(*args)
+        closed, leaves, rebuild = traced(fn, *args)
         n_model = len(jax.tree.leaves(eqx.filter(args[0], eqx.is_array)))
         seed = set(closed.jaxpr.invars[:n_model])
         rewrite = _Fp8(vocabularies(closed.jaxpr, seed))
-        outs = rewrite.eval(closed.jaxpr, closed.consts, jax.tree.leaves(eqx.filter(args, eqx.is_array)), seed)
+        outs = rewrite.eval(closed.jaxpr, closed.consts, leaves, seed)
         if rewrite.converted == 0:
             raise ValueError(
                 f"fp8=True, but loss_fn {getattr(fn, '__name__', '?')!r} multiplies no weight of the model by an "
                 "activation with jax.lax.dot_general (a Linear layer, x @ W): there is nothing to run in fp8.")
-        return eqx.combine(jax.tree.unflatten(jax.tree.structure(out_arrays), outs), out_static)
+        return rebuild(outs)
 
     return run

@@ -46,7 +46,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from ..data import batch_size
 from ..mesh import DATA, MODEL, STAGE
-from .._rewrite import call_body, derived_from, inner_seed
+from .._rewrite import bind, call_body, derived_from, inner_seed, rows_dim, traced, with_rows
 from .._trees import leaves_with_specs
 from .._typing import warn_user
 
@@ -94,7 +94,7 @@ def pipelined_layer_scans(fn: Callable, mesh: Mesh, microbatches: int | None, *,
 
     @functools.wraps(fn)
     def run(*args):
-        closed, out_arrays, out_static = eqx.filter_make_jaxpr(fn)(*args)
+        closed, leaves, rebuild = traced(fn, *args)
         rows = batch_size(args[batch_arg])
         m, n_data = microbatches, mesh.shape[DATA]
         if rows % (m * n_data):
@@ -106,15 +106,8 @@ def pipelined_layer_scans(fn: Callable, mesh: Mesh, microbatches: int | None, *,
                 "a batch of a multiple of that many rows.")
         manual = {STAGE} | ({DATA} if n_data > 1 and not weights_over_data else set())
 
-        def shaped(per):
-            out = list(args)
-            out[batch_arg] = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct((per, *x.shape[1:]), x.dtype)
-                if eqx.is_array(x) and x.ndim and x.shape[0] == rows else x, args[batch_arg])
-            return out
-
-        closed_mb = eqx.filter_make_jaxpr(fn)(*shaped(rows // m))[0]
-        local = shaped(rows // (m * n_data) if DATA in manual else rows // m)
+        closed_mb = eqx.filter_make_jaxpr(fn)(*with_rows(args, batch_arg, rows, rows // m))[0]
+        local = with_rows(args, batch_arg, rows, rows // (m * n_data) if DATA in manual else rows // m)
 
         def traced_here(path):  # the stack's body, traced where it runs (inside the stages' shard_map)
             jaxpr = eqx.filter_make_jaxpr(fn)(*jax.tree.map(_abstract, local, is_leaf=eqx.is_array))[0].jaxpr
@@ -130,7 +123,6 @@ def pipelined_layer_scans(fn: Callable, mesh: Mesh, microbatches: int | None, *,
 
         model_leaves = len(jax.tree.leaves(eqx.filter(args[0], eqx.is_array)))
         runner = _Runner(mesh, s, m, fn, manual, traced_here)
-        leaves = jax.tree.leaves(eqx.filter(args, eqx.is_array))
         outs = runner.eval(closed.jaxpr, closed.consts, leaves, closed_mb.jaxpr,
                            {v: i for i, v in enumerate(closed.jaxpr.invars[:model_leaves])}, ())
         if specs is not None:
@@ -141,7 +133,7 @@ def pipelined_layer_scans(fn: Callable, mesh: Mesh, microbatches: int | None, *,
                 "the stages to split: stack the repeated layers on a leading axis (eqx.filter_vmap over their "
                 "constructor) and run them with jax.lax.scan, as the zoo's models do (scan_layers=True), or make "
                 "the mesh without n_pipeline_stages.")
-        return eqx.combine(jax.tree.unflatten(jax.tree.structure(out_arrays), outs), out_static)
+        return rebuild(outs)
 
     return run
 
@@ -240,10 +232,7 @@ class _Runner:
                               if not isinstance(ov, jex.Literal) and ov in weights}
                 outs = self.eval(inner.jaxpr, inner.consts, invals, call_body(eqn_mb).jaxpr, inner_vars, path + (i,))
             else:
-                with eqn.ctx.manager:
-                    outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-                if not eqn.primitive.multiple_results:
-                    outs = [outs]
+                outs = bind(eqn, invals)
             for v, x in zip(eqn.outvars, outs):
                 if not isinstance(v, jex.DropVar):
                     env[v] = x
@@ -252,15 +241,13 @@ class _Runner:
 
 def _batch_dim(full, micro, m: int, what: str, fn) -> int | None:
     """The dim of ``full`` that is ``m`` times that of ``micro`` (None: no batch dim)."""
-    if full == micro:
-        return None
-    dims = [d for d, (a, b) in enumerate(zip(full, micro)) if a != b]
-    if len(full) != len(micro) or len(dims) != 1 or full[dims[0]] != m * micro[dims[0]]:
+    d = rows_dim(full, micro, m)
+    if d is False:
         raise PipelineError(
             f"{_name(fn)}'s stacked-layer scan has {what} of shape {full} on the whole batch but {micro} on one "
             f"of {m} microbatches: the pipeline needs each value the layers see to carry the batch on one dim "
             "(or not at all).")
-    return dims[0]
+    return d
 
 
 def _to_micro(x, dim: int, m: int, n_data: int):
