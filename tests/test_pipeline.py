@@ -396,3 +396,14 @@ def test_fsdp_keeps_the_batch_split_over_data_at_the_models_layout_pins():
 
     pinned = lambda text: len(re.findall(r'sdy.sharding_constraint %\S+ <@mesh, \[\{"data"\}', text))  # noqa: E731
     assert pinned(lowered(True)) >= 3 and pinned(lowered(False)) == 0
+
+
+def test_with_stages_the_batch_outside_the_stack_is_split_over_data_and_stage():
+    """The embedding and head run on the rows the pipeline deals each stage (libtpu's 70B S=4 with fsdp
+    peaked 2.1 GiB higher, at 16 layers, while each stage computed them on all its data shard's rows)."""
+    model, batch = zoo("llama"), {"ids": jax.ShapeDtypeStruct((16, 9), jnp.int32)}
+    mesh = redeqx.make_mesh(1, n_pipeline_stages=2)
+    specs = redeqx.sharding_rules(model, mesh, loss_fn=lm_loss, batch=batch)
+    state = redeqx.init_state(eqx.filter_eval_shape(lambda: model), optax.sgd(1.0), mesh, specs, key=jax.random.key(0))
+    lowered = redeqx.make_train_step(lm_loss, optax.sgd(1.0), mesh, specs, microbatches=4).lower(state, batch).as_text()
+    assert len(re.findall(r'sdy.sharding_constraint %\S+ <@mesh, \[\{"data", "stage"\}', lowered)) >= 2
