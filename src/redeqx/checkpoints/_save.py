@@ -37,7 +37,8 @@ from ._format import (
     step_of,
     train_view,
 )
-from ._integrity import FIELDS_HASH, HASH, fields_hash, fingerprints
+from ._hashing import HASH, fingerprints
+from ._integrity import FIELDS_HASH, fields_hash
 
 
 def check_dtype(dtype):

@@ -1,0 +1,206 @@
+"""The content hash a checkpoint keeps of each array: per leaf a word sum and a
+64-bit hash of every word at its place, the same on any layout and process
+count, computed on the devices (`fingerprints`), and the older checkpoints'
+per-piece digests (`unmatched_pieces`). `_integrity.py` checks them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import xxhash
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from ._format import all_processes
+
+
+# ----------------------------------------------------------------------------- checksums and content hashes
+#
+# Two per leaf, from one pass on the devices: a sum of the leaf's words
+# (catches a flipped bit; the first format's check, still written for older
+# readers) and a content hash that also catches two values swapped or two
+# sign flips. The hash is a sum too, so it is the same on any layout and
+# any number of processes (the partitioner adds the shards' parts with a
+# collective), but of each word mixed with its place in the array:
+# ``fmix32(word ^ (index * C + S))`` (murmur3's finaliser, in which every
+# input bit reaches every output bit; ``C`` odd, so each place has its own
+# key), in two lanes with their own ``C`` and ``S``, 64 bits in all. A change
+# anywhere moves each lane by an unpredictable amount: a damaged array
+# passes with odds of about 2**-64. Nothing leaves the devices but the
+# numbers (no copy of the arrays to the host, as hashing there would
+# need); on XLA:CPU the pass costs a few times the word sum, on an
+# accelerator it is bound by memory bandwidth.
+#
+# Checkpoints written before it hold an ``xxh3_128`` digest of each piece a
+# saving device held instead, checked where this process holds the piece
+# whole (`unmatched_pieces`).
+
+HASH = "content_hash"
+_LANES = ((0x9E3779B1, 0x7F4A7C15), (0x85EBCA77, 0xC2B2AE3D))  # (C, S) of each 32-bit lane
+
+
+def _fmix32(h):
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _words(x):
+    """``x``'s bits as ``uint32``, one word per element (a trailing axis of
+    two for 64-bit dtypes)."""
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    if x.dtype.itemsize > 4:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}")).astype(jnp.uint32)
+
+
+# The pass runs on each device's own shard (`jax.shard_map`), a block of rows at a time, so that
+# what it adds to a device's memory is one block's words, never a copy of the leaf (a device of the
+# host on CPU: the host's memory). Each device sums its shard's terms at their places in the whole
+# array; one copy of each replicated shard counts; the sums are added over the mesh. Equal, term for
+# term, to the sum over the whole array, on any layout and process count.
+_BLOCK_WORDS = 1 << 22  # words a device hashes at once (16 MiB of uint32)
+
+
+def _place_index(shape, offsets, strides):
+    """The row-major place in the whole array (mod 2**32) of each word of a block of ``shape`` whose
+    first word sits at ``offsets`` (per dim) of an array with row-major ``strides``."""
+    index = jnp.zeros(shape, jnp.uint32)
+    for d in range(len(shape)):
+        at = jax.lax.broadcasted_iota(jnp.uint32, shape, d) + offsets[d].astype(jnp.uint32)
+        index = index + at * jnp.uint32(strides[d] % 2**32)
+    return index
+
+
+def _block_terms(x, offsets, strides):
+    """(word sum, the two hash lanes' sums, all finite) of the block ``x`` at ``offsets``."""
+    finite = jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
+    plain = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
+    bits = jax.lax.bitcast_convert_type(plain, jnp.dtype(f"uint{plain.dtype.itemsize * 8}"))
+    checksum = jnp.sum(bits.astype(jnp.uint32), dtype=jnp.uint32)  # a 64-bit word counts its low half
+    words = _words(x)
+    index = _place_index(words.shape, list(offsets) + [jnp.uint32(0)] * (words.ndim - len(offsets)), strides)
+    lanes = jnp.stack([jnp.sum(_fmix32(words ^ (index * jnp.uint32(c) + jnp.uint32(s))), dtype=jnp.uint32)
+                       for c, s in _LANES])
+    return checksum, lanes, finite
+
+
+def _shard_terms(x, offsets, strides):
+    """`_block_terms` of a device's shard ``x``, a block of its leading dim at a time."""
+    if x.ndim == 0 or x.size <= _BLOCK_WORDS:
+        return _block_terms(x, offsets, strides)
+    row = x.size // x.shape[0]
+    rows = max(1, min(x.shape[0], _BLOCK_WORDS // max(1, row)))
+    while x.shape[0] % rows:  # whole blocks only: a divisor of the leading dim
+        rows -= 1
+    n = x.shape[0] // rows
+
+    def body(i, acc):
+        block = jax.lax.dynamic_slice_in_dim(x, i * rows, rows, axis=0)
+        at = [offsets[0] + (i * rows).astype(jnp.uint32)] + list(offsets[1:])
+        c, h, f = _block_terms(block, at, strides)
+        return acc[0] + c, acc[1] + h, acc[2] & f
+
+    zero = (jnp.uint32(0), jnp.zeros(2, jnp.uint32), jnp.bool_(True))
+    return jax.lax.fori_loop(0, n, body, zero)
+
+
+def _word_strides(shape, dtype) -> list[int]:
+    """Row-major strides of the words of a leaf of ``shape`` (a trailing axis of two for 64 bits)."""
+    words = list(shape) + ([2] if jnp.dtype(dtype).itemsize > 4 else [])
+    strides, stride = [0] * len(words), 1
+    for d in reversed(range(len(words))):
+        strides[d], stride = stride, stride * words[d]
+    return strides
+
+
+def _leaf_terms(x):
+    """`_shard_terms` of every device's shard of ``x``, added over the mesh (inside ``jit``)."""
+    strides = _word_strides(x.shape, x.dtype)
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or x.ndim == 0:
+        return _shard_terms(x, [jnp.uint32(0)] * x.ndim, strides)
+    mesh, spec = sharding.mesh, tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+    used = {a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)}
+
+    def per_device(shard):
+        offsets = []
+        for d, entry in enumerate(spec):
+            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            k = jnp.uint32(0)
+            for a in axes:  # the shard's index along dim d: the axes in order, the first major
+                k = k * jnp.uint32(mesh.shape[a]) + jax.lax.axis_index(a).astype(jnp.uint32)
+            offsets.append(k * jnp.uint32(shard.shape[d]))
+        checksum, lanes, finite = _shard_terms(shard, offsets, strides)
+        first = jnp.bool_(True)  # one copy of a shard that other axes replicate
+        for a in mesh.axis_names:
+            if a not in used:
+                first = first & (jax.lax.axis_index(a) == 0)
+        keep = first.astype(jnp.uint32)
+        axes = tuple(mesh.axis_names)
+        return (jax.lax.psum(checksum * keep, axes), jax.lax.psum(lanes * keep, axes),
+                jax.lax.psum((~finite).astype(jnp.int32), axes) == 0)
+
+    return jax.shard_map(per_device, mesh=mesh, in_specs=(P(*spec),), out_specs=(P(), P(), P()),
+                         check_vma=False)(x)
+
+
+def _hex(lanes) -> str:
+    return "".join(f"{int(v):08x}" for v in lanes)
+
+
+@jax.jit
+def _fingerprints(leaves: list) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per leaf, its ``uint32`` word sum (wrapping mod 2**32), the two
+    lanes of its content hash, and whether every value is finite: one pass
+    over each device's shards (`_leaf_terms`), one fetch, inside every save
+    and restore."""
+    if not leaves:
+        return jnp.zeros((0,), jnp.uint32), jnp.zeros((0, 2), jnp.uint32), jnp.zeros((0,), jnp.bool_)
+    terms = [_leaf_terms(x) for x in leaves]
+    return (jnp.stack([t[0] for t in terms]), jnp.stack([t[1] for t in terms]), jnp.stack([t[2] for t in terms]))
+
+
+def fingerprints(leaves: list[jax.Array]) -> tuple[list[int], list[str], list[bool]]:
+    """`_fingerprints` on the host: word sums, content hashes as hex, finiteness."""
+    sums, hashes, finite = jax.device_get(_fingerprints(leaves))
+    return np.asarray(sums).tolist(), [_hex(h) for h in np.asarray(hashes)], np.asarray(finite).tolist()
+
+
+_PIECES = "xxh3_128"  # the older checkpoints' hashes, per saved piece
+
+
+def _index_slices(key: str) -> tuple[slice, ...]:
+    return tuple(slice(*map(int, part.split(":"))) for part in key.split(",")) if key else ()
+
+
+def unmatched_pieces(leaves: list[jax.Array], saved: list[dict[str, str] | None]) -> list[bool]:
+    """Per leaf, whether a piece hashed by an older redeqx that this process
+    can see whole has another ``xxh3_128`` digest now, agreed over every
+    process (leaves without such hashes pass)."""
+    bad = []
+    for x, want in zip(leaves, saved):
+        wrong = False
+        if want:
+            held = {",".join(f"{sl.start or 0}:{n if sl.stop is None else sl.stop}"
+                             for sl, n in zip(sh.index, x.shape)): sh for sh in x.addressable_shards}
+            whole = None
+            for key, digest in want.items():
+                if key in held:
+                    data = np.asarray(held[key].data)
+                elif x.is_fully_addressable:
+                    whole = np.asarray(x) if whole is None else whole
+                    data = whole[_index_slices(key)]
+                else:
+                    continue  # spread over processes on this layout: the word sum checks it
+                if xxhash.xxh3_128(np.ascontiguousarray(data).reshape(-1).view(np.uint8)).hexdigest() != digest:
+                    wrong = True
+                    break
+        bad.append(wrong)
+    if jax.process_count() > 1:
+        return [any(column) for column in zip(*all_processes(bad))]
+    return bad
