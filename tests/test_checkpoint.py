@@ -567,6 +567,57 @@ def test_content_hash_is_the_same_on_every_layout(tmp_path):
         assert again == saved
 
 
+def _reference_fingerprint(x: np.ndarray) -> tuple[int, str, bool]:
+    """The checkpoint format's word sum and content hash of ``x`` in NumPy, from the format's
+    definition (``checkpoints/_hashing.py``): each 32-bit-or-narrower element widened to one uint32 word,
+    ``fmix32(word ^ (index * C + S))`` summed mod 2**32 in two lanes."""
+    lanes_keys = ((0x9E3779B1, 0x7F4A7C15), (0x85EBCA77, 0xC2B2AE3D))  # (C, S) of each lane: the format's
+    bits = x.astype(np.uint8) if x.dtype == np.bool_ else x
+    words = bits.reshape(-1).view(f"uint{bits.dtype.itemsize * 8}").astype(np.uint64)
+    index = np.arange(words.size, dtype=np.uint64)
+    m = np.uint64(2**32 - 1)
+
+    def fmix32(h):
+        h ^= h >> np.uint64(16)
+        h = (h * np.uint64(0x85EBCA6B)) & m
+        h ^= h >> np.uint64(13)
+        h = (h * np.uint64(0xC2B2AE35)) & m
+        return h ^ (h >> np.uint64(16))
+
+    lanes = [int(fmix32(words ^ ((index * np.uint64(c) + np.uint64(s)) & m)).sum() % 2**32) for c, s in lanes_keys]
+    finite = bool(np.all(np.isfinite(x))) if np.issubdtype(x.dtype, np.inexact) else True
+    return int(words.sum() % 2**32), "".join(f"{v:08x}" for v in lanes), finite
+
+
+def test_content_hash_is_the_formats_definition_on_every_layout_and_block_size(monkeypatch):
+    """The hash checkpoints carry is pinned to its definition (a NumPy reference), for the dtypes a
+    state holds, split or replicated, in one block or in many (a device hashes a block of rows at
+    a time): a faster pass that changed a value would make every older checkpoint look damaged."""
+    from redeqx.checkpoints import _hashing
+
+    mesh = redeqx.make_mesh(2)  # data 4 x model 2
+    rng = np.random.default_rng(0)
+    values = [
+        (rng.standard_normal((6, 40)).astype(np.float32), P(None, "model")),
+        (rng.standard_normal((8, 12)).astype(jnp.bfloat16), P("data", None)),
+        (rng.integers(-128, 127, (5, 7)).astype(np.int8), P()),
+        (rng.random((3, 4)) > 0.5, P()),
+        (rng.integers(0, 2**32, (2,), dtype=np.uint64).astype(np.uint32), P()),
+        (np.array([[1.0, np.nan], [np.inf, 2.0]], np.float16), P(None, "model")),
+        (np.float32(3.5), P()),
+    ]
+    leaves = [jax.device_put(v, jax.NamedSharding(mesh, spec)) for v, spec in values]
+    want = [_reference_fingerprint(np.asarray(v)) for v, _ in values]
+    got = list(zip(*_hashing.fingerprints(leaves)))
+    assert got == want
+    sums, hashes, finite = _hashing.fingerprints(leaves, finite=False)  # a restore's pass: no finiteness test
+    assert list(zip(sums, hashes)) == [w[:2] for w in want] and all(finite)
+    monkeypatch.setattr(_hashing, "_BLOCK_WORDS", 16)  # several blocks a shard, of whole rows
+    sums, hashes, finite = jax.device_get(jax.jit(_hashing._fingerprints.__wrapped__)(leaves))
+    assert list(zip(np.asarray(sums).tolist(), [_hashing._hex(h) for h in np.asarray(hashes)],
+                    np.asarray(finite).tolist())) == want
+
+
 def test_older_checkpoints_piece_hashes_are_still_checked(tmp_path):
     """A checkpoint written before the content hash holds an xxh3_128 digest
     of each saved piece: restore still checks it where it can."""

@@ -6,6 +6,8 @@ per-piece digests (`unmatched_pieces`). `_integrity.py` checks them.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,8 +31,11 @@ from ._format import all_processes
 # anywhere moves each lane by an unpredictable amount: a damaged array
 # passes with odds of about 2**-64. Nothing leaves the devices but the
 # numbers (no copy of the arrays to the host, as hashing there would
-# need); on XLA:CPU the pass costs a few times the word sum, on an
-# accelerator it is bound by memory bandwidth.
+# need). The sums (and the finiteness test a manager's save asks for) are
+# one reduction of several operands, so each block is read once on every
+# backend; on XLA:CPU the pass costs a few times a plain sum, on an
+# accelerator it is bound by memory bandwidth. A restore compiles it while
+# orbax reads.
 #
 # Checkpoints written before it hold an ``xxh3_128`` digest of each piece a
 # saving device held instead, checked where this process holds the piece
@@ -76,23 +81,34 @@ def _place_index(shape, offsets, strides):
     return index
 
 
-def _block_terms(x, offsets, strides):
-    """(word sum, the two hash lanes' sums, all finite) of the block ``x`` at ``offsets``."""
-    finite = jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
+def _block_terms(x, offsets, strides, finite: bool):
+    """(word sum, the two hash lanes' sums, all finite) of the block ``x`` at ``offsets``: one
+    reduction, so that every backend reads the block once (libtpu fused separate sums into one
+    pass and the finiteness test into a second; XLA:CPU made four). ``finite=False`` leaves the
+    finiteness test out (a restore and `save_checkpoint` do not ask; the answer is then True)."""
     plain = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
     bits = jax.lax.bitcast_convert_type(plain, jnp.dtype(f"uint{plain.dtype.itemsize * 8}"))
-    checksum = jnp.sum(bits.astype(jnp.uint32), dtype=jnp.uint32)  # a 64-bit word counts its low half
     words = _words(x)
+    low = bits.astype(jnp.uint32)  # a 64-bit word's checksum term is its low half
+    broken = ~jnp.isfinite(x) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.zeros(x.shape, jnp.bool_)
+    broken = broken.astype(jnp.uint32)
+    if words.ndim > x.ndim:  # 64 bits: two words per element; the element's terms sit on its first word
+        first = jax.lax.broadcasted_iota(jnp.uint32, words.shape, words.ndim - 1) == 0
+        low = jnp.where(first, low[..., None], jnp.uint32(0))
+        broken = jnp.where(first, broken[..., None], jnp.uint32(0))
     index = _place_index(words.shape, list(offsets) + [jnp.uint32(0)] * (words.ndim - len(offsets)), strides)
-    lanes = jnp.stack([jnp.sum(_fmix32(words ^ (index * jnp.uint32(c) + jnp.uint32(s))), dtype=jnp.uint32)
-                       for c, s in _LANES])
-    return checksum, lanes, finite
+    lanes = [_fmix32(words ^ (index * jnp.uint32(c) + jnp.uint32(s))) for c, s in _LANES]
+    dims = tuple(range(words.ndim))
+    operands = (low, *lanes, broken) if finite else (low, *lanes)
+    sums = jax.lax.reduce(operands, (jnp.uint32(0),) * len(operands),
+                          lambda a, b: tuple(u + v for u, v in zip(a, b)), dims)
+    return sums[0], jnp.stack(sums[1:3]), sums[3] == 0 if finite else jnp.bool_(True)
 
 
-def _shard_terms(x, offsets, strides):
+def _shard_terms(x, offsets, strides, finite: bool):
     """`_block_terms` of a device's shard ``x``, a block of its leading dim at a time."""
     if x.ndim == 0 or x.size <= _BLOCK_WORDS:
-        return _block_terms(x, offsets, strides)
+        return _block_terms(x, offsets, strides, finite)
     row = x.size // x.shape[0]
     rows = max(1, min(x.shape[0], _BLOCK_WORDS // max(1, row)))
     while x.shape[0] % rows:  # whole blocks only: a divisor of the leading dim
@@ -102,7 +118,7 @@ def _shard_terms(x, offsets, strides):
     def body(i, acc):
         block = jax.lax.dynamic_slice_in_dim(x, i * rows, rows, axis=0)
         at = [offsets[0] + (i * rows).astype(jnp.uint32)] + list(offsets[1:])
-        c, h, f = _block_terms(block, at, strides)
+        c, h, f = _block_terms(block, at, strides, finite)
         return acc[0] + c, acc[1] + h, acc[2] & f
 
     zero = (jnp.uint32(0), jnp.zeros(2, jnp.uint32), jnp.bool_(True))
@@ -118,12 +134,12 @@ def _word_strides(shape, dtype) -> list[int]:
     return strides
 
 
-def _leaf_terms(x):
+def _leaf_terms(x, finite: bool):
     """`_shard_terms` of every device's shard of ``x``, added over the mesh (inside ``jit``)."""
     strides = _word_strides(x.shape, x.dtype)
     sharding = getattr(x, "sharding", None)
     if not isinstance(sharding, NamedSharding) or x.ndim == 0:
-        return _shard_terms(x, [jnp.uint32(0)] * x.ndim, strides)
+        return _shard_terms(x, [jnp.uint32(0)] * x.ndim, strides, finite)
     mesh, spec = sharding.mesh, tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
     used = {a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)}
 
@@ -135,7 +151,7 @@ def _leaf_terms(x):
             for a in axes:  # the shard's index along dim d: the axes in order, the first major
                 k = k * jnp.uint32(mesh.shape[a]) + jax.lax.axis_index(a).astype(jnp.uint32)
             offsets.append(k * jnp.uint32(shard.shape[d]))
-        checksum, lanes, finite = _shard_terms(shard, offsets, strides)
+        checksum, lanes, ok = _shard_terms(shard, offsets, strides, finite)
         first = jnp.bool_(True)  # one copy of a shard that other axes replicate
         for a in mesh.axis_names:
             if a not in used:
@@ -143,7 +159,7 @@ def _leaf_terms(x):
         keep = first.astype(jnp.uint32)
         axes = tuple(mesh.axis_names)
         return (jax.lax.psum(checksum * keep, axes), jax.lax.psum(lanes * keep, axes),
-                jax.lax.psum((~finite).astype(jnp.int32), axes) == 0)
+                jax.lax.psum((~ok).astype(jnp.int32), axes) == 0)
 
     return jax.shard_map(per_device, mesh=mesh, in_specs=(P(*spec),), out_specs=(P(), P(), P()),
                          check_vma=False)(x)
@@ -153,21 +169,28 @@ def _hex(lanes) -> str:
     return "".join(f"{int(v):08x}" for v in lanes)
 
 
-@jax.jit
-def _fingerprints(leaves: list) -> tuple[jax.Array, jax.Array, jax.Array]:
+@functools.partial(jax.jit, static_argnames="finite")
+def _fingerprints(leaves: list, finite: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per leaf, its ``uint32`` word sum (wrapping mod 2**32), the two
-    lanes of its content hash, and whether every value is finite: one pass
-    over each device's shards (`_leaf_terms`), one fetch, inside every save
-    and restore."""
+    lanes of its content hash, and whether every value is finite (True for
+    all with ``finite=False``): one pass over each device's shards
+    (`_leaf_terms`), one fetch, inside every save and restore."""
     if not leaves:
         return jnp.zeros((0,), jnp.uint32), jnp.zeros((0, 2), jnp.uint32), jnp.zeros((0,), jnp.bool_)
-    terms = [_leaf_terms(x) for x in leaves]
+    terms = [_leaf_terms(x, finite) for x in leaves]
     return (jnp.stack([t[0] for t in terms]), jnp.stack([t[1] for t in terms]), jnp.stack([t[2] for t in terms]))
 
 
-def fingerprints(leaves: list[jax.Array]) -> tuple[list[int], list[str], list[bool]]:
-    """`_fingerprints` on the host: word sums, content hashes as hex, finiteness."""
-    sums, hashes, finite = jax.device_get(_fingerprints(leaves))
+def compile_fingerprints(abstract: list[jax.ShapeDtypeStruct], finite: bool = True):
+    """`_fingerprints` of leaves shaped, typed and placed as ``abstract``, compiled ahead (a restore
+    compiles it while orbax reads, off the restore's path), to pass to `fingerprints` as ``program``."""
+    return _fingerprints.lower(abstract, finite=finite).compile()
+
+
+def fingerprints(leaves: list[jax.Array], finite: bool = True, program=None) -> tuple[list[int], list[str], list[bool]]:
+    """`_fingerprints` on the host: word sums, content hashes as hex, finiteness. ``program``: that
+    of `compile_fingerprints` for these leaves, compiled while they were read."""
+    sums, hashes, finite = jax.device_get((program or functools.partial(_fingerprints, finite=finite))(leaves))
     return np.asarray(sums).tolist(), [_hex(h) for h in np.asarray(hashes)], np.asarray(finite).tolist()
 
 

@@ -219,7 +219,8 @@ class CheckpointManager:
         self._disk.check_counts_up(step)
         where = position(state, epoch=epoch, batch=batch, data_key=data_key,
                          per_device_batch_size=per_device_batch_size, data_iterator=data_iterator)
-        encoded = encode(state, {**dict(metadata or {}), "step": step, **where, "metrics": metrics}, self.dtype)
+        encoded = encode(state, {**dict(metadata or {}), "step": step, **where, "metrics": metrics}, self.dtype,
+                         finite=not self.allow_nonfinite)
         if encoded.non_finite and not self.allow_nonfinite:
             raise _diverged(step, encoded.non_finite, self.latest)
         self._write(self.path(step), encoded)

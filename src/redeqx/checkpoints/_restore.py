@@ -4,6 +4,7 @@ hashes, and puts them back into ``like``'s structure."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from .._trees import is_array_like, is_none as _is_none, is_spec as _is_spec, pa
 from .._typing import typechecked
 from ..sharding import sharding_of
 from ._format import CheckpointError, array_leaves, leaf_at, nest, train_view
+from ._hashing import compile_fingerprints
 from ._integrity import check_arrays, check_match, raw_metadata
 
 
@@ -130,24 +132,28 @@ def restore_checkpoint(path: str | os.PathLike, like: PyTree, mesh: Mesh, specs:
     check_match(path, meta, to_read)
     saved = meta["redeqx"]["leaves"]
     _check_kinds(path, saved, to_read)
-    arrays = _read(path, saved, to_read)
-    check_arrays(path, saved, arrays, to_read)
+    abstract = _stored(saved, to_read)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # the hash's program compiles while orbax reads
+        program = pool.submit(compile_fingerprints, [x for xs in abstract.values() for _, x in xs], False)
+        arrays = _read(path, abstract)
+    check_arrays(path, saved, arrays, to_read, program.result())
     _cast_back(arrays, saved, to_read)
     by_name = {item: {".".join(parts): a for (parts, _, _), a in zip(wanted, arrays[item])}
                for item, wanted in to_read.items()}
     return _rebuild(like, by_name, meta)
 
 
-def _read(path: Path, saved: dict, to_read) -> dict[str, list[jax.Array]]:
-    """The arrays of ``to_read`` as stored (``saved``: the metadata's
-    ``leaves``, for their dtypes), each device reading its own shards."""
-    args = {}
-    for item, wanted in to_read.items():
-        abstract = [
-            (parts, jax.ShapeDtypeStruct(x.shape, jnp.dtype(saved[item][".".join(parts)]["dtype"]), sharding=sh))
-            for parts, x, sh in wanted
-        ]
-        args[item] = ocp.args.StandardRestore(nest(abstract))
+def _stored(saved: dict, to_read) -> dict[str, list[tuple[tuple[str, ...], jax.ShapeDtypeStruct]]]:
+    """The arrays of ``to_read`` as stored (``saved``: the metadata's ``leaves``, for their dtypes)
+    and placed on this mesh, abstract."""
+    return {item: [(parts, jax.ShapeDtypeStruct(x.shape, jnp.dtype(saved[item][".".join(parts)]["dtype"]),
+                                                sharding=sh)) for parts, x, sh in wanted]
+            for item, wanted in to_read.items()}
+
+
+def _read(path: Path, abstract: dict) -> dict[str, list[jax.Array]]:
+    """The arrays of ``abstract`` (`_stored`) read from ``path``, each device reading its own shards."""
+    args = {item: ocp.args.StandardRestore(nest(pairs)) for item, pairs in abstract.items()}
     _hooks.count_orbax_bytes_without_leaking()
     try:
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
@@ -156,7 +162,7 @@ def _read(path: Path, saved: dict, to_read) -> dict[str, list[jax.Array]]:
         raise CheckpointError(
             f"checkpoint at {path} is truncated or corrupted: orbax could not read it ({type(e).__name__}: {e})."
         ) from e
-    return {item: [leaf_at(restored[item], parts) for parts, _, _ in wanted] for item, wanted in to_read.items()}
+    return {item: [leaf_at(restored[item], parts) for parts, _ in pairs] for item, pairs in abstract.items()}
 
 
 def _kind(dtype) -> str:

@@ -94,9 +94,10 @@ def _arrays(state, dtype) -> tuple[dict[str, list[tuple[tuple[str, ...], jax.Arr
     return items, impls
 
 
-def encode(state, metadata, dtype) -> Encoded:
+def encode(state, metadata, dtype, finite: bool = True) -> Encoded:
     """``state`` -> what orbax writes, and the metadata JSON. Blocks only for
-    the checksums (and finiteness, from the same pass)."""
+    the checksums (and, with ``finite``, the leaves holding NaN or inf, from
+    the same pass)."""
     if isinstance(state, TrainState) and not _is_key(state.key):
         raise TypeError("state.key must be a typed PRNG key (jax.random.key(seed)).")
     items, impls = _arrays(state, check_dtype(dtype))
@@ -108,7 +109,7 @@ def encode(state, metadata, dtype) -> Encoded:
             f"metadata may not set 'redeqx' or a 'step' other than state.step ({step}); got keys {sorted(user)}."
         )
     named = [(name, ".".join(parts), x) for name, pairs in items.items() for parts, x in pairs]
-    sums, hashes, finite = fingerprints([x for _, _, x in named])
+    sums, hashes, ok = fingerprints([x for _, _, x in named], finite=finite)
     info: dict[str, dict] = {name: {} for name in items}
     for (name, path, x), checksum, digest in zip(named, sums, hashes):
         entry = {"shape": list(x.shape), "dtype": str(x.dtype), "checksum": checksum, HASH: digest}
@@ -131,7 +132,7 @@ def encode(state, metadata, dtype) -> Encoded:
     meta["redeqx"][FIELDS_HASH] = fields_hash(json.loads(json.dumps(meta, allow_nan=False)))
     args = {name: ocp.args.StandardSave(nest(pairs)) for name, pairs in items.items()}
     args["metadata"] = ocp.args.JsonSave(meta)
-    non_finite = [f"{name}/{path}" for (name, path, _), ok in zip(named, finite) if not ok]
+    non_finite = [f"{name}/{path}" for (name, path, _), good in zip(named, ok) if not good]
     return Encoded(ocp.args.Composite(**args), meta, non_finite)
 
 
@@ -264,7 +265,7 @@ def save_checkpoint(
     if path.exists():
         raise CheckpointError(f"{path} already exists; save to a new path or delete the old checkpoint first.")
     refuse_deleted(state, "state")
-    encoded = encode(state, metadata, dtype)
+    encoded = encode(state, metadata, dtype, finite=False)  # written as asked, NaN or not
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
         write(checkpointer, path, encoded.args)
     return path
