@@ -53,14 +53,11 @@ def _fmix32(h):
     return h ^ (h >> 16)
 
 
-def _words(x):
-    """``x``'s bits as ``uint32``, one word per element (a trailing axis of
-    two for 64-bit dtypes)."""
+def _bits(x):
+    """``x``'s bits as the unsigned integers of its width (a bool as one byte)."""
     if x.dtype == jnp.bool_:
-        x = x.astype(jnp.uint8)
-    if x.dtype.itemsize > 4:
-        return jax.lax.bitcast_convert_type(x, jnp.uint32)
-    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}")).astype(jnp.uint32)
+        return x.astype(jnp.uint8)
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}"))
 
 
 # The pass runs on each device's own shard (`jax.shard_map`), a block of rows at a time, so that
@@ -68,7 +65,7 @@ def _words(x):
 # host on CPU: the host's memory). Each device sums its shard's terms at their places in the whole
 # array; one copy of each replicated shard counts; the sums are added over the mesh. Equal, term for
 # term, to the sum over the whole array, on any layout and process count.
-_BLOCK_WORDS = 1 << 22  # words a device hashes at once (16 MiB of uint32)
+_BLOCK_WORDS = 1 << 20  # words a device hashes at once (4 MiB of uint32; XLA:CPU holds several such)
 
 
 def _place_index(shape, offsets, strides):
@@ -82,17 +79,19 @@ def _place_index(shape, offsets, strides):
 
 
 def _block_terms(x, offsets, strides, finite: bool):
-    """(word sum, the two hash lanes' sums, all finite) of the block ``x`` at ``offsets``: one
-    reduction, so that every backend reads the block once (libtpu fused separate sums into one
-    pass and the finiteness test into a second; XLA:CPU made four). ``finite=False`` leaves the
-    finiteness test out (a restore and `save_checkpoint` do not ask; the answer is then True)."""
-    plain = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
-    bits = jax.lax.bitcast_convert_type(plain, jnp.dtype(f"uint{plain.dtype.itemsize * 8}"))
-    words = _words(x)
+    """(word sum, the two hash lanes' sums, all finite) of the block ``x`` at ``offsets``: one reduction, so that every backend reads the block once
+    (libtpu fused separate sums into one pass and the finiteness test into a second; XLA:CPU made
+    four). ``finite=False`` leaves the finiteness test out (a restore and `save_checkpoint` do not
+    ask; the answer is then True)."""
+    bits = _bits(x)
     low = bits.astype(jnp.uint32)  # a 64-bit word's checksum term is its low half
-    broken = ~jnp.isfinite(x) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.zeros(x.shape, jnp.bool_)
-    broken = broken.astype(jnp.uint32)
-    if words.ndim > x.ndim:  # 64 bits: two words per element; the element's terms sit on its first word
+    if bits.dtype.itemsize > 4:  # two words per element, in a trailing axis
+        words = jax.lax.bitcast_convert_type(bits, jnp.uint32)
+    else:
+        words = low
+    broken = (~jnp.isfinite(x) if jnp.issubdtype(x.dtype, jnp.inexact)
+              else jnp.zeros(bits.shape, jnp.bool_)).astype(jnp.uint32)
+    if words.ndim > bits.ndim:  # 64 bits: the element's checksum and finiteness terms sit on its first word
         first = jax.lax.broadcasted_iota(jnp.uint32, words.shape, words.ndim - 1) == 0
         low = jnp.where(first, low[..., None], jnp.uint32(0))
         broken = jnp.where(first, broken[..., None], jnp.uint32(0))
@@ -134,11 +133,11 @@ def _word_strides(shape, dtype) -> list[int]:
     return strides
 
 
-def _leaf_terms(x, finite: bool):
-    """`_shard_terms` of every device's shard of ``x``, added over the mesh (inside ``jit``)."""
+def _leaf_terms(x, finite: bool, sharding: NamedSharding | None):
+    """`_shard_terms` of every device's shard of ``x``, laid out by ``sharding`` (the array's own:
+    inside ``jit`` on a mesh of Auto axes a tracer has none), added over the mesh."""
     strides = _word_strides(x.shape, x.dtype)
-    sharding = getattr(x, "sharding", None)
-    if not isinstance(sharding, NamedSharding) or x.ndim == 0:
+    if sharding is None or x.ndim == 0:
         return _shard_terms(x, [jnp.uint32(0)] * x.ndim, strides, finite)
     mesh, spec = sharding.mesh, tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
     used = {a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)}
@@ -169,29 +168,53 @@ def _hex(lanes) -> str:
     return "".join(f"{int(v):08x}" for v in lanes)
 
 
-@functools.partial(jax.jit, static_argnames="finite")
-def _fingerprints(leaves: list, finite: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Per leaf, its ``uint32`` word sum (wrapping mod 2**32), the two
-    lanes of its content hash, and whether every value is finite (True for
-    all with ``finite=False``): one pass over each device's shards
-    (`_leaf_terms`), one fetch, inside every save and restore."""
-    if not leaves:
-        return jnp.zeros((0,), jnp.uint32), jnp.zeros((0, 2), jnp.uint32), jnp.zeros((0,), jnp.bool_)
-    terms = [_leaf_terms(x, finite) for x in leaves]
-    return (jnp.stack([t[0] for t in terms]), jnp.stack([t[1] for t in terms]), jnp.stack([t[2] for t in terms]))
+@functools.partial(jax.jit, static_argnames=("finite", "sharding"))
+def _fingerprint(x, finite: bool = True, sharding: NamedSharding | None = None) -> tuple[jax.Array, ...]:
+    """One leaf's ``uint32`` word sum (wrapping mod 2**32), the two lanes of
+    its content hash, and whether every value is finite (True with
+    ``finite=False``): one pass over each device's shards (`_leaf_terms`)
+    as ``sharding`` lays them out. Without it the partitioner decides how to
+    split a loop over the whole array, and gathered a leaf split on its
+    first dim (a vocabulary-split embedding: 5 copies of each shard)."""
+    return _leaf_terms(x, finite, sharding)
 
 
-def compile_fingerprints(abstract: list[jax.ShapeDtypeStruct], finite: bool = True):
-    """`_fingerprints` of leaves shaped, typed and placed as ``abstract``, compiled ahead (a restore
-    compiles it while orbax reads, off the restore's path), to pass to `fingerprints` as ``program``."""
-    return _fingerprints.lower(abstract, finite=finite).compile()
+def _named(x) -> NamedSharding | None:
+    sharding = getattr(x, "sharding", None)
+    return sharding if isinstance(sharding, NamedSharding) else None
 
 
-def fingerprints(leaves: list[jax.Array], finite: bool = True, program=None) -> tuple[list[int], list[str], list[bool]]:
-    """`_fingerprints` on the host: word sums, content hashes as hex, finiteness. ``program``: that
-    of `compile_fingerprints` for these leaves, compiled while they were read."""
-    sums, hashes, finite = jax.device_get((program or functools.partial(_fingerprints, finite=finite))(leaves))
-    return np.asarray(sums).tolist(), [_hex(h) for h in np.asarray(hashes)], np.asarray(finite).tolist()
+def _signature(x) -> tuple:
+    return tuple(x.shape), jnp.dtype(x.dtype), _named(x)
+
+
+def compile_fingerprints(abstract: list[jax.ShapeDtypeStruct], finite: bool = True) -> dict:
+    """`_fingerprint`'s programs for leaves shaped, typed and placed as ``abstract`` (one per kind
+    of leaf), compiled ahead: a restore compiles them while orbax reads, off the restore's path,
+    and passes them to `fingerprints`."""
+    programs = {}
+    for x in abstract:
+        if _signature(x) not in programs:
+            programs[_signature(x)] = _fingerprint.lower(x, finite=finite, sharding=_named(x)).compile()
+    return programs
+
+
+def fingerprints(leaves: list[jax.Array], finite: bool = True,
+                 programs: dict | None = None) -> tuple[list[int], list[str], list[bool]]:
+    """`_fingerprint` of each leaf on the host: word sums, content hashes as hex, finiteness.
+
+    One leaf at a time, each fetched before the next starts: one program over every leaf made
+    XLA:CPU hold each leaf's block temporaries at once (a 1.7 GiB state: 8 GiB of host memory),
+    and many programs in flight at once can stall its collectives. ``programs``: those of
+    `compile_fingerprints` for these leaves."""
+    sums, hashes, ok = [], [], []
+    for x in leaves:
+        run = (programs or {}).get(_signature(x)) or functools.partial(_fingerprint, finite=finite, sharding=_named(x))
+        checksum, lanes, good = jax.device_get(run(x))
+        sums.append(int(checksum))
+        hashes.append(_hex(np.asarray(lanes)))
+        ok.append(bool(good))
+    return sums, hashes, ok
 
 
 _PIECES = "xxh3_128"  # the older checkpoints' hashes, per saved piece

@@ -255,15 +255,15 @@ def _quiet_absl():
         logger.setLevel(level)
 
 
-def check_arrays(path: Path, saved: dict, arrays: dict[str, list], to_read, program=None) -> None:
+def check_arrays(path: Path, saved: dict, arrays: dict[str, list], to_read, programs=None) -> None:
     """The arrays read from ``path`` (per item, in the order of ``to_read``)
     match the word sums and content hashes written with them (``saved``: the
     metadata's ``leaves``), or a `CheckpointError` naming those that do not.
-    ``program``: `compile_fingerprints` of them, compiled while they were read."""
+    ``programs``: `compile_fingerprints` of them, compiled while they were read."""
     names = [(item, ".".join(parts)) for item, wanted in to_read.items() for parts, _, _ in wanted]
     flat = [x for xs in arrays.values() for x in xs]
     entries = [saved[item][name] for item, name in names]
-    sums, hashes, _ = fingerprints(flat, finite=False, program=program)
+    sums, hashes, _ = fingerprints(flat, finite=False, programs=programs)
     unmatched = unmatched_pieces(flat, [None if HASH in e else e.get(_PIECES) for e in entries])
     bad = [f"{item}/{name}" for (item, name), total, digest, e, wrong in zip(names, sums, hashes, entries, unmatched)
            if wrong or total != e["checksum"] or e.get(HASH, digest) != digest]

@@ -133,10 +133,10 @@ def restore_checkpoint(path: str | os.PathLike, like: PyTree, mesh: Mesh, specs:
     saved = meta["redeqx"]["leaves"]
     _check_kinds(path, saved, to_read)
     abstract = _stored(saved, to_read)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # the hash's program compiles while orbax reads
-        program = pool.submit(compile_fingerprints, [x for xs in abstract.values() for _, x in xs], False)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # the hash's programs compile while orbax reads
+        programs = pool.submit(compile_fingerprints, [x for xs in abstract.values() for _, x in xs], False)
         arrays = _read(path, abstract)
-    check_arrays(path, saved, arrays, to_read, program.result())
+    check_arrays(path, saved, arrays, to_read, programs.result())
     _cast_back(arrays, saved, to_read)
     by_name = {item: {".".join(parts): a for (parts, _, _), a in zip(wanted, arrays[item])}
                for item, wanted in to_read.items()}
