@@ -9,7 +9,8 @@ that needs it, once: a second call changes nothing (one ``atexit`` entry, one
 | ``atexit``: `_at_exit` | closes every open `Logger`, newest first; then, if a `CheckpointManager` save is still in flight (no ``close()``), reports it lost (Python stops the writer's threads before ``atexit``) and ends the process with ``os._exit(1)``, never 0 | the first ``Logger(...)`` (process 0) or ``CheckpointManager(...)`` | never (runs once, at exit) |
 | ``sys.excepthook``: `_excepthook` | on an uncaught exception, finishes the saves in flight (the writer still runs then), then the previous hook prints the traceback; after ``initialize()`` joined several processes, it then says so and ends the process with ``os._exit(1)`` rather than wait in JAX's shutdown barrier for processes blocked on it | the first ``CheckpointManager(...)`` (finish saves); ``initialize()`` with several processes (stop the process); one replacement for both | never |
 | SIGTERM handler: `_Sigterm.handler` | sets the preemption flag `CheckpointManager.save` reads (one process); a handler the program had installed still runs | a manager's first ``save()`` in one process, on the main thread (with ``jax.distributed`` running, JAX's preemption service listens instead) | the last manager's ``close()`` puts the previous handler back |
-| ``sys.unraisablehook`` and filters on the ``absl`` / ``asyncio`` loggers | drop orbax's echoes of a failed redeqx save ("Event loop is closed", its writer threads' tracebacks): the caller gets one `CheckpointError` | the first checkpoint write | never |
+| ``sys.unraisablehook``: `_unraisable` | drops orbax's cleanup noise: "Event loop is closed" after a failed save, and the exceptions of orbax coroutines a failed restore abandoned as the garbage collector closes them; the caller gets one `CheckpointError` | the first checkpoint write or restore (again if something replaced it since) | never |
+| filters on the ``absl`` / ``asyncio`` loggers | drop orbax's echoes of a failed redeqx save (its writer threads' tracebacks) | the first checkpoint write | never |
 | orbax's ``tensorstore_utils.get_tensorstore_raw_bytes``: `_raw_bytes` | the same count (TensorStore's bytes read or written, for orbax's throughput log), read from ``tensorstore.experimental_collect_prometheus_format_metrics``: orbax calls ``experimental_collect_matching_metrics`` twice per item on every save and restore, and TensorStore (0.1.86) leaks a reference to each dict it returns (~14 KiB a call, most of the ~40 KiB a save grew by) | the first checkpoint write or restore | never |
 | SIGUSR1 handler: `_stopped` | raises `StoppedByLauncher`: the launcher's "another process failed, stop" | ``python -m redeqx.launch``, in each process it starts, before the script runs | with the process |
 
@@ -176,28 +177,49 @@ def sigterm_received() -> bool:
 
 
 _QUIETED: list[bool] = []
+_PREVIOUS_UNRAISABLE: list = []
+
+
+def _from_orbax(obj) -> bool:
+    """Whether ``obj`` is a coroutine of orbax's own code (``cr_code`` in ``orbax/checkpoint/``)."""
+    code = getattr(obj, "cr_code", None)
+    return code is not None and f"{os.sep}orbax{os.sep}checkpoint{os.sep}" in code.co_filename
+
+
+def _unraisable(unraisable) -> None:
+    """Drops two kinds of orbax cleanup noise; passes everything else to the hook it replaced.
+
+    - "Event loop is closed": when a save fails, orbax closes its event loop while tensorstore's
+      threads still complete that save's other writes, and each callback reports a bare traceback.
+    - An orbax coroutine's exception while it is finalised: when one array of a restore fails,
+      orbax abandons its other reads (``_read_array_index_and_device_put``) suspended in their
+      ``async with``; the garbage collector closes them later, at any moment, during other work,
+      and each printed a 60-line "Exception ignored in: <coroutine object ...>" block."""
+    if unraisable.object is None and unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == (
+            "Event loop is closed"):
+        return
+    if _from_orbax(unraisable.object):
+        return
+    (_PREVIOUS_UNRAISABLE[-1] if _PREVIOUS_UNRAISABLE else sys.__unraisablehook__)(unraisable)
+
+
+def quiet_orbax_unraisable() -> None:
+    """Install `_unraisable` as ``sys.unraisablehook`` unless it is the hook now (something that
+    replaced it since, a test runner for one, gets wrapped in turn)."""
+    if sys.unraisablehook is not _unraisable:
+        _PREVIOUS_UNRAISABLE.append(sys.unraisablehook)
+        sys.unraisablehook = _unraisable
 
 
 def quiet_orbax_echoes(record_filter: logging.Filter) -> None:
     """Add ``record_filter`` to the ``absl`` and ``asyncio`` loggers (orbax's
-    errors; its tasks' "Task exception was never retrieved") and drop the
-    "Event loop is closed" unraisable exceptions: when a save fails, orbax
-    closes its event loop while tensorstore's threads still complete that
-    save's other writes, and each of their callbacks reports a bare traceback
-    (dozens). Every other unraisable exception goes to the previous hook."""
+    errors; its tasks' "Task exception was never retrieved") and install
+    `quiet_orbax_unraisable`."""
+    quiet_orbax_unraisable()
     if _QUIETED:
         return
     for name in ("absl", "asyncio"):
         logging.getLogger(name).addFilter(record_filter)
-    previous = sys.unraisablehook
-
-    def hook(unraisable):
-        if (unraisable.object is None and unraisable.exc_type is RuntimeError
-                and str(unraisable.exc_value) == "Event loop is closed"):
-            return
-        previous(unraisable)
-
-    sys.unraisablehook = hook
     _QUIETED.append(True)
 
 

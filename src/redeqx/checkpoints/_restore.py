@@ -155,6 +155,7 @@ def _read(path: Path, abstract: dict) -> dict[str, list[jax.Array]]:
     """The arrays of ``abstract`` (`_stored`) read from ``path``, each device reading its own shards."""
     args = {item: ocp.args.StandardRestore(nest(pairs)) for item, pairs in abstract.items()}
     _hooks.count_orbax_bytes_without_leaking()
+    _hooks.quiet_orbax_unraisable()
     try:
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
             restored = checkpointer.restore(path, args=ocp.args.Composite(**args))
