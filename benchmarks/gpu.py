@@ -20,6 +20,8 @@ is skipped when what is left of ``--budget`` seconds is under its estimate:
   (6 expected: 3 per linear);
 - ``train``: the 1B LLaMA step stacked, listed and hand-written (MFU, first
   compile), and a profile of the stacked step's device time by kind (`benchmarks._profile`);
+- ``checkpoint``: a 1 GiB leaf's save and restore, redeqx's (with its content hash) beside plain
+  orbax's, and the hash's own pass (issue 49's time target, on an accelerator);
 - ``sweep``: block configs of each grouped-matmul kernel product (`benchmarks.moe_gpu.block_sweep`).
 
 The JSON holds every section's raw figures (a section that failed holds its
@@ -42,7 +44,8 @@ from benchmarks._common import ROOT, report, worker_env
 TITLE = "On one GPU (benchmarks/gpu.py)"
 # seconds each section needs on an H200 (estimates from earlier runs: start-up, compiles, timing)
 # (decode: six 1B decoders, each compiled for generate and for the prefill; it ran past 361 s on an H200)
-ESTIMATE = {"hardware": 20, "gmm": 60, "moe": 140, "decode": 240, "fp8": 40, "train": 140, "sweep": 90}
+ESTIMATE = {"hardware": 20, "gmm": 60, "moe": 140, "decode": 240, "fp8": 40, "train": 140, "checkpoint": 60,
+            "sweep": 90}
 SECTIONS = tuple(ESTIMATE)
 
 
@@ -168,6 +171,53 @@ def train(smoke: bool, profile_dir: str) -> dict:
     return _quietly(throughput.run, args)
 
 
+def checkpoint(smoke: bool) -> dict:
+    """A 1 GiB float32 leaf saved and restored by redeqx and by plain orbax (``StandardCheckpointer``),
+    alternated in one process after a first round (what a run's later saves cost), and the content
+    hash's pass over it on the device."""
+    import shutil
+    import statistics
+    import tempfile
+
+    import jax
+    import orbax.checkpoint as ocp
+
+    import redeqx
+    from benchmarks._common import timed
+    from redeqx.checkpoints import _hashing
+
+    mesh = redeqx.make_mesh(1)
+    sharding = jax.NamedSharding(mesh, jax.P())
+    shape = (2, 64, 64) if smoke else (8, 4096, 8192)
+    tree = {"w": jax.jit(lambda k: jax.random.normal(k, shape), out_shardings=sharding)(jax.random.key(0))}
+    root = Path(tempfile.mkdtemp())
+
+    def orbax_save(path):
+        with ocp.StandardCheckpointer() as c:
+            c.save(path, tree)
+
+    def orbax_restore(path):
+        with ocp.StandardCheckpointer() as c:
+            jax.block_until_ready(c.restore(path, tree))
+
+    variants = {"orbax save": orbax_save, "redeqx save": lambda path: redeqx.save_checkpoint(path, tree),
+                "orbax restore": orbax_restore,
+                "redeqx restore": lambda path: jax.block_until_ready(redeqx.restore_checkpoint(path, tree, mesh))}
+    times = {v: [] for v in variants}
+    for r in range(3 if smoke else 4):
+        for v, fn in variants.items():
+            path = root / f"{v.split()[0]}{r}"
+            t = time.perf_counter()
+            fn(path)
+            times[v].append(time.perf_counter() - t)
+        for child in root.iterdir():
+            shutil.rmtree(child)
+    hash_s = min(timed(lambda: _hashing.fingerprints([tree["w"]], finite=False), 5))
+    shutil.rmtree(root, ignore_errors=True)
+    return {"bytes": 4 * shape[0] * shape[1] * shape[2], "hash_s": hash_s,
+            **{v: statistics.median(ts[1:]) for v, ts in times.items()}}  # the first round warms up
+
+
 def _quietly(fn, *args):
     """``fn(*args)``, its prints sent to stderr (a worker's stdout carries only its JSON)."""
     stdout, sys.stdout = sys.stdout, sys.stderr
@@ -247,7 +297,7 @@ def render(out: dict) -> str:
                   f"written by an elementwise pass over 2 GiB), bf16 matmul {hw['matmul_flops_per_s'] / 1e12:.0f} "
                   "TFLOP/s (8192^3).", ""]
     for name, fn in (("gmm", _render_gmm), ("moe", _render_moe), ("decode", _render_decode), ("fp8", _render_fp8),
-                     ("train", _render_train), ("sweep", _render_sweep)):
+                     ("train", _render_train), ("checkpoint", _render_checkpoint), ("sweep", _render_sweep)):
         sec = out.get(name, {})
         if "error" in sec or "skipped" in sec:
             lines += [f"**{name}**: {sec.get('error') or sec.get('skipped')}", ""]
@@ -284,6 +334,16 @@ def _render_fp8(sec, hw):
             f"| fp8 (`fp8_dot`) | {sec['fp8_s'] * 1e3:.2f} ms | {sec['fp8_flops_per_s'] / 1e12:.0f} | "
             f"{sec['fp8_fp8_gemms']} ({sec['expected_fp8_gemms']}) |", "",
             f"fp8 is {sec['speedup']:.2f}x bf16's speed."]
+
+
+def _render_checkpoint(sec, hw):
+    rows = [f"**Checkpoints** (a {sec['bytes'] / 2**30:.2f} GiB float32 leaf, median of the rounds after the first; "
+            "target: redeqx <= 1.5x plain orbax):", "", "| what | redeqx | plain orbax | ratio |", "|---|---|---|---|"]
+    for what in ("save", "restore"):
+        ours, theirs = sec[f"redeqx {what}"], sec[f"orbax {what}"]
+        rows.append(f"| {what} | {ours:.2f} s | {theirs:.2f} s | {ours / theirs:.2f}x |")
+    rate = sec["bytes"] / sec["hash_s"] / 1e9
+    return rows + ["", f"The content hash's pass on the device: {sec['hash_s'] * 1e3:.2f} ms ({rate:.0f} GB/s)."]
 
 
 def _render_moe(sec, hw):
