@@ -60,11 +60,13 @@ def _bits(x):
     return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}"))
 
 
-# The pass runs on each device's own shard (`jax.shard_map`), a block of rows at a time, so that
-# what it adds to a device's memory is one block's words, never a copy of the leaf (a device of the
-# host on CPU: the host's memory). Each device sums its shard's terms at their places in the whole
-# array; one copy of each replicated shard counts; the sums are added over the mesh. Equal, term for
-# term, to the sum over the whole array, on any layout and process count.
+# The pass runs on each device's own shard (`jax.shard_map`), a block of rows at a time, one leaf
+# after another, so that what it adds to a device's memory is one block's words, never a copy of
+# the leaf (a device of the host on CPU: the host's memory; XLA:CPU widens a 16-bit float shard to
+# float32 before the loop, 2x that shard, checked by test_content_hash_reads_each_devices_own_shard).
+# Each device sums its shard's terms at their places in the whole array; one copy of each replicated
+# shard counts; the sums are added over the mesh. Equal, term for term, to the sum over the whole
+# array, on any layout and process count.
 _BLOCK_WORDS = 1 << 20  # words a device hashes at once (4 MiB of uint32; XLA:CPU holds several such)
 
 
