@@ -98,6 +98,10 @@ def measure(variant: str, state: str, gib: float, directory: str) -> dict:
     path = Path(directory) / variant.split()[0]
     if variant.endswith("save"):
         tree = _filled(abstract)
+    # A run has taken a step before it saves or after it restores: its collectives are set up (across
+    # processes, gloo's first all-reduce takes about a second, which no variant should be charged).
+    jax.block_until_ready(jax.jit(lambda x: x.sum(), out_shardings=jax.NamedSharding(mesh, jax.P()))(
+        jax.device_put(jax.numpy.ones(mesh.size), jax.NamedSharding(mesh, jax.P(mesh.axis_names)))))
     gc.collect()
     time.sleep(1.0)  # buffers XLA frees on its own threads are gone before the mark
     _reset_peak()
