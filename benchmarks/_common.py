@@ -184,6 +184,27 @@ class Probes:
         print(f"  {key} -> {json.dumps(self.cache[key])[:160]}", file=sys.stderr, flush=True)
         return self.cache[key]
 
+    def get(self, **task) -> dict | None:
+        """``self(**task)``, or None for a task not probed (with ``cached_only``)."""
+        try:
+            return self(**task)
+        except NotProbed:
+            return None
+
+
+def probe_options(p: argparse.ArgumentParser, cache: Path) -> None:
+    """The options of a benchmark whose compiles are cached `Probes`: ``--cpu``, ``--cache``, ``--cached-only``."""
+    p.add_argument("--cpu", action="store_true", help="XLA:CPU even when libtpu is installed")
+    p.add_argument("--cache", type=Path, default=cache)
+    p.add_argument("--cached-only", action="store_true", help="compile nothing: the section from --cache's probes")
+
+
+def probes_for(args, make_run) -> tuple[Probes, bool]:
+    """The `Probes` of ``probe_options``' ``args``, run by ``make_run(tpu)``, and whether they
+    compile with libtpu (installed, and no ``--cpu``)."""
+    tpu = (TPU_VENV / "bin" / "python").exists() and not args.cpu
+    return Probes(make_run(tpu), args.cache, args.cached_only, tpu=tpu), tpu
+
 
 # ----------------------------------------------------------------------------- options and timing
 

@@ -16,10 +16,9 @@ Probes are cached in ``--cache``; the longest sequence is found by doubling.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-from benchmarks._common import (HERE, TPU_VENV, NotProbed, Probes, compile_devices, compiled_figures, compiler, parser,
-                                report, serve, worker)
+from benchmarks._common import (HERE, NotProbed, Probes, compile_devices, compiled_figures, compiler, parser,
+                                probe_options, probes_for, report, serve, worker)
 
 MEMORY = 32 * 2**30  # a TPU v4 chip
 SIZES = {  # LLaMA-3 shapes (vocab 128256, GQA with 8 KV heads)
@@ -140,12 +139,9 @@ def main():
     p = parser(__doc__)
     p.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=sorted(SIZES),
                    help="8b: the 8-chip searches, the C table and attention's bytes; 70b: the 64-chip searches")
-    p.add_argument("--cpu", action="store_true", help="XLA:CPU even when libtpu is installed")
-    p.add_argument("--cache", type=Path, default=HERE / "results" / "long_context_probes.json")
-    p.add_argument("--cached-only", action="store_true", help="compile nothing: the section from --cache's probes")
+    probe_options(p, HERE / "results" / "long_context_probes.json")
     args = p.parse_args()
-    tpu = (TPU_VENV / "bin" / "python").exists() and not args.cpu
-    run = Probes(_worker(tpu), args.cache, args.cached_only, tpu=tpu)
+    run, tpu = probes_for(args, _worker)
     compiler = "libtpu, TPU v4 (32 GiB a chip)" if tpu else "XLA:CPU's buffer assignment, against 32 GiB a device"
     lines = [f"Planned on abstract shapes by {compiler}: LLaMA-3-shaped models (vocab 128256, 8 KV heads), bf16 "
              "compute, fp32 weights + AdamW, remat, fsdp over data x context, one sequence per data row "
@@ -172,13 +168,8 @@ def main():
 
 
 def _probe(run: Probes, task):
-    """``run(**task)`` (a list of them for a list), ``None`` for one not probed (with --cached-only)."""
-    if isinstance(task, list):
-        return [_probe(run, t) for t in task]
-    try:
-        return run(**task)
-    except NotProbed:
-        return None
+    """``run.get(**task)`` (a list of them for a list)."""
+    return [run.get(**t) for t in task] if isinstance(task, list) else run.get(**task)
 
 
 def _rows(run: Probes, head: list[str], cases, row) -> str:

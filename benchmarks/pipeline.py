@@ -35,7 +35,7 @@ import statistics
 import subprocess
 from pathlib import Path
 
-from benchmarks._common import (HERE, ROOT, TPU_VENV, NotProbed, Probes, compile_devices, compiler, parser,
+from benchmarks._common import (HERE, ROOT, Probes, compile_devices, compiler, parser, probe_options, probes_for,
                                 report, serve, worker, worker_env)
 
 MEMORY = 32 * 2**30  # a TPU v4 chip
@@ -185,14 +185,6 @@ def _dirty() -> bool:
                                stdout=subprocess.PIPE, text=True).stdout.strip())
 
 
-def _probe(run: Probes, **task):
-    """``run(**task)``, or None for one not probed (with --cached-only)."""
-    try:
-        return run(**task)
-    except NotProbed:
-        return None
-
-
 def _plan_task(size: str, stages: int, fsdp: bool, layers: int | None = None) -> dict:
     c = CASES[size]
     task = dict(kind="plan", size=size, chips=c["chips"], stages=stages, model=c["model"], rows=c["rows"],
@@ -235,8 +227,8 @@ def _reference(run: Probes, size: str) -> tuple[dict | None, dict]:
     stages' data-manual path splits it): ``(direct plan, {"flops", "a", "b", "how"})``. FLOPs taken as linear
     in the layers (``a + b L``, from plans of 8 and 16 layers) where the whole model's is refused for memory."""
     layers = SIZES[size]["num_hidden_layers"]
-    direct = _probe(run, **_plan_task(size, 1, False))
-    short = [_probe(run, **_plan_task(size, 1, False, layers=n)) for n in (8, 16)]
+    direct = run.get(**_plan_task(size, 1, False))
+    short = [run.get(**_plan_task(size, 1, False, layers=n)) for n in (8, 16)]
     out: dict = {}
     if all(p and not p["refused"] for p in short):
         b = (short[1]["flops"] - short[0]["flops"]) / 8
@@ -253,7 +245,7 @@ def _size_table(run: Probes, size: str) -> tuple[str, dict]:
     (S, fsdp) (S = 1: without stages)."""
     c = CASES[size]
     n, layers = c["chips"], SIZES[size]["num_hidden_layers"]
-    base = _probe(run, **_plan_task(size, 1, True))
+    base = run.get(**_plan_task(size, 1, True))
     direct, ref = _reference(run, size)
     zero3 = zero3_bytes(size)
     found = {(1, True): base, (1, False): direct}
@@ -290,7 +282,7 @@ def _size_table(run: Probes, size: str) -> tuple[str, dict]:
                 f"{'yes' if p['fits'] else 'no'} | {p['compile_s']:.0f} |")
 
     for s, fsdp in [(s, c["fsdp"][s]) for s in STAGES] + list(c["extra"]):
-        found[s, fsdp] = _probe(run, **_plan_task(size, s, fsdp))
+        found[s, fsdp] = run.get(**_plan_task(size, s, fsdp))
         lines.append(row(s, 4 * s, found[s, fsdp], fsdp, s))
     lines.append(row("no stages", "-", base, True, 1))
     lines.append(row("no stages", "-", direct, False, 1))
@@ -323,7 +315,7 @@ def _permuted(p: dict, per_stage: int) -> float:
 
 def _bubble_check(run: Probes, size: str, layers: int, ref: dict) -> tuple[str, float | None]:
     """The bubble as compiled at ``layers`` layers, no fsdp: each S against the unpipelined step compiled whole."""
-    base = _probe(run, **_plan_task(size, 1, False, layers=layers))
+    base = run.get(**_plan_task(size, 1, False, layers=layers))
     at_4 = None
     lines = ["", f"{size.upper()} cut to {layers} layers (everything else as above, no fsdp, so that the unpipelined "
              "step compiles whole and the batch is split over data on both sides): the bubble as compiled against "
@@ -331,7 +323,7 @@ def _bubble_check(run: Probes, size: str, layers: int, ref: dict) -> tuple[str, 
              "| S | M | mesh | FLOPs / unpipelined | stack (M+S-1)/M | step, analytic | compile s |",
              "|---|---|---|---|---|---|---|"]
     for s in STAGES:
-        m, p = 4 * s, _probe(run, **_plan_task(size, s, False, layers=layers))
+        m, p = 4 * s, run.get(**_plan_task(size, s, False, layers=layers))
         step = (ref["a"] + ref["b"] * layers * (m + s - 1) / m) / (ref["a"] + ref["b"] * layers) if "a" in ref else None
         if p is None or base is None or p["refused"] or base["refused"]:
             lines.append(f"| {s} | {m} | {'refused' if p and p['refused'] else 'not probed'} | | | | |")
@@ -459,7 +451,7 @@ def _no_stages(run: Probes, before: str) -> str:
     for r in range(ROUNDS):
         order = list(commits) if r % 2 == 0 else list(commits)[::-1]
         for name in order:
-            p = _probe(run, kind="hlo", commit=commits[name], round=r, chips=8)
+            p = run.get(kind="hlo", commit=commits[name], round=r, chips=8)
             if p is not None:
                 got[name].append(p)
     if not all(got.values()):
@@ -489,12 +481,9 @@ def main():
     p = parser(__doc__)
     p.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=sorted(SIZES))
     p.add_argument("--before", default="c36b1ad", help="the commit before the pipeline, for the no-stages row")
-    p.add_argument("--cpu", action="store_true", help="XLA:CPU even when libtpu is installed")
-    p.add_argument("--cache", type=Path, default=HERE / "results" / "pipeline_probes.json")
-    p.add_argument("--cached-only", action="store_true", help="compile nothing: the section from --cache's probes")
+    probe_options(p, HERE / "results" / "pipeline_probes.json")
     args = p.parse_args()
-    tpu = (TPU_VENV / "bin" / "python").exists() and not args.cpu
-    run = Probes(_worker(tpu), args.cache, args.cached_only, tpu=tpu)
+    run, tpu = probes_for(args, _worker)
     compiled_by = "libtpu for a TPU v4 slice (32 GiB a chip)" if tpu else "XLA:CPU, against 32 GiB a device"
     lines = [f"Planned on abstract shapes by {compiled_by}: LLaMA-2-7B and LLaMA-3-70B shapes (the zoo's stacked "
              "layers), bf16 compute, fp32 weights + AdamW, remat, `redeqx.plan(..., microbatches=4 S, explore=False)`. "
