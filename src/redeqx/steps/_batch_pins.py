@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ..data import batch_size
 from ..mesh import DATA, STAGE
 from .._rewrite import rows_dim, traced, with_rows
+from ._pipeline import pipelined_layer_scans
 
 
 def _pin(eqn, eqn_half, axes: tuple[str, ...]):
@@ -107,3 +108,12 @@ def batch_over_data(fn: Callable, *, batch_arg: int = 1, axes: tuple[str, ...] =
         return rebuild(jex.jaxpr_as_fun(jex.ClosedJaxpr(jaxpr, closed.consts))(*leaves))
 
     return run
+
+
+def on_mesh(fn: Callable, mesh, microbatches: int | None, *, weights_over_data: bool, specs) -> Callable:
+    """``fn`` (a loss) as the train and eval steps run it on ``mesh``: its layout pins naming the
+    axes of `batch_pins`, then its stacked layers as a pipeline where the mesh has stages
+    (`redeqx.steps._pipeline.pipelined_layer_scans`; ``fn`` itself on a mesh without them)."""
+    if pins := batch_pins(mesh, microbatches, weights_over_data):
+        fn = batch_over_data(fn, axes=pins)
+    return pipelined_layer_scans(fn, mesh, microbatches, weights_over_data=weights_over_data, specs=specs)

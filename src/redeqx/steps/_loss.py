@@ -21,9 +21,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ._conv_grads import exact_grouped_convs
-from ._batch_pins import batch_over_data, batch_pins
+from ._batch_pins import on_mesh
 from ._fp8 import fp8_matmuls
-from ._pipeline import pipelined_layer_scans
 from ._remat import ScanResiduals, keep_products
 from ..mesh import CONTEXT, DATA
 from .._rewrite import rewritten
@@ -177,11 +176,8 @@ def loss_and_grads(loss_fn, compute_dtype=None, *, inference: bool = False,
     if fp8:
         loss_fn = fp8_matmuls(loss_fn)
     loss_fn = rewritten(loss_fn, exact_grouped_convs, *([keep_products] if scan_residuals == "products" else []))
-    if mesh is not None and (pins := batch_pins(mesh, microbatches, weights_over_data)):
-        loss_fn = batch_over_data(loss_fn, axes=pins)
     if mesh is not None:
-        loss_fn = pipelined_layer_scans(loss_fn, mesh, microbatches, weights_over_data=weights_over_data,
-                                        specs=specs)
+        loss_fn = on_mesh(loss_fn, mesh, microbatches, weights_over_data=weights_over_data, specs=specs)
 
     def grads_of(params, static, batch, key, model_state):
         def loss_of(params):

@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from ._batch_pins import batch_over_data, batch_pins
+from ._batch_pins import on_mesh
 from ._conv_grads import products_for_batch_grouped_convs
-from ._pipeline import check_microbatches, pipelined_layer_scans
+from ._pipeline import check_microbatches
 from ._compiled import CompiledStep, StepFunction, stay_in_place, where_it_is
 from ._loss import (
     LOSS_CALL,
@@ -288,14 +288,9 @@ class EvalStep:
     weight examples exactly across a padded last batch."""
 
     def __init__(self, loss_fn, mesh: Mesh, specs, compute_dtype, microbatches=None):
-        fsdp = splits_over(specs, DATA) and mesh.shape[DATA] > 1
-        pins = batch_pins(mesh, microbatches, fsdp)
-
         def per_example(model, batch, key, model_state):
             check_batch(batch, mesh)
-            pinned = batch_over_data(examples, axes=pins) if pins else examples  # as loss_and_grads does
-            return pipelined_layer_scans(pinned, mesh, microbatches, weights_over_data=fsdp,
-                                         specs=specs)(model, batch, key, model_state)
+            return laid_out(model, batch, key, model_state)
 
         def examples(model, batch, key, model_state):
             model = _inference(model, compute_dtype)
@@ -307,6 +302,8 @@ class EvalStep:
                 return {"loss": loss, **aux}
 
             return jax.vmap(one)(batch, keys)
+
+        laid_out = on_mesh(examples, mesh, microbatches, weights_over_data=splits_over(specs, DATA), specs=specs)
 
         def means(model, batch, key, model_state):
             return jax.tree.map(lambda v: v.mean(0), per_example(model, batch, key, model_state))
