@@ -91,19 +91,18 @@ def _block_terms(x, offsets, strides, finite: bool):
         words = jax.lax.bitcast_convert_type(bits, jnp.uint32)
     else:
         words = low
-    broken = (~jnp.isfinite(x) if jnp.issubdtype(x.dtype, jnp.inexact)
-              else jnp.zeros(bits.shape, jnp.bool_)).astype(jnp.uint32)
+    check = finite and jnp.issubdtype(x.dtype, jnp.inexact)  # an integer or bool leaf is finite
+    terms = [low, (~jnp.isfinite(x)).astype(jnp.uint32)] if check else [low]
     if words.ndim > bits.ndim:  # 64 bits: the element's checksum and finiteness terms sit on its first word
         first = jax.lax.broadcasted_iota(jnp.uint32, words.shape, words.ndim - 1) == 0
-        low = jnp.where(first, low[..., None], jnp.uint32(0))
-        broken = jnp.where(first, broken[..., None], jnp.uint32(0))
+        terms = [jnp.where(first, t[..., None], jnp.uint32(0)) for t in terms]
     index = _place_index(words.shape, list(offsets) + [jnp.uint32(0)] * (words.ndim - len(offsets)), strides)
     lanes = [_fmix32(words ^ (index * jnp.uint32(c) + jnp.uint32(s))) for c, s in _LANES]
     dims = tuple(range(words.ndim))
-    operands = (low, *lanes, broken) if finite else (low, *lanes)
+    operands = (terms[0], *lanes, *terms[1:])
     sums = jax.lax.reduce(operands, (jnp.uint32(0),) * len(operands),
                           lambda a, b: tuple(u + v for u, v in zip(a, b)), dims)
-    return sums[0], jnp.stack(sums[1:3]), sums[3] == 0 if finite else jnp.bool_(True)
+    return sums[0], jnp.stack(sums[1:3]), sums[3] == 0 if check else jnp.bool_(True)
 
 
 def _shard_terms(x, offsets, strides, finite: bool):
