@@ -152,8 +152,7 @@ def _measure_to_file(results: str, **kwargs) -> dict:
 def tpu_hash(state: str, gib: float) -> dict:
     """libtpu's own figures for the content hash of ``state`` on a TPU v4 slice of 8 chips (no TPU
     attached), laid out as on the CPU devices: per chip, the bytes read and the compiler's estimate
-    of the time, summed over the leaves' programs, each compiled with its shard in one block so that
-    the figures cover the whole pass; without (a restore) and with (a manager's save) the
+    of the time, summed over the leaves' programs; without (a restore) and with (a manager's save) the
     finiteness test."""
     import numpy as np
     from jax.sharding import Mesh
@@ -161,7 +160,6 @@ def tpu_hash(state: str, gib: float) -> dict:
     from benchmarks._common import tpu_v4_devices
     from redeqx.checkpoints import _hashing
 
-    _hashing._BLOCK_WORDS = 1 << 40
     mesh = Mesh(np.array(tpu_v4_devices(8)).reshape(2, 4), ("data", "model"))  # make_mesh(4)'s axes
     _, abstract = _layout(state, gib, mesh)
     out = {"state": sum(x.size * x.dtype.itemsize for x in abstract.values())}

@@ -589,10 +589,10 @@ def _reference_fingerprint(x: np.ndarray) -> tuple[int, str, bool]:
     return int(words.sum() % 2**32), "".join(f"{v:08x}" for v in lanes), finite
 
 
-def test_content_hash_is_the_formats_definition_on_every_layout_and_block_size(monkeypatch):
+def test_content_hash_is_the_formats_definition_on_every_layout():
     """The hash checkpoints carry is pinned to its definition (a NumPy reference), for the dtypes a
-    state holds, split or replicated, in one block or in many (a device hashes a block of rows at
-    a time): a faster pass that changed a value would make every older checkpoint look damaged."""
+    state holds, split or replicated (each device hashes its own shard at its place): a faster pass
+    that changed a value would make every older checkpoint look damaged."""
     from redeqx.checkpoints import _hashing
 
     mesh = redeqx.make_mesh(2)  # data 4 x model 2
@@ -612,10 +612,6 @@ def test_content_hash_is_the_formats_definition_on_every_layout_and_block_size(m
     assert got == want
     sums, hashes, finite = _hashing.fingerprints(leaves, finite=False)  # a restore's pass: no finiteness test
     assert list(zip(sums, hashes)) == [w[:2] for w in want] and all(finite)
-    monkeypatch.setattr(_hashing, "_BLOCK_WORDS", 16)  # several blocks a shard, of whole rows
-    fresh = jax.jit(_hashing._fingerprint.__wrapped__, static_argnames=("finite", "sharding"))  # traced at the new size
-    monkeypatch.setattr(_hashing, "_fingerprint", fresh)
-    assert list(zip(*_hashing.fingerprints(leaves))) == want
 
 
 @pytest.mark.parametrize("spec", [P("model", "data"), P(("data", "model")), P(None, "model"), P()])
@@ -623,8 +619,8 @@ def test_content_hash_reads_each_devices_own_shard(spec):
     """Before: inside jit a leaf's layout was read from the tracer, which on a mesh of Auto axes has
     none, so the partitioner split the hash's loop as it chose: it gathered a leaf split on its first
     dim (a vocabulary-split embedding, fsdp), each device holding the whole leaf. The hash program
-    of one leaf moves nothing but its few sums, and holds at most the shard (XLA:CPU widens a bf16
-    shard to f32 once) beside it."""
+    of one leaf moves nothing but its few sums, and holds nothing of the size of its shard beside
+    it (a loop over blocks of rows made XLA:CPU widen a bf16 shard to a float32 copy, 2x it)."""
     from redeqx.checkpoints import _hashing
 
     mesh = redeqx.make_mesh(4)  # data 2 x model 4
@@ -633,8 +629,7 @@ def test_content_hash_reads_each_devices_own_shard(spec):
         compiled = _hashing._fingerprint.lower(x, finite=True, sharding=x.sharding).compile()
         text = compiled.as_text()
         assert "all-gather" not in text and "all-to-all" not in text and "collective-permute" not in text
-        shard = compiled.memory_analysis().argument_size_in_bytes
-        assert compiled.memory_analysis().temp_size_in_bytes <= 2 * shard + 2**16
+        assert compiled.memory_analysis().temp_size_in_bytes <= 2**16  # the shard: 512 KiB or more
 
 
 def test_older_checkpoints_piece_hashes_are_still_checked(tmp_path):

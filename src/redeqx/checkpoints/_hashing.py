@@ -32,7 +32,7 @@ from ._format import all_processes
 # passes with odds of about 2**-64. Nothing leaves the devices but the
 # numbers (no copy of the arrays to the host, as hashing there would
 # need). The sums (and the finiteness test a manager's save asks for) are
-# one reduction of several operands, so each block is read once on every
+# one reduction of several operands, so each shard is read once on every
 # backend; on XLA:CPU the pass costs a few times a plain sum, on an
 # accelerator it is bound by memory bandwidth. A restore compiles it while
 # orbax reads.
@@ -60,18 +60,18 @@ def _bits(x):
     return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}"))
 
 
-# The pass runs on each device's own shard (`jax.shard_map`), a block of rows at a time, one leaf
-# after another, so that what it adds to a device's memory is one block's words, never a copy of
-# the leaf (a device of the host on CPU: the host's memory; XLA:CPU widens a 16-bit float shard to
-# float32 before the loop, 2x that shard, checked by test_content_hash_reads_each_devices_own_shard).
-# Each device sums its shard's terms at their places in the whole array; one copy of each replicated
-# shard counts; the sums are added over the mesh. Equal, term for term, to the sum over the whole
-# array, on any layout and process count.
-_BLOCK_WORDS = 1 << 20  # words a device hashes at once (4 MiB of uint32; XLA:CPU holds several such)
+# The pass runs on each device's own shard (`jax.shard_map`), one leaf after another, as one
+# reduction that every backend fuses with the words' mixing: what it adds to a device's memory is a
+# few sums, never a copy of the leaf or of the shard (checked by
+# test_content_hash_reads_each_devices_own_shard). A loop over blocks of rows, as the pass once ran,
+# made XLA:CPU widen a 16-bit float shard to a float32 copy to slice (twice the shard, and 2.4x the
+# time). Each device sums its shard's terms at their places in the whole array; one copy of each
+# replicated shard counts; the sums are added over the mesh. Equal, term for term, to the sum over
+# the whole array, on any layout and process count.
 
 
 def _place_index(shape, offsets, strides):
-    """The row-major place in the whole array (mod 2**32) of each word of a block of ``shape`` whose
+    """The row-major place in the whole array (mod 2**32) of each word of a shard of ``shape`` whose
     first word sits at ``offsets`` (per dim) of an array with row-major ``strides``."""
     index = jnp.zeros(shape, jnp.uint32)
     for d in range(len(shape)):
@@ -80,11 +80,11 @@ def _place_index(shape, offsets, strides):
     return index
 
 
-def _block_terms(x, offsets, strides, finite: bool):
-    """(word sum, the two hash lanes' sums, all finite) of the block ``x`` at ``offsets``: one reduction, so that every backend reads the block once
-    (libtpu fused separate sums into one pass and the finiteness test into a second; XLA:CPU made
-    four). ``finite=False`` leaves the finiteness test out (a restore and `save_checkpoint` do not
-    ask; the answer is then True)."""
+def _shard_terms(x, offsets, strides, finite: bool):
+    """(word sum, the two hash lanes' sums, all finite) of a device's shard ``x`` at ``offsets``: one
+    reduction, so that every backend reads the shard once (libtpu fused separate sums into one pass
+    and the finiteness test into a second; XLA:CPU made four). ``finite=False`` leaves the
+    finiteness test out (a restore and `save_checkpoint` do not ask; the answer is then True)."""
     bits = _bits(x)
     low = bits.astype(jnp.uint32)  # a 64-bit word's checksum term is its low half
     if bits.dtype.itemsize > 4:  # two words per element, in a trailing axis
@@ -103,26 +103,6 @@ def _block_terms(x, offsets, strides, finite: bool):
     sums = jax.lax.reduce(operands, (jnp.uint32(0),) * len(operands),
                           lambda a, b: tuple(u + v for u, v in zip(a, b)), dims)
     return sums[0], jnp.stack(sums[1:3]), sums[3] == 0 if check else jnp.bool_(True)
-
-
-def _shard_terms(x, offsets, strides, finite: bool):
-    """`_block_terms` of a device's shard ``x``, a block of its leading dim at a time."""
-    if x.ndim == 0 or x.size <= _BLOCK_WORDS:
-        return _block_terms(x, offsets, strides, finite)
-    row = x.size // x.shape[0]
-    rows = max(1, min(x.shape[0], _BLOCK_WORDS // max(1, row)))
-    while x.shape[0] % rows:  # whole blocks only: a divisor of the leading dim
-        rows -= 1
-    n = x.shape[0] // rows
-
-    def body(i, acc):
-        block = jax.lax.dynamic_slice_in_dim(x, i * rows, rows, axis=0)
-        at = [offsets[0] + (i * rows).astype(jnp.uint32)] + list(offsets[1:])
-        c, h, f = _block_terms(block, at, strides, finite)
-        return acc[0] + c, acc[1] + h, acc[2] & f
-
-    zero = (jnp.uint32(0), jnp.zeros(2, jnp.uint32), jnp.bool_(True))
-    return jax.lax.fori_loop(0, n, body, zero)
 
 
 def _word_strides(shape, dtype) -> list[int]:
@@ -205,7 +185,7 @@ def fingerprints(leaves: list[jax.Array], finite: bool = True,
     """`_fingerprint` of each leaf on the host: word sums, content hashes as hex, finiteness.
 
     One leaf at a time, each fetched before the next starts: one program over every leaf made
-    XLA:CPU hold each leaf's block temporaries at once (a 1.7 GiB state: 8 GiB of host memory),
+    XLA:CPU hold each leaf's temporaries at once (a 1.7 GiB state: 8 GiB of host memory),
     and many programs in flight at once can stall its collectives. ``programs``: those of
     `compile_fingerprints` for these leaves."""
     sums, hashes, ok = [], [], []
