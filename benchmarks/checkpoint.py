@@ -10,6 +10,9 @@ full copy in host memory: 100M parameters peak near 17 GB): the sync save's
 time and bytes on disk, a restore into an abstract target, how long
 `CheckpointManager.save` blocks and how long until its write is on disk, and
 the steps run while it is written against steps with no save in flight.
+
+Host memory and time beside plain orbax's (a 1 GiB stacked leaf, a whole 1B LLaMA state, one
+process and two) are `benchmarks/checkpoint_memory.py`'s: each variant needs a fresh process.
 """
 
 import os
