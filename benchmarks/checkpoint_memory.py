@@ -177,7 +177,7 @@ def tpu_hash(state: str, gib: float) -> dict:
     return out
 
 
-def _order(round_: int) -> list[str]:
+def variant_order(round_: int) -> list[str]:
     """The variants of round ``round_``: the saves, then the restores, each pair in turn first (the
     second of a pair runs right after the first's I/O, on a disk and page cache it left busy)."""
     saves, restores = VARIANTS[:2], VARIANTS[2:]
@@ -215,7 +215,7 @@ def main():
             runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
             with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as d:
                 for i in range(args.repeats):
-                    for v in _order(i):  # each save writes the checkpoint its restore then reads
+                    for v in variant_order(i):  # each save writes the checkpoint its restore then reads
                         kw = dict(variant=v, state=state, gib=args.gib, directory=d)
                         runs[v].append(worker(__file__, "measure", **kw) if n == 1 else _two_processes(**kw))
                         print(f"  {state} x{n} {v}: {json.dumps(runs[v][-1])}", file=sys.stderr, flush=True)
