@@ -342,7 +342,8 @@ def _render_fp8(sec, hw):
 
 def _render_checkpoint(sec, hw):
     rows = [f"**Checkpoints** (a {sec['bytes'] / 2**30:.2f} GiB float32 leaf, median of the rounds after the first; "
-            "each variant going first in turn; target: redeqx <= 1.5x plain orbax):", "", "| what | redeqx | plain orbax | ratio |", "|---|---|---|---|"]
+            "each variant going first in turn; target: redeqx <= 1.5x plain orbax):", "",
+            "| what | redeqx | plain orbax | ratio |", "|---|---|---|---|"]
     for what in ("save", "restore"):
         ours, theirs = sec[f"redeqx {what}"], sec[f"orbax {what}"]
         rows.append(f"| {what} | {ours:.2f} s | {theirs:.2f} s | {ours / theirs:.2f}x |")
