@@ -13,7 +13,7 @@ import pytest
 
 import redeqx
 from redeqx import models
-from redeqx.steps._fp8 import _grad_lhs, _grad_rhs, fp8_dot
+from redeqx.steps._fp8 import _grad_lhs, _grad_rhs, fp8_dot, fp8_matmuls
 
 CASES = [((4, 5, 8), (8, 6), (((2,), (0,)), ((), ()))),           # x @ W
          ((8, 3), (5, 8), (((0,), (1,)), ((), ()))),               # contracting leading dims
@@ -94,6 +94,38 @@ def test_a_loss_without_weight_products_is_refused():
                                   fp8=True)
     with pytest.raises(ValueError, match="multiplies no weight of the model by an activation"):
         step(state, {"i": np.arange(8) % 4})
+    # one weight product, the output layer: nothing before it to run in fp8
+    with pytest.raises(ValueError, match=r"before its output layer .*: 1 here"):
+        fp8_matmuls(lambda m, x: jnp.mean((x @ m["w"]) ** 2))({"w": jnp.ones((8, 2))}, jnp.ones((4, 8)))
+
+
+def _lowered_fp8_products(loss, *args) -> tuple[int, int]:
+    return _fp8_products(jax.jit(jax.grad(fp8_matmuls(loss))).lower(*args).as_text(dialect="hlo"))
+
+
+def test_the_output_layer_is_found_from_the_program_not_from_a_tables_size():
+    """GPT-2 medium's shape: 1,024 positions and width 1,024. A rule by the sizes of the tables the
+    loss looks up kept every weight with a dim of 1,024 (here all of them, and refused the loss);
+    the program says which product is the output layer: the tied head, and only it."""
+    config = models.GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=4, scan_layers=True)
+    model = models.GPT2LMHeadModel(config, key=jax.random.key(0))
+    dots, fp8 = _lowered_fp8_products(lambda m, b: lm_loss(m, b, None), model, progressions(1)[0])
+    assert fp8 == 6 * 3 and dots > fp8, (dots, fp8)  # q, k, v, c_proj, c_fc, mlp c_proj; not the head
+
+
+def test_one_jitted_function_at_two_places_is_two_products():
+    """The output layer is a place in the program: a jitted linear that every layer calls (one traced
+    program, shared) runs in fp8 everywhere but at the last call."""
+    linear = jax.jit(lambda w, x: x @ w)
+    ws = [jnp.asarray(np.random.default_rng(i).normal(size=(16, 16)), jnp.float32) for i in range(3)]
+
+    def loss(ws, x):
+        for w in ws[:-1]:
+            x = jnp.tanh(linear(w, x))
+        return jnp.mean(linear(ws[-1], x) ** 2)
+
+    dots, fp8 = _lowered_fp8_products(loss, ws, jnp.ones((4, 16)))
+    assert (dots, fp8) == (8, 5)  # the first: forward and its weight's gradient (x is data); the second: 3
 
 
 @pytest.mark.slow

@@ -6,12 +6,17 @@ operands scaled into float8_e4m3fn by their current absolute maximum (per tensor
 scale state anywhere), multiplied with ``preferred_element_type`` the product's own dtype, the two
 scales applied to the output; in the backward pass the output's gradient is scaled into
 float8_e5m2 the same way and both gradients are fp8 products. This is the "direct" form a GPU's
-compiler turns into cuBLAS fp8 GEMMs (a quantize-dequantize pattern would run them in bf16). Products
-of two activations (attention scores and their values), grouped products (``ragged_dot``) and the
-vocabulary projection (a weight with a dim the size of an embedding table's rows: an LM head, tied
-or not) stay as they are: fp8 recipes keep the head in the compute dtype (a tiny LLaMA's loss after
-50 steps is 1.02x bf16's with its head in fp8, 1.006x without). The model's code is untouched: the loss is traced once and evaluated with those
-products replaced, in scans (stacked layers), jitted calls and ``jax.checkpoint`` bodies too.
+compiler turns into cuBLAS fp8 GEMMs (a quantize-dequantize pattern would run them in bf16).
+
+Left as they are: products of two activations (attention scores and their values), grouped products
+(``ragged_dot``), and the output layer, the weight products whose result reaches the loss through no
+other weight product (an LM's vocabulary projection, tied or not; a classifier's last layer; a router
+whose statistics feed an auxiliary loss). fp8 recipes keep the output layer in the compute dtype: a
+tiny LLaMA's loss after 50 steps is 1.02x bf16's with its head in fp8, 1.006x without. The output
+layer is found from the program, not from sizes: an earlier rule by the rows of the tables the loss
+looks up also kept every weight with a dim the size of a position table (all of GPT-2 medium's, 1,024
+positions and width 1,024). The model's code is untouched: the loss is traced once and evaluated with
+those products replaced, in scans (stacked layers), jitted calls and ``jax.checkpoint`` bodies too.
 """
 
 from __future__ import annotations
@@ -100,65 +105,109 @@ def _floating(v) -> bool:
     return jnp.issubdtype(v.aval.dtype, jnp.floating)
 
 
-def vocabularies(jaxpr, seed: set) -> set[int]:
-    """The row counts of the weights ``jaxpr`` looks up by index (``gather``: embedding tables)."""
-    weights, found = derived_from(jaxpr, seed), set()
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "gather" and not isinstance(eqn.invars[0], jex.Literal) and eqn.invars[0] in weights:
-            found.add(eqn.invars[0].aval.shape[0])
-        for v in eqn.params.values():
-            inner = v.jaxpr if isinstance(v, jex.ClosedJaxpr) else v if isinstance(v, jex.Jaxpr) else None
-            if inner is not None and len(inner.invars) == len(eqn.invars):
-                found |= vocabularies(inner, inner_seed(inner, eqn, weights))
-    return found
+def _weight_product(eqn, weights: set) -> bool:
+    """Whether ``eqn`` multiplies exactly one weight (a value of ``weights``) by an activation."""
+    held = [v for v in eqn.invars if not isinstance(v, jex.Literal) and v in weights]
+    return eqn.primitive.name == "dot_general" and all(map(_floating, eqn.invars)) and len(held) == 1
+
+
+def _body(eqn):
+    """The program ``eqn`` runs inside (a call's, a ``jax.checkpoint``'s, a scan's), else None."""
+    if (closed := call_body(eqn)) is not None:
+        return closed.jaxpr
+    if eqn.primitive.name in ("checkpoint", "remat2", "scan"):
+        inner = eqn.params["jaxpr"]
+        return inner.jaxpr if isinstance(inner, jex.ClosedJaxpr) else inner
+    return None
+
+
+class _OutputLayer:
+    """The weight products whose result reaches the loss through no other weight product (an LM's
+    vocabulary projection, tied or not; a classifier's last layer; a router whose statistics feed an
+    auxiliary loss), found by walking the program back from its outputs: fp8 recipes keep the output
+    layer in the compute dtype. ``found`` holds their equations' places: the index of each equation
+    on the way in, from the loss's program down (one jitted function called twice is two places)."""
+
+    def __init__(self):
+        self.found: set[tuple[int, ...]] = set()
+
+    def walk(self, jaxpr, wanted: list[bool], seed: set, place: tuple[int, ...] = ()) -> list[bool]:
+        """Which invars of ``jaxpr`` reach its ``wanted`` outputs without passing a weight product."""
+        weights = derived_from(jaxpr, seed)
+        reach = {v for v, w in zip(jaxpr.outvars, wanted) if w and not isinstance(v, jex.Literal)}
+        for i in reversed(range(len(jaxpr.eqns))):
+            eqn = jaxpr.eqns[i]
+            outs = [v in reach for v in eqn.outvars]
+            if not any(outs):
+                continue
+            if _weight_product(eqn, weights):
+                self.found.add((*place, i))
+                continue
+            ins = self._inner(eqn, outs, weights, (*place, i))
+            reach.update(v for v, r in zip(eqn.invars, ins) if r and not isinstance(v, jex.Literal))
+        return [v in reach for v in jaxpr.invars]
+
+    def _inner(self, eqn, outs: list[bool], weights: set, place: tuple[int, ...]) -> list[bool]:
+        body = _body(eqn)
+        if body is None:  # any other equation: each input reaches each output
+            return [True] * len(eqn.invars)
+        seed = inner_seed(body, eqn, weights)
+        if eqn.primitive.name != "scan":
+            return self.walk(body, outs, seed, place)
+        nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
+        carry = outs[:nk]
+        while True:  # a carry read by a later iteration: to a fixed point
+            ins = self.walk(body, carry + outs[nk:], seed, place)
+            grown = [a or b for a, b in zip(carry, ins[nc:nc + nk])]
+            if grown == carry:
+                return ins
+            carry = grown
 
 
 class _Fp8:
     """Evaluates a jaxpr equation by equation, weight-by-activation products as `fp8_dot`."""
 
-    def __init__(self, vocab: set[int]):
-        self.converted, self.vocab = 0, vocab
+    def __init__(self, output_layer: set[tuple[int, ...]]):
+        self.converted, self.output_layer = 0, output_layer
 
-    def eval(self, jaxpr, consts, args, seed: set):
+    def eval(self, jaxpr, consts, args, seed: set, place: tuple[int, ...] = ()):
         env = {}
         read = lambda v: v.val if isinstance(v, jex.Literal) else env[v]  # noqa: E731
         env.update(zip(jaxpr.constvars, consts))
         env.update(zip(jaxpr.invars, args))
         weights = derived_from(jaxpr, seed)
-        for eqn in jaxpr.eqns:
+        for i, eqn in enumerate(jaxpr.eqns):
             invals = [read(v) for v in eqn.invars]
-            outs = self._eqn(eqn, invals, weights, lambda inner, e=eqn: inner_seed(inner, e, weights))
+            outs = self._eqn(eqn, invals, weights, lambda inner, e=eqn: inner_seed(inner, e, weights), (*place, i))
             for v, x in zip(eqn.outvars, outs):
                 if not isinstance(v, jex.DropVar):
                     env[v] = x
         return [read(v) for v in jaxpr.outvars]
 
-    def _eqn(self, eqn, invals, weights, inner) -> list:
+    def _eqn(self, eqn, invals, weights, inner, place: tuple[int, ...]) -> list:
         name, p = eqn.primitive.name, eqn.params
-        held = [v for v in eqn.invars if not isinstance(v, jex.Literal) and v in weights]
-        if name == "dot_general" and all(map(_floating, eqn.invars)) and len(held) == 1 and \
-                not self.vocab & set(held[0].aval.shape):
+        if _weight_product(eqn, weights) and place not in self.output_layer:
             self.converted += 1
             return [fp8_dot(*invals, p["dimension_numbers"], eqn.outvars[0].aval.dtype)]
         if name == "scan":
-            return self._scan(eqn, invals, inner)
+            return self._scan(eqn, invals, inner, place)
         if (body := call_body(eqn)) is not None:
-            return self.eval(body.jaxpr, body.consts, invals, inner(body.jaxpr))
+            return self.eval(body.jaxpr, body.consts, invals, inner(body.jaxpr), place)
         if name in ("checkpoint", "remat2"):
             body = p["jaxpr"]
-            run = jax.checkpoint(lambda *a: self.eval(body, (), a, inner(body)), prevent_cse=p["prevent_cse"],
+            run = jax.checkpoint(lambda *a: self.eval(body, (), a, inner(body), place), prevent_cse=p["prevent_cse"],
                                  policy=p["policy"])
             return run(*invals)
         return bind(eqn, invals)
 
-    def _scan(self, eqn, invals, inner) -> list:
+    def _scan(self, eqn, invals, inner, place: tuple[int, ...]) -> list:
         p = eqn.params
         body, nc, nk = p["jaxpr"], p["num_consts"], p["num_carry"]
         seed = inner(body.jaxpr)
         consts, carry, xs = invals[:nc], invals[nc:nc + nk], invals[nc + nk:]
 
         def step(c, x):
-            out = self.eval(body.jaxpr, body.consts, [*consts, *c, *x], seed)
+            out = self.eval(body.jaxpr, body.consts, [*consts, *c, *x], seed, place)
             return out[:nk], out[nk:]
 
         carry, ys = jax.lax.scan(step, list(carry), list(xs), length=p["length"], reverse=p["reverse"],
@@ -175,12 +224,16 @@ def fp8_matmuls(fn: Callable) -> Callable:
         closed, leaves, rebuild = traced(fn, *args)
         n_model = len(jax.tree.leaves(eqx.filter(args[0], eqx.is_array)))
         seed = set(closed.jaxpr.invars[:n_model])
-        rewrite = _Fp8(vocabularies(closed.jaxpr, seed))
+        output = _OutputLayer()
+        output.walk(closed.jaxpr, [True] * len(closed.jaxpr.outvars), seed)
+        rewrite = _Fp8(output.found)
         outs = rewrite.eval(closed.jaxpr, closed.consts, leaves, seed)
         if rewrite.converted == 0:
             raise ValueError(
                 f"fp8=True, but loss_fn {getattr(fn, '__name__', '?')!r} multiplies no weight of the model by an "
-                "activation with jax.lax.dot_general (a Linear layer, x @ W): there is nothing to run in fp8.")
+                "activation with jax.lax.dot_general (a Linear layer, x @ W) before its output layer (the products "
+                f"whose result reaches the loss through no other weight product: {len(output.found)} here, kept in "
+                "the compute dtype): there is nothing to run in fp8.")
         return rebuild(outs)
 
     return run
