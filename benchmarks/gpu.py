@@ -18,8 +18,8 @@ is skipped when what is left of ``--budget`` seconds is under its estimate:
 - ``fp8``: an 8B-shaped MLP block (4096 -> 14336 -> 4096, 16k tokens) forward and backward with
   `redeqx.steps._fp8.fp8_dot` against bf16, and the cuBLAS fp8 GEMMs its compiled program calls
   (6 expected: 3 per linear);
-- ``train``: the 1B LLaMA step stacked, listed and hand-written (MFU, first
-  compile), and a profile of the stacked step's device time by kind (`benchmarks._profile`);
+- ``train``: the 1B LLaMA step stacked, listed, stacked with fp8 products and hand-written (MFU,
+  first compile), and a profile of the stacked step's device time by kind (`benchmarks._profile`);
 - ``checkpoint``: a 1 GiB leaf's save and restore, redeqx's (with its content hash) beside plain
   orbax's, and the hash's own pass (issue 49's time target, on an accelerator);
 - ``sweep``: block configs of each grouped-matmul kernel product (`benchmarks.moe_gpu.block_sweep`).
@@ -44,7 +44,7 @@ from benchmarks._common import ROOT, report, worker_env
 TITLE = "On one GPU (benchmarks/gpu.py)"
 # seconds each section needs on an H200 (estimates from earlier runs: start-up, compiles, timing)
 # (decode: six 1B decoders, each compiled for generate and for the prefill; it ran past 361 s on an H200)
-ESTIMATE = {"hardware": 20, "gmm": 60, "moe": 140, "decode": 240, "fp8": 40, "train": 140, "checkpoint": 60,
+ESTIMATE = {"hardware": 20, "gmm": 60, "moe": 140, "decode": 240, "fp8": 40, "train": 170, "checkpoint": 60,
             "sweep": 90}
 SECTIONS = tuple(ESTIMATE)
 
@@ -167,7 +167,7 @@ def train(smoke: bool, profile_dir: str) -> dict:
     from benchmarks import throughput
 
     args = argparse.Namespace(size="tiny" if smoke else "1b", seq=64 if smoke else 2048, batch=2 if smoke else 8,
-                              variants="stacked,listed", hand=True, steps=2 if smoke else 5, rounds=2,
+                              variants="stacked,listed,stacked+fp8", hand=True, steps=2 if smoke else 5, rounds=2,
                               plan=False, profile=profile_dir)
     return _quietly(throughput.run, args)
 
@@ -379,6 +379,11 @@ def _render_train(sec, hw):
     from benchmarks import throughput
 
     rows = [throughput.table(sec)]
+    v = sec.get("variants", {})
+    bf16, fp8 = v.get("redeqx bf16, stacked", {}), v.get("redeqx bf16, stacked+fp8", {})
+    if "tokens_per_s" in bf16 and "tokens_per_s" in fp8:
+        rows += ["", f"The stacked step with fp8 products (`fp8=True`) runs at "
+                     f"{fp8['tokens_per_s'] / bf16['tokens_per_s']:.2f}x its tokens/s in bf16."]
     prof = sec.get("profile")
     if prof and "ms_per_step" in prof:
         total = sum(prof["ms_per_step"].values())

@@ -101,13 +101,14 @@ def hand_written(optimizer, static):
     return jax.jit(step, donate_argnums=(0, 1))
 
 
-def parse_variant(text: str) -> tuple[str, str, int | bool | None, bool]:
-    """``"stacked:2+remat"`` -> (the text, "stacked", 2, True)."""
-    spec, remat = text.strip().removesuffix("+remat"), text.strip().endswith("+remat")
+def parse_variant(text: str) -> tuple[str, str, int | bool | None, bool, bool]:
+    """``"stacked:2+remat+fp8"`` -> (the text, "stacked", 2, remat: True, fp8: True)."""
+    spec, *options = text.strip().split("+")
     layout, _, unroll = spec.partition(":")
-    if layout not in ("stacked", "listed") or (unroll and (layout == "listed" or not unroll.isdigit())):
-        raise SystemExit(f"--variants: {text!r} is not stacked[:N][+remat] or listed[+remat]")
-    return text.strip(), layout, int(unroll) if unroll else None, remat
+    if layout not in ("stacked", "listed") or (unroll and (layout == "listed" or not unroll.isdigit())) or \
+            not set(options) <= {"remat", "fp8"}:
+        raise SystemExit(f"--variants: {text!r} is not stacked[:N] or listed, then +remat and/or +fp8")
+    return text.strip(), layout, int(unroll) if unroll else None, "remat" in options, "fp8" in options
 
 
 def run(args) -> dict:
@@ -119,7 +120,7 @@ def run(args) -> dict:
     variants = [parse_variant(v) for v in args.variants.split(",")]
     configs = {spec: make_config(args.size, max_position_embeddings=max(2048, args.seq),
                                  scan_layers=layout == "stacked", scan_unroll=unroll)
-               for spec, layout, unroll, _ in variants}  # equal configs are one config (a frozen dataclass)
+               for spec, layout, unroll, _, _ in variants}  # equal configs are one config (a frozen dataclass)
     config = next(iter(configs.values()))
     batch = {"ids": rng.integers(0, config.vocab_size, (args.batch, args.seq + 1)).astype(np.int32)}
     tokens = args.batch * args.seq
@@ -130,7 +131,7 @@ def run(args) -> dict:
     # One state per config (the layout and the stack's unroll, which lives in the model's static
     # config), shared by its steps with and without remat (each step donates it and returns the next).
     steps, states, calls, texts, first = {}, {}, {}, {}, True
-    for spec, _, _, remat in variants:
+    for spec, _, _, remat, fp8 in variants:
         config = configs[spec]
         make = lambda key, c=config: model_class(c)(c, key=key)  # noqa: E731
         fn = redeqx.remat(next_token_loss) if remat else next_token_loss
@@ -148,7 +149,7 @@ def run(args) -> dict:
         name = f"redeqx bf16, {spec}"
         v = out["variants"][name] = {}
         try:  # a variant that fails to build is reported as such; the others still run (a GPU lease is short)
-            steps[name] = redeqx.make_train_step(fn, optimizer, mesh, specs, compute_dtype=jnp.bfloat16)
+            steps[name] = redeqx.make_train_step(fn, optimizer, mesh, specs, compute_dtype=jnp.bfloat16, fp8=fp8)
             t = time.perf_counter()
             lowered = steps[name].lower(states[config], batch)
             compiled = lowered.compile()
@@ -266,7 +267,8 @@ def main():
     p.add_argument("--size", choices=sorted(SIZES) + sorted(MOE_SIZES), default="tiny")
     p.add_argument("--variants", default="stacked,stacked+remat,listed,listed+remat",
                    help="comma-separated: the zoo LLaMA's layers stacked[:scan_unroll] or listed, +remat for "
-                        "redeqx.remat; the stack's default scan_unroll is the family's per-platform choice")
+                        "redeqx.remat, +fp8 for make_train_step(..., fp8=True); the stack's default scan_unroll "
+                        "is the family's per-platform choice")
     p.add_argument("--no-hand", dest="hand", action="store_false",
                    help="leave out the hand-written step (on the first layout)")
     p.add_argument("--json", help="also write the results here")
