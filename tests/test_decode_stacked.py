@@ -1,7 +1,8 @@
 """Decoding a stacked model (the default layout) against the same weights
 listed: the same tokens, and a compiled decoding loop that copies neither a
 layer's weights out of the stack nor the KV cache on each token (read from
-the compiled program), with the cache in the compute dtype."""
+the compiled program), a prompt's pass that is one layer's program whatever
+the depth, with the cache in the compute dtype."""
 
 import dataclasses
 
@@ -63,6 +64,23 @@ def test_the_stacked_decoding_loop_copies_no_weights_and_no_cache():
     beams = jax.jit(lambda m, i: models.beam_search(m, i, max_new_tokens=NEW, num_beams=2))
     weights = _stacks(model, 1)[:-1]  # beam search reorders its cache each token: only weights here
     assert repeated_copies(beams.lower(model, x).compile().as_text(), weights, NEW - 1) == []
+
+
+@pytest.mark.parametrize("family", ["llama", "bart"])
+def test_a_stacked_prompt_runs_as_one_layers_program(family):
+    """The prompt's pass (more than one token) scans the stack: its program holds one layer's
+    products whatever the depth, where one token at a time runs layer by layer."""
+    def products(layers, tokens):
+        cls, config = FAMILIES[family]
+        depth = {"decoder_layers": layers} if family == "bart" else {"num_hidden_layers": layers}
+        model = cls(dataclasses.replace(config, scan_layers=True, **depth), key=jax.random.key(0))
+        x = prompts(n=1, t=tokens)[0]
+        cache = jax.eval_shape(lambda m: m.prefill(x, jnp.ones(x.shape, bool), 4)[1] if family == "bart"
+                               else m.init_cache(tokens + 4), model)  # BART's holds the encoder's keys and values
+        return jax.jit(lambda m, c: m.decode(x, c)).lower(model, cache).as_text().count("dot_general")
+
+    assert products(2, 5) == products(4, 5)  # the prompt: a scan
+    assert products(4, 1) > products(2, 1)   # one token: layer by layer
 
 
 def test_repeated_copies_finds_a_stack_sliced_inside_a_loop():
