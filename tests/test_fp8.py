@@ -95,7 +95,7 @@ def test_a_loss_without_weight_products_is_refused():
     with pytest.raises(ValueError, match="multiplies no weight of the model by an activation"):
         step(state, {"i": np.arange(8) % 4})
     # one weight product, the output layer: nothing before it to run in fp8
-    with pytest.raises(ValueError, match=r"before its output layer .*: 1 here"):
+    with pytest.raises(ValueError, match=r"outside its output layer .*: 1 here"):
         fp8_matmuls(lambda m, x: jnp.mean((x @ m["w"]) ** 2))({"w": jnp.ones((8, 2))}, jnp.ones((4, 8)))
 
 
@@ -126,6 +126,40 @@ def test_one_jitted_function_at_two_places_is_two_products():
 
     dots, fp8 = _lowered_fp8_products(loss, ws, jnp.ones((4, 16)))
     assert (dots, fp8) == (8, 5)  # the first: forward and its weight's gradient (x is data); the second: 3
+
+
+@jax.custom_vjp
+def _fused_head_loss(h, w):  # a head the rewrite cannot see into, as a fused cross-entropy is
+    return jnp.mean(jax.nn.logsumexp(h @ w, axis=-1))
+
+
+def _fused_fwd(h, w):
+    return _fused_head_loss(h, w), (h, w)
+
+
+def _fused_bwd(saved, g):
+    return jax.vjp(lambda h, w: jnp.mean(jax.nn.logsumexp(h @ w, axis=-1)), *saved)[1](g)
+
+
+_fused_head_loss.defvjp(_fused_fwd, _fused_bwd)
+
+
+def test_a_head_out_of_sight_keeps_only_the_last_product():
+    """Residual layers, then a head inside a custom_vjp: the residual stream reaches the loss through
+    adds alone, yet every layer's output projection feeds the next layer's products; only the last
+    one, whose result nothing else reads, stays in the compute dtype."""
+    rng = np.random.default_rng(0)
+    ups, downs = ([jnp.asarray(rng.normal(size=s), jnp.float32) for _ in range(3)] for s in ((8, 16), (16, 8)))
+
+    def loss(weights, x):
+        for up, down in zip(*weights[:2]):
+            x = x + jax.nn.relu(x @ up) @ down
+        return _fused_head_loss(x, weights[2])
+
+    dots, fp8 = _lowered_fp8_products(loss, (ups, downs, jnp.ones((8, 5))), jnp.ones((4, 8)))
+    # 6 linear layers: the first's product with the data has no input gradient (2), the next four 3
+    # each, the last down projection none; the head's 3 products stay as written
+    assert fp8 == 2 + 4 * 3, (dots, fp8)
 
 
 @pytest.mark.slow

@@ -9,14 +9,17 @@ float8_e5m2 the same way and both gradients are fp8 products. This is the "direc
 compiler turns into cuBLAS fp8 GEMMs (a quantize-dequantize pattern would run them in bf16).
 
 Left as they are: products of two activations (attention scores and their values), grouped products
-(``ragged_dot``), and the output layer, the weight products whose result reaches the loss through no
-other weight product (an LM's vocabulary projection, tied or not; a classifier's last layer; a router
-whose statistics feed an auxiliary loss). fp8 recipes keep the output layer in the compute dtype: a
-tiny LLaMA's loss after 50 steps is 1.02x bf16's with its head in fp8, 1.006x without. The output
-layer is found from the program, not from sizes: an earlier rule by the rows of the tables the loss
-looks up also kept every weight with a dim the size of a position table (all of GPT-2 medium's, 1,024
-positions and width 1,024). The model's code is untouched: the loss is traced once and evaluated with
-those products replaced, in scans (stacked layers), jitted calls and ``jax.checkpoint`` bodies too.
+(``ragged_dot``), and the output layer, the weight products whose result feeds no other weight
+product (an LM's vocabulary projection, tied or not; a classifier's last layer). fp8 recipes keep
+the output layer in the compute dtype: a tiny LLaMA's loss after 50 steps is 1.02x bf16's with its
+head in fp8, 1.006x without. The output layer is found from the program, not from sizes: an earlier
+rule by the rows of the tables the loss looks up also kept every weight with a dim the size of a
+position table (all of GPT-2 medium's, 1,024 positions and width 1,024). "Feeds no other" rather than
+"reaches the loss through no other": with the head out of sight (in a ``custom_vjp``, a fused
+cross-entropy), the residual stream reaches the loss through adds alone, and the second rule kept
+every layer's output projections. The model's code is untouched: the loss is traced once and
+evaluated with those products replaced, in scans (stacked layers), jitted calls and
+``jax.checkpoint`` bodies too.
 """
 
 from __future__ import annotations
@@ -122,44 +125,46 @@ def _body(eqn):
 
 
 class _OutputLayer:
-    """The weight products whose result reaches the loss through no other weight product (an LM's
-    vocabulary projection, tied or not; a classifier's last layer; a router whose statistics feed an
-    auxiliary loss), found by walking the program back from its outputs: fp8 recipes keep the output
-    layer in the compute dtype. ``found`` holds their equations' places: the index of each equation
-    on the way in, from the loss's program down (one jitted function called twice is two places)."""
+    """The weight products whose result feeds no other weight product, by any path: it only reaches
+    the loss (an LM's vocabulary projection, tied or not; a classifier's last layer). fp8 recipes keep
+    the output layer in the compute dtype. Read back from the program's outputs; a product the
+    rewrite cannot see (one inside a ``custom_vjp``: a fused cross-entropy) hides nothing: the
+    products before it still feed it, and only a product whose result no other reads is kept.
+    ``found`` holds their equations' places: the index of each equation on the way in, from the
+    loss's program down (one jitted function called at two places is two places)."""
 
     def __init__(self):
         self.found: set[tuple[int, ...]] = set()
 
-    def walk(self, jaxpr, wanted: list[bool], seed: set, place: tuple[int, ...] = ()) -> list[bool]:
-        """Which invars of ``jaxpr`` reach its ``wanted`` outputs without passing a weight product."""
+    def walk(self, jaxpr, feeding: list[bool], seed: set, place: tuple[int, ...] = ()) -> list[bool]:
+        """Which invars of ``jaxpr`` feed a weight product, given which of its outvars do."""
         weights = derived_from(jaxpr, seed)
-        reach = {v for v, w in zip(jaxpr.outvars, wanted) if w and not isinstance(v, jex.Literal)}
+        feeds = {v for v, f in zip(jaxpr.outvars, feeding) if f and not isinstance(v, jex.Literal)}
         for i in reversed(range(len(jaxpr.eqns))):
             eqn = jaxpr.eqns[i]
-            outs = [v in reach for v in eqn.outvars]
-            if not any(outs):
-                continue
+            outs = [v in feeds for v in eqn.outvars]
             if _weight_product(eqn, weights):
-                self.found.add((*place, i))
-                continue
-            ins = self._inner(eqn, outs, weights, (*place, i))
-            reach.update(v for v, r in zip(eqn.invars, ins) if r and not isinstance(v, jex.Literal))
-        return [v in reach for v in jaxpr.invars]
+                if not outs[0]:
+                    self.found.add((*place, i))
+                ins = [True] * len(eqn.invars)
+            elif (body := _body(eqn)) is not None:  # its products' inputs feed, whatever its outputs do
+                ins = self._inner(eqn, body, outs, inner_seed(body, eqn, weights), (*place, i))
+            else:  # any other equation: each input reaches each output
+                ins = [any(outs)] * len(eqn.invars)
+            feeds.update(v for v, f in zip(eqn.invars, ins) if f and not isinstance(v, jex.Literal))
+        return [v in feeds for v in jaxpr.invars]
 
-    def _inner(self, eqn, outs: list[bool], weights: set, place: tuple[int, ...]) -> list[bool]:
-        body = _body(eqn)
-        if body is None:  # any other equation: each input reaches each output
-            return [True] * len(eqn.invars)
-        seed = inner_seed(body, eqn, weights)
+    def _inner(self, eqn, body, outs: list[bool], seed: set, place: tuple[int, ...]) -> list[bool]:
         if eqn.primitive.name != "scan":
             return self.walk(body, outs, seed, place)
         nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
-        carry = outs[:nk]
-        while True:  # a carry read by a later iteration: to a fixed point
+        carry, kept = outs[:nk], self.found
+        while True:  # a carry feeds what the next iteration does with it: to a fixed point, then record
+            self.found = set()
             ins = self.walk(body, carry + outs[nk:], seed, place)
             grown = [a or b for a, b in zip(carry, ins[nc:nc + nk])]
             if grown == carry:
+                self.found = kept | self.found
                 return ins
             carry = grown
 
@@ -225,15 +230,15 @@ def fp8_matmuls(fn: Callable) -> Callable:
         n_model = len(jax.tree.leaves(eqx.filter(args[0], eqx.is_array)))
         seed = set(closed.jaxpr.invars[:n_model])
         output = _OutputLayer()
-        output.walk(closed.jaxpr, [True] * len(closed.jaxpr.outvars), seed)
+        output.walk(closed.jaxpr, [False] * len(closed.jaxpr.outvars), seed)
         rewrite = _Fp8(output.found)
         outs = rewrite.eval(closed.jaxpr, closed.consts, leaves, seed)
         if rewrite.converted == 0:
             raise ValueError(
                 f"fp8=True, but loss_fn {getattr(fn, '__name__', '?')!r} multiplies no weight of the model by an "
-                "activation with jax.lax.dot_general (a Linear layer, x @ W) before its output layer (the products "
-                f"whose result reaches the loss through no other weight product: {len(output.found)} here, kept in "
-                "the compute dtype): there is nothing to run in fp8.")
+                "activation with jax.lax.dot_general (a Linear layer, x @ W) outside its output layer (the products "
+                f"whose result feeds no other weight product: {len(output.found)} here, kept in the compute dtype): "
+                "there is nothing to run in fp8.")
         return rebuild(outs)
 
     return run

@@ -219,8 +219,8 @@ def make_train_step(
       with ``accumulate`` (a pipeline per accumulated micro-batch).
     - ``fp8=True``: every product of a weight and an activation (the
       linear layers; not attention scores, not grouped expert products,
-      not the output layer, whose result reaches the loss through no other
-      weight product) runs with float8_e4m3fn operands scaled by their current absolute
+      not the output layer, whose result feeds no other weight product)
+      runs with float8_e4m3fn operands scaled by their current absolute
       maximum, the output gradient in float8_e5m2: the form a Hopper GPU's
       compiler runs as fp8 GEMMs (`redeqx.steps._fp8`). No scale state: the
       optimizer state is as without it. XLA:CPU computes the same
