@@ -5,12 +5,14 @@ Nothing here runs on GPUs or TPUs: each entry is applied behind `on_cpu`.
 | what | why | evidence | delete when |
 |---|---|---|---|
 | `wait_for_program` | XLA:CPU's collectives deadlock when two compiled programs overlap on a process driving several CPU devices: a correctness fix | README, "Many hosts"; tests/test_multihost.py | the multi-host tests pass ten runs in a row without it |
+| `ordered_collectives_check` | XLA:CPU's concurrency-optimized scheduler lets each CPU device run two independent loops that hold collectives over different device groups in its own order; a pipelined step with fp8 products (the weights' scales, hoisted into a loop of their own, beside the stages' permutes) then waits out XLA's 40 s rendezvous and aborts the process, every run. XLA reads the flag that turns the scheduler off once per process, so the step refuses to start without it, naming it: a correctness fix | tests/test_fp8.py, the pipeline cases | a pipelined fp8 step runs on CPU devices without the flag |
 | `tied_checkpoint` | XLA:CPU drops `jax.checkpoint`'s optimization barriers and merges the recomputation back into the forward pass, so remat would save nothing in a CPU step or plan | benchmarks/RESULTS.md, History: "XLA:CPU rewrites on libtpu" | tests/test_remat.py's temporaries checks pass with plain `jax.checkpoint` on CPU |
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 
 import jax
@@ -44,6 +46,30 @@ def wait_for_program(outputs):
     if _devices_share_a_cpu_process():
         jax.block_until_ready(outputs)
     return outputs
+
+
+# ----------------------------------------------------------------------------- collectives in one order
+
+ORDERED_COLLECTIVES = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+
+
+def ordered_collectives_check(mesh) -> Callable[..., None] | None:
+    """For a pipelined step with fp8 products on CPU devices, a first-call
+    check that refuses to run it unless ``XLA_FLAGS`` holds
+    `ORDERED_COLLECTIVES` (see the table above): the hang is certain, the
+    flag must be set before JAX starts. None elsewhere."""
+    if mesh.devices.flat[0].platform != "cpu" or ORDERED_COLLECTIVES in os.environ.get("XLA_FLAGS", ""):
+        return None
+
+    def check(*_):
+        raise RuntimeError(
+            "fp8=True with pipeline stages on CPU devices: XLA:CPU (jax 0.10) runs this step's collectives in a "
+            "different order on different devices, and the step hangs until XLA aborts the process. Start Python "
+            f"with {ORDERED_COLLECTIVES} in XLA_FLAGS (XLA reads it once, when JAX starts: "
+            f"XLA_FLAGS=\"$XLA_FLAGS {ORDERED_COLLECTIVES}\" python train.py), or drop fp8=True on CPU, where fp8 "
+            "products are computed in float32 and buy nothing.")
+
+    return check
 
 
 # ----------------------------------------------------------------------------- remat that survives XLA:CPU

@@ -22,6 +22,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from ._batch_pins import on_mesh
 from ._conv_grads import products_for_batch_grouped_convs
+from ._cpu import ordered_collectives_check
 from ._pipeline import check_microbatches
 from ._compiled import CompiledStep, StepFunction, stay_in_place, where_it_is
 from ._loss import (
@@ -254,6 +255,8 @@ def make_train_step(
         raise ValueError(
             "shard_mean_loss=True with pipeline stages: each data shard's own step cannot hold the stages' "
             "pipeline. Drop shard_mean_loss (the pipelined step averages gradients over data itself).")
+    if fp8 and microbatches is not None:
+        check = ordered_collectives_check(mesh)
     if shard_mean_loss:
         grads_of, check = by_shard(grads_of, loss_fn, accumulate, mesh, specs, trainable, placement)
     else:
