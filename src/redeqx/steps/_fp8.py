@@ -110,8 +110,9 @@ def _floating(v) -> bool:
 
 def _weight_product(eqn, weights: set) -> bool:
     """Whether ``eqn`` multiplies exactly one weight (a value of ``weights``) by an activation."""
-    held = [v for v in eqn.invars if not isinstance(v, jex.Literal) and v in weights]
-    return eqn.primitive.name == "dot_general" and all(map(_floating, eqn.invars)) and len(held) == 1
+    if eqn.primitive.name != "dot_general" or not all(map(_floating, eqn.invars)):
+        return False  # most equations: both passes ask of every one
+    return sum(not isinstance(v, jex.Literal) and v in weights for v in eqn.invars) == 1
 
 
 def _body(eqn):
