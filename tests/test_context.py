@@ -565,3 +565,35 @@ def test_heads_split_refuses_heads_the_shards_do_not_divide():
     with jax.set_mesh(_mesh(1, 8, 1)), pytest.raises(ValueError, match=r"impl='heads'.*4 query heads do not split "
                                                                         r"over 8 context shards.*'gather' or 'ring'"):
         redeqx.attention(q, k, v, impl="heads")
+
+
+def test_heads_split_repeats_kv_heads_only_as_far_as_the_shards_need(monkeypatch):
+    """8 query and 2 KV heads over 4 shards: 4 KV heads traded (each device gets the one its two query
+    heads read), not 8; the gradient is one device's, and the all-to-alls move less than a repeat to
+    one KV head per query head."""
+    from redeqx.context import _context
+
+    assert _context.kv_heads_for_split(jnp.zeros((16, 2, 8)), 4).shape == (16, 4, 8)
+    assert _context.kv_heads_for_split(jnp.zeros((16, 8, 8)), 4).shape == (16, 8, 8)  # divides: as it is
+    assert _context.kv_heads_for_split(jnp.zeros((16, 6, 8)), 4).shape == (16, 12, 8)  # gcd 2: twice
+    q, k, v = _qkv(jax.random.key(0), hq=8, hkv=2)
+    weights = jax.random.normal(jax.random.key(1), q.shape)
+
+    def loss(q, k, v, weights):
+        return jnp.sum(redeqx.attention(q, k, v, impl="heads") * weights)
+
+    seg = jnp.zeros(q.shape[:2], jnp.int32)
+    want, want_grads = jax.jit(jax.value_and_grad(
+        lambda q, k, v: _naive_loss(q, k, v, seg, weights, True), argnums=(0, 1, 2)))(q, k, v)
+    mesh, order = _mesh(2, 4, 1), redeqx.context_order(16, 4)
+    split = [jax.device_put(x[:, order], NamedSharding(mesh, P("data", "context"))) for x in (q, k, v, weights)]
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    with jax.set_mesh(mesh):
+        got, grads = step(*split)
+        moved = redeqx.collective_summary(step, *split)["all-to-all"]["bytes"]
+        monkeypatch.setattr(_context, "kv_heads_for_split", lambda x, n: jnp.repeat(x, 4, axis=1))
+        per_query_head = redeqx.collective_summary(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), *split)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for g, w in zip(grads, want_grads):
+        np.testing.assert_allclose(np.asarray(g)[:, np.argsort(order)], w, atol=2e-5)
+    assert moved < per_query_head["all-to-all"]["bytes"]

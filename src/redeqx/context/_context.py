@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -286,13 +287,22 @@ def block_layout(n_tokens: int, n_shards: int) -> tuple[int, tuple[tuple[int, ..
     return b, tuple(tuple(int(i) for i in row) for row in ids)
 
 
+def kv_heads_for_split(k, n: int):
+    """``k`` (``(T, kv_heads, D)``) with each KV head repeated as few times as makes ``n`` divide
+    them: ``n / gcd(kv_heads, n)``. That repeat also divides each KV head's query group (``n``
+    divides the query heads), so query head ``h`` still reads its own KV head, and each device
+    receives one copy per query group it holds, not one per query head (8 query and 2 KV heads over
+    4 shards: 4 KV heads traded, not 8)."""
+    repeat = n // math.gcd(k.shape[1], n)
+    return k if repeat == 1 else jnp.repeat(k, repeat, axis=1)
+
+
 def _heads_attention(q, k, v, seg, span: Span, scale: float, n: int, order: np.ndarray):
     """One device's part of attention split by heads (inside ``shard_map`` over ``context``): its
     shard of the sequence (every head) traded by all-to-all for every token of ``1 / n`` of the
     heads, put in the sequence's own order, attended as on one device (`_plain`: cuDNN's kernel on
-    a GPU), and traded back. KV heads that ``n`` does not divide are repeated, one per query head."""
-    if k.shape[1] % n:
-        k, v = (jnp.repeat(x, q.shape[1] // k.shape[1], axis=1) for x in (k, v))
+    a GPU), and traded back. KV heads that ``n`` does not divide are repeated (`kv_heads_for_split`)."""
+    k, v = (kv_heads_for_split(x, n) for x in (k, v))
     to_heads = functools.partial(jax.lax.all_to_all, axis_name=CONTEXT, split_axis=1, concat_axis=0, tiled=True)
     natural = np.argsort(order)  # where each position of the sequence sits in the layout
     q, k, v = (to_heads(x)[natural] for x in (q, k, v))  # (T, heads / n, D), in the sequence's order
@@ -364,7 +374,8 @@ def attention(
     (``impl="heads"``: q, k and v traded by all-to-all for every token of
     ``1 / C`` of the heads, attended as on one device, cuDNN's kernel on a
     GPU, and traded back; ``C`` must divide the query heads, and KV heads it
-    does not divide are repeated, one per query head). ``impl="auto"``:
+    does not divide are repeated until it does, each device receiving one per
+    query group it holds). ``impl="auto"``:
     ``heads`` on a GPU where cuDNN's kernel then runs (half precision, no
     segments or window), ``gather`` elsewhere. ``gather`` and
     ``ring`` compute blocks of up to 1024 queries by 1024
