@@ -100,6 +100,13 @@ def hlo_ops(text: str) -> dict[str, dict]:
     return ops
 
 
+def kernel_names(ops: dict[str, dict]) -> dict[str, str]:
+    """Kernel name -> instruction name. XLA:GPU names a fusion's kernel after the fusion with every
+    character PTX does not allow in a name made ``_`` (``%loop_slice_fusion.26`` runs as
+    ``loop_slice_fusion_26``), so a kernel inside a command buffer is found by that name."""
+    return {re.sub(r"[^A-Za-z0-9_$]", "_", name): name for name in ops}
+
+
 def kind_of(op: dict | None, kernel: str = "") -> str:
     """One of `KINDS` for an instruction (``hlo_ops``' value) or, lacking one, a kernel's name."""
     kernel = kernel.lower()
@@ -149,17 +156,25 @@ def device_events(path: str):
 def breakdown(xplane: str, hlo_text: str, steps: int, top: int = 30) -> dict:
     """Device milliseconds per step by kind, the device's busy time (the union
     of its events) and the ``top`` instructions by time, each with its kind."""
+    return tally(device_events(xplane), hlo_text, steps, top)
+
+
+def tally(events, hlo_text: str, steps: int, top: int = 30) -> dict:
+    """`breakdown` of ``(kernel, hlo_op, start_ns, duration_ns)`` events (`device_events`)."""
     ops = hlo_ops(hlo_text)
+    kernels = kernel_names(ops)
     by_kind: dict[str, float] = defaultdict(float)
     by_op: dict[str, list] = {}
     spans = []
-    for name, hlo_op, start, duration in device_events(xplane):
+    for name, hlo_op, start, duration in events:
+        hlo_op = hlo_op if hlo_op in ops else kernels.get(hlo_op, hlo_op)
         op = ops.get(hlo_op)
         if op is None or op["opcode"] == "call":
             # inside a CUDA command buffer every kernel names the buffer as its instruction
             # (one instruction for the whole step on an H200); XLA names a fusion's kernel
             # after the fusion, so the kernel's own name finds its instruction
-            hlo_op, op = name, ops.get(name)
+            hlo_op = name if name in ops else kernels.get(name, name)
+            op = ops.get(hlo_op)
         kind = kind_of(op, name)
         by_kind[kind] += duration / 1e6 / steps
         entry = by_op.setdefault(hlo_op or name, [kind, 0.0, 0, name[:80]])
