@@ -1,25 +1,29 @@
 """Everything RESULTS reports for one NVIDIA H100/H200, in one prepared command (issue 41).
 
-    python -m benchmarks.gpu --json gpu.json            # on the GPU machine: about 8 minutes
+    python -m benchmarks.gpu --json gpu.json            # on the GPU machine: at most 9 minutes
     python -m benchmarks.gpu --from-json gpu.json       # here: RESULTS.md's "On one GPU" section
     python -m benchmarks.gpu --smoke --no-write         # tiny sizes on any platform: check the script first
 
 Each section runs in a process of its own (a crash or a hang costs that
 section alone; its device memory is freed for the next), in this order, and
-is skipped when what is left of ``--budget`` seconds is under its estimate:
+is skipped when what is left of ``--budget`` seconds is under its estimate.
+With no ``--sections``, the first six run (issue 51's figures first, the
+MoE step, met before, last); the other three when named:
 
 - ``hardware``: the measured HBM bandwidth (a device-to-device pass, bytes
   read + written) and bf16 matmul rate, the ceilings every figure below is read against;
-- ``gmm``: the MoE FFN's grouped matmuls, JAX's Hopper kernels against XLA's
-  ``ragged_dot`` and the dense matmul of the same FLOPs (`benchmarks.moe_gpu`);
-- ``moe``: ``moe1b`` (8 experts, top-2) against its dense twin ``1b``, one train step each;
-- ``decode``: greedy decoding of the 1B LLaMA at batch 1 and 8, stacked and
-  listed, against the HBM roofline, and each layout's first call (`benchmarks.decode_gpu`);
 - ``fp8``: an 8B-shaped MLP block (4096 -> 14336 -> 4096, 16k tokens) forward and backward with
   `redeqx.steps._fp8.fp8_dot` against bf16, and the cuBLAS fp8 GEMMs its compiled program calls
   (6 expected: 3 per linear);
+- ``heads``: one context shard's attention at 32k tokens and C = 4 in the heads split, against a
+  quarter of the unsplit attention and the blockwise code's share (`benchmarks.heads_gpu`);
 - ``train``: the 1B LLaMA step stacked, listed, stacked with fp8 products and hand-written (MFU,
   first compile), and a profile of the stacked step's device time by kind (`benchmarks._profile`);
+- ``decode``: greedy decoding of the 1B LLaMA at batch 1 and 8, stacked and
+  listed, against the HBM roofline, and each layout's first call (`benchmarks.decode_gpu`);
+- ``moe``: ``moe1b`` (8 experts, top-2) against its dense twin ``1b``, one train step each;
+- ``gmm``: the MoE FFN's grouped matmuls, JAX's Hopper kernels against XLA's
+  ``ragged_dot`` and the dense matmul of the same FLOPs (`benchmarks.moe_gpu`);
 - ``checkpoint``: a 1 GiB leaf's save and restore, redeqx's (with its content hash) beside plain
   orbax's, and the hash's own pass (issue 49's time target, on an accelerator);
 - ``sweep``: block configs of each grouped-matmul kernel product (`benchmarks.moe_gpu.block_sweep`).
@@ -43,10 +47,12 @@ from benchmarks._common import ROOT, report, worker_env
 
 TITLE = "On one GPU (benchmarks/gpu.py)"
 # seconds each section needs on an H200 (estimates from earlier runs: start-up, compiles, timing)
-# (decode: six 1B decoders, each compiled for generate and for the prefill; it ran past 361 s on an H200)
-ESTIMATE = {"hardware": 20, "gmm": 60, "moe": 140, "decode": 240, "fp8": 40, "train": 170, "checkpoint": 60,
-            "sweep": 90}
+# (decode: six 1B decoders, each compiled for generate and for the prefill; it ran past 361 s on an H200
+# before a stacked prompt ran as one scan, which cut its compile to a seventh on libtpu)
+ESTIMATE = {"hardware": 20, "fp8": 40, "heads": 60, "train": 170, "decode": 180, "moe": 140, "gmm": 60,
+            "checkpoint": 60, "sweep": 90}
 SECTIONS = tuple(ESTIMATE)
+DEFAULT_SECTIONS = SECTIONS[:6]
 
 
 # ----------------------------------------------------------------------------- sections (each in a worker)
@@ -161,6 +167,12 @@ def fp8(smoke: bool) -> dict:
     return {**out, "tokens": tokens, "d": d, "f": f, "expected_fp8_gemms": 6,
             **{f"{n}_s": t for n, t in times.items()}, "speedup": times["bf16"] / times["fp8"],
             **{f"{n}_flops_per_s": flops / t for n, t in times.items()}}
+
+
+def heads(smoke: bool) -> dict:
+    from benchmarks import heads_gpu
+
+    return heads_gpu.heads_bench(smoke)
 
 
 def train(smoke: bool, profile_dir: str) -> dict:
@@ -300,9 +312,8 @@ def render(out: dict) -> str:
         lines += [f"Measured in the same run: HBM {hw['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s (bytes read + "
                   f"written by an elementwise pass over 2 GiB), bf16 matmul {hw['matmul_flops_per_s'] / 1e12:.0f} "
                   "TFLOP/s (8192^3).", ""]
-    for name, fn in (("gmm", _render_gmm), ("moe", _render_moe), ("decode", _render_decode), ("fp8", _render_fp8),
-                     ("train", _render_train), ("checkpoint", _render_checkpoint), ("sweep", _render_sweep)):
-        sec = out.get(name, {})
+    for name in SECTIONS[1:]:  # in the order they run
+        sec, fn = out.get(name, {}), globals()[f"_render_{name}"]
         if "error" in sec or "skipped" in sec:
             lines += [f"**{name}**: {sec.get('error') or sec.get('skipped')}", ""]
         elif sec:
@@ -328,6 +339,12 @@ def _render_decode(sec, hw):
     from benchmarks import decode_gpu
 
     return decode_gpu.render(sec)
+
+
+def _render_heads(sec, hw):
+    from benchmarks import heads_gpu
+
+    return heads_gpu.render(sec)
 
 
 def _render_fp8(sec, hw):
@@ -408,8 +425,8 @@ def main():
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
-    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
-    p.add_argument("--budget", type=float, default=470, help="seconds for all sections (start-ups included)")
+    p.add_argument("--sections", default=",".join(DEFAULT_SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
+    p.add_argument("--budget", type=float, default=540, help="seconds for all sections (start-ups included)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, any platform: checks the script")
     p.add_argument("--json", help="write the results here (each section as it ends)")
     p.add_argument("--workdir", default="/tmp/redeqx-gpu", help="where the profile is written")
