@@ -14,7 +14,8 @@ variant is the forward and backward of ``sum(attention(q, k, v) * w)``, causal, 
 - ``unsplit``: ``redeqx.attention`` on a mesh without a context axis, every head;
 - ``heads shard``: one device's work in the heads split: ``1 / C`` of the query heads and of the KV
   heads (repeated first where ``C`` does not divide them, as the split does), reordered from the
-  dual-chunk layout, attended, reordered back. Target: <= 1.1x a quarter of ``unsplit``;
+  dual-chunk layout, attended, reordered back (`redeqx.context._context.heads_work`: cuDNN's kernel
+  on a GPU, the blockwise loop elsewhere). Target: <= 1.1x a quarter of ``unsplit``;
 - ``blockwise / C``: the blockwise code of ``impl="gather"`` and ``"ring"`` over the whole sequence
   on a context axis of one device (the same blocks the ``C`` shards compute between them, which the
   dual-chunk order shares out equally), divided by ``C``: a shard's compute in those splits, before
@@ -45,18 +46,16 @@ def heads_bench(smoke: bool = False) -> dict:
 
     import redeqx
     from benchmarks._common import alternate
-    from redeqx.context._context import kv_heads_for_split
+    from redeqx.context._blockwise import Span
+    from redeqx.context._context import heads_work, kv_heads_for_split
 
     t, hq, hkv, d = (256, 8, 2, 64) if smoke else (32768, 32, 8, 128)
     keys = jax.random.split(jax.random.key(0), 4)
     q, w = (jax.random.normal(k, (1, t, hq, d), jnp.bfloat16) for k in (keys[0], keys[3]))
     k, v = (jax.random.normal(k, (1, t, hkv, d), jnp.bfloat16) for k in keys[1:3])
-    order = redeqx.context_order(t, C)
-    natural = np.argsort(order)
 
-    def shard_work(q, k, v):  # as _heads_attention between its all-to-alls
-        q, k, v = (x[:, natural] for x in (q, k, v))
-        return redeqx.attention(q, k, v, causal=True)[:, order]
+    def shard_work(q, k, v):  # what a device of the split runs between its all-to-alls
+        return heads_work(q[0], k[0], v[0], None, Span(causal=True), d**-0.5, C)[None]
 
     def grad_of(attend):
         loss = lambda q, k, v, w: jnp.sum((attend(q, k, v) * w).astype(jnp.float32))  # noqa: E731

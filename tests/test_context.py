@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import re
 
 import equinox as eqx
 import jax
@@ -552,7 +553,7 @@ def test_auto_picks_gather_off_a_gpu_and_heads_where_cudnn_runs(monkeypatch):
     q = jnp.zeros((16, 4, 8), jnp.bfloat16)
     plain, window = _context.Span(True, None), _context.Span(True, 4)
     assert _context.auto_impl(q, None, plain, 2) == "gather"  # a CPU: blockwise, gathered
-    monkeypatch.setattr("redeqx.mesh.traced_platform", lambda: "gpu")
+    monkeypatch.setattr(_context, "traced_platform", lambda: "gpu")
     assert _context.auto_impl(q, None, plain, 2) == "heads"
     assert _context.auto_impl(q, None, window, 2) == "gather"  # cuDNN would not run: no (T, T) scores
     assert _context.auto_impl(q, jnp.zeros(16, jnp.int32), plain, 2) == "gather"
@@ -597,3 +598,28 @@ def test_heads_split_repeats_kv_heads_only_as_far_as_the_shards_need(monkeypatch
     for g, w in zip(grads, want_grads):
         np.testing.assert_allclose(np.asarray(g)[:, np.argsort(order)], w, atol=2e-5)
     assert moved < per_query_head["all-to-all"]["bytes"]
+
+
+@pytest.mark.parametrize("t, n", [(16, 4), (32, 2), (8, 1), (64, 8)])
+def test_heads_split_reorders_by_reverse_and_concatenation_as_the_permutation_does(t, n):
+    from redeqx.context._context import in_layout_order, in_sequence_order
+
+    order = redeqx.context_order(t, n)
+    x = np.arange(t * 3).reshape(t, 3)
+    np.testing.assert_array_equal(in_sequence_order(jnp.asarray(x[order]), n), x)
+    np.testing.assert_array_equal(in_layout_order(jnp.asarray(x), n), x[order])
+
+
+def test_heads_split_never_forms_the_whole_scores_where_cudnn_does_not_run(monkeypatch):
+    """Off a GPU the heads split attends its heads a block at a time, as gather and ring do: the
+    (T, T) scores of its heads (33.2 GiB of temporaries for an 8B layer at 32k tokens on 8 TPU v4
+    chips) are never formed."""
+    monkeypatch.setattr("redeqx.context._blockwise.BLOCK", 4)
+    q, k, v = (x[:1] for x in _qkv(jax.random.key(0), t=32))
+
+    def grads(q, k, v):
+        return jax.grad(lambda *a: jnp.sum(redeqx.attention(*a, impl="heads")), argnums=(0, 1, 2))(q, k, v)
+
+    with jax.set_mesh(_mesh(1, 4, 1)):
+        program = str(jax.make_jaxpr(grads)(q, k, v))
+    assert "all_to_all" in program and not re.search(r"\b32,32\]", program)

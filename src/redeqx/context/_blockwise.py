@@ -263,6 +263,15 @@ def gather_attention(q, k, v, pos, seg, span, scale, n, layout, b):
     return _flash(q, k, v, pos, kpos, seg, kseg, pairs, b, span, scale)
 
 
+def whole_attention(q, k, v, pos, seg, span, scale):
+    """A whole sequence's attention on one device, in its own order, a block at a time: `_flash`'s
+    loop over one table of pairs, never the ``(T, T)`` scores (the heads split's attention where
+    cuDNN's kernel does not run)."""
+    b = block_size(q.shape[0])
+    ids = np.arange(q.shape[0] // b)
+    return _flash(q, k, v, pos, pos, seg, seg, jnp.asarray(_pairs(ids, ids, span, b)), b, span, scale)
+
+
 # -- the ring: each shard's keys in turn, passed on with ppermute
 
 

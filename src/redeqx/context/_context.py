@@ -39,7 +39,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from ._blockwise import Span, block_scores, block_size, gather_attention, ring_attention
+from ._blockwise import Span, block_scores, block_size, gather_attention, ring_attention, whole_attention
 from ..mesh import CONTEXT, DATA, traced_platform
 from .._typing import typechecked
 
@@ -263,11 +263,17 @@ def order_sequences(batch, seq_keys: tuple[str, ...], mesh, whole_keys: tuple[st
 # ----------------------------------------------------------------------------- the public function
 
 
+def _cudnn_runs(q, seg, span: Span) -> bool:
+    """Whether `_plain` runs cuDNN's flash attention: on a GPU, half precision, heads of at most 128
+    features in multiples of 8, a plain causal or full mask (no segments, no window)."""
+    return (seg is None and span.window is None and traced_platform() == "gpu"
+            and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128)
+
+
 def _plain(q, k, v, pos, seg, span: Span, scale: float):
     """Exact attention on one device: cuDNN's flash attention on a GPU in half
     precision for a plain causal or full mask, the scores in float32 otherwise."""
-    if (seg is None and span.window is None and traced_platform() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
-            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128):
+    if _cudnn_runs(q, seg, span):
         return jax.nn.dot_product_attention(q[None], k[None], v[None], scale=scale, is_causal=span.causal)[0]
     seg = jnp.zeros(pos.shape, jnp.int32) if seg is None else seg
     s, _ = block_scores(q, k, pos, pos, seg, seg, span, scale)
@@ -297,18 +303,44 @@ def kv_heads_for_split(k, n: int):
     return k if repeat == 1 else jnp.repeat(k, repeat, axis=1)
 
 
-def _heads_attention(q, k, v, seg, span: Span, scale: float, n: int, order: np.ndarray):
+def in_sequence_order(x, n: int):
+    """``x`` (dim 0: a whole sequence in the dual-chunk order of ``n`` shards) in the sequence's own
+    order: one concatenation of its ``2n`` chunks (shard ``i`` holds chunks ``i`` and ``2n - 1 - i``),
+    where indexing by the permutation compiles to a gather of rows (libtpu keeps one for each of q,
+    k, v and the output, and 16 transposes beside them)."""
+    held = x.reshape(n, 2, x.shape[0] // (2 * n), *x.shape[1:])
+    return jnp.concatenate([held[i, 0] for i in range(n)] + [held[i, 1] for i in reversed(range(n))])
+
+
+def in_layout_order(x, n: int):
+    """`in_sequence_order`'s inverse."""
+    chunks = x.reshape(2 * n, x.shape[0] // (2 * n), *x.shape[1:])
+    return jnp.concatenate([chunks[j] for i in range(n) for j in (i, 2 * n - 1 - i)])
+
+
+def heads_work(q, k, v, seg, span: Span, scale: float, n: int):
+    """What one device of the heads split computes between its all-to-alls: every token of its
+    heads (``(T, heads / n, D)``, in the dual-chunk layout) put in the sequence's own order,
+    attended (cuDNN's kernel on a GPU where it runs, else `whole_attention`, a block at a time: the
+    ``(T, T)`` scores of its heads would not fit where a split is needed), and put back."""
+    q, k, v = (in_sequence_order(x, n) for x in (q, k, v))
+    seg = None if seg is None else in_sequence_order(seg, n)
+    pos = jnp.arange(q.shape[0], dtype=jnp.int32)
+    if _cudnn_runs(q, seg, span):
+        return in_layout_order(_plain(q, k, v, pos, seg, span, scale), n)
+    seg = jnp.zeros(pos.shape, jnp.int32) if seg is None else seg
+    return in_layout_order(whole_attention(q, k, v, pos, seg, span, scale), n)
+
+
+def _heads_attention(q, k, v, seg, span: Span, scale: float, n: int):
     """One device's part of attention split by heads (inside ``shard_map`` over ``context``): its
     shard of the sequence (every head) traded by all-to-all for every token of ``1 / n`` of the
-    heads, put in the sequence's own order, attended as on one device (`_plain`: cuDNN's kernel on
-    a GPU), and traded back. KV heads that ``n`` does not divide are repeated (`kv_heads_for_split`)."""
+    heads (KV heads that ``n`` does not divide repeated first, `kv_heads_for_split`), attended
+    (`heads_work`), and traded back."""
     k, v = (kv_heads_for_split(x, n) for x in (k, v))
     to_heads = functools.partial(jax.lax.all_to_all, axis_name=CONTEXT, split_axis=1, concat_axis=0, tiled=True)
-    natural = np.argsort(order)  # where each position of the sequence sits in the layout
-    q, k, v = (to_heads(x)[natural] for x in (q, k, v))  # (T, heads / n, D), in the sequence's order
-    if seg is not None:
-        seg = jax.lax.all_gather(seg, CONTEXT, tiled=True)[natural]
-    out = _plain(q, k, v, jnp.arange(q.shape[0], dtype=jnp.int32), seg, span, scale)[order]
+    seg = None if seg is None else jax.lax.all_gather(seg, CONTEXT, tiled=True)
+    out = heads_work(to_heads(q), to_heads(k), to_heads(v), seg, span, scale, n)
     return jax.lax.all_to_all(out, CONTEXT, split_axis=0, concat_axis=1, tiled=True)
 
 
@@ -319,7 +351,7 @@ def _split(q, k, v, pos, seg, span: Span, scale: float, impl: str, n: int):
         if q.shape[1] % n:
             raise ValueError(f"attention(impl='heads'): {q.shape[1]} query heads do not split over {n} context "
                              "shards; use impl='gather' or 'ring', or a context shard count that divides them.")
-        body = functools.partial(_heads_attention, span=span, scale=scale, n=n, order=context_order(q.shape[0], n))
+        body = functools.partial(_heads_attention, span=span, scale=scale, n=n)
         if seg is None:
             return jax.shard_map(lambda a, b, c: body(a, b, c, None), in_specs=(seq, seq, seq), out_specs=seq,
                                  axis_names=frozenset({CONTEXT}), check_vma=False)(q, k, v)
@@ -382,8 +414,9 @@ def attention(
     keys (the largest divisor of a chunk's ``T / 2C`` tokens not above
     1024), with an online softmax, skip the blocks a causal mask hides
     whole (and those a sliding window leaves behind), and differentiate by recomputing the scores (custom VJPs),
-    never forming the ``(T, T)`` scores; ``heads`` forms them (for its heads)
-    wherever cuDNN's kernel does not run (segments, a window, float32, a CPU).
+    never forming the ``(T, T)`` scores; ``heads`` runs that loop over the
+    whole sequence for its heads wherever cuDNN's kernel does not (a TPU, a
+    CPU, segments, a window, float32).
 
     **Example** (inside a model, one sequence; ``jax.vmap`` batches it):
 
@@ -426,8 +459,4 @@ def auto_impl(q, seg, span: Span, n: int) -> str:
     """``impl="auto"``'s choice: ``heads`` on a GPU where each device then runs cuDNN's flash attention
     (half precision, no segments or window, the heads split evenly), as published comparisons favour
     there; ``gather`` elsewhere (MaxText's choice on TPUs, and blockwise where cuDNN would not run)."""
-    from ..mesh import traced_platform
-
-    kernel = (seg is None and span.window is None and q.dtype in (jnp.bfloat16, jnp.float16)
-              and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128)
-    return "heads" if traced_platform() == "gpu" and kernel and q.shape[1] % n == 0 else "gather"
+    return "heads" if _cudnn_runs(q, seg, span) and q.shape[1] % n == 0 else "gather"
