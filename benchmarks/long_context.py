@@ -51,10 +51,16 @@ def probe(task: dict) -> dict:
         q, kv = (jax.ShapeDtypeStruct((1, t, h, 128), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "context")))
                  for h in (32, 8))
         window = task.get("window")
-        loss = lambda q, k, v: jnp.sum(redeqx.attention(q, k, v, causal=task.get("causal", True),  # noqa: E731
-                                                        window=window, impl=task["impl"]).astype(jnp.float32))
+        # weighted: the output's gradient an input (a real step's), not the constant of a plain sum, which
+        # the compiler folds, with the heads split's trades of the output and of its gradient (the value
+        # taken too, so the output's trade is not dead code)
+        args = (q, kv, kv, q) if task.get("weighted") else (q, kv, kv)
+        loss = lambda q, k, v, *w: jnp.sum((redeqx.attention(q, k, v, causal=task.get("causal", True),  # noqa: E731
+                                                             window=window, impl=task["impl"]) * (w or (1,))[0]
+                                            ).astype(jnp.float32))
+        grad = jax.value_and_grad if task.get("weighted") else jax.grad  # the value too: the output's trade live
         with jax.set_mesh(mesh):
-            compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile()
+            compiled = jax.jit(grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
         text = compiled.as_text()  # FLOPs with every loop counted per iteration, as plan counts them
         out = dict(collectives=redeqx.collective_summary(text), flops=compiled_figures(compiled)["flops"] * loop_factor(text))
         if window is not None:  # the blocks each shard computes, and the table entries its loops walk
@@ -236,13 +242,13 @@ def _ring_step(run: Probes) -> str:
     """The 8B step at 65536 tokens on 8 context shards, K/V gathered or passed around the ring."""
     def row(impl, p):
         col = [gib(p["collectives"].get(k, {}).get("bytes", 0)) if p else ""
-               for k in ("all-gather", "collective-permute", "all-reduce")]
+               for k in ("all-gather", "collective-permute", "all-reduce", "all-to-all")]
         return p and f"| {impl} | {gib(p['peak'])} | {gib(p['temporaries'])} | {' | '.join(col)} |"
     cases = [(impl, dict(kind="plan", size="8b", chips=8, context=8, model=1, seq=65536, impl=impl))
-             for impl in ("gather", "ring")]
-    return _rows(run, ["", "8B step at 65536 tokens, 8 context shards: gathered K/V against the ring:", "",
-                       "| impl | peak GiB | temporaries GiB | all-gather GiB | collective-permute GiB | all-reduce GiB |",
-                       "|---|---|---|---|---|---|"], cases, row)
+             for impl in ("gather", "ring", "heads")]
+    return _rows(run, ["", "8B step at 65536 tokens, 8 context shards: gathered K/V, the ring, and the heads split:", "",
+                       "| impl | peak GiB | temporaries GiB | all-gather GiB | collective-permute GiB | all-reduce GiB "
+                       "| all-to-all GiB |", "|---|---|---|---|---|---|---|"], cases, row)
 
 
 def _attention_bytes(run: Probes) -> str:
@@ -256,9 +262,9 @@ def _attention_bytes(run: Probes) -> str:
         "ring": (c - 1) * local * (2 * kv + 2 * tok) + c * local * (2 * kv + 2 * tok + 2 * 2 * kv),
         # libtpu writes every psum_scatter as an all-reduce of the whole array (a plain one too, on this slice)
         "gather, reduce as all-reduce": t * (2 * kv + tok) + t * 2 * kv,
-        # all-to-all of q, k, v to heads and the output back, then the same four in the backward pass: each
-        # moves its whole per-device size (q's: T x 32 heads x 128 x 2 B / C)
-        "heads": 4 * local * (4 * kv + 2 * kv),
+        # all-to-all of q, k, v to heads and the output back (q's and the output's T / C x 32 heads x 128 x
+        # 2 B, 4x K's), then the output's gradient to heads and dq, dk, dv back
+        "heads": 2 * local * (4 * kv + kv + kv + 4 * kv),
     }
 
     def row(name, p):
@@ -267,8 +273,9 @@ def _attention_bytes(run: Probes) -> str:
         kinds = s and ", ".join(f"{k} x{v['count']}" for k, v in sorted(s.items()))
         v = analytic[name]
         return s and f"| {name} | {kinds} | {total / 2**20:.1f} | {v / 2**20:.1f} | {total / v:.2f} |"
-    cases = [(name, dict(kind="attention", chips=c, context=c, seq=t, impl=name.split(",")[0])) for name in analytic]
-    return _rows(run, ["", f"redeqx.attention alone (value and grads, {t} tokens, 32 query / 8 KV heads of 128, bf16, "
+    cases = [(name, dict(kind="attention", chips=c, context=c, seq=t, impl=name.split(",")[0], weighted=True))
+             for name in analytic]
+    return _rows(run, ["", f"redeqx.attention alone (value and grads of sum(attention x w), {t} tokens, 32 query / 8 KV heads of 128, bf16, "
                        f"C={c}): collective bytes per device against the analytic K/V count:", "",
                        "| impl | collectives | measured MiB | analytic MiB | ratio |", "|---|---|---|---|---|"],
                  cases, row) + (
