@@ -24,6 +24,7 @@ MEMORY = 32 * 2**30  # a TPU v4 chip
 SIZES = {  # LLaMA-3 shapes (vocab 128256, GQA with 8 KV heads)
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32),
     "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32),  # 3.2-1B
 }
 # per size: chips, then (context, model, the search's first length); context 0 = no context axis
 CASES = {"8b": (8, [(8, 1, 32768), (0, 8, 8192), (1, 8, 16384)]), "70b": (64, [(8, 8, 65536), (0, 8, 8192), (1, 8, 8192)])}
@@ -170,6 +171,8 @@ def main():
     lines += summary
     if "8b" in sizes:
         lines += _attention_bytes(run), _causal_flops(run), _window_flops(run), _per_c(run), _ring_step(run)
+    if "1b" in args.sizes:
+        lines.append(_impls_1b(run))
     report(args, "Long context (benchmarks/long_context.py)", "\n".join(lines))
 
 
@@ -249,6 +252,24 @@ def _ring_step(run: Probes) -> str:
     return _rows(run, ["", "8B step at 65536 tokens, 8 context shards: gathered K/V, the ring, and the heads split:", "",
                        "| impl | peak GiB | temporaries GiB | all-gather GiB | collective-permute GiB | all-reduce GiB "
                        "| all-to-all GiB |", "|---|---|---|---|---|---|---|"], cases, row)
+
+
+def _impls_1b(run: Probes) -> str:
+    """The 1B step at 32768 tokens on 8 context shards by each impl: collective bytes and memory."""
+    kinds = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
+
+    def row(impl, p):
+        if not p:
+            return None
+        by = [p["collectives"].get(k, {}).get("bytes", 0) for k in kinds]
+        return (f"| {impl} | {gib(sum(by))} | " + " | ".join(gib(b) for b in by)
+                + f" | {gib(p['peak'])} | {gib(p['temporaries'])} |")
+    cases = [(impl, dict(kind="plan", size="1b", chips=8, context=8, model=1, seq=32768, impl=impl))
+             for impl in ("gather", "ring", "heads")]
+    return _rows(run, ["", "LLaMA-3.2-1B-shaped step (16 layers, hidden 2048, 32 query / 8 KV heads of 64) at 32768 "
+                       "tokens, 8 context shards, one sequence a step: GiB a device per step by kind of collective:",
+                       "", "| impl | all | all-gather | all-reduce | reduce-scatter | collective-permute | all-to-all "
+                       "| peak | temporaries |", "|---|---|---|---|---|---|---|---|---|"], cases, row)
 
 
 def _attention_bytes(run: Probes) -> str:
