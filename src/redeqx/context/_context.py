@@ -39,6 +39,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
+from . import _tpu
 from ._blockwise import Span, block_scores, block_size, gather_attention, ring_attention, whole_attention
 from ..mesh import CONTEXT, DATA, traced_platform
 from .._typing import typechecked
@@ -272,9 +273,12 @@ def _cudnn_runs(q, seg, span: Span) -> bool:
 
 def _plain(q, k, v, pos, seg, span: Span, scale: float):
     """Exact attention on one device: cuDNN's flash attention on a GPU in half
-    precision for a plain causal or full mask, the scores in float32 otherwise."""
+    precision for a plain causal or full mask, the TPU's splash kernel on a TPU,
+    the scores in float32 otherwise."""
     if _cudnn_runs(q, seg, span):
         return jax.nn.dot_product_attention(q[None], k[None], v[None], scale=scale, is_causal=span.causal)[0]
+    if _tpu.kernel_runs(q, k, span):
+        return _tpu.splash(q, k, v, seg, span, scale)
     seg = jnp.zeros(pos.shape, jnp.int32) if seg is None else seg
     s, _ = block_scores(q, k, pos, pos, seg, seg, span, scale)
     p = jax.nn.softmax(s, axis=-1)
@@ -326,7 +330,7 @@ def heads_work(q, k, v, seg, span: Span, scale: float, n: int):
     q, k, v = (in_sequence_order(x, n) for x in (q, k, v))
     seg = None if seg is None else in_sequence_order(seg, n)
     pos = jnp.arange(q.shape[0], dtype=jnp.int32)
-    if _cudnn_runs(q, seg, span):
+    if _cudnn_runs(q, seg, span) or _tpu.kernel_runs(q, k, span):
         return in_layout_order(_plain(q, k, v, pos, seg, span, scale), n)
     seg = jnp.zeros(pos.shape, jnp.int32) if seg is None else seg
     return in_layout_order(whole_attention(q, k, v, pos, seg, span, scale), n)
@@ -348,15 +352,18 @@ def _split(q, k, v, pos, seg, span: Span, scale: float, impl: str, n: int):
     """Attention with the sequence split over ``context`` (``n`` shards)."""
     seq, tok = P(CONTEXT, None, None), P(CONTEXT)
     if impl == "heads" and n > 1:
+        # axes of one device manual too: with nothing left to the partitioner a TPU's kernel can run
+        mesh = jax.sharding.get_abstract_mesh()
+        manual = frozenset({CONTEXT, *(a for a, size in zip(mesh.axis_names, mesh.axis_sizes) if size == 1)})
         if q.shape[1] % n:
             raise ValueError(f"attention(impl='heads'): {q.shape[1]} query heads do not split over {n} context "
                              "shards; use impl='gather' or 'ring', or a context shard count that divides them.")
         body = functools.partial(_heads_attention, span=span, scale=scale, n=n)
         if seg is None:
             return jax.shard_map(lambda a, b, c: body(a, b, c, None), in_specs=(seq, seq, seq), out_specs=seq,
-                                 axis_names=frozenset({CONTEXT}), check_vma=False)(q, k, v)
-        return jax.shard_map(body, in_specs=(seq, seq, seq, tok), out_specs=seq,
-                             axis_names=frozenset({CONTEXT}), check_vma=False)(q, k, v, seg)
+                                 axis_names=manual, check_vma=False)(q, k, v)
+        return jax.shard_map(body, in_specs=(seq, seq, seq, tok), out_specs=seq, axis_names=manual,
+                             check_vma=False)(q, k, v, seg)
     seg = jnp.zeros(pos.shape, jnp.int32) if seg is None else seg
     b, layout = block_layout(q.shape[0], n)
     if impl == "ring" and n > 1:

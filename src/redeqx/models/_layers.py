@@ -18,7 +18,8 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ..mesh import constrain
 from .._typing import positive_int
-from ..context import attention as split_attention, context_axis, sequence_positions
+from ..context import _tpu, attention as split_attention, context_axis, sequence_positions
+from ..context._blockwise import Span
 from ..mesh import CONTEXT, MODEL, traced_platform
 
 INIT_STD = 0.02  # the initializer_range of the Hugging Face configs
@@ -476,7 +477,8 @@ def attention(
 
     With a `CausalMask` on a GPU in bfloat16/float16, cuDNN's flash attention
     (``jax.nn.dot_product_attention``) computes it without materialising the
-    scores; otherwise scores and softmax are computed exactly, in float32.
+    scores, on a TPU the splash kernel (`redeqx.context._tpu`); otherwise
+    scores and softmax are computed exactly, in float32.
     A `SplitMask` (the sequence split over ``context``) goes to `redeqx.attention`."""
     if isinstance(mask, SplitMask):
         if bias is not None:
@@ -488,6 +490,8 @@ def attention(
             out = jax.nn.dot_product_attention(q[None], k[None], v[None], scale=scale, is_causal=True,
                                                implementation="cudnn")
             return out[0]
+        if bias is None and _tpu.kernel_runs(q, k, Span(causal=True)):  # the TPU's splash kernel
+            return _tpu.splash(q, k, v, None, Span(causal=True), scale)
         mask = mask.array()
     t, hq, d = q.shape
     hkv = k.shape[1]
