@@ -18,3 +18,4 @@ from ._context import (
     splitting as splitting,
 )
 from ._context_checks import check_split_program as check_split_program
+from ._tpu import causal_attention as tpu_causal_attention, serves_causal as tpu_serves_causal

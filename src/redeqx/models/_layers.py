@@ -18,8 +18,8 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ..mesh import constrain
 from .._typing import positive_int
-from ..context import _tpu, attention as split_attention, context_axis, sequence_positions
-from ..context._blockwise import Span
+from ..context import (attention as split_attention, context_axis, sequence_positions, tpu_causal_attention,
+                       tpu_serves_causal)
 from ..mesh import CONTEXT, MODEL, traced_platform
 
 INIT_STD = 0.02  # the initializer_range of the Hugging Face configs
@@ -490,8 +490,8 @@ def attention(
             out = jax.nn.dot_product_attention(q[None], k[None], v[None], scale=scale, is_causal=True,
                                                implementation="cudnn")
             return out[0]
-        if bias is None and _tpu.kernel_runs(q, k, Span(causal=True)):  # the TPU's splash kernel
-            return _tpu.splash(q, k, v, None, Span(causal=True), scale)
+        if bias is None and tpu_serves_causal(q, k):  # the TPU's splash kernel
+            return tpu_causal_attention(q, k, v, scale)
         mask = mask.array()
     t, hq, d = q.shape
     hkv = k.shape[1]
