@@ -52,16 +52,15 @@ def test_the_heads_split_runs_the_kernel_on_its_heads(tpu_kernel):
     order = redeqx.context_order(512, 4)
     mesh = _mesh(1, 4, 1)  # context alone: nothing left to the partitioner, which cannot split the kernel
 
-    def loss(q, k, v, w):
-        return jnp.sum(redeqx.attention(q, k, v, impl="heads") * w)
+    def loss(q, k, v, w, seg):  # segments: 37 padding tokens that see only each other
+        return jnp.sum(redeqx.attention(q, k, v, segment_ids=seg, impl="heads") * w)
 
-    split = [jax.device_put(x[:, order], NamedSharding(mesh, P(None, "context"))) for x in (q, k, v, w)]
+    split = [jax.device_put(x[:, order], NamedSharding(mesh, P(None, "context"))) for x in (q, k, v, w, seg)]
     with jax.set_mesh(mesh):
         step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
         got, grads = step(*split)
         assert "pallas_call" in str(jax.make_jaxpr(step)(*split))
-    want, want_grads = jax.value_and_grad(
-        lambda q, k, v: _naive_loss(q, k, v, jnp.zeros_like(seg), w, True), argnums=(0, 1, 2))(q, k, v)
+    want, want_grads = jax.value_and_grad(lambda q, k, v: _naive_loss(q, k, v, seg, w, True), argnums=(0, 1, 2))(q, k, v)
     np.testing.assert_allclose(got, want, rtol=1e-4)
     for g, ref in zip(grads, want_grads):
         np.testing.assert_allclose(np.asarray(g)[:, np.argsort(order)], ref, atol=1e-4)
@@ -91,3 +90,37 @@ def test_the_kernel_is_left_out_where_the_partitioner_would_have_to_split_it(tpu
         program = str(jax.make_jaxpr(lambda q, k, v: redeqx.attention(q, k, v, impl="heads"))(*split))
         plain = str(jax.make_jaxpr(lambda q, k, v: redeqx.attention(q, k, v))(*split))
     assert "all_to_all" in program and "pallas_call" not in program and "pallas_call" not in plain
+
+
+@pytest.mark.slow
+def test_a_stacked_remat_step_trains_with_the_kernel_as_without(monkeypatch):
+    """The zoo's stacked layers under `redeqx.remat` (scan residuals kept by kind) with the kernel's
+    own backward: three steps' losses and the weights equal the exact path's."""
+    import equinox as eqx
+    import optax
+
+    config = models.LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
+                                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
+
+    def loss_fn(model, batch, key):
+        logits = jax.vmap(model)(batch["input_ids"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+
+    mesh = redeqx.make_mesh(1, devices=jax.devices()[:1])
+    ids = np.random.default_rng(0).integers(0, 64, (2, 129))
+    batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+    runs = []
+    for interpret in (False, True):
+        monkeypatch.setattr(_tpu, "INTERPRET", interpret)
+        model = models.LlamaForCausalLM(config, key=jax.random.key(0))
+        specs = redeqx.sharding_rules(model, mesh)
+        state = redeqx.init_state(model, optax.sgd(0.1), mesh, specs, key=jax.random.key(1))
+        step = redeqx.make_train_step(redeqx.remat(loss_fn), optax.sgd(0.1), mesh, specs)
+        losses = []
+        for _ in range(3):
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+        runs.append((losses, [x for x in jax.tree.leaves(state.model) if eqx.is_inexact_array(x)]))
+    np.testing.assert_allclose(runs[1][0], runs[0][0], rtol=1e-6)
+    for a, b in zip(runs[1][1], runs[0][1]):
+        np.testing.assert_allclose(a, b, atol=1e-6)
