@@ -14,8 +14,6 @@ interpreter (`INTERPRET`, what the tests set); a TPU runs the compiled kernel.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -49,7 +47,6 @@ def kernel_runs(q, k, span: Span) -> bool:
             and _nothing_to_partition())
 
 
-@functools.cache
 def _kernel(n: int, heads: int, causal: bool, window: int | None, interpret: bool):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
@@ -61,6 +58,9 @@ def _kernel(n: int, heads: int, causal: bool, window: int | None, interpret: boo
     b = next(b for b in BLOCKS if n % b == 0)
     sizes = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
                           block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
+    # built inside each trace (its mask tables become that trace's constants; the kernel holds them, so
+    # a kernel kept across traces leaks one trace's values into the next); the numpy work of reading
+    # the mask into block tables is cached by JAX
     return sk.make_splash_mha_single_device(sm.MultiHeadMask([mask] * heads), block_sizes=sizes,
                                              interpret=interpret)
 
