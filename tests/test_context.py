@@ -601,10 +601,14 @@ def test_heads_split_repeats_kv_heads_only_as_far_as_the_shards_need(monkeypatch
 
 
 @pytest.mark.parametrize("t, n", [(16, 4), (32, 2), (8, 1), (64, 8)])
-def test_heads_split_reorders_by_reverse_and_concatenation_as_the_permutation_does(t, n):
+def test_heads_split_reorders_by_concatenation_as_the_permutation_does(t, n):
+    """Shard i holds chunks i and 2n - 1 - i, written out here by position (context_order itself is
+    built by in_layout_order)."""
     from redeqx.context._context import in_layout_order, in_sequence_order
 
-    order = redeqx.context_order(t, n)
+    c = t // (2 * n)
+    order = np.concatenate([np.r_[i * c:(i + 1) * c, (2 * n - 1 - i) * c:(2 * n - i) * c] for i in range(n)])
+    np.testing.assert_array_equal(redeqx.context_order(t, n), order)
     x = np.arange(t * 3).reshape(t, 3)
     np.testing.assert_array_equal(in_sequence_order(jnp.asarray(x[order]), n), x)
     np.testing.assert_array_equal(in_layout_order(jnp.asarray(x), n), x[order])

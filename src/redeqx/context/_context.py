@@ -123,8 +123,7 @@ def context_order(n_tokens: int, n_shards: int) -> np.ndarray:
     if n_shards == 1:
         return np.arange(n_tokens)
     _check_split(n_tokens, n_shards, "context_order")
-    chunks = np.arange(n_tokens).reshape(2 * n_shards, -1)
-    return np.concatenate([np.concatenate([chunks[i], chunks[2 * n_shards - 1 - i]]) for i in range(n_shards)])
+    return in_layout_order(np.arange(n_tokens), n_shards)
 
 
 @typechecked
@@ -271,14 +270,22 @@ def _cudnn_runs(q, seg, span: Span) -> bool:
             and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128)
 
 
-def _plain(q, k, v, pos, seg, span: Span, scale: float):
-    """Exact attention on one device: cuDNN's flash attention on a GPU in half
-    precision for a plain causal or full mask, the TPU's splash kernel on a TPU,
-    the scores in float32 otherwise."""
+def _by_kernel(q, k, v, seg, span: Span, scale: float):
+    """Exact attention of one sequence by a fused kernel where one serves (cuDNN's flash attention
+    on a GPU in half precision for a plain causal or full mask, the TPU's splash kernel on a TPU),
+    else None."""
     if _cudnn_runs(q, seg, span):
         return jax.nn.dot_product_attention(q[None], k[None], v[None], scale=scale, is_causal=span.causal)[0]
     if _tpu.kernel_runs(q, k, span):
         return _tpu.splash(q, k, v, seg, span, scale)
+    return None
+
+
+def _plain(q, k, v, pos, seg, span: Span, scale: float):
+    """Exact attention on one device: by a fused kernel where one serves (`_by_kernel`), the scores
+    in float32 otherwise."""
+    if (out := _by_kernel(q, k, v, seg, span, scale)) is not None:
+        return out
     seg = jnp.zeros(pos.shape, jnp.int32) if seg is None else seg
     s, _ = block_scores(q, k, pos, pos, seg, seg, span, scale)
     p = jax.nn.softmax(s, axis=-1)
@@ -307,33 +314,35 @@ def kv_heads_for_split(k, n: int):
     return k if repeat == 1 else jnp.repeat(k, repeat, axis=1)
 
 
+def in_layout_order(x, n: int):
+    """``x`` (dim 0: a whole sequence, a NumPy or JAX array) in the dual-chunk order of ``n`` shards:
+    shard ``i`` holds chunks ``i`` and ``2n - 1 - i`` of its ``2n`` chunks (`context_order` is this
+    of ``arange``). One concatenation of chunks, where indexing by the permutation compiles to a
+    gather of rows (libtpu keeps one for each of q, k, v and the output, and 16 transposes)."""
+    xp = np if isinstance(x, np.ndarray) else jnp
+    chunks = x.reshape(2 * n, x.shape[0] // (2 * n), *x.shape[1:])
+    return xp.concatenate([chunks[j] for i in range(n) for j in (i, 2 * n - 1 - i)])
+
+
 def in_sequence_order(x, n: int):
-    """``x`` (dim 0: a whole sequence in the dual-chunk order of ``n`` shards) in the sequence's own
-    order: one concatenation of its ``2n`` chunks (shard ``i`` holds chunks ``i`` and ``2n - 1 - i``),
-    where indexing by the permutation compiles to a gather of rows (libtpu keeps one for each of q,
-    k, v and the output, and 16 transposes beside them)."""
+    """`in_layout_order`'s inverse: the sequence's own order, the first chunk of each shard's pair in
+    shard order, then the second ones in reverse."""
     held = x.reshape(n, 2, x.shape[0] // (2 * n), *x.shape[1:])
     return jnp.concatenate([held[i, 0] for i in range(n)] + [held[i, 1] for i in reversed(range(n))])
-
-
-def in_layout_order(x, n: int):
-    """`in_sequence_order`'s inverse."""
-    chunks = x.reshape(2 * n, x.shape[0] // (2 * n), *x.shape[1:])
-    return jnp.concatenate([chunks[j] for i in range(n) for j in (i, 2 * n - 1 - i)])
 
 
 def heads_work(q, k, v, seg, span: Span, scale: float, n: int):
     """What one device of the heads split computes between its all-to-alls: every token of its
     heads (``(T, heads / n, D)``, in the dual-chunk layout) put in the sequence's own order,
-    attended (cuDNN's kernel on a GPU where it runs, else `whole_attention`, a block at a time: the
-    ``(T, T)`` scores of its heads would not fit where a split is needed), and put back."""
+    attended (by a fused kernel where one serves, `_by_kernel`, else `whole_attention`, a block at a
+    time: the ``(T, T)`` scores of its heads would not fit where a split is needed), and put back."""
     q, k, v = (in_sequence_order(x, n) for x in (q, k, v))
     seg = None if seg is None else in_sequence_order(seg, n)
-    pos = jnp.arange(q.shape[0], dtype=jnp.int32)
-    if _cudnn_runs(q, seg, span) or _tpu.kernel_runs(q, k, span):
-        return in_layout_order(_plain(q, k, v, pos, seg, span, scale), n)
-    seg = jnp.zeros(pos.shape, jnp.int32) if seg is None else seg
-    return in_layout_order(whole_attention(q, k, v, pos, seg, span, scale), n)
+    out = _by_kernel(q, k, v, seg, span, scale)
+    if out is None:
+        pos = jnp.arange(q.shape[0], dtype=jnp.int32)
+        out = whole_attention(q, k, v, pos, jnp.zeros(pos.shape, jnp.int32) if seg is None else seg, span, scale)
+    return in_layout_order(out, n)
 
 
 def _heads_attention(q, k, v, seg, span: Span, scale: float, n: int):
