@@ -15,7 +15,7 @@ variant is the forward and backward of ``sum(attention(q, k, v) * w)``, causal, 
 - ``heads shard``: one device's work in the heads split: ``1 / C`` of the query heads and of the KV
   heads (repeated first where ``C`` does not divide them, as the split does), reordered from the
   dual-chunk layout, attended, reordered back (`redeqx.context._context.heads_work`: cuDNN's kernel
-  on a GPU, the blockwise loop elsewhere). Target: <= 1.1x a quarter of ``unsplit``;
+  on a GPU). Target: <= 1.1x a quarter of ``unsplit``;
 - ``blockwise / C``: the blockwise code of ``impl="gather"`` and ``"ring"`` over the whole sequence
   on a context axis of one device (the same blocks the ``C`` shards compute between them, which the
   dual-chunk order shares out equally), divided by ``C``: a shard's compute in those splits, before

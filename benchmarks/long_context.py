@@ -55,11 +55,15 @@ def probe(task: dict) -> dict:
         # weighted: the output's gradient an input (a real step's), not the constant of a plain sum, which
         # the compiler folds, with the heads split's trades of the output and of its gradient (the value
         # taken too, so the output's trade is not dead code)
-        args = (q, kv, kv, q) if task.get("weighted") else (q, kv, kv)
-        loss = lambda q, k, v, *w: jnp.sum((redeqx.attention(q, k, v, causal=task.get("causal", True),  # noqa: E731
-                                                             window=window, impl=task["impl"]) * (w or (1,))[0]
-                                            ).astype(jnp.float32))
-        grad = jax.value_and_grad if task.get("weighted") else jax.grad  # the value too: the output's trade live
+        def attend(q, k, v):
+            return redeqx.attention(q, k, v, causal=task.get("causal", True), window=window, impl=task["impl"])
+
+        if task.get("weighted"):  # the value too: the output's trade is live
+            args, grad = (q, kv, kv, q), jax.value_and_grad
+            loss = lambda q, k, v, w: jnp.sum((attend(q, k, v) * w).astype(jnp.float32))  # noqa: E731
+        else:
+            args, grad = (q, kv, kv), jax.grad
+            loss = lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32))  # noqa: E731
         with jax.set_mesh(mesh):
             compiled = jax.jit(grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
         text = compiled.as_text()  # FLOPs with every loop counted per iteration, as plan counts them
