@@ -47,6 +47,10 @@ def probe(task: dict) -> dict:
     from redeqx.planner._hlo import loop_factor
 
     devices, c, t = compile_devices(task["chips"], task["tpu"]), task["context"], task["seq"]
+    if task.get("kernel") is False:  # the TPU's splash kernel left out (this worker's process only)
+        from redeqx.context import _tpu
+
+        _tpu.kernel_runs = lambda *a: False
     if task["kind"] == "attention":  # value and grads on one 8B layer's shapes
         mesh = redeqx.make_mesh(1, n_context_shards=c, devices=devices)
         q, kv = (jax.ShapeDtypeStruct((1, t, h, 128), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "context")))
@@ -67,7 +71,9 @@ def probe(task: dict) -> dict:
         with jax.set_mesh(mesh):
             compiled = jax.jit(grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
         text = compiled.as_text()  # FLOPs with every loop counted per iteration, as plan counts them
-        out = dict(collectives=redeqx.collective_summary(text), flops=compiled_figures(compiled)["flops"] * loop_factor(text))
+        figures = compiled_figures(compiled)
+        out = dict(collectives=redeqx.collective_summary(text), flops=figures["flops"] * loop_factor(text),
+                   temporaries=figures["temporaries"], kernel="tpu_custom_call" in text)
         if window is not None:  # the blocks each shard computes, and the table entries its loops walk
             out.update(_window_blocks(t, c, window, task["impl"]))
         return out
@@ -177,6 +183,8 @@ def main():
         lines += _attention_bytes(run), _causal_flops(run), _window_flops(run), _per_c(run), _ring_step(run)
     if "1b" in args.sizes:
         lines.append(_impls_1b(run))
+    if tpu and "1b" in args.sizes:
+        lines.append(_tpu_kernel(run))
     report(args, "Long context (benchmarks/long_context.py)", "\n".join(lines))
 
 
@@ -274,6 +282,29 @@ def _impls_1b(run: Probes) -> str:
                        "tokens, 8 context shards, one sequence a step: GiB a device per step by kind of collective:",
                        "", "| impl | all | all-gather | all-reduce | reduce-scatter | collective-permute | all-to-all "
                        "| peak | temporaries |", "|---|---|---|---|---|---|---|---|---|"], cases, row)
+
+
+def _tpu_kernel(run: Probes) -> str:
+    """The TPU's splash kernel against the paths without it: the 1B step on one chip (the scores
+    formed), and the heads split's attention alone on 8 chips (attended a block at a time)."""
+    def row(case, p):
+        what, kernel = case
+        if not p:
+            return None
+        plan = (f"{'fits' if p['fits'] else 'does not fit'}, peak {gib(p['peak'])} GiB" if "fits" in p
+                else f"kernel call in the program: {'yes' if p['kernel'] else 'no'}")
+        return f"| {what} | {'splash kernel' if kernel else 'without it'} | {plan} | {p['temporaries'] / 2**20:,.0f} |"
+    cases = [((f"1B step, one chip, {t} tokens", kernel),
+              dict(kind="plan", size="1b", chips=1, context=0, model=1, seq=t, impl="gather", kernel=kernel))
+             for t in (4096, 8192) for kernel in (True, False)]
+    cases += [(("heads split, one 8B layer's attention, 32768 tokens, C=8", kernel),
+               dict(kind="attention", chips=8, context=8, seq=32768, impl="heads", weighted=True, kernel=kernel))
+              for kernel in (True, False)]
+    return _rows(run, ["", "The TPU's attention kernel (Pallas splash attention), where nothing is left to the "
+                       "partitioner: one chip (the zoo's causal attention; without it the (T, T) scores are formed), "
+                       "and the heads split on a mesh of context alone (without it, the gather's blockwise loop):",
+                       "", "| case | attention | plan (a step) or program (attention) | temporaries MiB |", "|---|---|---|---|"],
+                 cases, row)
 
 
 def _attention_bytes(run: Probes) -> str:
