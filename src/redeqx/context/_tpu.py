@@ -67,7 +67,9 @@ def _kernel(n: int, heads: int, causal: bool, window: int | None, interpret: boo
 
 def splash(q, k, v, seg, span: Span, scale: float):
     """Exact attention of one sequence (``q`` (T, Hq, D), ``k``/``v`` (T, Hkv, D), ``seg`` (T,) or
-    None) by the splash kernel; ``kernel_runs`` must hold."""
+    None) by the splash kernel; ``kernel_runs`` must hold. The kernel does not scale the scores:
+    ``q`` is scaled first, in its own dtype (in bfloat16 one more rounding of each query element,
+    2^-9 relative, than scaling the float32 scores)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 
     kernel = _kernel(q.shape[0], q.shape[1], span.causal, span.window, INTERPRET)
