@@ -124,3 +124,19 @@ def test_a_stacked_remat_step_trains_with_the_kernel_as_without(monkeypatch):
     np.testing.assert_allclose(runs[1][0], runs[0][0], rtol=1e-6)
     for a, b in zip(runs[1][1], runs[0][1]):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_the_zoo_picks_cudnn_by_the_mesh_it_traces_under():
+    """A step traced under a mesh of GPUs this machine lacks (a plan, an ahead-of-time compile)
+    attends with cuDNN's flash attention, as on the GPU; the choice read JAX's default devices
+    before, so such a plan counted the (T, T) scores the GPU never forms."""
+    from jax._src.mesh import AbstractDevice, AbstractMesh
+
+    from redeqx.models._layers import _flash_ok
+
+    q = jnp.zeros((16, 4, 64), jnp.bfloat16)
+    gpu = AbstractMesh((1,), ("data",), abstract_device=AbstractDevice("NVIDIA H100 80GB HBM3", None, "gpu"))
+    assert not _flash_ok(q, q, None)  # this machine's CPU
+    with jax.sharding.use_abstract_mesh(gpu):
+        assert _flash_ok(q, q, None)
+        assert not _flash_ok(q.astype(jnp.float32), q, None)

@@ -460,7 +460,7 @@ def _flash_ok(q, k, bias) -> bool:
     """cuDNN's fused attention applies: a GPU, half-precision inputs, no
     additive bias, a head size it supports. It never forms the (T, T) scores."""
     return (bias is None and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128
-            and jax.devices()[0].platform == "gpu")
+            and traced_platform() == "gpu")
 
 
 def attention(
