@@ -125,3 +125,27 @@ def test_cross_entropy_skips_ignored_labels_and_refuses_out_of_range_ones():
         assert np.isnan(models.cross_entropy(logits, labels.at[0, 0].set(bad)))
     assert float(models.cross_entropy(logits, jnp.full((2, 5), -100))) == 0.0
     assert np.isnan(models.cross_entropy(logits, labels, ignore_index=None))  # then -100 is out of range too
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_cross_entropy_gradient_is_autodiffs_without_a_scatter(dtype):
+    """models.cross_entropy's written-out gradient (softmax - one_hot, in the logits' dtype) equals
+    what autodiff derives from optax on float32 logits, skipped labels included; the gradient's
+    program holds no scatter (take_along_axis's transpose, which wrote the label's gradient into a
+    float32 zero array the size of the logits)."""
+    k = jax.random.split(jax.random.key(1), 3)
+    logits = (3 * jax.random.normal(k[0], (3, 6, 40))).astype(dtype)
+    labels = jax.random.randint(k[1], (3, 6), 0, 40).at[1, 2].set(-100)
+    counted = labels != -100
+
+    def optax_loss(x):
+        nll = optax.softmax_cross_entropy_with_integer_labels(x.astype(jnp.float32), jnp.where(counted, labels, 0))
+        return (nll * counted).sum() / counted.sum()
+
+    (v0, g0), (v1, g1) = (jax.value_and_grad(f)(logits) for f in (optax_loss, lambda x: models.cross_entropy(x, labels)))
+    assert g1.dtype == dtype
+    np.testing.assert_allclose(v1, v0, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(g1, np.float32), np.asarray(g0, np.float32), rtol=0,
+                               atol=1e-7 if dtype == jnp.float32 else 0)
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda x: models.cross_entropy(x, labels)))(logits))
+    assert "scatter" not in jaxpr
