@@ -561,6 +561,26 @@ def test_auto_picks_gather_off_a_gpu_and_heads_where_cudnn_runs(monkeypatch):
     assert _context.auto_impl(q, None, plain, 8) == "gather"  # 4 heads do not split 8 ways
 
 
+def test_the_unsplit_path_asks_for_cudnn_by_name_on_a_gpu(monkeypatch):
+    """jax.nn.dot_product_attention's default implementation (None) is its XLA code, which forms the
+    (T, T) scores: a GPU gets cuDNN's flash attention only when it is named. Before, the heads split's
+    attention compiled for 4 H100s at 32k tokens held 112 GiB of temporaries and no cuDNN call
+    (`python -m benchmarks.gpu_compile --sections heads`); with the name, 225 MiB and two."""
+    from redeqx.context import _context
+
+    calls = []
+
+    def spy(q, k, v, **kw):
+        calls.append(kw.get("implementation"))
+        return q
+
+    monkeypatch.setattr(_context, "traced_platform", lambda: "gpu")
+    monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
+    q = jnp.zeros((16, 4, 8), jnp.bfloat16)
+    _context._by_kernel(q, q, q, None, _context.Span(True, None), 0.1)
+    assert calls == ["cudnn"]
+
+
 def test_heads_split_refuses_heads_the_shards_do_not_divide():
     q, k, v = (x[0] for x in _qkv(jax.random.key(0)))  # 4 query heads, 16 tokens
     with jax.set_mesh(_mesh(1, 8, 1)), pytest.raises(ValueError, match=r"impl='heads'.*4 query heads do not split "

@@ -274,8 +274,9 @@ def _by_kernel(q, k, v, seg, span: Span, scale: float):
     """Exact attention of one sequence by a fused kernel where one serves (cuDNN's flash attention
     on a GPU in half precision for a plain causal or full mask, the TPU's splash kernel on a TPU),
     else None."""
-    if _cudnn_runs(q, seg, span):
-        return jax.nn.dot_product_attention(q[None], k[None], v[None], scale=scale, is_causal=span.causal)[0]
+    if _cudnn_runs(q, seg, span):  # named: JAX's default (None) is its XLA code, the whole (T, T) scores
+        return jax.nn.dot_product_attention(q[None], k[None], v[None], scale=scale, is_causal=span.causal,
+                                            implementation="cudnn")[0]
     if _tpu.kernel_runs(q, k, span):
         return _tpu.splash(q, k, v, seg, span, scale)
     return None
