@@ -194,3 +194,160 @@ def tally(events, hlo_text: str, steps: int, top: int = 30) -> dict:
             "busy_ms_per_step": busy / 1e6 / steps,
             "top": [{"op": op, "kind": k, "ms": round(ms, 3), "launches": n // steps, "kernel": kernel}
                     for op, (k, ms, n, kernel) in ranked]}
+
+
+# ----------------------------------------------------------------------------- the same split, from the text alone
+
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e5m2fnuz": 1, "f8e4m3fnuz": 1,
+          "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
+          "c64": 8, "c128": 16}
+_ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
+_LINE = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*?)\)(?:, |$)")
+_SLICES = ("slice", "dynamic-slice")
+_NO_KERNEL = ("parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "partition-id",
+              "replica-id", "opt-barrier", "add-dependency")
+
+
+def _nbytes(shape: str, skip_workspace: bool = False) -> int:
+    """Bytes of the arrays a shape text names (a tuple's elements summed; with ``skip_workspace``
+    a custom call's ``s8`` scratch buffer left out)."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape):
+        if skip_workspace and dtype == "s8":
+            continue
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * _BYTES.get(dtype, 0)
+    return total
+
+
+def _computations(text: str) -> dict[str, list[dict]]:
+    """Computation -> its instructions: name, shape, opcode, operands, the computations it calls."""
+    out, current = {}, None
+    for line in text.split("\n"):
+        m = _COMPUTATION.match(line)
+        if m:
+            current = out.setdefault(m.group(1), [])
+            continue
+        m = _LINE.match(line) if current is not None else None
+        if m:
+            name, shape, opcode, args = m.groups()
+            current.append({"name": name, "shape": shape, "opcode": opcode, "line": line,
+                            "operands": re.findall(r"%([\w.\-]+)", args),
+                            "calls": re.findall(r"(?:calls|body|to_apply|branch_computations)=\{?%([\w.\-]+)", line),
+                            "trips": int((re.search(r'"known_trip_count":\{"n":"(\d+)"', line) or [0, 1])[1])})
+    return out
+
+
+def _fusion_bytes(ins: dict, fused: list[dict], shapes: dict[str, str]) -> int:
+    """Bytes a fusion reads and writes: a parameter only sliced inside is read as its slices, the
+    buffer a dynamic-update-slice writes in place is neither read nor written whole."""
+    by_name = {i["name"]: i for i in fused}
+    users = defaultdict(list)
+    for i in fused:
+        for o in i["operands"]:
+            users[o].append(i)
+    root = fused[-1] if fused else None
+    roots = [by_name[o] for o in root["operands"]] if root and root["opcode"] == "tuple" else [root] if root else []
+    in_place = {r["operands"][0] for r in roots if r["opcode"] == "dynamic-update-slice"}
+    params = {int(re.search(r"parameter\((\d+)\)", i["line"])[1]): i for i in fused if i["opcode"] == "parameter"}
+    read = 0
+    for index, operand in enumerate(ins["operands"]):
+        p = params.get(index)
+        if p is None:
+            read += _nbytes(shapes.get(operand, ""))
+        elif p["name"] in in_place:
+            continue
+        elif users[p["name"]] and all(u["opcode"] in _SLICES for u in users[p["name"]]):
+            read += sum(_nbytes(u["shape"]) for u in users[p["name"]])
+        else:
+            read += _nbytes(p["shape"])
+    written = sum(_nbytes(by_name[r["operands"][1]]["shape"]) if r["opcode"] == "dynamic-update-slice"
+                  else _nbytes(r["shape"]) for r in roots) if roots else _nbytes(ins["shape"])
+    return read + written
+
+
+def kernels(text: str, start: str | None = None) -> list[dict]:
+    """The kernels a compiled GPU program launches per call (or per run of computation ``start``, a
+    loop's body), read from its text: each with the bytes it reads and writes (`_fusion_bytes`) and
+    how many times it runs (loops' trip counts)."""
+    comps = _computations(text)
+    entry = start or next((m.group(1) for m in re.finditer(r"^ENTRY %([\w.\-]+)", text, re.M)), None)
+    out = []
+
+    def walk(name: str, times: int):
+        shapes = {i["name"]: i["shape"] for i in comps.get(name, [])}
+        for ins in comps.get(name, []):
+            op = ins["opcode"]
+            if op in ("while", "call", "conditional"):
+                for callee in ins["calls"]:
+                    if op != "while" or callee == ins["calls"][-1] or "body=" not in ins["line"]:
+                        walk(callee, times * (ins["trips"] if op == "while" else 1))
+                continue
+            if op in _NO_KERNEL:
+                continue
+            if op == "fusion" and ins["calls"]:
+                moved = _fusion_bytes(ins, comps.get(ins["calls"][0], []), shapes)
+            else:
+                moved = sum(_nbytes(shapes.get(o, "")) for o in ins["operands"]) + _nbytes(ins["shape"], op == "custom-call")
+            out.append({"name": ins["name"], "bytes": moved, "times": times})
+
+    if entry:
+        walk(entry, 1)
+    return out
+
+
+def static_tally(text: str, bandwidth: float, top: int = 25) -> dict:
+    """`tally`'s split of a compiled GPU program without running it: kernels and gigabytes moved
+    per step by kind, and the milliseconds those bytes take at ``bandwidth`` (bytes/s), the floor of
+    every kind that is not a matmul or attention (their time is set by FLOPs, not bytes)."""
+    ops = hlo_ops(text)
+    count, moved = defaultdict(int), defaultdict(float)
+    ranked = []
+    for k in kernels(text):
+        kind = kind_of(ops.get(k["name"]))
+        count[kind] += k["times"]
+        moved[kind] += k["bytes"] * k["times"]
+        frames = (ops.get(k["name"]) or {}).get("frames", [])
+        ranked.append((k["bytes"] * k["times"], k["name"], kind, k["times"], [f for _, f in frames[:3]]))
+    ranked.sort(key=lambda r: -r[0])
+    return {"kernels": {kind: count[kind] for kind in KINDS if count[kind]},
+            "gb": {kind: round(moved[kind] / 1e9, 3) for kind in KINDS if count[kind]},
+            "floor_ms": {kind: round(moved[kind] / bandwidth * 1e3, 3) for kind in KINDS if count[kind]},
+            "top": [{"op": n, "kind": kind, "gb": round(b / 1e9, 3), "times": t, "frames": f}
+                    for b, n, kind, t, f in ranked[:top]]}
+
+
+def longest_loop(text: str) -> tuple[str, int] | None:
+    """(body, trip count) of the loop that runs most often (a generation's loop over tokens)."""
+    loops = [(re.search(r"body=%([\w.\-]+)", i["line"])[1], i["trips"])
+             for body in _computations(text).values() for i in body if i["opcode"] == "while"]
+    return max(loops, key=lambda loop: loop[1], default=None)
+
+
+def gemms(text: str) -> dict:
+    """The GEMMs a compiled GPU program calls (cuBLAS custom calls and Triton GEMM fusions), and
+    those with fp8 operands (cuBLAS's ``$f8`` matmul, or a Triton GEMM reading f8 parameters)."""
+    comps = _computations(text)
+    count = fp8 = 0
+    for body in comps.values():
+        for i in body:
+            target = _TARGET.search(i["line"])
+            if i["opcode"] == "custom-call" and target and target[1].startswith("__cublas"):
+                count += 1
+                fp8 += target[1].endswith("$f8")
+            elif i["opcode"] == "fusion" and re.search(r'"kind":"__triton[\w]*gemm', i["line"]):
+                count += 1
+                fp8 += any("f8e" in p["shape"] for p in comps.get(i["calls"][0], []) if p["opcode"] == "parameter")
+    return {"gemms": count, "fp8_gemms": fp8}
+
+
+def loop_copies(text: str) -> dict:
+    """What one run of the longest loop's body (a generation's step: one token) copies: kernels of
+    kind ``copies`` and their bytes read and written (0 and 0 in a program without a loop)."""
+    body, _ = longest_loop(text) or (None, 0)
+    ops = hlo_ops(text)
+    copies = [k for k in kernels(text, body) if kind_of(ops.get(k["name"])) == "copies"] if body else []
+    return {"copies_per_token": sum(k["times"] for k in copies),
+            "copied_bytes_per_token": sum(k["bytes"] * k["times"] for k in copies)}

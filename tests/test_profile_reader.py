@@ -39,3 +39,65 @@ def test_kernels_inside_a_command_buffer_are_found_by_the_names_xla_gives_them()
     assert ms["other"] == 0, out["top"]
     assert ms["matmuls"] >= 0.01 and ms["optimizer update"] > 0 and ms["loss"] > 0
     assert {t["op"] for t in out["top"]} == set(fusions) | {kernels[-1]}  # each kernel booked to its instruction
+
+
+# An XLA:GPU program's text, cut down to what the static reader looks at: a fusion that only
+# slices one parameter, one that writes a slice in place, a cuBLAS fp8 call with its workspace,
+# a Triton GEMM on fp8 parameters, all inside a loop of 64 trips.
+_GPU_TEXT = """HloModule m
+
+%sliced (p0: bf16[22,1024,256]) -> bf16[1,1024,256] {
+  %p0 = bf16[22,1024,256]{2,1,0} parameter(0)
+  ROOT %s = bf16[1,1024,256]{2,1,0} slice(%p0), slice={[3:4], [0:1024], [0:256]}
+}
+
+%in_place (p0: f32[8,128], p1: f32[1,128], p2: s32[]) -> f32[8,128] {
+  %p0 = f32[8,128]{1,0} parameter(0)
+  %p1 = f32[1,128]{1,0} parameter(1)
+  %p2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  ROOT %u = f32[8,128]{1,0} dynamic-update-slice(%p0, %p1, %p2, %z)
+}
+
+%gemm (p0: f8e4m3fn[16,256], p1: f8e4m3fn[256,64]) -> bf16[16,64] {
+  %p0 = f8e4m3fn[16,256]{1,0} parameter(0)
+  %p1 = f8e4m3fn[256,64]{1,0} parameter(1)
+  ROOT %d = bf16[16,64]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (t: (bf16[22,1024,256], f32[8,128], f32[1,128], s32[], f8e4m3fn[16,256], f8e4m3fn[256,64])) -> (bf16[22,1024,256], f32[8,128], f32[1,128], s32[], f8e4m3fn[16,256], f8e4m3fn[256,64]) {
+  %t = (bf16[22,1024,256], f32[8,128], f32[1,128], s32[], f8e4m3fn[16,256], f8e4m3fn[256,64]) parameter(0)
+  %w = bf16[22,1024,256]{2,1,0} get-tuple-element(%t), index=0
+  %c = f32[8,128]{1,0} get-tuple-element(%t), index=1
+  %n = f32[1,128]{1,0} get-tuple-element(%t), index=2
+  %i = s32[] get-tuple-element(%t), index=3
+  %a = f8e4m3fn[16,256]{1,0} get-tuple-element(%t), index=4
+  %b = f8e4m3fn[256,64]{1,0} get-tuple-element(%t), index=5
+  %wrapped_slice = bf16[1,1024,256]{2,1,0} fusion(%w), kind=kLoop, calls=%sliced
+  %loop_dynamic_update_slice_fusion = f32[8,128]{1,0} fusion(%c, %n, %i), kind=kLoop, calls=%in_place
+  %cublas-gemm = (bf16[16,64]{1,0}, s8[4194304]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul$f8"
+  %gemm_fusion = bf16[16,64]{1,0} fusion(%a, %b), kind=kCustom, calls=%gemm, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  ROOT %r = (bf16[22,1024,256], f32[8,128], f32[1,128], s32[], f8e4m3fn[16,256], f8e4m3fn[256,64]) tuple(%w, %loop_dynamic_update_slice_fusion, %n, %i, %a, %b)
+}
+
+ENTRY %main (t: (bf16[22,1024,256], f32[8,128], f32[1,128], s32[], f8e4m3fn[16,256], f8e4m3fn[256,64])) -> (bf16[22,1024,256], f32[8,128], f32[1,128], s32[], f8e4m3fn[16,256], f8e4m3fn[256,64]) {
+  %t = (bf16[22,1024,256], f32[8,128], f32[1,128], s32[], f8e4m3fn[16,256], f8e4m3fn[256,64]) parameter(0)
+  ROOT %loop = (bf16[22,1024,256], f32[8,128], f32[1,128], s32[], f8e4m3fn[16,256], f8e4m3fn[256,64]) while(%t), condition=%body, body=%body, backend_config={"known_trip_count":{"n":"64"}}
+}
+"""
+
+
+def test_the_static_reader_counts_what_each_kernel_moves():
+    """`static_tally`'s bytes, the ground the H100 compile's split of a step rests on: a parameter
+    only sliced is read as its slice (one layer, not the stack), a buffer written in place as the
+    slice written, a cuBLAS call's workspace not at all, and a loop's body once per trip."""
+    moved = {k["name"]: (k["bytes"], k["times"]) for k in _profile.kernels(_GPU_TEXT)}
+    layer = 1024 * 256 * 2
+    assert moved["wrapped_slice"] == (2 * layer, 64)  # read one layer, write it: not the 22-layer stack
+    assert moved["loop_dynamic_update_slice_fusion"] == (2 * 128 * 4 + 4, 64)  # the row read and written, the index
+    assert moved["cublas-gemm"] == (16 * 256 + 256 * 64 + 16 * 64 * 2, 64)  # no workspace
+    assert _profile.gemms(_GPU_TEXT) == {"gemms": 2, "fp8_gemms": 2}
+    assert _profile.longest_loop(_GPU_TEXT) == ("body", 64)
+    assert _profile.loop_copies(_GPU_TEXT) == {"copies_per_token": 1, "copied_bytes_per_token": 2 * layer}
+    tally = _profile.static_tally(_GPU_TEXT, bandwidth=1e12)
+    assert tally["kernels"]["copies"] == 64 and tally["gb"]["copies"] == round(64 * 2 * layer / 1e9, 3)
