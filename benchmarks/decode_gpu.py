@@ -41,7 +41,17 @@ per token (``redeqx.models._layers.decode_stack``):
   ``stacked`` against ``listed``, and ``temp_bytes`` shows a slice hoisted
   out of the loop (a second copy of the weights); variant ``+dsf`` turns on
   XLA's dynamic-slice fusion (``xla_gpu_enable_dynamic_slice_fusion``),
-  which hands cuBLAS an offset into the stack instead of a copy.
+  which hands cuBLAS an offset into the stack instead of a copy (JAX 0.10.2's
+  XLA:GPU refuses it for the stacked generation: "BufferAllocation::Slice not
+  assigned", compiled here by `benchmarks.gpu_compile`). Each layout's
+  compiled program also says what a token copies (``copies_per_token``,
+  ``copied_bytes_per_token``: `benchmarks._profile.loop_copies`). Compiled
+  here for an H100 with no autotuning, the stacked 1B copies the MLP's gate
+  and up slices every token (1.9 GiB, Triton GEMMs; every slice, 2.9 GiB,
+  with cuBLAS's), and with cuBLAS the listed 1B copies 1.9 GiB too: XLA's
+  dot merger joins gate and up into one GEMM over their concatenated
+  weights. Variant ``+nomerge`` (``xla_gpu_dot_merger_threshold_mb=0``)
+  leaves them two GEMMs (listed: 8 MiB a token).
 
 On XLA:CPU (``--cpu-smoke``, or a size of your own) the stacked layout runs
 a bf16 token about 1.5-1.8x slower than listed (a 16-layer LLaMA of width
@@ -64,6 +74,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks._profile import loop_copies
 from benchmarks.throughput import make_config, model_class
 from redeqx.models import generate
 from redeqx.steps._loss import cast_floats
@@ -73,6 +84,7 @@ PROMPT = 16
 VARIANT_OPTIONS = {
     "cmdbuf": {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"},
     "dsf": {"xla_gpu_enable_dynamic_slice_fusion": True},
+    "nomerge": {"xla_gpu_dot_merger_threshold_mb": 0},
 }
 
 
@@ -133,7 +145,7 @@ def decode_bench(size: str = "1b", batch: int = 1, new_tokens: int = 128, layout
             roofline = (weight_bytes + cache_bytes) / bandwidth
             first_tokens = np.asarray(tokens) if first_tokens is None else first_tokens
             memory = compiled.memory_analysis()
-            out["layouts"][name] = {
+            out["layouts"][name] = {**loop_copies(compiled.as_text()),
                 "first_call_s": first, "ms_per_token": per_token * 1e3, "tokens_per_s": batch / per_token,
                 "prefill_ms": pre * 1e3, "weight_bytes": weight_bytes, "cache_bytes": cache_bytes,
                 "roofline_ms_per_token": roofline * 1e3, "pct_of_roofline": 100 * roofline / per_token,
@@ -155,15 +167,16 @@ def render(runs: dict) -> list[str]:
                  f"{out['new_tokens']} new tokens; copy bandwidth {out['bandwidth_GBps'] / 1e3:.2f} TB/s in the "
                  "same run):", "",
                  "| layout | ms/token | tokens/s | roofline ms/token | % of roofline | first call | temporaries "
-                 "| same tokens |", "|---|---|---|---|---|---|---|---|"]
+                 "| same tokens | copies a token |", "|---|---|---|---|---|---|---|---|---|"]
         for name, v in out["layouts"].items():
             if "error" in v:
-                rows.append(f"| {name} | failed: {v['error'][:160]} | | | | | | |")
+                rows.append(f"| {name} | failed: {v['error'][:160]} | | | | | | | |")
                 continue
             temps = f"{v['temp_bytes'] / 2**30:.2f} GiB" if v.get("temp_bytes") is not None else "n/a"
             rows.append(f"| {name} | {v['ms_per_token']:.3f} | {v['tokens_per_s']:,.0f} | "
                         f"{v['roofline_ms_per_token']:.3f} | {v['pct_of_roofline']:.0f} % | {v['first_call_s']:.1f} s "
-                        f"| {temps} | {'yes' if v['same_tokens_as_first_layout'] else 'NO'} |")
+                        f"| {temps} | {'yes' if v['same_tokens_as_first_layout'] else 'NO'} | "
+                        f"{v.get('copies_per_token', '?')} ({v.get('copied_bytes_per_token', 0) / 2**20:.1f} MiB) |")
         rows.append("")
     return rows[:-1]
 
