@@ -108,6 +108,58 @@ def setup_tpu() -> None:
     print(f"TPU compiler venv ({' '.join(pins)}) ready at {TPU_VENV}")
 
 
+GPU_VENV = HERE / ".venv-gpu"
+# What XLA:GPU needs to know of a GPU it compiles for with none attached (a stream_executor
+# GpuTargetConfigProto): the H100 SXM's, as JAX's CUDA plugin reads it off the card; the H200
+# differs in memory (141 GB, 4.8 TB/s) and L2 (60 MB), which the figures here scale by.
+H100_TARGET = """gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
+  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: 3352320000000 l2_cache_size: 52428800 clock_rate_ghz: 1.98
+  device_memory_size: 84929347584 shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 } registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 10 }
+runtime_version { major: 13 }
+device_description_str: "NVIDIA H100 80GB HBM3"
+"""
+HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}
+
+
+def gpu_compiler() -> tuple[str, dict]:
+    """The Python of benchmarks/.venv-gpu and an environment in which it compiles for H100s with none
+    attached (JAX on the CPU, the CUDA plugin loaded for its compiler; no autotuning without a card);
+    exits without it."""
+    python = GPU_VENV / "bin" / "python"
+    if not python.exists():
+        sys.exit("no benchmarks/.venv-gpu: run `python -m benchmarks.gpu_compile --setup` once")
+    env = worker_env(JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1")
+    env["XLA_FLAGS"] = "--xla_gpu_autotune_level=0"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env["PYTHONPATH"]])
+    return str(python), env
+
+
+def gpu_devices(n: int = 1) -> list:
+    """``n`` H100s of one host, none attached: XLA:GPU compiles a program on a mesh of them as for
+    those GPUs (JAX's deviceless compile); nothing can run on them."""
+    from jax.experimental import topologies
+
+    return list(topologies.get_topology_desc(platform="cuda", topology=f"1x1x{n}", target_config=H100_TARGET).devices)
+
+
+def setup_gpu() -> None:
+    """benchmarks/.venv-gpu: this environment plus JAX's CUDA 13 plugin of this JAX's version, with
+    the CUDA libraries it loads (cuDNN is asked its version while a program is traced)."""
+    import jax
+
+    subprocess.run([sys.executable, "-m", "venv", "--clear", "--system-site-packages", str(GPU_VENV)], check=True)
+    subprocess.run([str(GPU_VENV / "bin" / "python"), "-m", "pip", "install", "-q",
+                    f"jax-cuda13-plugin[with-cuda]=={jax.__version__}"], check=True)
+    print(f"GPU compiler venv (jax-cuda13-plugin {jax.__version__}) ready at {GPU_VENV}")
+
+
 def param_count(model) -> int:
     """Elements of a model's arrays (abstract ones included)."""
     import math
@@ -126,13 +178,14 @@ def compiled_figures(compiled) -> dict:
 
 
 def next_token_loss(model, batch, key):
-    """Mean next-token cross-entropy of ``batch["ids"]`` (B, T + 1), the logits in fp32."""
+    """Mean next-token cross-entropy of ``batch["ids"]`` (B, T + 1), its statistics in fp32
+    (`redeqx.models.cross_entropy`: the logits stay in the compute dtype)."""
     import jax
-    import jax.numpy as jnp
-    import optax
 
-    logits = jax.vmap(model)(batch["ids"][:, :-1]).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:]).mean()
+    from redeqx.models import cross_entropy
+
+    logits = jax.vmap(model)(batch["ids"][:, :-1])
+    return cross_entropy(logits, batch["ids"][:, 1:], ignore_index=None)
 
 
 # ----------------------------------------------------------------------------- workers

@@ -21,9 +21,10 @@ import re
 import sys
 import time
 
-from benchmarks._common import compile_devices, compiler, parser, report, serve, worker
+from benchmarks._common import compile_devices, compiler, gpu_compiler, parser, report, serve, worker
 
 PROMPT, NEW = 64, 64
+COMPILERS = {"cpu": "XLA:CPU", "tpu": "libtpu (v4)", "gpu": "XLA:GPU (H100, no GPU attached)"}
 
 
 def distinct_fusions(hlo_text: str) -> tuple[int, int]:
@@ -50,7 +51,10 @@ def compile_worker(platform: str, size: str, stacked: bool) -> dict:
     from redeqx.models import generate
     from redeqx.steps._loss import cast_floats
 
-    device = compile_devices(1, platform == "tpu")[0]
+    from benchmarks._common import gpu_devices
+    from benchmarks._profile import loop_copies
+
+    device = gpu_devices(1)[0] if platform == "gpu" else compile_devices(1, platform == "tpu")[0]
     sharding = jax.sharding.SingleDeviceSharding(device)
     config = make_config(size, scan_layers=stacked, max_position_embeddings=PROMPT + NEW)
     model = eqx.filter_eval_shape(lambda: cast_floats(model_class(config)(config, key=jax.random.key(0)), jnp.bfloat16))
@@ -62,15 +66,18 @@ def compile_worker(platform: str, size: str, stacked: bool) -> dict:
     out = {}
     for name, fn in programs.items():
         t = time.perf_counter()
-        compiled = jax.jit(fn).trace(model, prompt).lower(lowering_platforms=(platform,)).compile()
+        lowered = jax.jit(fn).trace(model, prompt).lower(lowering_platforms=("cuda" if platform == "gpu" else platform,))
+        compiled = lowered.compile()
         out[f"{name}_s"] = time.perf_counter() - t
+    text = compiled.as_text()
     out["temp_bytes"] = compiled.memory_analysis().temp_size_in_bytes
-    out["fusions"], out["distinct_fusions"] = distinct_fusions(compiled.as_text())
+    out["fusions"], out["distinct_fusions"] = distinct_fusions(text)
+    out.update(loop_copies(text))  # the loop over tokens: what one token's step copies
     return out
 
 
 def measure(platform: str, size: str, repeats: int) -> dict:
-    python, env = compiler(platform == "tpu", 4 if platform == "tpu" else 1)
+    python, env = gpu_compiler() if platform == "gpu" else compiler(platform == "tpu", 4 if platform == "tpu" else 1)
     runs = {"stacked": [], "listed": []}
     for r in range(repeats):
         for layout in (("stacked", "listed") if r % 2 == 0 else ("listed", "stacked")):
@@ -84,20 +91,22 @@ def table(results: dict, size: str, repeats: int) -> str:
     rows = [f"The zoo LLaMA {size}, bf16 weights, one sequence: a {PROMPT}-token prompt and {NEW} new tokens, "
             f"traced and compiled on abstract shapes for one device, each layout in a fresh process (best of "
             f"{repeats}, taking turns):", "",
-            "| compiler | layout | prompt's pass | whole generation | temporaries | fused computations (distinct) |",
-            "|---|---|---|---|---|---|"]
+            "| compiler | layout | prompt's pass | whole generation | temporaries | fused computations (distinct) "
+            "| copies a token (MiB) |", "|---|---|---|---|---|---|---|"]
     for platform, by_layout in results.items():
         for layout, v in by_layout.items():
-            rows.append(f"| {'libtpu (v4)' if platform == 'tpu' else 'XLA:CPU'} | {layout} | {v['prefill_s']:.1f} s "
+            rows.append(f"| {COMPILERS[platform]} | {layout} | {v['prefill_s']:.1f} s "
                         f"| {v['generate_s']:.1f} s | {v['temp_bytes'] / 2**20:.1f} MiB | {v['fusions']} "
-                        f"({v['distinct_fusions']}) |")
+                        f"({v['distinct_fusions']}) | {v.get('copies_per_token', '?')} "
+                        f"({v.get('copied_bytes_per_token', 0) / 2**20:.1f}) |")
     return "\n".join(rows)
 
 
 def main():
     p = parser(__doc__, repeats=2)
     p.add_argument("--size", default="1b")
-    p.add_argument("--compilers", default="cpu,tpu", help="cpu (XLA:CPU) and/or tpu (libtpu)")
+    p.add_argument("--compilers", default="cpu,tpu",
+                   help="cpu (XLA:CPU), tpu (libtpu) and/or gpu (XLA:GPU for an H100: `python -m benchmarks.gpu_compile --setup`)")
     args = p.parse_args()
     results = {platform: measure(platform, args.size, args.repeats) for platform in args.compilers.split(",")}
     report(args, "Decoding's compile, stacked against listed (benchmarks/decode_compile.py)",
