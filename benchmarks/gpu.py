@@ -425,8 +425,14 @@ def _render_train(sec, hw):
         rows += ["", f"Device time of the {prof['variant']} step by kind, from a profile of "
                      f"{prof['steps']} steps (ms per step; the step took {prof['step_ms']:.1f} ms, the device "
                      f"was busy {prof['busy_ms_per_step']:.1f} ms of it):", "",
-                 "| kind | ms per step | share of kernel time |", "|---|---|---|"]
-        rows += [f"| {k} | {ms:.1f} | {ms / total:.1%} |" for k, ms in prof["ms_per_step"].items() if ms]
+                 "| kind | ms per step | share of kernel time | GB moved (the program's text) | at the measured "
+                 "bandwidth | of which achieved |", "|---|---|---|---|---|---|"]
+        gb, bw = prof.get("static", {}).get("gb", {}), hw.get("bandwidth_bytes_per_s")
+        for k, ms in prof["ms_per_step"].items():
+            floor = gb[k] * 1e9 / bw * 1e3 if k in gb and bw else None
+            if ms or floor:
+                rows.append(f"| {k} | {ms:.1f} | {ms / total if total else 0:.1%} | {gb.get(k, 0):.1f} | "
+                            + (f"{floor:.1f} ms | {floor / ms:.0%} |" if floor and ms else "| |"))
         rows += ["", "Largest instructions:", "", "| instruction | kind | ms per step | launches | kernel |",
                  "|---|---|---|---|---|"]
         rows += [f"| {t['op']} | {t['kind']} | {t['ms']:.2f} | {t['launches']} | `{t['kernel'][:60]}` |"

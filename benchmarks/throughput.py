@@ -214,10 +214,11 @@ def run(args) -> dict:
 
 def profile(step, hlo_text: str, log_dir: str, step_s: float, steps: int = 3) -> dict:
     """``steps`` calls of ``step`` under JAX's profiler, the device's time by
-    kind (`benchmarks._profile.breakdown`); a failure is returned, not raised."""
+    kind (`benchmarks._profile.breakdown`) and the bytes each kind moves by
+    the program's text (``static``: `static_tally`); a failure is returned, not raised."""
     import glob
 
-    from benchmarks._profile import breakdown
+    from benchmarks._profile import breakdown, static_tally
 
     try:
         jax.block_until_ready(step())
@@ -225,7 +226,9 @@ def profile(step, hlo_text: str, log_dir: str, step_s: float, steps: int = 3) ->
             for _ in range(steps):
                 jax.block_until_ready(step())
         xplane = max(glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True), key=os.path.getmtime)
-        return {"steps": steps, "step_ms": step_s * 1e3, **breakdown(xplane, hlo_text, steps)}
+        moved = static_tally(hlo_text, 1.0)  # each kind's bytes, read off the program: its floor at a bandwidth
+        return {"steps": steps, "step_ms": step_s * 1e3, **breakdown(xplane, hlo_text, steps),
+                "static": {"gb": moved["gb"], "kernels": moved["kernels"]}}
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
