@@ -47,6 +47,7 @@ def compile_worker(platform: str, size: str, stacked: bool) -> dict:
     import jax
     import jax.numpy as jnp
 
+    import redeqx
     from benchmarks.throughput import make_config, model_class
     from redeqx.models import generate
     from redeqx.steps._loss import cast_floats
@@ -66,7 +67,8 @@ def compile_worker(platform: str, size: str, stacked: bool) -> dict:
     out = {}
     for name, fn in programs.items():
         t = time.perf_counter()
-        lowered = jax.jit(fn).trace(model, prompt).lower(lowering_platforms=("cuda" if platform == "gpu" else platform,))
+        with jax.set_mesh(redeqx.make_mesh(1, devices=[device])):  # traced as for that device (`traced_platform`)
+            lowered = jax.jit(fn).trace(model, prompt).lower(lowering_platforms=("cuda" if platform == "gpu" else platform,))
         compiled = lowered.compile()
         out[f"{name}_s"] = time.perf_counter() - t
     text = compiled.as_text()

@@ -104,3 +104,47 @@ def test_the_cache_holds_the_compute_dtype(family):
     cache = jax.eval_shape(lambda m: m.prefill(x, jnp.ones(x.shape, bool), 4)[1], model)
     kv = [c for c in jax.tree.leaves(cache) if c.ndim >= 3]
     assert kv and {c.dtype for c in kv} == {jnp.dtype(jnp.bfloat16)}
+
+
+@pytest.mark.parametrize("family", ["llama", pytest.param("mixtral", marks=pytest.mark.slow),
+                                    pytest.param("bart", marks=pytest.mark.slow)])
+def test_a_gpu_token_loop_reads_each_layers_slices_and_gives_the_same_tokens(family, monkeypatch, request):
+    """Traced for a GPU, generate and beam_search slice each stack's layers once, before the token
+    loop (XLA:GPU copied stacked slices every token: 1.9-2.9 GiB for the 1B LLaMA,
+    `benchmarks.gpu_compile`); the stack stays a stack and `decode_stack` reads layer i from its
+    slices: the listed model's tokens. Elsewhere the model is left as it is."""
+    from redeqx.models import _layers
+
+    stacked, listed = build(family, True), build(family, False)
+    assert _layers.sliced_for_decoding(stacked) is stacked  # this machine's CPU: nothing changes
+    monkeypatch.setattr(_layers, "traced_platform", lambda: "gpu")
+    jax.clear_caches()  # generate's programs traced for this machine's CPU by earlier tests: trace again
+    request.addfinalizer(jax.clear_caches)  # and none traced "for a GPU" is left to later tests
+    stack = lambda m: m.model.decoder.layers if family == "bart" else m.model.layers  # noqa: E731
+    seen = stack(_layers.sliced_for_decoding(stacked))
+    n = _layers.stack_depth(stack(stacked))
+    assert _layers.n_layers(seen) == n
+    for i in range(n):
+        want, got = stack(stacked)[i], _layers.layer_at(seen, i)
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        assert all(bool((a == b).all()) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+    x = prompts()
+    np.testing.assert_array_equal(models.generate(stacked, x, max_new_tokens=5),
+                                  models.generate(listed, x, max_new_tokens=5))
+    stacked_shapes = {a.shape for a in jax.tree.leaves(stack(stacked)) if a.ndim >= 2}
+    loop = _token_loop(jax.make_jaxpr(lambda m: models.generate(m, x, max_new_tokens=5))(stacked).jaxpr, 5)
+    assert not stacked_shapes & {v.aval.shape for v in loop.invars}, "the token loop still takes the stack"
+    if family == "llama":
+        np.testing.assert_array_equal(models.beam_search(stacked, x, max_new_tokens=3, num_beams=3),
+                                      models.beam_search(listed, x, max_new_tokens=3, num_beams=3))
+
+
+def _token_loop(jaxpr, length):
+    """The ``lax.scan`` of ``length`` steps in a jaxpr, nested calls included."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan" and eqn.params["length"] == length:
+            return eqn
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            if (found := _token_loop(sub, length)) is not None:
+                return found
+    return None

@@ -284,12 +284,16 @@ def is_stacked(layers) -> bool:
 
 
 def n_layers(layers) -> int:
-    return jax.tree.leaves(eqx.filter(layers, eqx.is_array))[0].shape[0] if is_stacked(layers) else len(layers)
+    if not is_stacked(layers):
+        return len(layers)
+    return next(a for a in jax.tree.leaves(layers, is_leaf=_is_sliced) if eqx.is_array(a) or _is_sliced(a)).shape[0]
 
 
 def layer_at(layers, i: int):
-    """Layer ``i`` of a list, or of a stack (its arrays' slice ``i``)."""
-    return jax.tree.map(lambda a: a[i] if eqx.is_array(a) else a, layers) if is_stacked(layers) else layers[i]
+    """Layer ``i`` of a list, or of a stack (its arrays' slice ``i``, or its `LayerSlices`' ``i``-th)."""
+    if not is_stacked(layers):
+        return layers[i]
+    return jax.tree.map(lambda a: a[i] if eqx.is_array(a) or _is_sliced(a) else a, layers, is_leaf=_is_sliced)
 
 
 def check_scan_unroll(config) -> None:
@@ -382,8 +386,8 @@ def decode_stack(layers, x, caches, step: Callable):
     layer's own (libtpu: 204 distinct fused computations in the 1B LLaMA's
     generation against 101 listed); that whole generation, the prompt's
     scan included, compiles in 8.2 s on libtpu against 10.4 s listed
-    (`benchmarks.decode_compile`)."""
-    arrays, static = eqx.partition(layers, eqx.is_array)
+    (`benchmarks.decode_compile`). A stack whose arrays were sliced before the
+    token loop (`sliced_for_decoding`) gives each layer its slices."""
     stacks = jax.tree.leaves(caches, is_leaf=_is_kv)
     if not all(_is_kv(c) for c in stacks):
         raise TypeError("decoding a stack layer by layer needs its caches to be KVCache stacks, got "
@@ -392,13 +396,57 @@ def decode_stack(layers, x, caches, step: Callable):
     for i in range(n_layers(layers)):
         views = iter([KVCache(c.k, c.v, i, j) for j, c in enumerate(stacks)])
         view = jax.tree.map(lambda _: next(views), caches, is_leaf=_is_kv)
-        x, out = step(eqx.combine(jax.tree.map(lambda a: a[i], arrays), static), x, view)
+        x, out = step(layer_at(layers, i), x, view)
         for c in jax.tree.leaves(out, is_leaf=_is_kv):
             if _is_kv(c):  # the stack this layer wrote: the next layer reads and writes it
                 stacks[c.stack] = KVCache(c.k, c.v)
         outs.append(out)
     merge = lambda first, *rest: stacks[first.stack] if _is_kv(first) else jnp.stack([first, *rest])  # noqa: E731
     return x, jax.tree.map(merge, *outs, is_leaf=_is_kv)
+
+
+class LayerSlices:
+    """A stacked array's layers as separate arrays, in the array's place in its stack: what
+    `sliced_for_decoding` makes and `layer_at` reads (``slices[i]``); ``shape`` is the stack's."""
+
+    def __init__(self, slices):
+        self.slices = tuple(slices)
+
+    def __getitem__(self, i: int):
+        return self.slices[i]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.slices), *self.slices[0].shape)
+
+
+jax.tree_util.register_pytree_node(LayerSlices, lambda s: (s.slices, None), lambda _, slices: LayerSlices(slices))
+_is_sliced = lambda a: isinstance(a, LayerSlices)  # noqa: E731
+
+
+def sliced_for_decoding(model):
+    """``model`` with each array of each stack of layers replaced by its layers' slices
+    (`LayerSlices`), for a token loop that will run on a GPU; elsewhere ``model``.
+
+    XLA:GPU reads a layer's weights as a slice of the stack only where its GEMM kernel takes the
+    slice in (a Triton GEMM may; cuBLAS cannot), and copies the slice out every token otherwise:
+    compiled for an H100, the stacked 1B LLaMA's token copied 1.9 GiB (the MLP's gate and up
+    slices) with Triton's GEMMs and 2.9 GiB (every slice) with cuBLAS's, against 8 MiB listed
+    (`benchmarks.gpu_compile`). Sliced before the loop, each slice is copied once a generation and
+    the loop reads them as a listed model's weights; the price is a second copy of the layers'
+    weights while the loop runs. The stack stays a stack (its caches, its family's code paths);
+    `decode_stack` reads layer ``i`` from the slices. On TPUs and CPUs the compilers read the
+    slices in place: nothing changes there."""
+    if traced_platform() != "gpu":
+        return model
+
+    def stack(x) -> bool:
+        return isinstance(x, Stackable) and stack_depth(x) is not None
+
+    def sliced(layers):
+        return jax.tree.map(lambda a: LayerSlices(a[i] for i in range(a.shape[0])) if eqx.is_array(a) else a, layers)
+
+    return jax.tree.map(lambda x: sliced(x) if stack(x) else x, model, is_leaf=stack)
 
 
 class Cache(eqx.Module):
