@@ -46,12 +46,15 @@ per token (``redeqx.models._layers.decode_stack``):
   assigned", compiled here by `benchmarks.gpu_compile`). Each layout's
   compiled program also says what a token copies (``copies_per_token``,
   ``copied_bytes_per_token``: `benchmarks._profile.loop_copies`). Compiled
-  here for an H100 with no autotuning, the stacked 1B copies the MLP's gate
-  and up slices every token (1.9 GiB, Triton GEMMs; every slice, 2.9 GiB,
-  with cuBLAS's), and with cuBLAS the listed 1B copies 1.9 GiB too: XLA's
-  dot merger joins gate and up into one GEMM over their concatenated
-  weights. Variant ``+nomerge`` (``xla_gpu_dot_merger_threshold_mb=0``)
-  leaves them two GEMMs (listed: 8 MiB a token).
+  here for an H100 with no autotuning (`benchmarks.gpu_compile`), the
+  stacked 1B copied the MLP's gate and up slices every token (1.9 GiB with
+  Triton's GEMMs; every slice, 2.9 GiB, with cuBLAS's) until `generate`
+  sliced the stack once before its loop on a GPU
+  (`redeqx.models._layers.sliced_for_decoding`); with cuBLAS both layouts
+  still copy 1.9 GiB: XLA's dot merger joins gate and up into one GEMM
+  over their concatenated weights. Variant ``+nomerge``
+  (``xla_gpu_dot_merger_threshold_mb=0``) leaves them two GEMMs (8 MiB a
+  token).
 
 On XLA:CPU (``--cpu-smoke``, or a size of your own) the stacked layout runs
 a bf16 token about 1.5-1.8x slower than listed (a 16-layer LLaMA of width
