@@ -218,3 +218,18 @@ def test_a_small_lm_trains_within_two_percent_of_bfloat16(setting):
         final[fp8] = float(metrics["loss"])
     assert final[False] < 1.0  # it learned (from ln 96 = 4.56)
     assert abs(final[True] / final[False] - 1) < 0.02, final
+
+
+def test_the_rewritten_program_still_names_the_users_code():
+    """The fp8 rewrite evaluates the loss's program anew; each operation keeps its equation's source
+    (the user's frames), so a compiled step's metadata and a profile name the loss function and the
+    layer, not the rewrite: before, every operation of an fp8 step named `_Fp8._eqn` or `bind` (the
+    1B step's loss could not be told from its norms, `benchmarks.gpu_compile`)."""
+
+    def a_loss_this_test_names(m, x):
+        return jnp.mean(jnp.tanh(x @ m["w1"]) @ m["w2"]) ** 2
+
+    model = {"w1": jnp.ones((8, 8)), "w2": jnp.ones((8, 2))}
+    text = jax.jit(jax.grad(fp8_matmuls(a_loss_this_test_names))).lower(model, jnp.ones((4, 8))).compile().as_text()
+    functions = re.search(r"\nFunctionNames\n(.*?)\n\n", text, re.S).group(1)  # the frames ops point at
+    assert "a_loss_this_test_names" in functions and "_eqn" not in functions and "bind" not in functions

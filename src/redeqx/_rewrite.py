@@ -15,6 +15,7 @@ from collections.abc import Callable
 import equinox as eqx
 import jax
 import jax.extend.core as jex
+from jax.extend import source_info_util
 
 Rewrite = Callable[[jex.ClosedJaxpr], jex.ClosedJaxpr]
 
@@ -66,9 +67,18 @@ def rows_dim(full: tuple, part: tuple, factor: int) -> int | None | bool:
     return dims[0]
 
 
+def source_of(eqn):
+    """A context in which what is traced carries ``eqn``'s source (its user frames and name
+    stack), as JAX's own ``eval_jaxpr`` gives it: a compiled program's metadata then names the
+    user's code, not the rewrite's, and a profile can say which function a kernel came from."""
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    return source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack)
+
+
 def bind(eqn, invals) -> list:
-    """``eqn`` applied to ``invals`` as its program would (in its own context): its outputs, a list."""
-    with eqn.ctx.manager:
+    """``eqn`` applied to ``invals`` as its program would (in its own context and with its source,
+    `source_of`): its outputs, a list."""
+    with source_of(eqn), eqn.ctx.manager:
         outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
     return outs if eqn.primitive.multiple_results else [outs]
 

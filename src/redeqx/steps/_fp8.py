@@ -33,7 +33,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
-from .._rewrite import bind, call_body, derived_from, inner_seed, traced
+from .._rewrite import bind, call_body, derived_from, inner_seed, source_of, traced
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
@@ -184,7 +184,8 @@ class _Fp8:
         weights = derived_from(jaxpr, seed)
         for i, eqn in enumerate(jaxpr.eqns):
             invals = [read(v) for v in eqn.invars]
-            outs = self._eqn(eqn, invals, weights, lambda inner, e=eqn: inner_seed(inner, e, weights), (*place, i))
+            with source_of(eqn):  # a product made fp8, a scan rebuilt: still the user's code in the program
+                outs = self._eqn(eqn, invals, weights, lambda inner, e=eqn: inner_seed(inner, e, weights), (*place, i))
             for v, x in zip(eqn.outvars, outs):
                 if not isinstance(v, jex.DropVar):
                     env[v] = x
