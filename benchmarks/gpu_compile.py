@@ -21,6 +21,9 @@ program (`benchmarks._profile`):
 - ``heads``: one 8B layer's attention (32 query, 8 KV heads) at 32k tokens over 4 context shards of
   4 H100s, forward and backward, for each ``impl``: cuDNN flash-attention calls, bytes per collective,
   temporaries;
+- ``context``: the zoo's 1B LLaMA step at 32k tokens over 8 context shards of 8 H100s (fsdp,
+  remat, bf16), each ``context_attention``: `redeqx.plan`'s peak and bytes per collective
+  (`benchmarks.long_context`'s case, by libtpu and XLA:CPU there);
 - ``decode``: `benchmarks.decode_compile`'s 1B generation, stacked and listed: compile time here
   (2 cores; the first call's main cost on a GPU), and what the token loop copies per token.
 """
@@ -33,7 +36,7 @@ import time
 
 from benchmarks._common import HBM_BYTES_PER_S, gpu_compiler, parser, report, serve, setup_gpu, worker
 
-SECTIONS = ("train", "fp8", "heads", "decode")
+SECTIONS = ("train", "fp8", "heads", "context", "decode")
 TRAIN = ("stacked", "listed", "stacked+fp8", "stacked, optax loss", "hand-written")
 BATCH, SEQ = 8, 2048
 GB = 1e9
@@ -137,6 +140,34 @@ def heads_worker(impl: str, tokens: int = 32768, shards: int = 4) -> dict:
                 collectives={k: v["bytes"] for k, v in redeqx.collective_summary(text).items()})
 
 
+def context_worker(impl: str, tokens: int = 32768, shards: int = 8) -> dict:
+    """The 1B step split over ``shards`` context shards of H100s, planned (`redeqx.plan`)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax.sharding import AxisType, Mesh
+
+    import redeqx
+    from benchmarks._common import gpu_devices
+    from benchmarks.throughput import make_config
+    from redeqx import models
+
+    grid = np.asarray(gpu_devices(shards), dtype=object).reshape(1, shards, 1)
+    mesh = Mesh(grid, ("data", "context", "model"), axis_types=(AxisType.Auto,) * 3)
+    config = make_config("1b", max_position_embeddings=tokens, context_attention=impl)
+
+    def loss_fn(model, batch, key):
+        logits = jax.vmap(model)(batch["input_ids"])
+        return models.cross_entropy(logits, batch["labels"], ignore_index=None)
+
+    batch = {k: jax.ShapeDtypeStruct((1, tokens), jnp.int32) for k in ("input_ids", "labels")}
+    p = redeqx.plan(lambda key: models.LlamaForCausalLM(config, key=key), loss_fn, optax.adamw(1e-5), batch, mesh,
+                    fsdp=True, remat=True, compute_dtype=jnp.bfloat16, device_memory="80GB", explore=False,
+                    seq_keys=("input_ids", "labels"))
+    return dict(peak=p.peak, temporaries=p.temporaries, collectives={k: v["bytes"] for k, v in p.collectives.items()})
+
+
 # ----------------------------------------------------------------------------- the driver (no JAX)
 
 def _run(fn: str, flags: str = "", **kwargs) -> dict:
@@ -190,6 +221,17 @@ def heads_section() -> str:
         moved = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in sorted(r["collectives"].items()))
         rows.append(f"| {impl} | {r['cudnn']} | {moved} (total {sum(r['collectives'].values()) / 2**20:.0f}) | "
                     f"{r['temp_bytes'] / 2**20:.0f} MiB |")
+    return "\n".join(rows)
+
+
+def context_section() -> str:
+    rows = ["The zoo's 1B LLaMA step (TinyLlama's shapes: 32 query, 4 KV heads) at 32,768 tokens over 8 context "
+            "shards of 8 H100s, fsdp, remat, bf16 compute, planned by `redeqx.plan` on XLA:GPU's program:", "",
+            "| context_attention | peak a device | collectives, GiB a device |", "|---|---|---|"]
+    for impl in ("heads", "gather", "ring"):
+        r = _run("context_worker", impl=impl)
+        moved = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in sorted(r["collectives"].items()) if v >= 2**24)
+        rows.append(f"| {impl} | {r['peak'] / 2**30:.1f} GiB | {moved} (total {sum(r['collectives'].values()) / 2**30:.2f}) |")
     return "\n".join(rows)
 
 
