@@ -129,10 +129,10 @@ def test_cross_entropy_skips_ignored_labels_and_refuses_out_of_range_ones():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_cross_entropy_gradient_is_autodiffs_without_a_scatter(dtype):
-    """models.cross_entropy's written-out gradient (softmax - one_hot, in the logits' dtype) equals
-    what autodiff derives from optax on float32 logits, skipped labels included; the gradient's
-    program holds no scatter (take_along_axis's transpose, which wrote the label's gradient into a
-    float32 zero array the size of the logits)."""
+    """models.cross_entropy's written-out derivative (softmax - one_hot, in the logits' dtype) gives
+    what autodiff derives from optax on float32 logits, skipped labels included, in reverse and
+    forward mode; the gradient's program holds no scatter (take_along_axis's transpose, which wrote
+    the label's gradient into a float32 zero array the size of the logits)."""
     k = jax.random.split(jax.random.key(1), 3)
     logits = (3 * jax.random.normal(k[0], (3, 6, 40))).astype(dtype)
     labels = jax.random.randint(k[1], (3, 6), 0, 40).at[1, 2].set(-100)
@@ -149,3 +149,10 @@ def test_cross_entropy_gradient_is_autodiffs_without_a_scatter(dtype):
                                atol=1e-7 if dtype == jnp.float32 else 0)
     jaxpr = str(jax.make_jaxpr(jax.grad(lambda x: models.cross_entropy(x, labels)))(logits))
     assert "scatter" not in jaxpr
+    # forward mode too (jax.jvp, Hessian-vector products): a custom_vjp would refuse it
+    t = jax.random.normal(k[2], logits.shape).astype(dtype)
+    j0, j1 = (jax.jvp(f, (logits,), (t,))[1] for f in (optax_loss, lambda x: models.cross_entropy(x, labels)))
+    np.testing.assert_allclose(j1, j0, rtol=1e-5, atol=1e-6)
+    if dtype == jnp.float32:
+        hvp = lambda f: jax.jvp(jax.grad(f), (logits,), (t,))[1]  # noqa: E731
+        np.testing.assert_allclose(hvp(lambda x: models.cross_entropy(x, labels)), hvp(optax_loss), atol=1e-6)
