@@ -212,27 +212,33 @@ def fp8_section() -> str:
     return "\n".join(rows)
 
 
-def heads_section() -> str:
-    rows = ["One 8B layer's attention (32 query, 8 KV heads of 128) at 32,768 tokens over 4 context shards of "
-            "4 H100s, value and gradients, compiled by XLA:GPU:", "",
-            "| impl | cuDNN attention calls | collectives, MiB a device | temporaries |", "|---|---|---|---|"]
-    for impl in ("heads", "gather", "ring"):
-        r = _run("heads_worker", impl=impl)
-        moved = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in sorted(r["collectives"].items()))
-        rows.append(f"| {impl} | {r['cudnn']} | {moved} (total {sum(r['collectives'].values()) / 2**20:.0f}) | "
-                    f"{r['temp_bytes'] / 2**20:.0f} MiB |")
+def _moved(collectives: dict, unit: int, digits: int) -> str:
+    """``all-gather 5.06, ... (total 9.84)``: bytes by collective in ``unit``s, those under 1 % of a unit left out."""
+    parts = ", ".join(f"{k} {v / unit:.{digits}f}" for k, v in sorted(collectives.items()) if v >= unit / 100)
+    return f"{parts} (total {sum(collectives.values()) / unit:.{digits}f})"
+
+
+def _per_impl(fn: str, intro: str, columns: tuple[str, ...], cells) -> str:
+    """A table of ``fn``'s figures for each context ``impl``: ``cells(figures)`` fills a row's columns."""
+    rows = [intro, "", "| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+    rows += [f"| {impl} | {cells(_run(fn, impl=impl))} |" for impl in ("heads", "gather", "ring")]
     return "\n".join(rows)
+
+
+def heads_section() -> str:
+    return _per_impl(
+        "heads_worker", "One 8B layer's attention (32 query, 8 KV heads of 128) at 32,768 tokens over 4 context "
+        "shards of 4 H100s, value and gradients, compiled by XLA:GPU:",
+        ("impl", "cuDNN attention calls", "collectives, MiB a device", "temporaries"),
+        lambda r: f"{r['cudnn']} | {_moved(r['collectives'], 2**20, 0)} | {r['temp_bytes'] / 2**20:.0f} MiB")
 
 
 def context_section() -> str:
-    rows = ["The zoo's 1B LLaMA step (TinyLlama's shapes: 32 query, 4 KV heads) at 32,768 tokens over 8 context "
-            "shards of 8 H100s, fsdp, remat, bf16 compute, planned by `redeqx.plan` on XLA:GPU's program:", "",
-            "| context_attention | peak a device | collectives, GiB a device |", "|---|---|---|"]
-    for impl in ("heads", "gather", "ring"):
-        r = _run("context_worker", impl=impl)
-        moved = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in sorted(r["collectives"].items()) if v >= 2**24)
-        rows.append(f"| {impl} | {r['peak'] / 2**30:.1f} GiB | {moved} (total {sum(r['collectives'].values()) / 2**30:.2f}) |")
-    return "\n".join(rows)
+    return _per_impl(
+        "context_worker", "The zoo's 1B LLaMA step (TinyLlama's shapes: 32 query, 4 KV heads) at 32,768 tokens over "
+        "8 context shards of 8 H100s, fsdp, remat, bf16 compute, planned by `redeqx.plan` on XLA:GPU's program:",
+        ("context_attention", "peak a device", "collectives, GiB a device"),
+        lambda r: f"{r['peak'] / 2**30:.1f} GiB | {_moved(r['collectives'], 2**30, 2)}")
 
 
 DECODE_OPTIONS = {"Triton GEMMs (default)": "", "cuBLAS GEMMs": "--xla_gpu_enable_triton_gemm=false",
