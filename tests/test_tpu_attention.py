@@ -126,17 +126,27 @@ def test_a_stacked_remat_step_trains_with_the_kernel_as_without(monkeypatch):
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
-def test_the_zoo_picks_cudnn_by_the_mesh_it_traces_under():
+def test_the_zoo_picks_cudnn_by_the_mesh_it_traces_under(monkeypatch):
     """A step traced under a mesh of GPUs this machine lacks (a plan, an ahead-of-time compile)
     attends with cuDNN's flash attention, as on the GPU; the choice read JAX's default devices
     before, so such a plan counted the (T, T) scores the GPU never forms."""
     from jax._src.mesh import AbstractDevice, AbstractMesh
 
-    from redeqx.models._layers import _flash_ok
+    from redeqx.models._layers import CausalMask, attention
 
+    calls = []
+
+    def spy(q, k, v, **kw):  # cuDNN's kernel, asked for by name (CPUs have none to run)
+        calls.append(kw.get("implementation"))
+        return q
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
     q = jnp.zeros((16, 4, 64), jnp.bfloat16)
     gpu = AbstractMesh((1,), ("data",), abstract_device=AbstractDevice("NVIDIA H100 80GB HBM3", None, "gpu"))
-    assert not _flash_ok(q, q, None)  # this machine's CPU
+    attention(q, q, q, CausalMask(16), scale=0.125)
+    assert calls == []  # this machine's CPU
     with jax.sharding.use_abstract_mesh(gpu):
-        assert _flash_ok(q, q, None)
-        assert not _flash_ok(q.astype(jnp.float32), q, None)
+        attention(q, q, q, CausalMask(16), scale=0.125)
+        assert calls == ["cudnn"]
+        attention(q.astype(jnp.float32), q.astype(jnp.float32), q.astype(jnp.float32), CausalMask(16), scale=0.125)
+        assert calls == ["cudnn"]  # float32: no kernel

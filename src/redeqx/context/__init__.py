@@ -10,6 +10,7 @@ from ._context import (
     context_axis as context_axis,
     context_order as context_order,
     context_shards as context_shards,
+    fused_attention as fused_attention,
     mesh_context as mesh_context,
     order_sequences as order_sequences,
     restore_order as restore_order,
@@ -18,4 +19,3 @@ from ._context import (
     splitting as splitting,
 )
 from ._context_checks import check_split_program as check_split_program
-from ._tpu import causal_attention as tpu_causal_attention, serves_causal as tpu_serves_causal

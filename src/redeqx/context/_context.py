@@ -282,6 +282,13 @@ def _by_kernel(q, k, v, seg, span: Span, scale: float):
     return None
 
 
+def fused_attention(q, k, v, *, causal: bool, scale: float):
+    """Exact attention of one sequence (``(T, heads, D)``, no segments or window) by the kernel the
+    platform traced for offers (`_by_kernel`: cuDNN's on a GPU, splash on a TPU), or None where
+    none serves: the one choice `redeqx.attention` and the zoo's causal attention share."""
+    return _by_kernel(q, k, v, None, Span(causal=causal), scale)
+
+
 def _plain(q, k, v, pos, seg, span: Span, scale: float):
     """Exact attention on one device: by a fused kernel where one serves (`_by_kernel`), the scores
     in float32 otherwise."""

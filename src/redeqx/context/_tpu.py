@@ -77,13 +77,3 @@ def splash(q, k, v, seg, span: Span, scale: float):
     heads_first = lambda x: jnp.swapaxes(x, 0, 1)  # noqa: E731  (the kernel's (heads, T, D))
     out = kernel(heads_first(q * jnp.asarray(scale, q.dtype)), heads_first(k), heads_first(v), segment_ids=ids)
     return heads_first(out).astype(q.dtype)
-
-
-def serves_causal(q, k) -> bool:
-    """`kernel_runs` for a plain causal mask (the zoo's training attention)."""
-    return kernel_runs(q, k, Span(causal=True))
-
-
-def causal_attention(q, k, v, scale: float):
-    """`splash` with a plain causal mask, no segments; `serves_causal` must hold."""
-    return splash(q, k, v, None, Span(causal=True), scale)

@@ -18,8 +18,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ..mesh import constrain
 from .._typing import positive_int
-from ..context import (attention as split_attention, context_axis, sequence_positions, tpu_causal_attention,
-                       tpu_serves_causal)
+from ..context import attention as split_attention, context_axis, fused_attention, sequence_positions
 from ..mesh import CONTEXT, MODEL, traced_platform
 
 INIT_STD = 0.02  # the initializer_range of the Hugging Face configs
@@ -504,13 +503,6 @@ def split_mask(valid: Bool[Array, " seq"], impl: str, window: int | None = None)
     return counted[order], SplitMask(valid.astype(jnp.int32), impl, window)
 
 
-def _flash_ok(q, k, bias) -> bool:
-    """cuDNN's fused attention applies: a GPU, half-precision inputs, no
-    additive bias, a head size it supports. It never forms the (T, T) scores."""
-    return (bias is None and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128
-            and traced_platform() == "gpu")
-
-
 def attention(
     q: Float[Array, "q_seq q_heads head_dim"],
     k: Float[Array, "kv_seq kv_heads head_dim"],
@@ -523,10 +515,10 @@ def attention(
     """Softmax attention with grouped query heads (``q_heads`` a multiple of
     ``kv_heads``; query head ``h`` reads KV head ``h // (q_heads / kv_heads)``).
 
-    With a `CausalMask` on a GPU in bfloat16/float16, cuDNN's flash attention
-    (``jax.nn.dot_product_attention``) computes it without materialising the
-    scores, on a TPU the splash kernel (`redeqx.context._tpu`); otherwise
-    scores and softmax are computed exactly, in float32.
+    With a `CausalMask` and no bias, a fused kernel computes it without
+    materialising the scores where one serves (`redeqx.context.fused_attention`:
+    cuDNN's flash attention on a GPU in bfloat16/float16, the splash kernel on
+    a TPU); otherwise scores and softmax are computed exactly, in float32.
     A `SplitMask` (the sequence split over ``context``) goes to `redeqx.attention`."""
     if isinstance(mask, SplitMask):
         if bias is not None:
@@ -534,12 +526,8 @@ def attention(
         return split_attention(q, k, v, causal=True, segment_ids=mask.segment_ids, scale=scale, window=mask.window,
                                impl=mask.impl)
     if isinstance(mask, CausalMask):
-        if _flash_ok(q, k, bias):
-            out = jax.nn.dot_product_attention(q[None], k[None], v[None], scale=scale, is_causal=True,
-                                               implementation="cudnn")
-            return out[0]
-        if bias is None and tpu_serves_causal(q, k):  # the TPU's splash kernel
-            return tpu_causal_attention(q, k, v, scale)
+        if bias is None and (out := fused_attention(q, k, v, causal=True, scale=scale)) is not None:
+            return out  # cuDNN's kernel on a GPU, splash on a TPU: `redeqx.attention`'s own choice
         mask = mask.array()
     t, hq, d = q.shape
     hkv = k.shape[1]
