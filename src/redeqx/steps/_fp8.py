@@ -184,8 +184,7 @@ class _Fp8:
         weights = derived_from(jaxpr, seed)
         for i, eqn in enumerate(jaxpr.eqns):
             invals = [read(v) for v in eqn.invars]
-            with source_of(eqn):  # a product made fp8, a scan rebuilt: still the user's code in the program
-                outs = self._eqn(eqn, invals, weights, lambda inner, e=eqn: inner_seed(inner, e, weights), (*place, i))
+            outs = self._eqn(eqn, invals, weights, lambda inner, e=eqn: inner_seed(inner, e, weights), (*place, i))
             for v, x in zip(eqn.outvars, outs):
                 if not isinstance(v, jex.DropVar):
                     env[v] = x
@@ -193,19 +192,21 @@ class _Fp8:
 
     def _eqn(self, eqn, invals, weights, inner, place: tuple[int, ...]) -> list:
         name, p = eqn.primitive.name, eqn.params
-        if _weight_product(eqn, weights) and place not in self.output_layer:
-            self.converted += 1
-            return [fp8_dot(*invals, p["dimension_numbers"], eqn.outvars[0].aval.dtype)]
-        if name == "scan":
-            return self._scan(eqn, invals, inner, place)
-        if (body := call_body(eqn)) is not None:
+        fp8 = _weight_product(eqn, weights) and place not in self.output_layer
+        if (body := call_body(eqn)) is not None:  # each of its equations keeps its own source
             return self.eval(body.jaxpr, body.consts, invals, inner(body.jaxpr), place)
-        if name in ("checkpoint", "remat2"):
+        if not fp8 and name not in ("scan", "checkpoint", "remat2"):
+            return bind(eqn, invals)  # as it was, with its source
+        with source_of(eqn):  # a product made fp8, a loop rebuilt: still the user's code in the program
+            if fp8:
+                self.converted += 1
+                return [fp8_dot(*invals, p["dimension_numbers"], eqn.outvars[0].aval.dtype)]
+            if name == "scan":
+                return self._scan(eqn, invals, inner, place)
             body = p["jaxpr"]
             run = jax.checkpoint(lambda *a: self.eval(body, (), a, inner(body), place), prevent_cse=p["prevent_cse"],
                                  policy=p["policy"])
             return run(*invals)
-        return bind(eqn, invals)
 
     def _scan(self, eqn, invals, inner, place: tuple[int, ...]) -> list:
         p = eqn.params
