@@ -259,3 +259,18 @@ def test_a_plan_that_agrees_with_the_names_plan_compiles_once_and_says_nothing(m
     p = redeqx.plan(big_params, lm_loss, optax.adamw(1e-3), BATCH, mesh)
     assert len(compiles) == 1 and p.warnings == () and "warning:" not in str(p)
     assert not [w for w in recwarn if "redeqx.plan" in str(w.message)]
+
+
+def test_the_program_reader_reads_a_long_tuples_operands_past_its_index_comments():
+    """Compiled text writes ``/*index=5*/`` before a long tuple's sixth operand; read as operands, the
+    comment's words shifted every later element (a loop counter's place in its tuple, and so a trip
+    count read off the loop), and a GPU program's kernel bytes looked up an operand named "index"."""
+    from redeqx.planner._hlo import parse_module
+
+    text = """ENTRY %m (a: f32[2], b: s32[]) -> (f32[2], f32[2], f32[2], f32[2], f32[2], s32[]) {
+  %a = f32[2]{0} parameter(0)
+  %b = s32[] parameter(1)
+  ROOT %t = (f32[2]{0}, f32[2]{0}, f32[2]{0}, f32[2]{0}, f32[2]{0}, /*index=5*/s32[]) tuple(%a, %a, %a, %a, %a, /*index=5*/%b)
+}"""
+    computations, _, entry = parse_module(text)
+    assert computations[entry][-1].operands == ("a",) * 5 + ("b",)

@@ -119,7 +119,8 @@ def parse_module(hlo_text: str) -> tuple[dict[str, list[Instruction]], dict[str,
             if h.group("entry"):
                 entry = current
         elif current is not None and (m := _INSTRUCTION.match(line)) is not None:
-            operands = tuple(re.findall(r"%?([\w.\-]+)", m.group("args")))
+            # a long tuple's operands carry comments ("/*index=5*/%x"): not operands
+            operands = tuple(re.findall(r"%?([\w.\-]+)", re.sub(r"/\*.*?\*/", "", m.group("args"))))
             literal = m.group("args") if m.group("op") == "constant" else ""
             computations[current].append(Instruction(m.group("name"), m.group("op"), m.group("shape"), operands,
                                                      m.group("rest"), literal))
