@@ -22,6 +22,7 @@ classification can be re-read from the JSON without another GPU run.
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 
@@ -197,104 +198,68 @@ def tally(events, hlo_text: str, steps: int, top: int = 30) -> dict:
 
 
 # ----------------------------------------------------------------------------- the same split, from the text alone
+# read with the planner's parser of compiled programs (`redeqx.planner._hlo`: computations, how often
+# each runs, array shapes)
 
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e5m2fnuz": 1, "f8e4m3fnuz": 1,
-          "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
-          "c64": 8, "c128": 16}
-_ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
-_LINE = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*?)\)(?:, |$)")
 _SLICES = ("slice", "dynamic-slice")
 _NO_KERNEL = ("parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "partition-id",
-              "replica-id", "opt-barrier", "add-dependency")
+              "replica-id", "opt-barrier", "add-dependency", "while", "call", "conditional")
 
 
 def _nbytes(shape: str, skip_workspace: bool = False) -> int:
     """Bytes of the arrays a shape text names (a tuple's elements summed; with ``skip_workspace``
     a custom call's ``s8`` scratch buffer left out)."""
-    total = 0
-    for dtype, dims in _ARRAY.findall(shape):
-        if skip_workspace and dtype == "s8":
-            continue
-        n = 1
-        for d in filter(None, dims.split(",")):
-            n *= int(d)
-        total += n * _BYTES.get(dtype, 0)
-    return total
+    from redeqx.planner._hlo import DTYPE_BYTES, array_shapes
+
+    return sum(DTYPE_BYTES[dtype] * math.prod(dims) for dtype, dims in array_shapes(shape)
+               if not (skip_workspace and dtype == "s8"))
 
 
-def _computations(text: str) -> dict[str, list[dict]]:
-    """Computation -> its instructions: name, shape, opcode, operands, the computations it calls."""
-    out, current = {}, None
-    for line in text.split("\n"):
-        m = _COMPUTATION.match(line)
-        if m:
-            current = out.setdefault(m.group(1), [])
-            continue
-        m = _LINE.match(line) if current is not None else None
-        if m:
-            name, shape, opcode, args = m.groups()
-            current.append({"name": name, "shape": shape, "opcode": opcode, "line": line,
-                            "operands": re.findall(r"%([\w.\-]+)", args),
-                            "calls": re.findall(r"(?:calls|body|to_apply|branch_computations)=\{?%([\w.\-]+)", line),
-                            "trips": int((re.search(r'"known_trip_count":\{"n":"(\d+)"', line) or [0, 1])[1])})
-    return out
-
-
-def _fusion_bytes(ins: dict, fused: list[dict], shapes: dict[str, str]) -> int:
+def _fusion_bytes(ins, fused: list, shapes: dict[str, str]) -> int:
     """Bytes a fusion reads and writes: a parameter only sliced inside is read as its slices, the
     buffer a dynamic-update-slice writes in place is neither read nor written whole."""
-    by_name = {i["name"]: i for i in fused}
+    by_name = {i.name: i for i in fused}
     users = defaultdict(list)
     for i in fused:
-        for o in i["operands"]:
+        for o in i.operands:
             users[o].append(i)
-    root = fused[-1] if fused else None
-    roots = [by_name[o] for o in root["operands"]] if root and root["opcode"] == "tuple" else [root] if root else []
-    in_place = {r["operands"][0] for r in roots if r["opcode"] == "dynamic-update-slice"}
-    params = {int(re.search(r"parameter\((\d+)\)", i["line"])[1]): i for i in fused if i["opcode"] == "parameter"}
+    root = fused[-1]
+    roots = [by_name[o] for o in root.operands] if root.op == "tuple" else [root]
+    in_place = {r.operands[0] for r in roots if r.op == "dynamic-update-slice"}
+    params = {int(i.operands[0]): i for i in fused if i.op == "parameter"}
     read = 0
-    for index, operand in enumerate(ins["operands"]):
+    for index, operand in enumerate(ins.operands):
         p = params.get(index)
         if p is None:
             read += _nbytes(shapes.get(operand, ""))
-        elif p["name"] in in_place:
-            continue
-        elif users[p["name"]] and all(u["opcode"] in _SLICES for u in users[p["name"]]):
-            read += sum(_nbytes(u["shape"]) for u in users[p["name"]])
-        else:
-            read += _nbytes(p["shape"])
-    written = sum(_nbytes(by_name[r["operands"][1]]["shape"]) if r["opcode"] == "dynamic-update-slice"
-                  else _nbytes(r["shape"]) for r in roots) if roots else _nbytes(ins["shape"])
-    return read + written
+        elif p.name not in in_place:
+            sliced = users[p.name] and all(u.op in _SLICES for u in users[p.name])
+            read += sum(_nbytes(u.shape) for u in users[p.name]) if sliced else _nbytes(p.shape)
+    return read + sum(_nbytes(by_name[r.operands[1]].shape) if r.op == "dynamic-update-slice" else _nbytes(r.shape)
+                      for r in roots)
 
 
 def kernels(text: str, start: str | None = None) -> list[dict]:
     """The kernels a compiled GPU program launches per call (or per run of computation ``start``, a
     loop's body), read from its text: each with the bytes it reads and writes (`_fusion_bytes`) and
     how many times it runs (loops' trip counts)."""
-    comps = _computations(text)
-    entry = start or next((m.group(1) for m in re.finditer(r"^ENTRY %([\w.\-]+)", text, re.M)), None)
+    from redeqx.planner._hlo import executions, parse_module
+
+    computations, _, entry = parse_module(text)
+    fused = {m for body in computations.values() for i in body if i.op == "fusion"
+             for m in re.findall(r"\bcalls=%?([\w.\-]+)", i.attributes)}
     out = []
-
-    def walk(name: str, times: int):
-        shapes = {i["name"]: i["shape"] for i in comps.get(name, [])}
-        for ins in comps.get(name, []):
-            op = ins["opcode"]
-            if op in ("while", "call", "conditional"):
-                for callee in ins["calls"]:
-                    if op != "while" or callee == ins["calls"][-1] or "body=" not in ins["line"]:
-                        walk(callee, times * (ins["trips"] if op == "while" else 1))
+    for name, times in executions(computations, start or entry).items():
+        if not times or name in fused:
+            continue
+        shapes = {i.name: i.shape for i in computations[name]}
+        for ins in computations[name]:
+            if ins.op in _NO_KERNEL:
                 continue
-            if op in _NO_KERNEL:
-                continue
-            if op == "fusion" and ins["calls"]:
-                moved = _fusion_bytes(ins, comps.get(ins["calls"][0], []), shapes)
-            else:
-                moved = sum(_nbytes(shapes.get(o, "")) for o in ins["operands"]) + _nbytes(ins["shape"], op == "custom-call")
-            out.append({"name": ins["name"], "bytes": moved, "times": times})
-
-    if entry:
-        walk(entry, 1)
+            calls = re.search(r"\bcalls=%?([\w.\-]+)", ins.attributes) if ins.op == "fusion" else None
+            moved = (_fusion_bytes(ins, computations[calls[1]], shapes) if calls else
+                     sum(_nbytes(shapes.get(o, "")) for o in ins.operands) + _nbytes(ins.shape, ins.op == "custom-call"))
+            out.append({"name": ins.name, "bytes": moved, "times": times})
     return out
 
 
@@ -321,26 +286,13 @@ def static_tally(text: str, bandwidth: float, top: int = 25) -> dict:
 
 def longest_loop(text: str) -> tuple[str, int] | None:
     """(body, trip count) of the loop that runs most often (a generation's loop over tokens)."""
-    loops = [(re.search(r"body=%([\w.\-]+)", i["line"])[1], i["trips"])
-             for body in _computations(text).values() for i in body if i["opcode"] == "while"]
+    from redeqx.planner._hlo import _callees, parse_module
+
+    computations, _, _ = parse_module(text)
+    loops = [(body, trips) for caller in computations.values() for i in caller if i.op == "while"
+             for body, trips in _callees(i, computations, caller)
+             if re.search(rf"\bbody=%?{re.escape(body)}\b", i.attributes)]
     return max(loops, key=lambda loop: loop[1], default=None)
-
-
-def gemms(text: str) -> dict:
-    """The GEMMs a compiled GPU program calls (cuBLAS custom calls and Triton GEMM fusions), and
-    those with fp8 operands (cuBLAS's ``$f8`` matmul, or a Triton GEMM reading f8 parameters)."""
-    comps = _computations(text)
-    count = fp8 = 0
-    for body in comps.values():
-        for i in body:
-            target = _TARGET.search(i["line"])
-            if i["opcode"] == "custom-call" and target and target[1].startswith("__cublas"):
-                count += 1
-                fp8 += target[1].endswith("$f8")
-            elif i["opcode"] == "fusion" and re.search(r'"kind":"__triton[\w]*gemm', i["line"]):
-                count += 1
-                fp8 += any("f8e" in p["shape"] for p in comps.get(i["calls"][0], []) if p["opcode"] == "parameter")
-    return {"gemms": count, "fp8_gemms": fp8}
 
 
 def loop_copies(text: str) -> dict:
@@ -351,3 +303,23 @@ def loop_copies(text: str) -> dict:
     copies = [k for k in kernels(text, body) if kind_of(ops.get(k["name"])) == "copies"] if body else []
     return {"copies_per_token": sum(k["times"] for k in copies),
             "copied_bytes_per_token": sum(k["bytes"] * k["times"] for k in copies)}
+
+
+def gemms(text: str) -> dict:
+    """The GEMMs a compiled GPU program calls (cuBLAS custom calls and Triton GEMM fusions), and
+    those with fp8 operands (cuBLAS's ``$f8`` matmul, or a Triton GEMM reading f8 parameters)."""
+    from redeqx.planner._hlo import parse_module
+
+    computations, params, _ = parse_module(text)
+    count = fp8 = 0
+    for body in computations.values():
+        for i in body:
+            target = _TARGET.search(i.attributes)
+            calls = re.search(r"\bcalls=%?([\w.\-]+)", i.attributes)
+            if i.op == "custom-call" and target and target[1].startswith("__cublas"):
+                count += 1
+                fp8 += target[1].endswith("$f8")
+            elif i.op == "fusion" and calls and re.search(r'"kind":"__triton\w*gemm', i.attributes):
+                count += 1
+                fp8 += any("f8e" in shape for shape in params.get(calls[1], {}).values())
+    return {"gemms": count, "fp8_gemms": fp8}

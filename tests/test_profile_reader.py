@@ -80,9 +80,14 @@ _GPU_TEXT = """HloModule m
   ROOT %r = (bf16[22,1024,256], f32[8,128], f32[1,128], s32[], f8e4m3fn[16,256], f8e4m3fn[256,64]) tuple(%w, %loop_dynamic_update_slice_fusion, %n, %i, %a, %b)
 }
 
+%cond (c: (bf16[22,1024,256], f32[8,128], f32[1,128], s32[], f8e4m3fn[16,256], f8e4m3fn[256,64])) -> pred[] {
+  %c = (bf16[22,1024,256], f32[8,128], f32[1,128], s32[], f8e4m3fn[16,256], f8e4m3fn[256,64]) parameter(0)
+  ROOT %go = pred[] constant(true)
+}
+
 ENTRY %main (t: (bf16[22,1024,256], f32[8,128], f32[1,128], s32[], f8e4m3fn[16,256], f8e4m3fn[256,64])) -> (bf16[22,1024,256], f32[8,128], f32[1,128], s32[], f8e4m3fn[16,256], f8e4m3fn[256,64]) {
   %t = (bf16[22,1024,256], f32[8,128], f32[1,128], s32[], f8e4m3fn[16,256], f8e4m3fn[256,64]) parameter(0)
-  ROOT %loop = (bf16[22,1024,256], f32[8,128], f32[1,128], s32[], f8e4m3fn[16,256], f8e4m3fn[256,64]) while(%t), condition=%body, body=%body, backend_config={"known_trip_count":{"n":"64"}}
+  ROOT %loop = (bf16[22,1024,256], f32[8,128], f32[1,128], s32[], f8e4m3fn[16,256], f8e4m3fn[256,64]) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"64"}}
 }
 """
 
