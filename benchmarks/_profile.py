@@ -206,6 +206,9 @@ _NO_KERNEL = ("parameter", "get-tuple-element", "tuple", "bitcast", "constant", 
               "replica-id", "opt-barrier", "add-dependency", "while", "call", "conditional")
 
 
+_ASYNC_COPY = {"copy-start": 2, "copy-done": 0}
+
+
 def _nbytes(shape: str, skip_workspace: bool = False) -> int:
     """Bytes of the arrays a shape text names (a tuple's elements summed; with ``skip_workspace``
     a custom call's ``s8`` scratch buffer left out)."""
@@ -217,7 +220,8 @@ def _nbytes(shape: str, skip_workspace: bool = False) -> int:
 
 def _fusion_bytes(ins, fused: list, shapes: dict[str, str]) -> int:
     """Bytes a fusion reads and writes: a parameter only sliced inside is read as its slices, the
-    buffer a dynamic-update-slice writes in place is neither read nor written whole."""
+    buffer a dynamic-update-slice or a scatter writes in place is neither read nor written whole
+    (only the update is written)."""
     by_name = {i.name: i for i in fused}
     users = defaultdict(list)
     for i in fused:
@@ -225,7 +229,8 @@ def _fusion_bytes(ins, fused: list, shapes: dict[str, str]) -> int:
             users[o].append(i)
     root = fused[-1]
     roots = [by_name[o] for o in root.operands] if root.op == "tuple" else [root]
-    in_place = {r.operands[0] for r in roots if r.op == "dynamic-update-slice"}
+    update = {"dynamic-update-slice": 1, "scatter": 2}  # which operand of an in-place root is its update
+    in_place = {r.operands[0] for r in roots if r.op in update}
     params = {int(i.operands[0]): i for i in fused if i.op == "parameter"}
     read = 0
     for index, operand in enumerate(ins.operands):
@@ -233,9 +238,10 @@ def _fusion_bytes(ins, fused: list, shapes: dict[str, str]) -> int:
         if p is None:
             read += _nbytes(shapes.get(operand, ""))
         elif p.name not in in_place:
-            sliced = users[p.name] and all(u.op in _SLICES for u in users[p.name])
+            sliced = users[p.name] and all(u.op in _SLICES or u.op == "gather" and u.operands[0] == p.name
+                                           for u in users[p.name])  # a table read at some rows: those rows
             read += sum(_nbytes(u.shape) for u in users[p.name]) if sliced else _nbytes(p.shape)
-    return read + sum(_nbytes(by_name[r.operands[1]].shape) if r.op == "dynamic-update-slice" else _nbytes(r.shape)
+    return read + sum(_nbytes(by_name[r.operands[update[r.op]]].shape) if r.op in update else _nbytes(r.shape)
                       for r in roots)
 
 
@@ -257,8 +263,12 @@ def kernels(text: str, start: str | None = None) -> list[dict]:
             if ins.op in _NO_KERNEL:
                 continue
             calls = re.search(r"\bcalls=%?([\w.\-]+)", ins.attributes) if ins.op == "fusion" else None
-            moved = (_fusion_bytes(ins, computations[calls[1]], shapes) if calls else
-                     sum(_nbytes(shapes.get(o, "")) for o in ins.operands) + _nbytes(ins.shape, ins.op == "custom-call"))
+            if calls:
+                moved = _fusion_bytes(ins, computations[calls[1]], shapes)
+            elif ins.op in _ASYNC_COPY:  # its operand read and written once, by the pair (not its tuples' bytes)
+                moved = _ASYNC_COPY[ins.op] * _nbytes(shapes.get(ins.operands[0], ""))
+            else:
+                moved = sum(_nbytes(shapes.get(o, "")) for o in ins.operands) + _nbytes(ins.shape, ins.op == "custom-call")
             out.append({"name": ins.name, "bytes": moved, "times": times})
     return out
 
@@ -295,14 +305,27 @@ def longest_loop(text: str) -> tuple[str, int] | None:
     return max(loops, key=lambda loop: loop[1], default=None)
 
 
+def _loop_kernels(text: str) -> list[tuple[str, dict]]:
+    """(kind, kernel) of each kernel one run of the longest loop's body runs (none without a loop)."""
+    body, _ = longest_loop(text) or (None, 0)
+    ops = hlo_ops(text)
+    return [(kind_of(ops.get(k["name"])), k) for k in kernels(text, body)] if body else []
+
+
 def loop_copies(text: str) -> dict:
     """What one run of the longest loop's body (a generation's step: one token) copies: kernels of
     kind ``copies`` and their bytes read and written (0 and 0 in a program without a loop)."""
-    body, _ = longest_loop(text) or (None, 0)
-    ops = hlo_ops(text)
-    copies = [k for k in kernels(text, body) if kind_of(ops.get(k["name"])) == "copies"] if body else []
+    copies = [k for kind, k in _loop_kernels(text) if kind == "copies"]
     return {"copies_per_token": sum(k["times"] for k in copies),
             "copied_bytes_per_token": sum(k["bytes"] * k["times"] for k in copies)}
+
+
+def loop_bytes(text: str) -> dict[str, int]:
+    """Bytes one run of the longest loop's body reads and writes, by kind of kernel."""
+    moved = defaultdict(int)
+    for kind, k in _loop_kernels(text):
+        moved[kind] += k["bytes"] * k["times"]
+    return dict(moved)
 
 
 def gemms(text: str) -> dict:
