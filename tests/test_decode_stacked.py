@@ -7,6 +7,7 @@ the depth, with the cache in the compute dtype."""
 import dataclasses
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -144,7 +145,41 @@ def _token_loop(jaxpr, length):
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "scan" and eqn.params["length"] == length:
             return eqn
-        for sub in jax.core.jaxprs_in_params(eqn.params):
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             if (found := _token_loop(sub, length)) is not None:
                 return found
     return None
+
+
+@pytest.mark.parametrize("family", ["llama", "bart"])
+def test_the_token_loop_holds_each_layers_cache_as_a_buffer_of_its_own(family):
+    """A stacked KV cache is one buffer whose layer axis XLA lays out inside the batch and heads: a
+    layer's keys are not one block, so XLA:GPU copied each layer's K and V out of the stack every
+    token (1,409 MiB a token at 8 x 4,096 slots for the 1B LLaMA) and libtpu the whole stack
+    (31.6 GB), against none listed (`benchmarks.gpu_compile`'s long_decode, `benchmarks.decode_compile`).
+    After the prompt, generate and beam_search split it once: the loop takes each layer's K and V."""
+    from redeqx.models._generate import _prefill
+
+    model, x = build(family, True), prompts()
+    _, cache = jax.eval_shape(lambda m: _prefill(m, x, jnp.ones(x.shape, bool), 5), model)
+    stacks = [a.shape for a in jax.tree.leaves(cache) if a.ndim == 5]  # (batch, layers, slots, heads, head_dim)
+    assert stacks
+    for run in (lambda m: models.generate(m, x, max_new_tokens=5),
+                lambda m: models.beam_search(m, x, max_new_tokens=5, num_beams=2)):
+        taken = [v.aval.shape for v in _token_loop(jax.make_jaxpr(run)(model).jaxpr, 5).invars]
+        assert not set(stacks) & set(taken), "the token loop still takes a stacked cache"
+        for b, n, *per_layer in stacks:
+            assert sum(shape[1:] == tuple(per_layer) for shape in taken) >= n  # each layer's own
+
+
+def test_a_cache_split_by_layer_takes_one_token_at_a_time():
+    """A split cache exists only inside generate's token loop; a prompt (several tokens) scans the
+    stack, which cannot scan per-layer buffers: a clear error, not a wrong scan."""
+    from redeqx.models._layers import caches_by_layer
+
+    model, x = build("llama", True), prompts(n=1)[0]
+    cache = caches_by_layer(model.prefill(x, jnp.ones(x.shape, bool), 4)[1])
+    logits, _ = model.decode(x[:1], cache)  # one token: layer by layer
+    assert logits.shape == (1, V)
+    with pytest.raises(ValueError, match="one token at a time; got 2 tokens"):
+        model.decode(x[:2], cache)

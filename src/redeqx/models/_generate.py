@@ -23,7 +23,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ..context import context_shards
 from .._typing import positive_int
-from ._layers import CausalLM, sliced_for_decoding
+from ._layers import CausalLM, caches_by_layer, sliced_for_decoding
 
 Sampler = Callable[[Float[Array, "batch vocab"], PRNGKeyArray], Int[Array, " batch"]]
 
@@ -292,6 +292,7 @@ def _generate(model, input_ids, mask, key, sampler, max_new_tokens, eos_token_id
     b = input_ids.shape[0]
     last, cache = _prefill(model, input_ids, mask, max_new_tokens)
     model = sliced_for_decoding(model)  # on a GPU: each layer's weights sliced once, not every token
+    cache = jax.vmap(caches_by_layer)(cache)  # a stacked cache as each layer's own buffer
 
     def body(carry, step_key):
         last, cache, done = carry
@@ -340,7 +341,7 @@ def _beam_search(model, input_ids, mask, max_new_tokens, num_beams, length_penal
     b, k = input_ids.shape[0], num_beams
     rep = lambda x: jnp.repeat(x, k, axis=0)  # (B, ...) -> (B*K, ...), beams of a row adjacent
     last, cache = _prefill(model, rep(input_ids), rep(mask), max_new_tokens)
-    model = sliced_for_decoding(model)
+    model, cache = sliced_for_decoding(model), jax.vmap(caches_by_layer)(cache)
     neg = jnp.finfo(jnp.float32).min
     scores = jnp.tile(jnp.asarray([0.0] + [neg] * (k - 1), jnp.float32), (b, 1))  # only beam 0 starts live
 
