@@ -207,6 +207,7 @@ _NO_KERNEL = ("parameter", "get-tuple-element", "tuple", "bitcast", "constant", 
 
 
 _ASYNC_COPY = {"copy-start": 2, "copy-done": 0}
+_MEMORY_SPACE = re.compile(r"S\([1-9]\d*\)")  # a layout's memory space other than device memory's (a TPU's S(3))
 
 
 def _nbytes(shape: str, skip_workspace: bool = False) -> int:
@@ -269,7 +270,8 @@ def kernels(text: str, start: str | None = None) -> list[dict]:
                 moved = _ASYNC_COPY[ins.op] * _nbytes(shapes.get(ins.operands[0], ""))
             else:
                 moved = sum(_nbytes(shapes.get(o, "")) for o in ins.operands) + _nbytes(ins.shape, ins.op == "custom-call")
-            out.append({"name": ins.name, "bytes": moved, "times": times})
+            out.append({"name": ins.name, "bytes": moved, "times": times,
+                        "between_memories": ins.op in _ASYNC_COPY and bool(_MEMORY_SPACE.search(ins.shape))})
     return out
 
 
@@ -314,8 +316,10 @@ def _loop_kernels(text: str) -> list[tuple[str, dict]]:
 
 def loop_copies(text: str) -> dict:
     """What one run of the longest loop's body (a generation's step: one token) copies: kernels of
-    kind ``copies`` and their bytes read and written (0 and 0 in a program without a loop)."""
-    copies = [k for kind, k in _loop_kernels(text) if kind == "copies"]
+    kind ``copies`` and their bytes read and written (0 and 0 in a program without a loop). An
+    asynchronous copy into or out of another memory (libtpu prefetching a weight into a faster
+    one) is how the chip reads that array, not a second copy of it: left out."""
+    copies = [k for kind, k in _loop_kernels(text) if kind == "copies" and not k["between_memories"]]
     return {"copies_per_token": sum(k["times"] for k in copies),
             "copied_bytes_per_token": sum(k["bytes"] * k["times"] for k in copies)}
 
