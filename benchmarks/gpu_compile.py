@@ -25,7 +25,9 @@ program (`benchmarks._profile`):
   remat, bf16), each ``context_attention``: `redeqx.plan`'s peak and bytes per collective
   (`benchmarks.long_context`'s case, by libtpu and XLA:CPU there);
 - ``decode``: `benchmarks.decode_compile`'s 1B generation, stacked and listed: compile time here
-  (2 cores; the first call's main cost on a GPU), and what the token loop copies per token.
+  (2 cores; the first call's main cost on a GPU), and what the token loop copies per token;
+- ``long_decode``: the same generation batched and long (8 sequences, 4,096 slots), where the KV
+  cache is a third of the bytes a token reads: what one token's step reads and writes, by kind.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import time
 
 from benchmarks._common import HBM_BYTES_PER_S, gpu_compiler, parser, report, serve, setup_gpu, worker
 
-SECTIONS = ("train", "fp8", "heads", "context", "decode")
+SECTIONS = ("train", "fp8", "heads", "context", "decode", "long_decode")
 TRAIN = ("stacked", "listed", "stacked+fp8", "stacked, optax loss", "hand-written")
 BATCH, SEQ = 8, 2048
 GB = 1e9
@@ -261,6 +263,29 @@ def decode_section() -> str:
                        size="1b", stacked=layout == "stacked")
             rows.append(f"| {label} | {layout} | {r['generate_s']:.1f} s | {r['temp_bytes'] / 2**20:.0f} MiB | "
                         f"{r['copies_per_token']} ({r['copied_bytes_per_token'] / 2**20:.1f}) |")
+    return "\n".join(rows)
+
+
+LONG_BATCH, LONG_SLOTS = 8, 4096
+
+
+def long_decode_section() -> str:
+    from benchmarks import decode_compile
+
+    python, env = gpu_compiler()
+    kinds = ("matmuls", "norms and elementwise", "copies")
+    cache = 22 * LONG_BATCH * LONG_SLOTS * 2 * 4 * 64 * 2 / 2**20  # layers x sequences x slots x (K, V) x heads x dim x bf16
+    rows = [f"The same 1B generation for {LONG_BATCH} sequences with {LONG_SLOTS:,} slots each (a "
+            f"{decode_compile.PROMPT}-token prompt), compiled for one H100 (Triton's GEMMs): MiB one token's step "
+            f"reads and writes, by kind (the weights are 2,100 MiB, the KV cache {cache:,.0f} MiB):", "",
+            "| layout | compile | temporaries | " + " | ".join(kinds) + " | total |", "|---" * (4 + len(kinds)) + "|"]
+    for layout in ("stacked", "listed"):
+        r = worker(decode_compile.__file__, "compile_worker", python=python, env=env, platform="gpu", size="1b",
+                   stacked=layout == "stacked", batch=LONG_BATCH, new=LONG_SLOTS - decode_compile.PROMPT)
+        moved = r["bytes_per_token"]
+        rows.append(f"| {layout} | {r['generate_s']:.1f} s | {r['temp_bytes'] / 2**20:,.0f} MiB | "
+                    + " | ".join(f"{moved.get(k, 0) / 2**20:,.1f}" for k in kinds)
+                    + f" | {sum(moved.values()) / 2**20:,.1f} |")
     return "\n".join(rows)
 
 
