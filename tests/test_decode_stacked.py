@@ -156,7 +156,7 @@ def test_the_token_loop_holds_each_layers_cache_as_a_buffer_of_its_own(family):
     """A stacked KV cache is one buffer whose layer axis XLA lays out inside the batch and heads: a
     layer's keys are not one block, so XLA:GPU copied each layer's K and V out of the stack every
     token (1,409 MiB a token at 8 x 4,096 slots for the 1B LLaMA) and libtpu the whole stack
-    (31.6 GB), against none listed (`benchmarks.gpu_compile`'s long_decode, `benchmarks.decode_compile`).
+    (30,979 MiB), against none listed (`benchmarks.gpu_compile`'s long_decode, `benchmarks.decode_compile`).
     After the prompt, generate and beam_search split it once: the loop takes each layer's K and V."""
     from redeqx.models._generate import _prefill
 

@@ -463,10 +463,11 @@ def caches_by_layer(cache):
     one block, and attention's products take them only as a copy. For 8 sequences of 4,096
     slots, the stacked 1B LLaMA's token copied each layer's K and V out of the stack on an
     H100 (1,409 MiB a token, twice the cache, against 1.4 MiB listed: `benchmarks.gpu_compile`'s
-    ``long_decode``), and the whole stack twice a layer on a TPU v4 (31.6 GB a token against
-    1.4 listed: `benchmarks.decode_compile --batch 8 --slots 4096`). Split once after the
-    prompt, each layer's keys and values are written and read in place, as a listed model's
-    are, on every platform. The split is one copy of the cache a generation."""
+    ``long_decode``), and the whole stack twice a layer on a TPU v4 (30,979 MiB a token
+    against 2.7 listed: `benchmarks.decode_compile --batch 8 --slots 4096`). Split once after
+    the prompt, each layer's keys and values are written and read in place, as a listed
+    model's are, on every platform. The split is one copy of the cache a generation, within
+    the temporaries the stacked generation held before (XLA:GPU 2,938 MiB against 2,954)."""
 
     def split(c):
         if not (_is_kv(c) and c.layer is None and eqx.is_array(c.k) and c.k.ndim == 4):
