@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import redeqx
 from redeqx.models import MoE, _grouped
-from redeqx.models._grouped import HOPPER, MEGABLOX, RAGGED_DOT, Blocks, Device, choose
+from redeqx.models._grouped import GATHERED, HOPPER, MEGABLOX, RAGGED_DOT, Blocks, Device, choose
 
 
 @pytest.fixture
@@ -106,6 +106,12 @@ def _shapes(m=4096, k=2048, n=2816, experts=8, rows_dtype=BF16, w_dtype=BF16):
     (H200, _shapes(n=32), True, RAGGED_DOT, "into 32"),
     (H200, _shapes(m=0), True, RAGGED_DOT, "0 rows"),
     (H200, _shapes(), False, RAGGED_DOT, "splits the operands"),
+    # a decoding step's few rows: gathered where ragged_dot would read every expert, the kernels elsewhere
+    (Device("gpu", "NVIDIA A100-SXM4-80GB", "8.0", 108), _shapes(m=2), True, GATHERED, "compute capability 8.0"),
+    (Device("cpu", "cpu"), _shapes(m=7), True, GATHERED, "7 rows for 8 experts"),
+    (Device("cpu", "cpu"), _shapes(m=8), True, RAGGED_DOT, "platform cpu"),
+    (H200, _shapes(m=2), True, HOPPER, "Hopper"),
+    (Device("tpu", "TPU v4"), _shapes(m=2), True, MEGABLOX, "TPU"),
 ])
 def test_choose_takes_the_kernels_only_where_they_apply(device, shapes, whole, path, why):
     got, reason = choose(device, *shapes, whole=whole)
@@ -126,6 +132,45 @@ def test_grouped_runs_what_choose_names_and_says_why_once(calls):
             _grouped.grouped(rows.astype(jnp.float32), w.astype(jnp.float32), sizes)
     assert len(calls) == 1 and len(caught) == 1
     assert "ragged_dot" in str(caught[0].message) and "dtype float32" in str(caught[0].message)
+
+
+@pytest.mark.parametrize("sizes", [(1, 0, 2, 0, 0, 0, 0, 0), (0, 0, 0, 0, 0, 0, 0, 4), (2, 0, 0, 1, 0, 0, 1, 0)])
+def test_fewer_rows_than_experts_are_gathered_with_ragged_dots_values_and_gradients(sizes):
+    """A decoding step's 2-8 rows through 8 experts: each row by its own expert's weights (rows past
+    the groups zero), where XLA's ragged_dot reads every expert; the same values and gradients."""
+    rows, w, ct, sizes = grouped_operands(sizes, jnp.float32)
+    rows, ct = rows[:4], ct[:4]  # fewer rows than the 8 experts
+    assert choose(Device("cpu", "cpu"), rows, w)[0] == GATHERED
+    got, want = values_and_grads(_grouped.grouped, rows, w, sizes, ct), values_and_grads(ragged, rows, w, sizes, ct)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+    assert not np.asarray(got[0])[int(sizes.sum()):].any()
+    assert "ragged_dot" not in str(jax.make_jaxpr(_grouped.grouped)(rows, w, sizes))
+
+
+def test_a_compile_for_a_described_hopper_gpu_takes_its_kernels(monkeypatch):
+    """Compiled ahead of time for H100s none of which is attached (`benchmarks.gpu_compile`, a
+    plan made on a CPU host), the grouped matmuls read the GPU's compute capability off the mesh's
+    devices, as a step traced under that mesh sees them; the abstract mesh names only the kind, and
+    left the plan on ragged_dot, a program the GPU would never run."""
+    mesh, seen = redeqx.make_mesh(1), []
+    with jax.set_mesh(mesh):
+        jax.jit(lambda x: seen.append(_grouped._concrete_mesh()) or x)(1.0)  # inside a trace
+    assert seen[0].devices.tolist() == mesh.devices.tolist()
+
+    class H100:
+        platform, device_kind, compute_capability, core_count = "gpu", "NVIDIA H100 80GB HBM3", "9.0", 132
+
+    def devices(platform=None):
+        if platform == "gpu":
+            raise RuntimeError("no gpu here")
+        return [H100()]
+
+    monkeypatch.setattr(_grouped, "traced_platform", lambda: "gpu")
+    monkeypatch.setattr(jax, "devices", devices)
+    monkeypatch.setattr(_grouped, "_concrete_mesh", lambda: type("M", (), {"empty": False, "devices": np.array([H100()])}))
+    assert _grouped._device() == Device("gpu", "NVIDIA H100 80GB HBM3", "9.0", 132)
+    assert choose(_grouped._device(), *_shapes())[0] == HOPPER
 
 
 def test_a_jax_without_the_kernels_is_told(calls, monkeypatch):

@@ -14,7 +14,10 @@ chooses how. `choose` decides from the device, the dtypes and the shapes:
   weight gradient (`_hopper`), where XLA's GPU backend rewrites ``ragged_dot``
   into a dense product over every expert (E times the FLOPs and temporaries);
 - elsewhere, and wherever a kernel's constraint fails, ``jax.lax.ragged_dot_general``,
-  differentiated by JAX; on a GPU once per reason with a warning that names it.
+  differentiated by JAX; on a GPU once per reason with a warning that names it;
+  but for fewer rows than experts (a decoding step's few tokens), each row by
+  its own expert's weights, gathered (`_gathered`): ``ragged_dot`` reads every
+  expert (and XLA's GPU backend transposes every expert's weights for it).
 
 Either kernel runs only where every device holds its operands whole (`_whole`:
 XLA cannot split a Mosaic kernel over a mesh axis). Under expert parallelism
@@ -79,7 +82,7 @@ _interpret = False
 # Tests set this to run the Hopper path on any platform, XLA's products standing in for the kernels.
 _stand_ins = False
 
-MEGABLOX, HOPPER, RAGGED_DOT = "megablox", "hopper", "ragged_dot"
+MEGABLOX, HOPPER, RAGGED_DOT, GATHERED = "megablox", "hopper", "ragged_dot", "gathered"
 
 
 class Device(NamedTuple):
@@ -108,14 +111,27 @@ def choose(device: Device, rows, w, *, whole: bool = True) -> tuple[str, str]:
     """``(path, reason)``: which grouped matmul runs `grouped`'s ``rows`` ``(n, in)``
     by ``w`` ``(E, out, in)`` (anything with ``.shape`` and ``.dtype``) on
     ``device``, where ``whole`` says whether every device holds the operands
-    whole (`_whole`), and why: `MEGABLOX`, `HOPPER` or `RAGGED_DOT`.
+    whole (`_whole`), and why: `MEGABLOX`, `HOPPER`, `RAGGED_DOT`, or where no
+    kernel runs and there are fewer rows than experts (a decoding step's few
+    tokens), `GATHERED`.
 
     >>> rows, w = jax.ShapeDtypeStruct((4096, 2048), "bfloat16"), jax.ShapeDtypeStruct((8, 2816, 2048), "bfloat16")
     >>> choose(Device("gpu", "NVIDIA H200", "9.0", 132), rows, w)[0]
     'hopper'
     >>> choose(Device("gpu", "NVIDIA H100 PCIe", "9.0", 114), rows, w)
     ('ragged_dot', 'the GPU has 114 SMs: ragged_dot_mgpu is written for 132 (H100 SXM, H200)')
+    >>> choose(Device("gpu", "NVIDIA A100-SXM4-80GB", "8.0", 108), jax.ShapeDtypeStruct((2, 2048), "bfloat16"), w)[0]
+    'gathered'
     """
+    path, reason = _kernel_or_ragged_dot(device, rows, w, whole)
+    m, e = rows.shape[0], w.shape[0]
+    if path == RAGGED_DOT and 0 < m < e:
+        return GATHERED, (f"{m} rows for {e} experts: each row by its own expert's weights, gathered, where "
+                          f"ragged_dot reads every expert ({reason})")
+    return path, reason
+
+
+def _kernel_or_ragged_dot(device: Device, rows, w, whole: bool) -> tuple[str, str]:
     (m, k), (_, n, _) = rows.shape, w.shape
     if device.platform == "tpu":
         if not whole:
@@ -157,9 +173,23 @@ def grouped(rows: Float[Array, "n in"], w: Float[Array, "experts out in"],
         return _manual(_kernel)(rows, w, sizes)
     if path == HOPPER:
         return _manual(_hopper)(rows, w, sizes)
+    if path == GATHERED:
+        return _gathered(rows, w, sizes)
     if device.platform == "gpu" and not (reason == _SPLIT and _provisional.get()):
         _tell(reason)
     return jax.lax.ragged_dot_general(rows, w, sizes, _ROWS_BY_OUT_IN)
+
+
+def _gathered(rows, w, sizes):
+    """`grouped` as each row times its own group's expert, those experts' weights gathered
+    (``(n, out, in)``): for fewer rows than experts, where XLA's ``ragged_dot`` multiplies by every
+    expert. Compiled for an A100-class GPU, a decoding token of the 1B-active Mixtral-style model
+    read all 8 experts of each layer and transposed them (11.6 GiB a token, the weights being
+    6.3 GiB; `benchmarks.gpu_compile`'s ``moe_decode``). Rows past the groups come out zero."""
+    e = w.shape[0]
+    expert = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(rows.shape[0]), side="right")  # e past the groups
+    out = jnp.einsum("ni,noi->no", rows, jnp.take(w, jnp.minimum(expert, e - 1), axis=0))
+    return jnp.where((expert < e)[:, None], out, jnp.zeros((), out.dtype))
 
 
 def _device() -> Device:
@@ -172,9 +202,24 @@ def _device() -> Device:
     try:
         d = jax.devices(platform)[0]
     except RuntimeError:  # traced for a platform this process does not hold (an ahead-of-time plan)
-        d = jax.sharding.get_abstract_mesh().abstract_device
-        return Device(platform, d.device_kind, None, getattr(d, "num_cores", None))
+        mesh = _concrete_mesh()  # its devices, where they are in context (a compile for a described GPU)
+        if mesh is None or mesh.empty or mesh.devices.flat[0].platform != platform:
+            d = jax.sharding.get_abstract_mesh().abstract_device
+            return Device(platform, d.device_kind, None, getattr(d, "num_cores", None))
+        d = mesh.devices.flat[0]
     return Device(platform, d.device_kind, getattr(d, "compute_capability", None), getattr(d, "core_count", None))
+
+
+def _concrete_mesh():
+    """The mesh set by ``jax.set_mesh`` with its devices, inside a trace too, where the public
+    ``jax.sharding.get_mesh`` refuses; None where this JAX keeps no such mesh. A described GPU
+    (an ahead-of-time compile with none attached) tells its compute capability only there: the
+    abstract mesh's device holds its kind and cores."""
+    try:
+        from jax._src.mesh import get_concrete_mesh
+    except ImportError:
+        return None
+    return get_concrete_mesh()
 
 
 @contextlib.contextmanager
