@@ -125,7 +125,17 @@ dnn_version_info { major: 9 minor: 10 }
 runtime_version { major: 13 }
 device_description_str: "NVIDIA H100 80GB HBM3"
 """
-HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}
+# The A100 SXM4 80GB's (sm_80, 108 SMs): a GPU off the Hopper kernels (`redeqx.models._grouped`).
+A100_TARGET = (H100_TARGET.replace("shared_memory_per_core: 233472", "shared_memory_per_core: 167936")
+               .replace("core_count: 132 fpus_per_core: 128", "core_count: 108 fpus_per_core: 64")
+               .replace("memory_bandwidth: 3352320000000 l2_cache_size: 52428800 clock_rate_ghz: 1.98",
+                        "memory_bandwidth: 2039000000000 l2_cache_size: 41943040 clock_rate_ghz: 1.41")
+               .replace("device_memory_size: 84929347584 shared_memory_per_block_optin: 232448",
+                        "device_memory_size: 85899345920 shared_memory_per_block_optin: 166912")
+               .replace("cuda_compute_capability { major: 9 }", "cuda_compute_capability { major: 8 }")
+               .replace("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"))
+GPU_TARGETS = {"H100": H100_TARGET, "A100": A100_TARGET}
+HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.039e12}
 
 
 def gpu_compiler() -> tuple[str, dict]:
@@ -141,12 +151,13 @@ def gpu_compiler() -> tuple[str, dict]:
     return str(python), env
 
 
-def gpu_devices(n: int = 1) -> list:
-    """``n`` H100s of one host, none attached: XLA:GPU compiles a program on a mesh of them as for
-    those GPUs (JAX's deviceless compile); nothing can run on them."""
+def gpu_devices(n: int = 1, gpu: str = "H100") -> list:
+    """``n`` GPUs of one host (`GPU_TARGETS`' ``gpu``), none attached: XLA:GPU compiles a program on
+    a mesh of them as for those GPUs (JAX's deviceless compile); nothing can run on them."""
     from jax.experimental import topologies
 
-    return list(topologies.get_topology_desc(platform="cuda", topology=f"1x1x{n}", target_config=H100_TARGET).devices)
+    return list(topologies.get_topology_desc(platform="cuda", topology=f"1x1x{n}",
+                                             target_config=GPU_TARGETS[gpu]).devices)
 
 
 def setup_gpu() -> None:

@@ -45,7 +45,7 @@ def distinct_fusions(hlo_text: str) -> tuple[int, int]:
     return len(bodies), len({"\n".join(b) for b in bodies.values()})
 
 
-def compile_worker(platform: str, size: str, stacked: bool, batch: int = 1, new: int = NEW) -> dict:
+def compile_worker(platform: str, size: str, stacked: bool, batch: int = 1, new: int = NEW, gpu: str = "H100") -> dict:
     import equinox as eqx
     import jax
     import jax.numpy as jnp
@@ -58,7 +58,7 @@ def compile_worker(platform: str, size: str, stacked: bool, batch: int = 1, new:
     from benchmarks._common import gpu_devices
     from benchmarks._profile import loop_bytes, loop_copies
 
-    device = gpu_devices(1)[0] if platform == "gpu" else compile_devices(1, platform == "tpu")[0]
+    device = gpu_devices(1, gpu)[0] if platform == "gpu" else compile_devices(1, platform == "tpu")[0]
     sharding = jax.sharding.SingleDeviceSharding(device)
     config = make_config(size, scan_layers=stacked, max_position_embeddings=PROMPT + new)
     model = eqx.filter_eval_shape(lambda: cast_floats(model_class(config)(config, key=jax.random.key(0)), jnp.bfloat16))

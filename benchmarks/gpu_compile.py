@@ -27,7 +27,10 @@ program (`benchmarks._profile`):
 - ``decode``: `benchmarks.decode_compile`'s 1B generation, stacked and listed: compile time here
   (2 cores; the first call's main cost on a GPU), and what the token loop copies per token;
 - ``long_decode``: the same generation batched and long (8 sequences, 4,096 slots), where the KV
-  cache is a third of the bytes a token reads: what one token's step reads and writes, by kind.
+  cache is a third of the bytes a token reads: what one token's step reads and writes, by kind;
+- ``moe_decode``: the 1B-active Mixtral-style model's generation (``moe1b``, one sequence), for an
+  A100 (off the Hopper kernels: the grouped matmuls `redeqx.models._grouped` picks there) and an
+  H100 (the Hopper kernels): what one token's step reads and writes, by kind.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import time
 
 from benchmarks._common import HBM_BYTES_PER_S, gpu_compiler, parser, report, serve, setup_gpu, worker
 
-SECTIONS = ("train", "fp8", "heads", "context", "decode", "long_decode")
+SECTIONS = ("train", "fp8", "heads", "context", "decode", "long_decode", "moe_decode")
 TRAIN = ("stacked", "listed", "stacked+fp8", "stacked, optax loss", "hand-written")
 BATCH, SEQ = 8, 2048
 GB = 1e9
@@ -284,6 +287,27 @@ def long_decode_section() -> str:
                    stacked=layout == "stacked", batch=LONG_BATCH, new=LONG_SLOTS - decode_compile.PROMPT)
         moved = r["bytes_per_token"]
         rows.append(f"| {layout} | {r['generate_s']:.1f} s | {r['temp_bytes'] / 2**20:,.0f} MiB | "
+                    + " | ".join(f"{moved.get(k, 0) / 2**20:,.1f}" for k in kinds)
+                    + f" | {sum(moved.values()) / 2**20:,.1f} |")
+    return "\n".join(rows)
+
+
+def moe_decode_section() -> str:
+    from benchmarks import decode_compile
+
+    python, env = gpu_compiler()
+    kinds = ("matmuls", "norms and elementwise", "copies")
+    rows = [f"`moe1b`'s generation (22 layers of 8 experts, top-2; 3.4 B parameters, 1.1 B active; bf16, a "
+            f"{decode_compile.PROMPT}-token prompt, {decode_compile.NEW} new tokens), compiled for one GPU of each "
+            "kind: MiB one token's step reads and writes, by kind (the weights are 6,455 MiB, a token's active ones "
+            "about 2,100; a Hopper kernel's call is counted as reading all its operands, every expert, which the "
+            "kernel does not):", "",
+            "| GPU | layout | compile | temporaries | " + " | ".join(kinds) + " | total |", "|---" * (5 + len(kinds)) + "|"]
+    for gpu, layout in (("A100", "stacked"), ("A100", "listed"), ("H100", "stacked")):
+        r = worker(decode_compile.__file__, "compile_worker", python=python, env=env, platform="gpu", size="moe1b",
+                   stacked=layout == "stacked", gpu=gpu)
+        moved = r["bytes_per_token"]
+        rows.append(f"| {gpu} | {layout} | {r['generate_s']:.1f} s | {r['temp_bytes'] / 2**20:,.0f} MiB | "
                     + " | ".join(f"{moved.get(k, 0) / 2**20:,.1f}" for k in kinds)
                     + f" | {sum(moved.values()) / 2**20:,.1f} |")
     return "\n".join(rows)
