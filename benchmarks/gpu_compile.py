@@ -320,7 +320,11 @@ def main():
     args = p.parse_args()
     if args.setup:
         return setup_gpu()
-    parts = {name: globals()[f"{name}_section"]() for name in args.sections.split(",")}
+    names = args.sections.split(",")
+    if set(names) != set(SECTIONS) and not args.no_write:  # the section is written whole: a part would drop the rest
+        print("only some sections: printed, not written to RESULTS.md", file=sys.stderr)
+        args.no_write = True
+    parts = {name: globals()[f"{name}_section"]() for name in names}
     report(args, "XLA:GPU's programs for H100s, compiled here (benchmarks/gpu_compile.py)", "\n\n".join(parts.values()))
 
 
