@@ -29,7 +29,8 @@ LAYOUT_DOC = """
     ``scan_layers=True`` (the default) stacks the layers, run by a ``lax.scan``: compile time
     flat in depth, the same step (`redeqx.models._layers.SCAN_LAYERS` says why); False lists them.
     ``scan_unroll`` is the scan's ``unroll``: by default every layer on a GPU (a loop there costs
-    about 9 % of the step) and a loop elsewhere (`redeqx.models._layers.SCAN_UNROLL`).
+    about 9 % of the step) and a loop elsewhere (`redeqx.models._layers.SCAN_UNROLL`), and a loop
+    for a generation's prompt pass on every platform (it compiles one layer's kernels, not each's).
 """
 
 CONTEXT_DOC = """    ``context_attention`` is how keys and values cross a sequence split over ``context``:
