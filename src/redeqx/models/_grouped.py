@@ -183,9 +183,10 @@ def grouped(rows: Float[Array, "n in"], w: Float[Array, "experts out in"],
 def _gathered(rows, w, sizes):
     """`grouped` as each row times its own group's expert, those experts' weights gathered
     (``(n, out, in)``): for fewer rows than experts, where XLA's ``ragged_dot`` multiplies by every
-    expert. Compiled for an A100-class GPU, a decoding token of the 1B-active Mixtral-style model
-    read all 8 experts of each layer and transposed them (11.6 GiB a token, the weights being
-    6.3 GiB; `benchmarks.gpu_compile`'s ``moe_decode``). Rows past the groups come out zero."""
+    expert. Compiled for an A100, a decoding token of the 1B-active Mixtral-style model read all
+    8 experts of each layer and transposed them (10.0 GiB a token, where its active weights are
+    2.0; gathered, 2.0 GiB: `benchmarks.gpu_compile`'s ``moe_decode``). Rows past the groups come
+    out zero."""
     e = w.shape[0]
     expert = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(rows.shape[0]), side="right")  # e past the groups
     out = jnp.einsum("ni,noi->no", rows, jnp.take(w, jnp.minimum(expert, e - 1), axis=0))
