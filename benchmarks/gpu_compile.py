@@ -272,45 +272,47 @@ def decode_section() -> str:
 LONG_BATCH, LONG_SLOTS = 8, 4096
 
 
-def long_decode_section() -> str:
+def _token_table(intro: str, cases: dict[tuple[str, ...], dict]) -> str:
+    """A table of what one token's step of `benchmarks.decode_compile`'s generation reads and writes,
+    by kind: one row per case, its label cells and ``compile_worker``'s arguments (platform "gpu")."""
     from benchmarks import decode_compile
 
     python, env = gpu_compiler()
     kinds = ("matmuls", "norms and elementwise", "copies")
-    cache = 22 * LONG_BATCH * LONG_SLOTS * 2 * 4 * 64 * 2 / 2**20  # layers x sequences x slots x (K, V) x heads x dim x bf16
-    rows = [f"The same 1B generation for {LONG_BATCH} sequences with {LONG_SLOTS:,} slots each (a "
-            f"{decode_compile.PROMPT}-token prompt), compiled for one H100 (Triton's GEMMs): MiB one token's step "
-            f"reads and writes, by kind (the weights are 2,100 MiB, the KV cache {cache:,.0f} MiB):", "",
-            "| layout | compile | temporaries | " + " | ".join(kinds) + " | total |", "|---" * (4 + len(kinds)) + "|"]
-    for layout in ("stacked", "listed"):
-        r = worker(decode_compile.__file__, "compile_worker", python=python, env=env, platform="gpu", size="1b",
-                   stacked=layout == "stacked", batch=LONG_BATCH, new=LONG_SLOTS - decode_compile.PROMPT)
+    labels = len(next(iter(cases)))
+    rows = [intro, "", "| " + " | ".join(("GPU", "layout")[-labels:]) + " | compile | temporaries | "
+            + " | ".join(kinds) + " | total |", "|---" * (labels + 3 + len(kinds)) + "|"]
+    for label, kwargs in cases.items():
+        r = worker(decode_compile.__file__, "compile_worker", python=python, env=env, platform="gpu", **kwargs)
         moved = r["bytes_per_token"]
-        rows.append(f"| {layout} | {r['generate_s']:.1f} s | {r['temp_bytes'] / 2**20:,.0f} MiB | "
+        rows.append("| " + " | ".join(label) + f" | {r['generate_s']:.1f} s | {r['temp_bytes'] / 2**20:,.0f} MiB | "
                     + " | ".join(f"{moved.get(k, 0) / 2**20:,.1f}" for k in kinds)
                     + f" | {sum(moved.values()) / 2**20:,.1f} |")
     return "\n".join(rows)
+
+
+def long_decode_section() -> str:
+    from benchmarks.decode_compile import PROMPT
+
+    cache = 22 * LONG_BATCH * LONG_SLOTS * 2 * 4 * 64 * 2 / 2**20  # layers x sequences x slots x (K, V) x heads x dim x bf16
+    return _token_table(
+        f"The same 1B generation for {LONG_BATCH} sequences with {LONG_SLOTS:,} slots each (a {PROMPT}-token "
+        "prompt), compiled for one H100 (Triton's GEMMs): MiB one token's step reads and writes, by kind (the "
+        f"weights are 2,100 MiB, the KV cache {cache:,.0f} MiB):",
+        {(layout,): dict(size="1b", stacked=layout == "stacked", batch=LONG_BATCH, new=LONG_SLOTS - PROMPT)
+         for layout in ("stacked", "listed")})
 
 
 def moe_decode_section() -> str:
-    from benchmarks import decode_compile
+    from benchmarks.decode_compile import NEW, PROMPT
 
-    python, env = gpu_compiler()
-    kinds = ("matmuls", "norms and elementwise", "copies")
-    rows = [f"`moe1b`'s generation (22 layers of 8 experts, top-2; 3.4 B parameters, 1.1 B active; bf16, a "
-            f"{decode_compile.PROMPT}-token prompt, {decode_compile.NEW} new tokens), compiled for one GPU of each "
-            "kind: MiB one token's step reads and writes, by kind (the weights are 6,455 MiB, a token's active ones "
-            "about 2,100; a Hopper kernel's call is counted as reading all its operands, every expert, which the "
-            "kernel does not):", "",
-            "| GPU | layout | compile | temporaries | " + " | ".join(kinds) + " | total |", "|---" * (5 + len(kinds)) + "|"]
-    for gpu, layout in (("A100", "stacked"), ("A100", "listed"), ("H100", "stacked")):
-        r = worker(decode_compile.__file__, "compile_worker", python=python, env=env, platform="gpu", size="moe1b",
-                   stacked=layout == "stacked", gpu=gpu)
-        moved = r["bytes_per_token"]
-        rows.append(f"| {gpu} | {layout} | {r['generate_s']:.1f} s | {r['temp_bytes'] / 2**20:,.0f} MiB | "
-                    + " | ".join(f"{moved.get(k, 0) / 2**20:,.1f}" for k in kinds)
-                    + f" | {sum(moved.values()) / 2**20:,.1f} |")
-    return "\n".join(rows)
+    return _token_table(
+        f"`moe1b`'s generation (22 layers of 8 experts, top-2; 3.4 B parameters, 1.1 B active; bf16, a {PROMPT}-token "
+        f"prompt, {NEW} new tokens), compiled for one GPU of each kind: MiB one token's step reads and writes, by "
+        "kind (the weights are 6,455 MiB, a token's active ones about 2,100; a Hopper kernel's call is counted as "
+        "reading all its operands, every expert, which the kernel does not):",
+        {(gpu, layout): dict(size="moe1b", stacked=layout == "stacked", gpu=gpu)
+         for gpu, layout in (("A100", "stacked"), ("A100", "listed"), ("H100", "stacked"))})
 
 
 def main():

@@ -54,7 +54,6 @@ from ._layers import (
     feed_forward,
     lm_logits,
     run_layers,
-    scan_unroll,
     table_and_layers,
 )
 from ._config import ZooConfig, check_activation
@@ -266,7 +265,7 @@ class BartForConditionalGeneration(EncoderDecoderLM):
         x = self._embed(input_ids, jnp.arange(s), self.model.encoder)
         mask = jnp.broadcast_to(valid[None, :], (s, s))
         x, _ = run_layers(self.model.encoder.layers, x, None, lambda layer, x, _: (layer(x, mask), None),
-                          unroll=scan_unroll(self.config))
+                          unroll=self.config.scan_unroll)
         return x
 
     def _logits(self, x):
@@ -281,7 +280,7 @@ class BartForConditionalGeneration(EncoderDecoderLM):
         source_mask = jnp.broadcast_to(valid[None, :], (t, valid.shape[0]))
         x, _ = run_layers(self.model.decoder.layers, x, None,
                           lambda layer, x, _: layer(x, mask, source, source_mask),
-                          unroll=scan_unroll(self.config))
+                          unroll=self.config.scan_unroll)
         return self._logits(x)
 
     # -- cached decoding (EncoderDecoderLM)
@@ -307,7 +306,7 @@ class BartForConditionalGeneration(EncoderDecoderLM):
             return layer(x, mask, cross, source_mask, self_cache, cache.index)
 
         caches = layer_caches(self.model.decoder.layers, cache.self_attention, cache.cross_attention)
-        x, self_attention = run_layers(self.model.decoder.layers, x, caches, step, unroll=scan_unroll(self.config))
+        x, self_attention = run_layers(self.model.decoder.layers, x, caches, step, unroll=self.config.scan_unroll)
         return self._logits(x), self_attention
 
     def hf_tensors(self) -> list[HFTensor]:

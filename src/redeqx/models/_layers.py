@@ -319,13 +319,6 @@ def check_context_attention(config) -> None:
         )
 
 
-def scan_unroll(config) -> int | bool | None:
-    """The ``unroll`` of the ``lax.scan`` that runs ``config``'s stacked
-    layers: ``config.scan_unroll``; None (its default) leaves the choice to
-    `run_layers`, by platform and pass."""
-    return config.scan_unroll
-
-
 def _default_unroll(prompt: bool) -> int | bool:
     """`SCAN_UNROLL`'s choice for the platform a pass is compiled for (1 where it names none), and
     1 for a prompt's pass with a cache (a generation's prefill) on every platform: unrolled, each
@@ -436,6 +429,11 @@ class LayerSlices:
         return (len(self.slices), *self.slices[0].shape)
 
 
+def _by_layer(stack: Array) -> LayerSlices:
+    """A stacked array as its layers' own arrays (each a copy, made once)."""
+    return LayerSlices(stack[i] for i in range(stack.shape[0]))
+
+
 jax.tree_util.register_pytree_node(LayerSlices, lambda s: (s.slices, None), lambda _, slices: LayerSlices(slices))
 _is_sliced = lambda a: isinstance(a, LayerSlices)  # noqa: E731
 
@@ -460,7 +458,7 @@ def sliced_for_decoding(model):
         return isinstance(x, Stackable) and stack_depth(x) is not None
 
     def sliced(layers):
-        return jax.tree.map(lambda a: LayerSlices(a[i] for i in range(a.shape[0])) if eqx.is_array(a) else a, layers)
+        return jax.tree.map(lambda a: _by_layer(a) if eqx.is_array(a) else a, layers)
 
     return jax.tree.map(lambda x: sliced(x) if stack(x) else x, model, is_leaf=stack)
 
@@ -483,8 +481,7 @@ def caches_by_layer(cache):
     def split(c):
         if not (_is_kv(c) and c.layer is None and eqx.is_array(c.k) and c.k.ndim == 4):
             return c
-        by_layer = lambda a: LayerSlices(a[i] for i in range(a.shape[0]))  # noqa: E731
-        return KVCache(by_layer(c.k), by_layer(c.v))
+        return KVCache(_by_layer(c.k), _by_layer(c.v))
 
     return jax.tree.map(split, cache, is_leaf=_is_kv)
 
@@ -799,7 +796,7 @@ class CausalLM(eqx.Module):
         layer's cache and the cache's ``index`` None without ``cache``): ``x`` and the new caches."""
         index = None if cache is None else cache.index
         return run_layers(layers, x, None if cache is None else cache.layers,
-                          lambda layer, x, lc: layer(x, *args, lc, index), unroll=scan_unroll(self.config))
+                          lambda layer, x, lc: layer(x, *args, lc, index), unroll=self.config.scan_unroll)
 
     def _window(self) -> int | None:
         """Sliding-window attention span, or None for full causal attention."""

@@ -20,7 +20,6 @@ from ..mesh import CONTEXT, MODEL
 from .._trees import is_array_like, named_leaves
 from ._layers import (
     Cache, CausalLM, Linear, RMSNorm, Stackable, check_config, is_stacked, lm_logits, model_and_head, run_layers,
-    scan_unroll,
 )
 from ._config import DecoderConfig
 from ._llama import LlamaAttention, LlamaConfig, rope_frequencies
@@ -144,7 +143,7 @@ class MoECausalLM(CausalLM):
             return x, (lc, empty if stats is None else stats)
 
         layers = self.model.layers
-        x, out = run_layers(layers, x, None if cache is None else cache.layers, step, unroll=scan_unroll(c))
+        x, out = run_layers(layers, x, None if cache is None else cache.layers, step, unroll=c.scan_unroll)
         if is_stacked(layers):
             new_layers, stats = out
             stats = jax.tree.map(lambda a: jnp.sum(a, axis=0), stats)  # over the layers

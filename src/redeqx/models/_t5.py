@@ -47,7 +47,6 @@ from ._layers import (
     is_stacked,
     lm_logits,
     run_layers,
-    scan_unroll,
 )
 from ._config import ZooConfig
 from ._safetensors import HFTensor
@@ -408,7 +407,7 @@ class T5ForConditionalGeneration(EncoderDecoderLM):
         bias = self.encoder.bias(pos, pos, bidirectional=True)
         mask = jnp.broadcast_to(valid[None, :], (s, s))
         x, _ = run_layers(self.encoder.block, x, None, lambda block, x, _: block(x, mask, bias),
-                          unroll=scan_unroll(self.config))
+                          unroll=self.config.scan_unroll)
         return self.encoder.final_layer_norm(x)
 
     def _logits(self, x):
@@ -424,7 +423,7 @@ class T5ForConditionalGeneration(EncoderDecoderLM):
         bias = self.decoder.bias(pos, pos, bidirectional=False)
         mask = causal_mask(jnp.ones((t,), bool), 0, t)
         x, _ = run_layers(self.decoder.block, x, None, lambda block, x, _: block(x, mask, bias, (source, None, valid)),
-                          unroll=scan_unroll(self.config))
+                          unroll=self.config.scan_unroll)
         return self._logits(x)
 
     # -- cached decoding (EncoderDecoderLM)
@@ -451,7 +450,7 @@ class T5ForConditionalGeneration(EncoderDecoderLM):
             return block(x, mask, bias, (None, cross, cache.source_valid), self_cache, cache.index)
 
         caches = layer_caches(self.decoder.block, cache.self_attention, cache.cross_attention)
-        x, self_attention = run_layers(self.decoder.block, x, caches, step, unroll=scan_unroll(self.config))
+        x, self_attention = run_layers(self.decoder.block, x, caches, step, unroll=self.config.scan_unroll)
         return self._logits(x), self_attention
 
     def hf_stacked(self, tensor: HFTensor) -> HFTensor:
