@@ -250,3 +250,35 @@ def test_checkpoint_saved_at_2_shards_restores_at_4(tmp_path):
         np.testing.assert_array_equal(a, b)
     stack = back.model.model.layers.block_sparse_moe.experts.gate_proj
     assert stack.sharding.spec == P(None, "model", None, None) and stack.addressable_shards[0].data.shape[1] == 2
+
+
+@pytest.mark.slow
+def test_fewer_rows_than_experts_train_as_one_device_does(monkeypatch):
+    """A batch small enough that each device holds fewer expert rows than experts takes the
+    grouped matmul's gathered path (`_grouped._gathered`), split over model or not: every
+    gradient equals one device's, and one device's equals ragged_dot's."""
+    from redeqx.models import _grouped
+
+    model, choose, paths = _model(32), _grouped.choose, []
+    monkeypatch.setattr(_grouped, "choose", lambda *a, **k: paths.append(choose(*a, **k)[0]) or choose(*a, **k))
+    batch = {"input_ids": np.random.RandomState(0).randint(0, VOCAB, (4, 2)).astype(np.int32)}
+
+    def gradients(n_model, devices=None):
+        mesh = redeqx.make_mesh(n_model, devices=devices)
+        specs = redeqx.sharding_rules(model, mesh)
+        state = redeqx.init_state(jax.tree.map(lambda x: jnp.array(x, copy=True), model), optax.sgd(1.0), mesh, specs,
+                                  key=jax.random.key(1))
+        before = [np.asarray(x) for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_array))]
+        step = redeqx.make_train_step(loss_fn, optax.sgd(1.0), mesh, specs)
+        state, _ = step(state, jax.device_put({k: jnp.asarray(v) for k, v in batch.items()}, NamedSharding(mesh, P("data"))))
+        return [b - np.asarray(a) for b, a in zip(before, jax.tree.leaves(eqx.filter(state.model, eqx.is_array)))]
+
+    one = gradients(1, jax.devices()[:1])
+    assert set(paths) == {_grouped.GATHERED}
+    for n_model in (2, 4):
+        for got, want in zip(gradients(n_model), one):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5 * np.abs(want).max())
+    monkeypatch.setattr(_grouped, "choose", lambda *a, **k: (
+        (_grouped.RAGGED_DOT, "") if choose(*a, **k)[0] == _grouped.GATHERED else choose(*a, **k)))
+    for got, want in zip(gradients(1, jax.devices()[:1]), one):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5 * np.abs(want).max())
