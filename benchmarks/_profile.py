@@ -206,6 +206,7 @@ _NO_KERNEL = ("parameter", "get-tuple-element", "tuple", "bitcast", "constant", 
               "replica-id", "opt-barrier", "add-dependency", "while", "call", "conditional")
 
 
+_PER_ELEMENT = ("convert", "bitcast", "reshape", "copy", "bitcast-convert")  # one element in, one out
 _ASYNC_COPY = {"copy-start": 2, "copy-done": 0}
 _MEMORY_SPACE = re.compile(r"S\([1-9]\d*\)")  # a layout's memory space other than device memory's (a TPU's S(3))
 
@@ -217,6 +218,29 @@ def _nbytes(shape: str, skip_workspace: bool = False) -> int:
 
     return sum(DTYPE_BYTES[dtype] * math.prod(dims) for dtype, dims in array_shapes(shape)
                if not (skip_workspace and dtype == "s8"))
+
+
+def _elements(shape: str) -> int:
+    from redeqx.planner._hlo import array_shapes
+
+    return sum(math.prod(dims) for _, dims in array_shapes(shape))
+
+
+def _elements_taken(name: str, users: dict) -> int | None:
+    """How many of ``name``'s elements a fusion reads when it only slices them (a table read at some
+    rows, a stack at one layer), through element-wise conversions in between (a stack cast to bf16,
+    then sliced: XLA reads the slice); None when it reads them all."""
+    if not users[name]:
+        return None
+    taken = 0
+    for u in users[name]:
+        if u.op in _SLICES or u.op == "gather" and u.operands[0] == name:
+            taken += _elements(u.shape)
+        elif u.op in _PER_ELEMENT and len(u.operands) == 1 and (below := _elements_taken(u.name, users)) is not None:
+            taken += below
+        else:
+            return None
+    return taken
 
 
 def _fusion_bytes(ins, fused: list, shapes: dict[str, str]) -> int:
@@ -239,9 +263,8 @@ def _fusion_bytes(ins, fused: list, shapes: dict[str, str]) -> int:
         if p is None:
             read += _nbytes(shapes.get(operand, ""))
         elif p.name not in in_place:
-            sliced = users[p.name] and all(u.op in _SLICES or u.op == "gather" and u.operands[0] == p.name
-                                           for u in users[p.name])  # a table read at some rows: those rows
-            read += sum(_nbytes(u.shape) for u in users[p.name]) if sliced else _nbytes(p.shape)
+            taken = _elements_taken(p.name, users)
+            read += _nbytes(p.shape) if taken is None else _nbytes(p.shape) * min(taken, _elements(p.shape)) // _elements(p.shape)
     return read + sum(_nbytes(by_name[r.operands[update[r.op]]].shape) if r.op in update else _nbytes(r.shape)
                       for r in roots)
 
