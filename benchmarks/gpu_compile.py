@@ -12,10 +12,11 @@ program (`benchmarks._profile`):
 
 - ``train``: the 1B LLaMA step of `benchmarks.throughput` (batch 8 x 2048 tokens, AdamW, bf16
   compute): stacked, listed, stacked with fp8 products, stacked with the loss a user writes with
-  optax on fp32 logits, and hand-written (``jax.jit`` + optax, the stacked model). For each: its
-  kernels and the gigabytes they read and write by kind (`static_tally`), and what those bytes
-  take at the H200's bandwidth: the floor of the time that is neither matmul nor attention (the
-  H200's profile put 40.5 ms of its 221.5 ms step there);
+  optax on fp32 logits, stacked with the MLP's gate and up projections as two products (before
+  `redeqx.models._layers.joined_linears`), and hand-written (``jax.jit`` + optax, the stacked
+  model). For each: its kernels and the gigabytes they read and write by kind (`static_tally`),
+  and what those bytes take at the H200's bandwidth: the floor of the time that is neither
+  matmul nor attention (the H200's profile put 40.5 ms of its 221.5 ms step there);
 - ``fp8``: `benchmarks.gpu`'s MLP block (`mlp_block`): its GEMMs and those with fp8 operands
   (6 expected), with Triton's GEMMs (the default) and with cuBLAS's (``--xla_gpu_enable_triton_gemm=false``);
 - ``heads``: one 8B layer's attention (32 query, 8 KV heads) at 32k tokens over 4 context shards of
@@ -42,7 +43,7 @@ import time
 from benchmarks._common import HBM_BYTES_PER_S, gpu_compiler, parser, report, serve, setup_gpu, worker
 
 SECTIONS = ("train", "fp8", "heads", "context", "decode", "long_decode", "moe_decode")
-TRAIN = ("stacked", "listed", "stacked+fp8", "stacked, optax loss", "hand-written")
+TRAIN = ("stacked", "listed", "stacked+fp8", "stacked, optax loss", "stacked, gate and up apart", "hand-written")
 BATCH, SEQ = 8, 2048
 GB = 1e9
 
@@ -89,6 +90,11 @@ def train_worker(variant: str) -> dict:
     from benchmarks._profile import static_tally
     from benchmarks.throughput import make_config, model_class
 
+    if "apart" in variant:  # the MLP's gate and up as two products, as before `joined_linears`
+        import redeqx.models._llama as llama
+
+        joined_linears = llama.joined_linears
+        llama.joined_linears = lambda x, layers, joined=True: joined_linears(x, layers, joined=False)
     mesh = redeqx.make_mesh(1, devices=gpu_devices(1))
     config = make_config("1b", max_position_embeddings=SEQ, scan_layers=not variant.startswith("listed"))
     optimizer = optax.adamw(1e-4, weight_decay=0.1)

@@ -105,6 +105,31 @@ def summed_linears(pairs: list) -> Float[Array, "seq out"]:
     return y
 
 
+def joined_linears(x: Float[Array, "*batch in"], layers: tuple, *, joined: bool = True) -> tuple:
+    """``tuple(layer(x) for layer in layers)`` for column-parallel layers
+    that read one input (a gated MLP's gate and up projections).
+
+    With ``joined`` and plain `Linear` layers of one shape, the product is
+    one GEMM over their weights stacked, and its gradient one tensor:
+    XLA:GPU computes SwiGLU's two input gradients in one kernel and ``x``'s
+    gradient in one GEMM, where separate products take two kernels reading
+    the same activations and two GEMMs whose outputs are then added
+    (benchmarks/RESULTS.md, "XLA:GPU's programs for H100s"). Under a step's
+    compute dtype the stack is written by the weights' cast, at no cost;
+    otherwise it is a copy of the weights at every call, which only a
+    backward pass pays back: the zoo joins them in passes without a KV cache,
+    and generation's passes (the prompt's, a token's) multiply each layer's
+    weights as they are (``joined=False``). Any other module (a LoRA
+    adapter) is called as it is."""
+    weights = [layer.weight for layer in layers]
+    if (not joined or not all(type(layer) is Linear for layer in layers)
+            or len({(w.shape, w.dtype) for w in weights}) != 1):
+        return tuple(layer(x) for layer in layers)
+    y = jnp.einsum("...i,koi->...ko", x, jnp.stack(weights).astype(x.dtype))
+    return tuple(y[..., k, :] if layer.bias is None else y[..., k, :] + _last(layer.bias.astype(x.dtype), x.ndim)
+                 for k, layer in enumerate(layers))
+
+
 class Embedding(eqx.Module):
     """A ``(vocab, dim)`` table; ``__call__`` looks rows up, `attend` is the tied LM head.
 

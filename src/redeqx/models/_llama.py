@@ -37,6 +37,7 @@ from ._layers import (
     check_config,
     default_head_dim,
     heads,
+    joined_linears,
     lm_logits,
     model_and_head,
     table_and_layers,
@@ -232,8 +233,10 @@ class LlamaMLP(eqx.Module):
         self.up_proj = Linear(h, i, bias=b, key=ku)
         self.down_proj = Linear(i, h, bias=b, key=kd)
 
-    def __call__(self, x: Float[Array, "seq hidden"]) -> Float[Array, "seq hidden"]:
-        gate, up = self.gate_proj(x), self.up_proj(x)  # column parallel
+    def __call__(self, x: Float[Array, "seq hidden"], *, joined: bool = True) -> Float[Array, "seq hidden"]:
+        """``joined``: the gate and up products as one (`joined_linears`); False in a pass with a
+        KV cache, where no backward pass gains from it."""
+        gate, up = joined_linears(x, (self.gate_proj, self.up_proj), joined=joined)  # column parallel
         return constrain(self.down_proj(jax.nn.silu(gate) * up), P(CONTEXT))  # row parallel: one all-reduce
 
 
@@ -253,7 +256,7 @@ class LlamaDecoderLayer(Stackable):
     def __call__(self, x, positions, mask, inv_freq, cache, index):
         a, cache = self.self_attn(self.input_layernorm(x), positions, mask, inv_freq, cache, index)
         x = x + a
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.mlp(self.post_attention_layernorm(x), joined=cache is None)
         return x, cache
 
 

@@ -77,12 +77,13 @@ class LlamaFields:
         return {**attention_config(self).to_hf(), **d}
 
 
-def sparse_block(x, block, valid):
-    """A layer's feed-forward block: a `MoE` gives its output and stats; a dense MLP, zero stats."""
+def sparse_block(x, block, valid, *, joined: bool = True):
+    """A layer's feed-forward block: a `MoE` gives its output and stats; a dense MLP (``joined``: its
+    gate and up products as one, `LlamaMLP`), zero stats."""
     if isinstance(block, MoE):
         y, stats = block(x, valid=valid)
         return constrain(y, P(CONTEXT)), stats
-    return block(x), None
+    return block(x, joined=joined), None
 
 
 class MoEDecoderLayer(Stackable):
@@ -110,7 +111,7 @@ class MoEDecoderLayer(Stackable):
     def __call__(self, x, positions, mask, inv_freq, cache, index, valid):
         a, cache = self.self_attn(self.input_layernorm(x), positions, mask, inv_freq, cache, index)
         x = x + a
-        y, stats = sparse_block(self.post_attention_layernorm(x), self.feed_forward, valid)
+        y, stats = sparse_block(self.post_attention_layernorm(x), self.feed_forward, valid, joined=cache is None)
         return x + y, cache, stats
 
 

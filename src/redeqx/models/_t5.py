@@ -45,6 +45,7 @@ from ._layers import (
     causal_mask,
     heads,
     is_stacked,
+    joined_linears,
     lm_logits,
     run_layers,
 )
@@ -277,12 +278,15 @@ class T5DenseActDense(eqx.Module):
         self.wo = Linear(f, d, bias=False, key=ko, std=s * f ** -0.5)
         self.activation = config.activation
 
-    def __call__(self, x: Float[Array, "seq d_model"]) -> Float[Array, "seq d_model"]:
+    def __call__(self, x: Float[Array, "seq d_model"], *, joined: bool = True) -> Float[Array, "seq d_model"]:
+        """``joined``: a gated block's two input products as one (`joined_linears`); False in a
+        pass with a KV cache, where no backward pass gains from it."""
         act = _ACTIVATIONS[self.activation]
         if self.wi is not None:
             h = act(self.wi(x))  # column parallel
         else:
-            h = act(self.wi_0(x)) * self.wi_1(x)
+            gate, up = joined_linears(x, (self.wi_0, self.wi_1), joined=joined)  # column parallel
+            h = act(gate) * up
         return constrain(self.wo(h), P())  # row parallel: one all-reduce
 
 
@@ -294,8 +298,8 @@ class T5LayerFF(eqx.Module):
         self.DenseReluDense = T5DenseActDense(config, key=key)
         self.layer_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
 
-    def __call__(self, x):
-        return x + self.DenseReluDense(self.layer_norm(x))
+    def __call__(self, x, *, joined: bool = True):
+        return x + self.DenseReluDense(self.layer_norm(x), joined=joined)
 
 
 class T5Block(Stackable):
@@ -323,7 +327,7 @@ class T5Block(Stackable):
             mask_x = jnp.broadcast_to(source_mask[None, :], (x.shape[0], source_mask.shape[0]))
             a, _ = ca.EncDecAttention(ca.layer_norm(x), mask_x, None, source=source, cached_kv=cached_kv)
             x = x + a
-        return self.layer[-1](x), cache
+        return self.layer[-1](x, joined=cache is None), cache
 
 
 class T5Stack(eqx.Module):

@@ -253,8 +253,14 @@ def split(r: Reader, eqn) -> None:
 
 
 def stack(r: Reader, eqn) -> None:
-    """``jnp.stack``: a new axis; the operands' splits meet on their shifted dims."""
+    """``jnp.stack``: a new axis; the operands' splits meet on their shifted dims. Weights stacked
+    (a gated MLP's gate and up projections, `redeqx.models.joined_linears`' one product) are still
+    those weights on their own dims, each keeping its role; the new axis is no dim of theirs."""
     axis, out = eqn.params["axis"], eqn.outvars[0]
+    views = [r.view(v) for v in eqn.invars]
+    if all(vw is not None for vw in views):
+        r.views[out] = View(tuple((leaf, dims[:axis] + (None,) + dims[axis:])
+                                  for vw in views for leaf, dims in vw.parts))
     tags: dict[int, int] = {}
     for v in eqn.invars:
         for seed, d in r.tag(v).items():
