@@ -6,8 +6,8 @@ the analytic count of the plan it should be.
 
 The zoo's LLaMA (hidden 1024, 4 layers, batch 8 x 512, AdamW) on 8 CPU
 devices at n_model_shards 1-8, with and without fsdp, listed and stacked:
-each step planned on abstract shapes, its collectives' bytes per device read
-off the HLO and counted as XLA:GPU/TPU move them (tests/accelerator_count.py),
+each step planned on abstract shapes by the rules read from its program (as
+`redeqx.plan` plans it), its collectives' bytes per device read off the HLO and counted as XLA:GPU/TPU move them (tests/accelerator_count.py),
 against Megatron-LM's count (tests/megatron_count.py) and ZeRO-3's (each
 fsdp-split parameter all-gathered forward and backward, its gradient
 reduce-scattered).
@@ -68,11 +68,11 @@ def measure(config, n_model_shards, fsdp, args):
         return models.LlamaForCausalLM(config, key=key)
 
     abstract = eqx.filter_eval_shape(make, jax.random.key(0))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        specs = redeqx.sharding_rules(abstract, mesh, fsdp=fsdp)
-    params, gathered, rest = per_device_bytes(abstract, specs, mesh)
     batch = {"ids": jax.ShapeDtypeStruct((args.batch, args.seq + 1), jnp.int32)}
+    with warnings.catch_warnings():  # the program's plan, as `plan` makes it: both columns count one plan
+        warnings.simplefilter("ignore")
+        specs = redeqx.sharding_rules(abstract, mesh, fsdp=fsdp, loss_fn=next_token_loss, batch=batch)
+    params, gathered, rest = per_device_bytes(abstract, specs, mesh)
     t0 = time.perf_counter()
     p = redeqx.plan(make, next_token_loss, optax.adamw(1e-4), batch, mesh, fsdp=fsdp, explore=False)
     compile_s = time.perf_counter() - t0

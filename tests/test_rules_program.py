@@ -7,6 +7,7 @@ Megatron plan's collective bytes, and trains like one device."""
 import functools
 import warnings
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +16,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import redeqx
+from redeqx import models
 import written_otherwise as w
 from accelerator_count import compiled_train_step, step_bytes
 from redeqx._trees import is_spec, named_leaves
@@ -289,3 +291,23 @@ def test_explain_is_one_short_line_per_weight_and_names_the_right_weights():
             assert "(8, 4) after layers.0.attention.wq.weight" in by_path["layers.0.attention.wq.weight"]
     with pytest.raises(Exception, match="reasons"):
         redeqx.explain(model, specs, mesh, reasons="long")
+
+
+def test_a_head_on_a_mesh_of_model_alone_stays_split():
+    """With no data axis, keeping a vocabulary-parallel head whole saves no gradient's sum, only the
+    loss statistics' small sums, while every device repeats the head's product; and the zoo pins its
+    logits over `model`, so the step computed them split anyway and gathered the head's update, weights
+    and moments: the 116 M LLaMA of `benchmarks.collectives` at 8 x 1 moved 2.2 times Megatron's
+    bytes in XLA:GPU's program (647 MiB a step against 288)."""
+    config = models.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=8, num_key_value_heads=8)
+    model = eqx.filter_eval_shape(lambda k: models.LlamaForCausalLM(config, key=k), jax.random.key(0))
+    batch = {"ids": jax.ShapeDtypeStruct((8, 33), jnp.int32)}
+
+    def loss(m, b, key):
+        return models.cross_entropy(jax.vmap(m)(b["ids"][:, :-1]), b["ids"][:, 1:])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        specs = redeqx.sharding_rules(model, redeqx.make_mesh(8), loss_fn=loss, batch=batch)
+    assert specs.lm_head.weight == P("model", None)

@@ -307,14 +307,20 @@ def _best(component: list[int], fits: list[_Fit]) -> list[int]:
     return best
 
 
-def _priced(facts: Facts, fit: _Fit) -> bool:
-    """Whether a proven split is weighed against its weights whole: a vocabulary-parallel head, or a
+def _priced(facts: Facts, fit: _Fit, pricing: Pricing) -> bool:
+    """Whether a proven split is weighed against its weights whole: a vocabulary-parallel head where
+    the batch is split (its gradient, summed over the batch's devices, is what whole saves), or a
     block whose layers are all convolutions with a kernel wider than 1 (a feature encoder over a long
     signal, where activations outweigh weights; a 1 x 1 conv is a linear layer).
     A block of linear layers is always split: its products are most of the model's work, which the
-    split divides (bytes alone would keep a small model's blocks whole, every device doing all of it)."""
+    split divides (bytes alone would keep a small model's blocks whole, every device doing all of it).
+    So is a head on a mesh of ``model`` alone: whole, it would save no gradient's sum, only the
+    split's small sums of the loss's statistics, while every device repeats the head's whole product;
+    and a model that pins its logits over ``model`` (the zoo's `constrain`) computes them split
+    anyway, then gathers the head's update, weights and moments (the 116 M LLaMA of
+    `benchmarks.collectives` at 8 x 1: 375 MiB a step more)."""
     if fit.kept.kind == "head":
-        return True
+        return pricing.n_batch > 1
     layers = {k for k, (_, t) in fit.kept.members.items() if t in ("column", "row")}
     return all(u.kind == "conv" and math.prod(facts.shapes[k][d] for d in u.contracted) > _in_features(facts, u)
                for u in facts.uses if (k := u.leaf) in layers)
@@ -353,7 +359,7 @@ def blocks(facts: Facts, n: int, decided: dict[int, Role], pricing: Pricing | No
             fits.append(_fit(facts, group, n))
     chosen = _choose([f for f in fits if f.refusal is None])
     whole = {} if pricing is None else _price(pricing, facts, n, [
-        (tuple(f.kept.members), *_block_costs(facts, f, n, pricing)) for f in chosen if _priced(facts, f)])
+        (tuple(f.kept.members), *_block_costs(facts, f, n, pricing)) for f in chosen if _priced(facts, f, pricing)])
     for fit in chosen:
         decided.update(fit.dropped)
         for leaf, (dim, text) in fit.kept.members.items():
