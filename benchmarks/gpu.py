@@ -17,8 +17,9 @@ MoE step, met before, last); the other three when named:
   compiled program calls, cuBLAS's or Triton's (6 expected: 3 per linear);
 - ``heads``: one context shard's attention at 32k tokens and C = 4 in the heads split, against a
   quarter of the unsplit attention and the blockwise code's share (`benchmarks.heads_gpu`);
-- ``train``: the 1B LLaMA step stacked, listed, stacked with fp8 products and hand-written (MFU,
-  first compile), and a profile of the stacked step's device time by kind (`benchmarks._profile`);
+- ``train``: the 1B LLaMA step stacked, listed, stacked with fp8 products, stacked with the MLP's
+  gate and up as two products (``+apart``: the join's A/B) and hand-written (MFU, first
+  compile), and a profile of the stacked step's device time by kind (`benchmarks._profile`);
 - ``decode``: greedy decoding of the 1B LLaMA at batch 1 and 8, stacked and
   listed, against the HBM roofline, and each layout's first call (`benchmarks.decode_gpu`);
 - ``moe``: ``moe1b`` (8 experts, top-2) against its dense twin ``1b``, one train step each;
@@ -196,7 +197,7 @@ def train(smoke: bool, profile_dir: str) -> dict:
     from benchmarks import throughput
 
     args = argparse.Namespace(size="tiny" if smoke else "1b", seq=64 if smoke else 2048, batch=2 if smoke else 8,
-                              variants="stacked,listed,stacked+fp8", hand=True, steps=2 if smoke else 5, rounds=2,
+                              variants="stacked,listed,stacked+fp8,stacked+apart", hand=True, steps=2 if smoke else 5, rounds=2,
                               plan=False, profile=profile_dir)
     return _quietly(throughput.run, args)
 

@@ -101,13 +101,30 @@ def hand_written(optimizer, static):
     return jax.jit(step, donate_argnums=(0, 1))
 
 
+def gate_and_up_apart(loss_fn):
+    """``loss_fn`` with the zoo's gated MLPs multiplying gate and up as two products, as before
+    `redeqx.models._layers.joined_linears` (the ``+apart`` variant: the join's A/B, side by side)."""
+    import redeqx.models._llama as llama
+
+    def apart(model, batch, key):
+        both = llama.joined_linears
+        llama.joined_linears = lambda x, layers, joined=True: both(x, layers, joined=False)
+        try:  # traced once: the step's program keeps what this call made
+            return loss_fn(model, batch, key)
+        finally:
+            llama.joined_linears = both
+
+    return apart
+
+
 def parse_variant(text: str) -> tuple[str, str, int | bool | None, bool, bool]:
-    """``"stacked:2+remat+fp8"`` -> (the text, "stacked", 2, remat: True, fp8: True)."""
+    """``"stacked:2+remat+fp8"`` -> (the text, "stacked", 2, remat: True, fp8: True); ``+apart``
+    is read off the text (`gate_and_up_apart`)."""
     spec, *options = text.strip().split("+")
     layout, _, unroll = spec.partition(":")
     if layout not in ("stacked", "listed") or (unroll and (layout == "listed" or not unroll.isdigit())) or \
-            not set(options) <= {"remat", "fp8"}:
-        raise SystemExit(f"--variants: {text!r} is not stacked[:N] or listed, then +remat and/or +fp8")
+            not set(options) <= {"remat", "fp8", "apart"}:
+        raise SystemExit(f"--variants: {text!r} is not stacked[:N] or listed, then +remat, +fp8 and/or +apart")
     return text.strip(), layout, int(unroll) if unroll else None, "remat" in options, "fp8" in options
 
 
@@ -135,6 +152,7 @@ def run(args) -> dict:
         config = configs[spec]
         make = lambda key, c=config: model_class(c)(c, key=key)  # noqa: E731
         fn = redeqx.remat(next_token_loss) if remat else next_token_loss
+        fn = gate_and_up_apart(fn) if "+apart" in spec else fn
         if first and getattr(args, "plan", True):  # what the planner expects of the first step, compiled before anything is placed
             plan = redeqx.plan(make, fn, optimizer, batch, mesh, compute_dtype=jnp.bfloat16, explore=False)
         base = (jax.devices()[0].memory_stats() or {}).get("bytes_in_use", 0)
@@ -270,7 +288,8 @@ def main():
     p.add_argument("--size", choices=sorted(SIZES) + sorted(MOE_SIZES), default="tiny")
     p.add_argument("--variants", default="stacked,stacked+remat,listed,listed+remat",
                    help="comma-separated: the zoo LLaMA's layers stacked[:scan_unroll] or listed, +remat for "
-                        "redeqx.remat, +fp8 for make_train_step(..., fp8=True); the stack's default scan_unroll "
+                        "redeqx.remat, +fp8 for make_train_step(..., fp8=True), +apart for the MLP's gate and up "
+                        "as two products (gate_and_up_apart); the stack's default scan_unroll "
                         "is the family's per-platform choice")
     p.add_argument("--no-hand", dest="hand", action="store_false",
                    help="leave out the hand-written step (on the first layout)")
