@@ -198,6 +198,9 @@ def test_constrain_is_a_no_op_without_a_mesh_and_pins_with_one():
     # an axis that does not divide the dim leaves it replicated
     w = jax.jit(lambda a: redeqx.constrain(a, P("model", None), mesh=mesh))(jnp.ones((3, 8)))
     assert w.sharding.spec in (P(), P(None, None), P(None))
+    # P.UNCONSTRAINED leaves a dim to the partitioner, not replicated
+    free = jax.make_jaxpr(lambda a: redeqx.constrain(a, P(None, P.UNCONSTRAINED), mesh=mesh))(x)
+    assert free.eqns[0].params["sharding"].spec == P(None, P.UNCONSTRAINED)
 
 
 def test_constrain_rejects_bad_specs():

@@ -32,6 +32,9 @@ def _fit(spec: P, shape: tuple[int, ...], sizes: dict[str, int], where: str) -> 
         )
     entries = []
     for d, entry in enumerate(spec):
+        if entry is P.UNCONSTRAINED:  # left to the partitioner (a head's logits follow the head's layout)
+            entries.append(entry)
+            continue
         # 'context' (the sequence split) names a dim that a mesh without that axis keeps whole,
         # so a model written for split sequences runs on every redeqx mesh
         axes = tuple(a for a in _axes(entry) if a != CONTEXT or a in sizes)
@@ -67,7 +70,11 @@ def constrain(x: PyTree, spec: P, *, mesh: Mesh | None = None) -> PyTree:
     the data axis. A dim whose size the named axes do not divide (a batch of
     one row, 2 KV heads over 4 shards) is left replicated. The axis
     ``"context"`` (a sequence dim, split by ``make_mesh(...,
-    n_context_shards=C)``) is dropped on a mesh without it.
+    n_context_shards=C)``) is dropped on a mesh without it. An entry
+    ``P.UNCONSTRAINED`` leaves that dim to the partitioner: the zoo's logits
+    follow their head's layout, split over the vocabulary where the rules
+    split the head and whole where they keep it whole (pinned over
+    ``model``, a whole head's update and moments were gathered every step).
 
     **Example** (attention heads split over ``model``, the residual stream
     whole on every ``model`` device):

@@ -38,7 +38,6 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ..mesh import constrain
-from ..mesh import MODEL
 from ._layers import (
     Stackable,
     ACTIVATIONS,
@@ -271,7 +270,7 @@ class BartForConditionalGeneration(EncoderDecoderLM):
     def _logits(self, x):
         logits = lm_logits(self.model.shared, self.lm_head, x)
         bias = jax.lax.stop_gradient(self.final_logits_bias).astype(logits.dtype)  # a buffer, as in Transformers
-        return constrain(logits + bias[None, :], P(None, MODEL))  # vocab parallel
+        return constrain(logits + bias[None, :], P(None, P.UNCONSTRAINED))  # vocab: the head's layout
 
     def _teacher_forced(self, decoder_input_ids, source, valid):
         t = decoder_input_ids.shape[0]

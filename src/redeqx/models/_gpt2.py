@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import PRNGKeyArray
 
 from ..mesh import constrain
-from ..mesh import CONTEXT, MODEL
+from ..mesh import CONTEXT
 from ._layers import (
     Stackable,
     ACTIVATIONS,
@@ -181,7 +181,7 @@ class GPT2LMHeadModel(GPTCausalLM):
         t = self.transformer
         x = constrain(t.wte(ids) + t.wpe(positions), P(CONTEXT))
         x, new_layers = self._through_layers(t.h, x, cache, mask)
-        return constrain(t.wte.attend(t.ln_f(x)), P(CONTEXT, MODEL)), new_layers
+        return constrain(t.wte.attend(t.ln_f(x)), P(CONTEXT, P.UNCONSTRAINED)), new_layers  # vocab: the table's layout
 
     def hf_tensors(self) -> list[HFTensor]:
         """Checkpoint tensors: ``c_attn`` (input-major, Q|K|V side by side) is

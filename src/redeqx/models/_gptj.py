@@ -199,4 +199,4 @@ class GPTJForCausalLM(GPTCausalLM):
         t = self.transformer
         x = constrain(t.wte(ids), P(CONTEXT))  # vocab-split lookup: one all-reduce
         x, new_layers = self._through_layers(t.h, x, cache, positions, mask)
-        return constrain(self.lm_head(t.ln_f(x)), P(CONTEXT, MODEL)), new_layers  # vocab parallel
+        return constrain(self.lm_head(t.ln_f(x)), P(CONTEXT, P.UNCONSTRAINED)), new_layers  # vocab: the head's layout

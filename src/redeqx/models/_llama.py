@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..mesh import constrain
-from ..mesh import CONTEXT, MODEL
+from ..mesh import CONTEXT
 from ._layers import (
     Stackable,
     Cache,
@@ -312,7 +312,7 @@ class LlamaForCausalLM(CausalLM):
         x = constrain(self.model.embed_tokens(ids), P(CONTEXT))
         x, new_layers = self._through_layers(self.model.layers, x, cache, positions, mask, inv_freq)
         logits = lm_logits(self.model.embed_tokens, self.lm_head, self.model.norm(x))
-        return constrain(logits, P(CONTEXT, MODEL)), new_layers  # vocab parallel, sequence split over context
+        return constrain(logits, P(CONTEXT, P.UNCONSTRAINED)), new_layers  # sequence over context; vocab: the head's
 
     def _window(self):
         c = self.llama_config

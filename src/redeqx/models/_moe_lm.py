@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ..mesh import constrain
-from ..mesh import CONTEXT, MODEL
+from ..mesh import CONTEXT
 from .._trees import is_array_like, named_leaves
 from ._layers import (
     Cache, CausalLM, Linear, RMSNorm, Stackable, check_config, is_stacked, lm_logits, model_and_head, run_layers,
@@ -152,7 +152,7 @@ class MoECausalLM(CausalLM):
             new_layers = [lc for lc, _ in out]
             stats = sum((s for _, s in out), empty)
         logits = lm_logits(self.model.embed_tokens, self.lm_head, self.model.norm(x))
-        return constrain(logits, P(CONTEXT, MODEL)), new_layers, stats  # vocab parallel
+        return constrain(logits, P(CONTEXT, P.UNCONSTRAINED)), new_layers, stats  # vocab: the head's layout
 
     def _run(self, ids, positions, mask, cache):
         logits, new_layers, _ = self._run_aux(ids, positions, mask, cache, None)

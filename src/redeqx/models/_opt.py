@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import PRNGKeyArray
 
 from ..mesh import constrain
-from ..mesh import CONTEXT, MODEL
+from ..mesh import CONTEXT
 from ._layers import (
     ACTIVATIONS,
     Cache,
@@ -208,7 +208,8 @@ class OPTForCausalLM(CausalLM):
             x = d.final_layer_norm(x)
         if d.project_out is not None:
             x = d.project_out(x)
-        return constrain(lm_logits(d.embed_tokens, self.lm_head, x), P(CONTEXT, MODEL)), new_layers  # vocab parallel
+        logits = lm_logits(d.embed_tokens, self.lm_head, x)
+        return constrain(logits, P(CONTEXT, P.UNCONSTRAINED)), new_layers  # vocab: the head's layout
 
     def hf_tensors(self) -> list[HFTensor]:
         """Checkpoint tensors: each leaf under its own path, the ``model.``

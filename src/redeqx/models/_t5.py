@@ -418,7 +418,7 @@ class T5ForConditionalGeneration(EncoderDecoderLM):
         x = self.decoder.final_layer_norm(x)
         if self.config.scale_head:
             x = x * (self.config.d_model ** -0.5)
-        return constrain(lm_logits(self.shared, self.lm_head, x), P(None, MODEL))  # vocab parallel
+        return constrain(lm_logits(self.shared, self.lm_head, x), P(None, P.UNCONSTRAINED))  # vocab: the head's layout
 
     def _teacher_forced(self, decoder_input_ids, source, valid):
         t = decoder_input_ids.shape[0]

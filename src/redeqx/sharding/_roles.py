@@ -315,10 +315,10 @@ def _priced(facts: Facts, fit: _Fit, pricing: Pricing) -> bool:
     A block of linear layers is always split: its products are most of the model's work, which the
     split divides (bytes alone would keep a small model's blocks whole, every device doing all of it).
     So is a head on a mesh of ``model`` alone: whole, it would save no gradient's sum, only the
-    split's small sums of the loss's statistics, while every device repeats the head's whole product;
-    and a model that pins its logits over ``model`` (the zoo's `constrain`) computes them split
-    anyway, then gathers the head's update, weights and moments (the 116 M LLaMA of
-    `benchmarks.collectives` at 8 x 1: 375 MiB a step more)."""
+    split's small sums of the loss's statistics, while every device repeats the head's whole product
+    (and a model that pins its logits over ``model``, as the zoo did, computes them split anyway,
+    then gathers the head's update, weights and moments: the 116 M LLaMA of `benchmarks.collectives`
+    at 8 x 1 moved 375 MiB a step more)."""
     if fit.kept.kind == "head":
         return pricing.n_batch > 1
     layers = {k for k, (_, t) in fit.kept.members.items() if t in ("column", "row")}
