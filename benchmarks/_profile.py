@@ -263,8 +263,8 @@ def _fusion_bytes(ins, fused: list, shapes: dict[str, str]) -> int:
         if p is None:
             read += _nbytes(shapes.get(operand, ""))
         elif p.name not in in_place:
-            taken = _elements_taken(p.name, users)
-            read += _nbytes(p.shape) if taken is None else _nbytes(p.shape) * min(taken, _elements(p.shape)) // _elements(p.shape)
+            whole, taken = _elements(p.shape), _elements_taken(p.name, users)
+            read += _nbytes(p.shape) * (whole if taken is None else min(taken, whole)) // max(whole, 1)
     return read + sum(_nbytes(by_name[r.operands[update[r.op]]].shape) if r.op in update else _nbytes(r.shape)
                       for r in roots)
 

@@ -7,7 +7,8 @@ the analytic count of the plan it should be.
 The zoo's LLaMA (hidden 1024, 4 layers, batch 8 x 512, AdamW) on 8 CPU
 devices at n_model_shards 1-8, with and without fsdp, listed and stacked:
 each step planned on abstract shapes by the rules read from its program (as
-`redeqx.plan` plans it), its collectives' bytes per device read off the HLO and counted as XLA:GPU/TPU move them (tests/accelerator_count.py),
+`redeqx.plan` plans it), its collectives' bytes per device read off the HLO
+and counted as XLA:GPU/TPU move them (tests/accelerator_count.py),
 against Megatron-LM's count (tests/megatron_count.py) and ZeRO-3's (each
 fsdp-split parameter all-gathered forward and backward, its gradient
 reduce-scattered).

@@ -197,7 +197,8 @@ def train(smoke: bool, profile_dir: str) -> dict:
     from benchmarks import throughput
 
     args = argparse.Namespace(size="tiny" if smoke else "1b", seq=64 if smoke else 2048, batch=2 if smoke else 8,
-                              variants="stacked,listed,stacked+fp8,stacked+apart", hand=True, steps=2 if smoke else 5, rounds=2,
+                              variants="stacked,listed,stacked+fp8,stacked+apart", hand=True,
+                              steps=2 if smoke else 5, rounds=2,
                               plan=False, profile=profile_dir)
     return _quietly(throughput.run, args)
 

@@ -296,7 +296,8 @@ def _token_table(intro: str, cases: dict[tuple[str, ...], dict]) -> str:
 def long_decode_section() -> str:
     from benchmarks.decode_compile import PROMPT
 
-    cache = 22 * LONG_BATCH * LONG_SLOTS * 2 * 4 * 64 * 2 / 2**20  # layers x sequences x slots x (K, V) x heads x dim x bf16
+    # layers x sequences x slots x (K, V) x heads x dim x bf16
+    cache = 22 * LONG_BATCH * LONG_SLOTS * 2 * 4 * 64 * 2 / 2**20
     return _token_table(
         f"The same 1B generation for {LONG_BATCH} sequences with {LONG_SLOTS:,} slots each (a {PROMPT}-token "
         "prompt), compiled for one H100 (Triton's GEMMs): MiB one token's step reads and writes, by kind (the "

@@ -270,7 +270,8 @@ def test_fewer_rows_than_experts_train_as_one_device_does(monkeypatch):
                                   key=jax.random.key(1))
         before = [np.asarray(x) for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_array))]
         step = redeqx.make_train_step(loss_fn, optax.sgd(1.0), mesh, specs)
-        state, _ = step(state, jax.device_put({k: jnp.asarray(v) for k, v in batch.items()}, NamedSharding(mesh, P("data"))))
+        placed = jax.device_put({k: jnp.asarray(v) for k, v in batch.items()}, NamedSharding(mesh, P("data")))
+        state, _ = step(state, placed)
         return [b - np.asarray(a) for b, a in zip(before, jax.tree.leaves(eqx.filter(state.model, eqx.is_array)))]
 
     one = gradients(1, jax.devices()[:1])

@@ -350,8 +350,9 @@ def _default_unroll(prompt: bool) -> int | bool:
     layer's products read its own offsets in the stack, so XLA:GPU compiled 22 distinct GEMM
     kernels per weight of the 1B's prefill (54 in its generation against 12 listed; 9.3 s of
     compile against 3.8 as a loop and 5.1 listed, and as many kernels for a GPU's autotuner to
-    time on the first call), where the loop compiles one. A prompt's pass runs once a generation, so a loop's per-layer cost
-    (a training step's 9 % on an H200) is a share of one pass, not of every token."""
+    time on the first call), where the loop compiles one. A prompt's pass runs once a generation,
+    so a loop's per-layer cost (a training step's 9 % on an H200) is a share of one pass, not of
+    every token."""
     return 1 if prompt else SCAN_UNROLL.get(traced_platform(), 1)
 
 

@@ -254,7 +254,7 @@ def split(r: Reader, eqn) -> None:
 
 def stack(r: Reader, eqn) -> None:
     """``jnp.stack``: a new axis; the operands' splits meet on their shifted dims. Weights stacked
-    (a gated MLP's gate and up projections, `redeqx.models.joined_linears`' one product) are still
+    (a gated MLP's gate and up projections, `redeqx.models._layers.joined_linears`) are still
     those weights on their own dims, each keeping its role; the new axis is no dim of theirs."""
     axis, out = eqn.params["axis"], eqn.outvars[0]
     views = [r.view(v) for v in eqn.invars]
