@@ -18,7 +18,7 @@ MoE step, met before, last); the other three when named:
 - ``heads``: one context shard's attention at 32k tokens and C = 4 in the heads split, against a
   quarter of the unsplit attention and the blockwise code's share (`benchmarks.heads_gpu`);
 - ``train``: the 1B LLaMA step stacked, listed, stacked with fp8 products, stacked with the MLP's
-  gate and up as two products (``+apart``: the join's A/B) and hand-written (MFU, first
+  each projection its own product (``+apart``: the joins' A/B) and hand-written (MFU, first
   compile), and a profile of the stacked step's device time by kind (`benchmarks._profile`);
 - ``decode``: greedy decoding of the 1B LLaMA at batch 1 and 8, stacked and
   listed, against the HBM roofline, and each layout's first call (`benchmarks.decode_gpu`);

@@ -12,7 +12,7 @@ program (`benchmarks._profile`):
 
 - ``train``: the 1B LLaMA step of `benchmarks.throughput` (batch 8 x 2048 tokens, AdamW, bf16
   compute): stacked, listed, stacked with fp8 products, stacked with the loss a user writes with
-  optax on fp32 logits, stacked with the MLP's gate and up projections as two products (before
+  optax on fp32 logits, stacked with each projection its own product (gate and up, Q, K and V: before
   `redeqx.models._layers.joined_linears`), and hand-written (``jax.jit`` + optax, the stacked
   model). For each: its kernels and the gigabytes they read and write by kind (`static_tally`),
   and what those bytes take at the H200's bandwidth: the floor of the time that is neither
@@ -43,7 +43,7 @@ import time
 from benchmarks._common import HBM_BYTES_PER_S, gpu_compiler, parser, report, serve, setup_gpu, worker
 
 SECTIONS = ("train", "fp8", "heads", "context", "decode", "long_decode", "moe_decode")
-TRAIN = ("stacked", "listed", "stacked+fp8", "stacked, optax loss", "stacked, gate and up apart", "hand-written")
+TRAIN = ("stacked", "listed", "stacked+fp8", "stacked, optax loss", "stacked, projections apart", "hand-written")
 BATCH, SEQ = 8, 2048
 GB = 1e9
 
@@ -88,7 +88,7 @@ def train_worker(variant: str) -> dict:
     import redeqx
     from benchmarks._common import gpu_devices, next_token_loss
     from benchmarks._profile import static_tally
-    from benchmarks.throughput import gate_and_up_apart, make_config, model_class
+    from benchmarks.throughput import make_config, model_class, products_apart
 
     mesh = redeqx.make_mesh(1, devices=gpu_devices(1))
     config = make_config("1b", max_position_embeddings=SEQ, scan_layers=not variant.startswith("listed"))
@@ -102,7 +102,7 @@ def train_worker(variant: str) -> dict:
         specs = redeqx.sharding_rules(model, mesh)
         state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
         loss = optax_loss if "optax" in variant else next_token_loss
-        loss = gate_and_up_apart(loss) if "apart" in variant else loss  # as before `joined_linears`
+        loss = products_apart(loss) if "apart" in variant else loss  # as before `joined_linears`
         step = redeqx.make_train_step(loss, optimizer, mesh, specs, compute_dtype=jnp.bfloat16, fp8="fp8" in variant)
         compiled = step.lower(state, batch).compile()
     text = compiled.as_text()

@@ -101,9 +101,10 @@ def hand_written(optimizer, static):
     return jax.jit(step, donate_argnums=(0, 1))
 
 
-def gate_and_up_apart(loss_fn):
-    """``loss_fn`` with the zoo's gated MLPs multiplying gate and up as two products, as before
-    `redeqx.models._layers.joined_linears` (the ``+apart`` variant: the join's A/B, side by side)."""
+def products_apart(loss_fn):
+    """``loss_fn`` with the zoo's LLaMA multiplying each projection alone (gate and up as two
+    products, Q, K and V as three), as before `redeqx.models._layers.joined_linears` (the
+    ``+apart`` variant: the join's A/B, side by side)."""
     import redeqx.models._llama as llama
 
     def apart(model, batch, key):
@@ -119,7 +120,7 @@ def gate_and_up_apart(loss_fn):
 
 def parse_variant(text: str) -> tuple[str, str, int | bool | None, bool, bool]:
     """``"stacked:2+remat+fp8"`` -> (the text, "stacked", 2, remat: True, fp8: True); ``+apart``
-    is read off the text (`gate_and_up_apart`)."""
+    is read off the text (`products_apart`)."""
     spec, *options = text.strip().split("+")
     layout, _, unroll = spec.partition(":")
     if layout not in ("stacked", "listed") or (unroll and (layout == "listed" or not unroll.isdigit())) or \
@@ -152,7 +153,7 @@ def run(args) -> dict:
         config = configs[spec]
         make = lambda key, c=config: model_class(c)(c, key=key)  # noqa: E731
         fn = redeqx.remat(next_token_loss) if remat else next_token_loss
-        fn = gate_and_up_apart(fn) if "+apart" in spec else fn
+        fn = products_apart(fn) if "+apart" in spec else fn
         if first and getattr(args, "plan", True):  # what the planner expects of the first step, compiled before anything is placed
             plan = redeqx.plan(make, fn, optimizer, batch, mesh, compute_dtype=jnp.bfloat16, explore=False)
         base = (jax.devices()[0].memory_stats() or {}).get("bytes_in_use", 0)
@@ -288,8 +289,8 @@ def main():
     p.add_argument("--size", choices=sorted(SIZES) + sorted(MOE_SIZES), default="tiny")
     p.add_argument("--variants", default="stacked,stacked+remat,listed,listed+remat",
                    help="comma-separated: the zoo LLaMA's layers stacked[:scan_unroll] or listed, +remat for "
-                        "redeqx.remat, +fp8 for make_train_step(..., fp8=True), +apart for the MLP's gate and up "
-                        "as two products (gate_and_up_apart); the stack's default scan_unroll "
+                        "redeqx.remat, +fp8 for make_train_step(..., fp8=True), +apart for each projection "
+                        "as its own product (products_apart); the stack's default scan_unroll "
                         "is the family's per-platform choice")
     p.add_argument("--no-hand", dest="hand", action="store_false",
                    help="leave out the hand-written step (on the first layout)")

@@ -6,6 +6,7 @@ of bfloat16's loss, with stacked layers, model shards, remat and accumulation.""
 import os
 import re
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -85,10 +86,10 @@ def test_every_linear_layer_multiplies_fp8_operands_and_nothing_else_does():
     state = redeqx.init_state(model, optax.adamw(1e-3), mesh, specs, key=jax.random.key(1))
     step = redeqx.make_train_step(lm_loss, optax.adamw(1e-3), mesh, specs, compute_dtype=jnp.bfloat16, fp8=True)
     dots, fp8 = _fp8_products(step.lower(state, batch).as_text(dialect="hlo"))
-    # a stacked layer's 7 linear layers in 6 products (the MLP's gate and up are one, `joined_linears`),
-    # once in the scan's body: forward and two gradients each; the attention scores and values (and
-    # their gradients) and the untied head stay in bfloat16
-    assert fp8 == 6 * 3 and dots > fp8, (dots, fp8)
+    # a stacked layer's 7 linear layers in 4 products (Q, K and V are one, the MLP's gate and up are
+    # one: `joined_linears`), once in the scan's body: forward and two gradients each; the attention
+    # scores and values (and their gradients) and the untied head stay in bfloat16
+    assert fp8 == 4 * 3 and dots > fp8, (dots, fp8)
 
 
 def test_a_loss_without_weight_products_is_refused():
@@ -114,7 +115,7 @@ def test_the_output_layer_is_found_from_the_program_not_from_a_tables_size():
     config = models.GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=4, scan_layers=True)
     model = models.GPT2LMHeadModel(config, key=jax.random.key(0))
     dots, fp8 = _lowered_fp8_products(lambda m, b: lm_loss(m, b, None), model, progressions(1)[0])
-    assert fp8 == 6 * 3 and dots > fp8, (dots, fp8)  # q, k, v, c_proj, c_fc, mlp c_proj; not the head
+    assert fp8 == 4 * 3 and dots > fp8, (dots, fp8)  # q, k and v as one, c_proj, c_fc, mlp c_proj; not the head
 
 
 def test_one_jitted_function_at_two_places_is_two_products():
@@ -205,20 +206,33 @@ def test_a_pipelined_fp8_step_matches_one_device_with_ordered_collectives():
 @pytest.mark.slow
 @pytest.mark.parametrize("setting", ["plain", "remat and accumulate"])
 def test_a_small_lm_trains_within_two_percent_of_bfloat16(setting):
-    model = models.LlamaForCausalLM(CONFIG, key=jax.random.key(0))
-    mesh, batches, optimizer = redeqx.make_mesh(2), progressions(50), optax.adamw(3e-3)
+    """The loss over the last 10 of 50 steps, fp8 against bf16, on average over three seeds of the
+    data and the model. One run's loss swings by a few percent: its last batch's loss was 1.0225x
+    bf16's under this suite's compile flags and 0.9995x under the default ones, in one program; over
+    five seeds (2026-12-06) the 10 steps' mean was 0.998x to 1.026x plain, 0.999x to 1.021x with
+    remat and accumulation, with Q, K and V as one product and one scale (as Megatron's fused QKV
+    has) as with a scale each (1.003x to 1.025x; 1.007x to 1.017x)."""
+    mesh, optimizer = redeqx.make_mesh(2), optax.adamw(3e-3)
     loss = redeqx.remat(lm_loss) if setting != "plain" else lm_loss
     kw = {"accumulate": 2} if setting != "plain" else {}
-    specs = redeqx.sharding_rules(model, mesh, loss_fn=lm_loss, batch=batches[0])
-    final = {}
-    for fp8 in (False, True):
-        state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
-        step = redeqx.make_train_step(loss, optimizer, mesh, specs, compute_dtype=jnp.bfloat16, fp8=fp8, **kw)
-        for batch in batches:
-            state, metrics = step(state, batch)
-        final[fp8] = float(metrics["loss"])
-    assert final[False] < 1.0  # it learned (from ln 96 = 4.56)
-    assert abs(final[True] / final[False] - 1) < 0.02, final
+    shapes = eqx.filter_eval_shape(models.LlamaForCausalLM, CONFIG, key=jax.random.key(0))
+    specs = redeqx.sharding_rules(shapes, mesh, loss_fn=lm_loss, batch=progressions(1)[0])  # every seed's
+    steps = {fp8: redeqx.make_train_step(loss, optimizer, mesh, specs, compute_dtype=jnp.bfloat16, fp8=fp8, **kw)
+             for fp8 in (False, True)}
+    ratios = []
+    for seed in range(3):
+        model, batches = models.LlamaForCausalLM(CONFIG, key=jax.random.key(seed)), progressions(50, seed)
+        final = {}
+        for fp8, step in steps.items():
+            state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
+            losses = []
+            for batch in batches:
+                state, metrics = step(state, batch)
+                losses.append(metrics["loss"])
+            final[fp8] = float(np.mean(np.stack(losses[-10:])))
+        assert final[False] < 1.0, final  # it learned (from ln 96 = 4.56)
+        ratios.append(final[True] / final[False])
+    assert abs(np.mean(ratios) - 1) < 0.02, ratios
 
 
 def test_the_rewritten_program_still_names_the_users_code():

@@ -1,6 +1,7 @@
-"""A gated MLP's gate and up projections as one product (`redeqx.models._layers.joined_linears`):
-the values and gradients of the layers called one by one, one ``dot_general`` where they join, and
-each layer called as it is where they must not (a single row, a LoRA adapter)."""
+"""Column-parallel projections of one input as one product (`redeqx.models._layers.joined_linears`:
+a gated MLP's gate and up, attention's Q, K and V): the values and gradients of the layers called
+one by one, one ``dot_general`` for each shape that joins, and each layer called as it is where
+they must not (a single row, a LoRA adapter)."""
 
 import equinox as eqx
 import jax
@@ -45,6 +46,24 @@ def test_one_product_gives_each_layers_values_and_gradients(bias, shape):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
+def test_layers_of_another_shape_join_their_own_kind():
+    """Grouped-query attention: Q's product alone, K and V's as one, each layer's values and
+    gradients as called one by one."""
+    kq, kk, kv = jax.random.split(jax.random.key(4), 3)
+    layers = (Linear(8, 12, bias=True, key=kq), Linear(8, 4, bias=True, key=kk), Linear(8, 4, bias=True, key=kv))
+    layers = tuple(eqx.tree_at(lambda m: m.bias, layer, jnp.arange(layer.bias.size) / (3 + i))
+                   for i, layer in enumerate(layers))
+    x = jax.random.normal(jax.random.key(5), (5, 8))
+    assert _products(lambda x: joined_linears(x, layers), x) == 2
+    for got, layer in zip(joined_linears(x, layers), layers, strict=True):
+        np.testing.assert_allclose(got, layer(x), rtol=1e-6, atol=1e-6)
+    loss = lambda ls, x, f: sum(jnp.sum(jnp.sin(y) * (i + 1)) for i, y in enumerate(f(ls, x)))  # noqa: E731
+    got = jax.grad(loss, argnums=(0, 1))(layers, x, lambda ls, x: joined_linears(x, ls))
+    want = jax.grad(loss, argnums=(0, 1))(layers, x, lambda ls, x: tuple(layer(x) for layer in ls))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
 def test_unjoined_and_an_adapter_take_each_layer_as_it_is():
     layers = _pair(True)
     x = jax.random.normal(jax.random.key(3), (4, 8))
@@ -64,7 +83,9 @@ def test_unjoined_and_an_adapter_take_each_layer_as_it_is():
 def test_training_joins_and_generation_multiplies_each_layer(family):
     """The join's stack is a copy of the weights that only a backward pass pays back: generation's
     passes with a cache (the prompt's, each token's) keep the products apart; a pass without one
-    joins (training's, and a seq2seq model's encoder, once per generation)."""
+    joins (training's, and a seq2seq model's encoder, once per generation). A stack per layer for
+    gate and up (LLaMA; T5's gated FF in each of 4 layers), one for Q, K and V (as many KV heads
+    as query heads), and one for K and V of T5's decoder's cross attention."""
     if family == "llama":
         config = models.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
                                     num_attention_heads=2, num_key_value_heads=2, scan_layers=False)
@@ -75,6 +96,6 @@ def test_training_joins_and_generation_multiplies_each_layer(family):
         model = models.T5ForConditionalGeneration(config, key=jax.random.key(0))
     ids = jnp.ones((2, 5), jnp.int32)
     forward = (lambda m: jax.vmap(m)(ids)) if family == "llama" else (lambda m: jax.vmap(m)(ids, ids))
-    assert str(jax.make_jaxpr(forward)(model)).count("stack[") == (2 if family == "llama" else 4)
+    assert str(jax.make_jaxpr(forward)(model)).count("stack[") == (4 if family == "llama" else 10)
     generated = jax.make_jaxpr(lambda m: models.generate(m, ids, max_new_tokens=3))(model)
-    assert str(generated).count("stack[") == (0 if family == "llama" else 2)  # T5's encoder pass has no cache
+    assert str(generated).count("stack[") == (0 if family == "llama" else 4)  # T5's encoder pass has no cache

@@ -205,7 +205,8 @@ def test_lora_on_the_attention_and_the_experts(tmp_path):
     assert isinstance(experts, LoRAExperts) and experts.gate_proj_lora.lora_a.shape == (2, 8, 4, 32)
     ids = jnp.asarray(BATCH["input_ids"][:2])
     logits = eqx.filter_jit(lambda m: jax.vmap(m)(ids))  # one compile per model structure and sharding
-    np.testing.assert_array_equal(logits(model), logits(base))
+    # to rounding: the base model multiplies Q, K and V as one product, the adapted one each alone
+    np.testing.assert_allclose(logits(model), logits(base), rtol=0, atol=1e-6)
     trainable = lora_trainable(model)
 
     def train(n_model, devices=None):

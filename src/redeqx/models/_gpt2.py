@@ -35,6 +35,7 @@ from ._layers import (
     check_config,
     feed_forward,
     heads,
+    joined_linears,
     square_linears,
     up_and_down,
 )
@@ -92,7 +93,8 @@ class GPT2Attention(eqx.Module):
         self.n_head = config.n_head
 
     def __call__(self, x, mask, cache: KVCache | None, index):
-        q, k, v = (heads(proj(x), self.n_head) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        projected = joined_linears(x, (self.q_proj, self.k_proj, self.v_proj), joined=cache is None)
+        q, k, v = (heads(y, self.n_head) for y in projected)
         return attend_and_project(self.c_proj, q, k, v, mask, cache, index)
 
 

@@ -47,6 +47,7 @@ from ._layers import (
     attend,
     check_config,
     heads,
+    joined_linears,
     summed_linears,
     table_and_layers,
     up_and_down,
@@ -149,7 +150,8 @@ class GPTJBlock(Stackable):
     def __call__(self, x, positions, mask, cache, index):
         c, a, m = self.config, self.attn, self.mlp
         h = self.ln_1(x)  # attention and MLP in parallel, off one norm
-        q, k, v = (heads(proj(h), c.n_head) for proj in (a.q_proj, a.k_proj, a.v_proj))  # column parallel
+        projected = joined_linears(h, (a.q_proj, a.k_proj, a.v_proj), joined=cache is None)  # column parallel
+        q, k, v = (heads(y, c.n_head) for y in projected)
         up = m.fc_in(h)  # column parallel
         q, k = rotary_every_two(q, positions, c.rotated), rotary_every_two(k, positions, c.rotated)
         attended, cache = attend(q, k, v, mask, cache, index)  # the heads joined back, split over `model`

@@ -107,27 +107,38 @@ def summed_linears(pairs: list) -> Float[Array, "seq out"]:
 
 def joined_linears(x: Float[Array, "*batch in"], layers: tuple, *, joined: bool = True) -> tuple:
     """``tuple(layer(x) for layer in layers)`` for column-parallel layers
-    that read one input (a gated MLP's gate and up projections).
+    that read one input (a gated MLP's gate and up projections; an attention
+    block's Q, K and V).
 
-    With ``joined`` and plain `Linear` layers of one shape, the product is
-    one GEMM over their weights stacked, and its gradient one tensor:
-    XLA:GPU computes SwiGLU's two input gradients in one kernel and ``x``'s
-    gradient in one GEMM, where separate products take two kernels reading
-    the same activations and two GEMMs whose outputs are then added
-    (benchmarks/RESULTS.md, "XLA:GPU's programs for H100s"). Under a step's
-    compute dtype the stack is written by the weights' cast, at no cost;
-    otherwise it is a copy of the weights at every call, which only a
-    backward pass pays back: the zoo joins them in passes without a KV cache,
-    and generation's passes (the prompt's, a token's) multiply each layer's
-    weights as they are (``joined=False``). Any other module (a LoRA
-    adapter) is called as it is."""
-    weights = [layer.weight for layer in layers]
-    if (not joined or not all(type(layer) is Linear for layer in layers)
-            or len({(w.shape, w.dtype) for w in weights}) != 1):
-        return tuple(layer(x) for layer in layers)
-    y = jnp.einsum("...i,koi->...ko", x, jnp.stack(weights).astype(x.dtype))
-    return tuple(y[..., k, :] if layer.bias is None else y[..., k, :] + _last(layer.bias.astype(x.dtype), x.ndim)
-                 for k, layer in enumerate(layers))
+    With ``joined``, plain `Linear` layers of one shape and dtype are
+    multiplied as one GEMM over their weights stacked, whose gradient is one
+    tensor: XLA:GPU computes SwiGLU's two input gradients in one kernel, and
+    ``x``'s gradient in one GEMM, where separate products take a GEMM each
+    whose outputs are then added, and each GEMM reads ``x`` again
+    (benchmarks/RESULTS.md, "XLA:GPU's programs for H100s"). Layers of
+    another shape (the query heads of grouped-query attention beside K and
+    V) are joined with their own kind or called alone. Under a step's compute
+    dtype the stack is written by the weights' cast, at no cost; otherwise it
+    is a copy of the weights at every call, which only a backward pass pays
+    back: the zoo joins them in passes without a KV cache, and generation's
+    passes (the prompt's, a token's) multiply each layer's weights as they
+    are (``joined=False``). Any other module (a LoRA adapter) is called as it
+    is."""
+    groups: dict = {}
+    for i, layer in enumerate(layers):
+        alone = not joined or type(layer) is not Linear
+        groups.setdefault(i if alone else (layer.weight.shape, layer.weight.dtype), []).append(i)
+    out: list = [None] * len(layers)
+    for members in groups.values():
+        if len(members) == 1:
+            out[members[0]] = layers[members[0]](x)
+            continue
+        stacked = jnp.stack([layers[i].weight for i in members]).astype(x.dtype)
+        y = jnp.einsum("...i,koi->...ko", x, stacked)
+        for k, i in enumerate(members):
+            bias = layers[i].bias
+            out[i] = y[..., k, :] if bias is None else y[..., k, :] + _last(bias.astype(x.dtype), x.ndim)
+    return tuple(out)
 
 
 class Embedding(eqx.Module):
@@ -691,7 +702,8 @@ class Attention(eqx.Module):
             k, v = kv.read(q.dtype)
         else:
             x = gradients_summed_first(x)
-            q, k, v = (heads(proj(x), h) for proj in (self.q_proj, self.k_proj, self.v_proj))
+            projected = joined_linears(x, (self.q_proj, self.k_proj, self.v_proj), joined=cache is None)
+            q, k, v = (heads(y, h) for y in projected)
         return attend_and_project(self.out_proj, q, k, v, mask, cache, index)
 
     def project_kv(self, source: Float[Array, "src dim"]) -> KVCache:

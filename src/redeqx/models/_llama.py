@@ -210,13 +210,16 @@ class LlamaAttention(eqx.Module):
         self.o_proj = Linear(c.n_heads * d, c.hidden_size, bias=c.attention_bias, key=ko)
         self.config = config
 
-    def _heads(self, x):
-        """The projections' heads (column parallel): Q (T, Hq, D), K and V (T, Hkv, D)."""
+    def _heads(self, x, *, joined: bool = True):
+        """The projections' heads (column parallel): Q (T, Hq, D), K and V (T, Hkv, D); ``joined``:
+        the products of one shape as one (`joined_linears`: Q, K and V for as many KV heads as
+        query heads, else K and V), False in a pass with a KV cache."""
         c = self.config
-        return heads(self.q_proj(x), c.n_heads), heads(self.k_proj(x), c.n_kv_heads), heads(self.v_proj(x), c.n_kv_heads)
+        q, k, v = joined_linears(x, (self.q_proj, self.k_proj, self.v_proj), joined=joined)
+        return heads(q, c.n_heads), heads(k, c.n_kv_heads), heads(v, c.n_kv_heads)
 
     def __call__(self, x, positions, mask, inv_freq, cache: KVCache | None, index):
-        q, k, v = self._heads(x)
+        q, k, v = self._heads(x, joined=cache is None)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         return attend_and_project(self.o_proj, q, k, v, mask, cache, index)
 

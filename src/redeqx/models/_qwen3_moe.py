@@ -120,7 +120,7 @@ class Qwen3MoeAttention(LlamaAttention):
         self.k_norm = RMSNorm(config.dim_head, config.rms_norm_eps)
 
     def __call__(self, x, positions, mask, inv_freq, cache: KVCache | None, index):
-        q, k, v = self._heads(x)
+        q, k, v = self._heads(x, joined=cache is None)
         q, k = apply_rope(self.q_norm(q), positions, inv_freq), apply_rope(self.k_norm(k), positions, inv_freq)
         return attend_and_project(self.o_proj, q, k, v, mask, cache, index)
 

@@ -230,9 +230,9 @@ class T5Attention(eqx.Module):
             k, v = cached_kv.read(q.dtype)
         elif source is not None:
             q = heads(self.q(x), h)
-            k, v = heads(self.k(source), h), heads(self.v(source), h)
+            k, v = (heads(y, h) for y in joined_linears(source, (self.k, self.v), joined=cache is None))
         else:
-            q, k, v = heads(self.q(x), h), heads(self.k(x), h), heads(self.v(x), h)
+            q, k, v = (heads(y, h) for y in joined_linears(x, (self.q, self.k, self.v), joined=cache is None))
         return attend_and_project(self.o, q, k, v, mask, cache, index, scale=1.0, bias=bias)  # scores not scaled
 
     def project_kv(self, source: Float[Array, "src d_model"]) -> KVCache:
