@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import redeqx
+from redeqx import models
 from redeqx.models import beam_search, from_pretrained, generate, greedy, sample
 
 torch = pytest.importorskip("torch")
@@ -99,6 +100,29 @@ def test_right_and_inner_padding_generate_as_the_bare_prompt(llama):
     bare = np.asarray(beams(model, ids[None], np.ones((1, 4), bool)))[0]
     for name, row in zip(rows, np.asarray(beams(model, batch, mask))):
         np.testing.assert_array_equal(row, bare, err_msg=f"{name}-padded prompt, beam search")
+
+
+def test_a_sliding_window_counts_real_tokens_not_padding_slots():
+    """Mistral's window over a padded prompt: padding between a prompt and its new tokens (right
+    padding), on both sides or inside takes no place in the window. The window once counted slots:
+    right- and both-side-padded rows generated other tokens than the bare prompt, silently, and a
+    forward with inner padding gave logits off by 0.16 (a window of 4 here)."""
+    config = models.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, sliding_window=4,
+                                use_sliding_window=True, max_position_embeddings=64)
+    model = models.LlamaForCausalLM(config, key=jax.random.key(0))
+    ids = _prompts(1)[0]
+    pad = 0
+    rows = {"left": [pad, pad, pad, *ids], "right": [*ids, pad, pad, pad], "both": [pad, *ids, pad, pad],
+            "inner": [*ids[:3], pad, pad, *ids[3:], pad]}
+    batch = np.array(list(rows.values()))
+    run = jax.jit(lambda m, i, a: generate(m, i, attention_mask=a, max_new_tokens=6))
+    bare = np.asarray(run(model, ids[None], np.ones((1, PROMPT), bool)))[0]
+    for name, row in zip(rows, np.asarray(run(model, batch, batch != pad))):
+        np.testing.assert_array_equal(row, bare, err_msg=f"{name}-padded prompt")
+    inner = np.array(rows["inner"])
+    logits = jax.jit(lambda m, i, a: m(i, attention_mask=a))(model, inner, inner != pad)
+    np.testing.assert_allclose(np.asarray(logits)[inner != pad], np.asarray(jax.jit(lambda m, i: m(i))(model, ids)), atol=1e-5)
 
 
 @pytest.mark.slow

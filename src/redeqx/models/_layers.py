@@ -751,12 +751,15 @@ def causal_mask(
 ) -> Bool[Array, "q_seq kv_seq"]:
     """Query ``t`` (in slot ``first_slot + t``) sees valid keys in slots up to
     its own, and with a sliding ``window`` only the last ``window`` of them
-    (itself included), as Mistral does."""
+    (itself included), as Mistral does: the window counts real tokens, not
+    slots, so padding between a prompt and its new tokens (a right-padded
+    prompt's) or inside a sequence takes no place in it."""
     q_slot = first_slot + jnp.arange(n_queries)[:, None]
     k_slot = jnp.arange(valid_keys.shape[0])[None, :]
     mask = (k_slot <= q_slot) & valid_keys[None, :]
     if window is not None:
-        mask = mask & (q_slot - k_slot < window)
+        counted = jnp.cumsum(valid_keys.astype(jnp.int32))  # real tokens in the slots up to each one
+        mask = mask & (counted[q_slot] - counted[None, :] < window)
     return mask
 
 
