@@ -37,6 +37,30 @@ def test_event_files_hold_logged_values(tmp_path):
     assert lines[0]["loss"] == 2.5 and lines[1]["hist"] == [0, 1, 2] and "time_to_first_step_s" not in lines[1]
 
 
+def test_a_resumed_run_records_each_step_once(tmp_path):
+    """A run killed after step 5 whose last checkpoint is step 2 resumes and replays steps 3 to 5:
+    its first log (step 3) drops the records of steps 3 on (and a line a kill cut short) from
+    metrics.jsonl and hides them in TensorBoard. Before, the replayed steps were recorded twice."""
+    first = redeqx.Logger(tmp_path)
+    for step in range(1, 6):
+        first.log({"loss": float(step)}, step)
+    first.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "lo')  # the kill came mid-write
+    resumed = redeqx.Logger(tmp_path)
+    for step in range(3, 8):
+        resumed.log({"loss": 10.0 + step}, step)
+    resumed.close()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in lines] == [(1, 1.0), (2, 2.0), *((s, 10.0 + s) for s in range(3, 8))]
+    assert read_scalars(tmp_path / "tensorboard")["loss"] == [(1, 1.0), (2, 2.0), *((s, 10.0 + s) for s in range(3, 8))]
+    assert "dropped 4 line(s)" in (tmp_path / "log.txt").read_text()
+    again = redeqx.Logger(tmp_path)  # a run that starts past every record keeps them all
+    again.log({"loss": 0.5}, 8)
+    again.close()
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 8
+
+
 def test_info_and_outputs(tmp_path, capsys):
     logger = redeqx.Logger(tmp_path, tensorboard=False)
     logger.info("epoch 1 done")

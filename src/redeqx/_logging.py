@@ -66,7 +66,10 @@ class _EventFile:
         from tensorboardX.event_file_writer import EventsWriter
 
         logdir.mkdir(parents=True, exist_ok=True)
-        self._writer = EventsWriter(str(logdir / "events"))
+        # the name's time is in seconds: a second logger made within the same second (a quick
+        # restart) opened the first one's file and truncated it. The suffix keeps names unique, in
+        # the order TensorBoard reads them (by name).
+        self._writer = EventsWriter(str(logdir / "events"), filename_suffix=f".{time.time_ns()}")
 
     def add(self, scalars: Mapping[str, float], step: int) -> None:
         from tensorboardX.proto.event_pb2 import Event
@@ -77,8 +80,36 @@ class _EventFile:
         self._writer.write_event(Event(wall_time=time.time(), step=step, summary=summary))
         self._writer.flush()
 
+    def restart(self, step: int) -> None:
+        """Mark that the run starts over at ``step``: TensorBoard hides the events at ``step`` and
+        later written before this mark (a ``SessionLog.START``, as tensorboardX's ``purge_step``)."""
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+        self._writer.write_event(Event(wall_time=time.time(), step=step, session_log=SessionLog(status=SessionLog.START)))
+        self._writer.flush()
+
     def close(self) -> None:
         self._writer.close()
+
+
+def _records_before(path: Path, step: int) -> tuple[list[str], int] | None:
+    """The lines of ``metrics.jsonl`` at ``path`` to keep for a run that starts at ``step`` (the
+    records of earlier steps) and how many others it holds (records at ``step`` or later, a line
+    cut short by a kill); None when there are none to drop."""
+    import json
+
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return None
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] < step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            pass
+    return None if len(kept) == len(lines) else (kept, len(lines) - len(kept))
 
 
 def _check_count(name: str, value) -> None:
@@ -112,7 +143,11 @@ class Logger:
       device sync. ``nonfinite="warn"`` warns and goes on.
 
     ``step`` is the optimizer step count (``state.step``), the x axis of every
-    plot. A NaN or inf is written to ``metrics.jsonl`` as the string
+    plot. The first ``log`` marks where this run starts: records of that step
+    and later already in the workdir's ``metrics.jsonl`` (a resumed run's
+    steps after its last checkpoint, which the resume replays; an earlier
+    run's) are dropped from it and hidden in TensorBoard, so each step is
+    recorded once. A NaN or inf is written to ``metrics.jsonl`` as the string
     ``"NaN"``, ``"Infinity"`` or ``"-Infinity"`` (strict JSON has no NaN).
 
     **Example:**
@@ -140,6 +175,7 @@ class Logger:
         self.active = jax.process_index() == 0
         self._t_start = self._t_last = time.perf_counter()
         self._first = True
+        self._started = False  # `_start_at` done
         self._bar = None
         self._tb = None
         self._wandb = None
@@ -205,9 +241,32 @@ class Logger:
             warnings.warn(message, stacklevel=2)
         return values
 
+    def _start_at(self, step: int) -> None:
+        """The first `log` marks where this run starts: records of ``step`` and later already in
+        ``metrics.jsonl`` come from a run that went past its last checkpoint before it stopped (a
+        resume replays those steps) or from an earlier run in this workdir; they are dropped, and
+        TensorBoard hides them, so each step is recorded once."""
+        path = self.workdir / "metrics.jsonl"
+        found = _records_before(path, step)
+        if found is None:
+            return
+        kept, dropped = found
+        self._jsonl.close()
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+        self._jsonl = open(path, "a")
+        if self._tb is not None:
+            self._tb.restart(step)
+        self._log.info(f"Logger: this run starts at step {step}; dropped {dropped} line(s) of metrics.jsonl "
+                       f"from step {step} on (or cut short), written by a run that stopped after them.")
+
     def _write(self, values: dict, scalars: dict[str, float], step: int) -> None:
         where = self.workdir / "metrics.jsonl"
         try:
+            if not self._started:
+                self._started = True
+                self._start_at(step)
             self._jsonl.write(dumps({"step": step, **values}, "metrics") + "\n")
             self._jsonl.flush()
             if self._tb is not None:
