@@ -1,5 +1,7 @@
 """Sharded training computes what a single-device run computes."""
 
+import warnings
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -72,6 +74,39 @@ def test_fsdp_matches_single_device(reference, devices, monkeypatch):
 
 def test_accumulate_equals_big_batch(reference):
     np.testing.assert_allclose(reference[2][0], reference[1][0], rtol=2e-5, atol=2e-6)
+
+
+def test_accumulating_a_loss_that_is_no_row_mean_warns_once():
+    """``accumulate`` averages its micro-batches' gradients: a mean over the batch's non-padding
+    tokens then trains on another update than the whole batch's (here half the rows hold one real
+    token), which went unsaid. The first call warns; a mean over rows does not."""
+    mesh = redeqx.make_mesh(2)
+    model = eqx.nn.Linear(4, 3, key=jax.random.key(0))
+    x = np.random.RandomState(0).randn(16, 5, 4).astype(np.float32)
+    mask = np.ones((16, 5), np.float32)
+    mask[1::2, 1:] = 0  # every other row: one real token
+    batch = {"x": x, "mask": mask}
+
+    def token_mean(model, batch, key):
+        per_token = jnp.sum(jax.vmap(jax.vmap(model))(batch["x"]) ** 2, -1)
+        return jnp.sum(per_token * batch["mask"]) / jnp.sum(batch["mask"])
+
+    def row_mean(model, batch, key):
+        per_token = jnp.sum(jax.vmap(jax.vmap(model))(batch["x"]) ** 2, -1)
+        return jnp.mean(jnp.sum(per_token * batch["mask"], 1) / jnp.sum(batch["mask"], 1))
+
+    specs = redeqx.sharding_rules(model, mesh)
+    for loss_fn, warns in ((token_mean, True), (row_mean, False)):
+        state = redeqx.init_state(model, optax.sgd(0.1), mesh, specs, key=jax.random.key(1))
+        step = redeqx.make_train_step(loss_fn, optax.sgd(0.1), mesh, specs, accumulate=2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            state, _ = step(state, batch)
+            state, _ = step(state, batch)
+        said = [str(w.message) for w in caught if "accumulate=2" in str(w.message)]
+        assert len(said) == (1 if warns else 0), said
+        if warns:
+            assert "'token_mean' is not a mean over the batch's rows" in said[0]
 
 
 def test_parameters_and_optimizer_state_stay_sharded(two_shards):

@@ -37,6 +37,7 @@ from ._loss import (
     loss_and_grads,
 )
 from ._remat import ScanResiduals
+from ._accumulate_check import accumulation_check
 from ._shard_mean import by_shard
 from ..data import batch_size, check_batch
 from ..mesh import DATA, check_mesh, check_specs, check_specs_match, sharding_of
@@ -185,7 +186,11 @@ def make_train_step(
     - ``accumulate=k``: the batch is split into ``k`` micro-batches run one
       after another, their gradients averaged: one update per batch with the
       activation memory of a micro-batch (a loss that is a mean over rows
-      gets exactly the whole batch's update). For an update every ``k``
+      gets exactly the whole batch's update; a mean over the batch's
+      non-padding tokens does not: each micro-batch's tokens are weighed by
+      its own count, and the first call warns, having compared on the
+      batch's first rows the loss with its micro-batches' mean,
+      `redeqx.steps._accumulate_check`). For an update every ``k``
       batches instead (a batch larger than one step's), wrap the optimizer in
       ``optax.MultiSteps(optimizer, k)``.
     - ``compute_dtype=jnp.bfloat16``: forward and backward in that dtype;
@@ -261,6 +266,8 @@ def make_train_step(
         grads_of, check = by_shard(grads_of, loss_fn, accumulate, mesh, specs, trainable, placement)
     else:
         grads_of = accumulated(grads_of, accumulate, mesh)
+        if microbatches is None:  # a pipelined step's loss runs over stages: not measured
+            check = accumulation_check(loss_fn, accumulate, mesh, placement)
     step = CompiledStep(_train_step(grads_of, as_optimizer(optimizer), mesh, trainable), mesh, placement=placement,
                         what="state", donate=True, returns_state=True, batch_args=(0,))
     return _named_like(loss_fn, StepFunction(step, first_call_check=check))
