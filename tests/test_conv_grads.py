@@ -144,6 +144,30 @@ def test_xla_grouped_conv_gradient_is_still_wrong_without_it(devices):
     np.testing.assert_allclose(exact, one, rtol=1e-5, atol=1e-7)
 
 
+def test_a_gradient_taken_inside_the_loss_is_one_devices(devices):
+    """A loss that differentiates inside itself (MAML's inner step): the program it traces to holds
+    the grouped convolutions' weight gradients already, which the step now computes by products too.
+    Before, one inner step's adapted weights came from gradients n_model_shards times too large (the
+    outer update of the depthwise weight was 86 % off at 2 shards), silently."""
+    model = ConvNet(1, 8, key=jax.random.key(0))
+    batch = data(1, 8)
+
+    def maml(model, batch, key):
+        inner = eqx.filter_grad(loss_fn)(model, batch, key)
+        return loss_fn(eqx.apply_updates(model, jax.tree.map(lambda g: -0.5 * g, inner)), batch, key)
+
+    expected = eqx.filter_jit(eqx.filter_grad(maml))(model, batch, None)  # one device, no redeqx
+    mesh = redeqx.make_mesh(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        specs = redeqx.sharding_rules(model, mesh, overrides=[(r"depthwise|grouped", P())])
+    state = redeqx.init_state(model, optax.sgd(1.0), mesh, specs, key=jax.random.key(1))
+    new, _ = redeqx.make_train_step(maml, optax.sgd(1.0), mesh, specs)(state, batch)
+    update = jax.tree.map(jnp.subtract, eqx.filter(new.model, eqx.is_array), eqx.filter(model, eqx.is_array))
+    for (path, u), g in zip(jax.tree_util.tree_leaves_with_path(update), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(u, -g, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
 MAKE_STEP_CASES = {  # name: (width, stacked, rules' options, the convolutions replicated)
     "split": (8, False, {}, False),
     "replicated": (8, False, {}, True),

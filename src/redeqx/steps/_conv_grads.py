@@ -175,9 +175,14 @@ def _rewrite_closed(closed: jex.ClosedJaxpr, matches, replace) -> jex.ClosedJaxp
 
 def exact_grouped_convs(closed: jex.ClosedJaxpr) -> jex.ClosedJaxpr:
     """Every grouped convolution in ``closed`` (and in the programs it calls)
-    made to take its weight gradient from `batch_grouped_conv`: a rewrite, for
-    `redeqx._rewrite.rewritten`, of a program yet to be differentiated."""
-    return _rewrite_closed(closed, _is_grouped, _exact_conv_eqn)
+    made to take its weight gradient from `batch_grouped_conv`, and every
+    batch-grouped one it already holds (a gradient taken inside the function:
+    MAML's inner step, a penalty on a weight's gradient) computed by it: a
+    rewrite, for `redeqx._rewrite.rewritten`, of a program yet to be
+    differentiated. (Before the second, a loss's inner gradient of a grouped
+    convolution's weight came out ``n_model_shards`` times too large.)"""
+    return _rewrite_closed(closed, lambda e: _is_grouped(e) or _is_batch_grouped(e),
+                           lambda e: _exact_conv_eqn(e) if _is_grouped(e) else _products_eqn(e))
 
 
 def products_for_batch_grouped_convs(closed: jex.ClosedJaxpr) -> jex.ClosedJaxpr:
