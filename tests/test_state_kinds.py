@@ -155,7 +155,8 @@ def bn_collate(examples):
 def run_bn(n_model_shards, devices):
     mesh = redeqx.make_mesh(n_model_shards, devices=devices)
     model, model_state = eqx.nn.make_with_state(BNNet)(jax.random.key(0))
-    specs = redeqx.sharding_rules(model, mesh)
+    specs = redeqx.sharding_rules(model, mesh, loss_fn=bn_loss, batch=bn_collate(bn_examples(16, 0)),
+                                  model_state=model_state)  # the roles read from the stateful program
     optimizer = optax.sgd(0.1)
     state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1), model_state=model_state)
     step = redeqx.make_train_step(bn_loss, optimizer, mesh, specs)
@@ -194,3 +195,19 @@ def test_stateful_loss_fn_must_return_its_state():
     step = redeqx.make_train_step(lambda m, b, k, s: bn_loss(m, b, k, s)[0], optax.adam(1e-2), mesh, specs)
     with pytest.raises(TypeError, match=r"must return \(loss, new_model_state\)"):
         step(state, bn_collate(bn_examples(16, 0)))
+
+
+def test_the_rules_read_a_stateful_loss_given_its_state_and_name_what_is_missing():
+    """Before, a stateful loss_fn could not be read at all: the rules called it with three
+    arguments and said only to pass it 'exactly as make_train_step receives' it."""
+    mesh = redeqx.make_mesh(2)
+    model, model_state = eqx.nn.make_with_state(BNNet)(jax.random.key(0))
+    batch = bn_collate(bn_examples(16, 0))
+    with pytest.raises(TypeError, match=r"takes a model_state .* model_state=state.model_state"):
+        redeqx.sharding_rules(model, mesh, loss_fn=bn_loss, batch=batch)
+    with pytest.raises(TypeError, match=r"signature \(m, b\), but redeqx calls it as loss_fn\(model, batch, key\)"):
+        redeqx.sharding_rules(model, mesh, loss_fn=lambda m, b: 0.0, batch=batch)
+    table = redeqx.explain(model, redeqx.sharding_rules(model, mesh, loss_fn=bn_loss, batch=batch,
+                                                        model_state=model_state),
+                           mesh, loss_fn=bn_loss, batch=batch, model_state=model_state)
+    assert "fc1.weight" in table and "passes through psum" in table, table  # read from the program

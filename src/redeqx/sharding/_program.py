@@ -45,19 +45,23 @@ HANDLERS.update({
 })
 
 
-def read_program(model, loss_fn, batch, paths: list[str]) -> Facts:
-    """The facts of ``loss_fn(model, batch, key)``'s program about each array
-    leaf of ``model`` (flatten order, as in ``paths``), read on abstract shapes."""
+def read_program(model, loss_fn, batch, paths: list[str], model_state=None) -> Facts:
+    """The facts of ``loss_fn(model, batch, key)``'s program (``loss_fn(model, batch, key,
+    model_state)`` given a ``model_state``) about each array leaf of ``model`` (flatten order, as
+    in ``paths``), read on abstract shapes."""
     params, static = eqx.partition(model, _is_leaf)
     leaves, treedef = jax.tree_util.tree_flatten(params)
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, batch)
     key = jax.eval_shape(lambda: jax.random.key(0))
 
-    def program(flat, b, k):
-        return loss_fn(eqx.combine(jax.tree_util.tree_unflatten(treedef, flat), static), b, k)
+    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, model_state)
 
-    closed = jax.make_jaxpr(program)(abstract, batch, key)
+    def program(flat, b, k, s):
+        m = eqx.combine(jax.tree_util.tree_unflatten(treedef, flat), static)
+        return loss_fn(m, b, k) if model_state is None else loss_fn(m, b, k, s)
+
+    closed = jax.make_jaxpr(program)(abstract, batch, key, state)
     facts = Facts(paths, [tuple(x.shape) for x in abstract], [x.dtype.itemsize for x in abstract])
     reader = Reader(facts, HANDLERS)
     jaxpr = closed.jaxpr

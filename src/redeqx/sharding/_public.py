@@ -18,9 +18,11 @@ from ._program import read_program
 from ._specs import Overrides, unplaced_warning
 
 
-def program_facts(model, loss_fn, batch):
+def program_facts(model, loss_fn, batch, model_state=None):
     """The program's facts about ``model``'s leaves, or None without a program;
-    an error naming what to pass when only half of it is given."""
+    an error naming what to pass when only half of it is given, or when
+    ``loss_fn`` cannot be called as given (no ``key``; a ``model_state`` it
+    needs or cannot take)."""
     if loss_fn is None and batch is None:
         return None
     if loss_fn is None or batch is None:
@@ -32,15 +34,35 @@ def program_facts(model, loss_fn, batch):
         )
     if not callable(loss_fn):
         raise TypeError(f"loss_fn={loss_fn!r} is not callable; pass loss_fn(model, batch, key) -> loss.")
+    _check_call(loss_fn, model_state)
     paths = [path_str(kp) for kp, x in jax.tree_util.tree_flatten_with_path(model)[0] if is_array_like(x)]
     try:
-        return read_program(model, loss_fn, batch, paths)
+        return read_program(model, loss_fn, batch, paths, model_state)
     except Exception as e:
         raise ProgramError(
             f"sharding_rules traced loss_fn(model, batch, key) on abstract shapes to read each weight's role, "
             f"and it raised: {e}. Pass the loss_fn and a batch (arrays or jax.ShapeDtypeStruct of the global "
             "batch) exactly as make_train_step receives them."
         ) from e
+
+
+def _check_call(loss_fn, model_state) -> None:
+    """``loss_fn`` takes what the rules will pass: ``(model, batch, key)``, and a ``model_state``
+    when one is given; an error naming the fix otherwise."""
+    from ..steps._loss import LOSS_CALL, LOSS_EXAMPLE, STATEFUL_CALL, STATEFUL_EXAMPLE, check_signature
+
+    if model_state is not None:
+        check_signature(loss_fn, "loss_fn", 4, STATEFUL_CALL, STATEFUL_EXAMPLE)
+        return
+    try:
+        check_signature(loss_fn, "loss_fn", 3, LOSS_CALL, LOSS_EXAMPLE)
+    except TypeError:
+        check_signature(loss_fn, "loss_fn", (3, 4), LOSS_CALL, LOSS_EXAMPLE)  # neither: the signature's error
+        raise TypeError(
+            f"loss_fn {getattr(loss_fn, '__name__', loss_fn)!r} takes a model_state (loss_fn(model, batch, key, "
+            "model_state), as for BatchNorm): pass the same state to the rules, model_state=state.model_state "
+            "(or the state eqx.nn.make_with_state gave), so its program can be read."
+        ) from None
 
 
 class ProgramError(ValueError):
@@ -69,7 +91,7 @@ def _warn(fallbacks, unplaced, advice, mesh, name) -> None:
 
 @typechecked
 def sharding_rules(model, mesh: Mesh, *, loss_fn: Callable | None = None, batch: Any = None,
-                   overrides: Sequence = (), fsdp: bool = False, name: str | None = None):
+                   overrides: Sequence = (), fsdp: bool = False, name: str | None = None, model_state: Any = None):
     """PartitionSpecs for every array in ``model``, from the two rules.
 
     Returns a tree with ``model``'s structure: a ``PartitionSpec`` at each array
@@ -97,6 +119,9 @@ def sharding_rules(model, mesh: Mesh, *, loss_fn: Callable | None = None, batch:
       ``data`` (ZeRO-3 style), so parameter and optimizer memory falls with
       every device.
     - ``name`` (e.g. ``"critic"``) prefixes the paths in warnings and errors.
+    - ``model_state``: for a ``loss_fn(model, batch, key, model_state)`` (a
+      model with state, such as BatchNorm's), the state its program is read
+      with (``state.model_state``, or what ``eqx.nn.make_with_state`` gave).
 
     Attention is split on whole heads only; leaves whose split dim
     ``n_model_shards`` does not divide are replicated, said in one warning
@@ -112,7 +137,8 @@ def sharding_rules(model, mesh: Mesh, *, loss_fn: Callable | None = None, batch:
     print(redeqx.explain(model, specs, mesh, loss_fn=loss_fn, batch=batch))
     ```
     """
-    return specs_from(model, check_mesh(mesh), program_facts(model, loss_fn, batch), overrides, fsdp, name)
+    return specs_from(model, check_mesh(mesh), program_facts(model, loss_fn, batch, model_state), overrides, fsdp,
+                      name)
 
 
 def specs_from(model, mesh: Mesh, facts, overrides=(), fsdp: bool = False, name: str | None = None):
@@ -165,13 +191,14 @@ def specs_from_overrides(model, mesh: Mesh, overrides: Sequence):
 
 @typechecked
 def explain(model, specs, mesh: Mesh, *, loss_fn: Callable | None = None, batch: Any = None,
-            overrides: Sequence = (), fsdp: bool | None = None, reasons: Literal["short", "full"] = "short") -> str:
+            overrides: Sequence = (), fsdp: bool | None = None, reasons: Literal["short", "full"] = "short",
+            model_state: Any = None) -> str:
     """A table of where each array of ``model`` lives under ``specs``.
 
     One short row per array: path, shape, dtype, spec, bytes per device, and
     why in a few words ("column parallel, dim 0", "replicated: dim 0 (10) does
     not split 4 ways", "override 'wo'"): what the program showed when
-    ``loss_fn`` and ``batch`` are given as to `sharding_rules`, the name rule
+    ``loss_fn`` and ``batch`` (and ``model_state``) are given as to `sharding_rules`, the name rule
     otherwise, the override or ``fsdp``; ``given`` where ``specs`` differ from
     anything the rules would say (e.g. a hand plan). Totals at the bottom.
 
@@ -189,7 +216,7 @@ def explain(model, specs, mesh: Mesh, *, loss_fn: Callable | None = None, batch:
     """
     mesh = check_mesh(mesh)
     full = reasons == "full"
-    facts = program_facts(model, loss_fn, batch)
+    facts = program_facts(model, loss_fn, batch, model_state)
     candidates = [leaf_specs(model, mesh, overrides, f, None, facts)[1]
                   for f in ((False, True) if fsdp is None else (fsdp,))]
     by_path = [{p.path: p for p in decided if p is not None} for decided in candidates]
