@@ -278,6 +278,10 @@ def test_save_pretrained_writes_generation_config(tmp_path):
     models.save_pretrained(models.LlamaForCausalLM(config, key=jax.random.key(0)), tmp_path)
     generation = json.loads((tmp_path / "generation_config.json").read_text())
     assert (generation["bos_token_id"], generation["eos_token_id"], generation["pad_token_id"]) == (1, 2, 0)
+    # GPT-2's config kept no pad_token_id: a checkpoint's was dropped on the way through redeqx
+    gpt2 = models.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2, pad_token_id=0)
+    models.save_pretrained(models.GPT2LMHeadModel(gpt2, key=jax.random.key(0)), tmp_path / "gpt2")
+    assert json.loads((tmp_path / "gpt2" / "config.json").read_text())["pad_token_id"] == 0
 
 
 def test_predict_step_takes_a_batch_the_data_axis_does_not_divide():

@@ -166,8 +166,10 @@ def predict(
     ``output_fn`` sees them, so no caller sees the split layout; any other
     output with such a dim 1 is returned as it is, with a warning. Without
     a ``context`` axis the order needs nothing, and ``seq_outputs`` is only
-    checked. A ``pred_fn`` that generates (`redeqx.models.generate`) cannot
-    run on a ``context`` mesh: generation refuses one.
+    checked. A ``pred_fn`` that generates (`redeqx.models.generate`) runs on
+    a ``context`` mesh with the zoo's models (a split prefill, then decoding
+    from the whole cache); a model of your own without that prefill is
+    refused there (docs/guides/long_context.md, "Not split yet").
 
     **Example:**
 

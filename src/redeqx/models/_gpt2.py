@@ -57,6 +57,7 @@ class GPT2Config(GPTFields, DecoderConfig):
     layer_norm_epsilon: float = 1e-5
     bos_token_id: int | None = 50256
     eos_token_id: int | None = 50256
+    pad_token_id: int | None = None
 
     hf_architecture = "GPT2LMHeadModel"
     hf_type = "gpt2"

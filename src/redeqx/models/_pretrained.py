@@ -216,7 +216,9 @@ def _config(config_cls, hf_config: dict, entries: dict[str, Entry], config_path:
         return config_cls.from_hf_checkpoint(hf_config, frozenset(entries))
     except KeyError as e:
         raise ValueError(f"{config_path} has no field {e}; download or save it again.") from e
-    except (TypeError, ValueError, AttributeError) as e:
+    except ValueError as e:  # a value redeqx refuses says why (an option its blocks do not implement)
+        raise ValueError(f"{config_path}: {hf_config['model_type']} config redeqx cannot build: {e}") from e
+    except (TypeError, AttributeError) as e:
         raise ValueError(f"{config_path} is not a valid {hf_config['model_type']} config: {str(e).rstrip('.')}; "
                          "download or save it again.") from e
 
