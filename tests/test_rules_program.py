@@ -374,3 +374,35 @@ def test_a_users_stacked_flax_kernels_keep_their_roles():
     specs = redeqx.sharding_rules(model, redeqx.make_mesh(4), loss_fn=loss, batch=batch)
     for s in specs:
         assert (s.w_gate, s.w_up, s.w_down) == (P(None, "model"), P(None, "model"), P("model", None))
+
+
+def test_a_layer_reading_an_embedding_lookup_directly_keeps_its_megatron_role():
+    """An MLP on the rows an embedding looks up, with no norm between (a bag of embeddings, a
+    residual block right after the lookup): the reader once took the looked-up rows for a slice of
+    the table (a weight), so the second layer was replicated and the step all-gathered the hidden
+    activation (1.56x the Megatron plan's collective bytes at 2 shards). Rows looked up by data are
+    an activation; a stack's or an expert's matrices picked by an index stay the weight's."""
+    class BagMLP(eqx.Module):
+        emb: jax.Array
+        up: eqx.nn.Linear
+        down: eqx.nn.Linear
+        head: jax.Array
+
+        def __init__(self, key, vocab=64, d=32, f=64):
+            a, b, c, e = jax.random.split(key, 4)
+            self.emb, self.head = jax.random.normal(a, (vocab, d)), jax.random.normal(e, (d, vocab))
+            self.up, self.down = eqx.nn.Linear(d, f, key=b), eqx.nn.Linear(f, d, key=c)
+
+        def __call__(self, tokens):
+            h = self.emb[tokens]
+            h = h + jax.vmap(self.down)(jax.nn.relu(jax.vmap(self.up)(h)))
+            return h @ self.head
+
+    model = eqx.filter_eval_shape(BagMLP, jax.random.key(0))
+    batch = {"tokens": jax.ShapeDtypeStruct((16, 8), jnp.int32), "y": jax.ShapeDtypeStruct((16, 8), jnp.int32)}
+
+    def loss(m, b, key):
+        return models.cross_entropy(jax.vmap(m)(b["tokens"]), b["y"])
+
+    specs = redeqx.sharding_rules(model, redeqx.make_mesh(2), loss_fn=loss, batch=batch)
+    assert (specs.up.weight, specs.down.weight) == (P("model", None), P(None, "model")), specs

@@ -289,7 +289,10 @@ def gather(r: Reader, eqn) -> None:
             r.facts.moves(leaf, eqn, 0, r.trips * nbytes(out))
         kept = [d for d in range(len(_shape(table))) if d not in dn.collapsed_slice_dims]
         whole = [d for d in kept if eqn.params["slice_sizes"][d] == _shape(table)[d]]
-        if len(kept) == len(dn.offset_dims):
+        # a weight's slices (a table's rows by constant indices, a stack's or an expert's matrices):
+        # still the weight; vectors looked up by data (an embedding's rows) are an activation, which a
+        # layer reading them directly (no norm between) contracts as it would any input
+        if len(kept) == len(dn.offset_dims) and (r.is_static(indices) or len(kept) > 1):
             def rows(dims):
                 new = [None] * len(_shape(out))
                 for pos, d in zip(dn.offset_dims, kept):
