@@ -322,7 +322,12 @@ def beam_search(
     Each step extends every live beam by every token and keeps the
     ``num_beams`` best; a beam that emitted ``eos_token_id`` is finished and
     carries its score unchanged (padded with ``pad_token_id``). The winner
-    maximises ``log p / length ** length_penalty``.
+    maximises ``log p / length ** length_penalty``. A finished beam keeps
+    its place among the ``num_beams``, so fewer stay live: Hugging Face's
+    ``generate(num_beams=...)`` keeps ``num_beams`` live beams beside a pool
+    of finished ones, and once a beam ends early the two may choose other
+    hypotheses (each its own rule's best; without ``eos_token_id`` they
+    agree, tested against Transformers).
 
     **Example:**
 
