@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -48,21 +50,33 @@ def program_facts(model, loss_fn, batch, model_state=None):
 
 def _check_call(loss_fn, model_state) -> None:
     """``loss_fn`` takes what the rules will pass: ``(model, batch, key)``, and a ``model_state``
-    when one is given; an error naming the fix otherwise."""
-    from ..steps._loss import LOSS_CALL, LOSS_EXAMPLE, STATEFUL_CALL, STATEFUL_EXAMPLE, check_signature
-
-    if model_state is not None:
-        check_signature(loss_fn, "loss_fn", 4, STATEFUL_CALL, STATEFUL_EXAMPLE)
-        return
+    when one is given; an error naming the fix otherwise (as the steps' own check words it)."""
     try:
-        check_signature(loss_fn, "loss_fn", 3, LOSS_CALL, LOSS_EXAMPLE)
-    except TypeError:
-        check_signature(loss_fn, "loss_fn", (3, 4), LOSS_CALL, LOSS_EXAMPLE)  # neither: the signature's error
+        sig = inspect.signature(loss_fn)
+    except (TypeError, ValueError):  # builtins, some C callables: found out when traced
+        return
+
+    def takes(n: int) -> bool:
+        try:
+            sig.bind(*([None] * n))
+            return True
+        except TypeError:
+            return False
+
+    name = getattr(loss_fn, "__name__", repr(loss_fn))
+    if takes(4 if model_state is not None else 3):
+        return
+    if model_state is None and takes(4):
         raise TypeError(
-            f"loss_fn {getattr(loss_fn, '__name__', loss_fn)!r} takes a model_state (loss_fn(model, batch, key, "
-            "model_state), as for BatchNorm): pass the same state to the rules, model_state=state.model_state "
-            "(or the state eqx.nn.make_with_state gave), so its program can be read."
-        ) from None
+            f"loss_fn {name!r} takes a model_state (loss_fn(model, batch, key, model_state), as for BatchNorm): "
+            "pass the same state to the rules, model_state=state.model_state (or the state "
+            "eqx.nn.make_with_state gave), so its program can be read."
+        )
+    call = "(model, batch, key, model_state)" if model_state is not None else "(model, batch, key)"
+    raise TypeError(
+        f"loss_fn {name!r} has the signature {sig}, but redeqx calls it as loss_fn{call}. Write it as "
+        f"`def loss_fn{call}: ...` (an argument it does not need may go unused)."
+    )
 
 
 class ProgramError(ValueError):
