@@ -1,5 +1,6 @@
 """The API contract: nothing fails silently (a first-day review as a new user)."""
 
+import sys
 import warnings
 
 import equinox as eqx
@@ -189,6 +190,25 @@ def test_wrong_losses_are_errors_naming_loss_fn(returned, match):
     with pytest.raises((TypeError, ValueError), match="my_loss") as info:
         step(state, make_batch())
     assert info.match(match)
+
+
+def test_an_error_inside_loss_fn_notes_what_the_batch_holds():
+    """Float labels into optax's integer-label cross-entropy: optax's error names no key; the note
+    says what each of the batch's keys holds."""
+    mesh, model, specs, optimizer = setup()
+
+    def my_loss(model, batch, key):
+        logits = jax.vmap(model)(batch["x"]).mean(1)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
+    step = redeqx.make_train_step(my_loss, optimizer, mesh, specs)
+    batch = make_batch()
+    with pytest.raises(TypeError, match="integer") as info:
+        step(state, {**batch, "y": batch["y"].astype(np.float32)})
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    if sys.version_info >= (3, 11):  # add_note
+        assert "raised inside loss_fn 'my_loss'" in notes and "batch['y']: float32[16]" in notes, notes
 
 
 def test_loss_fn_without_key_is_named_with_its_fix():

@@ -109,15 +109,30 @@ def _unpack(loss_fn, out, stateful: bool):
     return loss, aux, new_state
 
 
+def _note_batch(error: Exception, name: str, batch) -> None:
+    """An error raised inside ``loss_fn`` (a float label into an integer-label loss, a missing
+    feature) gets a note saying what the batch it was traced on holds: each key's dtype and shape,
+    where the error itself names none of them."""
+    if not hasattr(error, "add_note") or any("redeqx: raised inside" in n for n in getattr(error, "__notes__", ())):
+        return
+    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    said = ", ".join(f"batch{jax.tree_util.keystr(path)}: {getattr(x, 'dtype', type(x).__name__)}"
+                     f"{list(getattr(x, 'shape', ()))}" for path, x in leaves[:12])
+    error.add_note(f"redeqx: raised inside loss_fn {name!r}, traced on a batch of {said}"
+                   + (" ..." if len(leaves) > 12 else "") + ".")
+
+
 def call_loss(loss_fn, model, batch, key, model_state=None):
     """``loss_fn(model, batch, key[, model_state])``, checked: ``(float32
     loss, aux of scalars, new model_state or None)``."""
     name = fn_name(loss_fn)
-    if model_state is None:
-        out = loss_fn(model, batch, key)
-    else:
+    if model_state is not None:
         check_signature(loss_fn, "loss_fn", 4, STATEFUL_CALL, STATEFUL_EXAMPLE)
-        out = loss_fn(model, batch, key, model_state)
+    try:
+        out = loss_fn(model, batch, key) if model_state is None else loss_fn(model, batch, key, model_state)
+    except Exception as e:
+        _note_batch(e, name, batch)
+        raise
     loss, aux, new_state = _unpack(loss_fn, out, model_state is not None)
     if isinstance(loss, dict):
         raise TypeError(
