@@ -86,6 +86,29 @@ def _bad_argument(fn, sig: inspect.Signature, hints: dict, args, kwargs) -> Argu
     return None
 
 
+def fn_name(fn) -> str:
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def check_signature(fn, role: str, n: int | tuple[int, ...], call: str, example: str) -> None:
+    """``fn`` can be called with ``n`` positional arguments (any of them, for
+    a tuple), else an error naming the function and what it must look like."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins, some C callables: find out when called
+        return
+    for k in (n,) if isinstance(n, int) else n:
+        try:
+            sig.bind(*([None] * k))
+            return
+        except TypeError:
+            pass
+    raise TypeError(
+        f"{role} {fn_name(fn)!r} has the signature {sig}, but redeqx calls it as {role}{call}. "
+        f"Write it as `{example}` (an argument it does not need may go unused)."
+    )
+
+
 def typechecked(fn):
     """Check ``fn``'s annotated arguments (and jaxtyping shapes) on every call.
 

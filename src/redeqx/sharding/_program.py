@@ -52,10 +52,9 @@ def read_program(model, loss_fn, batch, paths: list[str], model_state=None) -> F
     params, static = eqx.partition(model, _is_leaf)
     leaves, treedef = jax.tree_util.tree_flatten(params)
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
-    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, batch)
+    batch, state = (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, t)
+                    for t in (batch, model_state))
     key = jax.eval_shape(lambda: jax.random.key(0))
-
-    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, model_state)
 
     def program(flat, b, k, s):
         m = eqx.combine(jax.tree_util.tree_unflatten(treedef, flat), static)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
-
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -14,7 +12,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from ..mesh import DATA, MODEL, check_mesh
 from .._trees import human_bytes, is_array_like, path_parts, path_str, per_device_shape
-from .._typing import typechecked, warn_user
+from .._typing import check_signature, fn_name, typechecked, warn_user
 from ._decide import leaf_specs
 from ._program import read_program
 from ._specs import Overrides, unplaced_warning
@@ -50,33 +48,20 @@ def program_facts(model, loss_fn, batch, model_state=None):
 
 def _check_call(loss_fn, model_state) -> None:
     """``loss_fn`` takes what the rules will pass: ``(model, batch, key)``, and a ``model_state``
-    when one is given; an error naming the fix otherwise (as the steps' own check words it)."""
+    when one is given; an error naming the fix otherwise, as the steps word it."""
+    if model_state is not None:
+        check_signature(loss_fn, "loss_fn", 4, "(model, batch, key, model_state)",
+                        "def loss_fn(model, batch, key, model_state): ...")
+        return
+    check_signature(loss_fn, "loss_fn", (3, 4), "(model, batch, key)", "def loss_fn(model, batch, key): ...")
     try:
-        sig = inspect.signature(loss_fn)
-    except (TypeError, ValueError):  # builtins, some C callables: found out when traced
-        return
-
-    def takes(n: int) -> bool:
-        try:
-            sig.bind(*([None] * n))
-            return True
-        except TypeError:
-            return False
-
-    name = getattr(loss_fn, "__name__", repr(loss_fn))
-    if takes(4 if model_state is not None else 3):
-        return
-    if model_state is None and takes(4):
+        check_signature(loss_fn, "loss_fn", 3, "", "")
+    except TypeError:
         raise TypeError(
-            f"loss_fn {name!r} takes a model_state (loss_fn(model, batch, key, model_state), as for BatchNorm): "
-            "pass the same state to the rules, model_state=state.model_state (or the state "
+            f"loss_fn {fn_name(loss_fn)!r} takes a model_state (loss_fn(model, batch, key, model_state), as for "
+            "BatchNorm): pass the same state to the rules, model_state=state.model_state (or the state "
             "eqx.nn.make_with_state gave), so its program can be read."
-        )
-    call = "(model, batch, key, model_state)" if model_state is not None else "(model, batch, key)"
-    raise TypeError(
-        f"loss_fn {name!r} has the signature {sig}, but redeqx calls it as loss_fn{call}. Write it as "
-        f"`def loss_fn{call}: ...` (an argument it does not need may go unused)."
-    )
+        ) from None
 
 
 class ProgramError(ValueError):

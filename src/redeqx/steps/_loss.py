@@ -11,7 +11,6 @@ makes one from ``loss_fn``; `accumulated` runs one over micro-batches;
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -27,13 +26,9 @@ from ._remat import ScanResiduals, keep_products
 from ..mesh import CONTEXT, DATA
 from .._rewrite import rewritten
 from .._trees import is_floating
-from .._typing import short_repr
+from .._typing import check_signature, fn_name, short_repr
 
 GradFn = Callable[..., tuple[Any, dict, Any, Any]]
-
-
-def fn_name(fn) -> str:
-    return getattr(fn, "__name__", None) or type(fn).__name__
 
 
 # ----------------------------------------------------------------------------- checking the user's functions
@@ -42,25 +37,6 @@ LOSS_CALL = "(model, batch, key)"
 LOSS_EXAMPLE = "def loss_fn(model, batch, key): ..."
 STATEFUL_CALL = "(model, batch, key, model_state)"
 STATEFUL_EXAMPLE = "def loss_fn(model, batch, key, model_state): ...; return loss, new_model_state"
-
-
-def check_signature(fn, role: str, n: int | tuple[int, ...], call: str, example: str) -> None:
-    """``fn`` can be called with ``n`` positional arguments (any of them, for
-    a tuple), else an error naming the function and what it must look like."""
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):  # builtins, some C callables: find out when called
-        return
-    for k in (n,) if isinstance(n, int) else n:
-        try:
-            sig.bind(*([None] * k))
-            return
-        except TypeError:
-            pass
-    raise TypeError(
-        f"{role} {fn_name(fn)!r} has the signature {sig}, but redeqx calls it as {role}{call}. "
-        f"Write it as `{example}` (an argument it does not need may go unused)."
-    )
 
 
 def check_user_fn(fn, role: str, call: str, example: str) -> None:
