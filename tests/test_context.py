@@ -42,8 +42,10 @@ def _naive(q, k, v, seg, causal, window=None):
     mask = seg[:, None, :, None] == seg[:, None, None, :]
     if causal:
         mask = mask & jnp.tril(jnp.ones((t, t), bool))[None, None]
-    if window is not None:
-        mask = mask & ~jnp.tril(jnp.ones((t, t), bool), -window)[None, None]  # key more than window - 1 back
+    if window is not None:  # keys of its segment more than window - 1 back (counted in the segment) hidden
+        same = seg[:, :, None] == seg[:, None, :]  # (B, T, T)
+        rank = jnp.sum(same & jnp.tril(jnp.ones((t, t), bool))[None], -1) - 1  # (B, T): its segment's tokens before it
+        mask = mask & (rank[:, :, None] - rank[:, None, :] < window)[:, None]
     return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(jnp.where(mask, s, -jnp.inf), -1), v)
 
 
@@ -96,12 +98,15 @@ def _naive_loss(q, k, v, seg, weights, causal, window=None):
 
 
 @functools.cache
-def _naive_case(causal, t, padding, window):
-    """The inputs of an attention test (2 sequences of ``t`` tokens, the first ``padding`` of them a
-    segment of their own) and the written-out attention's loss and gradients on them: computed once
-    for every impl and block size that is compared with them (jitted: eagerly each op compiled alone)."""
+def _naive_case(causal, t, padding, window, inner=0):
+    """The inputs of an attention test (2 sequences of ``t`` tokens, the first ``padding`` of them
+    and ``inner`` more in the middle a segment of their own) and the written-out attention's loss and
+    gradients on them: computed once for every impl and block size that is compared with them
+    (jitted: eagerly each op compiled alone)."""
     q, k, v = _qkv(jax.random.key(0), t=t)
-    seg = jnp.asarray(np.r_[np.zeros(padding), np.ones(t - padding)].astype(np.int32))[None].repeat(2, 0)
+    seg = np.r_[np.zeros(padding), np.ones(t - padding)].astype(np.int32)
+    seg[(t + padding) // 2:(t + padding) // 2 + inner] = 0
+    seg = jnp.asarray(seg)[None].repeat(2, 0)
     weights = jax.random.normal(jax.random.key(1), q.shape)
     naive = jax.jit(jax.value_and_grad(_naive_loss, argnums=(0, 1, 2)), static_argnums=(5, 6))
     return (q, k, v, seg, weights), naive(q, k, v, seg, weights, causal, window)
@@ -111,9 +116,12 @@ def _naive_case(causal, t, padding, window):
 @pytest.mark.parametrize("window", [1, 3, 6, 40])  # 1: itself only; 40: longer than the sequence
 def test_sliding_window_split_equals_one_device(monkeypatch, impl, window):
     """Blocks of 2 tokens over 4 shards: a window of 3 hides some pairs of
-    every shard's table, unequally (the tables are padded with hidden pairs)."""
+    every shard's table, unequally (the tables are padded with hidden pairs).
+    Padding (a segment of 0s) leads the sequence and splits it at 18-21: the
+    window counts a segment's tokens, so the 4 padding slots take no place in
+    it (once they did, on every path)."""
     monkeypatch.setattr("redeqx.context._blockwise.BLOCK", 2)
-    (q, k, v, seg, weights), (want, want_grads) = _naive_case(True, 32, 5, window)
+    (q, k, v, seg, weights), (want, want_grads) = _naive_case(True, 32, 5, window, inner=4)
 
     def loss(q, k, v, seg, weights):
         return jnp.sum(redeqx.attention(q, k, v, segment_ids=seg, window=window, impl=impl) * weights)
@@ -276,6 +284,7 @@ def _examples(t=16, n=4):
     mask = np.ones((n, t), bool)
     mask[0, :5] = False  # left padding
     mask[1, -3:] = False  # right padding
+    mask[2, 7:10] = False  # padding inside: a sliding window does not count it
     return [dict(input_ids=ids[i, :-1], labels=ids[i, 1:], attention_mask=mask[i]) for i in range(n)]
 
 

@@ -33,27 +33,69 @@ from ..mesh import CONTEXT, traced_platform
 class Span:
     """Which keys a query sees, by place in the original order: all
     (``causal=False``), those at or before its own (``causal=True``), and of
-    those, with a ``window``, only the last ``window`` (itself included: a
-    sliding window, as Mistral's)."""
+    those, with a ``window``, only the last ``window`` of its own segment
+    (itself included: a sliding window, as Mistral's, that counts the keys a
+    query sees, so padding inside a sequence takes no place in it).
+
+    ``by_segment``: positions are ``(T, 2)``, each token's place and its
+    `segment_ranks` (where segments are given with a window); otherwise
+    ``(T,)`` places, which then count the window too (one segment, or
+    none)."""
 
     causal: bool
     window: int | None = None
+    by_segment: bool = False
 
     def mask(self, qpos, kpos):
-        """(Tq, Tk): whether query ``qpos[t]`` sees key ``kpos[s]``."""
-        seen = jnp.ones((qpos.shape[0], kpos.shape[0]), bool)
+        """(Tq, Tk): whether query ``qpos[t]`` sees key ``kpos[s]`` (segments aside)."""
+        (qp, qr), (kp, kr) = (_place_and_rank(x, self.by_segment) for x in (qpos, kpos))
+        seen = jnp.ones((qp.shape[0], kp.shape[0]), bool)
         if self.causal:
-            seen = kpos[None, :] <= qpos[:, None]
+            seen = kp[None, :] <= qp[:, None]
         if self.window is not None:
-            seen = seen & (qpos[:, None] - kpos[None, :] < self.window)
+            seen = seen & (qr[:, None] - kr[None, :] < self.window)
         return seen
 
     def sees_block(self, qi: int, kj: int, b: int) -> bool:
-        """Whether some query of block ``qi`` sees some key of block ``kj``
-        (blocks of ``b`` consecutive places)."""
+        """Whether some query of block ``qi`` may see some key of block ``kj``
+        (blocks of ``b`` consecutive places). A window counted by segment
+        skips no block here: its pairs are skipped as the loop meets them
+        (`_skipped`), since padding inside a segment's run stretches it."""
         if self.causal and kj > qi:
             return False
-        return self.window is None or (qi - kj - 1) * b + 1 < self.window  # nearest pair: first query, last key
+        if self.window is None or self.by_segment:
+            return True
+        return (qi - kj - 1) * b + 1 < self.window  # nearest pair: first query, last key
+
+
+def _place_and_rank(pos, by_segment: bool):
+    return (pos[:, 0], pos[:, 1]) if by_segment else (pos, pos)
+
+
+def segment_ranks(pos, seg):
+    """(T,) int32: how many tokens of each token's segment lie at earlier
+    places (``pos``, the original places, in any order), what a sliding window
+    counts: a real token's count of real tokens before it, where padding is a
+    segment of its own (the zoo's ``attention_mask``)."""
+    t = pos.shape[0]
+    order = jnp.lexsort((pos, seg))  # by segment, then by place
+    s = seg[order]
+    i = jnp.arange(t, dtype=jnp.int32)
+    starts = jax.lax.cummax(jnp.where(jnp.concatenate([jnp.ones((1,), bool), s[1:] != s[:-1]]), i, 0))
+    return jnp.zeros((t,), jnp.int32).at[order].set(i - starts)
+
+
+def with_ranks(pos, seg, span: Span, n: int = 1):
+    """``pos`` as `Span.mask` reads it: with each token's `segment_ranks` beside its place where the
+    window counts by segment. Inside ``shard_map`` over ``n > 1`` context shards, ``pos`` and
+    ``seg`` are this shard's, and the ranks are counted over the whole sequence (its places and
+    segments gathered: ``T`` ints each)."""
+    if not span.by_segment:
+        return pos
+    if n == 1:
+        return jnp.stack([pos, segment_ranks(pos, seg)], axis=1)
+    every = with_ranks(*(jax.lax.all_gather(a, CONTEXT, tiled=True) for a in (pos, seg)), span)
+    return jax.lax.dynamic_slice_in_dim(every, jax.lax.axis_index(CONTEXT) * pos.shape[0], pos.shape[0])
 
 
 def block_scores(q, k, qpos, kpos, qseg, kseg, span: Span, scale: float):
@@ -115,7 +157,7 @@ def _pairs(q_ids, k_ids, span: Span, b: int) -> np.ndarray:
     return np.asarray(pairs, np.int32).reshape(-1, 2)
 
 
-PAD = -1  # a table entry that stands for no pair: skipped (`_pads_skipped`)
+PAD = -1  # a table entry that stands for no pair: skipped (`_skipped`)
 
 
 def _mine(tables: list[np.ndarray], span: Span, n: int | None = None):
@@ -123,21 +165,29 @@ def _mine(tables: list[np.ndarray], span: Span, n: int | None = None):
     ``n`` pairs (default: the longest) with ``(PAD, PAD)``. The dual-chunk
     order gives every shard the same number of pairs under a plain causal
     mask (no padding); a sliding window does not, and its loops skip the
-    padding (`_pads_skipped`)."""
+    padding (`_skipped`)."""
     n = max(map(len, tables)) if n is None else n
     assert span.window is not None or all(len(t) == n for t in tables), [len(t) for t in tables]
     padded = [np.concatenate([t, np.full((n - len(t), 2), PAD, np.int32)]) for t in tables]
     return jnp.asarray(np.stack(padded))[jax.lax.axis_index(CONTEXT)]
 
 
-def _pads_skipped(step, span: Span):
+def _skipped(step, span: Span, sees=None):
     """A loop step over (query block, key block) pairs that leaves the carry
-    as it is for a `PAD` pair: a conditional, only where tables can hold
-    padding (a sliding window), so the causal loop stays branch-free."""
+    as it is for a `PAD` pair and, for a window counted by segment, for a
+    pair whose queries see none of its keys (``sees(pair)``): a conditional,
+    only where tables can hold such pairs (a sliding window), so the causal
+    loop stays branch-free."""
     if span.window is None:
         return step
-    return lambda carry, pair: jax.lax.cond(pair[0] != PAD, step, lambda c, _: (c, None), carry, pair)
 
+    def skipping(carry, pair):
+        run = pair[0] != PAD
+        if span.by_segment:
+            run = run & sees(jnp.maximum(pair, 0))
+        return jax.lax.cond(run, step, lambda c, _: (c, None), carry, pair)
+
+    return skipping
 
 def _init(q, hkv):
     t, hq, d = q.shape
@@ -174,6 +224,17 @@ def _add_rows(a, x, start):
     return jax.lax.dynamic_update_slice_in_dim(a, _rows(a, start, x.shape[0]) + x, start, 0)
 
 
+def _sees(qpos, kpos, qseg, kseg, b: int, span: Span):
+    """Whether some query of a (query block, key block) pair sees some key of it."""
+
+    def sees(pair):
+        i, j = pair[0] * b, pair[1] * b
+        same = _rows(qseg, i, b)[:, None] == _rows(kseg, j, b)[None, :]
+        return jnp.any(same & span.mask(_rows(qpos, i, b), _rows(kpos, j, b)))
+
+    return sees
+
+
 # -- the two loops over (query block, key block) pairs: flash attention's, with the masked pairs left out
 
 
@@ -187,7 +248,7 @@ def _forward(acc, q, k, v, qpos, kpos, qseg, kseg, pairs, b: int, span: Span, sc
                              _rows(qpos, i, b), _rows(kpos, j, b), _rows(qseg, i, b), _rows(kseg, j, b), span, scale)
         return tuple(jax.lax.dynamic_update_slice_in_dim(a, x, i, 2) for a, x in zip(carry, new)), None
 
-    return jax.lax.scan(_pads_skipped(step, span), acc, pairs)[0]
+    return jax.lax.scan(_skipped(step, span, _sees(qpos, kpos, qseg, kseg, b, span)), acc, pairs)[0]
 
 
 def _grads(init, q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, pairs, b: int, span: Span, scale: float):
@@ -200,7 +261,7 @@ def _grads(init, q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, pairs, b: int,
                                      _rows(qseg, i, b), _rows(kseg, j, b), span, scale)
         return (_add_rows(carry[0], dq, i), _add_rows(carry[1], dk, j), _add_rows(carry[2], dv, j)), None
 
-    return jax.lax.scan(_pads_skipped(step, span), init, pairs)[0]
+    return jax.lax.scan(_skipped(step, span, _sees(qpos, kpos, qseg, kseg, b, span)), init, pairs)[0]
 
 
 def _zeros(*xs):
@@ -269,6 +330,7 @@ def whole_attention(q, k, v, pos, seg, span, scale):
     cuDNN's kernel does not run)."""
     b = block_size(q.shape[0])
     ids = np.arange(q.shape[0] // b)
+    pos = with_ranks(pos, seg, span)
     return _flash(q, k, v, pos, pos, seg, seg, jnp.asarray(_pairs(ids, ids, span, b)), b, span, scale)
 
 

@@ -40,7 +40,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from . import _tpu
-from ._blockwise import Span, block_scores, block_size, gather_attention, ring_attention, whole_attention
+from ._blockwise import Span, block_scores, block_size, gather_attention, ring_attention, whole_attention, with_ranks
 from ..mesh import CONTEXT, DATA, traced_platform
 from .._typing import typechecked
 
@@ -295,6 +295,7 @@ def _plain(q, k, v, pos, seg, span: Span, scale: float):
     if (out := _by_kernel(q, k, v, seg, span, scale)) is not None:
         return out
     seg = jnp.zeros(pos.shape, jnp.int32) if seg is None else seg
+    pos = with_ranks(pos, seg, span)
     s, _ = block_scores(q, k, pos, pos, seg, seg, span, scale)
     p = jax.nn.softmax(s, axis=-1)
     t, hq, d = q.shape
@@ -387,8 +388,9 @@ def _split(q, k, v, pos, seg, span: Span, scale: float, impl: str, n: int):
         body = functools.partial(ring_attention, span=span, scale=scale, n=n, layout=layout, b=b)
     else:
         body = functools.partial(gather_attention, span=span, scale=scale, n=n, layout=layout, b=b)
-    return jax.shard_map(lambda *a: body(*a), in_specs=(seq, seq, seq, tok, tok), out_specs=seq,
-                         axis_names=frozenset({CONTEXT}), check_vma=False)(q, k, v, pos, seg)
+    return jax.shard_map(lambda q, k, v, pos, seg: body(q, k, v, with_ranks(pos, seg, span, n), seg),
+                         in_specs=(seq, seq, seq, tok, tok), out_specs=seq, axis_names=frozenset({CONTEXT}),
+                         check_vma=False)(q, k, v, pos, seg)
 
 
 @typechecked
@@ -413,8 +415,9 @@ def attention(
     each other), and with ``causal=True`` only those at or before its own
     position (`sequence_positions`: the original order, whatever the
     layout); with a ``window`` (causal only), only the last ``window`` of
-    those, itself included (sliding-window attention, as Mistral's).
-    ``scale`` defaults to ``1 / sqrt(head_dim)``.
+    those, itself included (sliding-window attention, as Mistral's): the
+    window counts its own segment's tokens, so padding inside a sequence
+    takes no place in it. ``scale`` defaults to ``1 / sqrt(head_dim)``.
 
     On a mesh without a ``context`` axis this is plain attention (cuDNN's
     flash attention on a GPU in half precision where no segments are given;
@@ -437,7 +440,8 @@ def attention(
     ``ring`` compute blocks of up to 1024 queries by 1024
     keys (the largest divisor of a chunk's ``T / 2C`` tokens not above
     1024), with an online softmax, skip the blocks a causal mask hides
-    whole (and those a sliding window leaves behind), and differentiate by recomputing the scores (custom VJPs),
+    whole (and those a sliding window leaves behind: with segments, as the loop meets them, the pair
+    tables being the causal mask's), and differentiate by recomputing the scores (custom VJPs),
     never forming the ``(T, T)`` scores; ``heads`` runs that loop over the
     whole sequence for its heads wherever cuDNN's kernel does not (a TPU, a
     CPU, segments, a window, float32).
@@ -469,7 +473,7 @@ def attention(
     n = context_axis()
     pos = sequence_positions(q.shape[0])
     seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
-    span = Span(causal, window)
+    span = Span(causal, window, by_segment=window is not None and seg is not None)
     if n is None:
         return _plain(q, k, v, pos, seg, span, scale)
     if n > 1:

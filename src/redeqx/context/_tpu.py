@@ -40,9 +40,10 @@ def kernel_runs(q, k, span: Span) -> bool:
     """Whether `splash` serves attention of ``q`` (T, Hq, D) over ``k`` (T, Hkv, D): traced for a TPU
     (or in the interpreter), nothing left for the partitioner to split (`_nothing_to_partition`),
     queries and keys of the same length, a multiple of 128 tokens, and a head size of 64 or a
-    multiple of 128 (the vector lanes)."""
+    multiple of 128 (the vector lanes); not a window counted by segment (``span.by_segment``: the
+    kernel's window counts places, padding inside a sequence included)."""
     platform_ok = INTERPRET or traced_platform() == "tpu"
-    return (platform_ok and q.shape[0] == k.shape[0] and q.shape[0] % BLOCKS[-1] == 0
+    return (platform_ok and not span.by_segment and q.shape[0] == k.shape[0] and q.shape[0] % BLOCKS[-1] == 0
             and (q.shape[-1] == 64 or q.shape[-1] % 128 == 0) and jnp.issubdtype(q.dtype, jnp.floating)
             and _nothing_to_partition())
 
