@@ -41,7 +41,7 @@ def program_facts(model, loss_fn, batch, model_state=None):
     except Exception as e:
         raise ProgramError(
             f"sharding_rules traced loss_fn(model, batch, key) on abstract shapes to read each weight's role, "
-            f"and it raised: {e}. Pass the loss_fn and a batch (arrays or jax.ShapeDtypeStruct of the global "
+            f"and it raised: {str(e).rstrip('.')}. Pass the loss_fn and a batch (arrays or jax.ShapeDtypeStruct of the global "
             "batch) exactly as make_train_step receives them."
         ) from e
 

@@ -227,6 +227,7 @@ def _describe(facts: Facts, group: Group, leaf: int, dim: int, text: str) -> Rol
 
 
 def experts(facts: Facts, n: int, decided: dict[int, Role], pricing: Pricing | None = None) -> None:
+    stacks = {}
     for use in facts.uses:
         if use.batch and use.leaf not in decided:
             axis = use.batch[0]
@@ -235,6 +236,36 @@ def experts(facts: Facts, n: int, decided: dict[int, Role], pricing: Pricing | N
                 decided[use.leaf] = Role(axis, f"program: expert axis dim {axis} (a batch dim of its contraction): "
                                                f"{e} experts -> {e // n} per device",
                                          short=f"expert parallel, dim {axis}: {e // n} of {e} per device")
+                stacks[use.leaf] = axis
+    _expert_producers(facts, n, decided, stacks)
+
+
+def _expert_producers(facts: Facts, n: int, decided: dict[int, Role], stacks: dict[int, int]) -> None:
+    """The weights whose products yield the expert axis that an expert stack (``stacks``: leaf ->
+    its expert dim) then takes as a batch dim: a dense mixture's up stack
+    (``einsum("td,efd->tef", x, w_in)``, then ``einsum("tef,edf->ted", h, w_out)``) is split on
+    its expert dim like the stack it feeds, and so are the biases beside its output. Each expert
+    then runs on one device, and the gates' sum over experts (a contraction with an activation)
+    is the one all-reduce, of ``(T, D)``, as expert parallelism has it. Their seeds are blocked
+    by that sum, which the block rule cannot price; without this the up stack stayed whole (2.5x
+    the collective bytes, `test_rules_moe`)."""
+    roots = {facts.find(seed) for seed, leaf, dim, _ in facts.follows if stacks.get(leaf) == dim}
+    sources: dict[int, str] = {}
+    for seed, leaf, dim, _ in facts.follows:
+        if stacks.get(leaf) == dim and facts.find(seed) in roots:
+            sources.setdefault(facts.find(seed), facts.paths[leaf])
+    for seed in range(len(facts.seed_use)):
+        leaf, dim = facts.uses[facts.seed_use[seed]].leaf, facts.seed_dim.get(seed)
+        if facts.find(seed) in roots and dim is not None and leaf not in decided and facts.shapes[leaf][dim] % n == 0:
+            e = facts.shapes[leaf][dim]
+            decided[leaf] = Role(dim, f"program: expert axis dim {dim} (its product yields the expert axis that "
+                                      f"{sources[facts.find(seed)]} takes as a batch dim): {e} experts -> {e // n} "
+                                      "per device", short=f"expert parallel, dim {dim}: {e // n} of {e} per device")
+    for seed, leaf, dim, _ in facts.follows:
+        if facts.find(seed) in roots and leaf not in decided and _follows(facts, leaf) and \
+                facts.shapes[leaf][dim] % n == 0:
+            decided[leaf] = Role(dim, f"program: dim {dim}, follows an expert-split output",
+                                 short=f"follows its layer's split, dim {dim}")
 
 
 class _Fit(NamedTuple):
