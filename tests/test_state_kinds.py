@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import redeqx
 
@@ -207,7 +208,11 @@ def test_the_rules_read_a_stateful_loss_given_its_state_and_name_what_is_missing
         redeqx.sharding_rules(model, mesh, loss_fn=bn_loss, batch=batch)
     with pytest.raises(TypeError, match=r"signature \(m, b\), but redeqx calls it as loss_fn\(model, batch, key\)"):
         redeqx.sharding_rules(model, mesh, loss_fn=lambda m, b: 0.0, batch=batch)
-    table = redeqx.explain(model, redeqx.sharding_rules(model, mesh, loss_fn=bn_loss, batch=batch,
-                                                        model_state=model_state),
-                           mesh, loss_fn=bn_loss, batch=batch, model_state=model_state)
-    assert "fc1.weight" in table and "passes through psum" in table, table  # read from the program
+    specs = redeqx.sharding_rules(model, mesh, loss_fn=bn_loss, batch=batch, model_state=model_state)
+    table = redeqx.explain(model, specs, mesh, loss_fn=bn_loss, batch=batch, model_state=model_state)
+    # read from the program: BatchNorm's batch statistics (a psum over vmap's axis) are per feature, so
+    # the hidden layer is Megatron's, BatchNorm's scale and shift beside it. The reader once stopped at
+    # the psum and left fc1 whole: a 32 -> 256 -> 32 -> 10 net moved 76,152 collective bytes a step at
+    # 2 shards and 84,632 at 4, against 42,944 and 26,304 placed by hand, which the rules now equal
+    assert "fc1.weight" in table and "column parallel" in table and "passes through psum" not in table, table
+    assert (specs.fc1.weight, specs.bn.weight, specs.fc2.weight) == (P("model", None), P("model"), P(None, "model"))

@@ -201,23 +201,36 @@ def reduction(r: Reader, eqn) -> None:
     over the per-group factor of a split dim and over other dims is a GroupNorm's statistics:
     a norm over channels, which blocks a split as LayerNorm's does (heads' features reduced
     alone, a per-head norm, keep it)."""
-    src, out = eqn.invars[0], eqn.outvars[0]
-    axes = set(eqn.params.get("axes", ()))
+    _reduce(r, eqn.invars[0], eqn.outvars[0], set(eqn.params.get("axes", ())), eqn.primitive.name)
+
+
+def _reduce(r: Reader, src, out, axes: set[int], name: str) -> None:
     shape = _shape(src)
     tags = {}
     for seed, d in r.tag(src).items():
         inner = r.inner(src).get(seed, frozenset())
         others = {a for a in axes - inner - {d} if shape[a] > 1}
         if d in axes:
-            r.facts.reduce(seed, f"is reduced over its features ({eqn.primitive.name})",
+            r.facts.reduce(seed, f"is reduced over its features ({name})",
                            alone=not others and not axes & inner)
         elif axes & inner and others:
             r.facts.reduce(seed, f"is reduced over groups of its features and {len(others)} other dims "
-                                 f"({eqn.primitive.name}: a GroupNorm's statistics)", alone=False)
+                                 f"({name}: a GroupNorm's statistics)", alone=False)
             tags[seed] = d - sum(a < d for a in axes)
         else:
             tags[seed] = d - sum(a < d for a in axes)
-    r.set_tags(out, tags, eqn.primitive.name)
+    r.set_tags(out, tags, name)
+
+
+def psum(r: Reader, eqn) -> None:
+    """A ``psum`` over positional axes (what ``jax.vmap`` makes of a ``pmean`` over its named axis:
+    BatchNorm's statistics over the batch) sums each operand over those dims, as ``reduce_sum``
+    does; one over a mesh's named axes (inside ``shard_map``) is not followed."""
+    axes = eqn.params["axes"]
+    if not all(isinstance(a, int) for a in axes):
+        return unknown(r, eqn)
+    for src, out in zip(eqn.invars, eqn.outvars):
+        _reduce(r, src, out, set(axes), "psum over the vmapped axis")
 
 
 def _off_axis(r: Reader, v, axis: int, why: str) -> dict[int, int]:

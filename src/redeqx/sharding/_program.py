@@ -35,6 +35,7 @@ from ._reader import Reader, View
 
 HANDLERS = {name: _ops.elementwise for name in _ops.ELEMENTWISE}
 HANDLERS.update({name: _ops.reduction for name in _ops.REDUCTIONS})
+HANDLERS["psum"] = _ops.psum
 HANDLERS.update({name: _ops.ordered for name in _ops.ORDERED})
 HANDLERS.update({
     "transpose": _ops.transpose, "broadcast_in_dim": _ops.broadcast_in_dim, "reshape": _ops.reshape,
@@ -67,8 +68,13 @@ def read_program(model, loss_fn, batch, paths: list[str], model_state=None) -> F
     n = len(abstract)
     views = [View(((i, tuple(range(len(x.shape)))),)) for i, x in enumerate(abstract)]
     views += [None] * (len(jaxpr.invars) - n)
-    _, out_tags, _ = reader.run(jaxpr, views, [{}] * len(jaxpr.invars), [False] * len(jaxpr.invars))
-    for tags in out_tags:
+    # the model state's buffers (BatchNorm's running statistics, its last inputs and outputs) are read as
+    # constants: a split activation's statistics folded into them is no residual stream, and a split
+    # reaching the new state (a buffer's few numbers, gathered as the step returns it) costs nothing
+    n_state = len(jax.tree.leaves(state))
+    constant = [False] * (len(jaxpr.invars) - n_state) + [True] * n_state
+    _, out_tags, _ = reader.run(jaxpr, views, [{}] * len(jaxpr.invars), constant)
+    for tags in out_tags[:len(out_tags) - n_state]:
         for seed in tags:
             facts.reduce(seed, "reaches the loss's outputs while split")
     return facts
