@@ -125,6 +125,8 @@ def test_cross_entropy_skips_ignored_labels_and_refuses_out_of_range_ones():
         assert np.isnan(models.cross_entropy(logits, labels.at[0, 0].set(bad)))
     assert float(models.cross_entropy(logits, jnp.full((2, 5), -100))) == 0.0
     assert np.isnan(models.cross_entropy(logits, labels, ignore_index=None))  # then -100 is out of range too
+    # NumPy arrays (a metric outside a step) are taken as they are, and give the same loss
+    np.testing.assert_allclose(models.cross_entropy(np.asarray(logits), np.asarray(labels)), loss, rtol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

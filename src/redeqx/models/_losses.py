@@ -6,6 +6,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from .._typing import typechecked
@@ -14,7 +15,7 @@ IGNORE_INDEX = -100  # what Transformers' losses skip
 
 
 @typechecked
-def cross_entropy(logits: Float[Array, "*batch vocab"], labels: Int[Array, "*batch"], *,
+def cross_entropy(logits: Float[Array | np.ndarray, "*batch vocab"], labels: Int[Array | np.ndarray, "*batch"], *,
                   ignore_index: int | None = IGNORE_INDEX) -> Float[Array, ""]:
     """The mean cross-entropy of ``logits`` against integer ``labels`` over the labels that are not
     ``ignore_index`` (``-100``, as in Transformers: padding, a prompt's tokens), 0 when all are.
@@ -35,6 +36,7 @@ def cross_entropy(logits: Float[Array, "*batch vocab"], labels: Int[Array, "*bat
         return redeqx.models.cross_entropy(logits[:, :-1], batch["labels"][:, 1:])  # -100: not counted
     ```
     """
+    logits, labels = jnp.asarray(logits), jnp.asarray(labels)  # NumPy arrays too (outside a step)
     vocab = logits.shape[-1]
     counted = labels != ignore_index if ignore_index is not None else jnp.ones(labels.shape, bool)
     known = (labels >= 0) & (labels < vocab)
