@@ -73,8 +73,10 @@ def contract(r, eqn) -> None:
             r.facts.moves(leaf, eqn, r.trips * nbytes(activation), r.trips * nbytes(out), activation)
             outs = [d for d in produced if dims[d] is not None]
             if seed is not None and outs:
-                tags[seed] = pos[outs[0]]
-                r.facts.seed_dim[seed] = dims[outs[0]]
+                r.facts.several_outputs |= len(outs) > 1
+                out_dim = outs[-1] if r.facts.seed_last else outs[0]  # `read_program`'s second reading
+                tags[seed] = pos[out_dim]
+                r.facts.seed_dim[seed] = dims[out_dim]
     r.set_tags(out, tags, "dot_general")
 
 

@@ -24,7 +24,7 @@ from ..mesh import MODEL, STAGE
 from .._trees import human_bytes, is_array_like, path_parts
 from ._name_rules import UNPLACED, classify
 from ._names import _ancestors
-from ._roles import Pricing, Role, decide
+from ._roles import Pricing, Role, decide_read
 from ._specs import (
     LeafSpec, Overrides, axes_of, brief, check_mesh_model, fsdp_spec, is_weight, lifted, plain_why, small_leaf_spec,
     split_spec, stacked_leaves, vocab_sizes, weight_layer,
@@ -58,7 +58,10 @@ class _Decider:
         self.overrides = Overrides(overrides, self.mesh, self.prefix)
         # one model shard splits nothing: nothing to price
         self.pricing = Pricing(self.mesh.size // self.n_model, memory_budget(self.mesh)) if self.n_model > 1 else None
-        self.roles: dict[int, Role] = decide(facts, self.n_model, self.pricing) if facts is not None else {}
+        self.roles: dict[int, Role] = {}
+        if facts is not None:
+            facts, self.roles, self.pricing = decide_read(facts, self.n_model, self.pricing)
+            self.facts = facts
         self.leaves = stacked_leaves(model, facts)
         self.arrays = [x for x in jax.tree_util.tree_leaves(model) if is_array_like(x)]
         self.size = sum(math.prod(x.shape) for x in self.arrays)

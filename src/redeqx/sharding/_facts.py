@@ -45,8 +45,16 @@ class Whole:
 
 
 class Facts:
-    def __init__(self, paths: list[str], shapes: list[tuple[int, ...]], itemsizes: list[int] | None = None):
+    """``seed_last``: a weight with several output dims (an expert stack's ``(E, F, D)`` under
+    ``einsum("td,efd->tef")``: experts and hidden units) seeds a split of its last one, not its
+    first; `read_program` reads such a program both ways (``alternative``: the other reading)."""
+
+    def __init__(self, paths: list[str], shapes: list[tuple[int, ...]], itemsizes: list[int] | None = None,
+                 seed_last: bool = False):
         self.paths, self.shapes = paths, shapes
+        self.seed_last = seed_last
+        self.several_outputs = False  # some product's weight has several output dims: a second reading differs
+        self.alternative: Facts | None = None
         self.itemsizes = itemsizes or [4] * len(shapes)
         self.uses: list[Use] = []
         self.seed_use: list[int] = []  # seed -> index in uses

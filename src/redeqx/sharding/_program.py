@@ -62,16 +62,23 @@ def read_program(model, loss_fn, batch, paths: list[str], model_state=None) -> F
         return loss_fn(m, b, k) if model_state is None else loss_fn(m, b, k, s)
 
     closed = jax.make_jaxpr(program)(abstract, batch, key, state)
-    facts = Facts(paths, [tuple(x.shape) for x in abstract], [x.dtype.itemsize for x in abstract])
+    facts = _read(closed.jaxpr, paths, abstract, len(jax.tree.leaves(state)), seed_last=False)
+    if facts.several_outputs:  # an expert stack: its experts split, or its hidden units (`_roles.decide_read`)
+        facts.alternative = _read(closed.jaxpr, paths, abstract, len(jax.tree.leaves(state)), seed_last=True)
+    return facts
+
+
+def _read(jaxpr, paths: list[str], abstract, n_state: int, *, seed_last: bool) -> Facts:
+    """One reading of the program's ``jaxpr``: its first ``len(abstract)`` inputs the model's
+    leaves, its last ``n_state`` inputs and outputs the model state's."""
+    facts = Facts(paths, [tuple(x.shape) for x in abstract], [x.dtype.itemsize for x in abstract], seed_last)
     reader = Reader(facts, HANDLERS)
-    jaxpr = closed.jaxpr
     n = len(abstract)
     views = [View(((i, tuple(range(len(x.shape)))),)) for i, x in enumerate(abstract)]
     views += [None] * (len(jaxpr.invars) - n)
     # the model state's buffers (BatchNorm's running statistics, its last inputs and outputs) are read as
     # constants: a split activation's statistics folded into them is no residual stream, and a split
     # reaching the new state (a buffer's few numbers, gathered as the step returns it) costs nothing
-    n_state = len(jax.tree.leaves(state))
     constant = [False] * (len(jaxpr.invars) - n_state) + [True] * n_state
     _, out_tags, _ = reader.run(jaxpr, views, [{}] * len(jaxpr.invars), constant)
     for tags in out_tags[:len(out_tags) - n_state]:

@@ -24,6 +24,7 @@ not see beside a split, unused leaves) are left to the name rules.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import re
@@ -445,6 +446,22 @@ def read(facts: Facts, n: int, decided: dict[int, Role], pricing: Pricing | None
 
 
 RULES = (experts, blocks, lookups, read)
+
+
+def decide_read(facts: Facts, n: int, pricing: Pricing | None = None
+                ) -> tuple[Facts, dict[int, Role], Pricing | None]:
+    """`decide` on the program's first reading, or on its second (`Facts.alternative`: a weight with
+    several output dims seeded on its last, an expert stack's ``(E, F, D)`` on its hidden units
+    rather than its experts) where that splits more bytes of weights: where ``n`` does not divide the
+    experts, the first keeps the stacks whole, and the second splits their hidden units, as
+    Megatron does each expert (on ties, the first: experts split). Returns the reading chosen, its
+    roles and its ``pricing`` (each reading spends a copy)."""
+    readings = [facts] if facts.alternative is None else [facts, facts.alternative]
+    options = []
+    for reading in readings:
+        spent = copy.deepcopy(pricing)
+        options.append((reading, decide(reading, n, spent), spent))
+    return max(options, key=lambda o: sum(o[0].nbytes(k) for k, role in o[1].items() if role.dim is not None))
 
 
 def decide(facts: Facts, n: int, pricing: Pricing | None = None) -> dict[int, Role]:
