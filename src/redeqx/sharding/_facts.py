@@ -62,6 +62,7 @@ class Facts:
         self.parent: list[int] = []
         self.blocked: dict[int, str] = {}
         self.reduced: dict[int, str] = {}
+        self.needs_whole: dict[int, str] = {}  # seeds reduced where the split activation is needed whole
         self.normalized: set[int] = set()  # seeds whose split dim alone is reduced (a softmax over classes)
         self.rows: list[tuple[int, int, int, str]] = []  # (seed, leaf, dim, why)
         self.follows: list[tuple[int, int, int, str]] = []
@@ -114,13 +115,18 @@ class Facts:
     def block(self, seed: int, why: str) -> None:
         self.blocked.setdefault(seed, why)
 
-    def reduce(self, seed: int, why: str, *, alone: bool = True) -> None:
+    def reduce(self, seed: int, why: str, *, alone: bool = True, whole: bool | None = None) -> None:
         """``seed``'s split dim is reduced; ``alone``: that dim only, position by position (a
-        softmax or a label's logit over classes: a vocabulary-parallel head), not with others (a
-        norm over groups of channels, an MSE's total)."""
+        softmax or a label's logit over classes: a vocabulary-parallel head; a LayerNorm's
+        statistics over a block's hidden units), not with others (a norm over groups of channels,
+        an MSE's total). ``whole`` (default: not ``alone``): the split activation is needed whole
+        there, which a block cannot pay for (the residual stream, the loss's outputs); a reduction
+        alone costs a block only its results' small sum over ``model`` (a row's mean and variance)."""
         self.reduced.setdefault(seed, why)
         if alone:
             self.normalized.add(seed)
+        if (not alone) if whole is None else whole:
+            self.needs_whole.setdefault(seed, why)
 
     def row(self, seed, leaf, dim, why) -> None:
         self.rows.append((seed, leaf, dim, why))

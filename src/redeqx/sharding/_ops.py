@@ -44,8 +44,8 @@ def elementwise(r: Reader, eqn) -> None:
                 if dims[dim] is not None:
                     r.facts.follow(seed, leaf, dims[dim], f"{eqn.primitive.name} with the split activation")
     if eqn.primitive.name in SUMS:  # x + h: the stream h joins needs it whole (its gradient too)
-        for seed, dim in tags.items():
-            if any(not _split_at(r, v, dim) and _shape(v)[dim] > 1 for v in acts):
+        for seed, dim in tags.items():  # (its own split is no other activation: x - mean(x) in a norm of it)
+            if any(r.tag(v).get(seed) != dim and not _split_at(r, v, dim) and _shape(v)[dim] > 1 for v in acts):
                 r.facts.reduce(seed, "added to an activation that is not split (the residual stream)", alone=False)
     r.set_tags(out, tags, where)
     within = {s: d for v in eqn.invars if len(_shape(v)) == nd for s, d in r.inner(v).items()}

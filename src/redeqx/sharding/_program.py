@@ -83,7 +83,7 @@ def _read(jaxpr, paths: list[str], abstract, n_state: int, *, seed_last: bool) -
     _, out_tags, _ = reader.run(jaxpr, views, [{}] * len(jaxpr.invars), constant)
     for tags in out_tags[:len(out_tags) - n_state]:
         for seed in tags:
-            facts.reduce(seed, "reaches the loss's outputs while split")
+            facts.reduce(seed, "reaches the loss's outputs while split", whole=True)
     return facts
 
 

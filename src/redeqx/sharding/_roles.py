@@ -112,13 +112,19 @@ class Group:
 
 def _bad_seeds(facts: Facts, seeds: list[int], has_rows: bool) -> dict[int, str]:
     """Seeds of a group that cannot be split with it: blocked ones, and in a block (with
-    row partners) those whose own output is reduced over the split first (a norm, a router's
-    softmax). Left whole, their output meets the others' split where it is sliced for free.
+    row partners) those whose own output is needed whole first (added to the residual stream, a
+    norm over groups of it, returned), and where one is, those reduced over the split too (a norm
+    of that stream). Left whole, their output meets the others' split where it is sliced for free.
+    In a block of its own, a reduction over the split alone (a LayerNorm over a block's hidden
+    units) costs only its results' sum over ``model`` (a row's mean and variance), and keeps the seed.
     A weight with one such use keeps all its uses whole."""
     bad = {s: facts.blocked[s] for s in seeds if s in facts.blocked}
     if has_rows:
-        bad.update({s: f"its output {facts.reduced[s]} before any layer contracts it (a norm, or the "
-                       "residual stream)" for s in seeds if s in facts.reduced and s not in bad})
+        # a group where some seed feeds the residual stream is a stream's: its norms need it whole too
+        whole = facts.needs_whole if any(s in facts.needs_whole for s in seeds) else {}
+        bad.update({s: f"its output {whole.get(s, facts.reduced.get(s))} before any layer contracts it (a norm of "
+                       "the residual stream, or the stream)" for s in seeds if (s in whole or whole and s in facts.reduced)
+                    and s not in bad})
     leaves = {facts.uses[facts.seed_use[s]].leaf for s in bad}
     for s in seeds:
         if s not in bad and facts.uses[facts.seed_use[s]].leaf in leaves:
@@ -342,8 +348,10 @@ def _best(component: list[int], fits: list[_Fit]) -> list[int]:
 def _priced(facts: Facts, fit: _Fit, pricing: Pricing) -> bool:
     """Whether a proven split is weighed against its weights whole: a vocabulary-parallel head where
     the batch is split (its gradient, summed over the batch's devices, is what whole saves), or a
-    block whose layers are all convolutions with a kernel wider than 1 (a feature encoder over a long
-    signal, where activations outweigh weights; a 1 x 1 conv is a linear layer).
+    block whose column layers are all convolutions with a kernel wider than 1 (a feature encoder
+    over a long signal, where activations outweigh weights, its last conv paired with the linear
+    projection after its norm; a 1 x 1 conv is a linear layer; a Mamba mixer's depthwise conv
+    beside its linear ``dt_proj`` is not such a block).
     A block of linear layers is always split: its products are most of the model's work, which the
     split divides (bytes alone would keep a small model's blocks whole, every device doing all of it).
     So is a head on a mesh of ``model`` alone: whole, it would save no gradient's sum, only the
@@ -353,9 +361,9 @@ def _priced(facts: Facts, fit: _Fit, pricing: Pricing) -> bool:
     at 8 x 1 moved 375 MiB a step more)."""
     if fit.kept.kind == "head":
         return pricing.n_batch > 1
-    layers = {k for k, (_, t) in fit.kept.members.items() if t in ("column", "row")}
+    columns = {k for k, (_, t) in fit.kept.members.items() if t == "column"}
     return all(u.kind == "conv" and math.prod(facts.shapes[k][d] for d in u.contracted) > _in_features(facts, u)
-               for u in facts.uses if (k := u.leaf) in layers)
+               for u in facts.uses if (k := u.leaf) in columns)
 
 
 def _in_features(facts: Facts, use) -> int:
