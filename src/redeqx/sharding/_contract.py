@@ -15,8 +15,9 @@ from __future__ import annotations
 from ._reader import View, _shape, nbytes
 
 
-def _out_positions(lhs_nd: int, rhs_nd: int, dn) -> tuple[dict[int, int], dict[int, int]]:
-    """Each operand dim's position in a ``dot_general`` output (batch, lhs free, rhs free)."""
+def _out_positions(lhs_nd: int, rhs_nd: int, dn, groups=()) -> tuple[dict[int, int], dict[int, int]]:
+    """Each operand dim's position in a ``dot_general`` output (batch, lhs free, rhs free; the rhs's
+    ``groups`` dims, a grouped matmul's experts, in none)."""
     (lc, rc), (lb, rb) = dn
     lhs = {d: i for i, d in enumerate(lb)}
     rhs = {d: i for i, d in enumerate(rb)}
@@ -26,16 +27,31 @@ def _out_positions(lhs_nd: int, rhs_nd: int, dn) -> tuple[dict[int, int], dict[i
             lhs[d] = k
             k += 1
     for d in range(rhs_nd):
-        if d not in rc and d not in rb:
+        if d not in rc and d not in rb and d not in groups:
             rhs[d] = k
             k += 1
     return lhs, rhs
 
 
-def contract(r, eqn) -> None:
-    lhs, rhs = eqn.invars
-    (lc, rc), (lb, rb) = dn = eqn.params["dimension_numbers"]
-    lpos, rpos = _out_positions(len(_shape(lhs)), len(_shape(rhs)), dn)
+def grouped_contract(r, eqn) -> None:
+    """``jax.lax.ragged_dot`` (a mixture of experts' grouped matmul: rows sorted by expert, each group
+    of rows times its expert's matrix): for the weight stack ``(E, in, out)``, ``in`` is its input and
+    ``out`` its output, as a ``dot_general``'s; its expert dim reaches no output (each row meets one
+    expert), so the split it offers is each expert's hidden units, Megatron's, never the experts
+    (which the partitioner could only all-gather). A stack that is not the rhs is not followed, nor
+    one inside a ``shard_map`` or a ``custom_vmap``, whose author lays out its weights (the zoo's
+    experts: expert parallel, each device running its own experts' grouped matmuls)."""
+    rdn = eqn.params["ragged_dot_dimension_numbers"]
+    lhs, rhs = eqn.invars[:2]
+    if r.view(lhs) is not None or r.manual:
+        return r.block_all(eqn, "passes through a grouped matmul (ragged_dot) that the reader does not split")
+    contract(r, eqn, dn=rdn.dot_dimension_numbers, groups=tuple(rdn.rhs_group_dimensions), operands=(lhs, rhs))
+
+
+def contract(r, eqn, dn=None, groups=(), operands=None) -> None:
+    lhs, rhs = eqn.invars if operands is None else operands
+    (lc, rc), (lb, rb) = dn = eqn.params["dimension_numbers"] if dn is None else dn
+    lpos, rpos = _out_positions(len(_shape(lhs)), len(_shape(rhs)), dn, groups)
     lv, rv = r.view(lhs), r.view(rhs)
     out = eqn.outvars[0]
     if lv is not None and rv is not None:  # weights times weights (a merged adapter): still weights
@@ -67,7 +83,8 @@ def contract(r, eqn) -> None:
             continue
         for leaf, dims in vw.parts:
             known = lambda ds: tuple(dims[d] for d in ds if dims[d] is not None)  # noqa: E731
-            produced = [d for d in range(len(dims)) if d not in contracting and d not in batch]
+            kept = [d for d in range(len(dims)) if d not in contracting and d not in batch]
+            produced = [d for d in kept if var is lhs or d not in groups]
             seed = r.facts.use(leaf, known(contracting), known(produced), known(batch), "matmul")
             activation = rhs if var is lhs else lhs
             r.facts.moves(leaf, eqn, r.trips * nbytes(activation), r.trips * nbytes(out), activation)

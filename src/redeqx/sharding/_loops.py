@@ -15,7 +15,12 @@ def call(r: Reader, eqn) -> None:
     jaxpr = _open(body)
     n = len(jaxpr.invars)
     args = eqn.invars[len(eqn.invars) - n:] if len(eqn.invars) >= n else eqn.invars
+    # a shard_map, or a custom_vmap whose rule decides how it runs batched (the zoo's experts, which its
+    # rule runs in a shard_map, each device its own experts): its author lays out what it reads
+    manual = eqn.primitive.name in ("shard_map", "custom_vmap_call")
+    r.manual += manual
     r.bind(eqn.outvars, *r.run(jaxpr, *r.inputs(args)))
+    r.manual -= manual
 
 
 def _scan_counts(params) -> tuple[int, int]:

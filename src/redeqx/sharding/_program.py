@@ -29,7 +29,7 @@ import jax
 from .._trees import is_array_like
 from . import _loops
 from . import _ops
-from ._contract import contract, convolve
+from ._contract import contract, convolve, grouped_contract
 from ._facts import Facts
 from ._reader import Reader, View
 
@@ -41,7 +41,7 @@ HANDLERS.update({
     "transpose": _ops.transpose, "broadcast_in_dim": _ops.broadcast_in_dim, "reshape": _ops.reshape,
     "squeeze": _ops.squeeze, "slice": _ops.slicing, "dynamic_slice": _ops.slicing, "pad": _ops.slicing,
     "concatenate": _ops.concatenate, "gather": _ops.gather, "split": _ops.split, "stack": _ops.stack,
-    "dot_general": contract, "conv_general_dilated": convolve, "scan": _loops.scan, "while": _loops.while_loop,
+    "dot_general": contract, "ragged_dot_general": grouped_contract, "conv_general_dilated": convolve, "scan": _loops.scan, "while": _loops.while_loop,
     "cond": _loops.cond, "<call>": _loops.call, "<unknown>": _ops.unknown,
 })
 
