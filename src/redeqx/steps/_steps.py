@@ -349,7 +349,10 @@ def make_eval_step(loss_fn: Callable, mesh: Mesh, specs: Any, *, compute_dtype: 
     running statistics from ``model_state=``, passed to the call). On a mesh
     with pipeline stages the stacked layers run as a pipeline of
     ``microbatches`` (as in `make_train_step`; the batch's rows must then be
-    a multiple of it).
+    a multiple of it). A ``loss_fn`` that takes a convolution's weight
+    gradient inside itself cannot run per example on a mesh that splits
+    both the batch and the model: XLA aborts while compiling it
+    (docs/guides/troubleshooting.md has the workarounds).
 
     **Example:**
 
