@@ -141,6 +141,15 @@ def test_sliding_window_split_equals_one_device(monkeypatch, impl, window):
         redeqx.attention(q, k, v, causal=False, window=3)
 
 
+def test_a_boolean_mask_and_numpy_ints_are_taken():
+    """An attention mask serves as segment ids as it is (bool), and a window may be a NumPy int
+    (a config read from a file); both were refused by the type checks."""
+    (q, k, v, seg, _), _ = _naive_case(True, 32, 5, 3, inner=4)
+    want = redeqx.attention(q, k, v, segment_ids=seg, window=3)
+    np.testing.assert_array_equal(redeqx.attention(q, k, v, segment_ids=seg.astype(bool), window=np.int64(3)), want)
+    np.testing.assert_array_equal(redeqx.attention(q, k, v, segment_ids=seg.astype(jnp.uint8), window=3), want)
+
+
 def test_sliding_window_skips_the_blocks_behind_it():
     """Of a shard's block pairs, a window of one block keeps each query
     block's own and the one before it."""

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int, Integer
 
 from . import _tpu
 from ._blockwise import Span, block_scores, block_size, gather_attention, ring_attention, whole_attention, with_ranks
@@ -400,9 +400,9 @@ def attention(
     v: Float[Array, "*batch seq kv_heads head_dim"],
     *,
     causal: bool = True,
-    segment_ids: Int[Array, "*batch seq"] | None = None,
+    segment_ids: Integer[Array, "*batch seq"] | Bool[Array, "*batch seq"] | None = None,
     scale: float | None = None,
-    window: int | None = None,
+    window: int | np.integer | None = None,
     impl: str = "gather",
 ) -> Float[Array, "*batch seq q_heads head_dim"]:
     """Exact softmax attention of a sequence over itself, split over the
@@ -410,8 +410,8 @@ def attention(
 
     ``q_heads`` is a multiple of ``kv_heads`` (grouped-query attention:
     query head ``h`` reads KV head ``h // (q_heads / kv_heads)``). A query
-    sees the keys of its own segment (``segment_ids``: packed documents, or
-    ``attention_mask.astype(int)`` for padding, whose tokens then only see
+    sees the keys of its own segment (``segment_ids``, ints: packed documents;
+    or the boolean ``attention_mask`` for padding, whose tokens then only see
     each other), and with ``causal=True`` only those at or before its own
     position (`sequence_positions`: the original order, whatever the
     layout); with a ``window`` (causal only), only the last ``window`` of
@@ -461,6 +461,8 @@ def attention(
             f"attention: q {q.shape}, k {k.shape}, v {v.shape}: k and v need the same shape, the same sequence "
             "length and head size as q, and a number of heads that divides q's (grouped-query attention)."
         )
+    if isinstance(window, np.integer):
+        window = int(window)
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1 or not causal):
         raise ValueError(f"attention: window={window!r}; a sliding window is a positive int of tokens, and needs "
                          "causal=True (each query sees the window of keys ending at itself).")
