@@ -176,33 +176,22 @@ def test_the_program_falls_back_to_the_hidden_units_too(layer):
         assert (getattr(specs.moe, up), getattr(specs.moe, down)) == (want_up, want_down), n
 
 
-class RaggedMoE(eqx.Module):
-    """Top-2 routing by sorting the tokens' assignments and `jax.lax.ragged_dot` (grouped matmuls),
-    stacks ``w_in (E, D, F)`` and ``w_out (E, F, D)``, over the batch's tokens at once."""
-
-    router: jax.Array
-    w_in: jax.Array
-    w_out: jax.Array
-
-    def __init__(self, n_experts, *, key):
-        k = jax.random.split(key, 3)
-        self.router = jax.random.normal(k[0], (DIM, n_experts)) / DIM**0.5
-        self.w_in = jax.random.normal(k[1], (n_experts, DIM, HIDDEN)) / DIM**0.5
-        self.w_out = jax.random.normal(k[2], (n_experts, HIDDEN, DIM)) / HIDDEN**0.5
+class RaggedMoE(MoE):
+    """(a)'s stacks routed top-2 by sorting the tokens' assignments and `jax.lax.ragged_dot` (grouped
+    matmuls, which take each expert's matrix as ``(in, out)``), over the batch's tokens at once."""
 
     def __call__(self, x):  # (N, D)
-        gates, idx = jax.lax.top_k(x @ self.router, 2)
+        gates, idx = jax.lax.top_k(x @ self.router.T, 2)
         order = jnp.argsort(idx.reshape(-1))
-        sizes = jnp.bincount(idx.reshape(-1), length=self.router.shape[1]).astype(jnp.int32)
-        h = jax.nn.gelu(jax.lax.ragged_dot(jnp.repeat(x, 2, axis=0)[order], self.w_in, sizes))
-        ys = jax.lax.ragged_dot(h, self.w_out, sizes)
+        sizes = jnp.bincount(idx.reshape(-1), length=self.router.shape[0]).astype(jnp.int32)
+        h = jax.nn.gelu(jax.lax.ragged_dot(jnp.repeat(x, 2, axis=0)[order], self.w_in.transpose(0, 2, 1), sizes))
+        ys = jax.lax.ragged_dot(h, self.w_out.transpose(0, 2, 1), sizes)
         y = jnp.zeros_like(ys).at[order].set(ys).reshape(x.shape[0], 2, -1)
         return jnp.einsum("tkd,tk->td", y, jax.nn.softmax(gates, -1))
 
 
 def ragged_loss(model, batch, key):
     tokens = batch["tokens"]
-    b, t = tokens[:, :-1].shape
     x = jax.vmap(model.embed)(tokens[:, :-1].reshape(-1))
     logits = jax.vmap(model.lm_head)(x + model.moe(jax.vmap(model.norm)(x)))
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:].reshape(-1)).mean()
@@ -217,7 +206,7 @@ def test_the_program_reads_grouped_matmuls_as_megatron_within_each_expert():
     mesh = redeqx.make_mesh(2)
     batch = next(redeqx.batches(token_examples(16, seq_len=8, vocab=VOCAB), collate_tokens, 8, mesh))
     specs = redeqx.sharding_rules(model, mesh, loss_fn=ragged_loss, batch=batch)
-    assert specs.moe.w_in == P(None, None, "model") and specs.moe.w_out == P(None, "model", None)
+    assert specs.moe.w_in == P(None, "model", None) and specs.moe.w_out == P(None, None, "model")
     assert specs.moe.router == P()
 
 
