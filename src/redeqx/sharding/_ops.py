@@ -303,9 +303,10 @@ def gather(r: Reader, eqn) -> None:
         kept = [d for d in range(len(_shape(table))) if d not in dn.collapsed_slice_dims]
         whole = [d for d in kept if eqn.params["slice_sizes"][d] == _shape(table)[d]]
         # a weight's slices (a table's rows by constant indices, a stack's or an expert's matrices):
-        # still the weight; vectors looked up by data (an embedding's rows) are an activation, which a
-        # layer reading them directly (no norm between) contracts as it would any input
-        if len(kept) == len(dn.offset_dims) and (r.is_static(indices) or len(kept) > 1):
+        # still the weight; vectors looked up by data (an embedding's rows: one whole dim, the others
+        # picked, collapsed or kept as dims of 1 as a vmapped lookup keeps them) are an activation,
+        # which a layer reading them directly (no norm between) contracts as it would any input
+        if len(kept) == len(dn.offset_dims) and (r.is_static(indices) or len(whole) > 1):
             def rows(dims):
                 new = [None] * len(_shape(out))
                 for pos, d in zip(dn.offset_dims, kept):
