@@ -456,8 +456,9 @@ class FusedGateUp(eqx.Module):
 
 def test_an_equinox_lm_with_a_vmapped_embedding_and_a_fused_gate_up_is_read():
     """``jax.vmap(self.embed)`` inside ``jax.vmap(model)`` (Equinox's idiom) looks a token's row up
-    as a (1, D) slice: the reader took it for a slice of the table, the whole stream for weights, and
-    read no layer at all, leaving the names to place a (D, 2, F) gate-up they cannot: 1.56x a hand
+    as a (1, D) slice: the reader took it for a slice of the table and, the blocks reading the rows with
+    no norm between, the stream for weights; it read no layer, leaving the names to place a (D, 2, F)
+    gate-up they cannot: 1.56x a hand
     plan's collective bytes (115,616 against 74,004 at 2 shards). Its einsum has two output dims
     (gate or up, hidden units): the second reading splits the hidden units, Megatron's plan, which
     the rules now equal."""
