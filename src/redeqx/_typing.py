@@ -90,19 +90,33 @@ def fn_name(fn) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 
+# how redeqx calls a loss_fn, and what one looks like (the steps' errors and the rules' say the same)
+LOSS_CALL = "(model, batch, key)"
+LOSS_EXAMPLE = "def loss_fn(model, batch, key): ..."
+STATEFUL_CALL = "(model, batch, key, model_state)"
+STATEFUL_EXAMPLE = "def loss_fn(model, batch, key, model_state): ...; return loss, new_model_state"
+
+
+def takes(fn, n: int) -> bool | None:
+    """Whether ``fn`` can be called with ``n`` positional arguments; None where its signature
+    cannot be read (builtins, some C callables: found out when called)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    try:
+        sig.bind(*([None] * n))
+    except TypeError:
+        return False
+    return True
+
+
 def check_signature(fn, role: str, n: int | tuple[int, ...], call: str, example: str) -> None:
     """``fn`` can be called with ``n`` positional arguments (any of them, for
     a tuple), else an error naming the function and what it must look like."""
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):  # builtins, some C callables: find out when called
+    if any(takes(fn, k) is not False for k in ((n,) if isinstance(n, int) else n)):
         return
-    for k in (n,) if isinstance(n, int) else n:
-        try:
-            sig.bind(*([None] * k))
-            return
-        except TypeError:
-            pass
+    sig = inspect.signature(fn)
     raise TypeError(
         f"{role} {fn_name(fn)!r} has the signature {sig}, but redeqx calls it as {role}{call}. "
         f"Write it as `{example}` (an argument it does not need may go unused)."

@@ -12,7 +12,10 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from ..mesh import DATA, MODEL, check_mesh
 from .._trees import human_bytes, is_array_like, path_parts, path_str, per_device_shape
-from .._typing import check_signature, fn_name, typechecked, warn_user
+from .._typing import (
+    LOSS_CALL, LOSS_EXAMPLE, STATEFUL_CALL, STATEFUL_EXAMPLE, check_signature, fn_name, takes, typechecked,
+    warn_user,
+)
 from ._decide import leaf_specs
 from ._program import read_program
 from ._specs import Overrides, unplaced_warning
@@ -50,18 +53,14 @@ def _check_call(loss_fn, model_state) -> None:
     """``loss_fn`` takes what the rules will pass: ``(model, batch, key)``, and a ``model_state``
     when one is given; an error naming the fix otherwise, as the steps word it."""
     if model_state is not None:
-        check_signature(loss_fn, "loss_fn", 4, "(model, batch, key, model_state)",
-                        "def loss_fn(model, batch, key, model_state): ...")
-        return
-    check_signature(loss_fn, "loss_fn", (3, 4), "(model, batch, key)", "def loss_fn(model, batch, key): ...")
-    try:
-        check_signature(loss_fn, "loss_fn", 3, "", "")
-    except TypeError:
+        return check_signature(loss_fn, "loss_fn", 4, STATEFUL_CALL, STATEFUL_EXAMPLE)
+    check_signature(loss_fn, "loss_fn", (3, 4), LOSS_CALL, LOSS_EXAMPLE)
+    if takes(loss_fn, 3) is False:  # it takes four: a stateful loss given no state
         raise TypeError(
             f"loss_fn {fn_name(loss_fn)!r} takes a model_state (loss_fn(model, batch, key, model_state), as for "
             "BatchNorm): pass the same state to the rules, model_state=state.model_state (or the state "
             "eqx.nn.make_with_state gave), so its program can be read."
-        ) from None
+        )
 
 
 class ProgramError(ValueError):

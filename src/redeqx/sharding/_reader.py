@@ -42,7 +42,7 @@ class Reader:
         self.static: set = set()
         self.within: dict[Any, dict[int, frozenset[int]]] = {}  # var -> {seed: dims made of its split dim's inner factors}
         self.trips = 1  # how many times the body being read runs in one step (scans' lengths multiplied)
-        self.manual = 0  # how many shard_map bodies deep the reader is
+        self.manual = 0  # how many bodies deep the reader is that lay out their own operands (shard_map)
 
     # -- values ---------------------------------------------------------------
     def view(self, v):

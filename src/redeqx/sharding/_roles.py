@@ -119,12 +119,11 @@ def _bad_seeds(facts: Facts, seeds: list[int], has_rows: bool) -> dict[int, str]
     units) costs only its results' sum over ``model`` (a row's mean and variance), and keeps the seed.
     A weight with one such use keeps all its uses whole."""
     bad = {s: facts.blocked[s] for s in seeds if s in facts.blocked}
-    if has_rows:
-        # a group where some seed feeds the residual stream is a stream's: its norms need it whole too
-        whole = facts.needs_whole if any(s in facts.needs_whole for s in seeds) else {}
-        bad.update({s: f"its output {whole.get(s, facts.reduced.get(s))} before any layer contracts it (a norm of "
-                       "the residual stream, or the stream)" for s in seeds if (s in whole or whole and s in facts.reduced)
-                    and s not in bad})
+    if has_rows:  # a group where some seed feeds the residual stream is the stream's: its norms need it whole too
+        stream = any(s in facts.needs_whole for s in seeds)
+        bad.update({s: f"its output {facts.needs_whole.get(s, facts.reduced[s])} before any layer contracts it (a "
+                       "norm of the residual stream, or the stream)" for s in seeds
+                    if s not in bad and (s in facts.needs_whole or stream and s in facts.reduced)})
     leaves = {facts.uses[facts.seed_use[s]].leaf for s in bad}
     for s in seeds:
         if s not in bad and facts.uses[facts.seed_use[s]].leaf in leaves:
@@ -256,20 +255,19 @@ def _expert_producers(facts: Facts, n: int, decided: dict[int, Role], stacks: di
     is the one all-reduce, of ``(T, D)``, as expert parallelism has it. Their seeds are blocked
     by that sum, which the block rule cannot price; without this the up stack stayed whole (2.5x
     the collective bytes, `test_rules_moe`)."""
-    roots = {facts.find(seed) for seed, leaf, dim, _ in facts.follows if stacks.get(leaf) == dim}
-    sources: dict[int, str] = {}
+    fed: dict[int, str] = {}  # group root -> the stack its split feeds on its expert dim
     for seed, leaf, dim, _ in facts.follows:
-        if stacks.get(leaf) == dim and facts.find(seed) in roots:
-            sources.setdefault(facts.find(seed), facts.paths[leaf])
+        if stacks.get(leaf) == dim:
+            fed.setdefault(facts.find(seed), facts.paths[leaf])
     for seed in range(len(facts.seed_use)):
         leaf, dim = facts.uses[facts.seed_use[seed]].leaf, facts.seed_dim.get(seed)
-        if facts.find(seed) in roots and dim is not None and leaf not in decided and facts.shapes[leaf][dim] % n == 0:
+        if facts.find(seed) in fed and dim is not None and leaf not in decided and facts.shapes[leaf][dim] % n == 0:
             e = facts.shapes[leaf][dim]
             decided[leaf] = Role(dim, f"program: expert axis dim {dim} (its product yields the expert axis that "
-                                      f"{sources[facts.find(seed)]} takes as a batch dim): {e} experts -> {e // n} "
+                                      f"{fed[facts.find(seed)]} takes as a batch dim): {e} experts -> {e // n} "
                                       "per device", short=f"expert parallel, dim {dim}: {e // n} of {e} per device")
     for seed, leaf, dim, _ in facts.follows:
-        if facts.find(seed) in roots and leaf not in decided and _follows(facts, leaf) and \
+        if facts.find(seed) in fed and leaf not in decided and _follows(facts, leaf) and \
                 facts.shapes[leaf][dim] % n == 0:
             decided[leaf] = Role(dim, f"program: dim {dim}, follows an expert-split output",
                                  short=f"follows its layer's split, dim {dim}")

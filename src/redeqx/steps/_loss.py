@@ -26,17 +26,13 @@ from ._remat import ScanResiduals, keep_products
 from ..mesh import CONTEXT, DATA
 from .._rewrite import rewritten
 from .._trees import is_floating
-from .._typing import check_signature, fn_name, short_repr
+from .._typing import STATEFUL_CALL, STATEFUL_EXAMPLE, check_signature, fn_name, short_repr
 
 GradFn = Callable[..., tuple[Any, dict, Any, Any]]
 
 
 # ----------------------------------------------------------------------------- checking the user's functions
 
-LOSS_CALL = "(model, batch, key)"
-LOSS_EXAMPLE = "def loss_fn(model, batch, key): ..."
-STATEFUL_CALL = "(model, batch, key, model_state)"
-STATEFUL_EXAMPLE = "def loss_fn(model, batch, key, model_state): ...; return loss, new_model_state"
 
 
 def check_user_fn(fn, role: str, call: str, example: str) -> None:

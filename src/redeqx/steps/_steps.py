@@ -25,17 +25,7 @@ from ._conv_grads import products_for_batch_grouped_convs
 from ._cpu import ordered_collectives_check
 from ._pipeline import check_microbatches
 from ._compiled import CompiledStep, StepFunction, stay_in_place, where_it_is
-from ._loss import (
-    LOSS_CALL,
-    LOSS_EXAMPLE,
-    accumulated,
-    call_loss,
-    cast_floats,
-    check_signature,
-    check_user_fn,
-    fn_name,
-    loss_and_grads,
-)
+from ._loss import accumulated, call_loss, cast_floats, check_user_fn, loss_and_grads
 from ._remat import ScanResiduals
 from ._accumulate_check import accumulation_check
 from ._shard_mean import by_shard
@@ -44,7 +34,9 @@ from ..mesh import DATA, check_mesh, check_specs, check_specs_match, sharding_of
 from ..state import Optimizer, TrainState, as_optimizer, mirror_specs, optimizer_update, split_trainable
 from .._rewrite import rewritten
 from .._trees import is_array_like, leaves_with_specs
-from .._typing import floating_dtype, positive_int, short_repr, typechecked
+from .._typing import (
+    LOSS_CALL, LOSS_EXAMPLE, check_signature, floating_dtype, fn_name, positive_int, short_repr, typechecked,
+)
 
 # ----------------------------------------------------------------------------- make_step
 
