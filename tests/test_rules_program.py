@@ -216,10 +216,12 @@ def test_a_norm_over_a_blocks_hidden_units_keeps_it_megatron():
     model = eqx.nn.Sequential([eqx.nn.Linear(16, 16, key=jax.random.key(0)),
                                *(NormFormerBlock(k) for k in jax.random.split(jax.random.key(1), 2)),
                                eqx.nn.LayerNorm(16), eqx.nn.Linear(16, 10, key=jax.random.key(2))])
-    specs = redeqx.sharding_rules(model, redeqx.make_mesh(2), loss_fn=w.vector_loss, batch=VECTORS)
-    for block in specs.layers[1:3]:
-        assert (block.fc1.weight, block.norm.weight, block.fc2.weight) == (P("model", None), P("model"), P(None, "model"))
-    assert specs.layers[0].weight == P()  # it feeds the residual stream
+    for n in (2, 4):  # at 4 the stream itself once split (its layers' outputs added, its norm allowed)
+        specs = redeqx.sharding_rules(model, redeqx.make_mesh(n), loss_fn=w.vector_loss, batch=VECTORS)
+        for block in specs.layers[1:3]:
+            assert (block.fc1.weight, block.norm.weight, block.fc2.weight) == (P("model", None), P("model"),
+                                                                               P(None, "model")), n
+        assert specs.layers[0].weight == P()  # it feeds the residual stream
 
 
 def test_half_a_program_and_a_broken_loss_are_clear_errors():
@@ -454,30 +456,34 @@ class FusedGateUp(eqx.Module):
         return x + (jax.nn.silu(h[:, 0]) * h[:, 1]) @ self.w3
 
 
+class FusedGateUpLM(eqx.Module):
+    """Tokens looked up with ``jax.vmap(self.embed)`` (under ``jax.vmap(model)``), two `FusedGateUp` blocks."""
+
+    embed: eqx.nn.Embedding
+    blocks: list
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k = jax.random.split(key, 4)
+        self.embed, self.head = eqx.nn.Embedding(64, 32, key=k[0]), eqx.nn.Linear(32, 64, key=k[3])
+        self.blocks = [FusedGateUp(k[1]), FusedGateUp(k[2])]
+
+    def __call__(self, tokens):
+        x = jax.vmap(self.embed)(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return jax.vmap(self.head)(x)
+
+
 def test_an_equinox_lm_with_a_vmapped_embedding_and_a_fused_gate_up_is_read():
     """``jax.vmap(self.embed)`` inside ``jax.vmap(model)`` (Equinox's idiom) looks a token's row up
     as a (1, D) slice: the reader took it for a slice of the table and, the blocks reading the rows with
     no norm between, the stream for weights; it read no layer, leaving the names to place a (D, 2, F)
-    gate-up they cannot: 1.56x a hand
-    plan's collective bytes (115,616 against 74,004 at 2 shards). Its einsum has two output dims
+    gate-up they cannot: 1.56x a hand plan's collective bytes (115,616 against 74,004 at 2 shards,
+    `benchmarks/plans_vs_hand.py`). Its einsum has two output dims
     (gate or up, hidden units): the second reading splits the hidden units, Megatron's plan, which
     the rules now equal."""
-    class LM(eqx.Module):
-        embed: eqx.nn.Embedding
-        blocks: list
-        head: eqx.nn.Linear
-
-        def __init__(self, key):
-            k = jax.random.split(key, 4)
-            self.embed, self.head = eqx.nn.Embedding(64, 32, key=k[0]), eqx.nn.Linear(32, 64, key=k[3])
-            self.blocks = [FusedGateUp(k[1]), FusedGateUp(k[2])]
-
-        def __call__(self, tokens):
-            x = jax.vmap(self.embed)(tokens)
-            for block in self.blocks:
-                x = block(x)
-            return jax.vmap(self.head)(x)
-
-    specs = redeqx.sharding_rules(LM(jax.random.key(0)), redeqx.make_mesh(2), loss_fn=w.gpt_loss, batch=TOKENS)
+    specs = redeqx.sharding_rules(FusedGateUpLM(jax.random.key(0)), redeqx.make_mesh(2), loss_fn=w.gpt_loss,
+                                  batch=TOKENS)
     for block in specs.blocks:
         assert (block.w12, block.w3) == (P(None, None, "model"), P("model", None))

@@ -63,6 +63,7 @@ class Facts:
         self.blocked: dict[int, str] = {}
         self.reduced: dict[int, str] = {}
         self.needs_whole: dict[int, str] = {}  # seeds reduced where the split activation is needed whole
+        self.summed: set[int] = set()  # seeds whose split outputs are added to other layers' (a split stream)
         self.normalized: set[int] = set()  # seeds whose split dim alone is reduced (a softmax over classes)
         self.rows: list[tuple[int, int, int, str]] = []  # (seed, leaf, dim, why)
         self.follows: list[tuple[int, int, int, str]] = []

@@ -44,6 +44,9 @@ def elementwise(r: Reader, eqn) -> None:
                 if dims[dim] is not None:
                     r.facts.follow(seed, leaf, dims[dim], f"{eqn.primitive.name} with the split activation")
     if eqn.primitive.name in SUMS:  # x + h: the stream h joins needs it whole (its gradient too)
+        split = [r.tag(v) for v in eqn.invars if r.tag(v)]
+        if len(split) > 1 and any(a.keys() != b.keys() for a, b in zip(split, split[1:])):
+            r.facts.summed.update(tags)  # several layers' split outputs added: a residual stream split
         for seed, dim in tags.items():  # (its own split is no other activation: x - mean(x) in a norm of it)
             if any(r.tag(v).get(seed) != dim and not _split_at(r, v, dim) and _shape(v)[dim] > 1 for v in acts):
                 r.facts.reduce(seed, "added to an activation that is not split (the residual stream)", alone=False)

@@ -119,8 +119,9 @@ def _bad_seeds(facts: Facts, seeds: list[int], has_rows: bool) -> dict[int, str]
     units) costs only its results' sum over ``model`` (a row's mean and variance), and keeps the seed.
     A weight with one such use keeps all its uses whole."""
     bad = {s: facts.blocked[s] for s in seeds if s in facts.blocked}
-    if has_rows:  # a group where some seed feeds the residual stream is the stream's: its norms need it whole too
-        stream = any(s in facts.needs_whole for s in seeds)
+    if has_rows:  # a group where some seed feeds the residual stream, or several layers' outputs are added
+        # (the stream itself, split), is the stream's: its norms need it whole too
+        stream = any(s in facts.needs_whole or s in facts.summed for s in seeds)
         bad.update({s: f"its output {facts.needs_whole.get(s, facts.reduced[s])} before any layer contracts it (a "
                        "norm of the residual stream, or the stream)" for s in seeds
                     if s not in bad and (s in facts.needs_whole or stream and s in facts.reduced)})
