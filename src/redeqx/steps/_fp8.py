@@ -33,15 +33,26 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
+from ..mesh import DATA
+from ._remat import plain_checkpoints
 from .._rewrite import bind, call_body, derived_from, inner_seed, source_of, traced
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
 
+def _amax(x):
+    """``x``'s absolute maximum over the whole tensor. Inside a ``shard_map`` manual over ``data`` (a
+    pipeline's stages, `shard_mean_loss`) a value holds one data shard's rows: its shards' maxima are
+    combined, so the scale is the one a single device computes for the same rows. (Over ``stage`` each
+    device holds other layers: nothing to combine.)"""
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    return jax.lax.pmax(amax, DATA) if DATA in jax.sharding.get_abstract_mesh().manual_axes else amax
+
+
 def _quantized(x, dtype):
     """``x`` scaled into ``dtype`` by its absolute maximum: ``(x / scale as dtype, scale)``."""
     top = float(jnp.finfo(dtype).max)
-    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    amax = _amax(x)
     scale = jnp.where(amax > 0, amax / top, 1.0)
     return jnp.clip(x.astype(jnp.float32) / scale, -top, top).astype(dtype), scale
 
@@ -82,10 +93,18 @@ def fp8_dot(x, y, dims, out_dtype):
     return _fwd(x, y, dims, out_dtype)[0]
 
 
+def _accumulator(out_dtype):
+    """The product's dtype before its scales: ``out_dtype`` where it has float32's range (bfloat16,
+    the form cuBLAS's fp8 GEMMs take), else float32: unscaled e4m3 products reach 448² a term, past
+    float16's 65,504."""
+    return out_dtype if jnp.finfo(out_dtype).maxexp >= jnp.finfo(jnp.float32).maxexp else jnp.float32
+
+
 def _fwd(x, y, dims, out_dtype):
     xq, sx = _quantized(x, E4M3)
     yq, sy = _quantized(y, E4M3)
-    out = jax.lax.dot_general(xq, yq, dims, preferred_element_type=out_dtype) * (sx * sy).astype(out_dtype)
+    acc = _accumulator(out_dtype)
+    out = jax.lax.dot_general(xq, yq, dims, preferred_element_type=acc) * (sx * sy).astype(acc)
     # the operands' dtypes ride along as empty arrays (a residual must be an array)
     return out.astype(out_dtype), (xq, yq, sx, sy, jnp.zeros((0,), x.dtype), jnp.zeros((0,), y.dtype))
 
@@ -116,13 +135,23 @@ def _weight_product(eqn, weights: set) -> bool:
 
 
 def _body(eqn):
-    """The program ``eqn`` runs inside (a call's, a ``jax.checkpoint``'s, a scan's), else None."""
+    """The program ``eqn`` runs inside (a call's, a ``jax.checkpoint``'s, a scan's), else None. A
+    cond's branches are `_branches`."""
     if (closed := call_body(eqn)) is not None:
         return closed.jaxpr
     if eqn.primitive.name in ("checkpoint", "remat2", "scan"):
         inner = eqn.params["jaxpr"]
         return inner.jaxpr if isinstance(inner, jex.ClosedJaxpr) else inner
     return None
+
+
+def _branches(eqn, weights: set) -> list[tuple[jex.ClosedJaxpr, set]]:
+    """A cond's branches, each with its invars that are weights (``weights`` outside)."""
+    if eqn.primitive.name != "cond":
+        return []
+    ops = eqn.invars[1:]
+    return [(b, {iv for iv, ov in zip(b.jaxpr.invars, ops) if not isinstance(ov, jex.Literal) and ov in weights})
+            for b in eqn.params["branches"]]
 
 
 class _OutputLayer:
@@ -150,6 +179,9 @@ class _OutputLayer:
                 ins = [True] * len(eqn.invars)
             elif (body := _body(eqn)) is not None:  # its products' inputs feed, whatever its outputs do
                 ins = self._inner(eqn, body, outs, inner_seed(body, eqn, weights), (*place, i))
+            elif branches := _branches(eqn, weights):  # an input feeds if it does in some branch
+                fed = [self.walk(b.jaxpr, outs, seed, (*place, i, k)) for k, (b, seed) in enumerate(branches)]
+                ins = [any(outs), *map(any, zip(*fed))]
             else:  # any other equation: each input reaches each output
                 ins = [any(outs)] * len(eqn.invars)
             feeds.update(v for v, f in zip(eqn.invars, ins) if f and not isinstance(v, jex.Literal))
@@ -184,18 +216,20 @@ class _Fp8:
         weights = derived_from(jaxpr, seed)
         for i, eqn in enumerate(jaxpr.eqns):
             invals = [read(v) for v in eqn.invars]
-            outs = self._eqn(eqn, invals, weights, lambda inner, e=eqn: inner_seed(inner, e, weights), (*place, i))
+            outs = self._eqn(eqn, invals, weights, (*place, i))
             for v, x in zip(eqn.outvars, outs):
                 if not isinstance(v, jex.DropVar):
                     env[v] = x
         return [read(v) for v in jaxpr.outvars]
 
-    def _eqn(self, eqn, invals, weights, inner, place: tuple[int, ...]) -> list:
+    def _eqn(self, eqn, invals, weights, place: tuple[int, ...]) -> list:
         name, p = eqn.primitive.name, eqn.params
         fp8 = _weight_product(eqn, weights) and place not in self.output_layer
+        inner = functools.partial(inner_seed, eqn=eqn, found=weights)
         if (body := call_body(eqn)) is not None:  # each of its equations keeps its own source
             return self.eval(body.jaxpr, body.consts, invals, inner(body.jaxpr), place)
-        if not fp8 and name not in ("scan", "checkpoint", "remat2"):
+        branches = _branches(eqn, weights)
+        if not fp8 and not branches and name not in ("scan", "checkpoint", "remat2"):
             return bind(eqn, invals)  # as it was, with its source
         with source_of(eqn):  # a product made fp8, a loop rebuilt: still the user's code in the program
             if fp8:
@@ -203,10 +237,16 @@ class _Fp8:
                 return [fp8_dot(*invals, p["dimension_numbers"], eqn.outvars[0].aval.dtype)]
             if name == "scan":
                 return self._scan(eqn, invals, inner, place)
+            if branches:
+                return jax.lax.switch(invals[0], [self._branch(b, seed, (*place, k)) for k, (b, seed) in enumerate(branches)],
+                                      *invals[1:])
             body = p["jaxpr"]
             run = jax.checkpoint(lambda *a: self.eval(body, (), a, inner(body), place), prevent_cse=p["prevent_cse"],
                                  policy=p["policy"])
             return run(*invals)
+
+    def _branch(self, branch: jex.ClosedJaxpr, seed: set, place: tuple[int, ...]) -> Callable:
+        return lambda *ops: self.eval(branch.jaxpr, branch.consts, list(ops), seed, place)
 
     def _scan(self, eqn, invals, inner, place: tuple[int, ...]) -> list:
         p = eqn.params
@@ -223,13 +263,27 @@ class _Fp8:
         return [*carry, *ys]
 
 
+def _in_custom_rules(jaxpr, seed: set, inside: bool = False) -> int:
+    """How many weight products run inside ``jax.custom_jvp``/``custom_vjp`` functions: functions with
+    their author's gradient, which a rewrite of the body would break."""
+    weights, n = derived_from(jaxpr, seed), 0
+    for eqn in jaxpr.eqns:
+        n += inside and _weight_product(eqn, weights)
+        custom = eqn.primitive.name in ("custom_jvp_call", "custom_vjp_call")
+        bodies = [eqn.params["call_jaxpr"].jaxpr] if custom else [b] if (b := _body(eqn)) is not None else []
+        n += sum(_in_custom_rules(b, inner_seed(b, eqn, weights), inside or custom) for b in bodies)
+        n += sum(_in_custom_rules(b.jaxpr, s, inside) for b, s in _branches(eqn, weights))
+    return n
+
+
 def fp8_matmuls(fn: Callable) -> Callable:
     """``fn(model, ...)`` with each product of a weight and an activation as `fp8_dot` (see the module's
     text); an error when there is none, as fp8 would then change nothing."""
 
     @functools.wraps(fn)
     def run(*args):
-        closed, leaves, rebuild = traced(fn, *args)
+        with plain_checkpoints():  # redeqx.remat's blocks as jax.checkpoint: the rewrite sees into them
+            closed, leaves, rebuild = traced(fn, *args)
         n_model = len(jax.tree.leaves(eqx.filter(args[0], eqx.is_array)))
         seed = set(closed.jaxpr.invars[:n_model])
         output = _OutputLayer()
@@ -237,11 +291,15 @@ def fp8_matmuls(fn: Callable) -> Callable:
         rewrite = _Fp8(output.found)
         outs = rewrite.eval(closed.jaxpr, closed.consts, leaves, seed)
         if rewrite.converted == 0:
+            hidden = _in_custom_rules(closed.jaxpr, seed)
             raise ValueError(
                 f"fp8=True, but loss_fn {getattr(fn, '__name__', '?')!r} multiplies no weight of the model by an "
                 "activation with jax.lax.dot_general (a Linear layer, x @ W) outside its output layer (the products "
                 f"whose result feeds no other weight product: {len(output.found)} here, kept in the compute dtype): "
-                "there is nothing to run in fp8.")
+                "there is nothing to run in fp8." + (
+                    f" {hidden} weight products are inside jax.custom_jvp or jax.custom_vjp functions, whose "
+                    "gradients are their author's rules: the rewrite leaves those in the compute dtype. Call the "
+                    "layers outside such a function to run them in fp8." if hidden else ""))
         return rebuild(outs)
 
     return run

@@ -13,6 +13,8 @@ their non-elementwise operations.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from collections.abc import Callable
 from typing import Literal
@@ -70,12 +72,28 @@ def recomputed_call(fn: Callable, *, keep: Keep = "nothing") -> Callable:
 
     @functools.wraps(fn)
     def recomputed(*args, **kwargs):
-        if keep == "nothing" and on_cpu():
+        if keep == "nothing" and on_cpu() and not _PLAIN.get():
             return tied_checkpoint(fn)(*args, **kwargs)
         call = eqx.filter_checkpoint(lambda f, *a, **k: f(*a, **k), policy=_POLICIES[keep])
         return call(fn, *args, **kwargs)
 
     return recomputed
+
+
+_PLAIN = contextvars.ContextVar("plain_checkpoints", default=False)
+
+
+@contextlib.contextmanager
+def plain_checkpoints():
+    """Within it `recomputed_call` is ``jax.checkpoint`` on CPU too: for a rewrite that traces a loss
+    and evaluates its equations again (`redeqx.steps._fp8`), which sees into a ``checkpoint`` and
+    cannot see into the CPU's tied ``custom_vjp`` (whose backward pass would recompute the body as it
+    was). On CPU, the step then recomputes nothing (XLA:CPU merges the recomputation back)."""
+    token = _PLAIN.set(True)
+    try:
+        yield
+    finally:
+        _PLAIN.reset(token)
 
 
 CHECKPOINT_DEPRECATED = (
