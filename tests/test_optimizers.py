@@ -150,3 +150,23 @@ def test_the_train_step_and_apply_gradients_update_alike(optimizer, trainable):
         assert float(metrics["loss"]) == float(loss)
     for x, y in zip(jax.tree.leaves((a.model, a.opt_state, a.step)), jax.tree.leaves((b.model, b.opt_state, b.step))):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_a_state_stored_in_bfloat16_keeps_its_scalars_and_takes_the_loss():
+    """Before, every floating leaf was stored in bfloat16: ``inject_hyperparams``' b2 = 0.999 became
+    1.0, Adam's second moment never grew, and the second step was NaN. An optimizer taking the loss
+    (``reduce_on_plateau``) did not get it through the wrapper; float16 (whose range underflows the
+    second moment: updates 13x too large) was accepted."""
+    inner = optax.chain(optax.inject_hyperparams(optax.adam)(learning_rate=0.1),
+                        optax.contrib.reduce_on_plateau(patience=0, factor=0.5, accumulation_size=1))
+    optimizer = redeqx.with_opt_state_dtype(inner, jnp.bfloat16)
+    params = {"w": jnp.ones((3, 2)), "scale": jnp.ones(())}
+    state = optimizer.init(params)
+    for loss in (1.0, 2.0):  # the loss rose: the plateau halves the rate
+        _, state = jax.jit(optimizer.update)(params, state, params, value=jnp.float32(loss))
+    adam, plateau = state
+    assert adam.hyperparams["b2"].dtype == jnp.float32 and float(adam.hyperparams["b2"]) == np.float32(0.999)
+    assert adam.inner_state[0].nu["w"].dtype == jnp.bfloat16 and float(adam.inner_state[0].nu["w"][0, 0]) > 0
+    assert float(plateau.scale) == 0.5
+    with pytest.raises(ValueError, match="dtype=float16 has a narrower range than float32.*jnp.bfloat16"):
+        redeqx.with_opt_state_dtype(optax.adam(1e-3), jnp.float16)
