@@ -98,6 +98,28 @@ def test_several_models_in_one_state_match_plain_jax(tmp_path):
     manager.close()
 
 
+def test_a_target_network_made_of_the_online_arrays_trains_and_stays():
+    """A DQN-style target network set to the online model's arrays (``target = online.model``): the
+    step donates its state, and one array at two places of it made XLA:CPU donate a buffer twice and
+    kill the process (a segfault, no Python error). The second place now gets a copy."""
+    actor, critic = actor_critic(jax.random.key(0))
+    mesh = redeqx.make_mesh(2)
+    a_specs, c_specs = redeqx.sharding_rules(actor, mesh), redeqx.sharding_rules(critic, mesh)
+    online = redeqx.init_state(actor, OPT_A, mesh, a_specs, key=jax.random.key(1))
+    state = {"actor": online, "critic": redeqx.init_state(critic, OPT_C, mesh, c_specs, key=jax.random.key(2)),
+             "target": online.model}
+    before = [np.asarray(x) for x in jax.tree.leaves(eqx.filter(actor, eqx.is_array))]
+
+    def step(state, batch):
+        new, losses = ac_step({"actor": state["actor"], "critic": state["critic"]}, batch)
+        return {**new, "target": state["target"]}, losses
+
+    new, _ = redeqx.make_step(step, mesh)(state, ac_batch(0))
+    for x, y in zip(jax.tree.leaves(eqx.filter(new["target"], eqx.is_array)), before):
+        np.testing.assert_array_equal(np.asarray(x), y)  # the target did not move
+    assert not np.array_equal(np.asarray(new["actor"].model.layers[0].weight), before[0])  # the online model did
+
+
 def test_init_opt_state_mirrors_parameters():
     mesh = redeqx.make_mesh(2)
     actor, _ = actor_critic(jax.random.key(0))

@@ -164,12 +164,15 @@ class CompiledStep:
         """``arrays`` where ``shardings`` say, moved (never sharing the caller's
         memory when donated) with a warning naming the moved leaves."""
         refuse_deleted(arrays, self.what, paths)
-        moved, out = [], []
+        moved, out, seen = [], [], set()
         for x, cur, s, path in zip(arrays, current, shardings, paths):
             if cur is not s and cur != s:
                 if isinstance(x, jax.Array) and getattr(x, "committed", True) and isinstance(cur, NamedSharding):
                     moved.append(f"{path}: {_sharding_text(x)} -> {s.spec}")
                 x = place(x, s, copy=self.donate)
+            elif self.donate and id(x) in seen:  # one array at two places (a target network made of the
+                x = place(x, s, copy=True)       # online one's arrays): XLA:CPU segfaults donating it twice
+            seen.add(id(x))
             out.append(x)
         if moved and self.warn_moves:
             warn_user(
