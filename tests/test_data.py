@@ -416,3 +416,10 @@ def test_int64_beyond_32_bits_is_refused_with_the_key_and_range_and_smaller_ones
     got = next(redeqx.batches(examples(8), small_ids, 1, mesh))
     assert got["id"].dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(got["id"]), -(2**31) + np.arange(4))  # data=4, one row each
+
+
+def test_rows_of_another_count_are_named_by_key():
+    from redeqx.data._batch import batch_size
+
+    with pytest.raises(ValueError, match=r"got sizes \[1, 16\] \(batch\['scale'\]: \[1\], batch\['x'\]: \[16, 3\]\)"):
+        batch_size({"x": np.ones((16, 3)), "scale": np.ones((1,))})

@@ -170,3 +170,17 @@ def test_a_state_stored_in_bfloat16_keeps_its_scalars_and_takes_the_loss():
     assert float(plateau.scale) == 0.5
     with pytest.raises(ValueError, match="dtype=float16 has a narrower range than float32.*jnp.bfloat16"):
         redeqx.with_opt_state_dtype(optax.adam(1e-3), jnp.float16)
+
+
+def test_gradients_of_part_of_the_model_without_trainable_are_named():
+    """Gradients of one part of the model (``eqx.partition``: None on the frozen part), the state made
+    without ``trainable=``: optax's pytree-structure error named neither the leaves nor the fix."""
+    model = make_model()
+    state = redeqx.init_state(model, optax.adam(0.1), redeqx.make_mesh(1, devices=jax.devices()[:1]),
+                              redeqx.sharding_rules(model, redeqx.make_mesh(1, devices=jax.devices()[:1])),
+                              key=jax.random.key(0))
+    head_only = jax.tree.map(lambda _: False, model)
+    head_only = eqx.tree_at(lambda m: (m.layers[-1].weight, m.layers[-1].bias), head_only, (True, True))
+    grads = eqx.filter(jax.tree.map(jnp.zeros_like, eqx.filter(model, eqx.is_array)), head_only)
+    with pytest.raises(ValueError, match=r"no gradient for \d+ trainable parameters \(\.layers\[0\]\.weight.*trainable="):
+        redeqx.apply_gradients(state, grads, optax.adam(0.1))

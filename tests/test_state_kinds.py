@@ -218,6 +218,15 @@ def test_stateful_loss_fn_must_return_its_state():
     step = redeqx.make_train_step(lambda m, b, k, s: bn_loss(m, b, k, s)[0], optax.adam(1e-2), mesh, specs)
     with pytest.raises(TypeError, match=r"must return \(loss, new_model_state\)"):
         step(state, bn_collate(bn_examples(16, 0)))
+    # (loss, aux) from a stateful loss: the aux dict was taken for the state (a 3,000-character pytree diff)
+    step = redeqx.make_train_step(lambda m, b, k, s: (bn_loss(m, b, k, s)[0], {"n": 1.0}), optax.adam(1e-2), mesh,
+                                  specs)
+    with pytest.raises(TypeError, match=r"returned as the new model_state \(\{'n': 1.0\}\) is not a model_state"):
+        step(state, bn_collate(bn_examples(16, 0)))
+    # a stateful loss given no state: Python's "missing 1 required positional argument" named no fix
+    plain = redeqx.init_state(model, optax.adam(1e-2), mesh, specs, key=jax.random.key(1))
+    with pytest.raises(TypeError, match=r"takes a model_state .* but none was given.*model_state="):
+        redeqx.make_train_step(bn_loss, optax.adam(1e-2), mesh, specs)(plain, bn_collate(bn_examples(16, 0)))
 
 
 def test_the_rules_read_a_stateful_loss_given_its_state_and_name_what_is_missing():

@@ -15,7 +15,13 @@ from ..mesh import DATA
 def batch_size(batch) -> int:
     sizes = {x.shape[0] for x in jax.tree.leaves(batch) if hasattr(x, "shape") and x.ndim > 0}
     if len(sizes) != 1:
-        raise ValueError(f"every batch array needs the same leading (batch) dim, got sizes {sorted(sizes) or 'none'}.")
+        leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+        said = ", ".join(f"batch{jax.tree_util.keystr(path)}: {list(x.shape)}" for path, x in leaves[:12]
+                         if hasattr(x, "shape"))
+        raise ValueError(
+            f"every batch array needs the same leading (batch) dim, got sizes {sorted(sizes) or 'none'} ({said}). "
+            "Give each example's features one row per example; a value shared by every example belongs outside "
+            "the batch (a constant in loss_fn, or the model).")
     return sizes.pop()
 
 

@@ -147,9 +147,25 @@ def optimizer_update(optimizer: optax.GradientTransformation, params, static, gr
             "state.opt_state does not match the trainable parameters of this step: pass the same optimizer and "
             "trainable= to redeqx.init_state and to redeqx.make_train_step (or redeqx.apply_gradients)."
         )
+    _check_grads_cover(grads, params)
     grads = eqx.filter(grads, jax.tree.map(lambda x: x is not None, params, is_leaf=is_none))
     updates, opt_state = optax.with_extra_args_support(optimizer).update(grads, opt_state, params, **extra_args)
     return eqx.combine(optax.apply_updates(params, updates), static), opt_state
+
+
+def _check_grads_cover(grads, params) -> None:
+    """Every trainable parameter has a gradient: grads taken of one part of the model
+    (``eqx.partition``) leave None where the optimizer state (made for ``params``) holds moments."""
+    with_grad = {path for path, g in jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_none)[0]
+                 if g is not None}
+    missing = [jax.tree_util.keystr(path) for path, p in jax.tree_util.tree_flatten_with_path(params)[0]
+               if p is not None and path not in with_grad]
+    if missing:
+        raise ValueError(
+            f"grads has no gradient for {len(missing)} trainable parameters ({', '.join(missing[:4])}"
+            f"{', ...' if len(missing) > 4 else ''}), for which the optimizer state holds its statistics. If they are "
+            "frozen, say so where the state is made and where it is updated: redeqx.init_state(..., trainable=) "
+            "and apply_gradients(..., trainable=) (or make_train_step(..., trainable=)), with the same filter.")
 
 
 @typechecked

@@ -26,7 +26,7 @@ from ._remat import ScanResiduals, keep_products
 from ..mesh import CONTEXT, DATA
 from .._rewrite import rewritten
 from .._trees import is_floating
-from .._typing import STATEFUL_CALL, STATEFUL_EXAMPLE, check_signature, fn_name, short_repr
+from .._typing import STATEFUL_CALL, STATEFUL_EXAMPLE, check_signature, fn_name, short_repr, takes
 
 GradFn = Callable[..., tuple[Any, dict, Any, Any]]
 
@@ -100,12 +100,23 @@ def call_loss(loss_fn, model, batch, key, model_state=None):
     name = fn_name(loss_fn)
     if model_state is not None:
         check_signature(loss_fn, "loss_fn", 4, STATEFUL_CALL, STATEFUL_EXAMPLE)
+    elif takes(loss_fn, 3) is False:
+        raise TypeError(
+            f"loss_fn {name!r} takes a model_state (4 arguments: {STATEFUL_CALL}), but none was given: make the "
+            "state with redeqx.init_state(..., model_state=state) (eqx.nn.make_with_state gives it), and pass "
+            "model_state= to redeqx.evaluate, redeqx.predict or an eval step's call.")
     try:
         out = loss_fn(model, batch, key) if model_state is None else loss_fn(model, batch, key, model_state)
     except Exception as e:
         _note_batch(e, name, batch)
         raise
     loss, aux, new_state = _unpack(loss_fn, out, model_state is not None)
+    if model_state is not None and jax.tree.structure(new_state) != jax.tree.structure(model_state):
+        raise TypeError(
+            f"loss_fn {name!r} gets a model_state, so it must return (loss, new_model_state) or (loss, aux_dict, "
+            f"new_model_state); what it returned as the new model_state ({short_repr(new_state)}) is not a "
+            "model_state like the one it was given. Return the state the model's layers gave back (e.g. "
+            "`out, state = model(x, state)`), and any metrics as the middle item.")
     if isinstance(loss, dict):
         raise TypeError(
             f"loss_fn {name!r} returned a dict as its loss; return the scalar to minimise, with any metrics "
