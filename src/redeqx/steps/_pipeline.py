@@ -99,7 +99,9 @@ def pipelined_layer_scans(fn: Callable, mesh: Mesh, microbatches: int | None, *,
         m, n_data = microbatches, mesh.shape[DATA]
         if rows % (m * n_data):
             raise PipelineError(
-                f"microbatches={m} does not cut the batch's {rows} rows into microbatches the {n_data}-way data "
+                f"microbatches={m}{' (the default when none is given: 4 x n_pipeline_stages)' if m == 4 * s else ''} "
+                f"does not cut the {rows} rows it is given (a micro-batch's under accumulate=k) into microbatches the "
+                f"{n_data}-way data "
                 f"axis splits: the rows must be a multiple of microbatches x data = {m * n_data} (rows per data "
                 f"shard, {rows / n_data:g}, a multiple of microbatches). Pick microbatches among "
                 f"{[d for d in range(s, rows // n_data + 1) if (rows // n_data) % d == 0][:8] or 'none'}, or "
@@ -299,10 +301,12 @@ class _Pipeline:
         fn, p = runner.fn, eqn.params
         self.length, self.n_consts, self.n_carry, self.reverse = p["length"], p["num_consts"], p["num_carry"], p["reverse"]
         if self.length % self.s:
+            n = self.mesh.devices.size
+            fits = [d for d in range(2, self.length + 1) if self.length % d == 0 and n % d == 0]
             raise PipelineError(
                 f"{_name(fn)} scans a stack of {self.length} layers, which n_pipeline_stages={self.s} does not "
-                f"divide: pick n_pipeline_stages among {[d for d in range(2, self.length + 1) if self.length % d == 0]}"
-                ", or a layer count the stages divide.")
+                "divide: " + (f"pick n_pipeline_stages among {fits} (they divide the layers and the {n} devices), or "
+                              if fits else "") + "give the model a layer count that the stages divide.")
         self.n_data, self.data = self.mesh.shape[DATA], DATA if DATA in runner.manual else None
         self.n_model = dict(self.mesh.shape).get(MODEL, 1)
         dims = [_batch_dim(tuple(v.aval.shape), tuple(w.aval.shape), self.m, "an input", fn)
