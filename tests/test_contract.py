@@ -129,6 +129,21 @@ def test_state_on_another_layout_is_moved_to_specs_not_replicated():
         step(state, make_batch(seed=1))
 
 
+def test_an_eval_loss_comparing_rows_is_warned_about():
+    """The eval step runs ``loss_fn`` on each row alone: a loss with in-batch negatives (the rows'
+    outputs against each other, as CLIP's) sees no other row and gave 0.0 without a word."""
+    mesh, model, specs, _ = setup(2)
+
+    def in_batch_negatives(m, b, key):
+        out = jax.vmap(m)(b["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(out @ out.T, jnp.arange(out.shape[0])).mean()
+
+    with pytest.warns(UserWarning, match=r"compares rows: on a batch of 4 rows it computes a value of shape \(4, 4\)"):
+        got = redeqx.make_eval_step(in_batch_negatives, mesh, specs)(redeqx.shard(model, specs, mesh), make_batch(),
+                                                                     jax.random.key(0))
+    assert float(got["loss"]) == 0.0  # what it computes: each row alone
+
+
 def test_eval_and_predict_place_the_model_by_specs():
     mesh4, model, specs4, _ = setup(4)
     mesh2 = redeqx.make_mesh(2)

@@ -28,6 +28,7 @@ from ._compiled import CompiledStep, StepFunction, stay_in_place, where_it_is
 from ._loss import accumulated, call_loss, cast_floats, check_user_fn, loss_and_grads
 from ._remat import ScanResiduals
 from ._accumulate_check import accumulation_check
+from ._rows_check import rows_check
 from ._shard_mean import by_shard
 from ..data import batch_size, check_batch
 from ..mesh import DATA, check_mesh, check_specs, check_specs_match, sharding_of
@@ -317,12 +318,19 @@ class EvalStep:
         placement = _model_placement(mesh, specs)
         self._means = CompiledStep(means, mesh, placement=placement, what="model", batch_args=(0,))
         self._sums = CompiledStep(sums, mesh, placement=placement, what="model", batch_args=(0, 2))
-        self.mesh, self.specs = mesh, specs
+        self.mesh, self.specs, self._check = mesh, specs, rows_check(loss_fn)
+
+    def _first_call(self, model, batch, key, model_state) -> None:
+        if self._check is not None:
+            self._check, check = None, self._check
+            check(model, batch, key, model_state)
 
     def __call__(self, model, batch, key, *, model_state=None):
+        self._first_call(model, batch, key, model_state)
         return self._means(model, batch, key, model_state)
 
     def sums(self, model, batch, key, weights, *, model_state=None):
+        self._first_call(model, batch, key, model_state)
         return self._sums(model, batch, key, weights, model_state)
 
     def lower(self, model, batch, key, *, model_state=None):
@@ -338,7 +346,11 @@ def make_eval_step(loss_fn: Callable, mesh: Mesh, specs: Any, *, compute_dtype: 
     example's loss is computed on its own (``loss_fn`` on a batch of one,
     vmapped), so means are exact however the batch was padded; ``loss_fn``
     must treat rows independently (BatchNorm in inference mode reads its
-    running statistics from ``model_state=``, passed to the call). On a mesh
+    running statistics from ``model_state=``, passed to the call). The first
+    call warns when ``loss_fn`` compares rows (in-batch negatives: a value
+    growing as rows x rows), which a row alone cannot (evaluate such a loss
+    with `make_step`). A mean over a batch's tokens becomes the mean of each
+    example's token mean. On a mesh
     with pipeline stages the stacked layers run as a pipeline of
     ``microbatches`` (as in `make_train_step`; the batch's rows must then be
     a multiple of it). A ``loss_fn`` that takes a convolution's weight
