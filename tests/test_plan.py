@@ -2,6 +2,7 @@
 of the step a real run compiles, and its advice is what it tried."""
 
 import functools
+import types
 
 import equinox as eqx
 import jax
@@ -170,7 +171,7 @@ def test_auto_plans_each_candidate_once_and_explores_only_at_the_end(monkeypatch
     monkeypatch.setattr(_plan, "_one_plan", lambda *a, **k: compiles.append(a[4].shape["model"]) or real(*a, **k))
     devices = jax.devices()[:4]
     # big_params: the program's plan is the names' at every candidate (no second compile to compare them)
-    planner = functools.partial(redeqx.plan, big_params, lm_loss, optax.adamw(1e-3), BATCH, device_memory=1000)
+    planner = functools.partial(redeqx.plan, big_params, lm_loss, optax.adamw(1e-3), BATCH, device_memory=4096)
     with pytest.raises(ValueError, match="no n_model_shards fits on these 4 devices") as e:
         redeqx.make_mesh("auto", devices=devices, planner=planner)
     assert compiles[:3] == [1, 2, 4], compiles
@@ -212,7 +213,7 @@ def test_plan_searches_accumulation_down_to_one_row_before_asking_for_devices(co
     assert labels == ["fsdp=True", "accumulate=2", "accumulate=4", "accumulate=8"], labels  # the least that fits
     assert [other.fits for _, other in p.tried] == [False, False, False, True]
     assert p.tried[-1][1].peak == peaks[8] and "would fit with: accumulate=8" in str(p)
-    hopeless = planner(device_memory=1000)  # down to one row per micro-batch, then more devices
+    hopeless = planner(device_memory=4096)  # down to one row per micro-batch, then more devices
     assert [label for label, _ in hopeless.tried][-1] == "accumulate=16" and "more devices are needed" in str(hopeless)
 
 
@@ -274,3 +275,24 @@ def test_the_program_reader_reads_a_long_tuples_operands_past_its_index_comments
 }"""
     computations, _, entry = parse_module(text)
     assert computations[entry][-1].operands == ("a",) * 5 + ("b",)
+
+
+def test_wrong_units_and_counts_are_named():
+    """40 meant 40 GB (it was 40 bytes: a search of 11 compiles ending in "more devices are needed"),
+    '200Gb/s' is in bits (it was read as 200 GB/s), a host count must divide the devices (0 was a
+    ZeroDivisionError, 3 of 8 accepted), and a model without arrays is named as such."""
+    from redeqx.planner._plan import parse_bytes
+    from redeqx.planner._timing import parse_rate, seconds
+
+    for wrong in (40, 0.5, "0GB", "1000B"):
+        with pytest.raises(ValueError, match=r"under a KiB: give bytes \(40e9 for 40 GB\)"):
+            parse_bytes(wrong)
+    assert parse_bytes(np.int64(40e9)) == 40 * 10**9 and parse_bytes("32GiB") == 32 * 2**30
+    assert parse_rate("200Gb/s", "between_hosts") == parse_rate("25GB/s", "between_hosts") == 25e9
+    a_plan = types.SimpleNamespace(mesh={"data": 4, "model": 2})  # what is checked before anything is computed
+    for hosts in (0, 3):
+        with pytest.raises(ValueError, match=rf"devices_per_host={hosts}: give how many of the plan's 8 devices"):
+            seconds(a_plan, flops_per_second="1TFLOP/s", devices_per_host=hosts, within_host="450GB/s",
+                    between_hosts="25GB/s")
+    with pytest.raises(ValueError, match=r"model \(.*\) holds no array"):
+        redeqx.plan({"n": 3}, lm_loss, optax.adamw(1e-3), BATCH, redeqx.make_mesh(2))

@@ -1,6 +1,6 @@
 """What `plan` tries when a step does not fit: each change alone (fsdp, remat,
-bfloat16 compute, a bfloat16 optimizer state, a smaller micro-batch, more
-model shards), then the ones that lowered the peak combined, best first, then
+bfloat16 compute, a bfloat16 optimizer state, a smaller micro-batch, each
+larger count of model shards), then the ones that lowered the peak combined, best first, then
 the combination with ever smaller micro-batches.
 
 Each try is ``attempt(mesh, settings) -> Plan``, a compile of the step with
@@ -37,7 +37,7 @@ def options(settings: dict, mesh: Mesh, global_batch: int) -> list[tuple[str, di
             break
     bigger = [k for k in range(n_model + 1, n_dev + 1) if n_dev % k == 0 and global_batch % (n_dev // k) == 0
               and not fixed]
-    for k in dict.fromkeys(bigger[:1] + bigger[-1:]):  # the next split, and the most these devices allow
+    for k in bigger:  # each split these devices allow (a peak need not fall with the shards: GroupNorm, a head)
         out.append((f"n_model_shards={k}", {}, k))
     return out
 

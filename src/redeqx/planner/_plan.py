@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import re
 import warnings
 from collections.abc import Callable, Sequence
@@ -37,7 +38,7 @@ from ..state import abstract_model, init_state, is_constructor, with_opt_state_d
 from ..sharding import program_facts, specs_from
 from .._trees import human_bytes, is_spec, named_leaves, per_device_shape
 from ..steps import ScanResiduals, check_microbatches, make_train_step, remat as remat_loss
-from .._typing import typechecked, warn_user
+from .._typing import short_repr, typechecked, warn_user
 
 _UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -46,13 +47,18 @@ def parse_bytes(value, name: str = "device_memory") -> int | None:
     """``40e9``, ``"40GB"``, ``"32 GiB"`` -> bytes."""
     if value is None:
         return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-        return int(value)
-    if isinstance(value, str):
+    found = None
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        found = int(value)
+    elif isinstance(value, str):
         m = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?i?b)\s*", value.lower())
-        if m:
-            return int(float(m.group(1)) * _UNITS[m.group(2)])
-    raise ValueError(f"{name}={value!r}: give bytes (40e9) or a size such as '40GB' or '32GiB'.")
+        found = int(float(m.group(1)) * _UNITS[m.group(2)]) if m else None
+    if found is None:
+        raise ValueError(f"{name}={value!r}: give bytes (40e9) or a size such as '40GB' or '32GiB'.")
+    if found < 1024:  # no step fits in a KiB: 40 meant 40 GB
+        raise ValueError(f"{name}={value!r} is {found} bytes, under a KiB: give bytes (40e9 for 40 GB) or a size "
+                         "such as '40GB' or '32GiB'.")
+    return found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,9 +175,14 @@ class Plan:
             for label, other in self.tried:
                 verdict = "" if other.fits is None else (" fits" if other.fits else " does not fit")
                 lines.append(f"  {label:{width}s} peak {human_bytes(other.peak):>12s}{verdict}")
-            good = [label for label, other in self.tried if other.fits]
-            if good:
-                lines.append(f"would fit with: {good[0]}")
+            good = sorted(((label, other) for label, other in self.tried if other.fits),
+                          key=lambda lp: (_collective_bytes(lp[1]), lp[1].flops, lp[1].peak))
+            if good:  # fewest bytes first; what bytes cost against FLOPs is the links' (compare_plans)
+                lines.append(f"would fit with: {good[0][0]}" + (
+                    " (of those that fit, the fewest collective bytes, then FLOPs: "
+                    + "; ".join(f"{label}: {human_bytes(_collective_bytes(o))}, {o.flops:.2e} FLOPs"
+                                for label, o in good) + "; redeqx.compare_plans weighs them at your links' rates)"
+                    if len(good) > 1 else ""))
             elif self.fits is False:
                 lines.append("nothing tried fits (each change alone, those that help together, with accumulation down "
                              "to one row per micro-batch; up to the most model shards these devices allow): more "
@@ -180,12 +191,22 @@ class Plan:
         bf16 = [p for p in (self, *(other for _, other in self.tried)) if p.settings.get("compute_dtype") is not None]
         if self.compiler.startswith("XLA:CPU") and bf16:
             lines.append(CPU_BF16)
+        gaps = [p for p in (self, *(other for _, other in self.tried))
+                if p.settings.get("accumulate", 1) > 1 or p.settings.get("fsdp")]
+        if self.compiler.startswith("XLA:CPU") and gaps:
+            lines.append(CPU_BYTES)
         return "\n".join(lines)
 
 
 CPU_BF16 = ("note: XLA:CPU computes bfloat16 math through float32 temporaries, so its peak with bfloat16 compute "
             "is not a GPU's or a TPU's (which falls; XLA:CPU's may even rise above float32's): plan for the "
             "accelerator's compiler to count bfloat16 compute (see redeqx.plan's docstring)")
+
+
+CPU_BYTES = ("note: collective bytes here are XLA:CPU's. XLA:GPU and libtpu move fewer with fsdp (an all-reduce "
+             "then a slice is a reduce-scatter there: 1.4-1.8x fewer bytes on small models) and with accumulate=k "
+             "(they all-reduce the gradients once, after the micro-batches' loop; XLA:CPU does once per micro-batch, "
+             "k times the bytes)")
 
 
 def compiler_of(mesh: Mesh) -> str:
@@ -420,6 +441,9 @@ def plan(
     else:
         abstract = eqx.filter_eval_shape(lambda: model)
     device_memory = parse_bytes(device_memory)
+    if not any(isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) for x in jax.tree.leaves(abstract)):
+        raise ValueError(f"redeqx.plan: model ({short_repr(model)}) holds no array: there is nothing to place or "
+                         "train. Pass the model (an eqx.Module or a tree of arrays), or a function making it.")
     if specs is not None:
         _check_specs_given(specs, abstract, mesh, fsdp, overrides)
     settings = dict(fsdp=fsdp, remat=remat, accumulate=accumulate, compute_dtype=compute_dtype,

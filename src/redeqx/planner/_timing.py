@@ -3,13 +3,14 @@ links it crosses (within a host or between two), and plans compared at the rates
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
 from ._hlo import Collective
 from .._typing import typechecked
 
-_RATE = re.compile(r"^\s*([0-9.]+(?:e[+-]?\d+)?)\s*([KMGTP]?)(?:B|FLOP|FLOPS|FLOPs)?(?:/s)?\s*$", re.IGNORECASE)
+_RATE = re.compile(r"^\s*([0-9.]+(?:e[+-]?\d+)?)\s*([KMGTPkmgtp]?)(B|b|FLOP|FLOPS|FLOPs|flops)?(?:/s)?\s*$")
 
 
 def parse_rate(value, name: str) -> float:
@@ -19,8 +20,9 @@ def parse_rate(value, name: str) -> float:
     m = _RATE.match(value) if isinstance(value, str) else None
     if m is None or float(m.group(1)) <= 0:
         raise ValueError(f"{name}={value!r}: give a positive rate per second, e.g. 25e9 or '25GB/s' "
-                         "(FLOPs: '989TFLOP/s').")
-    return float(m.group(1)) * 1000 ** " KMGTP".index(m.group(2).upper() or " ")
+                         "(FLOPs: '989TFLOP/s'; bits: '200Gb/s').")
+    bits = m.group(3) == "b"  # a link's rate in bits: '200Gb/s' is 25 GB/s
+    return float(m.group(1)) * 1000 ** " KMGTP".index(m.group(2).upper() or " ") / (8 if bits else 1)
 
 
 def wire_bytes(c: Collective) -> float:
@@ -50,6 +52,11 @@ def seconds(plan, *, flops_per_second: Any, devices_per_host: int, within_host: 
     """`Plan.timing`."""
     flops_rate, within, between = (parse_rate(v, n) for v, n in (
         (flops_per_second, "flops_per_second"), (within_host, "within_host"), (between_hosts, "between_hosts")))
+    n = math.prod(plan.mesh.values())
+    if isinstance(devices_per_host, bool) or not isinstance(devices_per_host, int) or devices_per_host < 1 \
+            or n % devices_per_host:
+        raise ValueError(f"devices_per_host={devices_per_host!r}: give how many of the plan's {n} devices one host "
+                         f"holds, a count dividing {n} (8 for 8-GPU hosts; {n} for one host).")
     far = sum(wire_bytes(c) for c in plan.found if crosses(c, devices_per_host))
     near = sum(wire_bytes(c) for c in plan.found) - far
     out = {"compute": plan.flops / flops_rate, "within": near / within, "between": far / between}
