@@ -142,6 +142,18 @@ def test_shape_mismatch_names_paths(tmp_path):
     with pytest.raises(ValueError, match=r"layers\.0\.weight: checkpoint \(16, 8\), like \(32, 8\)") as e:
         redeqx.restore_checkpoint(tmp_path / "c", other, mesh, redeqx.sharding_rules(other, mesh))
     assert str(tmp_path / "c") in str(e.value) and "layers.1.weight" in str(e.value)
+    assert "holds another model" in str(e.value)
+
+
+def test_another_optimizer_is_named_as_such(tmp_path):
+    """The same model saved with Adam, restored into an SGD state: the advice said "the checkpoint
+    holds another model"; it is the optimizer (or trainable=) that differs."""
+    mesh = redeqx.make_mesh(2)
+    state, specs = trained_state(mesh)
+    redeqx.save_checkpoint(tmp_path / "c", state)
+    sgd = redeqx.init_state(eqx.filter_eval_shape(mlp), optax.sgd(0.1), mesh, specs, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"The model matches; its optimizer state does not.*trainable="):
+        redeqx.restore_checkpoint(tmp_path / "c", sgd, mesh, specs)
 
 
 def _data_files(path):
@@ -359,8 +371,10 @@ def test_manager_every_k_epochs_and_data_position(tmp_path):
     assert manager.restore(state, mesh, specs) is None
     key = jax.random.key(3)
     for epoch in range(1, 5):
+        for batch in range(1, 3):  # saves mid-epoch (for preemption, as the loop guide's): not due
+            manager.save(at_step(state, 10 * (epoch - 1) + 3 * batch), epoch=epoch - 1, batch=batch, data_key=key)
         manager.save(at_step(state, 10 * epoch), epoch=epoch, batch=0, data_key=key)
-    assert manager.steps() == [20, 40]
+    assert manager.steps() == [20, 40]  # before, every mid-epoch save of an even epoch was due too
     _, meta = manager.restore(state, mesh, specs)
     assert (meta["step"], meta["epoch"], meta["batch"]) == (40, 4, 0)
     np.testing.assert_array_equal(jax.random.key_data(meta["data_key"]), jax.random.key_data(key))

@@ -93,8 +93,12 @@ def test_short_end_dropped_with_a_warning():
     mesh = redeqx.make_mesh(2)
     ds = grain.MapDataset.source(examples()[:20])
     with pytest.warns(UserWarning, match="ended with 4 examples.*dropped"):
-        got = list(redeqx.grain_batches(ds, collate_fn, 2, mesh))
+        loader = redeqx.grain_batches(ds, collate_fn, 2, mesh)
+        got = list(loader)
     assert len(got) == 2
+    with pytest.raises(RuntimeError, match=r"has ended: .*\.repeat\(num_epochs\)"):  # a second epoch got nothing
+        for _ in loader:
+            pass
 
 
 def test_manager_saves_and_restores_the_position(tmp_path):

@@ -207,11 +207,17 @@ def check_match(path: Path, meta: dict, to_read) -> None:
         more = len(rest) - _SHOWN_DIFFERENCES
         shown = "".join(f"\n  {p}" for p in rest[:_SHOWN_DIFFERENCES])
         shown += f"\n  ... and {more} more" if more > 0 else ""
+        optimizer_only = all("/opt_state" in p.split(":")[0] for p in problems)
+        advice = ("The model matches; its optimizer state does not: the checkpoint was saved with another optimizer "
+                  "(another optax transformation or chain, a schedule where there was a constant) or another "
+                  "trainable= filter. Make like with the optimizer and trainable= it was saved with "
+                  "(redeqx.init_state(model, optimizer, mesh, specs, trainable=...)), or restore the model alone "
+                  "(like=state.model) and start a new optimizer state." if optimizer_only else
+                  "The checkpoint holds another model (another size, depth or architecture): build like from the "
+                  "same model code and config the checkpoint was saved with (e.g. eqx.filter_eval_shape(make_model, "
+                  "key)).")
         raise ValueError(
-            f"checkpoint at {path} does not match like: first {first}.{' Then:' if rest else ''}{shown}\nThe "
-            "checkpoint holds another model (another size, depth or architecture): build like from the same model "
-            "code and config the checkpoint was saved with (e.g. eqx.filter_eval_shape(make_model, key))."
-        )
+            f"checkpoint at {path} does not match like: first {first}.{' Then:' if rest else ''}{shown}\n{advice}")
 
 
 def _refuse_damaged_shapes(path: Path, meta: dict, to_read) -> None:

@@ -76,7 +76,8 @@ class CheckpointManager:
 
     - ``every=k``, ``unit="step"``: `save` writes when ``state.step`` is a
       multiple of ``k``; ``unit="epoch"``: when ``epoch`` (the epoch to resume
-      at, so ``epoch + 1`` after finishing epoch ``epoch``) is. A save whose
+      at, so ``epoch + 1`` after finishing epoch ``epoch``) is, at its start
+      (``batch=0``; a save mid-epoch, with ``batch > 0``, is not due). A save whose
       metrics beat a tracked best, with ``force=True``, or at a preemption
       always writes.
     - ``keep_last=n`` keeps the ``n`` newest; ``best={"accuracy": "max",
@@ -212,7 +213,7 @@ class CheckpointManager:
             self._watching = _preemption.watch()
         self._calls += 1
         preempted = _preemption.reached(self._calls)
-        if not (force or preempted or due(step, epoch, every=self.every, unit=self.unit) or self._improves(metrics)):
+        if not (force or preempted or due(step, epoch, every=self.every, unit=self.unit, batch=batch) or self._improves(metrics)):
             return False
         self._writer.finish()
         self._disk.claim()

@@ -25,19 +25,24 @@ def check_unit(unit: str) -> Literal["step", "epoch"]:
     return unit
 
 
-def due(step: int, epoch: int, *, every: int, unit: Literal["step", "epoch"]) -> bool:
+def due(step: int, epoch: int, *, every: int, unit: Literal["step", "epoch"], batch: int = 0) -> bool:
     """Whether ``every`` asks for a save now: ``unit="step"`` when ``step``
-    is a multiple of ``every``, ``unit="epoch"`` when ``epoch`` (the epoch to
-    resume at) is.
+    is a multiple of ``every``, ``unit="epoch"`` at an epoch's start
+    (``batch`` 0: the position to resume at) when ``epoch`` (the epoch to
+    resume at) is. A loop that saves mid-epoch too (for preemption) calls
+    ``save`` with ``batch > 0`` there: not due.
 
     **Example:**
 
     ```python
-    due(300, 1, every=100, unit="step")   # True
-    due(300, 1, every=2, unit="epoch")    # False
+    due(300, 1, every=100, unit="step")            # True
+    due(300, 2, every=2, unit="epoch")             # True
+    due(310, 2, every=2, unit="epoch", batch=10)   # False
     ```
     """
-    return (step if check_unit(unit) == "step" else epoch) % every == 0
+    if check_unit(unit) == "step":
+        return step % every == 0
+    return batch == 0 and epoch % every == 0
 
 
 def ranked(steps: Sequence[int], metrics: Mapping[int, Mapping[str, float]], name: str,

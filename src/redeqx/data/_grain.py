@@ -84,6 +84,7 @@ class GrainBatches:
         self._state = iterator.get_state()  # the position after the last batch the loop took
         self._taken = 0
         self._made: Iterator | None = None
+        self._ended = False
 
     def __repr__(self) -> str:
         return (f"grain_batches({type(self._it).__name__}, global batch {self._size}, "
@@ -114,12 +115,21 @@ class GrainBatches:
             yield to_global(local, self._mesh, self._size), state
 
     def __iter__(self) -> GrainBatches:
+        if self._ended:  # a second `for` over it would see no batch: an epoch of nothing, silently
+            raise RuntimeError(
+                f"{self!r} has ended: it reads its Grain dataset once, so a loop over it again would get no batch. "
+                "For several epochs give the dataset .repeat(num_epochs) (and stop after the steps you want), or "
+                "make a new grain_batches(...) for each epoch.")
         return self
 
     def __next__(self):
         if self._made is None:
             self._made = prefetched(self._made_batches(), self._prefetch)
-        batch, self._state = next(self._made)
+        try:
+            batch, self._state = next(self._made)
+        except StopIteration:
+            self._ended = True
+            raise
         self._taken += 1
         return batch
 

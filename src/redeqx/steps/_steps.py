@@ -183,7 +183,10 @@ def make_train_step(
       non-padding tokens does not: each micro-batch's tokens are weighed by
       its own count, and the first call warns, having compared on the
       batch's first rows the loss with its micro-batches' mean,
-      `redeqx.steps._accumulate_check`). For an update every ``k``
+      `redeqx.steps._accumulate_check`). The aux metrics are the
+      micro-batches' mean too: a mean stays the batch's, a count or a sum
+      comes out ``1 / k`` of the batch's (return rates, not counts). For
+      an update every ``k``
       batches instead (a batch larger than one step's), wrap the optimizer in
       ``optax.MultiSteps(optimizer, k)``.
     - ``compute_dtype=jnp.bfloat16``: forward and backward in that dtype;
