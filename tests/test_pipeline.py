@@ -366,6 +366,8 @@ def test_timing_counts_each_collectives_wire_bytes_over_the_links_it_crosses():
     hop = Collective("collective-permute", (("f32", (256,)),), 1024, ((0, 4), (1, 5)))
     assert wire_bytes(hop) == 1024 and crosses(hop, 4) and not crosses(hop, 8)
     assert wire_bytes(Collective("reduce-scatter", (), 100, ((0, 1, 2, 3),))) == 300
+    # replica_groups={} (or none): every device, 8 here (it was taken for a group of 2: 1,000 bytes)
+    assert wire_bytes(Collective("all-reduce", (), 1000, None), 8) == 1750
     plan = redeqx.Plan(mesh={"data": 8}, settings={}, global_batch=8, parameters=0, optimizer=0, batch=0,
                        gradients=0, temporaries=0, peak=0, collectives={}, flops=2e12, found=(ring, hop))
     t = plan.timing(flops_per_second="1TFLOP/s", devices_per_host=2, within_host="100GB/s", between_hosts=1e9)

@@ -106,7 +106,7 @@ class Plan:
         """Bytes one device sends a step to devices of other stages (on the wire: a ring's, see
         `wire_bytes`): what crosses the slow link when stages are hosts."""
         per_stage = math.prod(self.mesh.values()) // self.stages
-        return int(sum(wire_bytes(c) for c in self.found if crosses(c, per_stage)))
+        return int(sum(wire_bytes(c, math.prod(self.mesh.values())) for c in self.found if crosses(c, per_stage)))
 
     def timing(self, *, flops_per_second: Any, devices_per_host: int, within_host: Any = "450GB/s",
                between_hosts: Any = "25GB/s") -> dict[str, float]:

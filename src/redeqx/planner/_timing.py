@@ -25,11 +25,12 @@ def parse_rate(value, name: str) -> float:
     return float(m.group(1)) * 1000 ** " KMGTP".index(m.group(2).upper() or " ") / (8 if bits else 1)
 
 
-def wire_bytes(c: Collective) -> float:
+def wire_bytes(c: Collective, n_devices: int = 2) -> float:
     """What one device sends for collective ``c`` over a ring of its group's ``n`` devices: an
     all-reduce ``2 (n - 1) / n`` of its result, an all-gather or all-to-all ``(n - 1) / n``, a
-    reduce-scatter ``n - 1`` times its (scattered) result, a permute its result."""
-    n = max((len(g) for g in c.groups), default=1) if c.groups else 2
+    reduce-scatter ``n - 1`` times its (scattered) result, a permute its result. A collective
+    without listed groups is over all ``n_devices``."""
+    n = max((len(g) for g in c.groups), default=1) if c.groups else n_devices
     if c.kind == "collective-permute" or n == 1:
         return float(c.bytes) if c.kind == "collective-permute" else 0.0
     return c.bytes * {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n, "all-to-all": (n - 1) / n,
@@ -57,8 +58,8 @@ def seconds(plan, *, flops_per_second: Any, devices_per_host: int, within_host: 
             or n % devices_per_host:
         raise ValueError(f"devices_per_host={devices_per_host!r}: give how many of the plan's {n} devices one host "
                          f"holds, a count dividing {n} (8 for 8-GPU hosts; {n} for one host).")
-    far = sum(wire_bytes(c) for c in plan.found if crosses(c, devices_per_host))
-    near = sum(wire_bytes(c) for c in plan.found) - far
+    far = sum(wire_bytes(c, n) for c in plan.found if crosses(c, devices_per_host))
+    near = sum(wire_bytes(c, n) for c in plan.found) - far
     out = {"compute": plan.flops / flops_rate, "within": near / within, "between": far / between}
     out["serial"] = out["compute"] + out["within"] + out["between"]
     out["overlapped"] = max(out["compute"], out["within"], out["between"])
