@@ -281,7 +281,7 @@ def test_wrong_units_and_counts_are_named():
     """40 meant 40 GB (it was 40 bytes: a search of 11 compiles ending in "more devices are needed"),
     '200Gb/s' is in bits (it was read as 200 GB/s), a host count must divide the devices (0 was a
     ZeroDivisionError, 3 of 8 accepted), and a model without arrays is named as such."""
-    from redeqx.planner._plan import parse_bytes
+    from redeqx.planner._timing import parse_bytes
     from redeqx.planner._timing import parse_rate, seconds
 
     for wrong in (40, 0.5, "0GB", "1000B"):

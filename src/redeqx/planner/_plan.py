@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 import re
 import warnings
 from collections.abc import Callable, Sequence
@@ -32,34 +31,13 @@ from ..context import batch_spec, check_per_token_keys, check_seq_keys, check_wh
 from ._explore import explore_options
 from ._grouped_flops import overcount
 from ._hlo import Collective, collectives, estimated_flops, loop_factor, summarise
-from ._timing import crosses, seconds, wire_bytes
+from ._timing import crosses, parse_bytes, seconds, wire_bytes
 from ..mesh import DATA, MODEL, STAGE, check_mesh, check_specs, check_specs_match, sharding_of
 from ..state import abstract_model, init_state, is_constructor, with_opt_state_dtype
 from ..sharding import program_facts, specs_from
 from .._trees import human_bytes, is_spec, named_leaves, per_device_shape
 from ..steps import ScanResiduals, check_microbatches, make_train_step, remat as remat_loss
 from .._typing import short_repr, typechecked, warn_user
-
-_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(value, name: str = "device_memory") -> int | None:
-    """``40e9``, ``"40GB"``, ``"32 GiB"`` -> bytes."""
-    if value is None:
-        return None
-    found = None
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        found = int(value)
-    elif isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?i?b)\s*", value.lower())
-        found = int(float(m.group(1)) * _UNITS[m.group(2)]) if m else None
-    if found is None:
-        raise ValueError(f"{name}={value!r}: give bytes (40e9) or a size such as '40GB' or '32GiB'.")
-    if found < 1024:  # no step fits in a KiB: 40 meant 40 GB
-        raise ValueError(f"{name}={value!r} is {found} bytes, under a KiB: give bytes (40e9 for 40 GB) or a size "
-                         "such as '40GB' or '32GiB'.")
-    return found
-
 
 @dataclasses.dataclass(frozen=True)
 class Plan:

@@ -1,9 +1,11 @@
 """A plan's compiled FLOPs and bytes as seconds: the bytes each collective puts on the wire, the
-links it crosses (within a host or between two), and plans compared at the rates a user gives."""
+links it crosses (within a host or between two), and plans compared at the rates a user gives;
+the rates and sizes users write (`parse_rate`, `parse_bytes`)."""
 
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from typing import Any
 
@@ -23,6 +25,27 @@ def parse_rate(value, name: str) -> float:
                          "(FLOPs: '989TFLOP/s'; bits: '200Gb/s').")
     bits = m.group(3) == "b"  # a link's rate in bits: '200Gb/s' is 25 GB/s
     return float(m.group(1)) * 1000 ** " KMGTP".index(m.group(2).upper() or " ") / (8 if bits else 1)
+
+
+_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value, name: str = "device_memory") -> int | None:
+    """``40e9``, ``"40GB"``, ``"32 GiB"`` -> bytes."""
+    if value is None:
+        return None
+    found = None
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        found = int(value)
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?i?b)\s*", value.lower())
+        found = int(float(m.group(1)) * _UNITS[m.group(2)]) if m else None
+    if found is None:
+        raise ValueError(f"{name}={value!r}: give bytes (40e9) or a size such as '40GB' or '32GiB'.")
+    if found < 1024:  # no step fits in a KiB: 40 meant 40 GB
+        raise ValueError(f"{name}={value!r} is {found} bytes, under a KiB: give bytes (40e9 for 40 GB) or a size "
+                         "such as '40GB' or '32GiB'.")
+    return found
 
 
 def wire_bytes(c: Collective, n_devices: int = 2) -> float:
