@@ -286,7 +286,10 @@ def test_a_small_lm_trains_within_two_percent_of_bfloat16(setting):
     five seeds (2026-12-06) the 10 steps' mean was 0.998x to 1.026x plain, 0.999x to 1.021x with
     remat and accumulation, with Q, K and V as one product and one scale (as Megatron's fused QKV
     has) as with a scale each (1.003x to 1.025x; 1.007x to 1.017x)."""
-    mesh, optimizer = redeqx.make_mesh(2), optax.adamw(3e-3)
+    # model split over 2 devices (data 1): the same math as on 8 (data 4), in a quarter of the device threads
+    # per step: 42 s for both cases against 77 (2026-12-06: ratios 0.999, 0.995, 1.013 plain; 1.009, 1.005,
+    # 1.011 with remat and accumulation)
+    mesh, optimizer = redeqx.make_mesh(2, devices=jax.devices()[:2]), optax.adamw(3e-3)
     loss = redeqx.remat(lm_loss) if setting != "plain" else lm_loss
     kw = {"accumulate": 2} if setting != "plain" else {}
     shapes = eqx.filter_eval_shape(models.LlamaForCausalLM, CONFIG, key=jax.random.key(0))
