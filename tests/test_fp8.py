@@ -111,13 +111,15 @@ def test_shard_mean_loss_scales_by_the_whole_batchs_maxima():
         return jnp.mean(jnp.tanh(jnp.tanh(b["x"] @ m["w1"]) @ m["w2"]) @ m["w3"])
 
     updates = []
-    for mesh, kw in ((redeqx.make_mesh(1, devices=jax.devices()[:1]), {}), (redeqx.make_mesh(2), {"shard_mean_loss": True})):
+    one_device, split = redeqx.make_mesh(1, devices=jax.devices()[:1]), redeqx.make_mesh(2)
+    for mesh, kw in ((one_device, {}), (split, {"shard_mean_loss": True})):
         specs = redeqx.sharding_rules(model, mesh)
         state = redeqx.init_state(model, optax.sgd(1.0), mesh, specs, key=jax.random.key(0))
         new, _ = redeqx.make_train_step(loss, optax.sgd(1.0), mesh, specs, fp8=True, **kw)(state, batch)
         updates.append({k: np.asarray(new.model[k]) - np.asarray(model[k]) for k in model})
     for k in model:
-        np.testing.assert_allclose(updates[1][k], updates[0][k], rtol=0, atol=1e-5 * np.max(np.abs(updates[0][k])), err_msg=k)
+        np.testing.assert_allclose(updates[1][k], updates[0][k], rtol=0, atol=1e-5 * np.max(np.abs(updates[0][k])),
+                                   err_msg=k)
 
 
 CONFIG = models.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -182,5 +182,6 @@ def test_gradients_of_part_of_the_model_without_trainable_are_named():
     head_only = jax.tree.map(lambda _: False, model)
     head_only = eqx.tree_at(lambda m: (m.layers[-1].weight, m.layers[-1].bias), head_only, (True, True))
     grads = eqx.filter(jax.tree.map(jnp.zeros_like, eqx.filter(model, eqx.is_array)), head_only)
-    with pytest.raises(ValueError, match=r"no gradient for \d+ trainable parameters \(\.layers\[0\]\.weight.*trainable="):
+    with pytest.raises(ValueError,
+                       match=r"no gradient for \d+ trainable parameters \(\.layers\[0\]\.weight.*trainable="):
         redeqx.apply_gradients(state, grads, optax.adam(0.1))

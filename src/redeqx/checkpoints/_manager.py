@@ -213,7 +213,8 @@ class CheckpointManager:
             self._watching = _preemption.watch()
         self._calls += 1
         preempted = _preemption.reached(self._calls)
-        if not (force or preempted or due(step, epoch, every=self.every, unit=self.unit, batch=batch) or self._improves(metrics)):
+        due_now = due(step, epoch, every=self.every, unit=self.unit, batch=batch)
+        if not (force or preempted or due_now or self._improves(metrics)):
             return False
         self._writer.finish()
         self._disk.claim()

@@ -39,6 +39,7 @@ from .._trees import human_bytes, is_spec, named_leaves, per_device_shape
 from ..steps import ScanResiduals, check_microbatches, make_train_step, remat as remat_loss
 from .._typing import short_repr, typechecked, warn_user
 
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """What one compiled training step needs, per device. Print it.
@@ -83,8 +84,8 @@ class Plan:
     def stage_bytes(self) -> int:
         """Bytes one device sends a step to devices of other stages (on the wire: a ring's, see
         `wire_bytes`): what crosses the slow link when stages are hosts."""
-        per_stage = math.prod(self.mesh.values()) // self.stages
-        return int(sum(wire_bytes(c, math.prod(self.mesh.values())) for c in self.found if crosses(c, per_stage)))
+        n = math.prod(self.mesh.values())
+        return int(sum(wire_bytes(c, n) for c in self.found if crosses(c, n // self.stages)))
 
     def timing(self, *, flops_per_second: Any, devices_per_host: int, within_host: Any = "450GB/s",
                between_hosts: Any = "25GB/s") -> dict[str, float]:

@@ -238,8 +238,8 @@ class _Fp8:
             if name == "scan":
                 return self._scan(eqn, invals, inner, place)
             if branches:
-                return jax.lax.switch(invals[0], [self._branch(b, seed, (*place, k)) for k, (b, seed) in enumerate(branches)],
-                                      *invals[1:])
+                runs = [self._branch(b, seed, (*place, k)) for k, (b, seed) in enumerate(branches)]
+                return jax.lax.switch(invals[0], runs, *invals[1:])
             body = p["jaxpr"]
             run = jax.checkpoint(lambda *a: self.eval(body, (), a, inner(body), place), prevent_cse=p["prevent_cse"],
                                  policy=p["policy"])
@@ -270,8 +270,9 @@ def _in_custom_rules(jaxpr, seed: set, inside: bool = False) -> int:
     for eqn in jaxpr.eqns:
         n += inside and _weight_product(eqn, weights)
         custom = eqn.primitive.name in ("custom_jvp_call", "custom_vjp_call")
-        bodies = [eqn.params["call_jaxpr"].jaxpr] if custom else [b] if (b := _body(eqn)) is not None else []
-        n += sum(_in_custom_rules(b, inner_seed(b, eqn, weights), inside or custom) for b in bodies)
+        body = eqn.params["call_jaxpr"].jaxpr if custom else _body(eqn)
+        if body is not None:
+            n += _in_custom_rules(body, inner_seed(body, eqn, weights), inside or custom)
         n += sum(_in_custom_rules(b.jaxpr, s, inside) for b, s in _branches(eqn, weights))
     return n
 
