@@ -24,7 +24,8 @@ from ..mesh import MODEL, STAGE
 from .._trees import human_bytes, is_array_like, path_parts
 from ._name_rules import UNPLACED, classify
 from ._names import _ancestors
-from ._roles import Pricing, Role, decide_read
+from ._pricing import Pricing
+from ._roles import Role, decide_read
 from ._specs import (
     LeafSpec, Overrides, axes_of, brief, check_mesh_model, fsdp_spec, is_weight, lifted, plain_why, small_leaf_spec,
     split_spec, stacked_leaves, vocab_sizes, weight_layer,
