@@ -289,7 +289,7 @@ def test_scan_counts_read_either_jax_layout():
     """JAX 0.10 names a scan's constants and carry; 0.11 packs its inputs into a flat tree
     ``ft_in`` of (consts, carry, xs). The reader takes both (a GPU machine with JAX 0.11 failed
     every ``plan`` on the first layout alone)."""
-    from redeqx.sharding._loops import _scan_counts
+    from redeqx.sharding._reader import _scan_counts
 
     class Packed:  # the part of JAX 0.11's FlatTree the reader uses
         def unpack(self):

@@ -12,6 +12,8 @@ kept as a batch or free dim (attention's heads) it goes on.
 
 from __future__ import annotations
 
+import math
+
 from ._reader import View, _shape, nbytes
 
 
@@ -87,7 +89,9 @@ def contract(r, eqn, dn=None, groups=(), operands=None) -> None:
             produced = [d for d in kept if var is lhs or d not in groups]
             seed = r.facts.use(leaf, known(contracting), known(produced), known(batch), "matmul")
             activation = rhs if var is lhs else lhs
-            r.facts.moves(leaf, eqn, r.trips * nbytes(activation), r.trips * nbytes(out), activation)
+            flops = 2 * math.prod(_shape(out)) * math.prod(_shape(var)[d] for d in contracting)
+            r.facts.moves(leaf, eqn, r.trips * nbytes(activation) * r.is_learned(activation), r.trips * nbytes(out),
+                         activation, r.trips * flops)
             outs = [d for d in produced if dims[d] is not None]
             if seed is not None and outs:
                 r.facts.several_outputs |= len(outs) > 1
@@ -126,8 +130,10 @@ def convolve(r, eqn) -> None:
                 r.facts.follow(seed, leaf, dims[k_out], f"grouped conv ({groups} groups) on the split channels")
                 tags[seed] = out_feature
     follows = groups > 1 and any(d == in_feature for d in r.tag(lhs).values())
+    flops = 2 * math.prod(_shape(out)) * math.prod(_shape(rhs)) // _shape(rhs)[k_out]  # each output: a kernel's
     for leaf, _ in (kv.parts if kv is not None else ()):
-        r.facts.moves(leaf, eqn, r.trips * nbytes(lhs), r.trips * nbytes(out), lhs)
+        r.facts.moves(leaf, eqn, r.trips * nbytes(lhs) * r.is_learned(lhs), r.trips * nbytes(out), lhs,
+                      r.trips * flops)
     if kv is not None and not follows:  # a conv of a split input is a use too: its own output can be split
         for leaf, dims in kv.parts:
             spatial = tuple(dims[d] for d in dn.rhs_spec[2:] if dims[d] is not None)

@@ -71,10 +71,11 @@ class Facts:
         self.group_counts: dict[int, int] = {}
         self.layer_dims: dict[int, dict[int, str]] = {}
         self.lookups: dict[int, list[tuple[int, bool]]] = {}
-        # (leaf, equation) -> bytes of the activation a weight's matmul or conv reads and of what it
-        # writes, over all of the loop's trips (a scan over 22 layers: 22 times the body's); global
-        # (the whole batch), so one device's share is this over the devices splitting the batch
-        self.traffic: dict[int, dict[int, tuple[int, int, int | None]]] = {}  # leaf -> eqn -> ..., and what read
+        # (leaf, equation) -> bytes of the activation a weight's matmul or conv reads (0 where it is
+        # made from data alone: its gradient is never computed, nor summed) and of what it writes, over all of the loop's trips (a scan over 22 layers: 22 times the body's); global
+        # (the whole batch), so one device's share is this over the devices splitting the batch; and
+        # the product's FLOPs (forward), likewise global
+        self.traffic: dict[int, dict[int, tuple[int, int, int | None, int]]] = {}  # leaf -> eqn -> ...
         self._leaf_seed: dict[int, int] = {}
 
     # -- recording ---------------------------------------------------------------
@@ -91,22 +92,26 @@ class Facts:
             self._leaf_seed[leaf] = seed
         return seed
 
-    def moves(self, leaf: int, eqn, act_in: int, act_out: int, read=None) -> None:
-        """``leaf``'s matmul, conv or lookup ``eqn`` reads ``act_in`` bytes of the activation ``read``
-        and writes ``act_out`` (a body a fixed point runs twice is counted once)."""
-        self.traffic.setdefault(leaf, {})[id(eqn)] = (act_in, act_out, None if read is None else id(read))
+    def moves(self, leaf: int, eqn, act_in: int, act_out: int, read=None, flops: int = 0) -> None:
+        """``leaf``'s matmul, conv or lookup ``eqn`` reads ``act_in`` bytes of the activation ``read``,
+        writes ``act_out`` and does ``flops`` (a body a fixed point runs twice is counted once)."""
+        self.traffic.setdefault(leaf, {})[id(eqn)] = (act_in, act_out, None if read is None else id(read), flops)
 
     def activation_bytes(self, leaf: int) -> tuple[int, int]:
         """The bytes of activations ``leaf``'s products read and write in one step (forward)."""
         found = self.traffic.get(leaf, {}).values()
         return sum(v[0] for v in found), sum(v[1] for v in found)
 
+    def flops(self, leaf: int) -> int:
+        """The FLOPs of ``leaf``'s products in one step's forward pass (the backward's are twice them)."""
+        return sum(v[3] for v in self.traffic.get(leaf, {}).values())
+
     def inputs_read(self, leaves) -> int:
         """The bytes of the activations the products of ``leaves`` read, each activation once (Q, K and
         V reading one input: one backward all-reduce of its gradient, as XLA merges them)."""
         seen: dict[object, int] = {}
         for k in leaves:
-            for eqn, (act_in, _, read) in self.traffic.get(k, {}).items():
+            for eqn, (act_in, _, read, _) in self.traffic.get(k, {}).items():
                 seen[(eqn, k) if read is None else read] = act_in
         return sum(seen.values())
 

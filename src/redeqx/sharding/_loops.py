@@ -6,7 +6,7 @@ loop is blocked (each iteration would need it whole)."""
 
 from __future__ import annotations
 
-from ._reader import Reader, _open, _shape, _sub_jaxprs
+from ._reader import Reader, _open, _scan_counts, _shape, _sub_jaxprs
 
 
 def call(r: Reader, eqn) -> None:
@@ -21,16 +21,6 @@ def call(r: Reader, eqn) -> None:
     r.manual += manual
     r.bind(eqn.outvars, *r.run(jaxpr, *r.inputs(args)))
     r.manual -= manual
-
-
-def _scan_counts(params) -> tuple[int, int]:
-    """How many of a scan's inputs are constants and how many its carry. JAX up to 0.10 names
-    them (``num_consts``, ``num_carry``); 0.11 packs the inputs into ``ft_in``, a flat tree of
-    (consts, carry, xs)."""
-    if "num_consts" in params:
-        return params["num_consts"], params["num_carry"]
-    consts, carry, _ = params["ft_in"].unpack()
-    return len(consts), len(carry)
 
 
 def scan(r: Reader, eqn) -> None:

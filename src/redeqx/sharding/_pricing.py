@@ -1,11 +1,13 @@
 """What a split costs on one mesh, in bytes a step (`Pricing`): a proven split weighed against its
-weights whole (`price`), for the blocks and heads where that can go either way (`priced`)."""
+weights whole (`price`), for the blocks and heads where that can go either way (`priced`); which
+of several splits that compete for one weight costs least (`Cost`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 import re
+from typing import NamedTuple
 
 from ._facts import Facts
 
@@ -89,12 +91,71 @@ def _in_features(facts: Facts, use) -> int:
 
 
 def block_costs(facts: Facts, fit, n: int, pricing: Pricing) -> tuple[float, float]:
-    """The bytes one device moves a step for ``fit``'s block split as proven, and whole. Split: each
-    column layer's input gradient summed over 'model' (backward; one activation read by several
-    layers once), each row layer's output summed (forward); the gradients, ``1 / n`` of them."""
+    """The bytes one device moves a step for ``fit``'s block split as proven (`acts`, and ``1 / n``
+    of the gradients), and whole (the gradients)."""
+    grad = pricing.gradient(facts, fit.kept.members)
+    return acts(facts, fit) / pricing.n_batch + grad / n, grad
+
+
+class Cost(NamedTuple):
+    """What a set of groups chosen to split costs one device a step, in bytes: the activations its
+    blocks sum over ``model`` (`acts`; none for one `price` would keep whole), the weights' gradients summed over the batch's devices
+    (``1 / n`` of those split), and the products' FLOPs (forward and backward; ``1 / n`` of those
+    split) over `FLOPS_PER_BYTE`. Between two splits of a residual MLP without norms, Megatron's
+    (each block's wide layer column, its narrow one row) sums its blocks' narrow inputs and outputs;
+    the other (the stream split: stem column, each block's first layer row, second column) sums the
+    wide hidden activations, 2.4x the bytes at 2 shards, for splitting the stem and head besides."""
+
+    facts: Facts
+    n: int
+    pricing: Pricing
+
+    def of(self, pick: list[int], fits: list, leaves: set[int]) -> float:
+        nb, total, covered = self.pricing.n_batch, 0.0, set()
+        for fit in (fits[j] for j in pick):
+            split, whole = block_costs(self.facts, fit, self.n, self.pricing)
+            if whole >= split or not priced(self.facts, fit, self.pricing):  # else `price` keeps it whole
+                total += acts(self.facts, fit) / nb
+                covered |= set(fit.kept.members)
+        for k in leaves:
+            own = self.pricing.gradient(self.facts, [k]) + 3 * self.facts.flops(k) / nb / FLOPS_PER_BYTE
+            total += own / self.n if k in covered else own
+        return total
+
+    def cheapest(self, sets: list[list[int]], heaviest: list[int], component: list[int],
+                 fits: list) -> list[int]:
+        """The set in ``sets`` that costs least, where that is under `CLEARLY_CHEAPER` of what
+        ``heaviest`` costs and its weights left whole beyond ``heaviest``'s fit the memory budget
+        (`Pricing.affords`); else ``heaviest``."""
+        leaves = {k for j in component for k in fits[j].wants()}
+        ceiling = CLEARLY_CHEAPER * self.of(heaviest, fits, leaves)
+        split = {k for j in heaviest for k in fits[j].kept.members}
+        for pick in sorted(sets, key=lambda p: self.of(p, fits, leaves)):
+            if self.of(pick, fits, leaves) >= ceiling:
+                break
+            extra = split - {k for j in pick for k in fits[j].kept.members}
+            if self.pricing.affords(self.facts, extra, self.n):
+                return pick
+        return heaviest
+
+
+CLEARLY_CHEAPER = 0.75
+"""The estimate leaves out what overlaps and each collective's ring, so a set of groups is chosen
+over the one that splits the most weight only where it costs under this share of it: a residual
+MLP's Megatron split, 0.41x the stream split at 2 shards; not an MLP chain's other pairing, where
+the two differ by a tenth (the first layer whole or the one after the last pair, by batch size)."""
+
+FLOPS_PER_BYTE = 1000
+"""An accelerator's FLOPs a second over the bytes a second its links carry to the devices it
+shares a model with: an A100 312 TFLOP/s over 300 GB/s, a TPU v5e 197 over 200; an H100's 989
+over 450 is twice this, so this weighs FLOPs more (a split kept) where the two are close."""
+
+
+def acts(facts: Facts, fit) -> float:
+    """The activation bytes ``fit``'s block sums over ``model`` a step, over the whole batch: each
+    column layer's input gradient (backward; one activation read by several layers once), each row
+    layer's output (forward)."""
     members = fit.kept.members
     cols = {k for k, (_, t) in members.items() if t == "column"}
     rows = {k for k, (_, t) in members.items() if t == "row"}
-    acts = facts.inputs_read(cols) + sum(facts.activation_bytes(k)[1] for k in rows)
-    grad = pricing.gradient(facts, members)
-    return acts / pricing.n_batch + grad / n, grad
+    return facts.inputs_read(cols) + sum(facts.activation_bytes(k)[1] for k in rows)

@@ -41,6 +41,7 @@ class Reader:
         self.tags: dict[Any, dict[int, int]] = {}
         self.static: set = set()
         self.within: dict[Any, dict[int, frozenset[int]]] = {}  # var -> {seed: dims made of its split dim's inner factors}
+        self.learned: set = set()  # values that depend on the model's weights (not on data alone)
         self.trips = 1  # how many times the body being read runs in one step (scans' lengths multiplied)
         self.manual = 0  # how many bodies deep the reader is that lay out their own operands (shard_map)
 
@@ -56,6 +57,11 @@ class Reader:
 
     def is_static(self, v) -> bool:
         return isinstance(v, jcore.Literal) or v in self.static
+
+    def is_learned(self, v) -> bool:
+        """Whether ``v`` depends on the model's weights: the gradient of a value made from data
+        alone (a first layer's input) is never computed, so a split never sums it."""
+        return not isinstance(v, jcore.Literal) and (v in self.learned or v in self.views)
 
     def set_tags(self, var, tags: dict[int, int], where: str) -> None:
         if tags:
@@ -77,10 +83,31 @@ class Reader:
         name = eqn.primitive.name
         if eqn.invars and all(self.is_static(v) for v in eqn.invars) or name == "iota":
             self.static.update(eqn.outvars)
+        learned = [self.is_learned(v) for v in eqn.invars]
+        if any(learned):
+            self._learn_inside(eqn, learned)
         handler = self.handlers.get(name)
         if handler is None:
             handler = self.handlers["<call>"] if _sub_jaxprs(eqn) else self.handlers["<unknown>"]
         handler(self, eqn)
+        if any(learned):
+            self.learned.update(eqn.outvars)
+
+    def _learn_inside(self, eqn, learned: list[bool]) -> None:
+        """Marks the inputs of ``eqn``'s bodies that depend on weights: a body's inputs are its
+        equation's last ones (a call's arguments, a cond's operands, a scan's consts, carry and
+        xs); a loop's carry, and a while's inputs, depend on weights once any input does."""
+        loop = eqn.primitive.name in ("scan", "while")
+        carry = range(0)
+        if eqn.primitive.name == "scan":
+            nc, ncarry = _scan_counts(eqn.params)
+            carry = range(nc, nc + ncarry)
+        for body in _sub_jaxprs(eqn):
+            invars = _open(body).invars
+            skip = len(eqn.invars) - len(invars)
+            for i, var in enumerate(invars):
+                if eqn.primitive.name == "while" or skip < 0 or learned[i + skip] or loop and i + skip in carry:
+                    self.learned.add(var)
 
     def inputs(self, vars_):
         return [self.view(v) for v in vars_], [self.tag(v) for v in vars_], [self.is_static(v) for v in vars_]
@@ -102,6 +129,16 @@ def _sub_jaxprs(eqn) -> list:
             if isinstance(item, (jcore.ClosedJaxpr, jcore.Jaxpr)):
                 found.append(item)
     return found
+
+
+def _scan_counts(params) -> tuple[int, int]:
+    """How many of a scan's inputs are constants and how many its carry. JAX up to 0.10 names
+    them (``num_consts``, ``num_carry``); 0.11 packs the inputs into ``ft_in``, a flat tree of
+    (consts, carry, xs)."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
 
 
 def _open(j):

@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 from .._trees import human_bytes
 from ._facts import Facts
-from ._pricing import Pricing, block_costs, price, priced
+from ._pricing import Cost, Pricing, block_costs, price, priced
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,11 +252,11 @@ def _conflict(a: _Fit, b: _Fit) -> bool:
     return any(wa[leaf] != wb[leaf] for leaf in wa.keys() & wb.keys())
 
 
-def _choose(fits: list[_Fit]) -> list[_Fit]:
-    """The groups to split: no weight in two with different splits, the most
-    weight split. Exact over each small set of groups that compete (a chain
-    of layers, a layer and its adapter), else in program order (which, for a
-    long chain of layers, alternates from the first, as Megatron pairs them)."""
+def _choose(fits: list[_Fit], cost=None) -> list[_Fit]:
+    """The groups to split: no weight in two with different splits. Exact over each small set of
+    groups that compete (a chain of layers, a layer and its adapter): the most weight split, or with
+    ``cost`` (`Cost`) the set that costs least; else in program order (which, for a long chain of
+    layers, alternates from the first, as Megatron pairs them)."""
     chosen, seen = [], set()
     for i in range(len(fits)):
         if i in seen:
@@ -270,26 +270,27 @@ def _choose(fits: list[_Fit]) -> list[_Fit]:
                 if k not in seen and _conflict(fits[j], fits[k]):
                     seen.add(k)
                     todo.append(k)
-        chosen += _best(sorted(component, key=lambda j: fits[j].group.seeds[0]), fits)
+        chosen += _best(sorted(component, key=lambda j: fits[j].group.seeds[0]), fits, cost)
     return [fits[j] for j in sorted(chosen)]
 
 
-def _best(component: list[int], fits: list[_Fit]) -> list[int]:
+def _best(component: list[int], fits: list[_Fit], cost=None) -> list[int]:
     if len(component) > 12:
         picked: list[int] = []
         for j in component:
             if not any(_conflict(fits[j], fits[k]) for k in picked):
                 picked.append(j)
         return picked
-    best, best_weight = [], -1
+    sets = []
     for mask in range(1 << len(component)):
         pick = [component[b] for b in range(len(component)) if mask >> b & 1]
-        if any(_conflict(fits[a], fits[b]) for x, a in enumerate(pick) for b in pick[x + 1:]):
-            continue
-        weight = sum(fits[j].kept.size for j in pick)
-        if weight > best_weight:
-            best, best_weight = pick, weight
-    return best
+        if not any(_conflict(fits[a], fits[b]) for x, a in enumerate(pick) for b in pick[x + 1:]):
+            sets.append(pick)
+    heaviest = max(sets, key=lambda pick: sum(fits[j].kept.size for j in pick))  # the first of the heaviest
+    if cost is None or len(sets) == 2:  # one group, or none that compete
+        return heaviest
+    maximal = [p for p in sets if all(j in p or any(_conflict(fits[j], fits[k]) for k in p) for j in component)]
+    return cost.cheapest(maximal, heaviest, component, fits)
 
 
 def _whole_role(role: Role, split: float, whole: float) -> Role:
@@ -305,7 +306,7 @@ def blocks(facts: Facts, n: int, decided: dict[int, Role], pricing: Pricing | No
         if group.why_not is None and not any(
                 leaf in decided and decided[leaf].dim != dim for leaf, (dim, _) in group.members.items()):
             fits.append(_fit(facts, group, n))
-    chosen = _choose([f for f in fits if f.refusal is None])
+    chosen = _choose([f for f in fits if f.refusal is None], None if pricing is None else Cost(facts, n, pricing))
     whole = {} if pricing is None else price(pricing, facts, n, [
         (tuple(f.kept.members), *block_costs(facts, f, n, pricing)) for f in chosen if priced(facts, f, pricing)])
     for fit in chosen:
@@ -354,11 +355,14 @@ def read(facts: Facts, n: int, decided: dict[int, Role], pricing: Pricing | None
         mine = [g for g in groups if use.leaf in g.members]
         why = next((g.left_whole[use.leaf] for g in groups if use.leaf in g.left_whole), None)
         why = why or next((g.why_not for g in mine if g.why_not), None)
-        if why is None:
-            why = ("its block would split it another way than a larger block it is also in" if mine
-                   else "no output dim to split (its product yields no feature of its own)")
+        short = why
+        if why is None and mine:
+            why, short = ("its block would split it another way than a block chosen over it (more weight split, or "
+                          "fewer bytes and FLOPs a step)", "a competing block's split was chosen")
+        elif why is None:
+            why = short = "no output dim to split (its product yields no feature of its own)"
         decided[use.leaf] = Role(None, f"program: {use.kind} contracting dims {use.contracted} with its input, "
-                                       f"replicated: {why}", short=f"replicated: {why}")
+                                       f"replicated: {why}", short=f"replicated: {short}")
 
 
 RULES = (experts, blocks, lookups, read)
