@@ -55,6 +55,11 @@ def cases():
     yield ("NormFormer blocks (a LayerNorm on the hidden units)", normformer, w.vector_loss, vectors,
            lambda n: [(r"layers\.[12]\.fc1\.weight", P("model", None)), (r"layers\.[12]\.fc1\.bias", P("model")),
                       (r"layers\.[12]\.norm\.", P("model")), (r"layers\.[12]\.fc2\.weight", P(None, "model"))])
+    import test_rules_choice as choice
+    yield ("residual MLP without norms (32 -> 64, 2 blocks of 256)", choice.ResidualMLP(key), choice.loss_fn,
+           {"x": np.zeros((512, 32), np.float32), "y": np.zeros((512,), np.int32)},
+           lambda n: [(r"fc1\.weight", P("model", None)), (r"fc1\.bias", P("model")), (r"fc2\.weight", P(None, "model")),
+                      (r"fc2\.bias|stem|head", P())])
     yield ("Equinox LM: vmapped lookup, fused (D, 2, F) gate-up", prog.FusedGateUpLM(key), w.gpt_loss, prog.TOKENS,
            lambda n: [(r"w12", P(None, None, "model")), (r"w3", P("model", None))])
 

@@ -11,7 +11,8 @@ facts and leaving the rest to the next:
    softmax; not an MSE's total or a norm's statistics), is
    split as a whole, less the seeds whose own output is reduced or blocked
    first (left whole); among groups that would split one weight two ways,
-   those that split the most weight;
+   those that split the most weight, unless another choice costs clearly less
+   a step (`_pricing.Cost`);
 3. ``lookups``: a table gathered by data (token ids) is split on the gathered
    dim (vocab); one gathered at positions computed in the program (iota) is
    replicated;
