@@ -32,13 +32,15 @@ class Use:
 @dataclasses.dataclass
 class Whole:
     """A reshape after the split: ``size`` split ``n`` ways must land on whole
-    ``count`` blocks (heads), i.e. ``(size / n) * inner_in`` a multiple of ``inner_out``."""
+    ``count`` blocks (heads, or a GroupNorm's groups: ``unit``), i.e. ``(size / n) * inner_in`` a
+    multiple of ``inner_out``."""
 
     size: int
     inner_in: int
     inner_out: int
     count: int
     text: str
+    unit: str = "heads"
 
     def holds(self, n: int) -> bool:
         return self.size % n == 0 and (self.size // n * self.inner_in) % self.inner_out == 0
@@ -140,8 +142,8 @@ class Facts:
     def follow(self, seed, leaf, dim, why) -> None:
         self.follows.append((seed, leaf, dim, why))
 
-    def whole(self, seed, size, inner_in, inner_out, count, text) -> None:
-        self.wholes.setdefault(seed, []).append(Whole(size, inner_in, inner_out, count, text))
+    def whole(self, seed, size, inner_in, inner_out, count, text, unit: str = "heads") -> None:
+        self.wholes.setdefault(seed, []).append(Whole(size, inner_in, inner_out, count, text, unit))
 
     def conv_groups(self, seed, count) -> None:
         self.group_counts[seed] = count
