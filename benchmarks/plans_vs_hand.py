@@ -58,16 +58,17 @@ def cases():
     import test_rules_choice as choice
     yield ("residual MLP without norms (32 -> 64, 2 blocks of 256)", choice.ResidualMLP(key), choice.loss_fn,
            {"x": np.zeros((512, 32), np.float32), "y": np.zeros((512,), np.int32)},
-           lambda n: [(r"fc1\.weight", P("model", None)), (r"fc1\.bias", P("model")), (r"fc2\.weight", P(None, "model")),
-                      (r"fc2\.bias|stem|head", P())])
+           lambda n: [(r"fc1\.weight", P("model", None)), (r"fc1\.bias", P("model")),
+                      (r"fc2\.weight", P(None, "model")), (r"fc2\.bias|stem|head", P())])
     import test_rules_cells_convs as convs
     images = {"x": np.random.default_rng(0).normal(size=(16, 4, 8, 8)).astype(np.float32),
               "y": np.zeros((16,), np.int32)}
     yield ("residual conv net, 128 channels, GroupNorm(16, 256) in its blocks, GroupNorm on its stream",
            convs.GroupNormNet(256, 16, 128, key=key), convs.loss_fn,
-           images, lambda n: [(r"conv1\.weight", P("model", None, None, None)), (r"conv1\.bias", P("model", None, None)),
-                              (r"blocks\.\d+\.norm\.", P("model")),
-                              (r"conv2\.weight", P(None, "model", None, None)), (r"stem|head|norm_out|conv2\.bias", P())])
+           images, lambda n: [(r"conv1\.weight", P("model", None, None, None)),
+                              (r"conv1\.bias", P("model", None, None)), (r"blocks\.\d+\.norm\.", P("model")),
+                              (r"conv2\.weight", P(None, "model", None, None)),
+                              (r"stem|head|norm_out|conv2\.bias", P())])
     yield ("Equinox LM: vmapped lookup, fused (D, 2, F) gate-up", prog.FusedGateUpLM(key), w.gpt_loss, prog.TOKENS,
            lambda n: [(r"w12", P(None, None, "model")), (r"w3", P("model", None))])
 

@@ -74,7 +74,8 @@ class Facts:
         self.layer_dims: dict[int, dict[int, str]] = {}
         self.lookups: dict[int, list[tuple[int, bool]]] = {}
         # (leaf, equation) -> bytes of the activation a weight's matmul or conv reads (0 where it is
-        # made from data alone: its gradient is never computed, nor summed) and of what it writes, over all of the loop's trips (a scan over 22 layers: 22 times the body's); global
+        # made from data alone: its gradient is never computed, nor summed) and of what it writes,
+        # over all of the loop's trips (a scan over 22 layers: 22 times the body's); global
         # (the whole batch), so one device's share is this over the devices splitting the batch; and
         # the product's FLOPs (forward), likewise global
         self.traffic: dict[int, dict[int, tuple[int, int, int | None, int]]] = {}  # leaf -> eqn -> ...
@@ -95,8 +96,9 @@ class Facts:
         return seed
 
     def moves(self, leaf: int, eqn, act_in: int, act_out: int, read=None, flops: int = 0) -> None:
-        """``leaf``'s matmul, conv or lookup ``eqn`` reads ``act_in`` bytes of the activation ``read``,
-        writes ``act_out`` and does ``flops`` (a body a fixed point runs twice is counted once)."""
+        """``leaf``'s matmul, conv or lookup ``eqn`` reads ``act_in`` bytes of the activation ``read``
+        (0 where ``read`` is made from data alone: no gradient of it is summed), writes ``act_out``
+        and does ``flops`` (a body a fixed point runs twice is counted once)."""
         self.traffic.setdefault(leaf, {})[id(eqn)] = (act_in, act_out, None if read is None else id(read), flops)
 
     def activation_bytes(self, leaf: int) -> tuple[int, int]:

@@ -224,8 +224,8 @@ def _reduce(r: Reader, src, out, axes: set[int], name: str) -> None:
             r.facts.reduce(seed, f"is reduced over groups of its features and {len(others)} other dims "
                                  f"({name}: a GroupNorm's statistics)", alone=False, whole=False)
             per_group = math.prod(shape[a] for a in inner)
-            r.facts.whole(seed, shape[d] * per_group, 1, per_group, shape[d], f"a GroupNorm's statistics ({name}) over the groups of",
-                          "groups")
+            r.facts.whole(seed, shape[d] * per_group, 1, per_group, shape[d],
+                          f"a GroupNorm's statistics ({name}) over the groups of", "groups")
             tags[seed] = d - sum(a < d for a in axes)
         else:
             tags[seed] = d - sum(a < d for a in axes)

@@ -99,9 +99,9 @@ def block_costs(facts: Facts, fit, n: int, pricing: Pricing) -> tuple[float, flo
 
 class Cost(NamedTuple):
     """What a set of groups chosen to split costs one device a step, in bytes: the activations its
-    blocks sum over ``model`` (`acts`; none for one `price` would keep whole), the weights' gradients summed over the batch's devices
-    (``1 / n`` of those split), and the products' FLOPs (forward and backward; ``1 / n`` of those
-    split) over `FLOPS_PER_BYTE`. Between two splits of a residual MLP without norms, Megatron's
+    blocks sum over ``model`` (`acts`; none for one `price` would keep whole), the weights'
+    gradients summed over the batch's devices (``1 / n`` of those split), and the products' FLOPs
+    (forward and backward; ``1 / n`` of those split) over `FLOPS_PER_BYTE`. Between two splits of a residual MLP without norms, Megatron's
     (each block's wide layer column, its narrow one row) sums its blocks' narrow inputs and outputs;
     the other (the stream split: stem column, each block's first layer row, second column) sums the
     wide hidden activations, 2.4x the bytes at 2 shards, for splitting the stem and head besides."""

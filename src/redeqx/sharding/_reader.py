@@ -97,7 +97,6 @@ class Reader:
         """Marks the inputs of ``eqn``'s bodies that depend on weights: a body's inputs are its
         equation's last ones (a call's arguments, a cond's operands, a scan's consts, carry and
         xs); a loop's carry, and a while's inputs, depend on weights once any input does."""
-        loop = eqn.primitive.name in ("scan", "while")
         carry = range(0)
         if eqn.primitive.name == "scan":
             nc, ncarry = _scan_counts(eqn.params)
@@ -106,7 +105,7 @@ class Reader:
             invars = _open(body).invars
             skip = len(eqn.invars) - len(invars)
             for i, var in enumerate(invars):
-                if eqn.primitive.name == "while" or skip < 0 or learned[i + skip] or loop and i + skip in carry:
+                if eqn.primitive.name == "while" or skip < 0 or learned[i + skip] or i + skip in carry:
                     self.learned.add(var)
 
     def inputs(self, vars_):
