@@ -101,52 +101,62 @@ class Cost(NamedTuple):
     """What a set of groups chosen to split costs one device a step, in bytes: the activations its
     blocks sum over ``model`` (`acts`; none for one `price` would keep whole), the weights'
     gradients summed over the batch's devices (``1 / n`` of those split), and the products' FLOPs
-    (forward and backward; ``1 / n`` of those split) over `FLOPS_PER_BYTE`. Between two splits of a residual MLP without norms, Megatron's
-    (each block's wide layer column, its narrow one row) sums its blocks' narrow inputs and outputs;
-    the other (the stream split: stem column, each block's first layer row, second column) sums the
-    wide hidden activations, 2.4x the bytes at 2 shards, for splitting the stem and head besides."""
+    (forward and backward; ``1 / n`` of those split) over `FLOPS_PER_BYTE`. Between two splits of a
+    residual MLP without norms, Megatron's (each block's wide layer column, its narrow one row) sums
+    its blocks' narrow inputs and outputs; the other (the stream split: stem column, each block's
+    first layer row, second column) sums the wide hidden activations, for splitting the stem and
+    head besides."""
 
     facts: Facts
     n: int
     pricing: Pricing
 
-    def of(self, pick: list[int], fits: list, leaves: set[int]) -> float:
-        nb, total, covered = self.pricing.n_batch, 0.0, set()
-        for fit in (fits[j] for j in pick):
-            split, whole = block_costs(self.facts, fit, self.n, self.pricing)
-            if whole >= split or not priced(self.facts, fit, self.pricing):  # else `price` keeps it whole
-                total += acts(self.facts, fit) / nb
-                covered |= set(fit.kept.members)
+    def parts(self, pick: list[int], fits: list, leaves: set[int]) -> tuple[dict, dict]:
+        """``pick``'s cost in parts: each group's activations, each leaf's gradient and FLOPs."""
+        nb, groups, covered = self.pricing.n_batch, {}, set()
+        for j in pick:
+            split, whole = block_costs(self.facts, fits[j], self.n, self.pricing)
+            if whole >= split or not priced(self.facts, fits[j], self.pricing):  # else `price` keeps it whole
+                groups[j] = acts(self.facts, fits[j]) / nb
+                covered |= set(fits[j].kept.members)
+        own = {}
         for k in leaves:
-            own = self.pricing.gradient(self.facts, [k]) + 3 * self.facts.flops(k) / nb / FLOPS_PER_BYTE
-            total += own / self.n if k in covered else own
-        return total
+            cost = self.pricing.gradient(self.facts, [k]) + 3 * self.facts.flops(k) / nb / FLOPS_PER_BYTE
+            own[k] = cost / self.n if k in covered else cost
+        return groups, own
 
     def cheapest(self, sets: list[list[int]], heaviest: list[int], component: list[int],
                  fits: list) -> list[int]:
-        """The set in ``sets`` that costs least, where that is under `CLEARLY_CHEAPER` of what
-        ``heaviest`` costs and its weights left whole beyond ``heaviest``'s fit the memory budget
-        (`Pricing.affords`); else ``heaviest``."""
+        """The set in ``sets`` that costs least, where what it costs apart from what it shares with
+        ``heaviest`` (the same groups, the same leaves split or whole) is under `CLEARLY_CHEAPER` of
+        what ``heaviest`` costs apart from that, and its weights left whole beyond ``heaviest``'s fit
+        the memory budget (`Pricing.affords`); else ``heaviest``."""
         leaves = {k for j in component for k in fits[j].wants()}
-        ceiling = CLEARLY_CHEAPER * self.of(heaviest, fits, leaves)
+        parts = {tuple(p): self.parts(p, fits, leaves) for p in sets}
+        top_groups, top_own = parts[tuple(heaviest)]
         split = {k for j in heaviest for k in fits[j].kept.members}
-        for pick in sorted(sets, key=lambda p: self.of(p, fits, leaves)):
-            if self.of(pick, fits, leaves) >= ceiling:
+        for pick in sorted(sets, key=lambda p: sum(map(sum, (d.values() for d in parts[tuple(p)])))):
+            groups, own = parts[tuple(pick)]
+            apart = [k for k in leaves if own[k] != top_own[k]]
+            mine = sum(v for j, v in groups.items() if j not in top_groups) + sum(own[k] for k in apart)
+            theirs = sum(v for j, v in top_groups.items() if j not in groups) + sum(top_own[k] for k in apart)
+            if pick == heaviest:
                 break
-            extra = split - {k for j in pick for k in fits[j].kept.members}
-            if self.pricing.affords(self.facts, extra, self.n):
+            if mine < CLEARLY_CHEAPER * theirs and self.pricing.affords(
+                    self.facts, split - {k for j in pick for k in fits[j].kept.members}, self.n):
                 return pick
         return heaviest
 
 
 CLEARLY_CHEAPER = 0.75
 """The estimate leaves out what overlaps, each collective's ring and what XLA merges, so a set of
-groups is chosen over the one that splits the most weight only where it costs under this share of
-it. A residual MLP's Megatron split is 0.41x its stream split's estimate at 2 shards (0.41x compiled
-too). But estimates within a few percent do not order plans: an MLP chain's two pairings estimate
-904 and 922 KB (compiled: 822 and 839 KB); with GroupNorm's statistics read as local (tried), the
-reviewed UNet's options estimated within 6% of one another, the cheapest compiled to 1.17x its
-hand plan's bytes, and its Megatron-like set estimated 17% over its compiled bytes."""
+groups is chosen over the one that splits the most weight only where what it costs apart from what
+the two share is under this share of the other's. A residual MLP's Megatron split: 0.26-0.39 of its
+stream split (2 and 4 shards, 64 and 512 rows; compiled, 0.41x the bytes at 512 rows, 0.77x at 64:
+the gradients' sums, the same in both, weigh more there). An MLP chain's other pairings: 1.01-1.72,
+never under. Taking the cheapest at a looser margin (tried: 0.95 of the whole estimate), the
+reviewed UNet, with GroupNorm then read as no norm, took a plan 1.17x its hand plan's bytes: its
+options estimated within 6% of one another."""
 
 FLOPS_PER_BYTE = 1000
 """An accelerator's FLOPs a second over the bytes a second its links carry to the devices it
