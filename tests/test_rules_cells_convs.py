@@ -175,8 +175,9 @@ def test_groupnorm_inside_a_conv_block_keeps_it_megatron(devices):
     """Split into whole groups, a GroupNorm's statistics are each device's own: conv1 column, the
     norm beside it, conv2 row. The rules once left such blocks whole, as they do what feeds a
     normed stream: 1.62x / 2.10x a hand Megatron plan's collective bytes at 2 / 4 shards (a
-    128-channel net, 8 x 8 pixels), the same as its bytes now. Groups a split would cut (6 groups of
-    16 channels over 4 shards) keep the block whole."""
+    128-channel net, 8 x 8 pixels), the same as its bytes now. So does a split into equal parts of
+    each group (2 groups over 4 shards: each group's statistics summed over its 2 devices). A split
+    whose parts would straddle groups (6 groups of 16 channels over 4 shards) keeps the block whole."""
     rng = np.random.default_rng(0)
     batch = {"x": rng.normal(size=(8, 4, 4, 4)).astype(np.float32), "y": rng.integers(0, 4, 8).astype(np.int32)}
     model = GroupNormNet(key=jax.random.key(0))
@@ -189,8 +190,12 @@ def test_groupnorm_inside_a_conv_block_keeps_it_megatron(devices):
             assert block.norm_out.weight == P(), n
         assert specs.stem.weight == P(), n
     assert_trains_as_one_device(model, batch, devices, shards=(4,), rules={"loss_fn": loss_fn, "batch": batch})
+    shared = GroupNormNet(groups=2, key=jax.random.key(0))
+    specs = redeqx.sharding_rules(shared, redeqx.make_mesh(4), loss_fn=loss_fn, batch=batch)
+    assert specs.blocks[0].conv1.weight == P("model", None, None, None) and specs.blocks[0].norm.weight == P("model")
+    assert_trains_as_one_device(shared, batch, devices, shards=(4,), rules={"loss_fn": loss_fn, "batch": batch})
     cut = GroupNormNet(hidden=96, groups=6, key=jax.random.key(0))
     with pytest.warns(UserWarning, match=r"a GroupNorm's statistics \(reduce_sum\) over the groups of blocks.0.conv1."
-                                         r"weight: 6 groups not divisible by n_model_shards=4"):
+                                         r"weight: 6 groups not divisible by n_model_shards=4 nor dividing it"):
         specs = redeqx.sharding_rules(cut, redeqx.make_mesh(4), loss_fn=loss_fn, batch=batch)
     assert specs.blocks[0].conv1.weight == specs.blocks[0].norm.weight == P()

@@ -41,9 +41,13 @@ class Whole:
     count: int
     text: str
     unit: str = "heads"
+    shared: bool = False  # a block may also span several devices (a GroupNorm's group: its statistics summed)
 
     def holds(self, n: int) -> bool:
-        return self.size % n == 0 and (self.size // n * self.inner_in) % self.inner_out == 0
+        if self.size % n:
+            return False
+        chunk = self.size // n * self.inner_in
+        return chunk % self.inner_out == 0 or self.shared and self.inner_out % chunk == 0
 
 
 class Facts:
@@ -144,8 +148,8 @@ class Facts:
     def follow(self, seed, leaf, dim, why) -> None:
         self.follows.append((seed, leaf, dim, why))
 
-    def whole(self, seed, size, inner_in, inner_out, count, text, unit: str = "heads") -> None:
-        self.wholes.setdefault(seed, []).append(Whole(size, inner_in, inner_out, count, text, unit))
+    def whole(self, seed, size, inner_in, inner_out, count, text, unit: str = "heads", shared: bool = False) -> None:
+        self.wholes.setdefault(seed, []).append(Whole(size, inner_in, inner_out, count, text, unit, shared))
 
     def conv_groups(self, seed, count) -> None:
         self.group_counts[seed] = count

@@ -219,13 +219,14 @@ def _reduce(r: Reader, src, out, axes: set[int], name: str) -> None:
             r.facts.reduce(seed, f"is reduced over its features ({name})",
                            alone=not others and not axes & inner)
         elif axes & inner and others:
-            # split into whole groups, each group's statistics are one device's own: the block keeps
-            # its split where the groups divide (a stream normed so stays whole: `_roles._bad_seeds`)
+            # split into whole groups, each group's statistics are one device's own; into equal parts
+            # of each group (shards a multiple of the groups), a small sum over the devices sharing one:
+            # the block keeps its split either way (a stream normed so stays whole: `_roles._bad_seeds`)
             r.facts.reduce(seed, f"is reduced over groups of its features and {len(others)} other dims "
                                  f"({name}: a GroupNorm's statistics)", alone=False, whole=False)
             per_group = math.prod(shape[a] for a in inner)
             r.facts.whole(seed, shape[d] * per_group, 1, per_group, shape[d],
-                          f"a GroupNorm's statistics ({name}) over the groups of", "groups")
+                          f"a GroupNorm's statistics ({name}) over the groups of", "groups", shared=True)
             tags[seed] = d - sum(a < d for a in axes)
         else:
             tags[seed] = d - sum(a < d for a in axes)

@@ -132,7 +132,9 @@ def _seed_refusal(facts: Facts, seed: int, n: int) -> str | None:
     for whole in facts.wholes.get(seed, []):
         if not whole.holds(n):
             return (f"{whole.text} {facts.paths[facts.uses[facts.seed_use[seed]].leaf]}: "
-                    f"{whole.count} {whole.unit} not divisible by n_model_shards={n} ({whole.unit} are never split)")
+                    f"{whole.count} {whole.unit} not divisible by n_model_shards={n}" + (
+                        f" nor dividing it (a device's channels would straddle {whole.unit})" if whole.shared else
+                        f" ({whole.unit} are never split)"))
     count = facts.group_counts.get(seed)
     if count is not None and count % n:
         return f"{count} conv groups not divisible by n_model_shards={n} (groups are never split)"
