@@ -111,37 +111,35 @@ class Cost(NamedTuple):
     n: int
     pricing: Pricing
 
-    def parts(self, pick: list[int], fits: list, leaves: set[int]) -> tuple[dict, dict]:
-        """``pick``'s cost in parts: each group's activations, each leaf's gradient and FLOPs."""
-        nb, groups, covered = self.pricing.n_batch, {}, set()
-        for j in pick:
-            split, whole = block_costs(self.facts, fits[j], self.n, self.pricing)
-            if whole >= split or not priced(self.facts, fits[j], self.pricing):  # else `price` keeps it whole
-                groups[j] = acts(self.facts, fits[j]) / nb
-                covered |= set(fits[j].kept.members)
-        own = {}
-        for k in leaves:
-            cost = self.pricing.gradient(self.facts, [k]) + 3 * self.facts.flops(k) / nb / FLOPS_PER_BYTE
-            own[k] = cost / self.n if k in covered else cost
-        return groups, own
-
     def cheapest(self, sets: list[list[int]], heaviest: list[int], component: list[int],
                  fits: list) -> list[int]:
         """The set in ``sets`` that costs least, where what it costs apart from what it shares with
         ``heaviest`` (the same groups, the same leaves split or whole) is under `CLEARLY_CHEAPER` of
         what ``heaviest`` costs apart from that, and its weights left whole beyond ``heaviest``'s fit
         the memory budget (`Pricing.affords`); else ``heaviest``."""
-        leaves = {k for j in component for k in fits[j].wants()}
-        parts = {tuple(p): self.parts(p, fits, leaves) for p in sets}
-        top_groups, top_own = parts[tuple(heaviest)]
+        nb = self.pricing.n_batch
+        summed = {}  # each group `price` would not keep whole -> the activations it sums
+        for j in component:
+            split, whole = block_costs(self.facts, fits[j], self.n, self.pricing)
+            if whole >= split or not priced(self.facts, fits[j], self.pricing):
+                summed[j] = acts(self.facts, fits[j]) / nb
+        own = {k: self.pricing.gradient(self.facts, [k]) + 3 * self.facts.flops(k) / nb / FLOPS_PER_BYTE
+               for j in component for k in fits[j].wants()}
+
+        def parts(pick):  # the groups' activations, and each leaf's gradient and FLOPs (1 / n split)
+            covered = {k for j in pick if j in summed for k in fits[j].kept.members}
+            return {j: summed[j] for j in pick if j in summed}, {
+                k: c / self.n if k in covered else c for k, c in own.items()}
+
+        top_groups, top_own = parts(heaviest)
         split = {k for j in heaviest for k in fits[j].kept.members}
-        for pick in sorted(sets, key=lambda p: sum(map(sum, (d.values() for d in parts[tuple(p)])))):
-            groups, own = parts[tuple(pick)]
-            apart = [k for k in leaves if own[k] != top_own[k]]
-            mine = sum(v for j, v in groups.items() if j not in top_groups) + sum(own[k] for k in apart)
-            theirs = sum(v for j, v in top_groups.items() if j not in groups) + sum(top_own[k] for k in apart)
+        for pick in sorted(sets, key=lambda p: sum(map(sum, (d.values() for d in parts(p))))):
             if pick == heaviest:
                 break
+            groups, mine_own = parts(pick)
+            apart = [k for k in own if mine_own[k] != top_own[k]]
+            mine = sum(v for j, v in groups.items() if j not in top_groups) + sum(mine_own[k] for k in apart)
+            theirs = sum(v for j, v in top_groups.items() if j not in groups) + sum(top_own[k] for k in apart)
             if mine < CLEARLY_CHEAPER * theirs and self.pricing.affords(
                     self.facts, split - {k for j in pick for k in fits[j].kept.members}, self.n):
                 return pick
