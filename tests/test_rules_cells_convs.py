@@ -199,3 +199,24 @@ def test_groupnorm_inside_a_conv_block_keeps_it_megatron(devices):
                                          r"weight: 6 groups not divisible by n_model_shards=4 nor dividing it"):
         specs = redeqx.sharding_rules(cut, redeqx.make_mesh(4), loss_fn=loss_fn, batch=batch)
     assert specs.blocks[0].conv1.weight == specs.blocks[0].norm.weight == P()
+
+
+def test_a_wide_conv_block_is_split_for_its_flops():
+    """A conv block is weighed split against whole in bytes and FLOPs (`_pricing.block_costs`): a
+    3 x 3 conv's FLOPs per byte it would sum grow with its channels. The rules once weighed bytes
+    alone, and over 32 x 32 pixels kept this 128-channel net's blocks whole at every shard count,
+    each device doing all their work (compiled: 2x / 8x the FLOPs and 1.45x / 2.1x the peak memory
+    of the Megatron plan at 2 / 8 shards; `benchmarks/plans_vs_hand.py`). An 8-channel net over the
+    same pixels, its activations outweighing its FLOPs, stays whole."""
+    photos = {"x": jax.ShapeDtypeStruct((32, 4, 32, 32), jnp.float32), "y": jax.ShapeDtypeStruct((32,), jnp.int32)}
+    wide = eqx.filter_eval_shape(lambda: GroupNormNet(hidden=256, groups=32, width=128, key=jax.random.key(0)))
+    narrow = eqx.filter_eval_shape(lambda: GroupNormNet(key=jax.random.key(0)))
+    for n in (2, 8):
+        specs = redeqx.sharding_rules(wide, redeqx.make_mesh(n), loss_fn=loss_fn, batch=photos)
+        for block in specs.blocks:
+            assert block.conv1.weight == P("model", None, None, None) and block.norm.weight == P("model"), n
+            assert block.conv2.weight == P(None, "model", None, None), n
+        specs = redeqx.sharding_rules(narrow, redeqx.make_mesh(n), loss_fn=loss_fn, batch=photos)
+        assert all(b.conv1.weight == b.conv2.weight == P() for b in specs.blocks), n
+        rows = redeqx.explain(narrow, specs, redeqx.make_mesh(n), loss_fn=loss_fn, batch=photos, reasons="short")
+        assert "bytes and FLOPs" in rows, rows

@@ -95,7 +95,7 @@ def test_a_block_with_matmuls_left_wholly_replicated_is_said_where_a_split_would
 
     batch = {"x": np.zeros((8, 64), np.float32)}
     with pytest.warns(UserWarning, match=r"none split \(first: in_proj.weight: replicated: jnp.split .*; split, "
-                                         r"it would move .* KiB less a step \(estimated\)\)"):
+                                         r"it would cost .* KiB less a step \(estimated\)\)"):
         specs = redeqx.sharding_rules(model, redeqx.make_mesh(2), loss_fn=loss, batch=batch)
     assert specs.in_proj.weight == specs.out_proj.weight == P()
     with warnings.catch_warnings():

@@ -24,7 +24,7 @@ from ..mesh import MODEL, STAGE
 from .._trees import human_bytes, is_array_like, path_parts
 from ._name_rules import UNPLACED, classify
 from ._names import _ancestors
-from ._pricing import Pricing
+from ._pricing import Pricing, work
 from ._roles import Role, decide_read
 from ._specs import (
     LeafSpec, Overrides, axes_of, brief, check_mesh_model, fsdp_spec, is_weight, lifted, plain_why, small_leaf_spec,
@@ -112,7 +112,7 @@ class _Decider:
         elif loud and self.facts is not None and k in self.used and \
                 math.prod(self._full(k).shape) <= QUIET_WHOLE_SHARE * self.size and (c := self._costs(k))[1] <= c[0]:
             loud = False  # whole is what it would cost least anyway: nothing lost
-            why = f"{why}; whole it moves {human_bytes(c[0] - c[1])} less a step than split (estimated), so not warned"
+            why = f"{why}; whole it costs {human_bytes(c[0] - c[1])} less a step than split (estimated), so not warned"
             short = f"replicated (cheaper whole): {short[len('replicated: '):]}"
         self.fallbacks.append((f"{self.prefix}{'.'.join(path_parts(kp))} {shape}", why, loud))
         self.finish(k, P(), f"{reason}: replicated, {why}", whole=whole, short=short)
@@ -150,7 +150,7 @@ class _Decider:
         k = max(dearer, key=lambda k: costs[k][1] - costs[k][0])
         split, whole = costs[k]
         self.unread = (len(roles), f"{self.facts.paths[k]}: {self.roles[k].short or self.roles[k].reason}; split, it "
-                                   f"would move {human_bytes(whole - split)} less a step (estimated)")
+                                   f"would cost {human_bytes(whole - split)} less a step (estimated)")
 
     def weight(self, k: int, parts, one, hit) -> None:
         role = self.roles.get(k)
@@ -191,20 +191,22 @@ class _Decider:
 
     def _whole_is_cheaper(self, k: int, one, dim: int, reason: str) -> bool:
         """For a weight the program contracts but whose split it does not prove (the names split it):
-        the split or the whole weight, whichever moves fewer bytes a step by `split_cost`, said in the
+        the split or the whole weight, whichever costs less a step by `split_cost`, said in the
         reason; True when it finished the leaf (whole)."""
         if k not in self.used or self.pricing is None:
             return False
         split, whole = self._costs(k)
         if whole <= split and self.pricing.affords(self.facts, [k], self.n_model):
             self.pricing.taken.append(((k,), split, whole))
-            self.finish(k, P(), f"{reason} by the names, but kept whole: it moves {human_bytes(split - whole)} less "
-                                f"a step than split (estimated: split {human_bytes(split)}, whole {human_bytes(whole)})",
+            self.finish(k, P(), f"{reason} by the names, but kept whole: it costs {human_bytes(split - whole)} less "
+                                f"a step than split (estimated in bytes and FLOPs: split {human_bytes(split)}, whole "
+                                f"{human_bytes(whole)})",
                         short=f"whole: {human_bytes(split - whole)} less than split on dim {dim} (estimated)")
             return True
         if whole > split:
-            self.cost_notes[k] = (f"; split: it moves {human_bytes(whole - split)} less a step than whole "
-                                  f"(estimated: split {human_bytes(split)}, whole {human_bytes(whole)})")
+            self.cost_notes[k] = (f"; split: it costs {human_bytes(whole - split)} less a step than whole "
+                                  f"(estimated in bytes and FLOPs: split {human_bytes(split)}, whole "
+                                  f"{human_bytes(whole)})")
         return False
 
     def _alternate(self, rule, parts) -> tuple[int, str]:
@@ -271,9 +273,9 @@ def leaf_specs(model, mesh: Mesh, overrides=(), fsdp: bool = False, name: str | 
 
 
 # A leaf replicated because n_model_shards cannot split it is not warned about when whole is what
-# moves the fewest bytes anyway and it holds at most this share of the model's parameters.
+# costs least anyway and it holds at most this share of the model's parameters.
 QUIET_WHOLE_SHARE = 0.1
-# Weights kept whole because that moves fewer bytes than their split may take this much of each
+# Weights kept whole because that costs less than their split may take this much of each
 # device's memory in all (their parameters, gradients and two optimizer moments: 64M float32
 # parameters): a small model's convs, embeddings and heads, never a large model's blocks or tables
 # (which are why it is split). A constant, not the device's own figure, so that every process of a
@@ -288,8 +290,9 @@ def memory_budget(mesh: Mesh) -> float:
 
 
 def split_cost(facts, k: int, n_batch: int, n_model: int) -> tuple[float, float]:
-    """The bytes one device moves a step for weight ``k`` split over ``model`` without a proven
-    partner, and whole: ``(split, whole)``.
+    """What weight ``k`` costs one device a step, in bytes, split over ``model`` without a proven
+    partner and whole: ``(split, whole)``; its products' FLOPs (forward and backward, ``1 / n_model``
+    of them split) count as in `_pricing.block_costs` (`_pricing.work`).
 
     - Split (its input whole, as the program does not prove it split; its output met by an op that
       needs it whole): each product reads its input sliced (free) and its output is gathered (an
@@ -300,18 +303,19 @@ def split_cost(facts, k: int, n_batch: int, n_model: int) -> tuple[float, float]
     """
     act_in, act_out = facts.activation_bytes(k)
     grad = facts.nbytes(k) if n_batch > 1 else 0
-    return (act_in + act_out) / n_batch + grad / n_model, float(grad)
+    whole = grad + work(facts, [k], n_batch)
+    return (act_in + act_out) / n_batch + whole / n_model, float(whole)
 
 
 # A block the program leaves wholly replicated is said when its matmul weights hold more than this
-# share of the model's bytes and splitting them would move fewer bytes (by `split_cost`'s estimate):
+# share of the model's bytes and splitting them would cost less (by `split_cost`'s estimate):
 # a mixer's fused in_proj cut by jnp.split, not a small recurrent cell that costs least whole.
 REPLICATED_SHARE = 0.01
 
 
 def replicated_blocks(d: _Decider) -> str | None:
     """Modules with matmul weights the program read, all of them replicated (no override), holding
-    over `REPLICATED_SHARE` of the model, some of which would move fewer bytes split: which, what
+    over `REPLICATED_SHARE` of the model, some of which would cost less split: which, what
     that would save, and the first reason."""
     if d.facts is None or d.n_model == 1 or d.unread is not None:
         return None
@@ -342,7 +346,7 @@ def replicated_blocks(d: _Decider) -> str | None:
     held, lost = sum(h for h, _, _ in whole.values()), sum(x for _, x, _ in whole.values())
     return (f"the program's plan leaves {len(names)} block(s) with matmuls wholly replicated at n_model_shards="
             f"{d.n_model}: {_listed(names)} ({human_bytes(held)} of {human_bytes(total)} of weights; split, they "
-            f"would move about {human_bytes(lost)} less a step (estimated); {whole[names[0]][2]}). Every device "
+            f"would cost about {human_bytes(lost)} less a step (estimated); {whole[names[0]][2]}). Every device "
             "holds and computes them whole; to split them, pass overrides=[(regex, spec)] (redeqx.explain(..., "
             "reasons='full') gives each weight's reason).")
 

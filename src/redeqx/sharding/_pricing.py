@@ -1,6 +1,6 @@
-"""What a split costs on one mesh, in bytes a step (`Pricing`): a proven split weighed against its
-weights whole (`price`), for the blocks and heads where that can go either way (`priced`); which
-of several splits that compete for one weight costs least (`Cost`)."""
+"""What a split costs on one mesh, in bytes a step, FLOPs counted at `FLOPS_PER_BYTE` (`Pricing`):
+a proven split weighed against its weights whole (`price`), for the blocks and heads where that can
+go either way (`priced`); which of several splits that compete for one weight costs least (`Cost`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from ._facts import Facts
 class Pricing:
     """What a split costs on one mesh (`priced`): ``n_batch`` devices split the batch (each holds
     ``1 / n_batch`` of the program's activations, and gradients are summed over them); ``budget``:
-    the bytes of a device's memory that weights kept whole because they move fewer bytes so may
+    the bytes of a device's memory that weights kept whole because they cost less so may
     take (their parameters, gradients and two optimizer moments), less what is ``spent``."""
 
     n_batch: int
@@ -46,7 +46,7 @@ def _kind_of(facts: Facts, leaves) -> tuple:
 def price(pricing: Pricing, facts: Facts, n: int,
            candidates: list[tuple[tuple, float, float]]) -> dict[int, tuple[float, float]]:
     """``candidates``: ``(leaves, split, whole)``, the bytes a step moves with ``leaves`` split as
-    proven and whole. Blocks of one kind are decided together; those whole moves fewer bytes for are
+    proven and whole. Blocks of one kind are decided together; those that cost less whole are
     kept whole, most saved first, while the memory budget lasts. Returns each such leaf's kind's
     ``(split, whole)``."""
     kinds: dict[tuple, list] = {}
@@ -66,10 +66,10 @@ def price(pricing: Pricing, facts: Facts, n: int,
 def priced(facts: Facts, fit, pricing: Pricing) -> bool:
     """Whether a proven split is weighed against its weights whole: a vocabulary-parallel head where
     the batch is split (its gradient, summed over the batch's devices, is what whole saves), or a
-    block whose column layers are all convolutions with a kernel wider than 1 (a feature encoder
-    over a long signal, where activations outweigh weights, its last conv paired with the linear
-    projection after its norm; a 1 x 1 conv is a linear layer; a Mamba mixer's depthwise conv
-    beside its linear ``dt_proj`` is not such a block).
+    block whose column layers are all convolutions with a kernel wider than 1 (a narrow feature
+    encoder over a long signal, where activations outweigh weights and FLOPs, its last conv paired
+    with the linear projection after its norm; a 1 x 1 conv is a linear layer; a Mamba mixer's
+    depthwise conv beside its linear ``dt_proj`` is not such a block).
     A block of linear layers is always split: its products are most of the model's work, which the
     split divides (bytes alone would keep a small model's blocks whole, every device doing all of it).
     So is a head on a mesh of ``model`` alone: whole, it would save no gradient's sum, only the
@@ -91,10 +91,22 @@ def _in_features(facts: Facts, use) -> int:
 
 
 def block_costs(facts: Facts, fit, n: int, pricing: Pricing) -> tuple[float, float]:
-    """The bytes one device moves a step for ``fit``'s block split as proven (`acts`, and ``1 / n``
-    of the gradients), and whole (the gradients)."""
-    grad = pricing.gradient(facts, fit.kept.members)
-    return acts(facts, fit) / pricing.n_batch + grad / n, grad
+    """What ``fit``'s block costs one device a step, in bytes, split as proven (`acts`, ``1 / n`` of
+    the gradients and of the products' FLOPs) and whole (the gradients and all the FLOPs); FLOPs,
+    forward and backward, count at `FLOPS_PER_BYTE`, as in `Cost`. Bytes alone kept a conv block
+    whole wherever its activations outweighed its weights, every device doing all of its work: a
+    residual conv net of 128 channels (256 in its blocks) over 32 x 32 pixels moved 0.47x the
+    Megatron plan's bytes at 2 shards, for 2x the FLOPs and 1.45x the peak memory (8x and 2.1x at
+    8 shards). A conv's FLOPs per byte it sums grow with its channels and kernel: a narrow one
+    (wav2vec2's feature encoder at its test width) stays whole."""
+    whole = pricing.gradient(facts, fit.kept.members) + work(facts, fit.kept.members, pricing.n_batch)
+    return acts(facts, fit) / pricing.n_batch + whole / n, whole
+
+
+def work(facts: Facts, leaves, n_batch: int) -> float:
+    """The FLOPs of ``leaves``' products on one of ``n_batch`` devices that split the batch, forward
+    and backward (twice the forward), in bytes at `FLOPS_PER_BYTE`."""
+    return 3 * sum(facts.flops(k) for k in leaves) / n_batch / FLOPS_PER_BYTE
 
 
 class Cost(NamedTuple):
@@ -123,7 +135,7 @@ class Cost(NamedTuple):
             split, whole = block_costs(self.facts, fits[j], self.n, self.pricing)
             if whole >= split or not priced(self.facts, fits[j], self.pricing):
                 summed[j] = acts(self.facts, fits[j]) / nb
-        own = {k: self.pricing.gradient(self.facts, [k]) + 3 * self.facts.flops(k) / nb / FLOPS_PER_BYTE
+        own = {k: self.pricing.gradient(self.facts, [k]) + work(self.facts, [k], nb)
                for j in component for k in fits[j].wants()}
 
         def parts(pick):  # the groups' activations, and each leaf's gradient and FLOPs (1 / n split)

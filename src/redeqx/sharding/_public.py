@@ -104,10 +104,10 @@ def sharding_rules(model, mesh: Mesh, *, loss_fn: Callable | None = None, batch:
       contracts, which layer contracts its output (a Megatron pair: column
       then row), how its output splits into heads, which axis a ``scan``
       slices. Whatever the weights are named or however they are stored.
-      Where a split moves more bytes a step than the weight whole (a small
-      head or table, a depthwise conv, convs over a long signal), the weight
-      is kept whole (estimated from the batch's activations: give the global
-      batch; `explain` says so). Without them, the name rules decide (and
+      Where a split costs more a step than the weight whole, in bytes moved
+      and FLOPs (a small head or table, a depthwise conv, narrow convs over a
+      long signal), the weight is kept whole (estimated from the batch's
+      activations: give the global batch; `explain` says so). Without them, the name rules decide (and
       warn about weights they cannot place).
     - ``overrides`` is a list of ``(regex, spec)``; the first regex found in a
       leaf's path (e.g. ``"blocks.0.attn.wq.weight"``, see `explain`) sets its

@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 from .._trees import human_bytes
 from ._facts import Facts
-from ._pricing import Cost, Pricing, block_costs, price, priced
+from ._pricing import FLOPS_PER_BYTE, Cost, Pricing, block_costs, price, priced
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +45,7 @@ class Role:
     reason: str
     refused: str | None = None
     short: str | None = None  # the reason in a few words, for `explain`'s default table
-    priced: bool = False  # kept whole because that moves fewer bytes than the split proven (`Pricing`)
+    priced: bool = False  # kept whole because that costs less than the split proven (`Pricing`)
 
 
 @dataclasses.dataclass
@@ -298,9 +298,9 @@ def _best(component: list[int], fits: list[_Fit], cost=None) -> list[int]:
 
 def _whole_role(role: Role, split: float, whole: float) -> Role:
     saved = f"{human_bytes(split - whole)} less a step than split"
-    return Role(None, f"{role.reason}; but kept whole: it moves {saved} (estimated: split {human_bytes(split)}, "
-                      f"whole {human_bytes(whole)}, its kind of block together)",
-                short=f"whole: {saved} (estimated)", priced=True)
+    return Role(None, f"{role.reason}; but kept whole: it costs {saved} (estimated in bytes moved, FLOPs at "
+                      f"{FLOPS_PER_BYTE} a byte: split {human_bytes(split)}, whole {human_bytes(whole)}, its kind "
+                      "of block together)", short=f"whole: {saved} in bytes and FLOPs (estimated)", priced=True)
 
 
 def blocks(facts: Facts, n: int, decided: dict[int, Role], pricing: Pricing | None = None) -> None:
