@@ -1,34 +1,28 @@
 """Models whose program the rules once read worse than a hand plan, against that hand plan.
 
     python -m benchmarks.plans_vs_hand            # writes its RESULTS.md section
+    python -m benchmarks.plans_vs_hand --tpu      # the same, compiled by libtpu for 8 TPU v4 chips
     python -m benchmarks.plans_vs_hand --no-write
 
-For each model (the tests' own), the collective bytes of one SGD training step per device as an
-accelerator moves them (tests/accelerator_count.py), with the specs of ``sharding_rules(model,
-mesh, loss_fn=..., batch=...)`` (program) and of a hand plan (the names' specs with the layers
-placed by ``overrides=``: experts split, or each expert's hidden units, Megatron's column and row),
-at 2 and 4 model shards on 8 simulated CPU devices. ``--before PATH`` also reads the program with
-the redeqx source at PATH (a checkout's ``src``), in a subprocess, for the "before" column.
+For each model (the tests' own), one SGD training step per device with the specs of
+``sharding_rules(model, mesh, loss_fn=..., batch=...)`` (program) and of a hand plan (the names'
+specs with the layers placed by ``overrides=``: experts split, or each expert's hidden units,
+Megatron's column and row), at 2 and 4 model shards of 8 devices: its collective bytes as an
+accelerator moves them (on 8 simulated CPU devices, tests/accelerator_count.py; with ``--tpu``,
+libtpu's compiled program, benchmarks/.venv-tpu, no TPU attached), and the compiled program's FLOPs
+and peak memory. ``--before PATH`` also reads the program with the redeqx source at PATH (a
+checkout's ``src``), in a worker, for the "before" columns.
 """
 
-import json
 import os
-import subprocess
-import sys
 
-from benchmarks._common import cpu_devices, parser, report, worker_env
-
-cpu_devices(8)
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-jax.config.update("jax_numpy_rank_promotion", "raise")
+from benchmarks._common import compiler, parser, report, serve, worker
 
 def cases():
     """``(name, model, loss, batch, hand overrides per n_model_shards)``."""
+    import jax
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
     import equinox as eqx
     import test_rules_moe as moe
     import test_rules_program as prog
@@ -63,24 +57,66 @@ def cases():
     import test_rules_cells_convs as convs
     images = {"x": np.random.default_rng(0).normal(size=(16, 4, 8, 8)).astype(np.float32),
               "y": np.zeros((16,), np.int32)}
+    conv_megatron = [(r"conv1\.weight", P("model", None, None, None)), (r"conv1\.bias", P("model", None, None)),
+                     (r"blocks\.\d+\.norm\.", P("model")), (r"conv2\.weight", P(None, "model", None, None)),
+                     (r"stem|head|norm_out|conv2\.bias", P())]
     yield ("residual conv net, 128 channels, GroupNorm(16, 256) in its blocks, GroupNorm on its stream",
-           convs.GroupNormNet(256, 16, 128, key=key), convs.loss_fn,
-           images, lambda n: [(r"conv1\.weight", P("model", None, None, None)),
-                              (r"conv1\.bias", P("model", None, None)), (r"blocks\.\d+\.norm\.", P("model")),
-                              (r"conv2\.weight", P(None, "model", None, None)),
-                              (r"stem|head|norm_out|conv2\.bias", P())])
+           convs.GroupNormNet(256, 16, 128, key=key), convs.loss_fn, images, lambda n: conv_megatron)
+    photos = {"x": np.random.default_rng(0).normal(size=(32, 4, 32, 32)).astype(np.float32),
+              "y": np.zeros((32,), np.int32)}
+    yield ("the same net, GroupNorm(32, 256), over 32 x 32 pixels", convs.GroupNormNet(256, 32, 128, key=key),
+           convs.loss_fn, photos, lambda n: conv_megatron)
     yield ("Equinox LM: vmapped lookup, fused (D, 2, F) gate-up", prog.FusedGateUpLM(key), w.gpt_loss, prog.TOKENS,
            lambda n: [(r"w12", P(None, None, "model")), (r"w3", P("model", None))])
 
 
-def measure(only_program: bool) -> dict:
-    from accelerator_count import step_bytes
+def figures(model, loss, batch, n: int, devices, **rules) -> dict:
+    """One SGD step of ``model`` under ``sharding_rules(model, make_mesh(n, devices=devices),
+    **rules)``, compiled once (abstract: nothing runs): the collective bytes per device as an
+    accelerator moves them (libtpu's own program; on CPU devices, the partitioned program's sums
+    merged as the accelerators' compilers merge them), the compiled program's FLOPs and its peak
+    bytes per device (arguments + outputs - aliased + temporaries)."""
+    import warnings
 
-    out = {}
+    import equinox as eqx
+    import jax
+    import optax
+    from accelerator_count import compiled_and_partitioned_text, reassociated_collectives
+
+    import redeqx
+    from redeqx.planner._hlo import collectives, summarise
+    from redeqx.planner._plan import _abstract_batch
+
+    mesh = redeqx.make_mesh(n, devices=devices)
+    abstract = eqx.filter_eval_shape(lambda: model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        specs = redeqx.sharding_rules(abstract, mesh, **rules)
+    state = redeqx.init_state(abstract, optax.sgd(0.1), mesh, specs, key=jax.random.key(1))
+    step = redeqx.make_train_step(loss, optax.sgd(0.1), mesh, specs)
+    with jax.set_mesh(mesh):
+        lowered = step.trace(state, _abstract_batch(batch, mesh)).lower()
+    compiled, text = compiled_and_partitioned_text(lowered)
+    found = collectives(compiled.as_text()) if devices[0].platform == "tpu" else reassociated_collectives(text)
+    m, cost = compiled.memory_analysis(), compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return dict(bytes=sum(v["bytes"] for v in summarise(found).values()), flops=float(cost["flops"]),
+                peak=m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+                + m.temp_size_in_bytes)
+
+
+def measure(only_program: bool, tpu: bool) -> dict:
+    """``{"name|shards": (program's figures, hand plan's or None)}`` of every case (`figures`)."""
+    import jax
+
+    from benchmarks._common import compile_devices
+
+    jax.config.update("jax_numpy_rank_promotion", "raise")
+    devices, out = compile_devices(8, tpu), {}
     for name, model, loss, batch, hand in cases():
         for n in (2, 4):
-            program = step_bytes(model, loss, batch, n, loss_fn=loss, batch=batch)[0]
-            by_hand = None if only_program else step_bytes(model, loss, batch, n, overrides=hand(n))[0]
+            program = figures(model, loss, batch, n, devices, loss_fn=loss, batch=batch)
+            by_hand = None if only_program else figures(model, loss, batch, n, devices, overrides=hand(n))
             out[f"{name}|{n}"] = (program, by_hand)
             print(name, n, program, by_hand, flush=True)
     return out
@@ -89,35 +125,40 @@ def measure(only_program: bool) -> dict:
 def main():
     p = parser(__doc__)
     p.add_argument("--before", default=None, help="a redeqx src directory to read the programs with first")
-    p.add_argument("--program-only", action="store_true",
-                   help="print only the program plans' bytes, as JSON (what --before runs)")
+    p.add_argument("--tpu", action="store_true", help="compile with libtpu for 8 TPU v4 chips (none attached)")
     args = p.parse_args()
-    if args.program_only:
-        print(json.dumps(measure(True)))
-        return
+    python, env = compiler(args.tpu)
     before = {}
     if args.before:
-        env = worker_env(8)
-        env["PYTHONPATH"] = os.pathsep.join([args.before, env["PYTHONPATH"]])
-        run = subprocess.run([sys.executable, "-m", "benchmarks.plans_vs_hand", "--program-only"], env=env,
-                             capture_output=True, text=True, check=True)
-        before = json.loads(run.stdout.strip().splitlines()[-1])
-    now = measure(False)
-    rows = ["| model | shards | before: program (B) | program (B) | hand (B) | program / hand |", "|---|---|---|---|---|---|"]
+        old = dict(env, PYTHONPATH=os.pathsep.join([os.path.abspath(args.before), env["PYTHONPATH"]]))
+        before = worker(__file__, "measure", python=python, env=old, only_program=True, tpu=args.tpu)
+    now = worker(__file__, "measure", python=python, env=env, only_program=False, tpu=args.tpu)
+    rows = ["| model | shards | before: program (B) | program (B) | hand (B) | program / hand: bytes | FLOPs "
+            "| peak | before: program / hand, FLOPs, peak |", "|---|---|---|---|---|---|---|---|---|"]
     for k, (program, by_hand) in now.items():
         name, n = k.split("|")
-        was = f"{before[k][0]:,}" if k in before else ""
-        rows.append(f"| {name} | {n} | {was} | {program:,} | {by_hand:,} | {program / by_hand:.3f} |")
-    report(args, "Plans read from the program against hand plans (benchmarks/plans_vs_hand.py)", f"""
-Collective bytes of one SGD training step per device, as an accelerator's XLA moves them
-(`tests/accelerator_count.py`), on 8 simulated CPU devices (`make_mesh(shards)`: data x model), with the specs
-the rules read from the program and with a hand plan (the names' specs with the layers placed by `overrides=`).
-Where the program is under the hand plan, the rules kept a small head or table whole (cheaper, said in
-`explain`). "before": the program read by redeqx at {args.before or '(not given)'}. The tests' models.
+        was = before.get(k, [None])[0]
+        ratios = [f"{x[key] / by_hand[key]:.2f}" if x else "" for x in (program, was) for key in ("flops", "peak")]
+        was_bytes = f"{was['bytes']:,}" if was else ""
+        rows.append(f"| {name} | {n} | {was_bytes} | {program['bytes']:,} | {by_hand['bytes']:,} | "
+                    f"{program['bytes'] / by_hand['bytes']:.3f} | {ratios[0]} | {ratios[1]} | "
+                    f"{', '.join(ratios[2:])} |")
+    where = ("libtpu's compiled step for 8 TPU v4 chips (none attached: benchmarks/.venv-tpu), its own collectives"
+             if args.tpu else "8 simulated CPU devices, the bytes as an accelerator's XLA moves them "
+             "(`tests/accelerator_count.py`)")
+    title = "Plans read from the program against hand plans (benchmarks/plans_vs_hand.py" + (
+        " --tpu)" if args.tpu else ")")
+    report(args, title, f"""
+Collective bytes of one SGD training step per device, on {where}, at `make_mesh(shards)` (data x model),
+with the specs the rules read from the program and with a hand plan (the names' specs with the layers placed
+by `overrides=`); beside them, the program plan's FLOPs and peak bytes per device (the compiled program's
+figures) over the hand plan's. Where the program is under the hand plan in bytes, the rules kept a small head
+or table whole (cheaper in bytes and FLOPs, said in `explain`). "before": the program read by redeqx at
+{args.before or '(not given)'}. The tests' models.
 
 {chr(10).join(rows)}
 """)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and not serve(globals()):
     main()
