@@ -70,7 +70,7 @@ def cases():
            lambda n: [(r"w12", P(None, None, "model")), (r"w3", P("model", None))])
 
 
-def figures(model, loss, batch, n: int, devices, **rules) -> dict:
+def figures(model, loss, data, n: int, devices, **rules) -> dict:
     """One SGD step of ``model`` under ``sharding_rules(model, make_mesh(n, devices=devices),
     **rules)``, compiled once (abstract: nothing runs): the collective bytes per device as an
     accelerator moves them (libtpu's own program; on CPU devices, the partitioned program's sums
@@ -95,9 +95,13 @@ def figures(model, loss, batch, n: int, devices, **rules) -> dict:
     state = redeqx.init_state(abstract, optax.sgd(0.1), mesh, specs, key=jax.random.key(1))
     step = redeqx.make_train_step(loss, optax.sgd(0.1), mesh, specs)
     with jax.set_mesh(mesh):
-        lowered = step.trace(state, _abstract_batch(batch, mesh)).lower()
-    compiled, text = compiled_and_partitioned_text(lowered)
-    found = collectives(compiled.as_text()) if devices[0].platform == "tpu" else reassociated_collectives(text)
+        lowered = step.trace(state, _abstract_batch(data, mesh)).lower()
+    if devices[0].platform == "tpu":
+        compiled = lowered.compile()
+        found = collectives(compiled.as_text())
+    else:
+        compiled, text = compiled_and_partitioned_text(lowered)
+        found = reassociated_collectives(text)
     m, cost = compiled.memory_analysis(), compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     return dict(bytes=sum(v["bytes"] for v in summarise(found).values()), flops=float(cost["flops"]),
