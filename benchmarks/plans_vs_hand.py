@@ -66,6 +66,12 @@ def cases():
               "y": np.zeros((32,), np.int32)}
     yield ("the same net, GroupNorm(32, 256), over 32 x 32 pixels", convs.GroupNormNet(256, 32, 128, key=key),
            convs.loss_fn, photos, lambda n: conv_megatron)
+    yield ("MobileNetV2 without norms, 10 inverted residual blocks of 16 (96) channels, 16 x 16 pixels",
+           choice.MobileNet(10, key), choice.loss_fn,
+           {"x": np.random.default_rng(0).normal(size=(16, 3, 16, 16)).astype(np.float32),
+            "y": np.zeros((16,), np.int32)},
+           lambda n: [(r"expand\.weight|dw\.weight", P("model", None, None, None)),
+                      (r"project\.weight", P(None, "model", None, None))])
     yield ("Equinox LM: vmapped lookup, fused (D, 2, F) gate-up", prog.FusedGateUpLM(key), w.gpt_loss, prog.TOKENS,
            lambda n: [(r"w12", P(None, None, "model")), (r"w3", P("model", None))])
 
