@@ -110,9 +110,10 @@ class Facts:
         found = self.traffic.get(leaf, {}).values()
         return sum(v[0] for v in found), sum(v[1] for v in found)
 
-    def flops(self, leaf: int) -> int:
-        """The FLOPs of ``leaf``'s products in one step's forward pass (the backward's are twice them)."""
-        return sum(v[3] for v in self.traffic.get(leaf, {}).values())
+    def step_flops(self, leaf: int) -> int:
+        """The FLOPs of ``leaf``'s products in one step: forward, the weight's gradient, and the
+        input's gradient where the input has one (not where it is made from the batch alone)."""
+        return sum(v[3] * (3 if v[0] else 2) for v in self.traffic.get(leaf, {}).values())
 
     def inputs_read(self, leaves) -> int:
         """The bytes of the activations the products of ``leaves`` read, each activation once (Q, K and

@@ -51,7 +51,8 @@ def elementwise(r: Reader, eqn) -> None:
             r.facts.summed.update(tags)  # several layers' split outputs added: a residual stream split
         for seed, dim in tags.items():  # (its own split is no other activation: x - mean(x) in a norm of it)
             if any(r.tag(v).get(seed) != dim and not _split_at(r, v, dim) and _shape(v)[dim] > 1 for v in acts):
-                r.facts.reduce(seed, "added to an activation that is not split (the residual stream)", alone=False)
+                r.facts.reduce(seed, f"{'added to' if eqn.primitive.name != 'sub' else 'subtracted from or by'} an "
+                               "activation that is not split (a residual stream, a target)", alone=False)
     r.set_tags(out, tags, where)
     within = {s: d for v in eqn.invars if len(_shape(v)) == nd for s, d in r.inner(v).items()}
     if within:

@@ -105,8 +105,8 @@ def block_costs(facts: Facts, fit, n: int, pricing: Pricing) -> tuple[float, flo
 
 def work(facts: Facts, leaves, n_batch: int) -> float:
     """The FLOPs of ``leaves``' products on one of ``n_batch`` devices that split the batch, forward
-    and backward (twice the forward), in bytes at `FLOPS_PER_BYTE`."""
-    return 3 * sum(facts.flops(k) for k in leaves) / n_batch / FLOPS_PER_BYTE
+    and backward (`Facts.step_flops`), in bytes at `FLOPS_PER_BYTE`."""
+    return sum(facts.step_flops(k) for k in leaves) / n_batch / FLOPS_PER_BYTE
 
 
 class Cost(NamedTuple):

@@ -166,9 +166,9 @@ def _describe(facts: Facts, group: Group, leaf: int, dim: int, text: str) -> Rol
     heads' reshape, the columns whose output it contracts or follows (not a neighbour's)."""
     own = [s for s in group.seeds if facts.uses[facts.seed_use[s]].leaf == leaf]
     seeds = own or sorted(group.reached.get(leaf, ()))
-    heads = [(w, s) for s in seeds for w in facts.wholes.get(s, [])]
-    extra = f"; heads: {heads[0][0].text} {facts.paths[facts.uses[facts.seed_use[heads[0][1]]].leaf]}" \
-        if heads and text != "follows" else ""
+    heads = sorted(((w, s) for s in seeds for w in facts.wholes.get(s, [])), key=lambda e: e[0].unit == "heads")
+    extra = f"; {heads[0][0].unit}: {heads[0][0].text} {facts.paths[facts.uses[facts.seed_use[heads[0][1]]].leaf]}" \
+        if heads and text != "follows" else ""  # a GroupNorm's groups before the reshape that made them
     if group.kind == "head":
         return Role(dim, f"program: vocabulary parallel on dim {dim}: its output is split and the loss reduces "
                          f"over it{extra}", short=f"vocabulary parallel, dim {dim}")
