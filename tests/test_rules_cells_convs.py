@@ -207,7 +207,9 @@ def test_a_wide_conv_block_is_split_for_its_flops():
     alone, and over 32 x 32 pixels kept this 128-channel net's blocks whole at every shard count,
     each device doing all their work (compiled: 2x / 8x the FLOPs and 1.45x / 2.1x the peak memory
     of the Megatron plan at 2 / 8 shards; `benchmarks/plans_vs_hand.py`). An 8-channel net over the
-    same pixels, its activations outweighing its FLOPs, stays whole."""
+    same pixels, its activations outweighing its FLOPs, stays whole, unless its hidden activations,
+    which every device would hold whole, would not fit the memory budget beside its weights
+    (`_pricing.held_whole`: 112 KiB an image at 8 shards, so 16,384 images hold 1.75 GiB)."""
     photos = {"x": jax.ShapeDtypeStruct((32, 4, 32, 32), jnp.float32), "y": jax.ShapeDtypeStruct((32,), jnp.int32)}
     wide = eqx.filter_eval_shape(lambda: GroupNormNet(hidden=256, groups=32, width=128, key=jax.random.key(0)))
     narrow = eqx.filter_eval_shape(lambda: GroupNormNet(key=jax.random.key(0)))
@@ -220,3 +222,6 @@ def test_a_wide_conv_block_is_split_for_its_flops():
         assert all(b.conv1.weight == b.conv2.weight == P() for b in specs.blocks), n
         rows = redeqx.explain(narrow, specs, redeqx.make_mesh(n), loss_fn=loss_fn, batch=photos, reasons="short")
         assert "bytes and FLOPs" in rows, rows
+    many = {k: jax.ShapeDtypeStruct((1 << 14, *v.shape[1:]), v.dtype) for k, v in photos.items()}
+    specs = redeqx.sharding_rules(narrow, redeqx.make_mesh(8), loss_fn=loss_fn, batch=many)
+    assert all(b.conv1.weight == P("model", None, None, None) for b in specs.blocks)

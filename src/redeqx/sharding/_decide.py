@@ -277,7 +277,8 @@ def leaf_specs(model, mesh: Mesh, overrides=(), fsdp: bool = False, name: str | 
 QUIET_WHOLE_SHARE = 0.1
 # Weights kept whole because that costs less than their split may take this much of each
 # device's memory in all (their parameters, gradients and two optimizer moments: 64M float32
-# parameters): a small model's convs, embeddings and heads, never a large model's blocks or tables
+# parameters; and the hidden activations a block kept whole holds, `_pricing.held_whole`): a small
+# model's convs, embeddings and heads, never a large model's blocks or tables
 # (which are why it is split). A constant, not the device's own figure, so that every process of a
 # run, whatever its devices report, makes the same plan.
 WHOLE_MEMORY_BYTES = 1 << 30

@@ -28,10 +28,10 @@ class Pricing:
         """The bytes of ``leaves``' gradients summed over the batch's devices each step (none on one)."""
         return float(sum(facts.nbytes(k) for k in leaves)) if self.n_batch > 1 else 0.0
 
-    def affords(self, facts: Facts, leaves, n: int) -> bool:
-        """Whether holding ``leaves`` whole (instead of ``1 / n`` of them) fits what is left of the
-        budget; if so it is spent."""
-        extra = 4 * sum(facts.nbytes(k) for k in leaves) * (1 - 1 / n)
+    def affords(self, facts: Facts, leaves, n: int, held: float = 0.0) -> bool:
+        """Whether holding ``leaves`` whole (instead of ``1 / n`` of them), and ``held`` bytes more of
+        activations (`held_whole`), fits what is left of the budget; if so it is spent."""
+        extra = 4 * sum(facts.nbytes(k) for k in leaves) * (1 - 1 / n) + held
         if self.spent + extra > self.budget:
             return False
         self.spent += extra
@@ -44,20 +44,19 @@ def _kind_of(facts: Facts, leaves) -> tuple:
 
 
 def price(pricing: Pricing, facts: Facts, n: int,
-           candidates: list[tuple[tuple, float, float]]) -> dict[int, tuple[float, float]]:
-    """``candidates``: ``(leaves, split, whole)``, the bytes a step moves with ``leaves`` split as
-    proven and whole. Blocks of one kind are decided together; those that cost less whole are
-    kept whole, most saved first, while the memory budget lasts. Returns each such leaf's kind's
-    ``(split, whole)``."""
+           candidates: list[tuple[tuple, float, float, float]]) -> dict[int, tuple[float, float]]:
+    """``candidates``: ``(leaves, split, whole, held)``, what a step costs with ``leaves`` split as
+    proven and whole, and the bytes of activations whole holds beyond split (`held_whole`). Blocks
+    of one kind are decided together; those that cost less whole are kept whole, most saved first,
+    while the memory budget lasts. Returns each such leaf's kind's ``(split, whole)``."""
     kinds: dict[tuple, list] = {}
-    for leaves, split, whole in candidates:
-        entry = kinds.setdefault(_kind_of(facts, leaves), [[], 0.0, 0.0])
+    for leaves, *costs in candidates:
+        entry = kinds.setdefault(_kind_of(facts, leaves), [[], 0.0, 0.0, 0.0])
         entry[0] += list(leaves)
-        entry[1] += split
-        entry[2] += whole
+        entry[1:] = [a + b for a, b in zip(entry[1:], costs)]
     out: dict[int, tuple[float, float]] = {}
-    for leaves, split, whole in sorted(kinds.values(), key=lambda e: e[2] - e[1]):
-        if whole < split and pricing.affords(facts, leaves, n):
+    for leaves, split, whole, held in sorted(kinds.values(), key=lambda e: e[2] - e[1]):
+        if whole < split and pricing.affords(facts, leaves, n, held):
             pricing.taken.append((tuple(leaves), split, whole))
             out.update((k, (split, whole)) for k in leaves)
     return out
@@ -101,6 +100,15 @@ def block_costs(facts: Facts, fit, n: int, pricing: Pricing) -> tuple[float, flo
     (wav2vec2's feature encoder at its test width) stays whole."""
     whole = pricing.gradient(facts, fit.kept.members) + work(facts, fit.kept.members, pricing.n_batch)
     return acts(facts, fit) / pricing.n_batch + whole / n, whole
+
+
+def held_whole(facts: Facts, fit, n: int, pricing: Pricing) -> float:
+    """The bytes of activations one device holds more a step with ``fit``'s block whole than split:
+    its column layers' outputs (the hidden units; split, ``1 / n`` of them), which the backward pass
+    keeps. A block kept whole to save a step's bytes must leave the memory budget room for them too:
+    a 256-channel conv's output over 16,000 frames is 16 MB an example (float32)."""
+    columns = [k for k, (_, t) in fit.kept.members.items() if t == "column"]
+    return sum(facts.activation_bytes(k)[1] for k in columns) / pricing.n_batch * (1 - 1 / n)
 
 
 def work(facts: Facts, leaves, n_batch: int) -> float:

@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 from .._trees import human_bytes
 from ._facts import Facts
-from ._pricing import FLOPS_PER_BYTE, Cost, Pricing, block_costs, price, priced
+from ._pricing import FLOPS_PER_BYTE, Cost, Pricing, block_costs, held_whole, price, priced
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,7 +351,8 @@ def blocks(facts: Facts, n: int, decided: dict[int, Role], pricing: Pricing | No
             fits.append(_fit(facts, group, n))
     chosen = _choose([f for f in fits if f.refusal is None], None if pricing is None else Cost(facts, n, pricing))
     whole = {} if pricing is None else price(pricing, facts, n, [
-        (tuple(f.kept.members), *block_costs(facts, f, n, pricing)) for f in chosen if priced(facts, f, pricing)])
+        (tuple(f.kept.members), *block_costs(facts, f, n, pricing), held_whole(facts, f, n, pricing))
+        for f in chosen if priced(facts, f, pricing)])
     for fit in chosen:
         decided.update(fit.dropped)
         for leaf, (dim, text) in fit.kept.members.items():
@@ -385,7 +386,7 @@ def lookups(facts: Facts, n: int, decided: dict[int, Role], pricing: Pricing | N
             tables.append(leaf)
     if pricing is not None:  # split on vocab, each lookup's rows are summed over 'model' (forward)
         costs = [((k,), facts.activation_bytes(k)[1] / pricing.n_batch + pricing.gradient(facts, [k]) / n,
-                  pricing.gradient(facts, [k])) for k in tables]
+                  pricing.gradient(facts, [k]), 0.0) for k in tables]  # the rows looked up: whole either way
         for k, (split, whole) in price(pricing, facts, n, costs).items():
             decided[k] = _whole_role(decided[k], split, whole)
 
