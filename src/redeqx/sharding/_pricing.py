@@ -17,7 +17,8 @@ class Pricing:
     """What a split costs on one mesh (`priced`): ``n_batch`` devices split the batch (each holds
     ``1 / n_batch`` of the program's activations, and gradients are summed over them); ``budget``:
     the bytes of a device's memory that weights kept whole because they cost less so may
-    take (their parameters, gradients and two optimizer moments), less what is ``spent``."""
+    take (their parameters, gradients and two optimizer moments, and the activations a block kept
+    whole holds: `held_whole`), less what is ``spent``."""
 
     n_batch: int
     budget: float
