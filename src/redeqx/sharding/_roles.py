@@ -278,47 +278,36 @@ def _choose(fits: list[_Fit], cost=None) -> list[_Fit]:
 
 
 def _best(component: list[int], fits: list[_Fit], cost=None) -> list[int]:
-    if len(component) > 12:
-        return _best_of_many(component, fits, cost)
-    sets = []
-    for mask in range(1 << len(component)):
-        pick = [component[b] for b in range(len(component)) if mask >> b & 1]
-        if not any(_conflict(fits[a], fits[b]) for x, a in enumerate(pick) for b in pick[x + 1:]):
-            sets.append(pick)
-    heaviest = max(sets, key=lambda pick: sum(fits[j].kept.size for j in pick))  # the first of the heaviest
-    if cost is None or len(sets) == 2:  # one group, or none that compete
-        return heaviest
-    maximal = [p for p in sets if all(j in p or any(_conflict(fits[j], fits[k]) for k in p) for j in component)]
-    return cost.cheapest(maximal, heaviest, component, fits)
-
-
-def _best_of_many(component: list[int], fits: list[_Fit], cost=None) -> list[int]:
-    """`_best` of more than 12 competing groups (a deep chain of layers without norms: a MobileNet's
-    blocks): the heaviest of its maximal conflict-free sets, or with ``cost`` the one that costs
-    least. Those are all of them where there are at most `MAXIMAL_SETS`, else those taken in
-    program order from each group on (each group taken unless it conflicts with one taken before:
-    for a chain of layers, the alternations from each of its first two). In program order from
-    the first alone, a MobileNetV2's stem was paired with its first block and each block's
-    projection with the next block's expansion (the narrow stream split, its wide activations
-    summed): 4.2-4.5x the bytes and 1.8-4.6x the peak memory of Megatron's pairs at 2-8 shards."""
+    """The groups of one component of competing groups to split: among its maximal conflict-free
+    sets, the heaviest (on ties, the first in program order), or with ``cost`` the one that costs
+    least (`Cost.cheapest`). Those are all of them where there are at most `MAXIMAL_SETS`, else
+    those taken in program order from each group on (each group taken unless it conflicts with one
+    taken before: for a chain of layers, the alternations from each of its first two). Taken in
+    program order from the first alone, as once past 12 groups, a MobileNetV2's stem was paired with
+    its first block and each block's projection with the next block's expansion (the narrow stream
+    split, its wide activations summed): 4.2-4.5x the bytes and 1.8-4.6x the peak memory of
+    Megatron's pairs at 2-8 shards."""
     rivals = {j: {k for k in component if k != j and _conflict(fits[j], fits[k])} for j in component}
-    passes: list[list[int]] = []
-    for start in range(len(component) if cost is not None else 1):
-        picked: set[int] = set()
-        for j in component[start:] + component[:start]:
-            if not rivals[j] & picked:
-                picked.add(j)
-        if sorted(picked) not in passes:
-            passes.append(sorted(picked))
-    if cost is None:
-        return passes[0]
-    sets = _maximal_sets(rivals, set(), set(component), set(), []) or passes
-    heaviest = max([passes[0], *sets], key=lambda pick: sum(fits[j].kept.size for j in pick))  # ties: program order
+    order = {j: b for b, j in enumerate(component)}
+    sets = _maximal_sets(rivals, set(), set(component), set(), [])
+    if sets is None:
+        sets = []
+        for start in range(len(component)):
+            picked: set[int] = set()
+            for j in component[start:] + component[:start]:
+                if not rivals[j] & picked:
+                    picked.add(j)
+            if sorted(picked) not in sets:
+                sets.append(sorted(picked))
+    sets.sort(key=lambda pick: sum(1 << order[j] for j in pick))
+    heaviest = max(sets, key=lambda pick: sum(fits[j].kept.size for j in pick))  # the first of the heaviest
+    if cost is None or len(sets) == 1:  # one group, or none that compete
+        return heaviest
     return cost.cheapest(sets, heaviest, component, fits)
 
 
 MAXIMAL_SETS = 4096
-"""The most maximal conflict-free sets of one component of competing groups `_best_of_many` weighs
+"""The most maximal conflict-free sets of one component of competing groups `_best` weighs
 (a chain of k layers has about 1.32^k: 49 for 14 groups, 265 for 20, over 4,096 for 30)."""
 
 
