@@ -91,7 +91,7 @@ def contract(r, eqn, dn=None, groups=(), operands=None) -> None:
             activation = rhs if var is lhs else lhs
             flops = 2 * math.prod(_shape(out)) * math.prod(_shape(var)[d] for d in contracting)
             r.facts.moves(leaf, eqn, r.trips * nbytes(activation) * r.is_learned(activation), r.trips * nbytes(out),
-                         activation, r.trips * flops)
+                         activation, r.trips * flops, r.trips)
             outs = [d for d in produced if dims[d] is not None]
             if seed is not None and outs:
                 r.facts.several_outputs |= len(outs) > 1
@@ -133,7 +133,7 @@ def convolve(r, eqn) -> None:
     flops = 2 * math.prod(_shape(out)) * math.prod(_shape(rhs)) // _shape(rhs)[k_out]  # each output: a kernel's
     for leaf, _ in (kv.parts if kv is not None else ()):
         r.facts.moves(leaf, eqn, r.trips * nbytes(lhs) * r.is_learned(lhs), r.trips * nbytes(out), lhs,
-                      r.trips * flops)
+                      r.trips * flops, r.trips)
     if kv is not None and not follows:  # a conv of a split input is a use too: its own output can be split
         for leaf, dims in kv.parts:
             spatial = tuple(dims[d] for d in dn.rhs_spec[2:] if dims[d] is not None)

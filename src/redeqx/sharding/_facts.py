@@ -77,12 +77,14 @@ class Facts:
         self.group_counts: dict[int, int] = {}
         self.layer_dims: dict[int, dict[int, str]] = {}
         self.lookups: dict[int, list[tuple[int, bool]]] = {}
+        self.looped: set[int] = set()  # weights a loop's body reads whole every trip (a scan's consts)
         # (leaf, equation) -> bytes of the activation a weight's matmul or conv reads (0 where it is
         # made from data alone: its gradient is never computed, nor summed) and of what it writes,
         # over all of the loop's trips (a scan over 22 layers: 22 times the body's); global
         # (the whole batch), so one device's share is this over the devices splitting the batch; and
         # the product's FLOPs (forward), likewise global
         self.traffic: dict[int, dict[int, tuple[int, int, int | None, int]]] = {}  # leaf -> eqn -> ...
+        self.trips: dict[int, dict[int, int]] = {}  # leaf -> eqn -> how many times it runs a step
         self._leaf_seed: dict[int, int] = {}
 
     # -- recording ---------------------------------------------------------------
@@ -99,11 +101,13 @@ class Facts:
             self._leaf_seed[leaf] = seed
         return seed
 
-    def moves(self, leaf: int, eqn, act_in: int, act_out: int, read=None, flops: int = 0) -> None:
+    def moves(self, leaf: int, eqn, act_in: int, act_out: int, read=None, flops: int = 0, trips: int = 1) -> None:
         """``leaf``'s matmul, conv or lookup ``eqn`` reads ``act_in`` bytes of the activation ``read``
         (0 where ``read`` is made from data alone: no gradient of it is summed), writes ``act_out``
-        and does ``flops`` (a body a fixed point runs twice is counted once)."""
+        and does ``flops``, over its ``trips`` runs a step (a body a fixed point runs twice is
+        counted once)."""
         self.traffic.setdefault(leaf, {})[id(eqn)] = (act_in, act_out, None if read is None else id(read), flops)
+        self.trips.setdefault(leaf, {})[id(eqn)] = trips
 
     def activation_bytes(self, leaf: int) -> tuple[int, int]:
         """The bytes of activations ``leaf``'s products read and write in one step (forward)."""

@@ -37,6 +37,7 @@ def scan(r: Reader, eqn) -> None:
             tags[i] = _shift_tags(r, tags[i], -1, "a lax.scan loops over its output features")
     for i in range(nc, nc + ncarry):
         views[i] = None
+    _looped(r, views[:nc])
     outer, r.trips = r.trips, r.trips * eqn.params["length"]
     try:
         out_views, out_tags, out_static = _carry_fixed_point(r, jaxpr, views, tags, static, nc, ncarry)
@@ -72,6 +73,15 @@ def _carry_fixed_point(r: Reader, jaxpr, views, tags, static, nc: int, ncarry: i
     for t in tags[carry]:
         _carried(r, t)
     return out
+
+
+def _looped(r: Reader, views) -> None:
+    """Weights a loop's body reads whole on every trip (its consts, a while loop's carry too): a
+    recurrent cell's, a shared layer's. Their products run once a trip, so a split of their own
+    would add a collective to every trip (`Facts.looped`)."""
+    for vw in views:
+        for leaf, _ in (vw.parts if vw is not None else ()):
+            r.facts.looped.add(leaf)
 
 
 def _roots(r: Reader, tags: dict[int, int]) -> set[tuple[int, int]]:
@@ -111,6 +121,7 @@ def while_loop(r: Reader, eqn) -> None:
             eqn.invars[eqn.params["cond_nconsts"]:eqn.params["cond_nconsts"] + nconsts]
         carry = eqn.invars[eqn.params["cond_nconsts"] + eqn.params["body_nconsts"]:]
         views, tags, static = r.inputs(list(consts) + list(carry))
+        _looped(r, views)
         for i in range(len(consts), n):
             _carried(r, tags[i])
             tags[i], views[i] = {}, None
