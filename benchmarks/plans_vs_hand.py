@@ -73,10 +73,11 @@ def cases():
            lambda n: [(r"expand\.weight|dw\.weight", P("model", None, None, None)),
                       (r"project\.weight", P(None, "model", None, None))])
     import test_rules_alone as alone
-    yield ("DiT at DiT-XL's width (1152, 2 blocks, 16 patches of 8 images): each adaLN modulation row-parallel alone",
+    yield ("DiT at DiT-XL's width (1152, 2 blocks, 16 patches of 8 images): Megatron's pairs, each adaLN modulation row-parallel alone, the rest whole",
            alone.DiT(1152, key=key), alone.noise_loss, alone.noisy_patches(abstract=False),
            lambda n: [(r"time1\.weight|fc1\.weight", P("model", None)), (r"time1\.bias|fc1\.bias", P("model")),
-                      (r"time2\.weight|fc2\.weight|modulation\.weight", P(None, "model"))])
+                      (r"time2\.weight|fc2\.weight|modulation\.weight", P(None, "model")),
+                      (r"stem|head|qkv|proj|classes", P())])
     yield ("Equinox LM: vmapped lookup, fused (D, 2, F) gate-up", prog.FusedGateUpLM(key), w.gpt_loss, prog.TOKENS,
            lambda n: [(r"w12", P(None, None, "model")), (r"w3", P("model", None))])
 
