@@ -70,14 +70,14 @@ def loss_fn(model, batch, key):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
 
-def train(model, batch, n_model_shards, devices, rules=None):
+def train(model, batch, n_model_shards, devices, rules=None, loss=loss_fn):
     mesh = redeqx.make_mesh(n_model_shards, devices=devices)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         specs = redeqx.sharding_rules(model, mesh, **(rules or {}))
     optimizer = optax.sgd(0.1)
     state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
-    step = redeqx.make_train_step(loss_fn, optimizer, mesh, specs)
+    step = redeqx.make_train_step(loss, optimizer, mesh, specs)
     losses = []
     for _ in range(2):
         state, metrics = step(state, batch)
@@ -85,10 +85,10 @@ def train(model, batch, n_model_shards, devices, rules=None):
     return np.asarray(losses), state.model
 
 
-def assert_trains_as_one_device(model, batch, devices, shards=(2, 4), rules=None):
-    ref_losses, ref_model = train(model, batch, 1, devices[:1], rules)
+def assert_trains_as_one_device(model, batch, devices, shards=(2, 4), rules=None, loss=loss_fn):
+    ref_losses, ref_model = train(model, batch, 1, devices[:1], rules, loss)
     for n in shards:
-        losses, trained = train(model, batch, n, devices, rules)
+        losses, trained = train(model, batch, n, devices, rules, loss)
         np.testing.assert_allclose(losses, ref_losses, rtol=2e-5, err_msg=f"at n_model_shards={n}")
         for a, b in zip(jax.tree.leaves(eqx.filter(trained, eqx.is_array)),
                         jax.tree.leaves(eqx.filter(ref_model, eqx.is_array))):

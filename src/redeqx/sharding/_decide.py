@@ -245,22 +245,24 @@ class _Decider:
         self.finish(k, split_spec(full.ndim, role.dim), role.reason, whole=True, short=role.short)
 
     def _split_alone(self, k: int, role: Role) -> bool:
-        """A weight the program keeps whole for want of a partner (its output needed whole: DiT's
-        adaLN modulation cut by jnp.split, a fused QKV sliced into q, k and v, a projection added to a
-        stream nothing splits), split alone on the dim it contracts where that costs clearly less a
-        step than whole: `split_cost`, plus `COLLECTIVE_BYTES` for each collective it adds (each run
-        of its product: the output's all-reduce, and the input's gradient gathered where it has
-        one), under `CLEARLY_CHEAPER` of whole. Its input is sliced where it is, its output summed
-        over ``model`` (whole again, so no split reaches what reads it); it divides the weight, its
-        update and its FLOPs. (Split on its output dim instead, the partitioner carries the split
-        into what reads the output: 1.5-1.8x the bytes for DiT.) Not for a weight with several uses
-        or a lookup (a tied embedding), one a loop's body reads every trip (a recurrent cell), a
-        conv, or one under `QUIET_SHARE` of the model; and only where the weight outweighs its
-        activations (all the batch's, in and out) `OUTWEIGHS` times over, a large matrix applied to a
-        vector an example (a conditioning path). Over activations of every token (a fused QKV), the
-        partitioner carries the input's slicing back into the residual stream that makes it, which
-        the estimate does not see: DiT's QKV split alone moved 1.13x the bytes of it whole at 2
-        shards. True when it finished the leaf."""
+        """A weight the program keeps whole for want of a partner (its output needed whole), split
+        alone on the dim it contracts where that costs clearly less a step than whole: `split_cost`
+        plus `COLLECTIVE_BYTES` for each collective it adds (each run of its product: the output's
+        all-reduce, and its input's gradient gathered where it has one), under `CLEARLY_CHEAPER` of
+        whole. Its input is sliced where it is, its output summed over ``model`` (whole again, so no
+        split reaches what reads it); the weight, its update and its FLOPs are divided. (Split on its
+        output dim instead, the partitioner carries the split into what reads the output: 1.4-1.8x
+        the bytes for a small DiT.)
+
+        Only where the weight outweighs its activations (all the batch's, in and out) `OUTWEIGHS`
+        times over: a large matrix applied to a vector an example, as DiT's adaLN modulation is (cut
+        by jnp.split into shifts, scales and gates for a stream that is not split). Over every
+        token's activations (DiT's fused QKV, sliced into q, k and v) the partitioner carries the
+        input's slicing back into the residual stream that makes it, which the estimate does not
+        see: split alone, it moved 1.13x / 1.09x the bytes of it whole at 2 / 4 shards. Not for a
+        weight with several uses or a lookup (a tied embedding), one a loop's body reads every trip
+        (a recurrent cell), a conv, or one under `QUIET_SHARE` of the model. True when it finished
+        the leaf."""
         if self.pricing is None or role.refused is not None or role.priced or k in self.facts.looped \
                 or k in self.facts.lookups:
             return False

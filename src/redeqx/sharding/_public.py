@@ -107,8 +107,11 @@ def sharding_rules(model, mesh: Mesh, *, loss_fn: Callable | None = None, batch:
       Where a split costs more a step than the weight whole, in bytes moved
       and FLOPs (a small head or table, a depthwise conv, narrow convs over a
       long signal), the weight is kept whole (estimated from the batch's
-      activations: give the global batch; `explain` says so). Without them,
-      the name rules decide (and warn about weights they cannot place).
+      activations: give the global batch; `explain` says so); a large weight
+      with no partner that costs clearly less split alone (DiT's adaLN
+      modulation: a matrix applied to a vector an example) is split on its
+      input features, its output summed. Without them, the name rules decide
+      (and warn about weights they cannot place).
     - ``overrides`` is a list of ``(regex, spec)``; the first regex found in a
       leaf's path (e.g. ``"blocks.0.attn.wq.weight"``, see `explain`) sets its
       spec, finally (``fsdp`` does not re-split it). A regex that matches no
