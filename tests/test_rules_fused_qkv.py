@@ -4,6 +4,7 @@ heads of each of Q, K and V: under a layout the module states as
 ``"interleaved"`` (heads, 3, head_dim). Otherwise it stays whole, and so does
 its attention's output projection, rather than splitting mid-head (issue 23)."""
 
+import sys
 import warnings
 
 import equinox as eqx
@@ -126,6 +127,22 @@ def test_a_fused_qkv_of_unknown_layout_stays_whole_with_its_output(attention, fu
     assert caught[0].count("unknown layout") == 1  # said once for both layers
     _, caught = rules(model, 1)
     assert caught == []  # nothing to split, nothing to say
+
+
+def test_the_program_says_which_layout_of_a_fused_qkv_splits(monkeypatch):
+    """Read from the program, a fused Q/K/V cut into q, k and v after a (3, heads, head_dim) reshape or
+    a chunk(3) stays whole, and the warning (where splitting would cost less: 512 wide) says what to
+    write instead; cut after (heads, 3, head_dim), it is split on whole heads, with its output
+    projection, and nothing is warned."""
+    monkeypatch.setattr(sys.modules[__name__], "WIDTH", 512)
+    batch = collate_fn(make_examples(8, seq=SEQ, vocab=VOCAB))
+    for attention, fused in ((TimmAttention, "qkv"), (MosaicAttention, "Wqkv")):
+        specs, caught = rules(eqx.filter_eval_shape(gpt_with, attention), 2, loss_fn=loss_fn, batch=batch)
+        assert getattr(specs.blocks[0].attn, fused).weight == P(), attention
+        assert len(caught) == 1 and "reshape its output to (..., heads, 3, head_dim)" in caught[0], caught
+    specs, caught = rules(eqx.filter_eval_shape(gpt_with, InterleavedAttention), 2, loss_fn=loss_fn, batch=batch)
+    attn = specs.blocks[0].attn
+    assert (attn.query_key_value.weight, attn.dense.weight) == (P("model", None), P(None, "model")) and not caught
 
 
 def test_gpt2_c_attn_names_a_fused_qkv():

@@ -390,16 +390,25 @@ def replicated_blocks(d: _Decider) -> str | None:
             held = sum(sizes[k] for k in leaves)
             if held > REPLICATED_SHARE * total and lost > 0:
                 dearest = max(leaves, key=lambda k: costs[k][1] - costs[k][0])
-                whole[block] = (held, lost, f"{d.facts.paths[dearest]}: {roles[leaves.index(dearest)].short}")
+                cut = any(CUT in r.reason for r in roles)
+                whole[block] = (held, lost, f"{d.facts.paths[dearest]}: {roles[leaves.index(dearest)].short}", cut)
     if not whole:
         return None
     names = sorted(whole)
-    held, lost = sum(h for h, _, _ in whole.values()), sum(x for _, x, _ in whole.values())
+    held, lost = sum(w[0] for w in whole.values()), sum(w[1] for w in whole.values())
     return (f"the program's plan leaves {len(names)} block(s) with matmuls wholly replicated at n_model_shards="
             f"{d.n_model}: {_listed(names)} ({human_bytes(held)} of {human_bytes(total)} of weights; split, they "
             f"would cost about {human_bytes(lost)} less a step (estimated); {whole[names[0]][2]}). Every device "
             "holds and computes them whole; to split them, pass overrides=[(regex, spec)] (redeqx.explain(..., "
-            "reasons='full') gives each weight's reason).")
+            "reasons='full') gives each weight's reason)." + (FUSED_QKV if any(w[3] for w in whole.values()) else ""))
+
+
+# A weight whose output the program cuts into pieces (a slice, `jnp.split`) is left whole (`_ops`).
+CUT = "cuts its output features"
+FUSED_QKV = (
+    " A fused Q/K/V laid out (3, heads, head_dim) (timm's reshape, a chunk(3)) stores all of q's rows, then "
+    "k's, then v's, so no PartitionSpec gives a device whole heads of all three: reshape its output to (..., heads, 3, head_dim) and index the 3, or give q, k and v a layer each, "
+    "and the rules split it per head (the layouts train alike from scratch; a checkpoint's rows need reordering).")
 
 
 def _overridden(d: _Decider, k: int) -> bool:
