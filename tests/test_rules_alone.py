@@ -167,3 +167,15 @@ def test_a_modulation_split_alone_trains_as_on_one_device(devices, monkeypatch):
         specs = redeqx.sharding_rules(model, redeqx.make_mesh(n), loss_fn=noise_loss, batch=batch)
         assert all(weight == (None, "model") for weight, _ in _modulations(specs, False)), n
     assert_trains_as_one_device(model, batch, devices, rules={"loss_fn": noise_loss, "batch": batch}, loss=noise_loss)
+
+
+def test_a_lone_layer_split_alone_is_not_warned_as_unsplit():
+    """One wide Linear fitted to targets: whole, the rules warned that they split none of the weights
+    the program contracts; now it is split alone on its input features, and nothing is warned."""
+    model = eqx.filter_eval_shape(lambda: eqx.nn.Linear(2048, 2048, key=jax.random.key(0)))
+    pairs = {"x": jax.ShapeDtypeStruct((8, 2048), jnp.float32), "y": jax.ShapeDtypeStruct((8, 2048), jnp.float32)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        specs = redeqx.sharding_rules(model, redeqx.make_mesh(2), batch=pairs,
+                                      loss_fn=lambda m, b, k: jnp.mean((jax.vmap(m)(b["x"]) - b["y"]) ** 2))
+    assert (specs.weight, specs.bias) == (P(None, "model"), P())
