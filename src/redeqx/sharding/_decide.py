@@ -266,10 +266,11 @@ class _Decider:
         if self.pricing is None or role.refused is not None or role.priced or k in self.facts.looped \
                 or k in self.facts.lookups:
             return False
-        uses = [u for u in self.facts.uses if u.leaf == k]
+        uses = [u for u in self.facts.uses if u.leaf == k]  # one product, read once or per fixed-point round
         full = self._full(k)
-        if len(uses) != 1 or uses[0].kind != "matmul" or math.prod(full.shape) < QUIET_SHARE * self.size \
-                or OUTWEIGHS * sum(self.facts.activation_bytes(k)) > self.facts.nbytes(k):
+        if len(self.facts.traffic.get(k, {})) != 1 or any(u.kind != "matmul" for u in uses) or \
+                math.prod(full.shape) < QUIET_SHARE * self.size or \
+                OUTWEIGHS * sum(self.facts.activation_bytes(k)) > self.facts.nbytes(k):
             return False
         dims = [d for d in uses[0].contracted if full.shape[d] % self.n_model == 0]
         runs = sum(self.facts.trips.get(k, {}).values()) * (2 if self.facts.activation_bytes(k)[0] else 1)
@@ -406,9 +407,10 @@ def replicated_blocks(d: _Decider) -> str | None:
 # A weight whose output the program cuts into pieces (a slice, `jnp.split`) is left whole (`_ops`).
 CUT = "cuts its output features"
 FUSED_QKV = (
-    " A fused Q/K/V laid out (3, heads, head_dim) (timm's reshape, a chunk(3)) stores all of q's rows, then "
-    "k's, then v's, so no PartitionSpec gives a device whole heads of all three: reshape its output to (..., heads, 3, head_dim) and index the 3, or give q, k and v a layer each, "
-    "and the rules split it per head (the layouts train alike from scratch; a checkpoint's rows need reordering).")
+    " A fused Q/K/V laid out (3, heads, head_dim) (timm's reshape, a chunk(3)) stores all of q's rows, "
+    "then k's, then v's, so no PartitionSpec gives a device whole heads of all three: reshape its output "
+    "to (..., heads, 3, head_dim) and index the 3, or give q, k and v a layer each, and the rules split it "
+    "per head (the layouts train alike from scratch; a checkpoint's rows need reordering).")
 
 
 def _overridden(d: _Decider, k: int) -> bool:

@@ -192,6 +192,7 @@ def acts(facts: Facts, fit) -> float:
     rows = {k for k, (_, t) in members.items() if t == "row"}
     return facts.inputs_read(cols) + sum(facts.activation_bytes(k)[1] for k in rows)
 
+
 COLLECTIVE_BYTES = 1 << 20
 """What a collective costs before its first byte, in bytes at the links' rate: a few microseconds of
 an all-reduce's start and synchronisation, about 1 MiB at `FLOPS_PER_BYTE`'s 300 GB/s. Counted where a
