@@ -105,10 +105,9 @@ def noisy_patches(rows=8, tokens=16, features=16, abstract=True):
 
 def _modulations(specs, stacked):
     """Each modulation's (weight, bias), a stack's without its layer axis."""
-    blocks = [specs.blocks] if stacked else specs.blocks
-    linears = [b.modulation for b in blocks] + [specs.final_modulation]
-    return [(tuple(x.weight)[stacked and x is not specs.final_modulation:],
-             tuple(x.bias)[stacked and x is not specs.final_modulation:]) for x in linears]
+    blocks, layer = ([specs.blocks], 1) if stacked else (specs.blocks, 0)
+    lone = [(tuple(b.modulation.weight)[layer:], tuple(b.modulation.bias)[layer:]) for b in blocks]
+    return lone + [(tuple(specs.final_modulation.weight), tuple(specs.final_modulation.bias))]
 
 
 @pytest.mark.parametrize("stacked", [False, True], ids=["listed", "stacked"])

@@ -24,6 +24,7 @@ from ..mesh import MODEL, STAGE
 from .._trees import human_bytes, is_array_like, path_parts
 from ._name_rules import UNPLACED, classify
 from ._names import _ancestors
+from ._ops import CUTS_FEATURES
 from ._pricing import CLEARLY_CHEAPER, COLLECTIVE_BYTES, Pricing, work
 from ._roles import Role, decide_read
 from ._specs import (
@@ -267,13 +268,13 @@ class _Decider:
                 or k in self.facts.lookups:
             return False
         uses = [u for u in self.facts.uses if u.leaf == k]  # one product, read once or per fixed-point round
-        full = self._full(k)
+        full, (act_in, act_out) = self._full(k), self.facts.activation_bytes(k)
         if len(self.facts.traffic.get(k, {})) != 1 or any(u.kind != "matmul" for u in uses) or \
                 math.prod(full.shape) < QUIET_SHARE * self.size or \
-                OUTWEIGHS * sum(self.facts.activation_bytes(k)) > self.facts.nbytes(k):
+                OUTWEIGHS * (act_in + act_out) > self.facts.nbytes(k):
             return False
         dims = [d for d in uses[0].contracted if full.shape[d] % self.n_model == 0]
-        runs = sum(self.facts.trips.get(k, {}).values()) * (2 if self.facts.activation_bytes(k)[0] else 1)
+        runs = sum(self.facts.trips.get(k, {}).values()) * (2 if act_in else 1)
         split, whole = self._costs(k)
         split += runs * COLLECTIVE_BYTES
         if not dims or split > CLEARLY_CHEAPER * whole:
@@ -391,7 +392,7 @@ def replicated_blocks(d: _Decider) -> str | None:
             held = sum(sizes[k] for k in leaves)
             if held > REPLICATED_SHARE * total and lost > 0:
                 dearest = max(leaves, key=lambda k: costs[k][1] - costs[k][0])
-                cut = any(CUT in r.reason for r in roles)
+                cut = any(CUTS_FEATURES in r.reason for r in roles)
                 whole[block] = (held, lost, f"{d.facts.paths[dearest]}: {roles[leaves.index(dearest)].short}", cut)
     if not whole:
         return None
@@ -404,8 +405,6 @@ def replicated_blocks(d: _Decider) -> str | None:
             "reasons='full') gives each weight's reason)." + (FUSED_QKV if any(w[3] for w in whole.values()) else ""))
 
 
-# A weight whose output the program cuts into pieces (a slice, `jnp.split`) is left whole (`_ops`).
-CUT = "cuts its output features"
 FUSED_QKV = (
     " A fused Q/K/V laid out (3, heads, head_dim) (timm's reshape, a chunk(3)) stores all of q's rows, "
     "then k's, then v's, so no PartitionSpec gives a device whole heads of all three: reshape its output "

@@ -22,6 +22,9 @@ SCALING = frozenset("mul div neg convert_element_type copy copy_p reduce_precisi
                     "mesh_cast reshard pvary".split())
 
 
+# What a slice or `jnp.split` of a product's output features is said to do: `_decide.replicated_blocks`
+# finds a fused Q/K/V cut into q, k and v by it.
+CUTS_FEATURES = "cuts its output features"
 
 
 def elementwise(r: Reader, eqn) -> None:
@@ -190,7 +193,7 @@ def slicing(r: Reader, eqn) -> None:
     tags = {}
     for seed, d in r.tag(src).items():
         if d in changed:
-            r.facts.block(seed, f"{eqn.primitive.name} cuts its output features ({old[d]} -> {new[d]})")
+            r.facts.block(seed, f"{eqn.primitive.name} {CUTS_FEATURES} ({old[d]} -> {new[d]})")
         else:
             tags[seed] = d
     r.set_tags(out, tags, eqn.primitive.name)
@@ -273,7 +276,7 @@ def split(r: Reader, eqn) -> None:
     for out in eqn.outvars:
         if vw is not None:
             r.views[out] = vw.mapped(lambda dims: tuple(None if d == axis else x for d, x in enumerate(dims)))
-        r.set_tags(out, _off_axis(r, src, axis, "jnp.split cuts its output features into pieces (a fused projection)"),
+        r.set_tags(out, _off_axis(r, src, axis, f"jnp.split {CUTS_FEATURES} into pieces (a fused projection)"),
                    "split")
 
 
