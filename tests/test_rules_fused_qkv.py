@@ -132,11 +132,11 @@ def test_a_fused_qkv_of_unknown_layout_stays_whole_with_its_output(attention, fu
 def test_the_program_says_which_layout_of_a_fused_qkv_splits(monkeypatch):
     """Read from the program, a fused Q/K/V cut into q, k and v after a (3, heads, head_dim) reshape or
     a chunk(3) stays whole, and the warning (where splitting it per head with its output projection
-    would cost less: 512 wide, 256 rows) says what to write instead, also where the output
+    would cost less: 768 wide, 256 rows) says what to write instead, also where the output
     projection sits in a ``Sequential`` of its own (lucidrains' ``to_out``); cut after (heads, 3,
     head_dim), it is split on whole heads, with its output projection, and nothing is warned. At
     256 rows each weight split alone would cost more than whole: the warning prices the pair."""
-    monkeypatch.setattr(sys.modules[__name__], "WIDTH", 512)
+    monkeypatch.setattr(sys.modules[__name__], "WIDTH", 768)
     batch = {"tokens": jax.ShapeDtypeStruct((256, SEQ + 1), jnp.int32)}
     for attention, fused in ((TimmAttention, "qkv"), (MosaicAttention, "Wqkv"), (LucidAttention, "to_qkv")):
         specs, caught = rules(eqx.filter_eval_shape(gpt_with, attention), 2, loss_fn=loss_fn, batch=batch)

@@ -270,8 +270,9 @@ def test_init_model_and_plan_read_the_program():
 def test_a_program_the_reader_cannot_untangle_is_said_out_loud():
     import equinox as eqx
 
-    model = eqx.nn.MLP(8, 8, 64, depth=2, key=jax.random.key(0))
-    batch = {"x": jax.ShapeDtypeStruct((16, 8), jnp.float32)}
+    # wide enough that a split would pay for its collectives' starts (`_decide.COLLECTIVE_BYTES`)
+    model = eqx.filter_eval_shape(lambda: eqx.nn.MLP(512, 512, 2048, depth=2, key=jax.random.key(0)))
+    batch = {"x": jax.ShapeDtypeStruct((16, 512), jnp.float32)}
 
     def plain(m, b, k):
         return jnp.mean(jax.vmap(m)(b["x"]) ** 2)

@@ -146,7 +146,7 @@ class _Decider:
         if not (roles and all(r.dim is None and r.refused is None for r in roles)) or \
                 any(_splits(self, k) for k in used):  # one split alone (`_split_alone`)
             return
-        costs = {k: self._costs(k) for k in used if k in self.roles}
+        costs = {k: self._estimate(k)[:2] for k in used if k in self.roles}
         dearer = [k for k, (split, whole) in costs.items() if whole > split and not _overridden(self, k)]
         if not dearer:
             return  # replication moves the fewest bytes (a small recurrent cell, one conv): nothing lost
@@ -191,6 +191,16 @@ class _Decider:
     def _costs(self, k: int) -> tuple[float, float]:
         """`split_cost` of weight ``k`` on this mesh."""
         return split_cost(self.facts, k, self.mesh.size // self.n_model, self.n_model)
+
+    def _estimate(self, k: int, paired: bool = False) -> tuple[float, float, int]:
+        """`split_cost` of weight ``k`` on this mesh (``paired``: as one of a column/row pair) with
+        `COLLECTIVE_BYTES` for each collective the split adds, and how many: each run of its product
+        (a scan's body runs once a trip), the output's sum, and, alone, its input's gradient gathered
+        where it has one. A recurrent cell split would sum its state every token."""
+        split, whole = split_cost(self.facts, k, self.mesh.size // self.n_model, self.n_model, paired)
+        runs = sum(self.facts.trips.get(k, {}).values())
+        runs *= 2 if self.facts.activation_bytes(k)[0] and not paired else 1
+        return split + runs * COLLECTIVE_BYTES, whole, runs
 
     def _whole_is_cheaper(self, k: int, one, dim: int, reason: str) -> bool:
         """For a weight the program contracts but whose split it does not prove (the names split it):
@@ -275,9 +285,7 @@ class _Decider:
                 OUTWEIGHS * (act_in + act_out) > self.facts.nbytes(k):
             return False
         dims = [d for d in uses[0].contracted if full.shape[d] % self.n_model == 0]
-        runs = sum(self.facts.trips.get(k, {}).values()) * (2 if act_in else 1)
-        split, whole = self._costs(k)
-        split += runs * COLLECTIVE_BYTES
+        split, whole, runs = self._estimate(k)
         if not dims or split > CLEARLY_CHEAPER * whole:
             return False
         saved = human_bytes(whole - split)
@@ -391,7 +399,7 @@ def replicated_blocks(d: _Decider) -> str | None:
         if len(leaves) >= 2 and not any(_splits(d, k) or _overridden(d, k) for k in leaves) and all(
                 r is not None and r.dim is None and r.refused is None for r in roles):
             cut = any(CUTS_FEATURES in r.reason for r in roles)
-            costs = {k: split_cost(d.facts, k, d.mesh.size // d.n_model, d.n_model, paired=cut) for k in leaves}
+            costs = {k: d._estimate(k, paired=cut)[:2] for k in leaves}
             # Split alone, each weight is its own choice; as a pair, the block is one.
             lost = (sum(whole - split for split, whole in costs.values()) if cut else
                     sum(max(0.0, whole - split) for split, whole in costs.values()))
