@@ -488,3 +488,52 @@ def test_an_equinox_lm_with_a_vmapped_embedding_and_a_fused_gate_up_is_read():
                                   batch=TOKENS)
     for block in specs.blocks:
         assert (block.w12, block.w3) == (P(None, None, "model"), P("model", None))
+
+
+class WindowAttention(eqx.Module):
+    """Swin's window attention as timm writes it, with its Q/K/V laid out per head: a relative
+    position bias looked up in a ``(2w - 1, heads)`` table by a NumPy index array, a constant the
+    program closes over."""
+
+    qkv: eqx.nn.Linear
+    proj: eqx.nn.Linear
+    table: jax.Array
+    heads: int = eqx.field(static=True)
+
+    def __init__(self, width=32, heads=4, tokens=8, *, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.qkv, self.proj = eqx.nn.Linear(width, 3 * width, key=k1), eqx.nn.Linear(width, width, key=k2)
+        self.table, self.heads = 0.1 * jax.random.normal(k3, (2 * tokens - 1, heads)), heads
+
+    def __call__(self, x):  # (T, C)
+        t, c = x.shape
+        relative = np.arange(t)[:, None] - np.arange(t)[None, :] + t - 1
+        q, k, v = jnp.moveaxis(jax.vmap(self.qkv)(x).reshape(t, self.heads, 3, -1), 2, 0)
+        scores = jnp.einsum("qhd,khd->hqk", q, k) / np.sqrt(c // self.heads) + self.table[relative].transpose(2, 0, 1)
+        return x + jax.vmap(self.proj)(jnp.einsum("hqk,khd->qhd", jax.nn.softmax(scores, -1), v).reshape(t, c))
+
+
+def window_loss(model, batch, key):
+    return jnp.mean((jax.vmap(model)(batch["x"]) - batch["y"]) ** 2)
+
+
+WINDOWS = {"x": np.random.default_rng(0).normal(size=(8, 8, 32)).astype(np.float32),
+           "y": np.random.default_rng(1).normal(size=(8, 8, 32)).astype(np.float32)}
+
+
+def test_a_bias_looked_up_by_a_numpy_index_follows_the_heads():
+    """A NumPy array the program closes over is a constant, as an iota is: the table it indexes is
+    still the weight, split on its heads with the attention (it was read as an activation that is
+    not split, added to the scores, and kept the whole attention replicated)."""
+    model = WindowAttention(key=jax.random.key(0))
+    specs = redeqx.sharding_rules(model, redeqx.make_mesh(2), loss_fn=window_loss, batch=WINDOWS)
+    assert (specs.qkv.weight, specs.proj.weight, specs.table) == (P("model", None), P(None, "model"),
+                                                                  P(None, "model"))
+
+
+@pytest.mark.slow
+def test_a_bias_looked_up_by_a_numpy_index_trains_as_on_one_device(devices):
+    from test_rules_cells_convs import assert_trains_as_one_device
+
+    assert_trains_as_one_device(WindowAttention(key=jax.random.key(0)), WINDOWS, devices,
+                                rules=dict(loss_fn=window_loss, batch=WINDOWS), loss=window_loss)

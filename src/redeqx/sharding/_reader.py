@@ -33,7 +33,7 @@ class View:
 class Reader:
     """Walks a jaxpr with, for each variable, a `View`, a dict ``{seed: dim}``
     of the splits it carries, and whether it depends on no input (``static``:
-    iota and constants, e.g. positions)."""
+    iota, literals and closed-over constants, e.g. positions)."""
 
     def __init__(self, facts: Facts, handlers: dict):
         self.facts, self.handlers = facts, handlers
@@ -74,6 +74,9 @@ class Reader:
 
     # -- walking --------------------------------------------------------------
     def run(self, jaxpr, views, tags, static) -> tuple[list, list, list]:
+        # the constants a program closes over (a NumPy index table, as Swin's relative positions)
+        # depend on no input, as a literal or an iota does
+        self.static.update(jaxpr.constvars)
         self.bind(jaxpr.invars, views, tags, static)
         for eqn in jaxpr.eqns:
             self.step(eqn)
