@@ -78,6 +78,11 @@ def cases():
            lambda n: [(r"time1\.weight|fc1\.weight", P("model", None)), (r"time1\.bias|fc1\.bias", P("model")),
                       (r"time2\.weight|fc2\.weight|modulation\.weight", P(None, "model")),
                       (r"stem|head|qkv|proj|classes", P())])
+    yield ("Swin window attention laid out per head (256 wide, 8 heads, 64 windows of 16 tokens), a relative "
+           "position bias looked up by a NumPy index array", prog.WindowAttention(256, 8, 16, key=key),
+           prog.window_loss, {"x": np.zeros((64, 16, 256), np.float32), "y": np.zeros((64, 16, 256), np.float32)},
+           lambda n: [(r"qkv\.weight", P("model", None)), (r"qkv\.bias", P("model")),
+                      (r"proj\.weight", P(None, "model")), (r"table", P(None, "model"))])
     yield ("Equinox LM: vmapped lookup, fused (D, 2, F) gate-up", prog.FusedGateUpLM(key), w.gpt_loss, prog.TOKENS,
            lambda n: [(r"w12", P(None, None, "model")), (r"w3", P("model", None))])
 
