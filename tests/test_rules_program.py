@@ -531,6 +531,28 @@ def test_a_bias_looked_up_by_a_numpy_index_follows_the_heads():
                                                                   P(None, "model"))
 
 
+def test_an_alibi_bias_from_numpy_slopes_keeps_attention_split():
+    """ALiBi's bias (a slope per head, from NumPy as its implementations compute them, times the
+    distance) added to the scores: a constant, so Q, K and V split on heads (they stayed whole)."""
+    slopes = 2.0 ** (-8.0 * np.arange(1, 5) / 4)
+
+    class Alibi(eqx.Module):
+        qkv: eqx.nn.Linear
+        proj: eqx.nn.Linear
+
+        def __call__(self, x):
+            t, c = x.shape
+            q, k, v = jnp.moveaxis(jax.vmap(self.qkv)(x).reshape(t, 4, 3, -1), 2, 0)
+            distance = (jnp.arange(t)[None, :] - jnp.arange(t)[:, None])[None]
+            scores = jnp.einsum("qhd,khd->hqk", q, k) + jnp.asarray(slopes, jnp.float32)[:, None, None] * distance
+            return x + jax.vmap(self.proj)(jnp.einsum("hqk,khd->qhd", jax.nn.softmax(scores, -1), v).reshape(t, c))
+
+    k1, k2 = jax.random.split(jax.random.key(0))
+    model = Alibi(eqx.nn.Linear(32, 96, key=k1), eqx.nn.Linear(32, 32, key=k2))
+    specs = redeqx.sharding_rules(model, redeqx.make_mesh(2), loss_fn=window_loss, batch=WINDOWS)
+    assert (specs.qkv.weight, specs.proj.weight) == (P("model", None), P(None, "model"))
+
+
 @pytest.mark.slow
 def test_a_bias_looked_up_by_a_numpy_index_trains_as_on_one_device(devices):
     from test_rules_cells_convs import assert_trains_as_one_device

@@ -386,7 +386,7 @@ def replicated_blocks(d: _Decider) -> str | None:
     those that would cost less are counted; a block whose features are cut by index (a fused Q/K/V
     of the (3, heads, head_dim) layout) is priced as the column/row pair its other layout splits
     into: alone, each of a ViT-B's attention weights costs more split than whole at 32 images a
-    step, while the pair per head costs 0.81x whole (estimated; compiled, whole moves 0.86x the
+    step, while the pair per head costs 0.87x whole (estimated; compiled, whole moves 0.86x the
     bytes for 1.33x the FLOPs and 1.25x the peak memory at 2 shards)."""
     if d.facts is None or d.n_model == 1 or d.unread is not None:
         return None
