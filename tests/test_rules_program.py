@@ -493,24 +493,31 @@ def test_an_equinox_lm_with_a_vmapped_embedding_and_a_fused_gate_up_is_read():
 class WindowAttention(eqx.Module):
     """Swin's window attention as timm writes it, with its Q/K/V laid out per head: a relative
     position bias looked up in a ``(2w - 1, heads)`` table by a NumPy index array, a constant the
-    program closes over."""
+    program closes over, or (``buffered``) by an integer array the module holds, as timm registers
+    its ``relative_position_index`` buffer."""
 
     qkv: eqx.nn.Linear
     proj: eqx.nn.Linear
     table: jax.Array
+    index: jax.Array | None
     heads: int = eqx.field(static=True)
 
-    def __init__(self, width=32, heads=4, tokens=8, *, key):
+    def __init__(self, width=32, heads=4, tokens=8, buffered=False, *, key):
         k1, k2, k3 = jax.random.split(key, 3)
         self.qkv, self.proj = eqx.nn.Linear(width, 3 * width, key=k1), eqx.nn.Linear(width, width, key=k2)
         self.table, self.heads = 0.1 * jax.random.normal(k3, (2 * tokens - 1, heads)), heads
+        self.index = jnp.asarray(_relative(tokens), jnp.int32) if buffered else None
 
     def __call__(self, x):  # (T, C)
         t, c = x.shape
-        relative = np.arange(t)[:, None] - np.arange(t)[None, :] + t - 1
+        relative = _relative(t) if self.index is None else self.index
         q, k, v = jnp.moveaxis(jax.vmap(self.qkv)(x).reshape(t, self.heads, 3, -1), 2, 0)
         scores = jnp.einsum("qhd,khd->hqk", q, k) / np.sqrt(c // self.heads) + self.table[relative].transpose(2, 0, 1)
         return x + jax.vmap(self.proj)(jnp.einsum("hqk,khd->qhd", jax.nn.softmax(scores, -1), v).reshape(t, c))
+
+
+def _relative(t):  # each query's key position minus its own, offset to index the table
+    return np.arange(t)[:, None] - np.arange(t)[None, :] + t - 1
 
 
 def window_loss(model, batch, key):
@@ -521,11 +528,13 @@ WINDOWS = {"x": np.random.default_rng(0).normal(size=(8, 8, 32)).astype(np.float
            "y": np.random.default_rng(1).normal(size=(8, 8, 32)).astype(np.float32)}
 
 
-def test_a_bias_looked_up_by_a_numpy_index_follows_the_heads():
-    """A NumPy array the program closes over is a constant, as an iota is: the table it indexes is
-    still the weight, split on its heads with the attention (it was read as an activation that is
-    not split, added to the scores, and kept the whole attention replicated)."""
-    model = WindowAttention(key=jax.random.key(0))
+@pytest.mark.parametrize("buffered", [False, True])
+def test_a_bias_looked_up_by_a_constant_index_follows_the_heads(buffered):
+    """A NumPy array the program closes over is a constant, as an iota is, and so is an integer
+    array the model holds (no step trains it): the table it indexes is still the weight, split on
+    its heads with the attention (it was read as an activation that is not split, added to the
+    scores, and kept the whole attention replicated)."""
+    model = WindowAttention(buffered=buffered, key=jax.random.key(0))
     specs = redeqx.sharding_rules(model, redeqx.make_mesh(2), loss_fn=window_loss, batch=WINDOWS)
     assert (specs.qkv.weight, specs.proj.weight, specs.table) == (P("model", None), P(None, "model"),
                                                                   P(None, "model"))
@@ -554,8 +563,8 @@ def test_an_alibi_bias_from_numpy_slopes_keeps_attention_split():
 
 
 @pytest.mark.slow
-def test_a_bias_looked_up_by_a_numpy_index_trains_as_on_one_device(devices):
+def test_a_bias_looked_up_by_a_constant_index_trains_as_on_one_device(devices):
     from test_rules_cells_convs import assert_trains_as_one_device
 
-    assert_trains_as_one_device(WindowAttention(key=jax.random.key(0)), WINDOWS, devices,
+    assert_trains_as_one_device(WindowAttention(buffered=True, key=jax.random.key(0)), WINDOWS, devices,
                                 rules=dict(loss_fn=window_loss, batch=WINDOWS), loss=window_loss)

@@ -78,8 +78,12 @@ def _read(jaxpr, paths: list[str], abstract, n_state: int, *, seed_last: bool) -
     views += [None] * (len(jaxpr.invars) - n)
     # the model state's buffers (BatchNorm's running statistics, its last inputs and outputs) are read as
     # constants: a split activation's statistics folded into them is no residual stream, and a split
-    # reaching the new state (a buffer's few numbers, gathered as the step returns it) costs nothing
-    constant = [False] * (len(jaxpr.invars) - n_state) + [True] * n_state
+    # reaching the new state (a buffer's few numbers, gathered as the step returns it) costs nothing.
+    # So are the model's integer and boolean leaves (buffers: a relative position index as timm
+    # registers one, a mask), which no step trains: a table gathered by one is still the weight, as
+    # by a NumPy index array (read as token ids, it kept Swin's attention whole).
+    constant = [not jax.numpy.issubdtype(x.dtype, jax.numpy.inexact) for x in abstract]
+    constant += [False] * (len(jaxpr.invars) - n - n_state) + [True] * n_state
     _, out_tags, _ = reader.run(jaxpr, views, [{}] * len(jaxpr.invars), constant)
     for tags in out_tags[:len(out_tags) - n_state]:
         for seed in tags:
