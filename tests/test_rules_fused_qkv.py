@@ -2,7 +2,9 @@
 ``Wqkv``, GPT-2's ``c_attn``) is split only where every device gets whole
 heads of each of Q, K and V: under a layout the module states as
 ``"interleaved"`` (heads, 3, head_dim). Otherwise it stays whole, and so does
-its attention's output projection, rather than splitting mid-head (issue 23)."""
+its attention's output projection, rather than splitting mid-head (issue 23).
+So does a GLU's value and gate cut from one projection by ``chunk(2)``, and the
+warnings name the layout that splits."""
 
 import sys
 import warnings
@@ -141,7 +143,7 @@ def test_the_program_says_which_layout_of_a_fused_qkv_splits(monkeypatch):
     for attention, fused in ((TimmAttention, "qkv"), (MosaicAttention, "Wqkv"), (LucidAttention, "to_qkv")):
         specs, caught = rules(eqx.filter_eval_shape(gpt_with, attention), 2, loss_fn=loss_fn, batch=batch)
         assert getattr(specs.blocks[0].attn, fused).weight == P(), attention
-        assert len(caught) == 1 and "reshape its output to (..., heads, 3, head_dim)" in caught[0], caught
+        assert len(caught) == 1 and "(..., heads, 3, head_dim) for attention" in caught[0], caught
     specs, caught = rules(eqx.filter_eval_shape(gpt_with, InterleavedAttention), 2, loss_fn=loss_fn, batch=batch)
     attn = specs.blocks[0].attn
     assert (attn.query_key_value.weight, attn.dense.weight) == (P("model", None), P(None, "model")) and not caught
@@ -237,3 +239,43 @@ def test_collectives_fall_below_a_split_mid_head():
     assert set(collectives(gpt_with(LucidAttention), 2)) == {"all-reduce"}
     assert collective_bytes(gpt_with(InterleavedAttention), 2) <= collective_bytes(
         GPT(vocab=VOCAB, seq=SEQ, width=WIDTH, layers=2, heads=4, key=jax.random.key(0)), 2)
+
+
+class GatedMLP(eqx.Module):
+    """A GLU whose value and gate come from one projection: ``chunk(2)`` (x-transformers' GLU), or
+    an inner dim of 2 (the layout the warning advises)."""
+
+    w12: eqx.nn.Linear
+    w3: eqx.nn.Linear
+    interleaved: bool = eqx.field(static=True)
+
+    def __call__(self, x):  # (T, D)
+        y = jax.vmap(self.w12)(x)
+        if self.interleaved:
+            value, gate = jnp.moveaxis(y.reshape(x.shape[0], -1, 2), -1, 0)
+        else:
+            value, gate = jnp.split(y, 2, axis=-1)
+        return x + jax.vmap(self.w3)(value * jax.nn.silu(gate))
+
+
+def test_a_glu_cut_by_chunk_is_said_with_the_layout_that_splits():
+    """A fused value/gate projection cut by ``chunk(2)`` stays whole, with the projection after it
+    (no spec gives a device matching halves of both), and the warning says what to write; with
+    the halves an inner dim of 2, the rules split the MLP Megatron's way, and say nothing."""
+    width, hidden = 1024, 4096
+    batch = {"x": jax.ShapeDtypeStruct((16, 64, width), jnp.float32)}
+
+    def loss(model, batch, key):
+        return jnp.mean(jax.vmap(model)(batch["x"]) ** 2)
+
+    for interleaved in (False, True):
+        k1, k2 = jax.random.split(jax.random.key(0))
+        model = eqx.filter_eval_shape(lambda: GatedMLP(eqx.nn.Linear(width, 2 * hidden, use_bias=False, key=k1),
+                                                       eqx.nn.Linear(hidden, width, use_bias=False, key=k2),
+                                                       interleaved))
+        specs, caught = rules(model, 2, loss_fn=loss, batch=batch)
+        if interleaved:
+            assert (specs.w12.weight, specs.w3.weight) == (P("model", None), P(None, "model")) and not caught
+        else:
+            assert specs.w12.weight == specs.w3.weight == P()
+            assert len(caught) == 1 and "(..., hidden, 2) for a GLU" in caught[0], caught

@@ -73,7 +73,7 @@ class _Decider:
         self.weight_dims: dict[str, int] = {}  # layer path -> dim split by 'model' (for its bias and adapters)
         self.fallbacks: list[tuple[str, str, bool]] = []  # (leaf, why, loud)
         self.unplaced: list[str] = []
-        self.unread: tuple[int, str] | None = None  # the program split none of the weights it contracts
+        self.unread: tuple[int, str, str] | None = None  # the program split none of the weights it contracts
         self.decided: dict[int, LeafSpec] = {}
         self.program_layers: set[str] = set()  # layers whose weight the program placed
         self.kernels: list[str] = []  # (in, out)-named weights the names split as (out, in)
@@ -146,14 +146,18 @@ class _Decider:
         if not (roles and all(r.dim is None and r.refused is None for r in roles)) or \
                 any(_splits(self, k) for k in used):  # one split alone (`_split_alone`)
             return
-        costs = {k: self._estimate(k)[:2] for k in used if k in self.roles}
+        costs, cut = {}, False
+        for leaves in _blocks(self, [k for k in used if k in self.roles]).values():
+            found, _, fused = _block_costs(self, leaves)
+            costs, cut = costs | found, cut or fused
         dearer = [k for k, (split, whole) in costs.items() if whole > split and not _overridden(self, k)]
         if not dearer:
             return  # replication moves the fewest bytes (a small recurrent cell, one conv): nothing lost
         k = max(dearer, key=lambda k: costs[k][1] - costs[k][0])
         split, whole = costs[k]
         self.unread = (len(roles), f"{self.facts.paths[k]}: {self.roles[k].short or self.roles[k].reason}; split, it "
-                                   f"would cost {human_bytes(whole - split)} less a step (estimated)")
+                                   f"would cost {human_bytes(whole - split)} less a step (estimated)",
+                       FUSED if cut else "")
 
     def weight(self, k: int, parts, one, hit) -> None:
         role = self.roles.get(k)
@@ -323,8 +327,8 @@ def leaf_specs(model, mesh: Mesh, overrides=(), fsdp: bool = False, name: str | 
     decided = [decider.decided.get(i) for i in range(len(flat))]
     unplaced = decider.unplaced
     if decider.unread is not None:
-        count, reason = decider.unread
-        unplaced = [f"<program> {count} weights contracted, none split (first: {reason})"]
+        count, reason, fused = decider.unread
+        unplaced = [f"<program> {count} weights contracted, none split (first: {reason})"] + [fused] * bool(fused)
     return treedef, decided, decider.fallbacks, unplaced, advice(decider)
 
 
@@ -380,7 +384,7 @@ REPLICATED_SHARE = 0.01
 
 
 def replicated_blocks(d: _Decider) -> str | None:
-    """Modules with matmul weights the program read (`_matmul_blocks`), all of them replicated (no
+    """Modules with matmul weights the program read (`_blocks`), all of them replicated (no
     override), holding over `REPLICATED_SHARE` of the model, that would cost less split: which, what
     that would save, and the first reason. Each weight is priced split alone (`split_cost`), and
     those that would cost less are counted; a block whose features are cut by index (a fused Q/K/V
@@ -390,7 +394,7 @@ def replicated_blocks(d: _Decider) -> str | None:
     bytes for 1.33x the FLOPs and 1.25x the peak memory at 2 shards)."""
     if d.facts is None or d.n_model == 1 or d.unread is not None:
         return None
-    by_block = _matmul_blocks(d)
+    by_block = _blocks(d, [use.leaf for use in d.facts.uses if use.kind == "matmul"])
     sizes = {k: math.prod(x.shape) * x.dtype.itemsize for k, x in enumerate(d.arrays)}
     total = sum(sizes.values())
     whole = {}
@@ -398,11 +402,7 @@ def replicated_blocks(d: _Decider) -> str | None:
         roles = [d.roles.get(k) for k in leaves]
         if len(leaves) >= 2 and not any(_splits(d, k) or _overridden(d, k) for k in leaves) and all(
                 r is not None and r.dim is None and r.refused is None for r in roles):
-            cut = any(CUTS_FEATURES in r.reason for r in roles)
-            costs = {k: d._estimate(k, paired=cut)[:2] for k in leaves}
-            # Split alone, each weight is its own choice; as a pair, the block is one.
-            lost = (sum(whole - split for split, whole in costs.values()) if cut else
-                    sum(max(0.0, whole - split) for split, whole in costs.values()))
+            costs, lost, cut = _block_costs(d, leaves)
             held = sum(sizes[k] for k in leaves)
             if held > REPLICATED_SHARE * total and lost > 0:
                 dearest = max(leaves, key=lambda k: costs[k][1] - costs[k][0])
@@ -415,18 +415,15 @@ def replicated_blocks(d: _Decider) -> str | None:
             f"{d.n_model}: {_listed(names)} ({human_bytes(held)} of {human_bytes(total)} of weights; split, they "
             f"would cost about {human_bytes(lost)} less a step (estimated); {whole[names[0]][2]}). Every device "
             "holds and computes them whole; to split them, pass overrides=[(regex, spec)] (redeqx.explain(..., "
-            "reasons='full') gives each weight's reason)." + (FUSED_QKV if any(w[3] for w in whole.values()) else ""))
+            "reasons='full') gives each weight's reason)." + (FUSED if any(w[3] for w in whole.values()) else ""))
 
 
-def _matmul_blocks(d: _Decider) -> dict[str, list[int]]:
-    """The program's matmul weights by block: the innermost module that holds a weight's layer and
-    at least one other matmul weight. A layer alone in its parent joins the module above it, so an
-    attention written with its output projection in a ``Sequential`` (vit-pytorch's ``to_out``) is
-    one block with its fused Q/K/V."""
-    layers: dict[int, list[str]] = {}
-    for use in d.facts.uses:
-        if use.kind == "matmul":
-            layers.setdefault(use.leaf, weight_layer(d.facts.paths[use.leaf].split(".")))
+def _blocks(d: _Decider, leaves) -> dict[str, list[int]]:
+    """``leaves`` by block: the innermost module that holds a weight's layer and at least one other
+    of ``leaves``. A layer alone in its parent joins the module above it, so an attention written
+    with its output projection in a ``Sequential`` (vit-pytorch's ``to_out``) is one block with its
+    fused Q/K/V."""
+    layers = {k: weight_layer(d.facts.paths[k].split(".")) for k in dict.fromkeys(leaves)}
     holding = collections.Counter(tuple(layer[:end]) for layer in layers.values() for end in range(len(layer)))
     by_block: dict[str, list[int]] = {}
     for k, layer in layers.items():
@@ -437,11 +434,25 @@ def _matmul_blocks(d: _Decider) -> dict[str, list[int]]:
     return by_block
 
 
-FUSED_QKV = (
-    " A fused Q/K/V laid out (3, heads, head_dim) (timm's reshape, a chunk(3)) stores all of q's rows, "
-    "then k's, then v's, so no PartitionSpec gives a device whole heads of all three: reshape its output "
-    "to (..., heads, 3, head_dim) and index the 3, or give q, k and v a layer each, and the rules split it "
-    "per head (the layouts train alike from scratch; a checkpoint's rows need reordering).")
+def _block_costs(d: _Decider, leaves) -> tuple[dict[int, tuple[float, float]], float, bool]:
+    """Each of a block's whole ``leaves`` split and whole (`_Decider._estimate`), what splitting
+    them would save, and whether the block is a fused projection cut by index (its features cut
+    into pieces): priced as the column/row pair its other layout splits into (the block one choice),
+    else each weight split alone (each its own choice, those that would save counted)."""
+    cut = any(CUTS_FEATURES in d.roles[k].reason for k in leaves)
+    costs = {k: d._estimate(k, paired=cut)[:2] for k in leaves}
+    lost = (sum(whole - split for split, whole in costs.values()) if cut else
+            sum(max(0.0, whole - split) for split, whole in costs.values()))
+    return costs, lost, cut
+
+
+FUSED = (
+    " A projection cut by index into pieces (q, k and v by timm's reshape or a chunk(3); a GLU's value "
+    "and gate by a chunk(2)) stores all of one piece's rows, then the next's, so no PartitionSpec gives "
+    "a device matching parts of every piece: reshape its output so the pieces are an inner dim, "
+    "(..., heads, 3, head_dim) for attention, (..., hidden, 2) for a GLU, and index it, or give each "
+    "piece a layer of its own, and the rules split it Megatron's way (the layouts train alike from "
+    "scratch; a checkpoint's rows need reordering).")
 
 
 def _overridden(d: _Decider, k: int) -> bool:
