@@ -73,7 +73,8 @@ class _Decider:
         self.weight_dims: dict[str, int] = {}  # layer path -> dim split by 'model' (for its bias and adapters)
         self.fallbacks: list[tuple[str, str, bool]] = []  # (leaf, why, loud)
         self.unplaced: list[str] = []
-        self.unread: tuple[int, str, str] | None = None  # the program split none of the weights it contracts
+        # the program split none of the weights it contracts: (how many, the first's reason, advice)
+        self.unread: tuple[int, str, str] | None = None
         self.decided: dict[int, LeafSpec] = {}
         self.program_layers: set[str] = set()  # layers whose weight the program placed
         self.kernels: list[str] = []  # (in, out)-named weights the names split as (out, in)
@@ -365,8 +366,8 @@ def split_cost(facts, k: int, n_batch: int, n_model: int, paired: bool = False) 
       all-gather or an all-reduce of the output's bytes); backward, the input's gradient is gathered
       too (its bytes). One device holds ``1 / n_batch`` of the batch's activations.
     - ``paired``: split as one of a column/row pair (the layout the program could not prove, as a
-      fused Q/K/V cut by index), so only the narrower side is summed: a row's output forward, or a
-      column's input gradient backward.
+      fused Q/K/V or a GLU's value and gate cut by index), so only the narrower side is summed: a
+      row's output forward, or a column's input gradient backward.
     - Both: the weight's gradient is summed over the devices that split the batch (``n_batch > 1``),
       whole or ``1 / n_model`` of it.
     """
@@ -388,10 +389,10 @@ def replicated_blocks(d: _Decider) -> str | None:
     override), holding over `REPLICATED_SHARE` of the model, that would cost less split: which, what
     that would save, and the first reason. Each weight is priced split alone (`split_cost`), and
     those that would cost less are counted; a block whose features are cut by index (a fused Q/K/V
-    of the (3, heads, head_dim) layout) is priced as the column/row pair its other layout splits
-    into: alone, each of a ViT-B's attention weights costs more split than whole at 32 images a
-    step, while the pair per head costs 0.87x whole (estimated; compiled, whole moves 0.86x the
-    bytes for 1.33x the FLOPs and 1.25x the peak memory at 2 shards)."""
+    of the (3, heads, head_dim) layout, a GLU's chunk(2)) is priced as the column/row pair its other
+    layout splits into (`_block_costs`): alone, each of a ViT-B's attention weights costs more split
+    than whole at 32 images a step, while the pair per head costs 0.87x whole (estimated; compiled,
+    whole moves 0.86x the bytes for 1.33x the FLOPs and 1.25x the peak memory at 2 shards)."""
     if d.facts is None or d.n_model == 1 or d.unread is not None:
         return None
     by_block = _blocks(d, [use.leaf for use in d.facts.uses if use.kind == "matmul"])
