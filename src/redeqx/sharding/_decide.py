@@ -113,7 +113,7 @@ class _Decider:
             loud, why = False, f"{why}; under {QUIET_SHARE:.0%} of the model's parameters, so not warned"
             short = f"replicated (small): {short[len('replicated: '):]}"
         elif loud and self.facts is not None and k in self.used and \
-                math.prod(self._full(k).shape) <= QUIET_WHOLE_SHARE * self.size and (c := self._costs(k))[1] <= c[0]:
+                math.prod(self._full(k).shape) <= QUIET_WHOLE_SHARE * self.size and (c := self._estimate(k))[1] <= c[0]:
             loud = False  # whole is what it would cost least anyway: nothing lost
             why = f"{why}; whole it costs {human_bytes(c[0] - c[1])} less a step than split (estimated), so not warned"
             short = f"replicated (cheaper whole): {short[len('replicated: '):]}"
@@ -193,27 +193,24 @@ class _Decider:
             self.kernels.append(f"{self.prefix}{'.'.join(parts)} {tuple(one.shape)}")
         self.finish(k, split_spec(one.ndim, dim), reason + self.cost_notes.get(k, ""))
 
-    def _costs(self, k: int) -> tuple[float, float]:
-        """`split_cost` of weight ``k`` on this mesh."""
-        return split_cost(self.facts, k, self.mesh.size // self.n_model, self.n_model)
-
     def _estimate(self, k: int, paired: bool = False) -> tuple[float, float, int]:
         """`split_cost` of weight ``k`` on this mesh (``paired``: as one of a column/row pair) with
         `COLLECTIVE_BYTES` for each collective the split adds, and how many: each run of its product
         (a scan's body runs once a trip), the output's sum, and, alone, its input's gradient gathered
-        where it has one. A recurrent cell split would sum its state every token."""
+        where it has one. A recurrent cell split would sum its state every token. Every estimate of
+        a split without a proven partner is this one: the names' split weighed against whole, a
+        weight split alone, and the warnings'."""
         split, whole = split_cost(self.facts, k, self.mesh.size // self.n_model, self.n_model, paired)
-        runs = sum(self.facts.trips.get(k, {}).values())
-        runs *= 2 if self.facts.activation_bytes(k)[0] and not paired else 1
+        runs = self.facts.runs(k) * (2 if self.facts.activation_bytes(k)[0] and not paired else 1)
         return split + runs * COLLECTIVE_BYTES, whole, runs
 
     def _whole_is_cheaper(self, k: int, one, dim: int, reason: str) -> bool:
         """For a weight the program contracts but whose split it does not prove (the names split it):
-        the split or the whole weight, whichever costs less a step by `split_cost`, said in the
+        the split or the whole weight, whichever costs less a step by `_estimate`, said in the
         reason; True when it finished the leaf (whole)."""
         if k not in self.used or self.pricing is None:
             return False
-        split, whole = self._costs(k)
+        split, whole, _ = self._estimate(k)
         if whole <= split and self.pricing.affords(self.facts, [k], self.n_model):
             self.pricing.taken.append(((k,), split, whole))
             self.finish(k, P(), f"{reason} by the names, but kept whole: it costs {human_bytes(split - whole)} less "

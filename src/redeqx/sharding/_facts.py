@@ -82,9 +82,8 @@ class Facts:
         # made from data alone: its gradient is never computed, nor summed) and of what it writes,
         # over all of the loop's trips (a scan over 22 layers: 22 times the body's); global
         # (the whole batch), so one device's share is this over the devices splitting the batch; and
-        # the product's FLOPs (forward), likewise global
-        self.traffic: dict[int, dict[int, tuple[int, int, int | None, int]]] = {}  # leaf -> eqn -> ...
-        self.trips: dict[int, dict[int, int]] = {}  # leaf -> eqn -> how many times it runs a step
+        # the product's FLOPs (forward), likewise global, and how many times it runs a step
+        self.traffic: dict[int, dict[int, tuple[int, int, int | None, int, int]]] = {}  # leaf -> eqn -> ...
         self._leaf_seed: dict[int, int] = {}
 
     # -- recording ---------------------------------------------------------------
@@ -106,13 +105,17 @@ class Facts:
         (0 where ``read`` is made from data alone: no gradient of it is summed), writes ``act_out``
         and does ``flops``, over its ``trips`` runs a step (a body a fixed point runs twice is
         counted once)."""
-        self.traffic.setdefault(leaf, {})[id(eqn)] = (act_in, act_out, None if read is None else id(read), flops)
-        self.trips.setdefault(leaf, {})[id(eqn)] = trips
+        self.traffic.setdefault(leaf, {})[id(eqn)] = (act_in, act_out, None if read is None else id(read), flops,
+                                                      trips)
 
     def activation_bytes(self, leaf: int) -> tuple[int, int]:
         """The bytes of activations ``leaf``'s products read and write in one step (forward)."""
         found = self.traffic.get(leaf, {}).values()
         return sum(v[0] for v in found), sum(v[1] for v in found)
+
+    def runs(self, leaf: int) -> int:
+        """How many times ``leaf``'s products run in one step (a scan's body once a trip)."""
+        return sum(v[4] for v in self.traffic.get(leaf, {}).values())
 
     def step_flops(self, leaf: int) -> int:
         """The FLOPs of ``leaf``'s products in one step: forward, the weight's gradient, and the
@@ -124,7 +127,7 @@ class Facts:
         V reading one input: one backward all-reduce of its gradient, as XLA merges them)."""
         seen: dict[object, int] = {}
         for k in leaves:
-            for eqn, (act_in, _, read, _) in self.traffic.get(k, {}).items():
+            for eqn, (act_in, _, read, *_) in self.traffic.get(k, {}).items():
                 seen[(eqn, k) if read is None else read] = act_in
         return sum(seen.values())
 

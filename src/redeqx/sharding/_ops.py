@@ -314,7 +314,7 @@ def gather(r: Reader, eqn) -> None:
                     r.facts.lookup(leaf, dims[d], positional=r.is_static(indices))
         out = eqn.outvars[0]
         for leaf, _ in vw.parts:  # a table split on what it looks up sums its rows over 'model' (forward)
-            r.facts.moves(leaf, eqn, 0, r.trips * nbytes(out))
+            r.facts.moves(leaf, eqn, 0, r.trips * nbytes(out), trips=r.trips)
         kept = [d for d in range(len(_shape(table))) if d not in dn.collapsed_slice_dims]
         whole = [d for d in kept if eqn.params["slice_sizes"][d] == _shape(table)[d]]
         # a weight's slices (a table's rows by constant indices, a stack's or an expert's matrices):

@@ -196,5 +196,5 @@ def acts(facts: Facts, fit) -> float:
 COLLECTIVE_BYTES = 1 << 20
 """What a collective costs before its first byte, in bytes at the links' rate: a few microseconds of
 an all-reduce's start and synchronisation, about 1 MiB at `FLOPS_PER_BYTE`'s 300 GB/s. Counted where a
-choice adds collectives that no pair already runs (`_decide._Decider._split_alone`): a split that saves
-a small model some kilobytes a step is not worth a collective more."""
+split adds collectives that no proven pair already runs (`_decide._Decider._estimate`): a split that
+saves a small model some kilobytes a step is not worth a collective more."""
