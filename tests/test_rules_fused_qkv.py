@@ -279,3 +279,18 @@ def test_a_glu_cut_by_chunk_is_said_with_the_layout_that_splits():
         else:
             assert specs.w12.weight == specs.w3.weight == P()
             assert len(caught) == 1 and "(..., hidden, 2) for a GLU" in caught[0], caught
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["chunk", "interleaved"])
+def test_vit_pytorch_trains_as_on_one_device_in_either_layout(layout, devices):
+    """vit-pytorch's ViT (`written_otherwise.VitPytorch`): its attention whole as written, split per
+    head when interleaved; two SGD steps at 2 and 4 shards equal one device's, every weight."""
+    import written_otherwise as w
+    from test_rules_cells_convs import assert_trains_as_one_device
+
+    rng = np.random.default_rng(0)
+    images = {"x": rng.normal(size=(8, 3, 16, 16)).astype(np.float32), "y": rng.integers(0, 10, 8).astype(np.int32)}
+    model = w.VitPytorch(layout=layout, key=jax.random.key(0))
+    assert_trains_as_one_device(model, images, devices, rules=dict(loss_fn=w.image_loss, batch=images),
+                                loss=w.image_loss)

@@ -293,3 +293,69 @@ def nested_mlp(key):
 def vector_loss(model, batch, key):
     logits = jax.vmap(model)(batch["x"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+class VitAttention(eqx.Module):
+    """vit-pytorch's attention: a pre-norm, one fused ``to_qkv`` (no bias), its output projection in a
+    ``Sequential`` of its own (``to_out``, with a dropout). ``layout="chunk"`` cuts q, k and v as
+    vit-pytorch does (``to_qkv(x).chunk(3)``, then ``'b n (h d) -> b h n d'``), ``"interleaved"``
+    reads them from ``(..., heads, 3, head_dim)``, the layout the rules split per head."""
+
+    norm: eqx.nn.LayerNorm
+    to_qkv: eqx.nn.Linear
+    to_out: eqx.nn.Sequential
+    heads: int = eqx.field(static=True)
+    layout: str = eqx.field(static=True)
+
+    def __init__(self, dim, heads, layout, *, key):
+        k1, k2 = jax.random.split(key)
+        self.norm, self.heads, self.layout = eqx.nn.LayerNorm(dim), heads, layout
+        self.to_qkv = eqx.nn.Linear(dim, 3 * dim, use_bias=False, key=k1)
+        self.to_out = eqx.nn.Sequential([eqx.nn.Linear(dim, dim, key=k2), eqx.nn.Dropout(0.0)])
+
+    def __call__(self, x):  # (N, dim)
+        n, dim = x.shape
+        qkv = jax.vmap(self.to_qkv)(jax.vmap(self.norm)(x))
+        if self.layout == "chunk":
+            q, k, v = (t.reshape(n, self.heads, -1).transpose(1, 0, 2) for t in jnp.split(qkv, 3, axis=-1))
+        else:
+            q, k, v = jnp.moveaxis(qkv.reshape(n, self.heads, 3, -1), 2, 0).transpose(0, 2, 1, 3)
+        att = jax.nn.softmax(q @ k.transpose(0, 2, 1) / np.sqrt(dim // self.heads), axis=-1)
+        return jax.vmap(self.to_out)((att @ v).transpose(1, 0, 2).reshape(n, dim))
+
+
+class VitPytorch(eqx.Module):
+    """vit-pytorch's ``ViT``: patches by a reshape, then LayerNorm, Linear, LayerNorm; a class token and
+    learned positions; ``[attention, feed-forward]`` pairs in lists, the feed-forward a ``Sequential``."""
+
+    to_patch: list
+    cls: jax.Array
+    pos: jax.Array
+    layers: list
+    norm: eqx.nn.LayerNorm
+    head: eqx.nn.Linear
+    patch: int = eqx.field(static=True)
+
+    def __init__(self, image=16, patch=4, dim=32, depth=2, heads=4, layout="chunk", classes=10, *, key):
+        k = jax.random.split(key, 3 * depth + 4)
+        self.patch, flat = patch, 3 * patch * patch
+        self.to_patch = [eqx.nn.LayerNorm(flat), eqx.nn.Linear(flat, dim, key=k[0]), eqx.nn.LayerNorm(dim)]
+        self.cls, self.pos = 0.02 * jax.random.normal(k[1], (dim,)), 0.02 * jax.random.normal(
+            k[2], ((image // patch) ** 2 + 1, dim))
+        self.layers = [[VitAttention(dim, heads, layout, key=k[4 + 3 * i]),
+                        eqx.nn.Sequential([eqx.nn.LayerNorm(dim), eqx.nn.Linear(dim, 4 * dim, key=k[5 + 3 * i]),
+                                           eqx.nn.Lambda(jax.nn.gelu), eqx.nn.Linear(4 * dim, dim, key=k[6 + 3 * i])])]
+                       for i in range(depth)]
+        self.norm, self.head = eqx.nn.LayerNorm(dim), eqx.nn.Linear(dim, classes, key=k[3])
+
+    def __call__(self, image):  # (3, H, W)
+        c, h, w = image.shape
+        p = self.patch
+        x = image.reshape(c, h // p, p, w // p, p).transpose(1, 3, 2, 4, 0).reshape((h // p) * (w // p), -1)
+        for f in self.to_patch:
+            x = jax.vmap(f)(x)
+        x = jnp.concatenate([self.cls[None], x]) + self.pos
+        for attention, feed_forward in self.layers:
+            x = x + attention(x)
+            x = x + jax.vmap(feed_forward)(x)
+        return self.head(self.norm(x[0]))

@@ -389,7 +389,8 @@ def replicated_blocks(d: _Decider) -> str | None:
     of the (3, heads, head_dim) layout, a GLU's chunk(2)) is priced as the column/row pair its other
     layout splits into (`_block_costs`): alone, each of a ViT-B's attention weights costs more split
     than whole at 32 images a step, while the pair per head costs 0.87x whole (estimated; compiled,
-    whole moves 0.86x the bytes for 1.33x the FLOPs and 1.25x the peak memory at 2 shards)."""
+    whole moves 0.86x the bytes for 1.33x the FLOPs and 1.25x the peak memory at 2 shards:
+    `benchmarks/fused_layouts.py`)."""
     if d.facts is None or d.n_model == 1 or d.unread is not None:
         return None
     by_block = _blocks(d, [use.leaf for use in d.facts.uses if use.kind == "matmul"])
