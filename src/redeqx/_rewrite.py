@@ -67,6 +67,47 @@ def rows_dim(full: tuple, part: tuple, factor: int) -> int | None | bool:
     return dims[0]
 
 
+def twin_rewrite(jaxpr: jex.Jaxpr, half: jex.Jaxpr, replace, enter=lambda eqn: True) -> tuple[jex.Jaxpr, int]:
+    """``jaxpr`` with each equation for which ``replace(eqn, twin)`` gives another in its place, and
+    how many that was. ``twin`` is the same equation in ``half``: the same program traced on half the
+    batch (`with_rows`), whose shapes say which dims carry the rows (`rows_dim`). Where ``replace``
+    gives None, the programs the equation calls (a scan's body, a jit's) are rewritten alike, those
+    of the equations ``enter`` accepts; a part whose twin has another structure is left as it is."""
+    if len(jaxpr.eqns) != len(half.eqns):
+        return jaxpr, 0
+    eqns, count = [], 0
+    for eqn, twin in zip(jaxpr.eqns, half.eqns):
+        if eqn.primitive is twin.primitive and (new := replace(eqn, twin)) is not None:
+            eqn, count = new, count + 1
+        elif eqn.primitive is twin.primitive and enter(eqn):
+            params, here = {}, 0
+            for k, v in eqn.params.items():
+                params[k], n = _twin_param(v, twin.params.get(k), replace, enter)
+                here += n
+            eqn, count = (eqn.replace(params=params) if here else eqn), count + here
+        eqns.append(eqn)
+    return jaxpr.replace(eqns=eqns), count
+
+
+def _twin_param(value, twin, replace, enter):
+    if isinstance(value, jex.ClosedJaxpr) and isinstance(twin, jex.ClosedJaxpr):
+        inner, n = twin_rewrite(value.jaxpr, twin.jaxpr, replace, enter)
+        return jex.ClosedJaxpr(inner, value.consts), n
+    if isinstance(value, jex.Jaxpr) and isinstance(twin, jex.Jaxpr):
+        return twin_rewrite(value, twin, replace, enter)
+    if isinstance(value, tuple) and isinstance(twin, tuple) and len(value) == len(twin):
+        pairs = [_twin_param(v, t, replace, enter) for v, t in zip(value, twin)]
+        return tuple(v for v, _ in pairs), sum(n for _, n in pairs)
+    return value, 0
+
+
+def call_in_place(eqn, fn):
+    """A ``jit`` call of ``fn`` in ``eqn``'s place: same operands, same results."""
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+    (call,) = jax.make_jaxpr(jax.jit(fn))(*avals).jaxpr.eqns
+    return call.replace(invars=list(eqn.invars), outvars=list(eqn.outvars))
+
+
 def source_of(eqn):
     """A context in which what is traced carries ``eqn``'s source (its user frames and name
     stack), as JAX's own ``eval_jaxpr`` gives it: a compiled program's metadata then names the

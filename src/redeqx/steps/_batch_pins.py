@@ -27,57 +27,24 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..data import batch_size
 from ..mesh import DATA, STAGE
-from .._rewrite import rows_dim, traced, with_rows
+from .._rewrite import rows_dim, traced, twin_rewrite, with_rows
 from ._pipeline import pipelined_layer_scans
 
 
 def _pin(eqn, eqn_half, axes: tuple[str, ...]):
-    """A ``sharding_constraint`` whose batch dim is free, with ``axes`` there; else ``eqn`` as it is."""
+    """A ``sharding_constraint`` whose batch dim is free, with ``axes`` there; else None."""
+    if eqn.primitive.name != "sharding_constraint":
+        return None
     p = eqn.params
     spec, free = p["sharding"].spec, p.get("unconstrained_dims") or frozenset()
     d = rows_dim(tuple(eqn.invars[0].aval.shape), tuple(eqn_half.invars[0].aval.shape), 2)
     used = {a for e in spec if e is not None and e is not P.UNCONSTRAINED for a in (e if isinstance(e, tuple) else (e,))}
     if d is None or d is False or d not in free or d >= len(spec) or spec[d] is not P.UNCONSTRAINED or used & set(axes):
-        return eqn, 0
+        return None
     entries = list(spec)
     entries[d] = axes[0] if len(axes) == 1 else axes
     sharding = NamedSharding(p["sharding"].mesh, P(*entries), memory_kind=p["sharding"].memory_kind)
-    return eqn.replace(params={**p, "sharding": sharding, "unconstrained_dims": frozenset(free - {d})}), 1
-
-
-def _pinned(jaxpr: jex.Jaxpr, half: jex.Jaxpr, axes: tuple[str, ...]) -> tuple[jex.Jaxpr, int]:
-    """``jaxpr`` with its free batch dims pinned to ``data``, and how many pins that was; a part of
-    it whose half-batch twin has another structure is left as it is."""
-    if len(jaxpr.eqns) != len(half.eqns):
-        return jaxpr, 0
-    eqns, count = [], 0
-    for eqn, twin in zip(jaxpr.eqns, half.eqns):
-        if eqn.primitive is not twin.primitive:
-            eqns.append(eqn)
-            continue
-        if eqn.primitive.name == "sharding_constraint":
-            eqn, n = _pin(eqn, twin, axes)
-            count += n
-        else:
-            params, here = {}, 0
-            for k, v in eqn.params.items():
-                params[k], n = _inner(v, twin.params.get(k), axes)
-                here += n
-            eqn, count = (eqn.replace(params=params) if here else eqn), count + here
-        eqns.append(eqn)
-    return jaxpr.replace(eqns=eqns), count
-
-
-def _inner(value, twin, axes):
-    if isinstance(value, jex.ClosedJaxpr) and isinstance(twin, jex.ClosedJaxpr):
-        inner, n = _pinned(value.jaxpr, twin.jaxpr, axes)
-        return jex.ClosedJaxpr(inner, value.consts), n
-    if isinstance(value, jex.Jaxpr) and isinstance(twin, jex.Jaxpr):
-        return _pinned(value, twin, axes)
-    if isinstance(value, tuple) and isinstance(twin, tuple) and len(value) == len(twin):
-        pairs = [_inner(v, t, axes) for v, t in zip(value, twin)]
-        return tuple(v for v, _ in pairs), sum(n for _, n in pairs)
-    return value, 0
+    return eqn.replace(params={**p, "sharding": sharding, "unconstrained_dims": frozenset(free - {d})})
 
 
 def batch_pins(mesh, microbatches: int | None, weights_over_data: bool) -> tuple[str, ...]:
@@ -104,7 +71,7 @@ def batch_over_data(fn: Callable, *, batch_arg: int = 1, axes: tuple[str, ...] =
             return fn(*args)
         closed, leaves, rebuild = traced(fn, *args)
         half = eqx.filter_make_jaxpr(fn)(*with_rows(args, batch_arg, rows, rows // 2))[0]
-        jaxpr, _ = _pinned(closed.jaxpr, half.jaxpr, axes)
+        jaxpr, _ = twin_rewrite(closed.jaxpr, half.jaxpr, lambda eqn, twin: _pin(eqn, twin, axes))
         return rebuild(jex.jaxpr_as_fun(jex.ClosedJaxpr(jaxpr, closed.consts))(*leaves))
 
     return run

@@ -43,7 +43,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
-from .._rewrite import rewritten
+from .._rewrite import call_in_place, rewritten
 from .._typing import typechecked
 
 _CONV = "conv_general_dilated"
@@ -95,15 +95,8 @@ def batch_grouped_conv(lhs, rhs, params):
     return jnp.transpose(out, np.argsort(dn.out_spec))
 
 
-def _jit_call_eqn(eqn, fn):
-    """A ``jit`` call of ``fn`` in ``eqn``'s place: same operands, same result."""
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
-    (call,) = jax.make_jaxpr(jax.jit(fn))(*avals).jaxpr.eqns
-    return call.replace(invars=list(eqn.invars), outvars=list(eqn.outvars))
-
-
 def _products_eqn(eqn):
-    return _jit_call_eqn(eqn, lambda lhs, rhs: batch_grouped_conv(lhs, rhs, eqn.params))
+    return call_in_place(eqn, lambda lhs, rhs: batch_grouped_conv(lhs, rhs, eqn.params))
 
 
 def _exact_conv(prim, params) -> Callable:
@@ -132,7 +125,7 @@ def _exact_conv(prim, params) -> Callable:
 
 
 def _exact_conv_eqn(eqn):
-    return _jit_call_eqn(eqn, _exact_conv(eqn.primitive, eqn.params))
+    return call_in_place(eqn, _exact_conv(eqn.primitive, eqn.params))
 
 
 def _rewrite_jaxpr(jaxpr: jex.Jaxpr, matches, replace) -> tuple[jex.Jaxpr, int]:
