@@ -217,4 +217,5 @@ def compiled_train_step(model, loss, data, n: int, optimizer, *, devices=None, *
         new = iter(new)
         return jax.tree.unflatten(treedef, [next(new) if a else x for x, a in zip(leaves, is_array)]), metrics
 
+    run.partitioned = text  # the program after SPMD partitioning, for tests that read more than its bytes
     return moved, specs, state, run

@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ._conv_grads import exact_grouped_convs
 from ._batch_pins import on_mesh
+from ._per_shard import per_data_shard
 from ._fp8 import fp8_matmuls
 from ._remat import ScanResiduals, keep_products
 from ..mesh import CONTEXT, DATA
@@ -168,9 +169,13 @@ def loss_and_grads(loss_fn, compute_dtype=None, *, inference: bool = False,
     large under redeqx's batch layout). Both rewrite one trace of ``loss_fn``. On a ``mesh`` with
     pipeline stages, its stacked layers run as a pipeline of ``microbatches``
     (`redeqx.steps._pipeline.pipelined_layer_scans`). ``fp8``: its weight-by-activation products
-    in float8 (`redeqx.steps._fp8.fp8_matmuls`), rewritten first. With weights split over ``data``
+    in float8 (`redeqx.steps._fp8.fp8_matmuls`). On a ``mesh``, FFTs, ``top_k`` and grouped
+    convolutions run on each data shard's rows (`redeqx.steps._per_shard.per_data_shard`), rewritten
+    first. With weights split over ``data``
     (fsdp), the model's layout pins keep the batch split over ``data``
     (`redeqx.steps._batch_pins.batch_over_data`)."""
+    if mesh is not None:
+        loss_fn = per_data_shard(loss_fn, mesh)
     if fp8:
         loss_fn = fp8_matmuls(loss_fn)
     loss_fn = rewritten(loss_fn, exact_grouped_convs, *([keep_products] if scan_residuals == "products" else []))

@@ -23,6 +23,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from ._batch_pins import on_mesh
 from ._conv_grads import products_for_batch_grouped_convs
 from ._cpu import ordered_collectives_check
+from ._per_shard import per_data_shard
 from ._pipeline import check_microbatches
 from ._compiled import CompiledStep, StepFunction, stay_in_place, where_it_is
 from ._loss import accumulated, call_loss, cast_floats, check_user_fn, loss_and_grads
@@ -83,7 +84,9 @@ def make_step(step_fn: Callable, mesh: Mesh, *, donate: bool = True) -> Callable
     mesh = check_mesh(mesh)
     # the weight gradients of grouped convolutions, which XLA's partitioner gets n_model_shards times too
     # large on redeqx's batch layout, computed by matrix products (as make_train_step's loss_and_grads does)
-    exact = rewritten(step_fn, products_for_batch_grouped_convs)
+    # and FFTs, top_k and grouped convolutions run on each data shard's rows, which XLA's partitioner
+    # runs on the whole batch on every device (as every step maker does: `per_data_shard`)
+    exact = rewritten(per_data_shard(step_fn, mesh), products_for_batch_grouped_convs)
     step = CompiledStep(exact, mesh, placement=stay_in_place(mesh), what="state", donate=donate,
                         returns_state=True, warn_moves=False)
     return _named_like(step_fn, StepFunction(step))
@@ -310,7 +313,7 @@ class EvalStep:
 
             return jax.vmap(one)(batch, keys)
 
-        laid_out = on_mesh(examples, mesh, microbatches, weights_over_data=splits_over(specs, DATA), specs=specs)
+        laid_out = on_mesh(per_data_shard(examples, mesh), mesh, microbatches, weights_over_data=splits_over(specs, DATA), specs=specs)
 
         def means(model, batch, key, model_state):
             return jax.tree.map(lambda v: v.mean(0), per_example(model, batch, key, model_state))
@@ -396,7 +399,7 @@ class PredictStep:
                     )
             return out
 
-        self._step = CompiledStep(predict_step, mesh, placement=_model_placement(mesh, specs), what="model",
+        self._step = CompiledStep(per_data_shard(predict_step, mesh), mesh, placement=_model_placement(mesh, specs), what="model",
                                   batch_args=(0,))
         self.mesh, self.specs = mesh, specs
         _named_like(pred_fn, self)

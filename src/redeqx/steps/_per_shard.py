@@ -1,0 +1,143 @@
+"""`per_data_shard`: the operations XLA's partitioner copies onto every device, run on each data
+shard's own rows.
+
+XLA's SPMD partitioner (JAX 0.10.2, under Shardy and under GSPMD; compiled for CPUs and for GPUs)
+has no rule for three operations whose operand is split along a dim they do not work across:
+
+- an FFT (``jnp.fft.*``: a Fourier neural operator, FNet, an FFT long convolution; openxla/xla#24,
+  jax-ml/jax#15680),
+- ``lax.top_k`` (an MoE router choosing each token's experts, the zoo's Mixtral and Qwen3-MoE
+  included),
+- a grouped convolution that is not depthwise (``groups`` between 1 and the input channels:
+  ResNeXt, RegNet; openxla/xla#47945).
+
+For each, it all-gathers the operand over the devices that split it (the whole global batch, on
+every device), runs the operation on all of it everywhere, and slices each device's rows back out
+of the result: the collective bytes of an activation, and the FLOPs and memory of the global batch,
+per use. On a TPU, libtpu's compiler keeps an FFT's batch split (it compiles FFTs as matrix
+products).
+
+So the train, eval and predict steps and `make_step` evaluate the function they run (``loss_fn``,
+``pred_fn``, ``step_fn``) with each such operation that the batch reaches inside a ``jax.shard_map``:
+each device runs it on its data shard's rows, whole in every other dim (as the partitioner would
+have it, less the other data shards' rows). Values do not change: the operation treats rows
+independently. The ``shard_map`` is manual over every mesh axis, not ``data`` alone: left to the
+partitioner inside one manual over ``data`` only, an FFT got a memory layout (frequencies major)
+that XLA:CPU's FFT then refused at run time (a ``RET_CHECK`` in ``fft_thunk.cc``, a Fourier neural
+operator at data 4 x model 2). Which dim carries the rows is read from the function traced a second
+time on half the batch (the dim that halves, as `redeqx.steps._batch_pins` finds it); a dim the
+operation works across, or one ``data`` does not divide, is left to the partitioner. So are a
+program already manual over ``data``, a batch of one row or of an odd number of rows, and a mesh
+with pipeline stages (whose stacked layers run on microbatches). A grouped convolution's weight
+gradient inside the ``shard_map`` comes out as on one device (XLA's own, outside it, is
+``n_model_shards`` times too large: `redeqx.exact_conv_grads`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+import jax.extend.core as jex
+from jax.sharding import PartitionSpec as P
+
+from ..data import batch_size
+from ..mesh import DATA, STAGE
+from .._rewrite import call_in_place, inner_jaxprs, rows_dim, traced, twin_rewrite, with_rows
+
+
+def _across(eqn) -> tuple[int, ...] | None:
+    """The dims of ``eqn``'s first operand that it works across, where it is one of the operations
+    the partitioner copies whole onto every device (the module's text); else None."""
+    name = eqn.primitive.name
+    if name not in ("fft", "top_k", "conv_general_dilated"):
+        return None
+    shape = eqn.invars[0].aval.shape
+    if name == "fft":
+        return tuple(range(len(shape) - len(eqn.params["fft_lengths"]), len(shape)))
+    if name == "top_k":
+        return (eqn.params.get("axis", len(shape) - 1) % len(shape),)
+    if name == "conv_general_dilated" and eqn.params["batch_group_count"] == 1:
+        spec = eqn.params["dimension_numbers"].lhs_spec
+        if 1 < eqn.params["feature_group_count"] < shape[spec[1]]:  # depthwise convolutions are split well
+            return tuple(spec[1:])
+    return None
+
+
+def _found(jaxpr: jex.Jaxpr) -> bool:
+    """Whether ``jaxpr`` (or a program it calls, outside a ``shard_map``) holds such an operation."""
+    return any(_across(eqn) is not None or (eqn.primitive.name != "shard_map" and any(map(_found, inner_jaxprs(eqn))))
+               for eqn in jaxpr.eqns)
+
+
+def _rows(v, twin) -> int | None:
+    d = rows_dim(tuple(v.aval.shape), tuple(twin.aval.shape), 2)
+    return None if d is None or d is False else d
+
+
+def _on_shards(eqn, twin, n_data: int):
+    """``eqn`` inside a ``shard_map`` manual over every axis, its first operand and its results split
+    over ``data`` on the dim that carries the rows, whole otherwise; None where no dim it does not
+    work across carries them."""
+    across = _across(eqn)
+    if across is None:
+        return None
+    d = _rows(eqn.invars[0], twin.invars[0])
+    outs = [_rows(v, t) for v, t in zip(eqn.outvars, twin.outvars)]
+    if d is None or d in across or eqn.invars[0].aval.shape[d] % n_data or None in outs:
+        return None
+    if eqn.primitive.name == "conv_general_dilated":
+        numbers = eqn.params["dimension_numbers"]
+        if d != numbers.lhs_spec[0] or outs != [numbers.out_spec[0]]:
+            return None
+    elif outs != [d] * len(outs):
+        return None
+
+    def split(ndim: int, dim: int) -> P:
+        return P(*[DATA if i == dim else None for i in range(ndim)])
+
+    def run(*operands):
+        out = eqn.primitive.bind(*operands, **eqn.params)
+        return tuple(out) if eqn.primitive.multiple_results else out
+
+    in_specs = (split(eqn.invars[0].aval.ndim, d), *[P()] * (len(eqn.invars) - 1))
+    out_specs = tuple(split(v.aval.ndim, o) for v, o in zip(eqn.outvars, outs))
+    local = jax.shard_map(run, in_specs=in_specs, out_specs=out_specs if eqn.primitive.multiple_results
+                          else out_specs[0], check_vma=False)
+    return call_in_place(eqn, local)
+
+
+def per_data_shard(fn: Callable, mesh, *, batch_arg: int = 1) -> Callable:
+    """``fn(..., batch, ...)`` (the batch its ``batch_arg``-th argument) evaluated with each FFT,
+    ``top_k`` and non-depthwise grouped convolution the batch reaches run on each data shard's own
+    rows (the module's text). ``fn`` itself on a mesh of one data shard or with pipeline stages."""
+    n_data = dict(mesh.shape).get(DATA, 1)
+    if n_data == 1 or dict(mesh.shape).get(STAGE, 1) > 1:
+        return fn
+
+    @functools.wraps(fn)
+    def run(*args):
+        closed, leaves, rebuild = traced(fn, *args)
+        jaxpr = closed.jaxpr
+        if _found(jaxpr) and DATA not in jax.sharding.get_abstract_mesh().manual_axes:
+            rows = _rows_of(args, batch_arg)
+            if rows and rows % 2 == 0:
+                half = eqx.filter_make_jaxpr(fn)(*with_rows(args, batch_arg, rows, rows // 2))[0]
+                jaxpr, _ = twin_rewrite(jaxpr, half.jaxpr, lambda eqn, twin: _on_shards(eqn, twin, n_data),
+                                        enter=lambda eqn: eqn.primitive.name != "shard_map")
+        return rebuild(jex.jaxpr_as_fun(jex.ClosedJaxpr(jaxpr, closed.consts))(*leaves))
+
+    return run
+
+
+def _rows_of(args: tuple, batch_arg: int) -> int | None:
+    """The rows of ``args[batch_arg]`` (None where there is no such argument or it is no batch: a
+    `make_step` whose step takes none)."""
+    if len(args) <= batch_arg:
+        return None
+    try:
+        return batch_size(args[batch_arg])
+    except ValueError:
+        return None

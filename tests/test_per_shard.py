@@ -1,0 +1,142 @@
+"""FFTs, ``top_k`` and grouped convolutions run on each data shard's own rows
+(`redeqx.steps._per_shard`): XLA's partitioner all-gathers the whole batch onto every device for
+each of them and runs it there. A small model holding all three (a Fourier layer with complex
+weights, an MoE-style router, a ``groups=2`` convolution) trains, evaluates and predicts as on
+one device, and its compiled steps gather no batch-sized value over ``data``."""
+
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from accelerator_count import compiled_train_step, partitioned_text, reassociated_collectives
+
+import redeqx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+ROWS, WIDTH, POINTS, MODES, EXPERTS = 16, 8, 32, 4, 4
+
+
+class Spectral(eqx.Module):
+    """A Fourier neural operator's layer: the lowest ``MODES`` frequencies mixed by complex weights."""
+
+    weights: jax.Array  # (in, out, modes), complex64
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        shape = (WIDTH, WIDTH, MODES)
+        self.weights = (jax.random.normal(k1, shape) + 1j * jax.random.normal(k2, shape)) / WIDTH
+
+    def __call__(self, x):  # (C, N) -> (C, N)
+        low = jnp.einsum("im,iom->om", jnp.fft.rfft(x)[:, :MODES], self.weights)
+        full = jnp.zeros((WIDTH, POINTS // 2 + 1), low.dtype).at[:, :MODES].set(low)
+        return jnp.fft.irfft(full, n=POINTS)
+
+
+class Model(eqx.Module):
+    lift: eqx.nn.Conv1d
+    spectral: Spectral
+    grouped: eqx.nn.Conv1d
+    router: eqx.nn.Linear
+    experts: jax.Array  # (E, C, C)
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        ks = jax.random.split(key, 6)
+        self.lift = eqx.nn.Conv1d(2, WIDTH, 1, key=ks[0])
+        self.spectral = Spectral(ks[1])
+        self.grouped = eqx.nn.Conv1d(WIDTH, WIDTH, 3, padding=1, groups=2, key=ks[2])
+        self.router = eqx.nn.Linear(WIDTH, EXPERTS, key=ks[3])
+        self.experts = jax.random.normal(ks[4], (EXPERTS, WIDTH, WIDTH)) / WIDTH
+        self.head = eqx.nn.Linear(WIDTH, 1, key=ks[5])
+
+    def __call__(self, x):  # (2, N) -> ()
+        x = self.lift(x)
+        x = jax.nn.gelu(x + self.spectral(x))
+        x = x + self.grouped(x)
+        tokens = x.T  # (N, C)
+        weights, index = jax.lax.top_k(jax.nn.softmax(jax.vmap(self.router)(tokens)), 2)  # (N, 2) each
+        gates = jnp.sum(jax.nn.one_hot(index, EXPERTS) * weights[..., None], axis=1)  # (N, E)
+        tokens = tokens + jnp.einsum("ne,nc,ecd->nd", gates, tokens, self.experts)
+        return self.head(tokens.mean(0))[0]
+
+
+def loss_fn(model, batch, key):
+    pred = jax.vmap(model)(batch["x"])
+    return jnp.mean((pred - batch["y"]) ** 2), {"mean_pred": pred.mean()}
+
+
+def pred_fn(model, batch, key):
+    return jax.vmap(model)(batch["x"])
+
+
+def data():
+    rng = np.random.default_rng(0)
+    return {"x": rng.normal(size=(ROWS, 2, POINTS)).astype(np.float32),
+            "y": rng.normal(size=(ROWS,)).astype(np.float32)}
+
+
+def over_data(batch, mesh):
+    """``batch`` split over ``data``, as `redeqx.batches` gives it (a `make_step` takes it as it is)."""
+    return jax.device_put(batch, NamedSharding(mesh, P("data")))
+
+
+def batch_gathers(text: str) -> list:
+    """The all-gathers of a partitioned program that move a value as large as the global batch."""
+    return [c for c in reassociated_collectives(text) if c.kind == "all-gather"
+            and any(shape and shape[0] == ROWS for _, shape in c.shapes)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Model(jax.random.key(0))
+
+
+def one_device(model, optimizer, devices):
+    mesh = redeqx.make_mesh(1, devices=devices[:1])
+    specs = redeqx.sharding_rules(model, mesh)
+    return mesh, specs, redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
+
+
+@pytest.mark.parametrize("n_model", [2, 1])
+def test_fft_top_k_and_grouped_convs_train_as_on_one_device(model, n_model, devices):
+    """Two SGD steps at data 4 x model 2 and at data 8 against one device's, every weight (the
+    complex ones included); the step gathers no batch over ``data`` (it gathered 8 before)."""
+    batch, optimizer = data(), optax.sgd(0.05)
+    _, _, state, run = compiled_train_step(model, loss_fn, batch, n_model, optimizer, loss_fn=loss_fn, batch=batch)
+    assert batch_gathers(run.partitioned) == []
+    mesh1, specs1, state1 = one_device(model, optimizer, devices)
+    step1 = redeqx.make_train_step(loss_fn, optimizer, mesh1, specs1)
+    for _ in range(2):
+        state, metrics = run(state, batch)
+        state1, metrics1 = step1(state1, batch)
+        np.testing.assert_allclose(metrics["loss"], metrics1["loss"], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(state.model), jax.tree.leaves(state1.model)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6)
+
+
+def test_eval_predict_and_make_step_run_them_per_data_shard(model, devices):
+    """The eval and predict steps and a `make_step` (whose program differentiates already: the
+    backward FFTs and convolutions are rewritten too) equal one device's, gathering no batch."""
+    batch, optimizer = data(), optax.sgd(0.05)
+    mesh = redeqx.make_mesh(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        specs = redeqx.sharding_rules(model, mesh, loss_fn=loss_fn, batch=batch)
+    mesh1, specs1, _ = one_device(model, optimizer, devices)
+    placed = redeqx.shard(model, specs, mesh)
+    key = jax.random.key(3)
+
+    def grads(model, batch):
+        return eqx.filter_grad(lambda m: loss_fn(m, batch, key)[0])(model), {}
+
+    for make, args in ((lambda m, s: redeqx.make_eval_step(loss_fn, m, s), lambda m: (batch, key)),
+                       (lambda m, s: redeqx.make_predict_step(pred_fn, m, s), lambda m: (batch, key)),
+                       (lambda m, s: redeqx.make_step(grads, m, donate=False), lambda m: (over_data(batch, m),))):
+        step, step1 = make(mesh, specs), make(mesh1, specs1)
+        assert batch_gathers(partitioned_text(step, placed, *args(mesh))) == []
+        for a, b in zip(jax.tree.leaves(step(placed, *args(mesh))), jax.tree.leaves(step1(model, *args(mesh1)))):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
