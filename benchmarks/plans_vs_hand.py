@@ -121,7 +121,8 @@ def figures(model, loss, data, n: int, devices, **rules) -> dict:
         found = reassociated_collectives(text)
     m, cost = compiled.memory_analysis(), compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    return dict(bytes=sum(v["bytes"] for v in summarise(found).values()), flops=float(cost["flops"]),
+    # (XLA:GPU compiling for GPUs it does not have gives no cost analysis: FLOPs None)
+    return dict(bytes=sum(v["bytes"] for v in summarise(found).values()), flops=float(cost["flops"]) if cost else None,
                 peak=m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
                 + m.temp_size_in_bytes)
 

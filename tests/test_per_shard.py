@@ -140,3 +140,24 @@ def test_eval_predict_and_make_step_run_them_per_data_shard(model, devices):
         assert batch_gathers(partitioned_text(step, placed, *args(mesh))) == []
         for a, b in zip(jax.tree.leaves(step(placed, *args(mesh))), jax.tree.leaves(step1(model, *args(mesh1)))):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_which_operations_run_per_shard_by_platform():
+    """FFTs and top_k on every platform; a grouped, not depthwise, convolution on CPUs and GPUs
+    (libtpu partitions it itself, and its peak memory rose in a shard_map: benchmarks/per_shard_ops.py)."""
+    from redeqx.steps._per_shard import _across
+
+    def eqn(f, *shapes):
+        (found,) = [e for e in jax.make_jaxpr(f)(*(jnp.zeros(s) for s in shapes)).jaxpr.eqns
+                    if e.primitive.name in ("fft", "top_k", "conv_general_dilated", "jit")]
+        return found.params["jaxpr"].eqns[0] if found.primitive.name == "jit" else found
+
+    def conv(groups):
+        return eqn(lambda x, w: jax.lax.conv_general_dilated(x, w, (1,), "SAME", feature_group_count=groups),
+                   (4, 8, 16), (8, 8 // groups, 3))
+
+    fft, top_k = eqn(jnp.fft.rfft, (4, 8, 16)), eqn(lambda x: jax.lax.top_k(x, 2), (4, 8, 16))
+    for platform in ("cpu", "gpu", "tpu"):
+        assert _across(fft, platform) == (2,) and _across(top_k, platform) == (2,)
+        assert _across(conv(1), platform) is None and _across(conv(8), platform) is None  # plain, depthwise
+        assert _across(conv(2), platform) == (None if platform == "tpu" else (1, 2))

@@ -1,8 +1,8 @@
 """`per_data_shard`: the operations XLA's partitioner copies onto every device, run on each data
 shard's own rows.
 
-XLA's SPMD partitioner (JAX 0.10.2, under Shardy and under GSPMD; compiled for CPUs and for GPUs)
-has no rule for three operations whose operand is split along a dim they do not work across:
+XLA's SPMD partitioner (JAX 0.10.2, under Shardy and under GSPMD) has no rule for three operations
+whose operand is split along a dim they do not work across:
 
 - an FFT (``jnp.fft.*``: a Fourier neural operator, FNet, an FFT long convolution; openxla/xla#24,
   jax-ml/jax#15680),
@@ -13,24 +13,33 @@ has no rule for three operations whose operand is split along a dim they do not 
 
 For each, it all-gathers the operand over the devices that split it (the whole global batch, on
 every device), runs the operation on all of it everywhere, and slices each device's rows back out
-of the result: the collective bytes of an activation, and the FLOPs and memory of the global batch,
-per use. On a TPU, libtpu's compiler keeps an FFT's batch split (it compiles FFTs as matrix
-products).
+of the result: an activation's bytes moved, and the global batch's FLOPs and memory, per use.
+Compiled for 8 H100s (and on 8 CPU devices), a data-parallel train step of a 1-D Fourier neural
+operator moved 256 MiB a step this way, of 0.10 MiB of gradients; a ResNeXt step 65 MiB, of 0.66
+(benchmarks/per_shard_ops.py). libtpu partitions grouped convolutions itself, and an FFT on a mesh
+of ``data`` alone (it compiles FFTs as matrix products), but gathered the FNO's batch on data x model.
 
 So the train, eval and predict steps and `make_step` evaluate the function they run (``loss_fn``,
 ``pred_fn``, ``step_fn``) with each such operation that the batch reaches inside a ``jax.shard_map``:
-each device runs it on its data shard's rows, whole in every other dim (as the partitioner would
-have it, less the other data shards' rows). Values do not change: the operation treats rows
-independently. The ``shard_map`` is manual over every mesh axis, not ``data`` alone: left to the
-partitioner inside one manual over ``data`` only, an FFT got a memory layout (frequencies major)
-that XLA:CPU's FFT then refused at run time (a ``RET_CHECK`` in ``fft_thunk.cc``, a Fourier neural
-operator at data 4 x model 2). Which dim carries the rows is read from the function traced a second
-time on half the batch (the dim that halves, as `redeqx.steps._batch_pins` finds it); a dim the
-operation works across, or one ``data`` does not divide, is left to the partitioner. So are a
-program already manual over ``data``, a batch of one row or of an odd number of rows, and a mesh
-with pipeline stages (whose stacked layers run on microbatches). A grouped convolution's weight
-gradient inside the ``shard_map`` comes out as on one device (XLA's own, outside it, is
-``n_model_shards`` times too large: `redeqx.exact_conv_grads`).
+each device runs it on its data shard's rows, whole in every other dim. Values do not change: the
+operation treats rows independently. Grouped convolutions are left to libtpu, where the
+``shard_map`` raised the step's peak memory (1.8x at data 8, 2.9x at data 4 x model 2) for no bytes.
+
+The ``shard_map`` is manual over every mesh axis, not ``data`` alone: left to the partitioner inside
+one manual over ``data`` only, an FFT got a memory layout (frequencies major) that XLA:CPU's FFT then
+refused at run time (a ``RET_CHECK`` in ``fft_thunk.cc``, a Fourier neural operator at data 4 x
+model 2). Its varying axes are checked (``check_vma``): unchecked, its transpose summed every
+cotangent over ``model`` too, an activation-sized all-reduce per use. The other operands (a
+convolution's weights) are cast to varying over ``data``, so their cotangent is summed over ``data``
+alone, as a weight's gradient is.
+
+Which dim carries the rows is read from the function traced a second time on half the batch (the
+dim that halves, as `redeqx.steps._batch_pins` finds it); a dim the operation works across, or one
+``data`` does not divide, is left to the partitioner. So are a program already manual over ``data``,
+a batch of one row or of an odd number of rows, and a mesh with pipeline stages (whose stacked
+layers run on microbatches). A grouped convolution's weight gradient inside the ``shard_map`` comes
+out as on one device (XLA's own, outside it, is ``n_model_shards`` times too large:
+`redeqx.exact_conv_grads`).
 """
 
 from __future__ import annotations
@@ -45,12 +54,12 @@ from jax.sharding import PartitionSpec as P
 
 from ..data import batch_size
 from ..mesh import DATA, STAGE
-from .._rewrite import call_in_place, inner_jaxprs, rows_dim, traced, twin_rewrite, with_rows
+from .._rewrite import call_in_place, inner_jaxprs, rows_dim, source_of, traced, twin_rewrite, with_rows
 
 
-def _across(eqn) -> tuple[int, ...] | None:
+def _across(eqn, platform: str) -> tuple[int, ...] | None:
     """The dims of ``eqn``'s first operand that it works across, where it is one of the operations
-    the partitioner copies whole onto every device (the module's text); else None."""
+    the partitioner copies whole onto every device of ``platform`` (the module's text); else None."""
     name = eqn.primitive.name
     if name not in ("fft", "top_k", "conv_general_dilated"):
         return None
@@ -59,17 +68,18 @@ def _across(eqn) -> tuple[int, ...] | None:
         return tuple(range(len(shape) - len(eqn.params["fft_lengths"]), len(shape)))
     if name == "top_k":
         return (eqn.params.get("axis", len(shape) - 1) % len(shape),)
-    if name == "conv_general_dilated" and eqn.params["batch_group_count"] == 1:
+    if name == "conv_general_dilated" and eqn.params["batch_group_count"] == 1 and platform != "tpu":
         spec = eqn.params["dimension_numbers"].lhs_spec
         if 1 < eqn.params["feature_group_count"] < shape[spec[1]]:  # depthwise convolutions are split well
             return tuple(spec[1:])
     return None
 
 
-def _found(jaxpr: jex.Jaxpr) -> bool:
+def _found(jaxpr: jex.Jaxpr, platform: str) -> bool:
     """Whether ``jaxpr`` (or a program it calls, outside a ``shard_map``) holds such an operation."""
-    return any(_across(eqn) is not None or (eqn.primitive.name != "shard_map" and any(map(_found, inner_jaxprs(eqn))))
-               for eqn in jaxpr.eqns)
+    return any(_across(eqn, platform) is not None or (
+        eqn.primitive.name != "shard_map" and any(_found(inner, platform) for inner in inner_jaxprs(eqn)))
+        for eqn in jaxpr.eqns)
 
 
 def _rows(v, twin) -> int | None:
@@ -77,11 +87,11 @@ def _rows(v, twin) -> int | None:
     return None if d is None or d is False else d
 
 
-def _on_shards(eqn, twin, n_data: int):
+def _on_shards(eqn, twin, n_data: int, platform: str):
     """``eqn`` inside a ``shard_map`` manual over every axis, its first operand and its results split
     over ``data`` on the dim that carries the rows, whole otherwise; None where no dim it does not
     work across carries them."""
-    across = _across(eqn)
+    across = _across(eqn, platform)
     if across is None:
         return None
     d = _rows(eqn.invars[0], twin.invars[0])
@@ -98,14 +108,15 @@ def _on_shards(eqn, twin, n_data: int):
     def split(ndim: int, dim: int) -> P:
         return P(*[DATA if i == dim else None for i in range(ndim)])
 
-    def run(*operands):
-        out = eqn.primitive.bind(*operands, **eqn.params)
+    def run(first, *rest):  # the other operands (weights) varying over data as the rows are (module text)
+        with source_of(eqn):  # in the manual mesh: not eqn's own context (`bind`), whose mesh is auto
+            out = eqn.primitive.bind(first, *(jax.lax.pcast(x, DATA, to="varying") for x in rest), **eqn.params)
         return tuple(out) if eqn.primitive.multiple_results else out
 
     in_specs = (split(eqn.invars[0].aval.ndim, d), *[P()] * (len(eqn.invars) - 1))
     out_specs = tuple(split(v.aval.ndim, o) for v, o in zip(eqn.outvars, outs))
-    local = jax.shard_map(run, in_specs=in_specs, out_specs=out_specs if eqn.primitive.multiple_results
-                          else out_specs[0], check_vma=False)
+    local = jax.shard_map(run, in_specs=in_specs,
+                          out_specs=out_specs if eqn.primitive.multiple_results else out_specs[0])
     return call_in_place(eqn, local)
 
 
@@ -113,7 +124,7 @@ def per_data_shard(fn: Callable, mesh, *, batch_arg: int = 1) -> Callable:
     """``fn(..., batch, ...)`` (the batch its ``batch_arg``-th argument) evaluated with each FFT,
     ``top_k`` and non-depthwise grouped convolution the batch reaches run on each data shard's own
     rows (the module's text). ``fn`` itself on a mesh of one data shard or with pipeline stages."""
-    n_data = dict(mesh.shape).get(DATA, 1)
+    n_data, platform = dict(mesh.shape).get(DATA, 1), mesh.devices.flat[0].platform
     if n_data == 1 or dict(mesh.shape).get(STAGE, 1) > 1:
         return fn
 
@@ -121,15 +132,23 @@ def per_data_shard(fn: Callable, mesh, *, batch_arg: int = 1) -> Callable:
     def run(*args):
         closed, leaves, rebuild = traced(fn, *args)
         jaxpr = closed.jaxpr
-        if _found(jaxpr) and DATA not in jax.sharding.get_abstract_mesh().manual_axes:
+        if _found(jaxpr, platform) and DATA not in jax.sharding.get_abstract_mesh().manual_axes:
             rows = _rows_of(args, batch_arg)
-            if rows and rows % 2 == 0:
-                half = eqx.filter_make_jaxpr(fn)(*with_rows(args, batch_arg, rows, rows // 2))[0]
-                jaxpr, _ = twin_rewrite(jaxpr, half.jaxpr, lambda eqn, twin: _on_shards(eqn, twin, n_data),
+            if rows and rows % 2 == 0 and (half := _traced_on_half(fn, args, batch_arg, rows)) is not None:
+                jaxpr, _ = twin_rewrite(jaxpr, half.jaxpr, lambda eqn, twin: _on_shards(eqn, twin, n_data, platform),
                                         enter=lambda eqn: eqn.primitive.name != "shard_map")
         return rebuild(jex.jaxpr_as_fun(jex.ClosedJaxpr(jaxpr, closed.consts))(*leaves))
 
     return run
+
+
+def _traced_on_half(fn, args: tuple, batch_arg: int, rows: int):
+    """``fn``'s program on half the rows, or None where it cannot be traced so (a function that
+    checks its batch's size): the step then runs as the partitioner has it, only slower."""
+    try:
+        return eqx.filter_make_jaxpr(fn)(*with_rows(args, batch_arg, rows, rows // 2))[0]
+    except Exception:  # noqa: BLE001 (any error of the user's code on another batch size)
+        return None
 
 
 def _rows_of(args: tuple, batch_arg: int) -> int | None:
