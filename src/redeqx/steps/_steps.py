@@ -63,7 +63,8 @@ def make_step(step_fn: Callable, mesh: Mesh, *, donate: bool = True) -> Callable
     be global arrays. `apply_gradients` is one model's optimizer update
     inside such a step. Gradients of grouped and depthwise convolutions come
     out as on one device (`exact_conv_grads`: the step's program computes
-    their weight gradients by matrix products).
+    their weight gradients by matrix products); FFTs, ``top_k`` and grouped
+    convolutions that ``args[0]``'s rows reach run on each data shard's rows.
 
     **Example** (two models and two optimizers, as in a GAN or actor-critic):
 
@@ -177,7 +178,10 @@ def make_train_step(
     and ``loss_fn``'s aux dict, all on the device (no host sync). The model
     enters and leaves laid out by ``specs``, the optimizer state like the
     parameters it mirrors; a state laid out otherwise is moved there, with a
-    warning naming the leaves.
+    warning naming the leaves. FFTs, ``top_k`` and grouped convolutions in
+    ``loss_fn`` run on each data shard's own rows (XLA's partitioner would
+    gather the whole batch onto every device for each: `per_data_shard`, as
+    in every step maker; docs/guides/troubleshooting.md).
 
     - ``accumulate=k``: the batch is split into ``k`` micro-batches run one
       after another, their gradients averaged: one update per batch with the
@@ -313,7 +317,8 @@ class EvalStep:
 
             return jax.vmap(one)(batch, keys)
 
-        laid_out = on_mesh(per_data_shard(examples, mesh), mesh, microbatches, weights_over_data=splits_over(specs, DATA), specs=specs)
+        laid_out = on_mesh(per_data_shard(examples, mesh), mesh, microbatches,
+                           weights_over_data=splits_over(specs, DATA), specs=specs)
 
         def means(model, batch, key, model_state):
             return jax.tree.map(lambda v: v.mean(0), per_example(model, batch, key, model_state))
@@ -399,8 +404,8 @@ class PredictStep:
                     )
             return out
 
-        self._step = CompiledStep(per_data_shard(predict_step, mesh), mesh, placement=_model_placement(mesh, specs), what="model",
-                                  batch_args=(0,))
+        self._step = CompiledStep(per_data_shard(predict_step, mesh), mesh, placement=_model_placement(mesh, specs),
+                                  what="model", batch_args=(0,))
         self.mesh, self.specs = mesh, specs
         _named_like(pred_fn, self)
 
