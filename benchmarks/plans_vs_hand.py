@@ -83,6 +83,10 @@ def cases():
            prog.window_loss, {"x": np.zeros((64, 16, 256), np.float32), "y": np.zeros((64, 16, 256), np.float32)},
            lambda n: [(r"qkv\.weight", P("model", None)), (r"qkv\.bias", P("model")),
                       (r"proj\.weight", P(None, "model")), (r"table", P(None, "model"))])
+    yield ("GCN with gather and segment_sum (8 -> 512 x 3, 16 graphs of 64 nodes and 256 edges)",
+           w.GCN(8, 512, 3, key=key), w.graph_regression_loss, w.graphs(16, 64, 256),
+           lambda n: [(r"layers\.[02]\.lin\.weight", P("model", None)), (r"layers\.[02]\.lin\.bias", P("model")),
+                      (r"layers\.1\.lin\.weight|readout\.weight", P(None, "model"))])
     yield ("Equinox LM: vmapped lookup, fused (D, 2, F) gate-up", prog.FusedGateUpLM(key), w.gpt_loss, prog.TOKENS,
            lambda n: [(r"w12", P(None, None, "model")), (r"w3", P("model", None))])
 

@@ -568,3 +568,21 @@ def test_a_bias_looked_up_by_a_constant_index_trains_as_on_one_device(devices):
 
     assert_trains_as_one_device(WindowAttention(buffered=True, key=jax.random.key(0)), WINDOWS, devices,
                                 rules=dict(loss_fn=window_loss, batch=WINDOWS), loss=window_loss)
+
+
+def test_a_gcn_written_with_gather_and_segment_sum_is_split_megatrons_way():
+    """A projection's output gathered along the edges and summed into nodes keeps its split
+    features (each row moves whole): the GCN's layers pair as Megatron's, column then row (the
+    gather and the scatter-add blocked every split, and kept every layer whole)."""
+    model = w.GCN(8, 64, 3, key=jax.random.key(0))
+    specs = redeqx.sharding_rules(model, redeqx.make_mesh(2), loss_fn=w.graph_regression_loss, batch=w.graphs())
+    assert [layer.lin.weight for layer in specs.layers] == [P("model", None), P(None, "model"), P("model", None)]
+
+
+@pytest.mark.slow
+def test_a_gcn_trains_as_on_one_device(devices):
+    from test_rules_cells_convs import assert_trains_as_one_device
+
+    batch = w.graphs()
+    assert_trains_as_one_device(w.GCN(8, 64, 3, key=jax.random.key(0)), batch, devices,
+                                rules=dict(loss_fn=w.graph_regression_loss, batch=batch), loss=w.graph_regression_loss)

@@ -328,13 +328,48 @@ def gather(r: Reader, eqn) -> None:
                     new[pos] = dims[d] if d in whole else None
                 return tuple(new)
             r.views[out] = vw.mapped(rows)
+    tags: dict[int, int] = {}
+    offset = _window_dims(_shape(table), dn.collapsed_slice_dims, dn.operand_batching_dims)
     for seed, d in r.tag(table).items():  # one entry per index along the split dim: a masked local pick
         if d in dn.collapsed_slice_dims:
             r.facts.reduce(seed, "has one of its features picked (a label's logit)")
+        elif d in offset and d not in dn.start_index_map and eqn.params["slice_sizes"][d] == _shape(table)[d]:
+            tags[seed] = dn.offset_dims[offset.index(d)]  # rows picked, each with its split features (a GNN's messages)
         else:
             r.facts.block(seed, "its output is gathered along a dim other than its features")
     for seed in r.tag(indices):
         r.facts.block(seed, "its output is used as gather indices")
+    r.set_tags(eqn.outvars[0], tags, "gather")
+
+
+def _window_dims(shape, inserted, batching) -> list[int]:
+    """The dims of a gather's table or a scatter's operand that its slices span (whole or in part), in
+    the order of the output's offset dims or the updates' window dims."""
+    return [d for d in range(len(shape)) if d not in inserted and d not in batching]
+
+
+def scatter(r: Reader, eqn) -> None:
+    """``x.at[i].add(u)`` / ``.set(u)`` (a GNN's ``segment_sum`` of messages into nodes): a split of
+    the updates' features lands on the operand's matching dim, where each row is written whole; a
+    split of the dim the indices pick, or of the indices, needs them whole."""
+    operand, indices, updates = eqn.invars[:3]
+    dn = eqn.params["dimension_numbers"]
+    window = _window_dims(_shape(operand), dn.inserted_window_dims, dn.operand_batching_dims)
+    tags = dict(r.tag(operand))
+    for seed, d in tags.items():
+        if d not in window or d in dn.scatter_dims_to_operand_dims:
+            r.facts.block(seed, "is written into along a dim other than its features")
+    for seed, u in r.tag(updates).items():
+        o = window[dn.update_window_dims.index(u)] if u in dn.update_window_dims else None
+        if o is None or o in dn.scatter_dims_to_operand_dims or _shape(updates)[u] != _shape(operand)[o]:
+            r.facts.block(seed, "its output is scattered along a dim other than its features")
+        elif tags.get(seed, o) != o:
+            r.facts.block(seed, f"{eqn.primitive.name} would need its output split on two dims at once")
+        else:
+            tags[seed] = o
+    for seed in r.tag(indices):
+        r.facts.block(seed, "its output is used as scatter indices")
+    r.set_tags(eqn.outvars[0], tags, eqn.primitive.name)
 
 
 
