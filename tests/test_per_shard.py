@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 from accelerator_count import compiled_train_step, partitioned_text, reassociated_collectives
 
 import redeqx
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 ROWS, WIDTH, POINTS, MODES, EXPERTS = 16, 8, 32, 4, 4
 
@@ -104,7 +104,7 @@ def one_device(model, optimizer, devices):
 @pytest.mark.parametrize("n_model", [2, 1])
 def test_fft_top_k_and_grouped_convs_train_as_on_one_device(model, n_model, devices):
     """Two SGD steps at data 4 x model 2 and at data 8 against one device's, every weight (the
-    complex ones included); the step gathers no batch over ``data`` (it gathered 8 before)."""
+    complex ones included); the step gathers no batch over ``data`` (before, each of the three did)."""
     batch, optimizer = data(), optax.sgd(0.05)
     _, _, state, run = compiled_train_step(model, loss_fn, batch, n_model, optimizer, loss_fn=loss_fn, batch=batch)
     assert batch_gathers(run.partitioned) == []

@@ -40,7 +40,8 @@ HANDLERS.update({name: _ops.ordered for name in _ops.ORDERED})
 HANDLERS.update({
     "transpose": _ops.transpose, "broadcast_in_dim": _ops.broadcast_in_dim, "reshape": _ops.reshape,
     "squeeze": _ops.squeeze, "slice": _ops.slicing, "dynamic_slice": _ops.slicing, "pad": _ops.slicing,
-    "concatenate": _ops.concatenate, "gather": _ops.gather, "scatter-add": _ops.scatter, "scatter": _ops.scatter, "split": _ops.split, "stack": _ops.stack,
+    "concatenate": _ops.concatenate, "gather": _ops.gather, "split": _ops.split, "stack": _ops.stack,
+    "scatter-add": _ops.scatter, "scatter": _ops.scatter,
     "dot_general": contract, "ragged_dot_general": grouped_contract, "conv_general_dilated": convolve, "scan": _loops.scan, "while": _loops.while_loop,
     "cond": _loops.cond, "<call>": _loops.call, "<unknown>": _ops.unknown,
 })
