@@ -161,3 +161,27 @@ def test_which_operations_run_per_shard_by_platform():
         assert _across(fft, platform) == (2,) and _across(top_k, platform) == (2,)
         assert _across(conv(1), platform) is None and _across(conv(8), platform) is None  # plain, depthwise
         assert _across(conv(2), platform) == (None if platform == "tpu" else (1, 2))
+
+
+def test_top_k_sampling_in_a_predict_step_runs_per_data_shard(devices):
+    """`models.generate` as a ``pred_fn``: its sampler's ``top_k`` over each token's logits ran on
+    the whole batch on every device, gathering ``(batch, vocab)`` logits every new token. The tokens
+    are one device's."""
+    from redeqx import models
+
+    config = models.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2)
+    model = models.LlamaForCausalLM(config, key=jax.random.key(0))
+
+    def pred_fn(model, batch, key):
+        return models.generate(model, batch["ids"], max_new_tokens=3, sampler=models.sample(0.8, top_k=5), key=key)
+
+    batch, key = {"ids": np.random.default_rng(0).integers(0, 128, (ROWS, 6)).astype(np.int32)}, jax.random.key(1)
+    tokens = []
+    for mesh in (redeqx.make_mesh(2), redeqx.make_mesh(1, devices=devices[:1])):
+        specs = redeqx.sharding_rules(model, mesh)
+        step, placed = redeqx.make_predict_step(pred_fn, mesh, specs), redeqx.shard(model, specs, mesh)
+        if mesh.shape["data"] > 1:
+            assert batch_gathers(partitioned_text(step, placed, batch, key)) == []
+        tokens.append(np.asarray(step(placed, batch, key)))
+    np.testing.assert_array_equal(*tokens)
