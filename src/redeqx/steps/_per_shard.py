@@ -7,7 +7,7 @@ whose operand is split along a dim they do not work across:
 - an FFT (``jnp.fft.*``: a Fourier neural operator, FNet, an FFT long convolution; openxla/xla#24,
   jax-ml/jax#15680),
 - ``lax.top_k`` (an MoE router choosing each token's experts, the zoo's Mixtral and Qwen3-MoE
-  included),
+  included; ``models.sample(top_k=...)`` cutting each new token's logits in ``models.generate``),
 - a grouped convolution that is not depthwise (``groups`` between 1 and the input channels:
   ResNeXt, RegNet; openxla/xla#47945).
 
