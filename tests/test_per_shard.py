@@ -185,3 +185,19 @@ def test_top_k_sampling_in_a_predict_step_runs_per_data_shard(devices):
             assert batch_gathers(partitioned_text(step, placed, batch, key)) == []
         tokens.append(np.asarray(step(placed, batch, key)))
     np.testing.assert_array_equal(*tokens)
+
+
+def test_a_loss_that_checks_its_batch_size_still_runs(model):
+    """The rewrite traces ``loss_fn`` on half the batch to find the rows; a loss that refuses any
+    other size gets its program as the partitioner has it, not an error."""
+
+    def strict(model, batch, key):
+        if batch["x"].shape[0] != ROWS:
+            raise ValueError(f"expected {ROWS} rows")
+        return loss_fn(model, batch, key)
+
+    mesh = redeqx.make_mesh(2)
+    specs = redeqx.sharding_rules(model, mesh)
+    state = redeqx.init_state(model, optax.sgd(0.05), mesh, specs, key=jax.random.key(1))
+    _, metrics = redeqx.make_train_step(strict, optax.sgd(0.05), mesh, specs)(state, data())
+    assert np.isfinite(metrics["loss"])

@@ -89,6 +89,24 @@ def twin_rewrite(jaxpr: jex.Jaxpr, half: jex.Jaxpr, replace, enter=lambda eqn: T
     return jaxpr.replace(eqns=eqns), count
 
 
+def rewritten_by_rows(fn: Callable, args: tuple, batch_arg: int, rows: int, replace, *, enter=lambda eqn: True,
+                      needed=lambda jaxpr: True):
+    """``fn(*args)`` evaluated as its program with `twin_rewrite`'s ``replace`` applied, the twin
+    traced on half of ``args[batch_arg]``'s ``rows``. The program as traced where ``needed(jaxpr)``
+    says no, where the rows are not an even number, or where ``fn`` cannot be traced on half of them
+    (a function that checks its batch's size): the rewrites that use this only make a step cheaper."""
+    closed, leaves, rebuild = traced(fn, *args)
+    jaxpr = closed.jaxpr
+    if rows >= 2 and rows % 2 == 0 and needed(jaxpr):
+        try:
+            half = eqx.filter_make_jaxpr(fn)(*with_rows(args, batch_arg, rows, rows // 2))[0]
+        except Exception:  # noqa: BLE001 (any error of the user's code on another batch size)
+            half = None
+        if half is not None:
+            jaxpr, _ = twin_rewrite(jaxpr, half.jaxpr, replace, enter)
+    return rebuild(jex.jaxpr_as_fun(jex.ClosedJaxpr(jaxpr, closed.consts))(*leaves))
+
+
 def _twin_param(value, twin, replace, enter):
     if isinstance(value, jex.ClosedJaxpr) and isinstance(twin, jex.ClosedJaxpr):
         inner, n = twin_rewrite(value.jaxpr, twin.jaxpr, replace, enter)

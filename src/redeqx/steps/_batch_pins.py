@@ -20,14 +20,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-import equinox as eqx
 import jax
-import jax.extend.core as jex
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..data import batch_size
 from ..mesh import DATA, STAGE
-from .._rewrite import rows_dim, traced, twin_rewrite, with_rows
+from .._rewrite import rewritten_by_rows, rows_dim
 from ._pipeline import pipelined_layer_scans
 
 
@@ -62,17 +60,15 @@ def batch_over_data(fn: Callable, *, batch_arg: int = 1, axes: tuple[str, ...] =
     """``fn(model, ..., batch, ...)`` evaluated with the free batch dim of each of its layout pins
     naming ``axes`` (see the module's text): ``("data", "stage")`` with pipeline stages, whose
     embedding and head then run on the rows the stages deal (`redeqx.steps._pipeline`). Under a
-    ``data`` already manual (inside a ``shard_map`` over it) or for a batch of one row: ``fn`` as it is."""
+    ``data`` already manual (inside a ``shard_map`` over it), for a batch of one row, or where ``fn``
+    cannot be traced on half its rows: ``fn`` as it is (`redeqx._rewrite.rewritten_by_rows`)."""
 
     @functools.wraps(fn)
     def run(*args):
         rows = batch_size(args[batch_arg])
         if rows < 2 or rows % 2 or set(axes) & set(jax.sharding.get_abstract_mesh().manual_axes):
             return fn(*args)
-        closed, leaves, rebuild = traced(fn, *args)
-        half = eqx.filter_make_jaxpr(fn)(*with_rows(args, batch_arg, rows, rows // 2))[0]
-        jaxpr, _ = twin_rewrite(closed.jaxpr, half.jaxpr, lambda eqn, twin: _pin(eqn, twin, axes))
-        return rebuild(jex.jaxpr_as_fun(jex.ClosedJaxpr(jaxpr, closed.consts))(*leaves))
+        return rewritten_by_rows(fn, args, batch_arg, rows, lambda eqn, twin: _pin(eqn, twin, axes))
 
     return run
 

@@ -47,14 +47,13 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-import equinox as eqx
 import jax
 import jax.extend.core as jex
 from jax.sharding import PartitionSpec as P
 
 from ..data import batch_size
 from ..mesh import DATA, STAGE
-from .._rewrite import call_in_place, inner_jaxprs, rows_dim, source_of, traced, twin_rewrite, with_rows
+from .._rewrite import call_in_place, inner_jaxprs, rewritten_by_rows, rows_dim, source_of
 
 
 def _across(eqn, platform: str) -> tuple[int, ...] | None:
@@ -130,25 +129,14 @@ def per_data_shard(fn: Callable, mesh, *, batch_arg: int = 1) -> Callable:
 
     @functools.wraps(fn)
     def run(*args):
-        closed, leaves, rebuild = traced(fn, *args)
-        jaxpr = closed.jaxpr
-        if _found(jaxpr, platform) and DATA not in jax.sharding.get_abstract_mesh().manual_axes:
-            rows = _rows_of(args, batch_arg)
-            if rows and rows % 2 == 0 and (half := _traced_on_half(fn, args, batch_arg, rows)) is not None:
-                jaxpr, _ = twin_rewrite(jaxpr, half.jaxpr, lambda eqn, twin: _on_shards(eqn, twin, n_data, platform),
-                                        enter=lambda eqn: eqn.primitive.name != "shard_map")
-        return rebuild(jex.jaxpr_as_fun(jex.ClosedJaxpr(jaxpr, closed.consts))(*leaves))
+        rows = _rows_of(args, batch_arg)
+        if not rows or DATA in jax.sharding.get_abstract_mesh().manual_axes:
+            return fn(*args)
+        return rewritten_by_rows(fn, args, batch_arg, rows, lambda eqn, twin: _on_shards(eqn, twin, n_data, platform),
+                                 enter=lambda eqn: eqn.primitive.name != "shard_map",
+                                 needed=lambda jaxpr: _found(jaxpr, platform))
 
     return run
-
-
-def _traced_on_half(fn, args: tuple, batch_arg: int, rows: int):
-    """``fn``'s program on half the rows, or None where it cannot be traced so (a function that
-    checks its batch's size): the step then runs as the partitioner has it, only slower."""
-    try:
-        return eqx.filter_make_jaxpr(fn)(*with_rows(args, batch_arg, rows, rows // 2))[0]
-    except Exception:  # noqa: BLE001 (any error of the user's code on another batch size)
-        return None
 
 
 def _rows_of(args: tuple, batch_arg: int) -> int | None:
