@@ -22,7 +22,7 @@ def cases():
     import equinox as eqx
     import jax
     import jax.numpy as jnp
-    import optax
+    from _helpers import mse_loss, next_token_loss, xent_loss  # the tests' losses (tests/ is on the path)
 
     from redeqx.models import MixtralConfig, MixtralForCausalLM
 
@@ -90,26 +90,15 @@ def cases():
                 x = block(x)
             return self.head(x.mean((1, 2)))
 
-    def field_loss(model, batch, key):
-        return jnp.mean((jax.vmap(model)(batch["x"]) - batch["y"]) ** 2)
-
-    def image_loss(model, batch, key):
-        logits = jax.vmap(model)(batch["x"])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-
-    def lm_loss(model, batch, key):
-        logits = jax.vmap(model)(batch["ids"][:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:]).mean()
-
     key, f32 = jax.random.key(0), jnp.float32
-    yield ("FNO 1-D (64 wide, 16 modes, 4 layers), 64 fields of 1,024 points", FNO(64, 16, 4, key), field_loss,
+    yield ("FNO 1-D (64 wide, 16 modes, 4 layers), 64 fields of 1,024 points", FNO(64, 16, 4, key), mse_loss,
            {"x": jax.ShapeDtypeStruct((64, 2, 1024), f32), "y": jax.ShapeDtypeStruct((64, 1024), f32)})
-    yield ("ResNeXt bottlenecks (256 -> 128 in 32 groups, 2 blocks), 32 images of 32 x 32", ResNeXt(key), image_loss,
+    yield ("ResNeXt bottlenecks (256 -> 128 in 32 groups, 2 blocks), 32 images of 32 x 32", ResNeXt(key), xent_loss,
            {"x": jax.ShapeDtypeStruct((32, 3, 32, 32), f32), "y": jax.ShapeDtypeStruct((32,), jnp.int32)})
     config = MixtralConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2)
     yield ("the zoo's Mixtral (256 wide, 4 layers, 8 experts, top 2), 16 x 512 tokens",
-           eqx.filter_eval_shape(MixtralForCausalLM, config, key=key), lm_loss,
+           eqx.filter_eval_shape(MixtralForCausalLM, config, key=key), next_token_loss,
            {"ids": jax.ShapeDtypeStruct((16, 513), jnp.int32)})
 
 
