@@ -423,3 +423,14 @@ def test_rows_of_another_count_are_named_by_key():
 
     with pytest.raises(ValueError, match=r"got sizes \[1, 16\] \(batch\['scale'\]: \[1\], batch\['x'\]: \[16, 3\]\)"):
         batch_size({"x": np.ones((16, 3)), "scale": np.ones((1,))})
+
+
+def test_a_python_list_in_a_batch_is_named_with_the_fix(devices):
+    from redeqx.data._batch import check_batch
+
+    mesh = redeqx.make_mesh(1, devices=devices[:2])
+    with pytest.raises(TypeError, match=r"batch\['ids'\] is a Python list or tuple of numbers.*np\.asarray"):
+        check_batch({"ids": [[1, 2], [3, 4]], "y": np.ones((2,))}, mesh)  # beside an array: it was taken
+    with pytest.raises(TypeError, match=r"batch\['ids'\] is a Python list"):  # as a step sees it: numpy scalars
+        check_batch({"ids": [[np.int32(1), np.int32(2)]]}, mesh)
+    check_batch({"ids": (np.ones((2, 3)), np.ones((2,)))}, mesh)  # a tuple of arrays is a batch

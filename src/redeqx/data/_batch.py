@@ -25,7 +25,20 @@ def batch_size(batch) -> int:
     return sizes.pop()
 
 
+def _refuse_python_sequences(batch) -> None:
+    """A list or tuple of numbers in a batch is a subtree to JAX, one leaf per
+    number, which no data axis splits: name the first such value and ask for an array."""
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        sequence = next((i for i, k in enumerate(path) if isinstance(k, jax.tree_util.SequenceKey)), None)
+        if sequence is not None and np.ndim(x) == 0:
+            where = f"batch{jax.tree_util.keystr(path[:sequence])}"
+            raise TypeError(
+                f"{where} is a Python list or tuple of numbers; a batch holds arrays, one row per example. "
+                f"Make it one in collate_fn, e.g. `np.asarray(...)` (or `np.stack` of the examples' arrays).")
+
+
 def check_batch(batch, mesh: Mesh) -> None:
+    _refuse_python_sequences(batch)
     b, n_data = batch_size(batch), mesh.shape[DATA]
     if b % n_data:
         raise ValueError(
