@@ -199,6 +199,14 @@ def next_token_loss(model, batch, key):
     return cross_entropy(logits, batch["ids"][:, 1:], ignore_index=None)
 
 
+def source_named(path: str | None) -> str:
+    """``--before``'s source directory as a report names it: the path and, in a git checkout, its commit."""
+    if not path:
+        return "(not given)"
+    found = subprocess.run(["git", "-C", path, "log", "-1", "--format=%h"], capture_output=True, text=True)
+    return f"{path} ({found.stdout.strip()})" if found.returncode == 0 and found.stdout.strip() else path
+
+
 # ----------------------------------------------------------------------------- workers
 
 def worker(module: str, fn: str, *, python: str = sys.executable, env: dict | None = None, **kwargs):

@@ -64,7 +64,6 @@ def hardware(smoke: bool) -> dict:
     import jax.numpy as jnp
 
     from benchmarks._common import timed
-    from benchmarks.checkpoint_memory import variant_order
 
     device = jax.devices()[0]
     n = 2**20 if smoke else 2**30  # elements of bf16: 2 GiB, many times any L2

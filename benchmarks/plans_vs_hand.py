@@ -16,7 +16,7 @@ checkout's ``src``), in a worker, for the "before" columns.
 
 import os
 
-from benchmarks._common import compiler, parser, report, serve, worker
+from benchmarks._common import compiler, parser, report, serve, source_named, worker
 
 def cases():
     """``(name, model, loss, batch, hand overrides per n_model_shards)``."""
@@ -180,7 +180,7 @@ with the specs the rules read from the program and with a hand plan (the names' 
 by `overrides=`); beside them, the program plan's FLOPs and peak bytes per device (the compiled program's
 figures) over the hand plan's. Where the program is under the hand plan in bytes, the rules kept a small head
 or table whole (cheaper in bytes and FLOPs, said in `explain`). "before": the program read by redeqx at
-{args.before or '(not given)'}. The tests' models.
+{source_named(args.before)}. The tests' models.
 
 {chr(10).join(rows)}
 """)
