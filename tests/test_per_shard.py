@@ -201,3 +201,60 @@ def test_a_loss_that_checks_its_batch_size_still_runs(model):
     state = redeqx.init_state(model, optax.sgd(0.05), mesh, specs, key=jax.random.key(1))
     _, metrics = redeqx.make_train_step(strict, optax.sgd(0.05), mesh, specs)(state, data())
     assert np.isfinite(metrics["loss"])
+
+
+class ConvNet(eqx.Module):
+    """Pointwise, ``groups=2`` and depthwise convolutions, for gradients taken per example."""
+
+    convs: list
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        ks = jax.random.split(key, 4)
+        self.convs = [eqx.nn.Conv1d(2, WIDTH, 1, key=ks[0]),
+                      eqx.nn.Conv1d(WIDTH, WIDTH, 3, padding=1, groups=2, key=ks[1]),
+                      eqx.nn.Conv1d(WIDTH, WIDTH, 3, padding=1, groups=WIDTH, key=ks[2])]
+        self.head = eqx.nn.Linear(WIDTH, 1, key=ks[3])
+
+    def __call__(self, x):  # (2, N) -> ()
+        for conv in self.convs:
+            x = jnp.tanh(conv(x))
+        return self.head(x.mean(1))[0]
+
+
+def example_loss(model, x, y):
+    return (model(x) - y) ** 2
+
+
+def smoothed_loss(model, batch, key):
+    """A loss that differentiates inside itself: the eval step runs it per example."""
+    mse = lambda m: jnp.mean(jax.vmap(lambda x, y: example_loss(m, x, y))(batch["x"], batch["y"]))
+    loss, grads = eqx.filter_value_and_grad(mse)(model)
+    return loss + 0.1 * sum(jnp.sum(g ** 2) for g in jax.tree.leaves(grads))
+
+
+def dp_step(model, batch):
+    """DP-SGD's clipped per-example gradients, summed (no noise: compared with one device)."""
+    grads = jax.vmap(eqx.filter_grad(example_loss), in_axes=(None, 0, 0))(model, batch["x"], batch["y"])
+    norms = jnp.sqrt(sum(jnp.sum(g.reshape(len(g), -1) ** 2, axis=1) for g in jax.tree.leaves(grads)))
+    scale = jnp.minimum(1.0, 1.0 / norms)
+    return jax.tree.map(lambda g: jnp.tensordot(scale, g, axes=1), grads), {}
+
+
+def test_a_convolutions_gradient_per_example_compiles_and_is_one_devices(devices):
+    """``jax.vmap`` makes a convolution's weight gradient per example one convolution grouped by
+    example, which XLA:CPU's and XLA:GPU's partitioner aborted the process compiling (``free():
+    invalid pointer``) on a mesh of ``data`` and ``model``: an eval step of a loss that takes a
+    gradient inside, and DP-SGD's per-example gradients in a `make_step` (for a 1 x 1 kernel; a wider
+    one compiled). Both now equal one device's."""
+    model, batch, key = ConvNet(jax.random.key(0)), data(), jax.random.key(3)
+    mesh, mesh1 = redeqx.make_mesh(2), redeqx.make_mesh(1, devices=devices[:1])
+    specs, specs1 = redeqx.sharding_rules(model, mesh), redeqx.sharding_rules(model, mesh1)
+    placed = redeqx.shard(model, specs, mesh)
+    got = redeqx.make_eval_step(smoothed_loss, mesh, specs)(placed, batch, key)
+    want = redeqx.make_eval_step(smoothed_loss, mesh1, specs1)(model, batch, key)
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
+    got = redeqx.make_step(dp_step, mesh, donate=False)(placed, over_data(batch, mesh))[0]
+    want = redeqx.make_step(dp_step, mesh1, donate=False)(model, batch)[0]
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

@@ -94,7 +94,8 @@ def rewritten_by_rows(fn: Callable, args: tuple, batch_arg: int, rows: int, repl
     """``fn(*args)`` evaluated as its program with `twin_rewrite`'s ``replace`` applied, the twin
     traced on half of ``args[batch_arg]``'s ``rows``. The program as traced where ``needed(jaxpr)``
     says no, where the rows are not an even number, or where ``fn`` cannot be traced on half of them
-    (a function that checks its batch's size): the rewrites that use this only make a step cheaper."""
+    (a function that checks its batch's size): the rewrites that use this make a step cheaper, or
+    compile one XLA's partitioner aborts on, and the program as traced is still right."""
     closed, leaves, rebuild = traced(fn, *args)
     jaxpr = closed.jaxpr
     if rows >= 2 and rows % 2 == 0 and needed(jaxpr):

@@ -9,11 +9,16 @@ whose operand is split along a dim they do not work across:
 - ``lax.top_k`` (an MoE router choosing each token's experts, the zoo's Mixtral and Qwen3-MoE
   included; ``models.sample(top_k=...)`` cutting each new token's logits in ``models.generate``),
 - a grouped convolution that is not depthwise (``groups`` between 1 and the input channels:
-  ResNeXt, RegNet; openxla/xla#47945).
+  ResNeXt, RegNet; openxla/xla#47945),
+- a convolution grouped by example: what ``jax.vmap`` makes of a convolution's weight gradient
+  taken per example (DP-SGD, per-example gradient norms, a loss that differentiates inside itself,
+  which the eval step runs per example). For a 1 x 1 kernel on a mesh of ``data`` and another axis,
+  XLA:CPU's and XLA:GPU's partitioner abort the process compiling it (``free(): invalid
+  pointer``); libtpu compiles it, gathering the batch (`_grouped_by_rows`).
 
-For each, it all-gathers the operand over the devices that split it (the whole global batch, on
-every device), runs the operation on all of it everywhere, and slices each device's rows back out
-of the result: an activation's bytes moved, and the global batch's FLOPs and memory, per use.
+For the first three, it all-gathers the operand over the devices that split it (the whole global
+batch, on every device), runs the operation on all of it everywhere, and slices each device's rows
+back out of the result: an activation's bytes moved, and the global batch's FLOPs and memory, per use.
 Compiled for 8 H100s (and on 8 CPU devices), a data-parallel train step of a 1-D Fourier neural
 operator moved 256 MiB a step this way, of 0.10 MiB of gradients; a ResNeXt step 65 MiB, of 0.66
 (benchmarks/per_shard_ops.py). libtpu partitions grouped convolutions itself, and an FFT on a mesh
@@ -23,7 +28,8 @@ So the train, eval and predict steps and `make_step` evaluate the function they 
 ``pred_fn``, ``step_fn``) with each such operation that the batch reaches inside a ``jax.shard_map``:
 each device runs it on its data shard's rows, whole in every other dim. Values do not change: the
 operation treats rows independently. Grouped convolutions are left to libtpu, where the
-``shard_map`` raised the step's peak memory (1.8x at data 8, 2.9x at data 4 x model 2) for no bytes.
+``shard_map`` raised the step's peak memory (1.8x at data 8, 2.9x at data 4 x model 2) for no bytes;
+those grouped by example are moved on every platform.
 
 The ``shard_map`` is manual over every mesh axis, not ``data`` alone: left to the partitioner inside
 one manual over ``data`` only, an FFT got a memory layout (frequencies major) that XLA:CPU's FFT then
@@ -54,6 +60,7 @@ from jax.sharding import PartitionSpec as P
 from ..data import batch_size
 from ..mesh import DATA, STAGE
 from .._rewrite import call_in_place, inner_jaxprs, rewritten_by_rows, rows_dim, source_of
+from ._conv_grads import batch_grouped_conv
 
 
 def _across(eqn, platform: str) -> tuple[int, ...] | None:
@@ -74,9 +81,16 @@ def _across(eqn, platform: str) -> tuple[int, ...] | None:
     return None
 
 
+def _may_group_rows(eqn) -> bool:
+    """Whether ``eqn`` is a convolution with groups, which may be the batch's rows: what ``jax.vmap``
+    makes of a weight gradient taken per example (`_grouped_by_rows`)."""
+    return (eqn.primitive.name == "conv_general_dilated"
+            and max(eqn.params["feature_group_count"], eqn.params["batch_group_count"]) > 1)
+
+
 def _found(jaxpr: jex.Jaxpr, platform: str) -> bool:
     """Whether ``jaxpr`` (or a program it calls, outside a ``shard_map``) holds such an operation."""
-    return any(_across(eqn, platform) is not None or (
+    return any(_across(eqn, platform) is not None or _may_group_rows(eqn) or (
         eqn.primitive.name != "shard_map" and any(_found(inner, platform) for inner in inner_jaxprs(eqn)))
         for eqn in jaxpr.eqns)
 
@@ -90,6 +104,8 @@ def _on_shards(eqn, twin, n_data: int, platform: str):
     """``eqn`` inside a ``shard_map`` manual over every axis, its first operand and its results split
     over ``data`` on the dim that carries the rows, whole otherwise; None where no dim it does not
     work across carries them."""
+    if _may_group_rows(eqn) and (grouped := _grouped_by_rows(eqn, twin, n_data)) is not None:
+        return grouped
     across = _across(eqn, platform)
     if across is None:
         return None
@@ -119,10 +135,51 @@ def _on_shards(eqn, twin, n_data: int, platform: str):
     return call_in_place(eqn, local)
 
 
+def _grouped_by_rows(eqn, twin, n_data: int):
+    """A convolution whose groups are the batch's rows, inside a ``shard_map`` over ``data`` that
+    gives each device its rows' groups; None for any other convolution.
+
+    ``jax.vmap`` of a convolution's weight gradient (DP-SGD's per-example gradients, a loss that
+    differentiates inside itself run per example by the eval step) makes it one convolution grouped
+    by example: ``feature_group_count`` = the examples, read along the input's feature dim, and its
+    own transpose one with ``batch_group_count`` = the examples. On a mesh of ``data`` and another
+    axis of more than one device, XLA's partitioner aborts the process compiling the first for a 1 x 1
+    kernel (``free(): invalid pointer``; XLA:CPU and XLA:GPU, JAX 0.10.2); libtpu compiles it, but
+    all-gathers the batch onto every device for it. The groups are the rows where traced on half the
+    rows the count halves; each device then convolves its own groups: the input split on the grouped
+    dim, the other operand and the result on their output features (the groups' blocks, in order),
+    the count divided by the data shards. Any contiguous run of whole groups is such a convolution of
+    its own, so the values are one device's wherever the data shards divide the count."""
+    numbers = eqn.params["dimension_numbers"]
+    for count, grouped in (("feature_group_count", numbers.lhs_spec[1]), ("batch_group_count", numbers.lhs_spec[0])):
+        groups = eqn.params[count]
+        if groups > 1 and groups % n_data == 0 and 2 * twin.params[count] == groups:
+            break
+    else:
+        return None
+    dims = (grouped, numbers.rhs_spec[0], numbers.out_spec[1])
+    found = (_rows(eqn.invars[0], twin.invars[0]), _rows(eqn.invars[1], twin.invars[1]),
+             _rows(eqn.outvars[0], twin.outvars[0]))
+    if found != dims:
+        return None
+    lhs, rhs, out = (P(*[DATA if i == d else None for i in range(v.aval.ndim)])
+                     for d, v in zip(dims, (*eqn.invars, eqn.outvars[0])))
+    params = {**eqn.params, count: groups // n_data}
+
+    def run(x, w):  # a batch-grouped one by products, as every step computes those (`batch_grouped_conv`)
+        with source_of(eqn):
+            if count == "batch_group_count":
+                return batch_grouped_conv(x, w, params)
+            return eqn.primitive.bind(x, w, **params)
+
+    return call_in_place(eqn, jax.shard_map(run, in_specs=(lhs, rhs), out_specs=out))
+
+
 def per_data_shard(fn: Callable, mesh, *, batch_arg: int = 1) -> Callable:
     """``fn(..., batch, ...)`` (the batch its ``batch_arg``-th argument) evaluated with each FFT,
     ``top_k`` and non-depthwise grouped convolution the batch reaches run on each data shard's own
-    rows (the module's text). ``fn`` itself on a mesh of one data shard or with pipeline stages."""
+    rows, and each convolution grouped by the batch's examples on each device's own examples (the
+    module's text). ``fn`` itself on a mesh of one data shard or with pipeline stages."""
     n_data, platform = dict(mesh.shape).get(DATA, 1), mesh.devices.flat[0].platform
     if n_data == 1 or dict(mesh.shape).get(STAGE, 1) > 1:
         return fn

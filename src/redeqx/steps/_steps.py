@@ -64,7 +64,9 @@ def make_step(step_fn: Callable, mesh: Mesh, *, donate: bool = True) -> Callable
     inside such a step. Gradients of grouped and depthwise convolutions come
     out as on one device (`exact_conv_grads`: the step's program computes
     their weight gradients by matrix products); FFTs, ``top_k`` and grouped
-    convolutions that ``args[0]``'s rows reach run on each data shard's rows.
+    convolutions that ``args[0]``'s rows reach run on each data shard's rows,
+    and so do per-example gradients of convolutions (DP-SGD's), which XLA's
+    partitioner aborted on, on a mesh with ``model`` shards.
 
     **Example** (two models and two optimizers, as in a GAN or actor-critic):
 
