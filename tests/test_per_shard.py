@@ -258,3 +258,28 @@ def test_a_convolutions_gradient_per_example_compiles_and_is_one_devices(devices
     want = redeqx.make_step(dp_step, mesh1, donate=False)(model, batch)[0]
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def scored_loss(model, batch, key):
+    """A loss that takes each example's gradient (its norms, a penalty): the train step differentiates
+    a per-example weight gradient."""
+    grads = jax.vmap(eqx.filter_grad(example_loss), in_axes=(None, 0, 0))(model, batch["x"], batch["y"])
+    penalty = sum(jnp.sum(g ** 2) for g in jax.tree.leaves(grads)) / len(batch["x"])
+    return jnp.mean((jax.vmap(model)(batch["x"]) - batch["y"]) ** 2) + 0.1 * penalty
+
+
+@pytest.mark.parametrize("how", ["plain", "accumulate", "shard_mean_loss", "remat"])
+def test_a_loss_taking_per_example_gradients_trains_as_on_one_device(how, devices):
+    """With ``accumulate`` and ``shard_mean_loss`` the first call's check runs the loss too; under
+    `redeqx.remat` on CPU its blocks' recomputation traced them again as written: each aborted the
+    compile at data 4 x model 2 until they ran per data shard as the step does."""
+    model, batch, optimizer = ConvNet(jax.random.key(0)), data(), optax.sgd(0.01)
+    loss = redeqx.remat(scored_loss) if how == "remat" else scored_loss
+    options = {"accumulate": {"accumulate": 2}, "shard_mean_loss": {"shard_mean_loss": True}}.get(how, {})
+    models = []
+    for mesh in (redeqx.make_mesh(2), redeqx.make_mesh(1, devices=devices[:1])):
+        specs = redeqx.sharding_rules(model, mesh)
+        state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
+        models.append(redeqx.make_train_step(loss, optimizer, mesh, specs, **options)(state, batch)[0].model)
+    for a, b in zip(jax.tree.leaves(models[0]), jax.tree.leaves(models[1])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)

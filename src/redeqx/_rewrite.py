@@ -9,6 +9,7 @@ evaluates the rewritten program in its place. The model's code is untouched.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 
@@ -90,22 +91,29 @@ def twin_rewrite(jaxpr: jex.Jaxpr, half: jex.Jaxpr, replace, enter=lambda eqn: T
 
 
 def rewritten_by_rows(fn: Callable, args: tuple, batch_arg: int, rows: int, replace, *, enter=lambda eqn: True,
-                      needed=lambda jaxpr: True):
+                      needed=lambda jaxpr: True, retrace_in=None):
     """``fn(*args)`` evaluated as its program with `twin_rewrite`'s ``replace`` applied, the twin
     traced on half of ``args[batch_arg]``'s ``rows``. The program as traced where ``needed(jaxpr)``
     says no, where the rows are not an even number, or where ``fn`` cannot be traced on half of them
     (a function that checks its batch's size): the rewrites that use this make a step cheaper, or
-    compile one XLA's partitioner aborts on, and the program as traced is still right."""
-    closed, leaves, rebuild = traced(fn, *args)
-    jaxpr = closed.jaxpr
-    if rows >= 2 and rows % 2 == 0 and needed(jaxpr):
-        try:
-            half = eqx.filter_make_jaxpr(fn)(*with_rows(args, batch_arg, rows, rows // 2))[0]
-        except Exception:  # noqa: BLE001 (any error of the user's code on another batch size)
-            half = None
+    compile one XLA's partitioner aborts on, and the program as traced is still right. Where the
+    rewrite is needed, ``retrace_in`` (a context manager, or None) is one in which both programs are
+    traced again: one whose custom rules would otherwise trace their bodies again, unrewritten."""
+    first = traced(fn, *args)
+    closed, leaves, rebuild = first
+    if rows >= 2 and rows % 2 == 0 and needed(closed.jaxpr):
+        with retrace_in() if retrace_in is not None else contextlib.nullcontext():
+            again = first if retrace_in is None else traced(fn, *args)
+            try:
+                half = eqx.filter_make_jaxpr(fn)(*with_rows(args, batch_arg, rows, rows // 2))[0]
+            except Exception:  # noqa: BLE001 (any error of the user's code on another batch size)
+                half = None
         if half is not None:
-            jaxpr, _ = twin_rewrite(jaxpr, half.jaxpr, replace, enter)
-    return rebuild(jex.jaxpr_as_fun(jex.ClosedJaxpr(jaxpr, closed.consts))(*leaves))
+            jaxpr, count = twin_rewrite(again[0].jaxpr, half.jaxpr, replace, enter)
+            if count:  # else the program as first traced
+                closed, leaves, rebuild = again
+                closed = jex.ClosedJaxpr(jaxpr, closed.consts)
+    return rebuild(jex.jaxpr_as_fun(closed)(*leaves))
 
 
 def _twin_param(value, twin, replace, enter):

@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from ._loss import call_loss, cast_floats, fn_name, micro_batches
 from ._shard_mean import FirstCallCheck, _first_rows
 from ._compiled import CompiledStep, Placement
+from ._per_shard import per_data_shard
 from ..data import check_batch
 from ..mesh import DATA
 from .._typing import warn_user
@@ -34,9 +35,11 @@ def loss_gap(loss_fn, accumulate: int, mesh: Mesh):
     dropout off, forward passes only. A model with a ``model_state`` (BatchNorm's statistics,
     which depend on the rows a pass sees) is not measured."""
 
+    local = per_data_shard(loss_fn, mesh)  # as the step runs it (XLA aborts on some of what it moves)
+
     def loss_of(model, batch, key):
         model = eqx.nn.inference_mode(model, True)
-        return call_loss(loss_fn, cast_floats(model, jnp.float32), cast_floats(batch, jnp.float32), key, None)[0]
+        return call_loss(local, cast_floats(model, jnp.float32), cast_floats(batch, jnp.float32), key, None)[0]
 
     def measure(state, batch):
         check_batch(batch, mesh)

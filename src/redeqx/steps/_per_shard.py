@@ -40,7 +40,8 @@ convolution's weights) are cast to varying over ``data``, so their cotangent is 
 alone, as a weight's gradient is.
 
 Which dim carries the rows is read from the function traced a second time on half the batch (the
-dim that halves, as `redeqx.steps._batch_pins` finds it); a dim the operation works across, or one
+dim that halves, as `redeqx.steps._batch_pins` finds it; on CPU, where something is to move, with
+`redeqx.remat`'s blocks as plain ``jax.checkpoint``s, whose recomputation the rewrite then covers); a dim the operation works across, or one
 ``data`` does not divide, is left to the partitioner. So are a program already manual over ``data``,
 a batch of one row or of an odd number of rows, and a mesh with pipeline stages (whose stacked
 layers run on microbatches). A grouped convolution's weight gradient inside the ``shard_map`` comes
@@ -61,6 +62,7 @@ from ..data import batch_size
 from ..mesh import DATA, STAGE
 from .._rewrite import call_in_place, inner_jaxprs, rewritten_by_rows, rows_dim, source_of
 from ._conv_grads import batch_grouped_conv
+from ._remat import plain_checkpoints
 
 
 def _across(eqn, platform: str) -> tuple[int, ...] | None:
@@ -191,7 +193,8 @@ def per_data_shard(fn: Callable, mesh, *, batch_arg: int = 1) -> Callable:
             return fn(*args)
         return rewritten_by_rows(fn, args, batch_arg, rows, lambda eqn, twin: _on_shards(eqn, twin, n_data, platform),
                                  enter=lambda eqn: eqn.primitive.name != "shard_map",
-                                 needed=lambda jaxpr: _found(jaxpr, platform))
+                                 needed=lambda jaxpr: _found(jaxpr, platform),
+                                 retrace_in=plain_checkpoints if platform == "cpu" else None)
 
     return run
 

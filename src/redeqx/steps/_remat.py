@@ -86,9 +86,10 @@ _PLAIN = contextvars.ContextVar("plain_checkpoints", default=False)
 @contextlib.contextmanager
 def plain_checkpoints():
     """Within it `recomputed_call` is ``jax.checkpoint`` on CPU too: for a rewrite that traces a loss
-    and evaluates its equations again (`redeqx.steps._fp8`), which sees into a ``checkpoint`` and
-    cannot see into the CPU's tied ``custom_vjp`` (whose backward pass would recompute the body as it
-    was). On CPU, the step then recomputes nothing (XLA:CPU merges the recomputation back)."""
+    and evaluates its equations again (`redeqx.steps._fp8`, `redeqx.steps._per_shard`), which sees into
+    a ``checkpoint`` and cannot see into the CPU's tied ``custom_vjp`` (whose backward pass would
+    recompute the body as it was). On CPU, the step then recomputes nothing (XLA:CPU merges the
+    recomputation back)."""
     token = _PLAIN.set(True)
     try:
         yield

@@ -24,6 +24,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from ._compiled import CompiledStep, Placement
 from ._loss import GradFn, accumulated, fn_name, loss_and_grads
+from ._per_shard import per_data_shard
 from ..data import check_batch
 from ..mesh import DATA
 from ..state import split_trainable
@@ -128,7 +129,8 @@ def gradient_gap(loss_fn, accumulate: int, mesh: Mesh, trainable):
     combines rows, and so few rows keep the check's memory well below the
     step's."""
     exact = loss_and_grads(loss_fn, jnp.float32, inference=True)
-    whole = accumulated(exact, accumulate, mesh)
+    # the whole batch's loss with what the step runs per data shard run so (XLA aborts on some of it)
+    whole = accumulated(loss_and_grads(per_data_shard(loss_fn, mesh), jnp.float32, inference=True), accumulate, mesh)
     by_shard = shard_mean(accumulated(exact, accumulate, None), mesh)
 
     def measure(state, batch):
