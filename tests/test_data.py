@@ -434,3 +434,4 @@ def test_a_python_list_in_a_batch_is_named_with_the_fix(devices):
     with pytest.raises(TypeError, match=r"batch\['ids'\] is a Python list"):  # as a step sees it: numpy scalars
         check_batch({"ids": [[np.int32(1), np.int32(2)]]}, mesh)
     check_batch({"ids": (np.ones((2, 3)), np.ones((2,)))}, mesh)  # a tuple of arrays is a batch
+    check_batch({"x": np.ones((4, 3)), "temperatures": [0.5, 1.0]}, mesh)  # numbers shared by the batch

@@ -26,15 +26,22 @@ def batch_size(batch) -> int:
 
 
 def _refuse_python_sequences(batch) -> None:
-    """A list or tuple of numbers in a batch is a subtree to JAX, one leaf per
-    number, which no data axis splits: name the first such value and ask for an array."""
-    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
-        sequence = next((i for i, k in enumerate(path) if isinstance(k, jax.tree_util.SequenceKey)), None)
-        if sequence is not None and np.ndim(x) == 0:
-            where = f"batch{jax.tree_util.keystr(path[:sequence])}"
+    """A list or tuple of numbers in a batch is a subtree to JAX, one replicated leaf per number,
+    which no data axis splits: where it holds a value per example (as many as the arrays' rows, or
+    there are no arrays), name it and ask for an array. A few numbers shared by the batch pass."""
+    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    rows = {x.shape[0] for _, x in leaves if np.ndim(x) > 0}
+    lengths: dict = {}
+    for path, x in leaves:
+        at = next((i for i, k in enumerate(path) if isinstance(k, jax.tree_util.SequenceKey)), None)
+        if at is not None and np.ndim(x) == 0:
+            lengths[path[:at]] = max(lengths.get(path[:at], 0), path[at].idx + 1)
+    for prefix, length in lengths.items():
+        if not rows or length in rows:
             raise TypeError(
-                f"{where} is a Python list or tuple of numbers; a batch holds arrays, one row per example. "
-                f"Make it one in collate_fn, e.g. `np.asarray(...)` (or `np.stack` of the examples' arrays).")
+                f"batch{jax.tree_util.keystr(prefix)} is a Python list or tuple of numbers, {length} long; a batch "
+                "holds arrays, one row per example. Make it one in collate_fn, e.g. `np.asarray(...)` (or "
+                "`np.stack` of the examples' arrays).")
 
 
 def check_batch(batch, mesh: Mesh) -> None:

@@ -40,9 +40,10 @@ convolution's weights) are cast to varying over ``data``, so their cotangent is 
 alone, as a weight's gradient is.
 
 Which dim carries the rows is read from the function traced a second time on half the batch (the
-dim that halves, as `redeqx.steps._batch_pins` finds it; on CPU, where something is to move, with
-`redeqx.remat`'s blocks as plain ``jax.checkpoint``s, whose recomputation the rewrite then covers); a dim the operation works across, or one
-``data`` does not divide, is left to the partitioner. So are a program already manual over ``data``,
+dim that halves, as `redeqx.steps._batch_pins` finds it). On CPU, where something is to move, both
+are traced with `redeqx.remat`'s blocks as plain ``jax.checkpoint``s, whose recomputation the
+rewrite then covers (the CPU's tied ``custom_vjp`` would trace them again as written). A dim the
+operation works across, or one ``data`` does not divide, is left to the partitioner. So are a program already manual over ``data``,
 a batch of one row or of an odd number of rows, and a mesh with pipeline stages (whose stacked
 layers run on microbatches). A grouped convolution's weight gradient inside the ``shard_map`` comes
 out as on one device (XLA's own, outside it, is ``n_model_shards`` times too large:
