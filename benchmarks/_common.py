@@ -209,6 +209,14 @@ def source_named(path: str | None) -> str:
 
 # ----------------------------------------------------------------------------- workers
 
+class WorkerFailed(RuntimeError):
+    """A `worker` that exited with ``returncode`` (negative: killed by that signal, as by an abort)."""
+
+    def __init__(self, message: str, returncode: int):
+        super().__init__(message)
+        self.returncode = returncode
+
+
 def worker(module: str, fn: str, *, python: str = sys.executable, env: dict | None = None, **kwargs):
     """``fn(**kwargs)`` of ``module`` (a benchmark's ``__file__``) in a fresh
     process that ``serve`` answers (8 simulated CPU devices by default): the
@@ -217,7 +225,8 @@ def worker(module: str, fn: str, *, python: str = sys.executable, env: dict | No
     proc = subprocess.run([python, "-m", f"benchmarks.{Path(module).stem}", "--worker", task], env=env or worker_env(8),
                           cwd=ROOT, stdout=subprocess.PIPE, text=True)
     if proc.returncode:
-        raise RuntimeError(f"worker {fn}({kwargs}) failed (exit {proc.returncode}); its output is above")
+        raise WorkerFailed(f"worker {fn}({kwargs}) failed (exit {proc.returncode}); its output is above",
+                           proc.returncode)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

@@ -16,8 +16,9 @@ grouped by example) is reported as such.
 """
 
 import os
+import signal
 
-from benchmarks._common import compiler, gpu_compiler, parser, report, serve, source_named, worker
+from benchmarks._common import WorkerFailed, compiler, gpu_compiler, parser, report, serve, source_named, worker
 
 
 def cases():
@@ -154,10 +155,12 @@ def measure(platform: str, index: int, n: int) -> dict:
 
 
 def measured(python: str, env: dict, platform: str, index: int, n: int) -> dict | None:
-    """`measure` in its own process; None where the compiler aborted it (or it failed)."""
+    """`measure` in its own process; None where the compiler aborted the process (SIGABRT)."""
     try:
         return worker(__file__, "measure", python=python, env=env, platform=platform, index=index, n=n)
-    except RuntimeError as e:
+    except WorkerFailed as e:
+        if e.returncode != -signal.SIGABRT:
+            raise
         print(e, flush=True)
         return None
 
