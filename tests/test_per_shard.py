@@ -2,7 +2,9 @@
 (`redeqx.steps._per_shard`): XLA's partitioner all-gathers the whole batch onto every device for
 each of them and runs it there. A small model holding all three (a Fourier layer with complex
 weights, an MoE-style router, a ``groups=2`` convolution) trains, evaluates and predicts as on
-one device, and its compiled steps gather no batch-sized value over ``data``."""
+one device, and its compiled steps gather no batch-sized value over ``data``. Convolutions grouped
+by example (per-example weight gradients), on which the partitioner aborted the process, compile
+and give one device's values in every step maker."""
 
 import warnings
 
