@@ -176,10 +176,10 @@ def main():
     text = lambda f: "aborted" if f is None else (
         f"{f['bytes'] / 2**20:.2f} / " + (f"{f['flops'] / 1e9:.2f}" if f["flops"] else "n/a") + f" / {f['peak'] / 2**20:.1f}")
     for label, (python, env, platform) in compilers.items():
-        old = dict(env, PYTHONPATH=os.pathsep.join([os.path.abspath(args.before or "."), env["PYTHONPATH"]]))
+        old = args.before and dict(env, PYTHONPATH=os.pathsep.join([os.path.abspath(args.before), env["PYTHONPATH"]]))
         for index, name in enumerate(worker(__file__, "names")):
             for n in (1, 2):
-                was = measured(python, old, platform, index, n) if args.before else None
+                was = measured(python, old, platform, index, n) if old else None
                 fig = measured(python, env, platform, index, n)
                 ratios = " | ".join(f"{fig[x] / was[x]:.2f}" if was and fig and was[x] and fig[x] is not None
                                     else "n/a" for x in ("bytes", "flops", "peak"))

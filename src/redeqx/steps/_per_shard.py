@@ -84,17 +84,20 @@ def _across(eqn, platform: str) -> tuple[int, ...] | None:
     return None
 
 
-def _may_group_rows(eqn) -> bool:
-    """Whether ``eqn`` is a convolution with groups, which may be the batch's rows: what ``jax.vmap``
-    makes of a weight gradient taken per example (`_grouped_by_rows`)."""
-    return (eqn.primitive.name == "conv_general_dilated"
-            and max(eqn.params["feature_group_count"], eqn.params["batch_group_count"]) > 1)
+def _groups(eqn) -> int:
+    """A convolution's group count (of features or of the batch), which may be the batch's rows:
+    what ``jax.vmap`` makes of a weight gradient taken per example (`_grouped_by_rows`); 1 otherwise."""
+    if eqn.primitive.name != "conv_general_dilated":
+        return 1
+    return max(eqn.params["feature_group_count"], eqn.params["batch_group_count"])
 
 
-def _found(jaxpr: jex.Jaxpr, platform: str) -> bool:
-    """Whether ``jaxpr`` (or a program it calls, outside a ``shard_map``) holds such an operation."""
-    return any(_across(eqn, platform) is not None or _may_group_rows(eqn) or (
-        eqn.primitive.name != "shard_map" and any(_found(inner, platform) for inner in inner_jaxprs(eqn)))
+def _found(jaxpr: jex.Jaxpr, platform: str, rows: int) -> bool:
+    """Whether ``jaxpr`` (or a program it calls, outside a ``shard_map``) holds such an operation: a
+    convolution grouped by example has a multiple of the ``rows`` groups (a depthwise one seldom, so
+    its program is seldom traced again)."""
+    return any(_across(eqn, platform) is not None or (_groups(eqn) > 1 and _groups(eqn) % rows == 0) or (
+        eqn.primitive.name != "shard_map" and any(_found(inner, platform, rows) for inner in inner_jaxprs(eqn)))
         for eqn in jaxpr.eqns)
 
 
@@ -107,7 +110,7 @@ def _on_shards(eqn, twin, n_data: int, platform: str):
     """``eqn`` inside a ``shard_map`` manual over every axis, its first operand and its results split
     over ``data`` on the dim that carries the rows, whole otherwise; None where no dim it does not
     work across carries them."""
-    if _may_group_rows(eqn) and (grouped := _grouped_by_rows(eqn, twin, n_data)) is not None:
+    if _groups(eqn) > 1 and (grouped := _grouped_by_rows(eqn, twin, n_data)) is not None:
         return grouped
     across = _across(eqn, platform)
     if across is None:
@@ -194,7 +197,7 @@ def per_data_shard(fn: Callable, mesh, *, batch_arg: int = 1) -> Callable:
             return fn(*args)
         return rewritten_by_rows(fn, args, batch_arg, rows, lambda eqn, twin: _on_shards(eqn, twin, n_data, platform),
                                  enter=lambda eqn: eqn.primitive.name != "shard_map",
-                                 needed=lambda jaxpr: _found(jaxpr, platform),
+                                 needed=lambda jaxpr: _found(jaxpr, platform, rows),
                                  retrace_in=plain_checkpoints if platform == "cpu" else None)
 
     return run

@@ -129,7 +129,7 @@ def gradient_gap(loss_fn, accumulate: int, mesh: Mesh, trainable):
     combines rows, and so few rows keep the check's memory well below the
     step's."""
     exact = loss_and_grads(loss_fn, jnp.float32, inference=True)
-    # the whole batch's loss with what the step runs per data shard run so (XLA aborts on some of it)
+    # the whole batch's loss run as the step runs it (`per_data_shard`: XLA aborts on some of what it moves)
     whole = accumulated(loss_and_grads(per_data_shard(loss_fn, mesh), jnp.float32, inference=True), accumulate, mesh)
     by_shard = shard_mean(accumulated(exact, accumulate, None), mesh)
 
