@@ -55,10 +55,20 @@ def contract(r, eqn, dn=None, groups=(), operands=None) -> None:
     (lc, rc), (lb, rb) = dn = eqn.params["dimension_numbers"] if dn is None else dn
     lpos, rpos = _out_positions(len(_shape(lhs)), len(_shape(rhs)), dn, groups)
     lv, rv = r.view(lhs), r.view(rhs)
+    if lv is not None and rv is not None and lv.normalized != rv.normalized:
+        # normed weights with rows of their own times a weight (a Perceiver's normed latents times its
+        # query projection) are its activation; a normed vector it contracts whole (spectral
+        # normalisation's `u @ W @ v`) is not
+        normed, c, b = (lhs, lc, lb) if lv.normalized else (rhs, rc, rb)
+        if any(d not in c and d not in b for d in range(len(_shape(normed)))):
+            lv, rv = (None, rv) if lv.normalized else (lv, None)
     out = eqn.outvars[0]
-    if lv is not None and rv is not None:  # weights times weights (a merged adapter): still weights
-        parts = [(leaf, _through(dims, lpos, len(_shape(out)))) for leaf, dims in lv.parts]
-        parts += [(leaf, _through(dims, rpos, len(_shape(out)))) for leaf, dims in rv.parts]
+    if _weights_only(r, lhs, lv, lc, lb) and _weights_only(r, rhs, rv, rc, rb) and (lv or rv):
+        # weights times weights (a merged adapter), or a weight times what is made of weights alone or a
+        # constant vector it contracts whole (spectral normalisation's power iteration, `W @ u` with `u`
+        # from the model state): still weights, no use of them on an activation
+        parts = [(leaf, _through(dims, lpos, len(_shape(out)))) for leaf, dims in lv.parts] if lv else []
+        parts += [(leaf, _through(dims, rpos, len(_shape(out)))) for leaf, dims in rv.parts] if rv else []
         r.views[out] = View(tuple(parts))
         return
     sides = [(lhs, lv, lc, lb, lpos, rc, rb), (rhs, rv, rc, rb, rpos, lc, lb)]
@@ -101,6 +111,15 @@ def contract(r, eqn, dn=None, groups=(), operands=None) -> None:
     r.set_tags(out, tags, "dot_general")
 
 
+def _weights_only(r, var, view, contracting, batch) -> bool:
+    """Whether ``var`` is a weight, is made of weights alone, or is a constant whose every dim the
+    product contracts or batches (a constant with dims of its own, a grid of points a loss closes
+    over, is data: a weight's product with it is a use)."""
+    if view is not None or r.is_derived(var):
+        return True
+    return r.is_static(var) and all(d in contracting or d in batch for d in range(len(_shape(var))))
+
+
 def _through(dims, pos, nd):
     new = [None] * nd
     for d, leaf_dim in enumerate(dims):
@@ -123,9 +142,10 @@ def convolve(r, eqn) -> None:
         if d != in_feature or kv is None:
             r.facts.block(seed, "its output reaches a conv other than on its channels")
             continue
-        for leaf, dims in kv.parts:
-            if groups == 1 and dims[k_in] is not None:
-                r.facts.row(seed, leaf, dims[k_in], "conv contracts the split channels")
+        for leaf, dims in kv.parts:  # (a part with no in-feature dim is a gain the kernel is scaled by)
+            if groups == 1:
+                if dims[k_in] is not None:
+                    r.facts.row(seed, leaf, dims[k_in], "conv contracts the split channels")
             elif dims[k_out] is not None:
                 r.facts.follow(seed, leaf, dims[k_out], f"grouped conv ({groups} groups) on the split channels")
                 tags[seed] = out_feature

@@ -4,6 +4,7 @@ local, and is blocked, with the reason, where the op needs the whole dim."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from ._facts import reshape_target
@@ -31,10 +32,14 @@ def elementwise(r: Reader, eqn) -> None:
     out = eqn.outvars[0]
     nd = len(_shape(out))
     views = [(v, r.view(v)) for v in eqn.invars]
-    acts = [v for v, vw in views if vw is None and not r.is_static(v) and len(_shape(v)) == nd and nd]
+    acts = [v for v, vw in views if vw is None and not r.is_static(v) and not r.is_derived(v)
+            and len(_shape(v)) == nd and nd]
     weights = [vw for _, vw in views if vw is not None and len(_shape(_var(eqn, vw, views))) == nd]
-    if weights and not acts and (eqn.primitive.name in SCALING or len(weights) > 1 or len(views) == 1):
-        r.views[out] = View(tuple(p for w in weights for p in w.parts))  # still the weights: W * s, W + delta
+    derived = any(r.is_derived(v) for v in eqn.invars)
+    if weights and not acts and (eqn.primitive.name in SCALING or len(weights) > 1 or len(views) == 1 or derived):
+        # still the weights: W * s, W + delta, g * v / |v| (weight normalisation), (W - mean W) / std W
+        r.views[out] = View(tuple(p for w in weights for p in _broadcast(w, _shape(_var(eqn, w, views)), _shape(out))),
+                            derived or any(w.normalized for w in weights))
         return
     tags: dict[int, int] = {}
     where = f"{eqn.primitive.name}"
@@ -60,6 +65,13 @@ def elementwise(r: Reader, eqn) -> None:
     within = {s: d for v in eqn.invars if len(_shape(v)) == nd for s, d in r.inner(v).items()}
     if within:
         r.within[out] = within
+
+
+def _broadcast(vw: View, shape, out_shape) -> tuple:
+    """``vw``'s parts in an elementwise op's output: a dim of size 1 that the op broadcasts (a gain
+    of shape ``(out, 1)`` times a ``(out, in)`` weight) is no dim of its leaf there."""
+    return tuple((leaf, tuple(None if shape[d] == 1 != out_shape[d] else x for d, x in enumerate(dims)))
+                 for leaf, dims in vw.parts)
 
 
 def _split_at(r: Reader, v, dim: int) -> bool:
@@ -108,7 +120,13 @@ def reshape(r: Reader, eqn) -> None:
                 if t is not None and t[1] == t[2] == 1 and old[d] == new[t[0]]:
                     moved[t[0]] = leaf_dim
             return tuple(moved)
-        r.views[out] = vw.mapped(keep)
+
+        def back(leaf, dims):  # a weight flattened to (out, -1) and back (spectral normalisation of a conv)
+            whole = tuple(range(len(new)))
+            mine = new == tuple(r.facts.shapes[leaf]) and all(x in (None, d) for d, x in enumerate(dims))
+            return whole if mine and reshape_target(new, old, 0) is not None else dims
+        kept = vw.mapped(keep)
+        r.views[out] = dataclasses.replace(kept, parts=tuple((leaf, back(leaf, dims)) for leaf, dims in kept.parts))
         _indexed(r, vw, old, new)
     tags = {}
     for seed, d in r.tag(src).items():

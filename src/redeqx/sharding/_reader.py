@@ -4,8 +4,10 @@ Each variable holds a `View` (it is made of weights), a dict ``{seed: dim}``
 of the splits it carries, and whether it depends on no input (``static``:
 iota and constants, e.g. positions); a value reshaped from a split dim into
 ``(groups, per group)`` also says which of its dims are the per-group factors
-(``within``: heads' features, or a GroupNorm's channels per group). The handlers in `_ops` and `_loops`
-move these from an equation's inputs to its outputs; `_program` lists them.
+(``within``: heads' features, or a GroupNorm's channels per group), and which values are
+``derived`` from weights alone without being one (a weight's norm: weight normalisation, a
+standardised conv kernel). The handlers in `_ops` and `_loops` move these from an equation's
+inputs to its outputs; `_program` lists them.
 """
 
 from __future__ import annotations
@@ -25,9 +27,13 @@ class View:
     leaf dim behind the value's dim ``d`` (None: not one dim of that leaf)."""
 
     parts: tuple[tuple[int, tuple[int | None, ...]], ...]
+    # normalised by statistics of weights (``g * v / |v|``, ``(w - mean w) / std w``, a LayerNorm
+    # of learned latents): a weight where an activation contracts it, an activation where another
+    # weight does (a Perceiver's normed latents times its query projection)
+    normalized: bool = False
 
     def mapped(self, fn) -> View:
-        return View(tuple((leaf, fn(dims)) for leaf, dims in self.parts))
+        return View(tuple((leaf, fn(dims)) for leaf, dims in self.parts), self.normalized)
 
 
 class Reader:
@@ -42,6 +48,7 @@ class Reader:
         self.static: set = set()
         self.within: dict[Any, dict[int, frozenset[int]]] = {}  # var -> {seed: dims made of its split dim's inner factors}
         self.learned: set = set()  # values that depend on the model's weights (not on data alone)
+        self.derived: set = set()  # values computed from weights and constants alone that are no view of one
         self.trips = 1  # how many times the body being read runs in one step (scans' lengths multiplied)
         self.manual = 0  # how many bodies deep the reader is that lay out their own operands (shard_map)
 
@@ -57,6 +64,12 @@ class Reader:
 
     def is_static(self, v) -> bool:
         return isinstance(v, jcore.Literal) or v in self.static
+
+    def is_derived(self, v) -> bool:
+        """Whether ``v`` is computed from weights (and constants) alone without being a view of one:
+        ``jnp.linalg.norm(w, axis=1, keepdims=True)`` scaling ``w`` (weight normalisation) is no
+        activation, and ``w / norm`` is still the weight."""
+        return not isinstance(v, jcore.Literal) and v in self.derived
 
     def is_learned(self, v) -> bool:
         """Whether ``v`` depends on the model's weights: the gradient of a value made from data
@@ -89,12 +102,30 @@ class Reader:
         learned = [self.is_learned(v) for v in eqn.invars]
         if any(learned):
             self._learn_inside(eqn, learned)
+        self._derive_inside(eqn)
         handler = self.handlers.get(name)
         if handler is None:
             handler = self.handlers["<call>"] if _sub_jaxprs(eqn) else self.handlers["<unknown>"]
         handler(self, eqn)
         if any(learned):
             self.learned.update(eqn.outvars)
+        weighty = [self.view(v) is not None or self.is_derived(v) for v in eqn.invars]
+        if any(weighty) and all(w or self.is_static(v) for w, v in zip(weighty, eqn.invars)):
+            self.derived.update(v for v in eqn.outvars if v not in self.views and v not in self.static
+                                and not self.tag(v))  # (a weight's product with a constant grid is a use)
+
+    def _derive_inside(self, eqn) -> None:
+        """Marks a body's inputs that are derived from weights (a call's arguments, a cond's
+        operands, a scan's constants; never a loop's carry, which each iteration replaces)."""
+        if not any(self.is_derived(v) for v in eqn.invars) or eqn.primitive.name == "while":
+            return
+        n_outer = _scan_counts(eqn.params)[0] if eqn.primitive.name == "scan" else len(eqn.invars)
+        for body in _sub_jaxprs(eqn):
+            invars = _open(body).invars
+            skip = len(eqn.invars) - len(invars)
+            for i, var in enumerate(invars):
+                if 0 <= i + skip < n_outer and self.is_derived(eqn.invars[i + skip]):
+                    self.derived.add(var)
 
     def _learn_inside(self, eqn, learned: list[bool]) -> None:
         """Marks the inputs of ``eqn``'s bodies that depend on weights: a body's inputs are its
