@@ -19,7 +19,7 @@ import os
 from benchmarks._common import compiler, parser, report, serve, source_named, worker
 
 def cases():
-    """``(name, model, loss, batch, hand overrides per n_model_shards)``."""
+    """``(name, model, loss, batch, hand overrides per n_model_shards[, model state])``."""
     import jax
     import numpy as np
     from jax.sharding import PartitionSpec as P
@@ -89,14 +89,33 @@ def cases():
                       (r"layers\.1\.lin\.weight|readout\.weight", P(None, "model"))])
     yield ("Equinox LM: vmapped lookup, fused (D, 2, F) gate-up", prog.FusedGateUpLM(key), w.gpt_loss, prog.TOKENS,
            lambda n: [(r"w12", P(None, None, "model")), (r"w3", P("model", None))])
+    import test_rules_reparametrised as rep
+    sound = {"x": np.random.default_rng(0).normal(size=(16, 1, 256)).astype(np.float32),
+             "y": np.random.default_rng(1).normal(size=(16, 1, 256)).astype(np.float32)}
+    yield ("vocoder units of weight-normalised Conv1d (64 -> 256 -> 64), 16 clips of 256 samples",
+           rep.Vocoder(key, 64), rep.mse, sound,
+           lambda n: [(r"units\.\d+\.wide\.(layer\.weight|layer\.bias|g)", P("model")),
+                      (r"units\.\d+\.back\.layer\.weight", P(None, "model")), (r".", P())])
+    yield ("cosine-softmax head over 4,096 classes (an MLP 8 -> 512 -> 256, normalised class vectors)",
+           rep.CosineClassifier(key, 4096, 256), rep.xent,
+           {"x": np.zeros((32, 8), np.float32), "y": np.zeros((32,), np.int32)},
+           lambda n: [(r"body\.layers\.0\.", P("model")), (r"body\.layers\.1\.weight", P(None, "model")),
+                      (r"classes", P("model")), (r".", P())])
+    disc, disc_state = eqx.nn.make_with_state(rep.Discriminator)(key, 64)
+    yield ("GAN discriminator, spectral-normalised Conv2d (3 -> 64 -> 256 -> 64), 16 images of 16 x 16",
+           disc, rep.gan_loss, {"x": np.zeros((16, 3, 16, 16), np.float32), "real": np.zeros((16,), np.float32)},
+           lambda n: [(r"wide\.layer\.(weight|bias)", P("model")), (r"back\.layer\.weight", P(None, "model")),
+                      (r".", P())],
+           disc_state)
 
 
-def figures(model, loss, data, n: int, devices, **rules) -> dict:
+def figures(model, loss, data, n: int, devices, state=None, **rules) -> dict:
     """One SGD step of ``model`` under ``sharding_rules(model, make_mesh(n, devices=devices),
     **rules)``, compiled once (abstract: nothing runs): the collective bytes per device as an
     accelerator moves them (libtpu's own program; on CPU devices, the partitioned program's sums
     merged as the accelerators' compilers merge them), the compiled program's FLOPs and its peak
-    bytes per device (arguments + outputs - aliased + temporaries)."""
+    bytes per device (arguments + outputs - aliased + temporaries). ``state``: the model's state, for a
+    model that has one (spectral normalisation's power iteration)."""
     import warnings
 
     import equinox as eqx
@@ -113,7 +132,7 @@ def figures(model, loss, data, n: int, devices, **rules) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         specs = redeqx.sharding_rules(abstract, mesh, **rules)
-    state = redeqx.init_state(abstract, optax.sgd(0.1), mesh, specs, key=jax.random.key(1))
+    state = redeqx.init_state(abstract, optax.sgd(0.1), mesh, specs, key=jax.random.key(1), model_state=state)
     step = redeqx.make_train_step(loss, optax.sgd(0.1), mesh, specs)
     with jax.set_mesh(mesh):
         lowered = step.trace(state, _abstract_batch(data, mesh)).lower()
@@ -139,10 +158,12 @@ def measure(only_program: bool, tpu: bool) -> dict:
 
     jax.config.update("jax_numpy_rank_promotion", "raise")
     devices, out = compile_devices(8, tpu), {}
-    for name, model, loss, batch, hand in cases():
+    for name, model, loss, batch, hand, *state in cases():
+        state = state[0] if state else None  # a model with state (spectral normalisation's u, v)
         for n in (2, 4):
-            program = figures(model, loss, batch, n, devices, loss_fn=loss, batch=batch)
-            by_hand = None if only_program else figures(model, loss, batch, n, devices, overrides=hand(n))
+            program = figures(model, loss, batch, n, devices, state, loss_fn=loss, batch=batch,
+                              **({"model_state": state} if state is not None else {}))
+            by_hand = None if only_program else figures(model, loss, batch, n, devices, state, overrides=hand(n))
             out[f"{name}|{n}"] = (program, by_hand)
             print(name, n, program, by_hand, flush=True)
     return out
