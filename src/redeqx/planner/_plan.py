@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,7 +30,7 @@ from ..context import batch_spec, check_per_token_keys, check_seq_keys, check_wh
 from ._explore import explore_options
 from ._grouped_flops import overcount
 from ._hlo import Collective, collectives, estimated_flops, loop_factor, summarise
-from ._timing import crosses, parse_bytes, seconds, wire_bytes
+from ._timing import crosses, parse_bytes, refused_temporaries, seconds, wire_bytes
 from ..mesh import DATA, MODEL, STAGE, check_mesh, check_specs, check_specs_match, sharding_of
 from ..state import abstract_model, init_state, is_constructor, with_opt_state_dtype
 from ..sharding import program_facts, specs_from
@@ -233,7 +232,8 @@ def _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, settings, device_m
     if settings["opt_state_dtype"] is not None:
         optimizer = with_opt_state_dtype(optimizer, settings["opt_state_dtype"])
     trainable = settings["trainable"]
-    state = init_state(abstract, optimizer, mesh, specs, key=key, trainable=trainable)
+    state = init_state(abstract, optimizer, mesh, specs, key=key, trainable=trainable,
+                       model_state=settings.get("model_state"))
     step = make_train_step(remat_loss(loss_fn) if settings["remat"] else loss_fn, optimizer, mesh, specs,
                            accumulate=settings["accumulate"], compute_dtype=settings["compute_dtype"],
                            trainable=trainable, scan_residuals=settings["scan_residuals"],
@@ -243,7 +243,8 @@ def _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, settings, device_m
     trainable_params = _leaf_bytes(eqx.filter(state.model, trainable)) if trainable is not None else params
     common = dict(
         mesh=dict(mesh.shape),
-        settings={k: v for k, v in settings.items() if k not in ("overrides", "trainable", "facts", "seq_keys", "specs")},
+        settings={k: v for k, v in settings.items()
+                  if k not in ("overrides", "trainable", "facts", "seq_keys", "specs", "model_state")},
         global_batch=int(jax.tree.leaves(batch)[0].shape[0]),
         parameters=params,
         optimizer=_leaf_bytes(state.opt_state),
@@ -263,7 +264,7 @@ def _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, settings, device_m
         message = str(e)
         if "RESOURCE_EXHAUSTED" not in message:
             raise
-        temporaries = _refused_temporaries(message)
+        temporaries = refused_temporaries(message)
         return Plan(**common, temporaries=temporaries,
                     peak=common["parameters"] + common["optimizer"] + common["batch"] + temporaries,
                     collectives={}, flops=0.0, refused=message.strip().splitlines()[0])
@@ -293,19 +294,6 @@ def _counted_flops(compiled, lowered, traced, mesh: Mesh) -> tuple[float, str | 
     return estimated_flops(lowered.as_text(dialect="hlo")) - extra, note
 
 
-_REFUSED = re.compile(r"required for HLO temporaries \(([0-9.]+)([KMGT]?)\)")
-
-
-def _refused_temporaries(message: str) -> int:
-    """The temporaries an out-of-memory compile error names (libtpu: "the
-    total memory required for HLO temporaries (84.27G) exceeds available HBM
-    (30.75G)", binary units), or 0 when it names none."""
-    m = _REFUSED.search(message)
-    if not m:
-        return 0
-    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2) or " "))
-
-
 @typechecked
 def plan(
     model: Any,
@@ -330,6 +318,7 @@ def plan(
     specs: Any = None,
     microbatches: int | None = None,
     fp8: bool = False,
+    model_state: Any = None,
 ) -> Plan:
     """Compile the training step for ``model`` on ``mesh`` without allocating
     anything, and report per device: parameters, optimizer state, batch,
@@ -355,6 +344,9 @@ def plan(
       compiled FLOPs and bytes into seconds, and `compare_plans` sets plans
       (stages over the hosts against FSDP over them, say) side by side.
     - ``fp8``: the linear layers' products in float8, as in `make_train_step`.
+    - ``model_state``: the model's ``eqx.nn.State`` (BatchNorm's statistics,
+      spectral normalisation's power iteration), for a ``loss_fn(model, batch,
+      key, model_state)``, as in `init_state` and `sharding_rules`.
     - ``specs``: a spec tree to plan instead of the rules' (`sharding_rules`,
       `specs_from_overrides`: a hand plan); then ``fsdp`` and ``overrides``
       are not taken, and the exploration keeps these specs and this mesh.
@@ -428,8 +420,8 @@ def plan(
     settings = dict(fsdp=fsdp, remat=remat, accumulate=accumulate, compute_dtype=compute_dtype,
                     microbatches=check_microbatches(microbatches, mesh), fp8=fp8,
                     opt_state_dtype=opt_state_dtype, overrides=tuple(overrides), trainable=trainable,
-                    scan_residuals=scan_residuals, facts=program_facts(abstract, loss_fn, batch),
-                    seq_keys=seq_keys, specs=specs)
+                    scan_residuals=scan_residuals, facts=program_facts(abstract, loss_fn, batch, model_state),
+                    seq_keys=seq_keys, specs=specs, model_state=model_state)
     first = _one_plan(abstract, loss_fn, optimizer, batch, mesh, key, settings, device_memory)
     text = _versus_names(abstract, loss_fn, optimizer, batch, mesh, key, settings, first)
     if text is not None:

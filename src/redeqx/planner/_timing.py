@@ -1,6 +1,7 @@
 """A plan's compiled FLOPs and bytes as seconds: the bytes each collective puts on the wire, the
 links it crosses (within a host or between two), and plans compared at the rates a user gives;
-the rates and sizes users write (`parse_rate`, `parse_bytes`)."""
+the rates and sizes users write (`parse_rate`, `parse_bytes`) and the one an accelerator's
+compiler names when it refuses a step (`refused_temporaries`)."""
 
 from __future__ import annotations
 
@@ -119,3 +120,16 @@ def compare_plans(plans: dict, *, flops_per_second: Any, devices_per_host: int,
             best, next_ = order[0], order[1]
             lines.append(f"{how}: {best} is fastest, {times[next_][how] / times[best][how]:.2f}x faster than {next_}")
     return "\n".join(lines)
+
+
+_REFUSED = re.compile(r"required for HLO temporaries \(([0-9.]+)([KMGT]?)\)")
+
+
+def refused_temporaries(message: str) -> int:
+    """The temporaries an out-of-memory compile error names (libtpu: "the
+    total memory required for HLO temporaries (84.27G) exceeds available HBM
+    (30.75G)", binary units), or 0 when it names none."""
+    m = _REFUSED.search(message)
+    if not m:
+        return 0
+    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2) or " "))
