@@ -247,3 +247,22 @@ def test_the_rules_read_a_stateful_loss_given_its_state_and_name_what_is_missing
     # 2 shards and 84,632 at 4, against 42,944 and 26,304 placed by hand, which the rules now equal
     assert "fc1.weight" in table and "column parallel" in table and "passes through psum" not in table, table
     assert (specs.fc1.weight, specs.bn.weight, specs.fc2.weight) == (P("model", None), P("model"), P(None, "model"))
+
+
+def test_a_model_with_state_is_planned_with_its_state():
+    """`plan` refused a stateful loss, naming a model_state= it did not take."""
+    mesh = redeqx.make_mesh(2)
+    model, model_state = eqx.nn.make_with_state(BNNet)(jax.random.key(0))
+    batch = bn_collate(bn_examples(16, 0))
+    with pytest.raises(TypeError, match=r"takes a model_state .* model_state="):
+        redeqx.plan(model, bn_loss, optax.sgd(0.1), batch, mesh, explore=False)
+    p = redeqx.plan(model, bn_loss, optax.sgd(0.1), batch, mesh, explore=False, model_state=model_state)
+    # the step it compiled is the real one: its peak is the real step's
+    specs = redeqx.sharding_rules(model, mesh, loss_fn=bn_loss, batch=batch, model_state=model_state)
+    state = redeqx.init_state(model, optax.sgd(0.1), mesh, specs, key=jax.random.key(1), model_state=model_state)
+    step = redeqx.make_train_step(bn_loss, optax.sgd(0.1), mesh, specs)
+    stats = step.lower(state, next(iter(redeqx.batches(bn_examples(16, 0), bn_collate, 4, mesh)))).compile() \
+        .memory_analysis()
+    assert p.peak == (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+                      + stats.temp_size_in_bytes)
+    assert "all-reduce" in p.collectives and p.flops > 0
