@@ -262,3 +262,32 @@ def test_spectral_norm_splits_its_conv_pair_and_trains_as_one_device():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(split.model_state), jax.tree.leaves(one.model_state)):  # the power iteration
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+class LearnedQueries(eqx.Module):
+    """DETR's decoder: its first self-attention reads learned queries added to zeros, no data."""
+
+    queries: jax.Array
+    attn: eqx.nn.MultiheadAttention
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.queries = jax.random.normal(k1, (4, 32))
+        self.attn = eqx.nn.MultiheadAttention(4, 32, key=k2)
+        self.head = eqx.nn.Linear(32, 4, key=k3)
+
+    def __call__(self, x):
+        q = jnp.zeros((4, 32)) + self.queries
+        return jax.vmap(self.head)(q + self.attn(q, q, q)).sum(0) * x[:4]
+
+
+def test_values_made_of_weights_alone_with_rows_of_their_own_are_an_activation():
+    """A product of a weight with weights alone is still weights (a merged adapter, spectral
+    normalisation's power iteration) only where it contracts every dim they have of their own:
+    DETR's queries (4 of them, a row each) are what its projections act on, split per head."""
+    model = LearnedQueries(jax.random.key(0))
+    specs = redeqx.sharding_rules(model, redeqx.make_mesh(2), loss_fn=mse, batch={"x": _rows(8, 8), "y": _rows(8, 4)})
+    projections = (specs.attn.query_proj.weight, specs.attn.key_proj.weight, specs.attn.value_proj.weight)
+    assert projections == (P("model", None),) * 3
+    assert specs.attn.output_proj.weight == P(None, "model")

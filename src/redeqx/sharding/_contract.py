@@ -112,12 +112,13 @@ def contract(r, eqn, dn=None, groups=(), operands=None) -> None:
 
 
 def _weights_only(r, var, view, contracting, batch) -> bool:
-    """Whether ``var`` is a weight, is made of weights alone, or is a constant whose every dim the
-    product contracts or batches (a constant with dims of its own, a grid of points a loss closes
-    over, is data: a weight's product with it is a use)."""
-    if view is not None or r.is_derived(var):
+    """Whether ``var`` is a weight, or a constant or a value made of weights alone whose every dim
+    the product contracts or batches (one with rows of its own is data: a grid of points a loss
+    closes over, DETR's learned queries added to zeros; a weight's product with it is a use)."""
+    if view is not None:
         return True
-    return r.is_static(var) and all(d in contracting or d in batch for d in range(len(_shape(var))))
+    return (r.is_static(var) or r.is_derived(var)) and all(d in contracting or d in batch
+                                                           for d in range(len(_shape(var))))
 
 
 def _through(dims, pos, nd):

@@ -32,11 +32,11 @@ def elementwise(r: Reader, eqn) -> None:
     out = eqn.outvars[0]
     nd = len(_shape(out))
     views = [(v, r.view(v)) for v in eqn.invars]
-    acts = [v for v, vw in views if vw is None and not r.is_static(v) and not r.is_derived(v)
-            and len(_shape(v)) == nd and nd]
+    acts = [v for v, vw in views if vw is None and not r.is_static(v) and len(_shape(v)) == nd and nd]
     weights = [vw for _, vw in views if vw is not None and len(_shape(_var(eqn, vw, views))) == nd]
     derived = any(r.is_derived(v) for v in eqn.invars)
-    if weights and not acts and (eqn.primitive.name in SCALING or len(weights) > 1 or len(views) == 1 or derived):
+    if weights and all(r.is_derived(v) for v in acts) and (
+            eqn.primitive.name in SCALING or len(weights) > 1 or len(views) == 1 or derived):
         # still the weights: W * s, W + delta, g * v / |v| (weight normalisation), (W - mean W) / std W
         r.views[out] = View(tuple(p for w in weights for p in _broadcast(w, _shape(_var(eqn, w, views)), _shape(out))),
                             derived or any(w.normalized for w in weights))
