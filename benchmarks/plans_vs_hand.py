@@ -101,6 +101,11 @@ def cases():
            {"x": np.zeros((32, 8), np.float32), "y": np.zeros((32,), np.int32)},
            lambda n: [(r"body\.layers\.0\.", P("model")), (r"body\.layers\.1\.weight", P(None, "model")),
                       (r"classes", P("model")), (r".", P())])
+    yield ("nGPT: every matrix normalised at use (128 wide, 4 heads, 512 hidden, 2 blocks, 512 vocabulary), "
+           "16 x 32 tokens", rep.NormalizedGPT(key, 512, 128, 4, 512), rep.next_token,
+           {"ids": np.zeros((16, 33), np.int32)},
+           lambda n: [(r"w[qkvug]$|s_qk|s_[uv]$|^embed$|^unembed$|s_z", P("model")), (r"w[od]$", P(None, "model")),
+                      (r".", P())])
     disc, disc_state = eqx.nn.make_with_state(rep.Discriminator)(key, 64)
     yield ("GAN discriminator, spectral-normalised Conv2d (3 -> 64 -> 256 -> 64), 16 images of 16 x 16",
            disc, rep.gan_loss, {"x": np.zeros((16, 3, 16, 16), np.float32), "real": np.zeros((16,), np.float32)},
