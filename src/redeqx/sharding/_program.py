@@ -6,8 +6,9 @@ included (``jit``, ``remat``, ``custom_jvp``/``custom_vjp``, ``scan``,
 ``while``, ``cond``). It follows two kinds of values:
 
 - a *view* of weights: a weight as read, transposed, cast, scaled, sliced by
-  a ``scan`` (its layer axis) or indexed; each of the view's dims says which
-  dim of which weight it is;
+  a ``scan`` (its layer axis) or indexed, or normalised by statistics of
+  weights (weight and spectral normalisation); each of the view's dims says
+  which dim of which weight it is;
 - an activation *split* by a candidate column-parallel layer: every matmul or
   conv of a weight with an activation is a *seed* whose output is split on the
   weight's produced dim. The split is carried forward through the ops that
