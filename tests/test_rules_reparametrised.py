@@ -6,9 +6,11 @@ iteration in the model state). The program reader follows the weight through its
 the product that uses it, so each block is split as Megatron's plan splits it, and the power
 iteration's products are no use of the weight. DoRA's adapted weight, normalised per row, splits
 as LoRA's does; a cosine-softmax head's normalised class vectors are split on the classes, as a
-vocabulary-parallel head. Before, the statistics read as an activation: the
-layers fell back to their names (each WeightNorm's layer column parallel: 4-5x a hand plan's bytes
-for the vocoder block) or, for spectral norm, stayed whole (2-4x the FLOPs a device does)."""
+vocabulary-parallel head. Before, the statistics read as an activation: the layers fell back to
+their names (each WeightNorm's layer column parallel: 4.2x / 5.1x a hand plan's bytes for the
+vocoder at 2 / 4 shards), or the power iteration read as a second use of each weight (the
+discriminator: 2.2x / 3.8x), or nothing was split (nGPT, the cosine head). Figures:
+benchmarks/plans_vs_hand.py."""
 
 import equinox as eqx
 import jax
@@ -263,12 +265,12 @@ CASES = {
     "DoRA": (lambda: DoRAMLP(jax.random.key(0)), {"x": _rows(8, 8), "y": _rows(8, 4)},
              {"fc1.w": COL, "fc1.m": COL, "fc1.b": COL, "fc2.w": ROW, "fc2.a": ROW}),
     # Megatron's blocks, each scale following its projection, the embedding and head on the vocabulary
-    # (nothing was split: 2.6x / 3.2x a hand plan's bytes and 1.7x / 2.2x its peak at 128 wide)
+    # (nothing was split: 1.3x a hand plan's bytes and 1.6x / 2.9x its FLOPs at 2 / 4 shards, 128 wide)
     "nGPT": (lambda: NormalizedGPT(jax.random.key(0)), {"ids": np.random.default_rng(0).integers(0, 64, (8, 9))},
              {"embed": COL, "unembed": COL, "s_z": COL, **{f"blocks.{i}.{p}": r for i in (0, 1) for p, r in (
                  ("wq", COL), ("wk", COL), ("wv", COL), ("wu", COL), ("wg", COL), ("s_qk", COL), ("s_u", COL),
                  ("s_v", COL), ("wo", ROW), ("wd", ROW))}}),
-    # the class vectors split on the classes, as a vocabulary-parallel head (was whole: 1.9x / 3.6x a
+    # the class vectors split on the classes, as a vocabulary-parallel head (was whole: 1.9x / 3.7x a
     # hand plan's FLOPs and 2.0x / 3.8x its peak at 2 / 4 shards, at 4,096 classes)
     "cosine classifier": (lambda: CosineClassifier(jax.random.key(0)),
                           {"x": _rows(8, 8), "y": np.arange(8) * 60},
