@@ -309,6 +309,17 @@ def test_a_reparametrised_weight_is_split_as_megatron_splits_it(name, n):
     _check_megatron(model, specs, roles)
 
 
+def test_explain_says_a_gain_on_a_whole_output_stays_whole():
+    """The row layer's `g` read as a "matmul contracting dims () with its input", replicated for a
+    "competing block"."""
+    model, mesh = WeightNormMLP(jax.random.key(0)), redeqx.make_mesh(2)
+    batch = {"x": _rows(8, 8), "y": np.arange(8) % 4}
+    specs = redeqx.sharding_rules(model, mesh, loss_fn=xent, batch=batch)
+    line = next(x for x in redeqx.explain(model, specs, mesh, loss_fn=xent, batch=batch).splitlines()
+                if x.startswith("fc2.g "))
+    assert "replicated: a gain on a whole output" in line, line
+
+
 def test_spectral_norm_splits_its_conv_pair_and_trains_as_one_device():
     model, model_state = eqx.nn.make_with_state(Discriminator)(jax.random.key(0))
     rng = np.random.default_rng(0)

@@ -389,6 +389,11 @@ def read(facts: Facts, n: int, decided: dict[int, Role], pricing: Pricing | None
         why = next((g.left_whole[use.leaf] for g in groups if use.leaf in g.left_whole), None)
         why = why or next((g.why_not for g in mine if g.why_not), None)
         short = why
+        if why is None and not use.contracted:  # `g` of `g * v / |v|`: it scales the output its layer gives
+            decided[use.leaf] = Role(None, "program: a gain on a layer's output features (as weight normalisation's g "
+                                           "is), replicated: that output stays whole (a row-parallel or whole layer's)",
+                                     short="replicated: a gain on a whole output")
+            continue
         if why is None and mine:
             why, short = ("its block would split it another way than a block chosen over it (more weight split, or "
                           "fewer bytes and FLOPs a step)", "a competing block's split was chosen")
