@@ -59,8 +59,7 @@ def contract(r, eqn, dn=None, groups=(), operands=None) -> None:
         # normed weights with rows of their own times a weight (a Perceiver's normed latents times its
         # query projection) are its activation; a normed vector it contracts whole (spectral
         # normalisation's `u @ W @ v`) is not
-        normed, c, b = (lhs, lc, lb) if lv.normalized else (rhs, rc, rb)
-        if any(d not in c and d not in b for d in range(len(_shape(normed)))):
+        if not _contracted_whole(*((lhs, lc, lb) if lv.normalized else (rhs, rc, rb))):
             lv, rv = (None, rv) if lv.normalized else (lv, None)
     out = eqn.outvars[0]
     if _weights_only(r, lhs, lv, lc, lb) and _weights_only(r, rhs, rv, rc, rb) and (lv or rv):
@@ -115,10 +114,13 @@ def _weights_only(r, var, view, contracting, batch) -> bool:
     """Whether ``var`` is a weight, or a constant or a value made of weights alone whose every dim
     the product contracts or batches (one with rows of its own is data: a grid of points a loss
     closes over, DETR's learned queries added to zeros; a weight's product with it is a use)."""
-    if view is not None:
-        return True
-    return (r.is_static(var) or r.is_derived(var)) and all(d in contracting or d in batch
-                                                           for d in range(len(_shape(var))))
+    return view is not None or (r.is_static(var) or r.is_derived(var)) and _contracted_whole(var, contracting, batch)
+
+
+def _contracted_whole(var, contracting, batch) -> bool:
+    """Whether a product contracts or batches every dim of its operand ``var`` (none of its own reaches
+    the output: a vector it reduces against, not rows it transforms)."""
+    return all(d in contracting or d in batch for d in range(len(_shape(var))))
 
 
 def _through(dims, pos, nd):

@@ -120,27 +120,20 @@ class Reader:
         if not any(self.is_derived(v) for v in eqn.invars) or eqn.primitive.name == "while":
             return
         n_outer = _scan_counts(eqn.params)[0] if eqn.primitive.name == "scan" else len(eqn.invars)
-        for body in _sub_jaxprs(eqn):
-            invars = _open(body).invars
-            skip = len(eqn.invars) - len(invars)
-            for i, var in enumerate(invars):
-                if 0 <= i + skip < n_outer and self.is_derived(eqn.invars[i + skip]):
-                    self.derived.add(var)
+        for j, var in _body_inputs(eqn):
+            if j is not None and j < n_outer and self.is_derived(eqn.invars[j]):
+                self.derived.add(var)
 
     def _learn_inside(self, eqn, learned: list[bool]) -> None:
-        """Marks the inputs of ``eqn``'s bodies that depend on weights: a body's inputs are its
-        equation's last ones (a call's arguments, a cond's operands, a scan's consts, carry and
-        xs); a loop's carry, and a while's inputs, depend on weights once any input does."""
+        """Marks the inputs of ``eqn``'s bodies that depend on weights: a loop's carry, and a while's
+        inputs, depend on weights once any input does."""
         carry = range(0)
         if eqn.primitive.name == "scan":
             nc, ncarry = _scan_counts(eqn.params)
             carry = range(nc, nc + ncarry)
-        for body in _sub_jaxprs(eqn):
-            invars = _open(body).invars
-            skip = len(eqn.invars) - len(invars)
-            for i, var in enumerate(invars):
-                if eqn.primitive.name == "while" or skip < 0 or learned[i + skip] or i + skip in carry:
-                    self.learned.add(var)
+        for j, var in _body_inputs(eqn):
+            if eqn.primitive.name == "while" or j is None or learned[j] or j in carry:
+                self.learned.add(var)
 
     def inputs(self, vars_):
         return [self.view(v) for v in vars_], [self.tag(v) for v in vars_], [self.is_static(v) for v in vars_]
@@ -153,6 +146,17 @@ class Reader:
                 self.tags[var] = tg
             if st:
                 self.static.add(var)
+
+
+def _body_inputs(eqn):
+    """``(j, var)`` for each input ``var`` of ``eqn``'s bodies, ``j`` the equation's input it binds:
+    a body's inputs are its equation's last ones (a call's arguments, a cond's operands, a scan's
+    consts, carry and xs); None where the body has more inputs than the equation."""
+    for body in _sub_jaxprs(eqn):
+        invars = _open(body).invars
+        skip = len(eqn.invars) - len(invars)
+        for i, var in enumerate(invars):
+            yield (i + skip if skip >= 0 else None), var
 
 
 def _sub_jaxprs(eqn) -> list:
