@@ -104,6 +104,8 @@ ROWS = [
                             "`n_model_shards` times too large on redeqx's batch layout (every step maker, `make_step` "
                             "included, applies it; for your own `jax.jit`)")),
     (["with_opt_state_dtype"], "keep an optimizer's state in bfloat16"),
+    (["muon_dimensions"], ("which weights `optax.contrib.muon` orthogonalises, and along which dims, read from the "
+                           "program: stacked layers and experts slice by slice, Equinox's `(out, in)` as such")),
     (["collective_summary"], "kind, count and bytes of every collective in a compiled step"),
     (["constrain"], "pin an activation's layout inside a model (Megatron's points)"),
     (["attention"], ("exact softmax attention of a sequence over itself, split over the mesh's `context` axis when "

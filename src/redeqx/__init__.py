@@ -15,6 +15,7 @@ from .state import (
     init_opt_state as init_opt_state,
     init_state as init_state,
     lr_schedule as lr_schedule,
+    muon_dimensions as muon_dimensions,
     with_opt_state_dtype as with_opt_state_dtype,
 )
 from .mesh import check_mesh as check_mesh, constrain as constrain, make_mesh as make_mesh, shard as shard

@@ -18,4 +18,4 @@ from ._public import (
     specs_from as specs_from,
     specs_from_overrides as specs_from_overrides,
 )
-from ._stacks import declared_ndim as declared_ndim
+from ._stacks import declared_ndim as declared_ndim, layer_axes as layer_axes

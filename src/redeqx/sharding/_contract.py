@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+from ._facts import Use
 from ._reader import View, _shape, nbytes
 
 
@@ -46,8 +47,20 @@ def grouped_contract(r, eqn) -> None:
     rdn = eqn.params["ragged_dot_dimension_numbers"]
     lhs, rhs = eqn.invars[:2]
     if r.view(lhs) is not None or r.manual:
+        _laid_out(r, rhs, rdn)
         return r.block_all(eqn, "passes through a grouped matmul (ragged_dot) that the reader does not split")
     contract(r, eqn, dn=rdn.dot_dimension_numbers, groups=tuple(rdn.rhs_group_dimensions), operands=(lhs, rhs))
+
+
+def _laid_out(r, rhs, rdn) -> None:
+    """Record what a grouped matmul the reader leaves to its author contracts and produces of its
+    weight stack (``Facts.laid_out``: no split follows from it, but Muon's matrix dims do)."""
+    (_, rc), _ = rdn.dot_dimension_numbers
+    groups = tuple(rdn.rhs_group_dimensions)
+    for leaf, dims in (r.view(rhs).parts if r.view(rhs) is not None else ()):
+        known = lambda ds: tuple(dims[d] for d in ds if dims[d] is not None)  # noqa: E731
+        produced = [d for d in range(len(dims)) if d not in rc and d not in groups]
+        r.facts.laid_out.append(Use(leaf, known(rc), known(produced), known(groups), "grouped"))
 
 
 def contract(r, eqn, dn=None, groups=(), operands=None) -> None:

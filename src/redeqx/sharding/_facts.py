@@ -77,6 +77,7 @@ class Facts:
         self.group_counts: dict[int, int] = {}
         self.layer_dims: dict[int, dict[int, str]] = {}
         self.lookups: dict[int, list[tuple[int, bool]]] = {}
+        self.laid_out: list[Use] = []  # products in a body that lays out its own operands (a shard_map's)
         self.looped: set[int] = set()  # weights a loop's body reads whole every trip (a scan's consts)
         # (leaf, equation) -> bytes of the activation a weight's matmul or conv reads (0 where it is
         # made from data alone: its gradient is never computed, nor summed) and of what it writes,

@@ -15,6 +15,7 @@ from jaxtyping import PyTree
 from ..mesh import check_mesh, check_specs, check_specs_match, named_shardings, place_tree
 from .._trees import is_floating, leaves_with_specs, path_str
 from .._typing import typechecked, warn_user
+from ._muon import warn_muon_layout
 
 
 def mirror_specs(abstract_state, model, specs):
@@ -54,6 +55,7 @@ def opt_state_specs(optimizer: optax.GradientTransformation, model, specs, train
     """PartitionSpecs for the optimizer state of ``model``'s trainable
     parameters, each mirroring the spec of the parameter it belongs to."""
     abstract = jax.eval_shape(optimizer.init, trainable_params(model, trainable))
+    warn_muon_layout(abstract, model)
     return mirror_specs(abstract, model, specs)
 
 

@@ -21,6 +21,7 @@ from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from ._build import constructor, is_abstract, is_constructor
 from ..mesh import check_key, check_mesh, check_specs, check_specs_match, place, place_tree, replicate_key, sharding_of
+from ._muon import warn_muon_layout
 from ._opt_state import Optimizer, as_optimizer, init_opt_state, mirror_specs, split_trainable, trainable_params
 from .._trees import is_array_like, is_none, is_spec
 from .._typing import typechecked
@@ -120,6 +121,7 @@ def _abstract_state(model, optimizer, mesh: Mesh, specs, key, trainable, model_s
                                          zip(leaves, jax.tree.leaves(specs, is_leaf=is_spec))])
     params = trainable_params(model, trainable)
     abstract_os = jax.eval_shape(optimizer.init, params)
+    warn_muon_layout(abstract_os, model)
     os_specs = mirror_specs(abstract_os, model, specs)
     opt_state = jax.tree.map(with_sharding, abstract_os, os_specs)
     replicated = NamedSharding(mesh, P())
