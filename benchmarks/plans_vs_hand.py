@@ -114,13 +114,13 @@ def cases():
            disc_state)
 
 
-def figures(model, loss, data, n: int, devices, state=None, **rules) -> dict:
+def figures(model, loss, data, n: int, devices, state=None, optimizer=None, **rules) -> dict:
     """One SGD step of ``model`` under ``sharding_rules(model, make_mesh(n, devices=devices),
     **rules)``, compiled once (abstract: nothing runs): the collective bytes per device as an
     accelerator moves them (libtpu's own program; on CPU devices, the partitioned program's sums
     merged as the accelerators' compilers merge them), the compiled program's FLOPs and its peak
     bytes per device (arguments + outputs - aliased + temporaries). ``state``: the model's state, for a
-    model that has one (spectral normalisation's power iteration)."""
+    model that has one (spectral normalisation's power iteration). ``optimizer``: instead of SGD."""
     import warnings
 
     import equinox as eqx
@@ -137,8 +137,11 @@ def figures(model, loss, data, n: int, devices, state=None, **rules) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         specs = redeqx.sharding_rules(abstract, mesh, **rules)
-    state = redeqx.init_state(abstract, optax.sgd(0.1), mesh, specs, key=jax.random.key(1), model_state=state)
-    step = redeqx.make_train_step(loss, optax.sgd(0.1), mesh, specs)
+    optimizer = optax.sgd(0.1) if optimizer is None else optimizer
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # optax's default Muon rule on a stack warns (benchmarks/muon.py)
+        state = redeqx.init_state(abstract, optimizer, mesh, specs, key=jax.random.key(1), model_state=state)
+    step = redeqx.make_train_step(loss, optimizer, mesh, specs)
     with jax.set_mesh(mesh):
         lowered = step.trace(state, _abstract_batch(data, mesh)).lower()
     if devices[0].platform == "tpu":

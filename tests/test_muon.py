@@ -14,12 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers
 
 import redeqx
 from redeqx.models import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, cross_entropy
 
-V, D, H, L = 32, 16, 64, 3
+V, D, H, L = 32, 16, 64, 4
 
 
 class Block(eqx.Module):
@@ -115,7 +116,7 @@ def test_the_program_gives_each_layer_its_matrix_and_everything_else_adamw():
 def test_stacked_layers_get_muon_as_listed_ones_do_and_split_as_on_one_device():
     """Two Muon steps: each stacked layer equals its listed twin (Muon per slice, Equinox's
     ``(out, in)`` read as such); optax's default rule differs (the up projection's width scale
-    swapped; the stack on AdamW); at model 4 x data 2 the weights are one device's."""
+    swapped; the stack on AdamW); at data 4 x model 2 the weights are one device's."""
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(_layers(Net(jax.random.key(0), True))),
                                                       jax.tree.leaves(_layers(Net(jax.random.key(0), False)))))
     stacked, listed = _trained(True, 1, "program"), _trained(False, 1, "program")
@@ -124,9 +125,30 @@ def test_stacked_layers_get_muon_as_listed_ones_do_and_split_as_on_one_device():
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     default = _trained(False, 1, "default")
     assert not np.allclose(_layers(default)[0][0], _layers(listed)[0][0], rtol=1e-3)
-    split = _trained(True, 4, "program")
+    split = _trained(True, 2, "program")
     for a, b in zip(jax.tree.leaves(split), jax.tree.leaves(stacked)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_muons_momentum_of_a_stack_is_split_over_data_on_its_layer_axis():
+    """Each data shard orthogonalises its own layers' slices (the values: the test above, at data 4
+    x model 2); a stack whose layer axis does not divide by ``data`` keeps its weight's spec."""
+    from optax.contrib import MuonState
+
+    model = Net(jax.random.key(0), True)
+    for n_model, spread in ((2, True), (1, False)):  # data 4 divides 4 layers; data 8 does not
+        mesh = redeqx.make_mesh(n_model)
+        specs = redeqx.sharding_rules(model, mesh, loss_fn=loss_fn, batch=BATCH)
+        state = redeqx.init_state(model, _muon(redeqx.muon_dimensions(model, loss_fn, BATCH)), mesh, specs,
+                                  key=jax.random.key(1))
+        muon = next(x for x in jax.tree.leaves(state.opt_state, is_leaf=lambda x: isinstance(x, MuonState))
+                    if isinstance(x, MuonState))
+        up, down = muon.mu.blocks.up.weight.sharding.spec, muon.mu.blocks.down.weight.sharding.spec
+        weight_up, weight_down = specs.blocks.up.weight, specs.blocks.down.weight
+        if spread:
+            assert (up, down) == (P("data", *weight_up[1:]), P("data", *weight_down[1:])), (up, down)
+        else:
+            assert (up, down) == (weight_up, weight_down)
 
 
 def test_the_default_rule_on_stacked_layers_warns_with_the_fix():

@@ -67,7 +67,7 @@ def _leaves_to_read(like, mesh: Mesh, specs) -> dict[str, list[tuple[tuple[str, 
     if specs is None:
         return {"model": live(like.model), "train": live(train_view(like))}
     model_leaves = _leaves_to_read(like.model, mesh, specs)["model"]
-    os_specs = _mirror_specs(like.opt_state, like.model, specs)
+    os_specs = _mirror_specs(like.opt_state, like.model, specs, mesh)
     train = []
     for (kp, x), spec in zip(jax.tree_util.tree_flatten_with_path(like.opt_state, is_leaf=_is_none)[0],
                              jax.tree.leaves(os_specs, is_leaf=_is_spec), strict=True):

@@ -15,13 +15,15 @@ from jaxtyping import PyTree
 from ..mesh import check_mesh, check_specs, check_specs_match, named_shardings, place_tree
 from .._trees import is_floating, leaves_with_specs, path_str
 from .._typing import typechecked, warn_user
-from ._muon import warn_muon_layout
+from ._muon import spread_muon_momentum, warn_muon_layout
 
 
-def mirror_specs(abstract_state, model, specs):
+def mirror_specs(abstract_state, model, specs, mesh: Mesh | None = None):
     """Specs for an optimizer state: a leaf whose tree path ends with a
     parameter's path and has its shape takes that parameter's spec (Adam's mu
-    and nu); everything else (counts, scalars) is replicated."""
+    and nu); everything else (counts, scalars) is replicated. Given the
+    ``mesh``, Muon's momentum of a stacked matrix is also split over ``data``
+    on its layer axis (`spread_muon_momentum`)."""
     by_path = {tuple(path.split(".")): (tuple(x.shape), spec) for path, x, spec in leaves_with_specs(model, specs)}
 
     def spec_for(kp, leaf):
@@ -32,7 +34,8 @@ def mirror_specs(abstract_state, model, specs):
                 return hit[1]
         return P()
 
-    return jax.tree_util.tree_map_with_path(spec_for, abstract_state)
+    mirrored = jax.tree_util.tree_map_with_path(spec_for, abstract_state)
+    return mirrored if mesh is None else spread_muon_momentum(abstract_state, model, specs, mirrored, mesh)
 
 
 def trainable_params(model, trainable):
@@ -51,12 +54,12 @@ def split_trainable(model, trainable):
     return eqx.partition(model, mask)
 
 
-def opt_state_specs(optimizer: optax.GradientTransformation, model, specs, trainable=None):
+def opt_state_specs(optimizer: optax.GradientTransformation, model, specs, trainable=None, mesh: Mesh | None = None):
     """PartitionSpecs for the optimizer state of ``model``'s trainable
     parameters, each mirroring the spec of the parameter it belongs to."""
     abstract = jax.eval_shape(optimizer.init, trainable_params(model, trainable))
     warn_muon_layout(abstract, model)
-    return mirror_specs(abstract, model, specs)
+    return mirror_specs(abstract, model, specs, mesh)
 
 
 Optimizer = optax.GradientTransformation | optax.MultiSteps
@@ -103,7 +106,7 @@ def init_opt_state(
     mesh = check_mesh(mesh)
     check_specs(specs, mesh)
     check_specs_match(model, specs, "model")
-    os_specs = opt_state_specs(optimizer, model, specs, trainable)
+    os_specs = opt_state_specs(optimizer, model, specs, trainable, mesh)
     # on the mesh first (a no-op for a placed model): the compiled init takes its inputs where they are
     params = trainable_params(place_tree(model, specs, mesh, copy=False, what="model"), trainable)
     return jax.jit(optimizer.init, out_shardings=named_shardings(os_specs, mesh))(params)

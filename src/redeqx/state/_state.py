@@ -122,7 +122,7 @@ def _abstract_state(model, optimizer, mesh: Mesh, specs, key, trainable, model_s
     params = trainable_params(model, trainable)
     abstract_os = jax.eval_shape(optimizer.init, params)
     warn_muon_layout(abstract_os, model)
-    os_specs = mirror_specs(abstract_os, model, specs)
+    os_specs = mirror_specs(abstract_os, model, specs, mesh)
     opt_state = jax.tree.map(with_sharding, abstract_os, os_specs)
     replicated = NamedSharding(mesh, P())
     key_struct = jax.eval_shape(lambda: key)

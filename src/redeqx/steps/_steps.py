@@ -143,7 +143,7 @@ def _train_state_placement(mesh: Mesh, specs):
         check_specs_match(state.model, specs, "model")
         model_state_specs = jax.tree.map(
             lambda x: where_it_is("model_state", x, mesh).spec if is_array_like(x) else None, state.model_state)
-        spec_state = TrainState(model=specs, opt_state=mirror_specs(state.opt_state, state.model, specs), step=P(),
+        spec_state = TrainState(model=specs, opt_state=mirror_specs(state.opt_state, state.model, specs, mesh), step=P(),
                                 key=P(), model_state=model_state_specs)
         return [sharding_of(spec, mesh) for _, _, spec in leaves_with_specs(state, spec_state)]
 
