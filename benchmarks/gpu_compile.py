@@ -21,7 +21,7 @@ program (`benchmarks._profile`):
   (6 expected), with Triton's GEMMs (the default) and with cuBLAS's (``--xla_gpu_enable_triton_gemm=false``);
 - ``heads``: one 8B layer's attention (32 query, 8 KV heads) at 32k tokens over 4 context shards of
   4 H100s, forward and backward, for each ``impl``: cuDNN flash-attention calls, bytes per collective,
-  temporaries;
+  temporaries, and the bytes its kernels read and write;
 - ``context``: the zoo's 1B LLaMA step at 32k tokens over 8 context shards of 8 H100s (fsdp,
   remat, bf16), each ``context_attention``: `redeqx.plan`'s peak and bytes per collective
   (`benchmarks.long_context`'s case, by libtpu and XLA:CPU there);
@@ -143,8 +143,11 @@ def heads_worker(impl: str, tokens: int = 32768, shards: int = 4) -> dict:
     with jax.set_mesh(mesh):
         compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, q).compile()
     text = compiled.as_text()
+    from benchmarks._profile import static_tally
+
     return dict(cudnn=_cudnn_calls(text), temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
-                collectives={k: v["bytes"] for k, v in redeqx.collective_summary(text).items()})
+                collectives={k: v["bytes"] for k, v in redeqx.collective_summary(text).items()},
+                gb=static_tally(text, HBM_BYTES_PER_S["H200"])["gb"])
 
 
 def context_worker(impl: str, tokens: int = 32768, shards: int = 8) -> dict:
@@ -236,8 +239,10 @@ def heads_section() -> str:
     return _per_impl(
         "heads_worker", "One 8B layer's attention (32 query, 8 KV heads of 128) at 32,768 tokens over 4 context "
         "shards of 4 H100s, value and gradients, compiled by XLA:GPU:",
-        ("impl", "cuDNN attention calls", "collectives, MiB a device", "temporaries"),
-        lambda r: f"{r['cudnn']} | {_moved(r['collectives'], 2**20, 0)} | {r['temp_bytes'] / 2**20:.0f} MiB")
+        ("impl", "cuDNN attention calls", "collectives, MiB a device", "temporaries",
+         "GB its kernels read and write (copies)"),
+        lambda r: f"{r['cudnn']} | {_moved(r['collectives'], 2**20, 0)} | {r['temp_bytes'] / 2**20:.0f} MiB | "
+                  f"{sum(r['gb'].values()):,.1f} ({r['gb'].get('copies', 0):,.1f})")
 
 
 def context_section() -> str:

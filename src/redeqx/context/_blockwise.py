@@ -103,7 +103,7 @@ def block_scores(q, k, qpos, kpos, qseg, kseg, span: Span, scale: float):
     t, hq, d = q.shape
     hkv = k.shape[1]
     qg = q.reshape(t, hkv, hq // hkv, d)
-    s = jnp.einsum("tkgd,skd->kgts", qg, k, preferred_element_type=jnp.float32) * scale
+    s = jnp.einsum("skd,tkgd->kgts", k, qg, preferred_element_type=jnp.float32) * scale  # keys first: `models.attention`
     mask = (qseg[:, None] == kseg[None, :]) & span.mask(qpos, kpos)
     mask = mask[None, None]  # (1, 1, Tq, Tk)
     return jnp.where(mask, s, -jnp.inf), mask
