@@ -142,14 +142,25 @@ def _muon_momenta(opt_state) -> list[tuple]:
     return [tuple(kp) + (jax.tree_util.GetAttrKey("mu"),) for kp, x in flat if isinstance(x, MuonState)]
 
 
+def _without(entry, axis: str):
+    """A spec entry with mesh axis ``axis`` taken out (fsdp's ``data`` on a matrix dim)."""
+    if isinstance(entry, tuple):
+        kept = tuple(n for n in entry if n != axis)
+        return kept if len(kept) > 1 else (kept[0] if kept else None)
+    return None if entry == axis else entry
+
+
 def spread_muon_momentum(opt_state, model, specs, os_specs, mesh):
     """``os_specs`` (the optimizer state's mirrored specs) with each stacked matrix's Muon momentum
     split over ``data`` on its layer axis, where that axis is whole in the weight's spec and
     divides by ``data``: each device then runs Newton-Schulz on its own layers' slices, where
     every device ran it on every layer, and the momentum takes 1/data of the memory. The cost is
     one all-gather of these weights' updates a step (`benchmarks/muon.py`: a stacked LLaMA at
-    data 8, 0.16x the FLOPs and 0.5x the peak for 1.9x the bytes). Muon orthogonalises each slice
-    of a stack on its own (`muon_dimensions`), so the values are the same."""
+    data 8, 0.16x the FLOPs and 0.5x the peak for 1.9x the bytes). Under fsdp, which splits the
+    weight over ``data`` on a matrix dim, the momentum takes ``data`` on the layer axis instead:
+    mirrored, each Newton-Schulz product of a split matrix made the partitioner gather it (2.9x
+    AdamW's bytes on libtpu). Muon orthogonalises each slice of a stack on its own
+    (`muon_dimensions`), so the values are the same."""
     prefixes = _muon_momenta(opt_state)
     data = dict(mesh.shape).get("data", 1)
     if not prefixes or data == 1:
@@ -165,9 +176,8 @@ def spread_muon_momentum(opt_state, model, specs, os_specs, mesh):
     stacked = {}
     for (kp, x), a, spec in zip(flat, axes, spec_of):
         spec = tuple(spec or ())
-        used = {n for e in spec for n in (e if isinstance(e, tuple) else (e,)) if n is not None}
-        if a and x.ndim - a >= 2 and "data" not in used and (not spec or spec[0] is None) and x.shape[0] % data == 0:
-            stacked[kp] = (tuple(x.shape), P("data", *spec[1:]) if spec else P("data"))
+        if a and x.ndim - a >= 2 and (not spec or spec[0] is None) and x.shape[0] % data == 0:
+            stacked[kp] = (tuple(x.shape), P("data", *(_without(e, "data") for e in spec[1:])))
 
     def spread(kp, leaf, spec):
         for prefix in prefixes:
