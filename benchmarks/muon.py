@@ -8,18 +8,22 @@ One training step per device of the zoo's LLaMA (stacked: ``scan_layers=True``),
 run) by XLA:CPU (8 simulated devices) and libtpu (8 TPU v4 chips, none attached:
 benchmarks/.venv-tpu), at 1 and 2 model shards (data 8; data 4 x model 2), with AdamW for scale,
 Muon with optax's default rule (2-D arrays: on a stack the embedding, the head and the norm scales;
-every layer's matrices on AdamW) and Muon with ``muon_dimensions`` (each layer's matrices). Figures:
+every layer's matrices on AdamW) and Muon with ``muon_dimensions`` (each layer's matrices), and
+AdamW and ``muon_dimensions`` again with ``fsdp=True`` (each large weight split over ``data`` on a
+matrix dim as well). Figures:
 the collective bytes per device as the compiler moves them, the compiled program's FLOPs and peak
 bytes per device (`plans_vs_hand.figures`), each compile in its own process. ``--before``: the same
-with the redeqx at that src directory (Muon's momentum of a stacked matrix then mirrored its
-weight's spec, so every data shard ran every layer's Newton-Schulz iterations).
+with the redeqx at that src directory (for its section in RESULTS.md: the commit before the one that
+moved an fsdp-split stack's Muon momentum to ``data`` on the layer axis; under fsdp it mirrored its
+weight's spec, and the partitioner gathered the matrices for the Newton-Schulz products).
 """
 
 import os
 
 from benchmarks._common import compiler, parser, report, serve, source_named, worker
 
-OPTIMIZERS = ("AdamW", "Muon, optax's default rule", "Muon, muon_dimensions")
+OPTIMIZERS = ("AdamW", "Muon, optax's default rule", "Muon, muon_dimensions", "AdamW, fsdp",
+              "Muon, muon_dimensions, fsdp")
 LAYERS, HIDDEN, FFN, VOCAB, TOKENS, ROWS = 8, 512, 1408, 2048, 128, 32
 
 
@@ -52,14 +56,16 @@ def measure(platform: str, which: int, n: int) -> dict:
     jax.config.update("jax_numpy_rank_promotion", "raise")
     devices = tpu_v4_devices(8) if platform == "tpu" else jax.devices()[:8]
     model, loss, batch = _case()
-    if which == 0:
+    name = OPTIMIZERS[which]
+    if name.startswith("AdamW"):
         optimizer = optax.adamw(1e-3)
-    elif which == 1:
+    elif "default" in name:
         optimizer = optax.contrib.muon(0.02, adam_learning_rate=1e-3)
     else:
         dims = redeqx.muon_dimensions(model, loss, batch)
         optimizer = optax.contrib.muon(0.02, adam_learning_rate=1e-3, muon_weight_dimension_numbers=dims)
-    found = figures(model, loss, batch, n, devices, optimizer=optimizer, loss_fn=loss, batch=batch)
+    found = figures(model, loss, batch, n, devices, optimizer=optimizer, loss_fn=loss, batch=batch,
+                    fsdp=name.endswith("fsdp"))
     print(platform, OPTIMIZERS[which], n, found, flush=True)
     return found
 
@@ -90,8 +96,9 @@ bytes per device as that compiler moves them (on XLA:CPU, as an accelerator's XL
 program's FLOPs and its peak bytes per device. Muon's rule: optax's default (every 2-D array: here the
 embedding, the head and the stacked norm scales; each layer's matrices on AdamW) or
 `redeqx.muon_dimensions` (each layer's attention and MLP matrices). "before": redeqx at
-{source_named(args.before)}, where Muon's momentum of a stacked matrix mirrored its weight's spec, so
-every data shard ran every layer's Newton-Schulz iterations; now it is split over `data` on the layer axis.
+{source_named(args.before)}. Muon's momentum of a stacked matrix is split over `data` on its layer axis
+where the layer count divides by `data`, also under fsdp, where it now moves `data` from the matrix dim
+fsdp split to the layer axis (before, under fsdp, it mirrored its weight's spec).
 
 {chr(10).join(rows)}
 """)
