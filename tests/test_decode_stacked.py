@@ -183,3 +183,23 @@ def test_a_cache_split_by_layer_takes_one_token_at_a_time():
     assert logits.shape == (1, V)
     with pytest.raises(ValueError, match="one token at a time; got 2 tokens"):
         model.decode(x[:2], cache)
+
+
+def test_attention_scores_come_out_of_their_product_with_the_keys_last():
+    """The scores' product, in the zoo's attention and in `redeqx.attention`'s blockwise path, is a
+    ``dot_general`` whose own output ends with the keys: XLA:GPU then keeps them minor and runs the
+    masked softmax as one kernel. Written ``jnp.einsum("tkgd,skd->kgts")``, the product came out
+    with the keys before the query heads, and the softmax ran as four kernels over the whole scores
+    (a decoding token of the 1B over 8 sequences of 4,096 slots: 3,412 MiB against 3,059,
+    `benchmarks.gpu_compile`, RESULTS.md). A CPU runs both alike, so it is read off the program."""
+    from redeqx.context._blockwise import Span, block_scores
+    from redeqx.models._layers import attention
+
+    q, k = jnp.zeros((1, 8, 16), jnp.bfloat16), jnp.zeros((40, 2, 16), jnp.bfloat16)
+    programs = {"zoo": jax.make_jaxpr(lambda q, k: attention(q, k, k, jnp.ones((1, 40), bool), scale=0.25))(q, k),
+                "blockwise": jax.make_jaxpr(lambda q, k: block_scores(
+                    q, k, jnp.zeros(1, jnp.int32), jnp.arange(40), jnp.zeros(1, jnp.int32), jnp.zeros(40, jnp.int32),
+                    Span(causal=True), 0.25))(q, k)}
+    for name, program in programs.items():
+        scores = next(e for e in program.eqns if e.primitive.name == "dot_general")
+        assert scores.outvars[0].aval.shape[-1] == k.shape[0], (name, scores.outvars[0].aval.shape)

@@ -18,7 +18,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ..mesh import constrain
 from .._typing import positive_int
-from ..context import attention as split_attention, context_axis, fused_attention, sequence_positions
+from ..context import attention as split_attention, context_axis, fused_attention, grouped_scores, sequence_positions
 from ..mesh import CONTEXT, MODEL, traced_platform
 
 INIT_STD = 0.02  # the initializer_range of the Hugging Face configs
@@ -606,10 +606,7 @@ def attention(
         mask = mask.array()
     t, hq, d = q.shape
     hkv = k.shape[1]
-    qg = q.reshape(t, hkv, hq // hkv, d)  # (T, Hkv, G, D)
-    # Keys first: XLA:GPU then lays the scores out with the keys minor and runs the masked softmax as
-    # one kernel (four before: a decoding token's 22 MiB a layer of them became 6; RESULTS.md).
-    scores = jnp.einsum("skd,tkgd->kgts", k, qg, preferred_element_type=jnp.float32) * scale
+    scores = grouped_scores(q, k, scale)  # (Hkv, G, T, S), the keys minor on a GPU: one softmax kernel
     if bias is not None:
         scores = scores + bias.reshape(hkv, hq // hkv, *bias.shape[1:]).astype(jnp.float32)
     scores = jnp.where(mask[None, None], scores, jnp.finfo(jnp.float32).min)
