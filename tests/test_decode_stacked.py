@@ -191,15 +191,21 @@ def test_attention_scores_come_out_of_their_product_with_the_keys_last():
     masked softmax as one kernel. Written ``jnp.einsum("tkgd,skd->kgts")``, the product came out
     with the keys before the query heads, and the softmax ran as four kernels over the whole scores
     (a decoding token of the 1B over 8 sequences of 4,096 slots: 3,412 MiB against 3,059,
-    `benchmarks.gpu_compile`, RESULTS.md). A CPU runs both alike, so it is read off the program."""
+    `benchmarks.gpu_compile`, RESULTS.md). The zoo's attention keeps that layout, so its gradient
+    transposes no scores either (their swap cost a 1,024-token batch a quarter more bytes). A CPU
+    runs every layout alike, so it is read off the program."""
     from redeqx.context._blockwise import Span, block_scores
     from redeqx.models._layers import attention
 
-    q, k = jnp.zeros((1, 8, 16), jnp.bfloat16), jnp.zeros((40, 2, 16), jnp.bfloat16)
-    programs = {"zoo": jax.make_jaxpr(lambda q, k: attention(q, k, k, jnp.ones((1, 40), bool), scale=0.25))(q, k),
+    q, k = jnp.zeros((3, 8, 16), jnp.bfloat16), jnp.zeros((40, 2, 16), jnp.bfloat16)
+    zoo = lambda q, k: attention(q, k, k, jnp.ones((3, 40), bool), scale=0.25).astype(jnp.float32).sum()  # noqa: E731
+    programs = {"zoo": jax.make_jaxpr(zoo)(q, k),
                 "blockwise": jax.make_jaxpr(lambda q, k: block_scores(
-                    q, k, jnp.zeros(1, jnp.int32), jnp.arange(40), jnp.zeros(1, jnp.int32), jnp.zeros(40, jnp.int32),
+                    q, k, jnp.arange(3), jnp.arange(40), jnp.zeros(3, jnp.int32), jnp.zeros(40, jnp.int32),
                     Span(causal=True), 0.25))(q, k)}
     for name, program in programs.items():
         scores = next(e for e in program.eqns if e.primitive.name == "dot_general")
         assert scores.outvars[0].aval.shape[-1] == k.shape[0], (name, scores.outvars[0].aval.shape)
+    gradient = jax.make_jaxpr(jax.grad(zoo, argnums=(0, 1)))(q, k)
+    moved = [e.invars[0].aval.shape for e in gradient.eqns if e.primitive.name == "transpose"]
+    assert not [shape for shape in moved if len(shape) == 4 and shape[-1] == k.shape[0]], moved

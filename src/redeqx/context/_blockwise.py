@@ -99,24 +99,29 @@ def with_ranks(pos, seg, span: Span, n: int = 1):
 
 
 def grouped_scores(q, k, scale: float):
-    """``q`` (Tq, Hq, D) times ``k`` (Tk, Hkv, D), scaled: scores (Hkv, G, Tq, Tk) in float32, query
-    head ``h`` of KV head ``h // G``. The product is written as `jax.lax.dot_general` with the
-    queries first, so its own output ends with the keys: XLA:GPU keeps them minor and runs a
-    softmax over them as one kernel. With the keys first (what ``jnp.einsum("tkgd,skd->kgts")``
-    emitted) it ran four over the whole scores, and a decoding token of the 1B over 8 sequences of
-    4,096 slots moved 3,412 MiB against 3,059 (`benchmarks.gpu_compile`, RESULTS.md)."""
+    """``q`` (Tq, Hq, D) times ``k`` (Tk, Hkv, D), scaled: scores (Hkv, Tq, G, Tk) in float32, query
+    head ``h`` of KV head ``h // G``. Written as `jax.lax.dot_general` with the queries first, the
+    product's own output, kept as it is, ends with the keys: XLA:GPU keeps them minor and runs a
+    softmax over them as one kernel. ``jnp.einsum("tkgd,skd->kgts")`` emitted the keys first: the
+    softmax ran as four kernels over the whole scores, and a decoding token of the 1B over 8
+    sequences of 4,096 slots moved 3,412 MiB against 3,059 (`benchmarks.gpu_compile`, RESULTS.md).
+    Swapping the queries and their heads afterwards costs the backward pass a transpose of the
+    scores' gradient (a quarter more bytes for a 1,024-token batch, RESULTS.md): use this layout."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     qg = q.reshape(t, hkv, hq // hkv, d)
-    s = jax.lax.dot_general(qg, k, (((3,), (2,)), ((1,), (1,))), preferred_element_type=jnp.float32)  # (Hkv, Tq, G, Tk)
-    return jnp.swapaxes(s, 1, 2) * scale
+    return jax.lax.dot_general(qg, k, (((3,), (2,)), ((1,), (1,))), preferred_element_type=jnp.float32) * scale
+
+
+def block_mask(qpos, kpos, qseg, kseg, span: Span):
+    """Which keys each query sees: (Tq, Tk), by segment and `Span`."""
+    return (qseg[:, None] == kseg[None, :]) & span.mask(qpos, kpos)
 
 
 def block_scores(q, k, qpos, kpos, qseg, kseg, span: Span, scale: float):
     """Masked scores (Hkv, G, Tq, Tk) in float32 and the mask (1, 1, Tq, Tk)."""
-    s = grouped_scores(q, k, scale)
-    mask = (qseg[:, None] == kseg[None, :]) & span.mask(qpos, kpos)
-    mask = mask[None, None]  # (1, 1, Tq, Tk)
+    s = jnp.swapaxes(grouped_scores(q, k, scale), 1, 2)
+    mask = block_mask(qpos, kpos, qseg, kseg, span)[None, None]  # (1, 1, Tq, Tk)
     return jnp.where(mask, s, -jnp.inf), mask
 
 

@@ -40,7 +40,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int, Integer
 
 from . import _tpu
-from ._blockwise import Span, block_scores, block_size, gather_attention, ring_attention, whole_attention, with_ranks
+from ._blockwise import (Span, block_mask, block_size, gather_attention, grouped_scores, ring_attention, whole_attention,
+                         with_ranks)
 from ..mesh import CONTEXT, DATA, traced_platform
 from .._typing import typechecked
 
@@ -296,10 +297,10 @@ def _plain(q, k, v, pos, seg, span: Span, scale: float):
         return out
     seg = jnp.zeros(pos.shape, jnp.int32) if seg is None else seg
     pos = with_ranks(pos, seg, span)
-    s, _ = block_scores(q, k, pos, pos, seg, seg, span, scale)
-    p = jax.nn.softmax(s, axis=-1)
+    s = grouped_scores(q, k, scale)  # (Hkv, T, G, T): its own layout, for the backward pass too
+    p = jax.nn.softmax(jnp.where(block_mask(pos, pos, seg, seg, span)[None, :, None], s, -jnp.inf), axis=-1)
     t, hq, d = q.shape
-    return jnp.einsum("kgts,skd->tkgd", p.astype(v.dtype), v).reshape(t, hq, d)
+    return jnp.einsum("ktgs,skd->tkgd", p.astype(v.dtype), v).reshape(t, hq, d)
 
 
 def block_layout(n_tokens: int, n_shards: int) -> tuple[int, tuple[tuple[int, ...], ...]]:

@@ -606,12 +606,12 @@ def attention(
         mask = mask.array()
     t, hq, d = q.shape
     hkv = k.shape[1]
-    scores = grouped_scores(q, k, scale)  # (Hkv, G, T, S), the keys minor on a GPU: one softmax kernel
+    scores = grouped_scores(q, k, scale)  # (Hkv, T, G, S), the keys minor on a GPU: one softmax kernel
     if bias is not None:
-        scores = scores + bias.reshape(hkv, hq // hkv, *bias.shape[1:]).astype(jnp.float32)
-    scores = jnp.where(mask[None, None], scores, jnp.finfo(jnp.float32).min)
+        scores = scores + jnp.swapaxes(bias.reshape(hkv, hq // hkv, *bias.shape[1:]), 1, 2).astype(jnp.float32)
+    scores = jnp.where(mask[None, :, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("kgts,skd->tkgd", probs, v)
+    out = jnp.einsum("ktgs,skd->tkgd", probs, v)
     return out.reshape(t, hq, d)
 
 
