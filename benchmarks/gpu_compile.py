@@ -132,6 +132,7 @@ def heads_worker(impl: str, tokens: int = 32768, shards: int = 4) -> dict:
 
     import redeqx
     from benchmarks._common import gpu_devices
+    from benchmarks._profile import static_tally
 
     mesh = redeqx.make_mesh(1, n_context_shards=shards, devices=gpu_devices(shards))
     q, kv = (jax.ShapeDtypeStruct((1, tokens, h, 128), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "context")))
@@ -143,8 +144,6 @@ def heads_worker(impl: str, tokens: int = 32768, shards: int = 4) -> dict:
     with jax.set_mesh(mesh):
         compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, q).compile()
     text = compiled.as_text()
-    from benchmarks._profile import static_tally
-
     return dict(cudnn=_cudnn_calls(text), temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
                 collectives={k: v["bytes"] for k, v in redeqx.collective_summary(text).items()},
                 gb=static_tally(text, HBM_BYTES_PER_S["H200"])["gb"])

@@ -18,5 +18,5 @@ from ._context import (
     split_lengths as split_lengths,
     splitting as splitting,
 )
-from ._blockwise import grouped_scores as grouped_scores
+from ._blockwise import masked_attention as masked_attention
 from ._context_checks import check_split_program as check_split_program

@@ -113,6 +113,20 @@ def grouped_scores(q, k, scale: float):
     return jax.lax.dot_general(qg, k, (((3,), (2,)), ((1,), (1,))), preferred_element_type=jnp.float32) * scale
 
 
+def masked_attention(q, k, v, mask, scale: float, bias=None):
+    """Exact attention of one sequence, the scores in float32 and kept in `grouped_scores`' layout
+    (for the backward pass too): ``q`` (Tq, Hq, D), ``k``/``v`` (Tk, Hkv, D), ``mask`` (Tq, Tk),
+    ``bias`` (Hq, Tq, Tk) or None. The zoo's attention and `redeqx.attention` on one device, where
+    no fused kernel serves."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    s = grouped_scores(q, k, scale)  # (Hkv, Tq, G, Tk)
+    if bias is not None:
+        s = s + jnp.swapaxes(bias.reshape(hkv, hq // hkv, *bias.shape[1:]), 1, 2).astype(jnp.float32)
+    p = jax.nn.softmax(jnp.where(mask[None, :, None], s, jnp.finfo(jnp.float32).min), axis=-1)
+    return jnp.einsum("ktgs,skd->tkgd", p.astype(v.dtype), v).reshape(t, hq, d)
+
+
 def block_mask(qpos, kpos, qseg, kseg, span: Span):
     """Which keys each query sees: (Tq, Tk), by segment and `Span`."""
     return (qseg[:, None] == kseg[None, :]) & span.mask(qpos, kpos)

@@ -40,8 +40,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int, Integer
 
 from . import _tpu
-from ._blockwise import (Span, block_mask, block_size, gather_attention, grouped_scores, ring_attention, whole_attention,
-                         with_ranks)
+from ._blockwise import (Span, block_mask, block_size, gather_attention, masked_attention, ring_attention,
+                         whole_attention, with_ranks)
 from ..mesh import CONTEXT, DATA, traced_platform
 from .._typing import typechecked
 
@@ -297,10 +297,7 @@ def _plain(q, k, v, pos, seg, span: Span, scale: float):
         return out
     seg = jnp.zeros(pos.shape, jnp.int32) if seg is None else seg
     pos = with_ranks(pos, seg, span)
-    s = grouped_scores(q, k, scale)  # (Hkv, T, G, T): its own layout, for the backward pass too
-    p = jax.nn.softmax(jnp.where(block_mask(pos, pos, seg, seg, span)[None, :, None], s, -jnp.inf), axis=-1)
-    t, hq, d = q.shape
-    return jnp.einsum("ktgs,skd->tkgd", p.astype(v.dtype), v).reshape(t, hq, d)
+    return masked_attention(q, k, v, block_mask(pos, pos, seg, seg, span), scale)
 
 
 def block_layout(n_tokens: int, n_shards: int) -> tuple[int, tuple[tuple[int, ...], ...]]:

@@ -18,7 +18,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ..mesh import constrain
 from .._typing import positive_int
-from ..context import attention as split_attention, context_axis, fused_attention, grouped_scores, sequence_positions
+from ..context import attention as split_attention, context_axis, fused_attention, masked_attention, sequence_positions
 from ..mesh import CONTEXT, MODEL, traced_platform
 
 INIT_STD = 0.02  # the initializer_range of the Hugging Face configs
@@ -604,15 +604,7 @@ def attention(
         if bias is None and (out := fused_attention(q, k, v, causal=True, scale=scale)) is not None:
             return out  # cuDNN's kernel on a GPU, splash on a TPU: `redeqx.attention`'s own choice
         mask = mask.array()
-    t, hq, d = q.shape
-    hkv = k.shape[1]
-    scores = grouped_scores(q, k, scale)  # (Hkv, T, G, S), the keys minor on a GPU: one softmax kernel
-    if bias is not None:
-        scores = scores + jnp.swapaxes(bias.reshape(hkv, hq // hkv, *bias.shape[1:]), 1, 2).astype(jnp.float32)
-    scores = jnp.where(mask[None, :, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("ktgs,skd->tkgd", probs, v)
-    return out.reshape(t, hq, d)
+    return masked_attention(q, k, v, mask, scale, bias)  # the keys minor on a GPU: one softmax kernel
 
 
 def update_cache(layer: KVCache, k, v, index) -> KVCache:
