@@ -160,16 +160,17 @@ def test_under_fsdp_the_momentum_moves_from_the_matrix_dim_to_the_layer_axis(mon
 
     monkeypatch.setattr("redeqx.sharding._specs.FSDP_MIN_SIZE", 1)  # this test's matrices are small
     model = Net(jax.random.key(0), True)
-    mesh = redeqx.make_mesh(2)
-    specs = redeqx.sharding_rules(model, mesh, loss_fn=loss_fn, batch=BATCH, fsdp=True)
-    assert "data" in tuple(specs.blocks.up.weight)[1:], specs.blocks.up.weight
-    state = redeqx.init_state(model, _muon(redeqx.muon_dimensions(model, loss_fn, BATCH)), mesh, specs,
-                              key=jax.random.key(1))
-    muon = next(x for x in jax.tree.leaves(state.opt_state, is_leaf=lambda x: isinstance(x, MuonState))
-                if isinstance(x, MuonState))
-    for mu, weight in ((muon.mu.blocks.up.weight, specs.blocks.up.weight),
-                       (muon.mu.blocks.down.weight, specs.blocks.down.weight)):
-        assert mu.sharding.spec == P("data", *(None if e == "data" else e for e in tuple(weight)[1:])), mu.sharding
+    # on a mesh with context shards fsdp splits over (data, context): the momentum takes both
+    for mesh, group in ((redeqx.make_mesh(2), "data"), (redeqx.make_mesh(2, n_context_shards=2), ("data", "context"))):
+        specs = redeqx.sharding_rules(model, mesh, loss_fn=loss_fn, batch=BATCH, fsdp=True)
+        assert group in tuple(specs.blocks.up.weight)[1:], specs.blocks.up.weight
+        state = redeqx.init_state(model, _muon(redeqx.muon_dimensions(model, loss_fn, BATCH)), mesh, specs,
+                                  key=jax.random.key(1))
+        muon = next(x for x in jax.tree.leaves(state.opt_state, is_leaf=lambda x: isinstance(x, MuonState))
+                    if isinstance(x, MuonState))
+        for mu, weight in ((muon.mu.blocks.up.weight, specs.blocks.up.weight),
+                           (muon.mu.blocks.down.weight, specs.blocks.down.weight)):
+            assert mu.sharding.spec == P(group, *(None if e == group else e for e in tuple(weight)[1:])), mu.sharding
     for a, b in zip(jax.tree.leaves(_trained(True, 2, "program", fsdp=True)),
                     jax.tree.leaves(_trained(True, 1, "program"))):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

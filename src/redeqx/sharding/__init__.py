@@ -18,4 +18,5 @@ from ._public import (
     specs_from as specs_from,
     specs_from_overrides as specs_from_overrides,
 )
+from ._specs import axes_of as axes_of
 from ._stacks import declared_ndim as declared_ndim, layer_axes as layer_axes

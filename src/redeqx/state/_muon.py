@@ -14,12 +14,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import math
+
 import jax
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 from optax.contrib import MuonDimensionNumbers
 
-from ..sharding import layer_axes, program_facts
+from ..mesh import CONTEXT, DATA
+from ..sharding import axes_of, layer_axes, program_facts
 from .._trees import is_array_like, is_none, path_str
 from .._typing import typechecked, warn_user
 
@@ -142,12 +145,10 @@ def _muon_momenta(opt_state) -> list[tuple]:
     return [tuple(kp) + (jax.tree_util.GetAttrKey("mu"),) for kp, x in flat if isinstance(x, MuonState)]
 
 
-def _without(entry, axis: str):
-    """A spec entry with mesh axis ``axis`` taken out (fsdp's ``data`` on a matrix dim)."""
-    if isinstance(entry, tuple):
-        kept = tuple(n for n in entry if n != axis)
-        return kept if len(kept) > 1 else (kept[0] if kept else None)
-    return None if entry == axis else entry
+def _without(entry, axes: tuple[str, ...]):
+    """A spec entry with mesh ``axes`` taken out (fsdp's ``data``, or ``(data, context)``, on a matrix dim)."""
+    kept = tuple(n for n in axes_of(entry) if n is not None and n not in axes)
+    return kept if len(kept) > 1 else (kept[0] if kept else None)
 
 
 def spread_muon_momentum(opt_state, model, specs, os_specs, mesh):
@@ -162,8 +163,8 @@ def spread_muon_momentum(opt_state, model, specs, os_specs, mesh):
     AdamW's bytes on libtpu). Muon orthogonalises each slice of a stack on its own
     (`muon_dimensions`), so the values are the same."""
     prefixes = _muon_momenta(opt_state)
-    data = dict(mesh.shape).get("data", 1)
-    if not prefixes or data == 1:
+    sizes = dict(mesh.shape)
+    if not prefixes or sizes.get(DATA, 1) == 1:
         return os_specs
     try:
         axes = layer_axes(model)
@@ -176,8 +177,10 @@ def spread_muon_momentum(opt_state, model, specs, os_specs, mesh):
     stacked = {}
     for (kp, x), a, spec in zip(flat, axes, spec_of):
         spec = tuple(spec or ())
-        if a and x.ndim - a >= 2 and (not spec or spec[0] is None) and x.shape[0] % data == 0:
-            stacked[kp] = (tuple(x.shape), P("data", *(_without(e, "data") for e in spec[1:])))
+        # fsdp's group (data, and context on a mesh with it) moves from a matrix dim to the layer axis
+        group = tuple(n for n in (DATA, CONTEXT) if any(n in axes_of(e) for e in spec)) or (DATA,)
+        if a and x.ndim - a >= 2 and (not spec or spec[0] is None) and x.shape[0] % math.prod(sizes[n] for n in group) == 0:
+            stacked[kp] = (tuple(x.shape), P(group if len(group) > 1 else DATA, *(_without(e, group) for e in spec[1:])))
 
     def spread(kp, leaf, spec):
         for prefix in prefixes:
