@@ -138,6 +138,15 @@ def kind_of(op: dict | None, kernel: str = "") -> str:
     return "norms and elementwise"
 
 
+def source_of(op: dict | None) -> str:
+    """The innermost Python function an instruction's metadata names (``RMSNorm.__call__``), where
+    its code came from; ``(no source)`` for an instruction without one (or a kernel without one).
+    A fusion is named after its root's source: SwiGLU's backward, which ends in the sum of the
+    gradients of the product it feeds, reads as that product's function."""
+    frames = (op or {}).get("frames") or []
+    return frames[0][1] if frames else "(no source)"
+
+
 def device_events(path: str):
     """(name, hlo_op, start_ns, duration_ns) of every event on the GPU planes of an ``.xplane.pb``."""
     from jax.profiler import ProfileData
@@ -154,6 +163,14 @@ def device_events(path: str):
                 yield ev.name, str(stats.get("hlo_op", "")), ev.start_ns, ev.duration_ns
 
 
+def _by_source(totals: dict[tuple[str, str], list], unit: str, digits: int, steps: int = 1) -> list[dict]:
+    """(kind, function) -> [total, kernels] outside matmuls and attention, largest first: what the
+    step's other time (or bytes) is made of, by the code that made it."""
+    rows = [{"kind": kind, "function": function, unit: round(v, digits), "kernels": n // steps}
+            for (kind, function), (v, n) in totals.items() if kind not in ("matmuls", "attention")]
+    return sorted(rows, key=lambda r: -r[unit])
+
+
 def breakdown(xplane: str, hlo_text: str, steps: int, top: int = 30) -> dict:
     """Device milliseconds per step by kind, the device's busy time (the union
     of its events) and the ``top`` instructions by time, each with its kind."""
@@ -165,6 +182,7 @@ def tally(events, hlo_text: str, steps: int, top: int = 30) -> dict:
     ops = hlo_ops(hlo_text)
     kernels = kernel_names(ops)
     by_kind: dict[str, float] = defaultdict(float)
+    by_source: dict[tuple[str, str], list] = defaultdict(lambda: [0.0, 0])
     by_op: dict[str, list] = {}
     spans = []
     for name, hlo_op, start, duration in events:
@@ -178,6 +196,9 @@ def tally(events, hlo_text: str, steps: int, top: int = 30) -> dict:
             op = ops.get(hlo_op)
         kind = kind_of(op, name)
         by_kind[kind] += duration / 1e6 / steps
+        total = by_source[kind, source_of(op)]
+        total[0] += duration / 1e6 / steps
+        total[1] += 1
         entry = by_op.setdefault(hlo_op or name, [kind, 0.0, 0, name[:80]])
         entry[1] += duration / 1e6 / steps
         entry[2] += 1
@@ -193,6 +214,7 @@ def tally(events, hlo_text: str, steps: int, top: int = 30) -> dict:
     ranked = sorted(by_op.items(), key=lambda kv: -kv[1][1])[:top]
     return {"ms_per_step": {k: round(by_kind.get(k, 0.0), 3) for k in KINDS},
             "busy_ms_per_step": busy / 1e6 / steps,
+            "by_source": _by_source(by_source, "ms", 3, steps),
             "top": [{"op": op, "kind": k, "ms": round(ms, 3), "launches": n // steps, "kernel": kernel}
                     for op, (k, ms, n, kernel) in ranked]}
 
@@ -304,17 +326,22 @@ def static_tally(text: str, bandwidth: float, top: int = 25) -> dict:
     every kind that is not a matmul or attention (their time is set by FLOPs, not bytes)."""
     ops = hlo_ops(text)
     count, moved = defaultdict(int), defaultdict(float)
+    by_source: dict[tuple[str, str], list] = defaultdict(lambda: [0.0, 0])
     ranked = []
     for k in kernels(text):
         kind = kind_of(ops.get(k["name"]))
         count[kind] += k["times"]
         moved[kind] += k["bytes"] * k["times"]
+        total = by_source[kind, source_of(ops.get(k["name"]))]
+        total[0] += k["bytes"] * k["times"] / 1e9
+        total[1] += k["times"]
         frames = (ops.get(k["name"]) or {}).get("frames", [])
         ranked.append((k["bytes"] * k["times"], k["name"], kind, k["times"], [f for _, f in frames[:3]]))
     ranked.sort(key=lambda r: -r[0])
     return {"kernels": {kind: count[kind] for kind in KINDS if count[kind]},
             "gb": {kind: round(moved[kind] / 1e9, 3) for kind in KINDS if count[kind]},
             "floor_ms": {kind: round(moved[kind] / bandwidth * 1e3, 3) for kind in KINDS if count[kind]},
+            "by_source": _by_source(by_source, "gb", 3),
             "top": [{"op": n, "kind": kind, "gb": round(b / 1e9, 3), "times": t, "frames": f}
                     for b, n, kind, t, f in ranked[:top]]}
 

@@ -411,6 +411,23 @@ def _render_moe(sec, hw):
     return rows
 
 
+def _by_source_rows(prof: dict, bandwidth: float | None, top: int = 12) -> list[str]:
+    """The profile's time outside matmuls and attention by the function its kernels came from
+    (`benchmarks._profile.source_of`), beside the bytes the program's text says they move: which
+    code runs below the measured bandwidth (issue 51, item 4)."""
+    if not prof.get("by_source"):
+        return []
+    gb = {(r["kind"], r["function"]): r["gb"] for r in prof.get("static", {}).get("by_source", [])}
+    rows = ["", "The same time outside matmuls and attention, by the function its kernels came from:", "",
+            "| function | kind | ms per step | kernels | GB moved | of the measured bandwidth |", "|---|---|---|---|---|---|"]
+    for r in prof["by_source"][:top]:
+        moved = gb.get((r["kind"], r["function"]))
+        achieved = f"{moved * 1e9 / bandwidth * 1e3 / r['ms']:.0%}" if moved and bandwidth and r["ms"] else ""
+        rows.append(f"| `{r['function']}` | {r['kind']} | {r['ms']:.2f} | {r['kernels']} | "
+                    f"{'' if moved is None else f'{moved:.2f}'} | {achieved} |")
+    return rows
+
+
 def _render_train(sec, hw):
     from benchmarks import throughput
 
@@ -434,6 +451,7 @@ def _render_train(sec, hw):
             if ms or floor:
                 rows.append(f"| {k} | {ms:.1f} | {ms / total if total else 0:.1%} | {gb.get(k, 0):.1f} | "
                             + (f"{floor:.1f} ms | {floor / ms:.0%} |" if floor and ms else "| |"))
+        rows += _by_source_rows(prof, bw)
         rows += ["", "Largest instructions:", "", "| instruction | kind | ms per step | launches | kernel |",
                  "|---|---|---|---|---|"]
         rows += [f"| {t['op']} | {t['kind']} | {t['ms']:.2f} | {t['launches']} | `{t['kernel'][:60]}` |"

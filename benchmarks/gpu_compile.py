@@ -16,7 +16,9 @@ program (`benchmarks._profile`):
   `redeqx.models._layers.joined_linears`), and hand-written (``jax.jit`` + optax, the stacked
   model). For each: its kernels and the gigabytes they read and write by kind (`static_tally`),
   and what those bytes take at the H200's bandwidth: the floor of the time that is neither
-  matmul nor attention (the H200's profile put 40.5 ms of its 221.5 ms step there);
+  matmul nor attention (the H200's profile put 40.5 ms of its 221.5 ms step there); then the
+  stacked and hand-written steps' bytes outside matmuls and attention by the function their
+  kernels' code came from (`benchmarks._profile.source_of`);
 - ``fp8``: `benchmarks.gpu`'s MLP block (`mlp_block`): its GEMMs and those with fp8 operands
   (6 expected), with Triton's GEMMs (the default) and with cuBLAS's (``--xla_gpu_enable_triton_gemm=false``);
 - ``heads``: one 8B layer's attention (32 query, 8 KV heads) at 32k tokens over 4 context shards of
@@ -204,11 +206,30 @@ def train_section() -> str:
                     f"{r['gb'].get('matmuls', 0):.1f} ({r['kernels'].get('matmuls', 0)}) | "
                     + " | ".join(f"{r['gb'].get(k, 0):.1f} ({r['kernels'].get(k, 0)})" for k in kinds)
                     + f" | {rest * GB / HBM_BYTES_PER_S['H200'] * 1e3:.1f} ms |")
+    rows += _by_source_table(runs["stacked"], runs["hand-written"])
     rows += ["", "The stacked step's largest kernels outside matmuls and attention (GB per step, the functions "
              "their code came from):", "", "| kernel | kind | GB | from |", "|---|---|---|---|"]
     rows += [f"| `{t['op']}` | {t['kind']} | {t['gb']:.2f} | {' < '.join(t['frames'][:2])} |"
              for t in runs["stacked"]["top"] if t["kind"] not in ("matmuls", "attention")][:8]
     return "\n".join(rows)
+
+
+def _by_source_table(ours: dict, hand: dict, top: int = 12) -> list[str]:
+    """The stacked step's bytes outside matmuls and attention by the function its kernels came from
+    (`benchmarks._profile.source_of`), beside the hand-written step's; then the hand-written step's
+    own functions (its optimizer update, which its step's frame names)."""
+    theirs = {(r["kind"], r["function"]): r for r in hand["by_source"]}
+    rows = ["", "Where those bytes come from: the stacked step's kernels outside matmuls and attention by the "
+            "function their code came from (a fusion is named after its root's), GB per step (kernels), beside "
+            "the hand-written step's:", "", "| function | kind | stacked | hand-written |", "|---|---|---|---|"]
+    cell = lambda r: f"{r['gb']:.2f} ({r['kernels']})" if r else ""  # noqa: E731
+    shown = ours["by_source"][:top]
+    for r in shown:
+        rows.append(f"| `{r['function']}` | {r['kind']} | {cell(r)} | {cell(theirs.get((r['kind'], r['function'])))} |")
+    seen = {(r["kind"], r["function"]) for r in shown}
+    rows += [f"| `{r['function']}` | {r['kind']} | | {cell(r)} |" for r in hand["by_source"]
+             if (r["kind"], r["function"]) not in seen and r["gb"] >= 0.1]
+    return rows
 
 
 def fp8_section() -> str:

@@ -247,7 +247,7 @@ def profile(step, hlo_text: str, log_dir: str, step_s: float, steps: int = 3) ->
         xplane = max(glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True), key=os.path.getmtime)
         moved = static_tally(hlo_text, 1.0)  # each kind's bytes, read off the program: its floor at a bandwidth
         return {"steps": steps, "step_ms": step_s * 1e3, **breakdown(xplane, hlo_text, steps),
-                "static": {"gb": moved["gb"], "kernels": moved["kernels"]}}
+                "static": {"gb": moved["gb"], "kernels": moved["kernels"], "by_source": moved["by_source"]}}
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         return {"error": f"{type(e).__name__}: {str(e)[:300]}"}

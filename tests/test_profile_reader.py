@@ -6,6 +6,7 @@ import re
 import jax
 import jax.numpy as jnp
 import optax
+import pytest
 
 from benchmarks import _profile
 
@@ -39,6 +40,11 @@ def test_kernels_inside_a_command_buffer_are_found_by_the_names_xla_gives_them()
     assert ms["other"] == 0, out["top"]
     assert ms["matmuls"] >= 0.01 and ms["optimizer update"] > 0 and ms["loss"] > 0
     assert {t["op"] for t in out["top"]} == set(fusions) | {kernels[-1]}  # each kernel booked to its instruction
+    # the time outside matmuls and attention, by the function each kernel's code came from
+    split = {(r["kind"], r["function"]): r["ms"] for r in out["by_source"]}
+    assert sum(split.values()) == pytest.approx(sum(v for k, v in ms.items() if k not in ("matmuls", "attention")))
+    assert [f for k, f in split if k == "optimizer update"] == ["_step_text.<locals>.optimizer_update"], split
+    assert {k for k, _ in split} >= {"loss", "optimizer update"} and all(r["kernels"] >= 1 for r in out["by_source"])
 
 
 # An XLA:GPU program's text, cut down to what the static reader looks at: a fusion that only
@@ -106,6 +112,7 @@ def test_the_static_reader_counts_what_each_kernel_moves():
     assert _profile.loop_copies(_GPU_TEXT) == {"copies_per_token": 1, "copied_bytes_per_token": 2 * layer}
     tally = _profile.static_tally(_GPU_TEXT, bandwidth=1e12)
     assert tally["kernels"]["copies"] == 64 and tally["gb"]["copies"] == round(64 * 2 * layer / 1e9, 3)
+    assert sum(r["gb"] for r in tally["by_source"] if r["kind"] == "copies") == tally["gb"]["copies"]
 
 
 # A batched cache written at each sequence's slot (a scatter, in place), an embedding table read at
@@ -200,3 +207,18 @@ def test_a_stack_cast_then_sliced_is_read_at_its_slice():
     layer = 512 * 256
     assert moved["input_concatenate_fusion"] == 2 * layer * 4 + 2 * layer * 2  # two f32 layers in, bf16 out
     assert moved["loop_convert_fusion"] == 22 * layer * (4 + 2)  # a cast of the whole stack reads it whole
+
+
+def test_the_gpu_report_sets_each_functions_time_beside_its_bytes():
+    """`benchmarks.gpu`'s train section joins the profile's time by function with the bytes the
+    program's text says the same kernels move: the share of the measured bandwidth each reaches."""
+    from benchmarks.gpu import _by_source_rows
+
+    prof = {"by_source": [{"kind": "norms and elementwise", "function": "RMSNorm.__call__", "ms": 12.0, "kernels": 315},
+                          {"kind": "loss", "function": "cross_entropy", "ms": 2.0, "kernels": 9}],
+            "static": {"by_source": [{"kind": "norms and elementwise", "function": "RMSNorm.__call__", "gb": 36.0,
+                                      "kernels": 315}]}}
+    rows = _by_source_rows(prof, bandwidth=4.8e12)
+    assert rows[-2] == "| `RMSNorm.__call__` | norms and elementwise | 12.00 | 315 | 36.00 | 62% |"  # 7.5 ms of 12
+    assert rows[-1] == "| `cross_entropy` | loss | 2.00 | 9 |  |  |"  # no bytes read for it: no share
+    assert _by_source_rows({"static": {}}, bandwidth=4.8e12) == []
