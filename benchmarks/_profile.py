@@ -37,6 +37,9 @@ _COPIES = ("copy", "copy-start", "copy-done", "transpose", "dynamic-slice", "dyn
            "slice", "concatenate", "pad")
 # function names whose frames mark the loss, and the optimizer update (redeqx.state.optimizer_update and optax)
 _LOSS_FUNCTIONS = ("loss", "cross_entropy", "log_softmax", "logsumexp")
+# and the module whose code is all loss: `redeqx.models.cross_entropy`'s derivative rules, whose
+# metadata names only their own function (``_tangent``), not the loss they belong to
+_LOSS_FILES = ("redeqx/models/_losses.py",)
 _UPDATE_FUNCTIONS = ("_update", "update_fn", "apply_updates", "apply_gradients", "global_norm", "clip")
 
 
@@ -131,7 +134,7 @@ def kind_of(op: dict | None, kernel: str = "") -> str:
     files = [f for f, _ in op["frames"]]
     if any("optax" in f for f in files) or any(f.endswith(_UPDATE_FUNCTIONS) for f in functions):
         return "optimizer update"
-    if any(any(s in f for s in _LOSS_FUNCTIONS) for f in functions[:2]):
+    if any(any(s in f for s in _LOSS_FUNCTIONS) for f in functions[:2]) or (files and files[0].endswith(_LOSS_FILES)):
         return "loss"
     if opcode in _COPIES or (opcode == "fusion" and op["inner"] and set(op["inner"]) <= {*_COPIES, "parameter"}):
         return "copies"
