@@ -178,3 +178,58 @@ def test_users_image_models_match_one_device(make, devices):
     reference = train(make, image_loss, batches, 1, devices[:1])
     for n_model_shards in (2, 4):
         assert_same(train(make, image_loss, batches, n_model_shards, devices), reference)
+
+
+class TiedLM(eqx.Module):
+    """An LM whose head is its embedding, tied as Equinox ties weights (`eqx.nn.Shared`: one array
+    in the pytree, used by a lookup and by a product)."""
+
+    shared: eqx.nn.Shared
+    blocks: list
+    norm: eqx.nn.LayerNorm
+
+    def __init__(self, key, vocab=64, width=32):
+        ks = jax.random.split(key, 4)
+        embed = eqx.nn.Embedding(vocab, width, key=ks[0])
+        head = eqx.nn.Linear(width, vocab, use_bias=False, key=ks[1])
+        self.shared = eqx.nn.Shared((embed, head), lambda p: p[1].weight, lambda p: p[0].weight)
+        self.blocks = [eqx.nn.MLP(width, width, 4 * width, depth=1, key=k) for k in ks[2:]]
+        self.norm = eqx.nn.LayerNorm(width)
+
+    def __call__(self, ids):
+        embed, head = self.shared()
+        h = jax.vmap(embed)(ids)
+        for block in self.blocks:
+            h = h + jax.vmap(block)(h)
+        return jax.vmap(head)(jax.vmap(self.norm)(h))
+
+
+def tied_loss(model, batch, key):
+    logits = jax.vmap(model)(batch["ids"][:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:]).mean()
+
+
+@pytest.mark.slow
+def test_weights_tied_with_eqx_nn_shared_train_like_one_device(devices):
+    """`eqx.nn.Shared` keeps one copy of a tied weight; its gradient sums both uses (lookup and
+    head). Under every split the rules read from the program, the tie holds and training matches
+    one device's."""
+    batches = [{"ids": np.random.default_rng(i).integers(0, 64, (16, 9)).astype(np.int32)} for i in range(3)]
+    runs = {}
+    for n, devs in ((1, devices[:1]), (2, devices), (4, devices)):
+        mesh = redeqx.make_mesh(n, devices=devs)
+        model = TiedLM(jax.random.key(0))
+        specs = redeqx.sharding_rules(model, mesh, loss_fn=tied_loss, batch=batches[0])
+        optimizer = optax.adam(1e-2)
+        state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
+        step = redeqx.make_train_step(tied_loss, optimizer, mesh, specs)
+        losses = []
+        for batch in batches:
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+        arrays = lambda m: len(jax.tree.leaves(eqx.filter(m, eqx.is_array)))  # noqa: E731
+        assert arrays(state.model) == arrays(model) == 11  # the tied weight once (untied: 12)
+        runs[n] = (np.asarray(losses), state)
+    assert runs[1][0][-1] < runs[1][0][0]
+    for n in (2, 4):
+        assert_same(runs[n], runs[1])
