@@ -5,6 +5,7 @@ hides behind two passes it does not run."""
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import optax
 import pytest
 
@@ -67,6 +68,75 @@ def test_reassociation_merges_only_what_an_accelerator_would():
         ("all-reduce", 512),  # twice: its result is used (twice) by a product, not only summed
         ("all-gather", 512),
     ])
+
+
+SUMMED_HLO = """
+%sum (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%most (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %m = f32[] maximum(%x, %y)
+}
+
+ENTRY %main (p0: f32[128,64,64], p1: f32[128,64,64]) -> f32[] {
+  %p0 = f32[128,64,64]{2,1,0} parameter(0)
+  %p1 = f32[128,64,64]{2,1,0} parameter(1)
+  %zero = f32[] constant(0)
+  %w = f32[128,64,64]{2,1,0} all-reduce(%p0), channel_id=1, replica_groups=[1,8]<=[8], to_apply=%sum
+  %rw = f32[1,128,64,64]{3,2,1,0} reshape(%w)
+  %r1 = f32[128,64,64]{2,1,0} reduce(%rw, %zero), dimensions={0}, to_apply=%sum
+  %r2 = f32[128]{0} reduce(%r1, %zero), dimensions={1,2}, to_apply=%sum
+  %v = f32[128,64,64]{2,1,0} all-reduce(%p1), channel_id=2, replica_groups=[1,8]<=[8], to_apply=%sum
+  %top = f32[128]{0} reduce(%v, %zero), dimensions={1,2}, to_apply=%most
+  ROOT %r = f32[] constant(0)
+}
+"""
+
+
+def test_a_sum_over_the_batch_summed_further_moves_at_the_size_of_the_last_sum():
+    """XLA:CPU all-reduces a GroupNorm weight's gradient over the batch at (C, H, W), then sums H
+    and W; libtpu's and XLA:GPU's programs all-reduce the (C,) sum. Counted as theirs: through
+    reshapes and reduces that add, not through a reduce that takes a maximum."""
+    assert sorted((c.kind, c.bytes) for c in reassociated_collectives(SUMMED_HLO)) == [
+        ("all-reduce", 128 * 4), ("all-reduce", 128 * 64 * 64 * 4)]
+
+
+def test_a_groupnorm_nets_gradients_are_counted_at_their_own_size(devices):
+    """Data parallel over 8 devices, a conv net with a GroupNorm: the all-reduces an accelerator
+    runs are the weights' gradients, 25,132 bytes (libtpu's and XLA:GPU's programs for 8 chips
+    alike); XLA:CPU's own program moves 4,218,412."""
+
+    class Net(eqx.Module):
+        conv: eqx.nn.Conv2d
+        norm: eqx.nn.GroupNorm
+        head: eqx.nn.Linear
+
+        def __init__(self, key):
+            k1, k2 = jax.random.split(key)
+            self.conv = eqx.nn.Conv2d(4, 128, 3, padding=1, key=k1)
+            self.norm = eqx.nn.GroupNorm(32, 128)
+            self.head = eqx.nn.Linear(128, 10, key=k2)
+
+        def __call__(self, x):
+            return self.head(jnp.mean(jax.nn.silu(self.norm(self.conv(x))), axis=(1, 2)))
+
+    def loss(model, batch, key):
+        return optax.softmax_cross_entropy_with_integer_labels(jax.vmap(model)(batch["x"]), batch["y"]).mean()
+
+    model = Net(jax.random.key(0))
+    mesh = redeqx.make_mesh(1, devices=devices)
+    specs = redeqx.sharding_rules(model, mesh)
+    state = redeqx.init_state(model, optax.sgd(0.1), mesh, specs, key=jax.random.key(1))
+    step = redeqx.make_train_step(loss, optax.sgd(0.1), mesh, specs)
+    batch = {"x": jax.ShapeDtypeStruct((32, 4, 64, 64), jnp.float32), "y": jax.ShapeDtypeStruct((32,), jnp.int32)}
+    weights = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+    assert weights == 25_128
+    assert accelerator_collectives(step, state, batch) == {"all-reduce": {"count": 7, "bytes": weights + 4}}  # and the loss
 
 
 def _gpt_step(n_model_shards, layout, per_shard=16):
