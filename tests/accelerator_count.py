@@ -31,9 +31,9 @@ from redeqx.planner._hlo import DTYPE_BYTES, Collective, array_shapes, collectiv
 # - a sum over the batch's devices that is then only summed further (a GroupNorm's affine weight
 #   under vmap: broadcast to (C, H, W), its gradient summed over the batch, all-reduced, then
 #   over H and W) is all-reduced at the size of the last sum: libtpu's and XLA:GPU's programs
-#   all-reduce the (C,) gradient, XLA:CPU's the (C, H, W) one (a residual conv net's
-#   GroupNorm(32, 256) at 32 x 32 pixels: 23.35 MB a step counted on XLA:CPU before this rewrite,
-#   against libtpu's 19.16).
+#   all-reduce the (C,) gradient, XLA:CPU's the (C, H, W) one. With it, the GroupNorm nets of
+#   benchmarks/plans_vs_hand.py count libtpu's bytes to the byte (19,163,708 at 2 model shards for
+#   GroupNorm(32, 256) over 32 x 32 pixels; 23,353,916 before it).
 # `accelerator_collectives` reads the program right after SPMD partitioning (before XLA:CPU's
 # own passes) and applies these rewrites to the count, so a test on simulated CPU devices can
 # hold the step to the bytes a GPU or TPU run would move.
