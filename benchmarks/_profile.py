@@ -166,12 +166,21 @@ def device_events(path: str):
                 yield ev.name, str(stats.get("hlo_op", "")), ev.start_ns, ev.duration_ns
 
 
-def _by_source(totals: dict[tuple[str, str], list], unit: str, digits: int, steps: int = 1) -> list[dict]:
-    """(kind, function) -> [total, kernels] outside matmuls and attention, largest first: what the
-    step's other time (or bytes) is made of, by the code that made it."""
-    rows = [{"kind": kind, "function": function, unit: round(v, digits), "kernels": n // steps}
+def _by_source(totals: dict[tuple[str, str], list], unit: str, scale: float, steps: int = 1) -> list[dict]:
+    """(kind, function) -> [total, kernels] outside matmuls and attention, largest first, each total
+    times ``scale``: what the step's other time (or bytes) is made of, by the code that made it."""
+    rows = [{"kind": kind, "function": function, unit: round(v * scale, 3), "kernels": n // steps}
             for (kind, function), (v, n) in totals.items() if kind not in ("matmuls", "attention")]
     return sorted(rows, key=lambda r: -r[unit])
+
+
+def _by_kind(totals: dict[tuple[str, str], list]) -> tuple[dict[str, float], dict[str, int]]:
+    """`_by_source`'s totals summed by kind: (total, kernels)."""
+    value, count = defaultdict(float), defaultdict(int)
+    for (kind, _), (v, n) in totals.items():
+        value[kind] += v
+        count[kind] += n
+    return value, count
 
 
 def breakdown(xplane: str, hlo_text: str, steps: int, top: int = 30) -> dict:
@@ -184,8 +193,7 @@ def tally(events, hlo_text: str, steps: int, top: int = 30) -> dict:
     """`breakdown` of ``(kernel, hlo_op, start_ns, duration_ns)`` events (`device_events`)."""
     ops = hlo_ops(hlo_text)
     kernels = kernel_names(ops)
-    by_kind: dict[str, float] = defaultdict(float)
-    by_source: dict[tuple[str, str], list] = defaultdict(lambda: [0.0, 0])
+    by_source: dict[tuple[str, str], list] = defaultdict(lambda: [0.0, 0])  # (kind, function) -> [ms, kernels]
     by_op: dict[str, list] = {}
     spans = []
     for name, hlo_op, start, duration in events:
@@ -198,7 +206,6 @@ def tally(events, hlo_text: str, steps: int, top: int = 30) -> dict:
             hlo_op = name if name in ops else kernels.get(name, name)
             op = ops.get(hlo_op)
         kind = kind_of(op, name)
-        by_kind[kind] += duration / 1e6 / steps
         total = by_source[kind, source_of(op)]
         total[0] += duration / 1e6 / steps
         total[1] += 1
@@ -215,9 +222,10 @@ def tally(events, hlo_text: str, steps: int, top: int = 30) -> dict:
             busy += b - end
             end = b
     ranked = sorted(by_op.items(), key=lambda kv: -kv[1][1])[:top]
+    by_kind, _ = _by_kind(by_source)
     return {"ms_per_step": {k: round(by_kind.get(k, 0.0), 3) for k in KINDS},
             "busy_ms_per_step": busy / 1e6 / steps,
-            "by_source": _by_source(by_source, "ms", 3, steps),
+            "by_source": _by_source(by_source, "ms", 1.0, steps),
             "top": [{"op": op, "kind": k, "ms": round(ms, 3), "launches": n // steps, "kernel": kernel}
                     for op, (k, ms, n, kernel) in ranked]}
 
@@ -328,23 +336,21 @@ def static_tally(text: str, bandwidth: float, top: int = 25) -> dict:
     per step by kind, and the milliseconds those bytes take at ``bandwidth`` (bytes/s), the floor of
     every kind that is not a matmul or attention (their time is set by FLOPs, not bytes)."""
     ops = hlo_ops(text)
-    count, moved = defaultdict(int), defaultdict(float)
-    by_source: dict[tuple[str, str], list] = defaultdict(lambda: [0.0, 0])
+    by_source: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0])  # (kind, function) -> [bytes, kernels]
     ranked = []
     for k in kernels(text):
-        kind = kind_of(ops.get(k["name"]))
-        count[kind] += k["times"]
-        moved[kind] += k["bytes"] * k["times"]
-        total = by_source[kind, source_of(ops.get(k["name"]))]
-        total[0] += k["bytes"] * k["times"] / 1e9
+        op = ops.get(k["name"])
+        kind, moved = kind_of(op), k["bytes"] * k["times"]
+        total = by_source[kind, source_of(op)]
+        total[0] += moved
         total[1] += k["times"]
-        frames = (ops.get(k["name"]) or {}).get("frames", [])
-        ranked.append((k["bytes"] * k["times"], k["name"], kind, k["times"], [f for _, f in frames[:3]]))
+        ranked.append((moved, k["name"], kind, k["times"], [f for _, f in (op or {}).get("frames", [])[:3]]))
     ranked.sort(key=lambda r: -r[0])
+    moved, count = _by_kind(by_source)
     return {"kernels": {kind: count[kind] for kind in KINDS if count[kind]},
             "gb": {kind: round(moved[kind] / 1e9, 3) for kind in KINDS if count[kind]},
             "floor_ms": {kind: round(moved[kind] / bandwidth * 1e3, 3) for kind in KINDS if count[kind]},
-            "by_source": _by_source(by_source, "gb", 3),
+            "by_source": _by_source(by_source, "gb", 1e-9),
             "top": [{"op": n, "kind": kind, "gb": round(b / 1e9, 3), "times": t, "frames": f}
                     for b, n, kind, t, f in ranked[:top]]}
 

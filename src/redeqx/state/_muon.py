@@ -12,9 +12,8 @@ dims the program contracts and produces, which is what Muon needs to know.
 
 from __future__ import annotations
 
-from typing import Any
-
 import math
+from typing import Any
 
 import jax
 from jax.sharding import PartitionSpec as P
