@@ -141,6 +141,7 @@ def reassociated_collectives(hlo_text: str) -> list[Collective]:
     computations, _, entry = parse_module(hlo_text)
     runs = executions(computations, entry)
     computation_of = {ins.name: name for name, instructions in computations.items() for ins in instructions}
+
     def sums(name):
         """Whether instruction ``name`` is a reduce whose reduction is an add."""
         op, _, _, rest = instrs[name]
@@ -152,10 +153,9 @@ def reassociated_collectives(hlo_text: str) -> list[Collective]:
     for root, members in merged.items():
         first = next(iter(members))
         kind, shape = "all-reduce", instrs[first][1]
-        end, user = root, only_user(root)
+        user = only_user(root)
         while user is not None and sums(user):  # summed further: the sum moves, as GPUs' and TPUs' programs do
-            end, shape = user, instrs[user][1]
-            user = only_user(end)
+            shape, user = instrs[user][1], only_user(user)
         if user is not None and instrs[user][0] == "dynamic-slice":
             kind, shape = "reduce-scatter", instrs[user][1]
         # one inside a loop's body (a scan over stacked layers) runs once per iteration
