@@ -220,16 +220,18 @@ def test_weights_tied_with_eqx_nn_shared_train_like_one_device(devices):
         mesh = redeqx.make_mesh(n, devices=devs)
         model = TiedLM(jax.random.key(0))
         specs = redeqx.sharding_rules(model, mesh, loss_fn=tied_loss, batch=batches[0])
-        optimizer = optax.adam(1e-2)
+        optimizer = optax.sgd(0.1, momentum=0.9)  # updates linear in the gradients (Adam would hide a scaled one)
         state = redeqx.init_state(model, optimizer, mesh, specs, key=jax.random.key(1))
         step = redeqx.make_train_step(tied_loss, optimizer, mesh, specs)
-        losses = []
+        losses, norms = [], []
         for batch in batches:
             state, metrics = step(state, batch)
             losses.append(float(metrics["loss"]))
+            norms.append(float(metrics["grad_norm"]))
         arrays = lambda m: len(jax.tree.leaves(eqx.filter(m, eqx.is_array)))  # noqa: E731
         assert arrays(state.model) == arrays(model) == 11  # the tied weight once (untied: 12)
-        runs[n] = (np.asarray(losses), state)
+        runs[n] = (np.asarray(losses), state, np.asarray(norms))
     assert runs[1][0][-1] < runs[1][0][0]
     for n in (2, 4):
-        assert_same(runs[n], runs[1])
+        assert_same(runs[n][:2], runs[1][:2])
+        np.testing.assert_allclose(runs[n][2], runs[1][2], rtol=1e-5)  # the gradients' norms, step by step
