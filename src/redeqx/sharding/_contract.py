@@ -84,24 +84,7 @@ def contract(r, eqn, dn=None, groups=(), operands=None) -> None:
         r.views[out] = View(tuple(parts))
         return
     sides = [(lhs, lv, lc, lb, lpos, rc, rb), (rhs, rv, rc, rb, rpos, lc, lb)]
-    tags: dict[int, int] = {}
-    for var, vw, contracting, batch, pos, other_c, other_b in sides:
-        other_view = rv if var is lhs else lv
-        for seed, d in r.tag(var).items():
-            if d in contracting:
-                partner = other_c[contracting.index(d)]
-                if other_view is None:
-                    r.facts.block(seed, "its output features are summed against another activation, not a weight")
-                for leaf, dims in (other_view.parts if other_view is not None else ()):
-                    if dims[partner] is not None:
-                        r.facts.row(seed, leaf, dims[partner], "contracts the split activation")
-            else:
-                tags[seed] = pos[d]
-                if d in batch and other_view is not None:
-                    for leaf, dims in other_view.parts:
-                        partner = other_b[batch.index(d)]
-                        if dims[partner] is not None:
-                            r.facts.follow(seed, leaf, dims[partner], "a batch dim beside the split activation")
+    tags, rowed = _split_operands(r, sides, lhs, lv, rv)
     for var, vw, contracting, batch, pos, _, _ in sides:
         if vw is None:
             continue
@@ -110,6 +93,7 @@ def contract(r, eqn, dn=None, groups=(), operands=None) -> None:
             kept = [d for d in range(len(dims)) if d not in contracting and d not in batch]
             produced = [d for d in kept if var is lhs or d not in groups]
             seed = r.facts.use(leaf, known(contracting), known(produced), known(batch), "matmul")
+            _row_seed(r.facts, seed, leaf, known(contracting), rowed)
             activation = rhs if var is lhs else lhs
             flops = 2 * math.prod(_shape(out)) * math.prod(_shape(var)[d] for d in contracting)
             r.facts.moves(leaf, eqn, r.trips * nbytes(activation) * r.is_learned(activation), r.trips * nbytes(out),
@@ -121,6 +105,42 @@ def contract(r, eqn, dn=None, groups=(), operands=None) -> None:
                 tags[seed] = pos[out_dim]
                 r.facts.seed_dim[seed] = dims[out_dim]
     r.set_tags(out, tags, "dot_general")
+
+
+def _split_operands(r, sides, lhs, lv, rv) -> tuple[dict[int, int], dict[tuple[int, int], int]]:
+    """What a product does with its operands' splits: a split dim it contracts against a weight
+    makes that weight a row partner, one it keeps goes on in the output (``tags``), a batch dim
+    beside a weight makes the weight follow. Returns ``tags`` and ``rowed``: (leaf, dim) -> the seed
+    whose split the product contracts there."""
+    tags: dict[int, int] = {}
+    rowed: dict[tuple[int, int], int] = {}
+    for var, vw, contracting, batch, pos, other_c, other_b in sides:
+        other_view = rv if var is lhs else lv
+        for seed, d in r.tag(var).items():
+            if d in contracting:
+                partner = other_c[contracting.index(d)]
+                if other_view is None:
+                    r.facts.block(seed, "its output features are summed against another activation, not a weight")
+                for leaf, dims in (other_view.parts if other_view is not None else ()):
+                    if dims[partner] is not None:
+                        r.facts.row(seed, leaf, dims[partner], "contracts the split activation")
+                        rowed[leaf, dims[partner]] = seed
+            else:
+                tags[seed] = pos[d]
+                if d in batch and other_view is not None:
+                    for leaf, dims in other_view.parts:
+                        partner = other_b[batch.index(d)]
+                        if dims[partner] is not None:
+                            r.facts.follow(seed, leaf, dims[partner], "a batch dim beside the split activation")
+    return tags, rowed
+
+
+def _row_seed(facts, seed, leaf, contracted, rowed) -> None:
+    """Note that ``seed``'s product is also a row partner: it contracts ``leaf``'s dim where the
+    activation is split (`Facts.row_seeds`)."""
+    for dim in contracted:
+        if seed is not None and (leaf, dim) in rowed:
+            facts.row_seeds[seed] = (rowed[leaf, dim], dim)
 
 
 def _weights_only(r, var, view, contracting, batch) -> bool:
@@ -154,6 +174,7 @@ def convolve(r, eqn) -> None:
     in_feature, out_feature = dn.lhs_spec[1], dn.out_spec[1]
     k_out, k_in = dn.rhs_spec[0], dn.rhs_spec[1]
     tags: dict[int, int] = {}
+    rowed: dict[tuple[int, int], int] = {}
     for seed, d in r.tag(lhs).items():
         if d != in_feature or kv is None:
             r.facts.block(seed, "its output reaches a conv other than on its channels")
@@ -162,6 +183,7 @@ def convolve(r, eqn) -> None:
             if groups == 1:
                 if dims[k_in] is not None:
                     r.facts.row(seed, leaf, dims[k_in], "conv contracts the split channels")
+                    rowed[leaf, dims[k_in]] = seed
             elif dims[k_out] is not None:
                 r.facts.follow(seed, leaf, dims[k_out], f"grouped conv ({groups} groups) on the split channels")
                 tags[seed] = out_feature
@@ -175,6 +197,7 @@ def convolve(r, eqn) -> None:
             spatial = tuple(dims[d] for d in dn.rhs_spec[2:] if dims[d] is not None)
             contracted = tuple(x for x in (dims[k_in],) if x is not None) + spatial
             seed = r.facts.use(leaf, contracted, tuple(x for x in (dims[k_out],) if x is not None), (), "conv")
+            _row_seed(r.facts, seed, leaf, contracted, rowed)
             if seed is not None and dims[k_out] is not None:
                 tags[seed] = out_feature
                 r.facts.seed_dim[seed] = dims[k_out]

@@ -72,6 +72,9 @@ class Facts:
         self.summed: set[int] = set()  # seeds whose split outputs are added to other layers' (a split stream)
         self.normalized: set[int] = set()  # seeds whose split dim alone is reduced (a softmax over classes)
         self.rows: list[tuple[int, int, int, str]] = []  # (seed, leaf, dim, why)
+        # seed -> (the seed whose split activation its own product contracts, on the weight's dim): a
+        # use that is also a row partner (a tied autoencoder's decoder, ``h @ W.T``)
+        self.row_seeds: dict[int, tuple[int, int]] = {}
         self.follows: list[tuple[int, int, int, str]] = []
         self.wholes: dict[int, list[Whole]] = {}
         self.group_counts: dict[int, int] = {}

@@ -287,6 +287,26 @@ def ordered(r: Reader, eqn) -> None:
             r.set_tags(out, dict(tags), eqn.primitive.name)
 
 
+def rev(r: Reader, eqn) -> None:
+    """``jnp.flip``: a weight flipped is still the weight, with no split on the dims it reverses (a
+    kernel's spatial dims, as ``conv_transpose`` flips them); an activation keeps its split on
+    the dims it does not reverse (a bidirectional layer's time-reversed sequence, split on its
+    features), not on one it does, whose halves would trade devices."""
+    (src,), out = eqn.invars, eqn.outvars[0]
+    flipped = set(eqn.params["dimensions"])
+    if (vw := r.view(src)) is not None:
+        r.views[out] = vw.mapped(lambda dims: tuple(None if d in flipped else x for d, x in enumerate(dims)))
+    tags = {}
+    for seed, d in r.tag(src).items():
+        if d in flipped:
+            r.facts.block(seed, "jnp.flip reverses its output features")
+        else:
+            tags[seed] = d
+    r.set_tags(out, tags, "rev")
+    if src in r.within:
+        r.within[out] = r.within[src]
+
+
 def split(r: Reader, eqn) -> None:
     """``jnp.split``: pieces of one axis (RoPE's halves); the other dims go on whole."""
     src, axis = eqn.invars[0], eqn.params["axis"]

@@ -40,7 +40,7 @@ HANDLERS["psum"] = _ops.psum
 HANDLERS.update({name: _ops.ordered for name in _ops.ORDERED})
 HANDLERS.update({
     "transpose": _ops.transpose, "broadcast_in_dim": _ops.broadcast_in_dim, "reshape": _ops.reshape,
-    "squeeze": _ops.squeeze, "slice": _ops.slicing, "dynamic_slice": _ops.slicing, "pad": _ops.slicing,
+    "squeeze": _ops.squeeze, "rev": _ops.rev, "slice": _ops.slicing, "dynamic_slice": _ops.slicing, "pad": _ops.slicing,
     "concatenate": _ops.concatenate, "gather": _ops.gather, "split": _ops.split, "stack": _ops.stack,
     "scatter-add": _ops.scatter, "scatter": _ops.scatter,
     "dot_general": contract, "ragged_dot_general": grouped_contract, "conv_general_dilated": convolve, "scan": _loops.scan, "while": _loops.while_loop,

@@ -66,7 +66,8 @@ def _bad_seeds(facts: Facts, seeds: list[int], has_rows: bool) -> dict[int, str]
     of that stream). Left whole, their output meets the others' split where it is sliced for free.
     In a block of its own, a reduction over the split alone (a LayerNorm over a block's hidden
     units) costs only its results' sum over ``model`` (a row's mean and variance), and keeps the seed.
-    A weight with one such use keeps all its uses whole."""
+    A weight with one such use keeps all its uses whole, unless that use is the group's row partner
+    (`_rowed`)."""
     bad = {s: facts.blocked[s] for s in seeds if s in facts.blocked}
     if has_rows:  # a group where some seed feeds the residual stream, or several layers' outputs are added
         # (the stream itself, split), is the stream's: its norms need it whole too
@@ -74,11 +75,20 @@ def _bad_seeds(facts: Facts, seeds: list[int], has_rows: bool) -> dict[int, str]
         bad.update({s: f"its output {facts.needs_whole.get(s, facts.reduced[s])} before any layer contracts it (a "
                        "norm of the residual stream, or the stream)" for s in seeds
                     if s not in bad and (s in facts.needs_whole or stream and s in facts.reduced)})
-    leaves = {facts.uses[facts.seed_use[s]].leaf for s in bad}
+    leaves = {facts.uses[facts.seed_use[s]].leaf for s in bad if not _rowed(facts, s)}
     for s in seeds:
         if s not in bad and facts.uses[facts.seed_use[s]].leaf in leaves:
             bad[s] = "another use of the same weight cannot be split"
     return bad
+
+
+def _rowed(facts: Facts, seed: int) -> bool:
+    """Whether ``seed``'s product contracts an activation its own group splits, on the weight's dim
+    that group splits it on: that product is row parallel there, its output whole, so its own
+    output's split is not needed (a tied autoencoder's decoder ``h @ W.T``, where ``h`` comes from
+    the encoder ``x @ W`` split on the same dim of ``W``). Its weight's other uses may still split."""
+    found = facts.row_seeds.get(seed)
+    return found is not None and facts.find(found[0]) == facts.find(seed)
 
 
 def _follows(facts: Facts, leaf: int) -> bool:
@@ -115,12 +125,13 @@ def _groups(facts: Facts) -> list[Group]:
                 why_not = why_not or f"{facts.paths[leaf]} would be split on dims {members[leaf][0]} and {dim}"
             members.setdefault(leaf, (dim, text))
             reached.setdefault(leaf, set()).add(seed)
-        has_rows = any(t == "row" for _, t in members.values())
+        # a weight both column and row (a tied autoencoder's `x @ W`, then `h @ W.T`) is a member once
+        has_rows = any(t == "row" and members.get(leaf, (None,))[0] == dim for leaf, dim, t, _ in entries)
         if why_not is None and not has_rows and not any(s in facts.normalized for s in good):
             why_not = next((f"its output {facts.reduced[s]}, and reaches no layer that contracts it"
                             for s in good if s in facts.reduced), "its output reaches no layer that contracts it")
         kind = "block" if has_rows else "head"
-        whole = {facts.uses[facts.seed_use[s]].leaf: why for s, why in bad.items()}
+        whole = {facts.uses[facts.seed_use[s]].leaf: why for s, why in bad.items() if not _rowed(facts, s)}
         out.append(Group(good or seeds, members, reached, why_not, kind, sum(facts.size(leaf) for leaf in members),
                          whole))
     out.sort(key=lambda g: (-g.size, g.seeds[0]))
@@ -174,6 +185,10 @@ def _describe(facts: Facts, group: Group, leaf: int, dim: int, text: str) -> Rol
                          f"over it{extra}", short=f"vocabulary parallel, dim {dim}")
     partners = sorted({facts.paths[m] for m, (_, t) in group.members.items() if t == "row"})
     sources = sorted({facts.paths[facts.uses[facts.seed_use[s]].leaf] for s in group.reached.get(leaf, ())})
+    if text == "column" and any(_rowed(facts, s) and facts.uses[facts.seed_use[s]].leaf == leaf
+                                for s in facts.row_seeds):
+        return Role(dim, f"program: column parallel on dim {dim}, and row parallel on it where it contracts that "
+                         f"split output (one weight, two uses){extra}", short=f"column and row parallel, dim {dim}")
     if text == "column":
         return Role(dim, f"program: column parallel on dim {dim}; feeds {_listed(partners, 3)}{extra}",
                     short=f"column parallel, dim {dim}")

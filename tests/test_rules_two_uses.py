@@ -1,0 +1,181 @@
+"""One weight, two uses, and flipped weights: a tied autoencoder's decoder multiplies by the
+encoder's matrix transposed (``h @ W.T``, or ``h @ enc.weight`` with an ``eqx.nn.Linear``), and a
+tied conv autoencoder's ``conv_transpose`` flips the encoder's kernel (``jax.lax.rev``). The decoder
+contracts the hidden units the encoder's split gives it, on the dim of ``W`` the encoder splits:
+it is that split's row partner, so ``W`` is split once, column and row at the same time, as a hand
+plan splits it. Before, the decoder's own output (whole, for the loss) kept every use of ``W``
+whole: 2.0x / 3.9x the hand plan's collective bytes at 2 / 4 shards, every device holding and
+multiplying all of ``W``. A kernel flipped read as an unknown op: a depthwise causal conv written
+with ``jnp.convolve`` (a Hyena- or Mamba-style mixer) left its whole block replicated, 1.3x the
+hand plan's bytes. A weight applied twice on the same side (``l(l(x))``) still cannot split one
+way for both uses, and says so."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
+
+import redeqx
+from accelerator_count import compiled_train_step
+
+
+class TiedAE(eqx.Module):
+    """Raw arrays: ``x @ W`` in, ``h @ W.T`` out."""
+
+    w: jax.Array
+    b: jax.Array
+    c: jax.Array
+
+    def __init__(self, key, d=64, hidden=256):
+        self.w = jax.random.normal(key, (d, hidden)) / jnp.sqrt(d)
+        self.b, self.c = jnp.zeros(hidden), jnp.zeros(d)
+
+    def __call__(self, x):
+        return jax.nn.relu(x @ self.w + self.b) @ self.w.T + self.c
+
+
+class TiedLinearAE(eqx.Module):
+    """An ``eqx.nn.Linear`` encoder whose ``(out, in)`` weight decodes: ``h @ enc.weight``."""
+
+    enc: eqx.nn.Linear
+    dec_bias: jax.Array
+
+    def __init__(self, key):
+        self.enc, self.dec_bias = eqx.nn.Linear(64, 256, key=key), jnp.zeros(64)
+
+    def __call__(self, x):
+        return jax.nn.relu(self.enc(x)) @ self.enc.weight + self.dec_bias
+
+
+class TiedConvAE(eqx.Module):
+    """A conv encoder and the transposed conv of the same kernel (OIHW) decoding."""
+
+    k: jax.Array
+
+    def __init__(self, key):
+        self.k = jax.random.normal(key, (256, 64, 3, 3)) * 0.05
+
+    def __call__(self, x):  # (64, H, W)
+        h = jax.nn.relu(jax.lax.conv_general_dilated(x[None], self.k, (1, 1), "SAME"))
+        return jax.lax.conv_transpose(h, self.k, (1, 1), "SAME", dimension_numbers=("NCHW", "OIHW", "NCHW"),
+                                      transpose_kernel=True)[0]
+
+
+class ConvolveMixer(eqx.Module):
+    """A projection up, a causal depthwise conv per channel with ``jnp.convolve`` (which flips the
+    filter), a projection down into the residual stream, and an LM head."""
+
+    emb: eqx.nn.Embedding
+    inp: eqx.nn.Linear
+    filt: jax.Array
+    out: eqx.nn.Linear
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k = jax.random.split(key, 5)
+        self.emb, self.inp = eqx.nn.Embedding(64, 128, key=k[0]), eqx.nn.Linear(128, 512, key=k[1])
+        self.filt = jax.random.normal(k[2], (512, 4)) * 0.3
+        self.out, self.head = eqx.nn.Linear(512, 128, key=k[3]), eqx.nn.Linear(128, 64, key=k[4])
+
+    def __call__(self, tokens):
+        x = jax.vmap(self.emb)(tokens)
+        h = jax.vmap(self.inp)(x)
+        n = h.shape[0]
+        h = jax.vmap(lambda c, f: jnp.convolve(c, f)[:n], in_axes=(1, 0), out_axes=1)(h, self.filt)
+        return jax.vmap(self.head)(x + jax.vmap(self.out)(jax.nn.silu(h)))
+
+
+class Twice(eqx.Module):
+    l: eqx.nn.Linear
+
+    def __init__(self, key):
+        self.l = eqx.nn.Linear(64, 64, key=key)
+
+    def __call__(self, x):
+        return self.l(jax.nn.relu(self.l(x)))
+
+
+class FlippedFeatures(eqx.Module):
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.up, self.down = eqx.nn.Linear(64, 256, key=k1), eqx.nn.Linear(256, 64, key=k2)
+
+    def __call__(self, x):
+        return self.down(jnp.flip(jax.nn.relu(self.up(x)), -1))
+
+
+def mse(model, batch, key):
+    return jnp.mean((jax.vmap(model)(batch["x"]) - batch["x"]) ** 2)
+
+
+def lm_loss(model, batch, key):
+    logits = jax.vmap(model)(batch["t"][:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["t"][:, 1:]).mean()
+
+
+RNG = np.random.default_rng(0)
+VECTORS = {"x": RNG.normal(size=(16, 64)).astype(np.float32)}
+IMAGES = {"x": RNG.normal(size=(16, 64, 8, 8)).astype(np.float32)}
+TOKENS = {"t": RNG.integers(0, 64, (16, 17))}
+
+
+def _specs(model, loss, batch, n=2):
+    mesh = redeqx.make_mesh(n)
+    specs = redeqx.sharding_rules(model, mesh, loss_fn=loss, batch=batch)
+    return specs, redeqx.explain(model, specs, mesh, loss_fn=loss, batch=batch)
+
+
+def _row(table: str, path: str) -> str:
+    return next(line for line in table.splitlines() if line.startswith(path + " "))
+
+
+def test_a_tied_matrix_is_split_once_column_and_row():
+    for n in (2, 4):
+        specs, table = _specs(TiedAE(jax.random.key(0)), mse, VECTORS, n)
+        assert (specs.w, specs.b, specs.c) == (P(None, "model"), P("model"), P()), specs
+        assert "column and row parallel, dim 1" in _row(table, "w"), table
+    specs, table = _specs(TiedLinearAE(jax.random.key(0)), mse, VECTORS)
+    assert (specs.enc.weight, specs.enc.bias, specs.dec_bias) == (P("model", None), P("model"), P()), specs
+    assert "column and row parallel, dim 0" in _row(table, "enc.weight"), table
+
+
+def test_a_kernel_flipped_by_conv_transpose_or_jnp_convolve_is_still_the_weight():
+    specs, table = _specs(TiedConvAE(jax.random.key(0)), mse, IMAGES)
+    assert specs.k == P("model", None, None, None), table
+    specs, table = _specs(ConvolveMixer(jax.random.key(0)), lm_loss, TOKENS)
+    assert (specs.inp.weight, specs.filt, specs.out.weight) == (P("model", None), P("model", None),
+                                                                P(None, "model")), table
+
+
+def test_two_uses_that_need_two_splits_stay_whole_and_say_so():
+    specs, table = _specs(Twice(jax.random.key(0)), mse, VECTORS)
+    assert specs.l.weight == P() and "split on dims 0 and 1" in _row(table, "l.weight"), table
+    specs, table = _specs(FlippedFeatures(jax.random.key(0)), mse, VECTORS)  # halves would trade devices
+    assert specs.up.weight == P() and "jnp.flip reverses its output features" in _row(table, "up.weight"), table
+
+
+def test_a_tied_autoencoder_trains_as_one_device_at_the_hand_plans_bytes(devices):
+    """SGD (Adam's updates would hide a gradient scaled by the model axis): weights after two
+    steps and each step's gradient norm, against one device; the bytes against the same model
+    with ``W`` whole (the plan before)."""
+    model, optimizer = TiedAE(jax.random.key(0)), optax.sgd(0.1)
+    runs = {}
+    for n, devs in ((2, None), (1, devices[:1])):
+        moved, specs, state, run = compiled_train_step(model, mse, VECTORS, n, optimizer, devices=devs,
+                                                       loss_fn=mse, batch=VECTORS)
+        norms = []
+        for _ in range(2):
+            state, metrics = run(state, VECTORS)
+            norms.append(float(metrics["grad_norm"]))
+        runs[n] = (moved, state, norms)
+    (moved, split, norms), (_, one, one_norms) = runs[2], runs[1]
+    np.testing.assert_allclose(norms, one_norms, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(split.model), jax.tree.leaves(one.model)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    whole, *_ = compiled_train_step(model, mse, VECTORS, 2, optimizer, overrides=[(".", P())])
+    assert moved < 0.55 * whole, (moved, whole)
