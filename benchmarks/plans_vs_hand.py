@@ -112,6 +112,16 @@ def cases():
            lambda n: [(r"wide\.layer\.(weight|bias)", P("model")), (r"back\.layer\.weight", P(None, "model")),
                       (r".", P())],
            disc_state)
+    import test_rules_two_uses as two
+    yield ("tied autoencoder, raw arrays (x @ W, h @ W.T; 512 -> 2048), 64 vectors", two.TiedAE(key, 512, 2048),
+           two.mse, {"x": np.zeros((64, 512), np.float32)},
+           lambda n: [(r"^w$", P(None, "model")), (r"^b$", P("model"))])
+    yield ("tied conv autoencoder (Conv 64 -> 256, then conv_transpose of the same kernel), 16 images of 8 x 8",
+           two.TiedConvAE(key), two.mse, {"x": np.zeros((16, 64, 8, 8), np.float32)},
+           lambda n: [(r"^k$", P("model", None, None, None))])
+    yield ("causal depthwise conv with jnp.convolve between projections (128 -> 512 -> 128), 16 x 16 tokens",
+           two.ConvolveMixer(key), two.lm_loss, {"t": np.zeros((16, 17), np.int32)},
+           lambda n: [(r"inp\.|filt", P("model")), (r"out\.weight", P(None, "model")), (r"emb|head|out\.bias", P())])
 
 
 def figures(model, loss, data, n: int, devices, state=None, optimizer=None, **rules) -> dict:

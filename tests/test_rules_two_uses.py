@@ -6,8 +6,8 @@ it is that split's row partner, so ``W`` is split once, column and row at the sa
 plan splits it. Before, the decoder's own output (whole, for the loss) kept every use of ``W``
 whole: 2.0x / 3.9x the hand plan's collective bytes at 2 / 4 shards, every device holding and
 multiplying all of ``W``. A kernel flipped read as an unknown op: a depthwise causal conv written
-with ``jnp.convolve`` (a Hyena- or Mamba-style mixer) left its whole block replicated, 1.3x the
-hand plan's bytes. A weight applied twice on the same side (``l(l(x))``) still cannot split one
+with ``jnp.convolve`` (a Hyena- or Mamba-style mixer) left its whole block replicated, 1.5x / 1.8x
+the hand plan's bytes (benchmarks/plans_vs_hand.py). A weight applied twice on the same side (``l(l(x))``) still cannot split one
 way for both uses, and says so."""
 
 import equinox as eqx
