@@ -14,7 +14,8 @@ ELEMENTWISE = frozenset(
     "add sub mul div rem pow max min neg exp exp2 log log1p expm1 tanh logistic sin cos tan sqrt rsqrt cbrt "
     "abs sign floor ceil round integer_pow square erf erfc erf_inv atan2 convert_element_type select_n clamp "
     "stop_gradient copy copy_p reduce_precision is_finite eq ne lt le gt ge and or not xor nextafter real imag "
-    "conj sharding_constraint mesh_cast reshard add_any pvary".split()
+    "conj sharding_constraint mesh_cast reshard add_any pvary asin acos atan sinh cosh asinh acosh atanh lgamma "
+    "digamma bessel_i0e bessel_i1e".split()
 )
 REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split())
 ORDERED = frozenset("cumsum cumprod cummax cummin cumlogsumexp sort top_k".split())  # need the whole dim
@@ -285,6 +286,26 @@ def ordered(r: Reader, eqn) -> None:
     for out in eqn.outvars:
         if len(_shape(out)) == nd:
             r.set_tags(out, dict(tags), eqn.primitive.name)
+
+
+POOLS = frozenset("reduce_window_sum reduce_window_max reduce_window_min reduce_window".split())
+
+
+def pool(r: Reader, eqn) -> None:
+    """``lax.reduce_window`` (``eqx.nn.MaxPool2d``, ``AvgPool2d``): a split passes on the dims its
+    window leaves alone (a window of 1, stride 1, no padding or dilation: a pool over pixels keeps
+    the channels' split, and a VGG's convs either side of it pair), not on a dim it pools across."""
+    p = eqn.params
+    alone = {d for d, w in enumerate(p["window_dimensions"]) if w == 1 and p["window_strides"][d] == 1
+             and tuple(p["padding"][d]) == (0, 0) and p["base_dilation"][d] == 1}
+    for src, out in zip(eqn.invars, eqn.outvars):  # the generic primitive: operands, then their init values
+        tags = {}
+        for seed, d in r.tag(src).items():
+            if d in alone:
+                tags[seed] = d
+            else:
+                r.facts.block(seed, f"{eqn.primitive.name} pools across its output features")
+        r.set_tags(out, tags, eqn.primitive.name)
 
 
 def rev(r: Reader, eqn) -> None:

@@ -38,6 +38,7 @@ HANDLERS = {name: _ops.elementwise for name in _ops.ELEMENTWISE}
 HANDLERS.update({name: _ops.reduction for name in _ops.REDUCTIONS})
 HANDLERS["psum"] = _ops.psum
 HANDLERS.update({name: _ops.ordered for name in _ops.ORDERED})
+HANDLERS.update({name: _ops.pool for name in _ops.POOLS})
 HANDLERS.update({
     "transpose": _ops.transpose, "broadcast_in_dim": _ops.broadcast_in_dim, "reshape": _ops.reshape,
     "squeeze": _ops.squeeze, "rev": _ops.rev, "slice": _ops.slicing, "dynamic_slice": _ops.slicing, "pad": _ops.slicing,
