@@ -179,3 +179,27 @@ def test_a_tied_autoencoder_trains_as_one_device_at_the_hand_plans_bytes(devices
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
     whole, *_ = compiled_train_step(model, mse, VECTORS, 2, optimizer, overrides=[(".", P())])
     assert moved < 0.55 * whole, (moved, whole)
+
+
+class Between(eqx.Module):
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
+    f: object = eqx.field(static=True)
+
+    def __init__(self, f, key):
+        k1, k2 = jax.random.split(key)
+        self.up, self.down, self.f = eqx.nn.Linear(64, 256, key=k1), eqx.nn.Linear(256, 64, key=k2), f
+
+    def __call__(self, x):
+        return self.down(self.f(self.up(x)))
+
+
+def test_any_elementwise_function_between_a_pair_keeps_it():
+    """Hyperbolic and arc functions (a Poincare-ball layer's ``arctanh`` and ``arccosh``), the
+    special functions: elementwise, so the pair stays column then row (once unknown ops)."""
+    from jax.scipy import special
+
+    for f in (jnp.arcsin, jnp.arccos, jnp.arctan, jnp.sinh, jnp.cosh, jnp.arcsinh, jnp.arccosh, jnp.arctanh,
+              special.gammaln, special.digamma, special.i0e, special.i1e):
+        specs, table = _specs(Between(f, jax.random.key(0)), mse, VECTORS)
+        assert (specs.up.weight, specs.down.weight) == (P("model", None), P(None, "model")), (f, table)
