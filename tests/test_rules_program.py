@@ -577,6 +577,15 @@ def test_a_gcn_written_with_gather_and_segment_sum_is_split_megatrons_way():
     model = w.GCN(8, 64, 3, key=jax.random.key(0))
     specs = redeqx.sharding_rules(model, redeqx.make_mesh(2), loss_fn=w.graph_regression_loss, batch=w.graphs())
     assert [layer.lin.weight for layer in specs.layers] == [P("model", None), P(None, "model"), P("model", None)]
+    # by the largest message (scatter-max: read as a scatter, not as a call of its combiner's body)
+    maxed = eqx.tree_at(lambda m: m.layers, model, [MaxLayer(layer.lin) for layer in model.layers])
+    specs = redeqx.sharding_rules(maxed, redeqx.make_mesh(2), loss_fn=w.graph_regression_loss, batch=w.graphs())
+    assert [layer.lin.weight for layer in specs.layers] == [P("model", None), P(None, "model"), P("model", None)]
+
+
+class MaxLayer(w.GCNLayer):
+    def __call__(self, x, senders, receivers):
+        return jax.nn.relu(jax.ops.segment_max(jax.vmap(self.lin)(x)[senders], receivers, num_segments=x.shape[0]))
 
 
 @pytest.mark.slow

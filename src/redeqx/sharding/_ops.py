@@ -408,7 +408,8 @@ def _window_dims(shape, inserted, batching) -> list[int]:
 
 
 def scatter(r: Reader, eqn) -> None:
-    """``x.at[i].add(u)`` / ``.set(u)`` (a GNN's ``segment_sum`` of messages into nodes): a split of
+    """``x.at[i].add(u)`` / ``.set(u)`` / ``.max(u)`` (a GNN's ``segment_sum`` or ``segment_max`` of
+    messages into nodes: each feature combined on its own, whatever the combiner): a split of
     the updates' features lands on the operand's matching dim, where each row is written whole; a
     split of the dim the indices pick, or of the indices, needs them whole."""
     operand, indices, updates = eqn.invars[:3]

@@ -43,7 +43,8 @@ HANDLERS.update({
     "transpose": _ops.transpose, "broadcast_in_dim": _ops.broadcast_in_dim, "reshape": _ops.reshape,
     "squeeze": _ops.squeeze, "rev": _ops.rev, "slice": _ops.slicing, "dynamic_slice": _ops.slicing, "pad": _ops.slicing,
     "concatenate": _ops.concatenate, "gather": _ops.gather, "split": _ops.split, "stack": _ops.stack,
-    "scatter-add": _ops.scatter, "scatter": _ops.scatter,
+    "scatter-add": _ops.scatter, "scatter": _ops.scatter, "scatter-max": _ops.scatter, "scatter-min": _ops.scatter,
+    "scatter-mul": _ops.scatter,
     "dot_general": contract, "ragged_dot_general": grouped_contract, "conv_general_dilated": convolve, "scan": _loops.scan, "while": _loops.while_loop,
     "cond": _loops.cond, "<call>": _loops.call, "<unknown>": _ops.unknown,
 })
