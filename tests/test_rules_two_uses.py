@@ -190,8 +190,8 @@ class Between(eqx.Module):
         k1, k2 = jax.random.split(key)
         self.up, self.down, self.f = eqx.nn.Linear(64, 256, key=k1), eqx.nn.Linear(256, 64, key=k2), f
 
-    def __call__(self, x):
-        return self.down(self.f(self.up(x)))
+    def __call__(self, x):  # (F,), or (T, F) rows
+        return jax.vmap(self.down)(self.f(jax.vmap(self.up)(x))) if x.ndim == 2 else self.down(self.f(self.up(x)))
 
 
 def test_any_elementwise_function_between_a_pair_keeps_it():
@@ -203,3 +203,30 @@ def test_any_elementwise_function_between_a_pair_keeps_it():
               special.gammaln, special.digamma, special.i0e, special.i1e):
         specs, table = _specs(Between(f, jax.random.key(0)), mse, VECTORS)
         assert (specs.up.weight, specs.down.weight) == (P("model", None), P(None, "model")), (f, table)
+
+
+def _fft_conv(h):  # a long convolution over time by FFT (Hyena's), h: (T, F)
+    k = jnp.exp(-jnp.arange(h.shape[0], dtype=h.dtype))[:, None]
+    n = 2 * h.shape[0]
+    return jnp.fft.irfft(jnp.fft.rfft(h, n, axis=0) * jnp.fft.rfft(k, n, axis=0), n, axis=0)[:h.shape[0]]
+
+
+def test_a_slice_written_whole_keeps_the_pair_and_an_fft_stops_it():
+    """``lax.dynamic_update_slice`` of rows (a scatter under ``vmap``, whose indices start the feature
+    dim at 0 too) writes each feature on its own device: the pair stays (it was read as a pick of
+    the features: replicated, 1.8x / 2.7x the bytes at 2 / 4 shards). An FFT over time is run
+    whole by the partitioner, which gathers the features first: split, the pair moved 1.3x / 1.9x
+    the bytes of its layers whole, so they stay whole, said in `explain`."""
+    def written(h):
+        return jax.lax.dynamic_update_slice(h, 2 * h[:1], (0, 0))
+
+    def rows_mse(model, batch, key):  # every row through the model at once: a dynamic_update_slice
+        x = batch["x"].reshape(-1, batch["x"].shape[-1])
+        return jnp.mean((model(x) - x) ** 2)
+
+    tokens = {"x": np.zeros((8, 16, 64), np.float32)}
+    for loss in (mse, rows_mse):
+        specs, table = _specs(Between(written, jax.random.key(0)), loss, tokens)
+        assert (specs.up.weight, specs.down.weight) == (P("model", None), P(None, "model")), table
+    specs, table = _specs(Between(_fft_conv, jax.random.key(0)), mse, tokens)
+    assert specs.up.weight == P() and "FFT" in _row(table, "up.weight"), table

@@ -308,24 +308,53 @@ def pool(r: Reader, eqn) -> None:
         r.set_tags(out, tags, eqn.primitive.name)
 
 
-def rev(r: Reader, eqn) -> None:
-    """``jnp.flip``: a weight flipped is still the weight, with no split on the dims it reverses (a
-    kernel's spatial dims, as ``conv_transpose`` flips them); an activation keeps its split on
-    the dims it does not reverse (a bidirectional layer's time-reversed sequence, split on its
-    features), not on one it does, whose halves would trade devices."""
+def _along(r: Reader, eqn, over: set[int], why: str) -> None:
+    """An op that runs along the dims ``over`` of its one operand and leaves the others alone: a
+    weight is still the weight, with no split on those dims; an activation keeps its split on the
+    other dims, not on one of those (blocked, ``why``)."""
     (src,), out = eqn.invars, eqn.outvars[0]
-    flipped = set(eqn.params["dimensions"])
     if (vw := r.view(src)) is not None:
-        r.views[out] = vw.mapped(lambda dims: tuple(None if d in flipped else x for d, x in enumerate(dims)))
+        r.views[out] = vw.mapped(lambda dims: tuple(None if d in over else x for d, x in enumerate(dims)))
     tags = {}
     for seed, d in r.tag(src).items():
-        if d in flipped:
-            r.facts.block(seed, "jnp.flip reverses its output features")
+        if d in over:
+            r.facts.block(seed, why)
         else:
             tags[seed] = d
-    r.set_tags(out, tags, "rev")
-    if src in r.within:
-        r.within[out] = r.within[src]
+    r.set_tags(out, tags, eqn.primitive.name)
+
+
+def rev(r: Reader, eqn) -> None:
+    """``jnp.flip``: a kernel flipped (its spatial dims, as ``conv_transpose`` and ``jnp.convolve``
+    flip them) is still the weight; a time-reversed sequence (a bidirectional layer's) keeps the
+    split of its features; a split dim reversed would trade halves between devices."""
+    _along(r, eqn, set(eqn.params["dimensions"]), "jnp.flip reverses its output features")
+    if eqn.invars[0] in r.within:
+        r.within[eqn.outvars[0]] = r.within[eqn.invars[0]]
+
+
+def fft(r: Reader, eqn) -> None:
+    """``jnp.fft``: this JAX's partitioner (Shardy) runs an FFT on its whole operand, gathering a
+    split of any dim first, even one the transform leaves alone (a long convolution over time split
+    on its channels gathered them twice a step: 1.3x / 1.9x the bytes of its layers whole at 2 / 4
+    shards). So a split stops before it."""
+    r.block_all(eqn, "passes through an FFT, which the partitioner runs on its whole operand")
+
+
+def update_slice(r: Reader, eqn) -> None:
+    """``lax.dynamic_update_slice``: the update written into the operand at dynamic offsets. A split
+    passes on a dim the update spans whole (each device writes its own part), from the operand or
+    the update, not on a dim the update covers in part (which device writes depends on the offset)."""
+    operand, update = eqn.invars[:2]
+    spans = {d for d, (a, b) in enumerate(zip(_shape(operand), _shape(update))) if a == b}
+    tags: dict[int, int] = {}
+    for v in (operand, update):
+        for seed, d in r.tag(v).items():
+            if d not in spans or tags.get(seed, d) != d:
+                r.facts.block(seed, "is written into along its output features, in part")
+            else:
+                tags[seed] = d
+    r.set_tags(eqn.outvars[0], tags, "dynamic_update_slice")
 
 
 def split(r: Reader, eqn) -> None:
@@ -411,17 +440,20 @@ def scatter(r: Reader, eqn) -> None:
     """``x.at[i].add(u)`` / ``.set(u)`` / ``.max(u)`` (a GNN's ``segment_sum`` or ``segment_max`` of
     messages into nodes: each feature combined on its own, whatever the combiner): a split of
     the updates' features lands on the operand's matching dim, where each row is written whole; a
-    split of the dim the indices pick, or of the indices, needs them whole."""
+    split of the dim the indices pick, or of the indices, needs them whole. A dim the indices start
+    at but each update spans whole (``lax.dynamic_update_slice`` under ``vmap``) is not picked."""
     operand, indices, updates = eqn.invars[:3]
     dn = eqn.params["dimension_numbers"]
     window = _window_dims(_shape(operand), dn.inserted_window_dims, dn.operand_batching_dims)
+    spans = {o: _shape(updates)[u] for o, u in zip(window, dn.update_window_dims)}
+    picked = {d for d in dn.scatter_dims_to_operand_dims if spans.get(d) != _shape(operand)[d]}
     tags = dict(r.tag(operand))
     for seed, d in tags.items():
-        if d not in window or d in dn.scatter_dims_to_operand_dims:
+        if d not in window or d in picked:
             r.facts.block(seed, "is written into along a dim other than its features")
     for seed, u in r.tag(updates).items():
         o = window[dn.update_window_dims.index(u)] if u in dn.update_window_dims else None
-        if o is None or o in dn.scatter_dims_to_operand_dims or _shape(updates)[u] != _shape(operand)[o]:
+        if o is None or o in picked or _shape(updates)[u] != _shape(operand)[o]:
             r.facts.block(seed, "its output is scattered along a dim other than its features")
         elif tags.get(seed, o) != o:
             r.facts.block(seed, f"{eqn.primitive.name} would need its output split on two dims at once")
@@ -430,8 +462,6 @@ def scatter(r: Reader, eqn) -> None:
     for seed in r.tag(indices):
         r.facts.block(seed, "its output is used as scatter indices")
     r.set_tags(eqn.outvars[0], tags, eqn.primitive.name)
-
-
 
 
 def unknown(r: Reader, eqn) -> None:

@@ -41,7 +41,8 @@ HANDLERS.update({name: _ops.ordered for name in _ops.ORDERED})
 HANDLERS.update({name: _ops.pool for name in _ops.POOLS})
 HANDLERS.update({
     "transpose": _ops.transpose, "broadcast_in_dim": _ops.broadcast_in_dim, "reshape": _ops.reshape,
-    "squeeze": _ops.squeeze, "rev": _ops.rev, "slice": _ops.slicing, "dynamic_slice": _ops.slicing, "pad": _ops.slicing,
+    "squeeze": _ops.squeeze, "rev": _ops.rev, "fft": _ops.fft, "dynamic_update_slice": _ops.update_slice,
+    "slice": _ops.slicing, "dynamic_slice": _ops.slicing, "pad": _ops.slicing,
     "concatenate": _ops.concatenate, "gather": _ops.gather, "split": _ops.split, "stack": _ops.stack,
     "scatter-add": _ops.scatter, "scatter": _ops.scatter, "scatter-max": _ops.scatter, "scatter-min": _ops.scatter,
     "scatter-mul": _ops.scatter,
