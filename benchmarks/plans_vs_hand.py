@@ -122,6 +122,16 @@ def cases():
     yield ("causal depthwise conv with jnp.convolve between projections (128 -> 512 -> 128), 16 x 16 tokens",
            two.ConvolveMixer(key), two.lm_loss, {"t": np.zeros((16, 17), np.int32)},
            lambda n: [(r"inp\.|filt", P("model")), (r"out\.weight", P(None, "model")), (r"emb|head|out\.bias", P())])
+    yield ("VGG-style convs with eqx.nn.MaxPool2d between (3 -> 64 -> 256, pool, -> 64), 16 images of 16 x 16",
+           convs.PooledConvs(eqx.nn.MaxPool2d(2, 2), key=key), convs.loss_fn,
+           {"x": np.zeros((16, 3, 16, 16), np.float32), "y": np.zeros((16,), np.int32)},
+           lambda n: [(r"c2\.", P("model")), (r"c3\.weight", P(None, "model")), (r"c1|c3\.bias|head", P())])
+    rows = {"x": np.zeros((8, 16, 64), np.float32)}
+    pair = lambda n: [(r"up\.", P("model")), (r"down\.weight", P(None, "model")), (r"down\.bias", P())]  # noqa: E731
+    yield ("a row written whole with lax.dynamic_update_slice between a pair (64 -> 256 -> 64), 8 x 16 rows",
+           two.Between(lambda h: jax.lax.dynamic_update_slice(h, 2 * h[:1], (0, 0)), key), two.mse, rows, pair)
+    yield ("a long convolution over time by FFT between a pair (64 -> 256 -> 64), 8 x 16 rows; hand: split",
+           two.Between(two._fft_conv, key), two.mse, rows, pair)
 
 
 def figures(model, loss, data, n: int, devices, state=None, optimizer=None, **rules) -> dict:
