@@ -1,14 +1,17 @@
-"""One weight, two uses, and flipped weights: a tied autoencoder's decoder multiplies by the
-encoder's matrix transposed (``h @ W.T``, or ``h @ enc.weight`` with an ``eqx.nn.Linear``), and a
-tied conv autoencoder's ``conv_transpose`` flips the encoder's kernel (``jax.lax.rev``). The decoder
-contracts the hidden units the encoder's split gives it, on the dim of ``W`` the encoder splits:
-it is that split's row partner, so ``W`` is split once, column and row at the same time, as a hand
-plan splits it. Before, the decoder's own output (whole, for the loss) kept every use of ``W``
-whole: 2.0x / 3.9x the hand plan's collective bytes at 2 / 4 shards, every device holding and
-multiplying all of ``W``. A kernel flipped read as an unknown op: a depthwise causal conv written
-with ``jnp.convolve`` (a Hyena- or Mamba-style mixer) left its whole block replicated, 1.5x / 1.8x
-the hand plan's bytes (benchmarks/plans_vs_hand.py). A weight applied twice on the same side (``l(l(x))``) still cannot split one
-way for both uses, and says so."""
+"""Ops the program reader follows, beyond a layer's products: one weight used twice, a kernel
+flipped, any elementwise function, rows written whole, and an FFT, which stops a split.
+
+A tied autoencoder's decoder multiplies by the encoder's matrix transposed (``h @ W.T``, or
+``h @ enc.weight`` with an ``eqx.nn.Linear``), and a tied conv autoencoder's ``conv_transpose``
+flips the encoder's kernel (``jax.lax.rev``). The decoder contracts the hidden units the encoder's
+split gives it, on the dim of ``W`` the encoder splits: it is that split's row partner, so ``W`` is
+split once, column and row at the same time, as a hand plan splits it. Before, the decoder's own
+output (whole, for the loss) kept every use of ``W`` whole: 2.0x / 3.9x the hand plan's collective
+bytes at 2 / 4 shards, every device holding and multiplying all of ``W``. A kernel flipped read as
+an unknown op: a depthwise causal conv written with ``jnp.convolve`` (a Hyena- or Mamba-style
+mixer) left its whole block replicated, 1.5x / 1.8x the hand plan's bytes
+(benchmarks/plans_vs_hand.py). A weight applied twice on the same side (``l(l(x))``) still cannot
+split one way for both uses, and says so."""
 
 import equinox as eqx
 import jax
