@@ -112,7 +112,7 @@ def cases():
            lambda n: [(r"wide\.layer\.(weight|bias)", P("model")), (r"back\.layer\.weight", P(None, "model")),
                       (r".", P())],
            disc_state)
-    import test_rules_two_uses as two
+    import test_rules_ops as two
     yield ("tied autoencoder, raw arrays (x @ W, h @ W.T; 512 -> 2048), 64 vectors", two.TiedAE(key, 512, 2048),
            two.mse, {"x": np.zeros((64, 512), np.float32)},
            lambda n: [(r"^w$", P(None, "model")), (r"^b$", P("model"))])
