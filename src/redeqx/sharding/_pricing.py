@@ -79,7 +79,7 @@ def priced(facts: Facts, fit, pricing: Pricing) -> bool:
     at 8 x 1 moved 375 MiB a step more)."""
     if fit.kept.kind == "head":
         return pricing.n_batch > 1
-    columns = {k for k, (_, t) in fit.kept.members.items() if t == "column"}
+    columns = {k for k, (_, t) in fit.kept.members.items() if "column" in t}
     return all(u.kind == "conv" and math.prod(facts.shapes[k][d] for d in u.contracted) > _in_features(facts, u)
                for u in facts.uses if (k := u.leaf) in columns)
 
@@ -108,7 +108,7 @@ def held_whole(facts: Facts, fit, n: int, pricing: Pricing) -> float:
     its column layers' outputs (the hidden units; split, ``1 / n`` of them), which the backward pass
     keeps. A block kept whole to save a step's bytes must leave the memory budget room for them too:
     a 256-channel conv's output over 16,000 frames is 16 MB an example (float32)."""
-    columns = [k for k, (_, t) in fit.kept.members.items() if t == "column"]
+    columns = [k for k, (_, t) in fit.kept.members.items() if "column" in t]
     return sum(facts.activation_bytes(k)[1] for k in columns) / pricing.n_batch * (1 - 1 / n)
 
 
@@ -188,8 +188,8 @@ def acts(facts: Facts, fit) -> float:
     column layer's input gradient (backward; one activation read by several layers once), each row
     layer's output (forward)."""
     members = fit.kept.members
-    cols = {k for k, (_, t) in members.items() if t == "column"}
-    rows = {k for k, (_, t) in members.items() if t == "row"}
+    cols = {k for k, (_, t) in members.items() if "column" in t}  # one weight both (tied): its outputs all
+    rows = {k for k, (_, t) in members.items() if "row" in t}  # summed, as its row use's is
     return facts.inputs_read(cols) + sum(facts.activation_bytes(k)[1] for k in rows)
 
 

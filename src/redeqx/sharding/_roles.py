@@ -123,10 +123,11 @@ def _groups(facts: Facts) -> list[Group]:
                 continue
             if leaf in members and members[leaf][0] != dim:
                 why_not = why_not or f"{facts.paths[leaf]} would be split on dims {members[leaf][0]} and {dim}"
+            elif members.get(leaf) == (dim, "column") and text == "row":  # a tied autoencoder's `x @ W`, `h @ W.T`
+                members[leaf] = (dim, "column and row")
             members.setdefault(leaf, (dim, text))
             reached.setdefault(leaf, set()).add(seed)
-        # a weight both column and row (a tied autoencoder's `x @ W`, then `h @ W.T`) is a member once
-        has_rows = any(t == "row" and members.get(leaf, (None,))[0] == dim for leaf, dim, t, _ in entries)
+        has_rows = any("row" in t for _, t in members.values())
         if why_not is None and not has_rows and not any(s in facts.normalized for s in good):
             why_not = next((f"its output {facts.reduced[s]}, and reaches no layer that contracts it"
                             for s in good if s in facts.reduced), "its output reaches no layer that contracts it")
@@ -185,8 +186,7 @@ def _describe(facts: Facts, group: Group, leaf: int, dim: int, text: str) -> Rol
                          f"over it{extra}", short=f"vocabulary parallel, dim {dim}")
     partners = sorted({facts.paths[m] for m, (_, t) in group.members.items() if t == "row"})
     sources = sorted({facts.paths[facts.uses[facts.seed_use[s]].leaf] for s in group.reached.get(leaf, ())})
-    if text == "column" and any(_rowed(facts, s) and facts.uses[facts.seed_use[s]].leaf == leaf
-                                for s in facts.row_seeds):
+    if text == "column and row":
         return Role(dim, f"program: column parallel on dim {dim}, and row parallel on it where it contracts that "
                          f"split output (one weight, two uses){extra}", short=f"column and row parallel, dim {dim}")
     if text == "column":
@@ -255,7 +255,7 @@ class _Fit(NamedTuple):
 def _fit(facts: Facts, group: Group, n: int) -> _Fit:
     failing = {s: why for s in group.seeds if (why := _seed_refusal(facts, s, n)) is not None}
     kept = _without(group, set(failing)) if failing and len(failing) < len(group.seeds) else group
-    if kept is not group and not any(t == "row" for _, t in kept.members.values()) and kept.kind == "block":
+    if kept is not group and not any("row" in t for _, t in kept.members.values()) and kept.kind == "block":
         kept = group
     refusal = _refusal(facts, kept, n) or (next(iter(failing.values())) if kept is group and failing else None)
     dropped: dict[int, Role] = {}
