@@ -132,6 +132,9 @@ def cases():
            two.Between(lambda h: jax.lax.dynamic_update_slice(h, 2 * h[:1], (0, 0)), key), two.mse, rows, pair)
     yield ("a long convolution over time by FFT between a pair (64 -> 256 -> 64), 8 x 16 rows; hand: split",
            two.Between(two._fft_conv, key), two.mse, rows, pair)
+    yield ("one-hot embedding tied to the head (one_hot(t) @ emb, x @ emb.T; 1,024 x 256, MLP 1,024), 16 x 32 tokens",
+           two.OneHotTiedLM(key), two.lm_loss, {"t": np.zeros((16, 33), np.int32)},
+           lambda n: [(r"^emb$|up\.", P("model")), (r"down\.weight", P(None, "model")), (r"down\.bias", P())])
 
 
 def figures(model, loss, data, n: int, devices, state=None, optimizer=None, **rules) -> dict:
