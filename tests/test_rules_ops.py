@@ -100,18 +100,6 @@ class Twice(eqx.Module):
         return self.l(jax.nn.relu(self.l(x)))
 
 
-class FlippedFeatures(eqx.Module):
-    up: eqx.nn.Linear
-    down: eqx.nn.Linear
-
-    def __init__(self, key):
-        k1, k2 = jax.random.split(key)
-        self.up, self.down = eqx.nn.Linear(64, 256, key=k1), eqx.nn.Linear(256, 64, key=k2)
-
-    def __call__(self, x):
-        return self.down(jnp.flip(jax.nn.relu(self.up(x)), -1))
-
-
 def mse(model, batch, key):
     return jnp.mean((jax.vmap(model)(batch["x"]) - batch["x"]) ** 2)
 
@@ -158,7 +146,8 @@ def test_a_kernel_flipped_by_conv_transpose_or_jnp_convolve_is_still_the_weight(
 def test_two_uses_that_need_two_splits_stay_whole_and_say_so():
     specs, table = _specs(Twice(jax.random.key(0)), mse, VECTORS)
     assert specs.l.weight == P() and "split on dims 0 and 1" in _row(table, "l.weight"), table
-    specs, table = _specs(FlippedFeatures(jax.random.key(0)), mse, VECTORS)  # halves would trade devices
+    flipped = Between(lambda h: jnp.flip(jax.nn.relu(h), -1), jax.random.key(0))  # halves would trade devices
+    specs, table = _specs(flipped, mse, VECTORS)
     assert specs.up.weight == P() and "jnp.flip reverses its output features" in _row(table, "up.weight"), table
 
 
