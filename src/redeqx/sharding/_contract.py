@@ -92,9 +92,11 @@ def contract(r, eqn, dn=None, groups=(), operands=None) -> None:
             known = lambda ds: tuple(dims[d] for d in ds if dims[d] is not None)  # noqa: E731
             kept = [d for d in range(len(dims)) if d not in contracting and d not in batch]
             produced = [d for d in kept if var is lhs or d not in groups]
-            seed = r.facts.use(leaf, known(contracting), known(produced), known(batch), "matmul")
+            seed = r.facts.use(leaf, known(contracting), known(produced), known(batch), "matmul",
+                               r.trips * nbytes(out))
             _row_seed(r.facts, seed, leaf, known(contracting), rowed)
             activation = rhs if var is lhs else lhs
+            _data_product(r, seed, leaf, known(contracting), batch, activation)
             flops = 2 * math.prod(_shape(out)) * math.prod(_shape(var)[d] for d in contracting)
             r.facts.moves(leaf, eqn, r.trips * nbytes(activation) * r.is_learned(activation), r.trips * nbytes(out),
                          activation, r.trips * flops, r.trips)
@@ -133,6 +135,20 @@ def _split_operands(r, sides, lhs, lv, rv) -> tuple[dict[int, int], dict[tuple[i
                         if dims[partner] is not None:
                             r.facts.follow(seed, leaf, dims[partner], "a batch dim beside the split activation")
     return tags, rowed
+
+
+def _data_product(r, seed, leaf, contracted, batch, activation) -> None:
+    """A weight contracted on one dim with a one-hot of data (``one_hot(t) @ emb``, a table looked up
+    by a product, as TPU code often writes it) is looked up on that dim: split there, each device's
+    part of the product is summed over ``model``, as a table's rows gathered by token ids are
+    (`_roles.lookups`, which prices it against the table whole). Its own output's split is then not
+    needed (`Facts.data_seeds`): a head tied to the table may split it on that dim. (Any product
+    with data alone, a first layer's input, read so, split stems wherever the estimate favoured it.)"""
+    if len(contracted) == 1 and not batch and not r.is_static(activation) and activation in r.one_hot:
+        r.facts.lookup(leaf, contracted[0], positional=False, product=True)
+        r.facts.data_uses.add(len(r.facts.uses) - 1)
+        if seed is not None:
+            r.facts.data_seeds[seed] = contracted[0]
 
 
 def _row_seed(facts, seed, leaf, contracted, rowed) -> None:

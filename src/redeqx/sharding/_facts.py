@@ -63,6 +63,7 @@ class Facts:
         self.alternative: Facts | None = None
         self.itemsizes = itemsizes or [4] * len(shapes)
         self.uses: list[Use] = []
+        self.use_out: list[int] = []  # each use's output bytes a step
         self.seed_use: list[int] = []  # seed -> index in uses
         self.seed_dim: dict[int, int] = {}  # seed -> the leaf dim its output split comes from
         self.parent: list[int] = []
@@ -75,6 +76,9 @@ class Facts:
         # seed -> (the seed whose split activation its own product contracts, on the weight's dim): a
         # use that is also a row partner (a tied autoencoder's decoder, ``h @ W.T``)
         self.row_seeds: dict[int, tuple[int, int]] = {}
+        self.data_seeds: dict[int, int] = {}  # seed -> the weight's dim its product contracts with data alone
+        self.gathered: set[int] = set()  # tables looked up by a gather (not only by products with data)
+        self.data_uses: set[int] = set()  # the uses (indices) that contract a weight with data alone
         self.follows: list[tuple[int, int, int, str]] = []
         self.wholes: dict[int, list[Whole]] = {}
         self.group_counts: dict[int, int] = {}
@@ -91,8 +95,11 @@ class Facts:
         self._leaf_seed: dict[int, int] = {}
 
     # -- recording ---------------------------------------------------------------
-    def use(self, leaf, contracted, produced, batch, kind) -> int | None:
+    def use(self, leaf, contracted, produced, batch, kind, out_bytes: int = 0) -> int | None:
+        """A product of ``leaf`` with an activation, writing ``out_bytes`` a step; its seed, if it
+        produces a dim of the weight."""
         self.uses.append(Use(leaf, contracted, produced, batch, kind))
+        self.use_out.append(out_bytes)
         if not produced:
             return None
         seed = len(self.seed_use)
@@ -169,8 +176,17 @@ class Facts:
     def layer_dim(self, leaf, dim, why) -> None:
         self.layer_dims.setdefault(leaf, {}).setdefault(dim, why)
 
-    def lookup(self, leaf, dim, positional: bool) -> None:
+    def lookup(self, leaf, dim, positional: bool, product: bool = False) -> None:
+        """``leaf`` looked up on ``dim`` (by data, or at ``positional`` places the program computes),
+        by a gather or (``product``) by a product with a one-hot of data (`_contract._data_product`)."""
         self.lookups.setdefault(leaf, []).append((dim, positional))
+        if not product:
+            self.gathered.add(leaf)
+
+    def summed_if_split(self, leaf: int, dim: int) -> int:
+        """The bytes a step that splitting ``leaf`` on ``dim`` sums over ``model`` in its products:
+        the outputs of those that contract that dim (not a tied head's logits, which come out split)."""
+        return sum(b for u, b in zip(self.uses, self.use_out) if u.leaf == leaf and dim in u.contracted)
 
     # -- groups --------------------------------------------------------------------
     def find(self, s: int) -> int:

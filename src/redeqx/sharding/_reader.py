@@ -49,6 +49,7 @@ class Reader:
         self.within: dict[Any, dict[int, frozenset[int]]] = {}  # var -> {seed: dims made of its split dim's inner factors}
         self.learned: set = set()  # values that depend on the model's weights (not on data alone)
         self.derived: set = set()  # values computed from weights and constants alone that are no view of one
+        self.one_hot: set = set()  # floats converted from booleans made of data alone (`one_hot(ids)`)
         self.trips = 1  # how many times the body being read runs in one step (scans' lengths multiplied)
         self.manual = 0  # how many bodies deep the reader is that lay out their own operands (shard_map)
 
@@ -103,6 +104,8 @@ class Reader:
         if any(learned):
             self._learn_inside(eqn, learned)
         self._derive_inside(eqn)
+        if name == "convert_element_type" and eqn.invars[0].aval.dtype == bool and not any(learned):
+            self.one_hot.update(eqn.outvars)
         handler = self.handlers.get(name)
         if handler is None:
             handler = self.handlers["<call>"] if _sub_jaxprs(eqn) else self.handlers["<unknown>"]

@@ -75,7 +75,7 @@ def _bad_seeds(facts: Facts, seeds: list[int], has_rows: bool) -> dict[int, str]
         bad.update({s: f"its output {facts.needs_whole.get(s, facts.reduced[s])} before any layer contracts it (a "
                        "norm of the residual stream, or the stream)" for s in seeds
                     if s not in bad and (s in facts.needs_whole or stream and s in facts.reduced)})
-    leaves = {facts.uses[facts.seed_use[s]].leaf for s in bad if not _rowed(facts, s)}
+    leaves = {facts.uses[facts.seed_use[s]].leaf for s in bad if not _rowed(facts, s) and s not in facts.data_seeds}
     for s in seeds:
         if s not in bad and facts.uses[facts.seed_use[s]].leaf in leaves:
             bad[s] = "another use of the same weight cannot be split"
@@ -118,6 +118,9 @@ def _groups(facts: Facts) -> list[Group]:
         entries = [(facts.uses[facts.seed_use[s]].leaf, facts.seed_dim.get(s), "column", s) for s in good]
         entries += [(leaf, dim, "follows", s) for leaf, dim, s in follows.get(root, []) if s not in bad]
         entries += [(leaf, dim, "row", s) for leaf, dim, s in rows.get(root, []) if s not in bad]
+        # a product with data alone, whose seed is left out: its weight may split on the dim it contracts
+        entries += [(facts.uses[facts.seed_use[s]].leaf, facts.data_seeds[s], "follows", s) for s in bad
+                    if s in facts.data_seeds]
         for leaf, dim, text, seed in entries:
             if dim is None:
                 continue
@@ -132,7 +135,8 @@ def _groups(facts: Facts) -> list[Group]:
             why_not = next((f"its output {facts.reduced[s]}, and reaches no layer that contracts it"
                             for s in good if s in facts.reduced), "its output reaches no layer that contracts it")
         kind = "block" if has_rows else "head"
-        whole = {facts.uses[facts.seed_use[s]].leaf: why for s, why in bad.items() if not _rowed(facts, s)}
+        whole = {facts.uses[facts.seed_use[s]].leaf: why for s, why in bad.items()
+                 if not _rowed(facts, s) and s not in facts.data_seeds}
         out.append(Group(good or seeds, members, reached, why_not, kind, sum(facts.size(leaf) for leaf in members),
                          whole))
     out.sort(key=lambda g: (-g.size, g.seeds[0]))
@@ -373,6 +377,18 @@ def lookups(facts: Facts, n: int, decided: dict[int, Role], pricing: Pricing | N
     tables = []
     for leaf, found in facts.lookups.items():
         dim, positional = found[0]
+        if leaf not in facts.gathered:  # no table: split where the estimate says so, else as `read` says
+            # (not where it also contracts an activation on that dim, `l(l(x))`: the partitioner sums
+            # each use's gradient apart, 1.6x the bytes of the weight whole; nor in a loop that reads it
+            # every trip, a recurrent cell's input weights: a collective a token)
+            alone = all(i in facts.data_uses for i, u in enumerate(facts.uses) if u.leaf == leaf and dim in u.contracted)
+            if leaf not in decided and alone and leaf not in facts.looped and not positional and \
+                    facts.shapes[leaf][dim] % n == 0:
+                decided[leaf] = Role(dim, f"program: embedding, looked up by a product with a one-hot of data on dim "
+                                          f"{dim} (vocab): each device's part of the product is summed over 'model'",
+                                     short=f"one-hot embedding, dim {dim} (vocab)")
+                tables.append(leaf)
+            continue
         if leaf in decided:
             if decided[leaf].dim == dim or decided[leaf].priced:
                 decided[leaf] = dataclasses.replace(decided[leaf], reason=decided[leaf].reason + "; also looked up "
@@ -389,7 +405,9 @@ def lookups(facts: Facts, n: int, decided: dict[int, Role], pricing: Pricing | N
                                  short=f"embedding, dim {dim} (vocab)")
             tables.append(leaf)
     if pricing is not None:  # split on vocab, each lookup's rows are summed over 'model' (forward)
-        costs = [((k,), facts.activation_bytes(k)[1] / pricing.n_batch + pricing.gradient(facts, [k]) / n,
+        summed = {k: facts.activation_bytes(k)[1] if k in facts.gathered else facts.summed_if_split(k, decided[k].dim)
+                  for k in tables}
+        costs = [((k,), summed[k] / pricing.n_batch + pricing.gradient(facts, [k]) / n,
                   pricing.gradient(facts, [k]), 0.0) for k in tables]  # the rows looked up: whole either way
         for k, (split, whole) in price(pricing, facts, n, costs).items():
             decided[k] = _whole_role(decided[k], split, whole)
