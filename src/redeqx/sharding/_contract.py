@@ -96,7 +96,7 @@ def contract(r, eqn, dn=None, groups=(), operands=None) -> None:
                                r.trips * nbytes(out))
             _row_seed(r.facts, seed, leaf, known(contracting), rowed)
             activation = rhs if var is lhs else lhs
-            _data_product(r, seed, leaf, known(contracting), batch, activation)
+            _one_hot_product(r, leaf, known(contracting), batch, activation)
             flops = 2 * math.prod(_shape(out)) * math.prod(_shape(var)[d] for d in contracting)
             r.facts.moves(leaf, eqn, r.trips * nbytes(activation) * r.is_learned(activation), r.trips * nbytes(out),
                          activation, r.trips * flops, r.trips)
@@ -137,25 +137,23 @@ def _split_operands(r, sides, lhs, lv, rv) -> tuple[dict[int, int], dict[tuple[i
     return tags, rowed
 
 
-def _data_product(r, seed, leaf, contracted, batch, activation) -> None:
+def _one_hot_product(r, leaf, contracted, batch, activation) -> None:
     """A weight contracted on one dim with a one-hot of data (``one_hot(t) @ emb``, a table looked up
     by a product, as TPU code often writes it) is looked up on that dim: split there, each device's
     part of the product is summed over ``model``, as a table's rows gathered by token ids are
     (`_roles.lookups`, which prices it against the table whole). Its own output's split is then not
-    needed (`Facts.data_seeds`): a head tied to the table may split it on that dim. (Any product
+    needed (`Facts.one_hot_uses`): a head tied to the table may split it on that dim. (Any product
     with data alone, a first layer's input, read so, split stems wherever the estimate favoured it.)"""
     if len(contracted) == 1 and not batch and not r.is_static(activation) and activation in r.one_hot:
         r.facts.lookup(leaf, contracted[0], positional=False, product=True)
-        r.facts.data_uses.add(len(r.facts.uses) - 1)
-        if seed is not None:
-            r.facts.data_seeds[seed] = contracted[0]
+        r.facts.one_hot_uses[len(r.facts.uses) - 1] = contracted[0]
 
 
 def _row_seed(facts, seed, leaf, contracted, rowed) -> None:
     """Note that ``seed``'s product is also a row partner: it contracts ``leaf``'s dim where the
     activation is split (`Facts.row_seeds`)."""
-    for dim in contracted:
-        if seed is not None and (leaf, dim) in rowed:
+    for dim in contracted if seed is not None else ():
+        if (leaf, dim) in rowed:
             facts.row_seeds[seed] = (rowed[leaf, dim], dim)
 
 

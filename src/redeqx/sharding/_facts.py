@@ -76,9 +76,8 @@ class Facts:
         # seed -> (the seed whose split activation its own product contracts, on the weight's dim): a
         # use that is also a row partner (a tied autoencoder's decoder, ``h @ W.T``)
         self.row_seeds: dict[int, tuple[int, int]] = {}
-        self.data_seeds: dict[int, int] = {}  # seed -> the weight's dim its product contracts with data alone
-        self.gathered: set[int] = set()  # tables looked up by a gather (not only by products with data)
-        self.data_uses: set[int] = set()  # the uses (indices) that contract a weight with data alone
+        self.gathered: set[int] = set()  # tables looked up by a gather (not only by one-hot products)
+        self.one_hot_uses: dict[int, int] = {}  # use index -> the weight's dim it contracts with a one-hot of data
         self.follows: list[tuple[int, int, int, str]] = []
         self.wholes: dict[int, list[Whole]] = {}
         self.group_counts: dict[int, int] = {}
@@ -178,7 +177,7 @@ class Facts:
 
     def lookup(self, leaf, dim, positional: bool, product: bool = False) -> None:
         """``leaf`` looked up on ``dim`` (by data, or at ``positional`` places the program computes),
-        by a gather or (``product``) by a product with a one-hot of data (`_contract._data_product`)."""
+        by a gather or (``product``) by a product with a one-hot of data (`_contract._one_hot_product`)."""
         self.lookups.setdefault(leaf, []).append((dim, positional))
         if not product:
             self.gathered.add(leaf)

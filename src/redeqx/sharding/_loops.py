@@ -21,7 +21,8 @@ def call(r: Reader, eqn) -> None:
     r.manual += manual
     r.bind(eqn.outvars, *r.run(jaxpr, *r.inputs(args)))
     r.manual -= manual
-    r.one_hot.update(out for out, inner in zip(eqn.outvars, jaxpr.outvars) if inner in r.one_hot)  # jax.nn.one_hot's jit
+    # a one-hot made in the body (`jax.nn.one_hot` is jitted) is one outside it too
+    r.one_hot.update(out for out, inner in zip(eqn.outvars, jaxpr.outvars) if inner in r.one_hot)
 
 
 def scan(r: Reader, eqn) -> None:

@@ -66,8 +66,8 @@ def _bad_seeds(facts: Facts, seeds: list[int], has_rows: bool) -> dict[int, str]
     of that stream). Left whole, their output meets the others' split where it is sliced for free.
     In a block of its own, a reduction over the split alone (a LayerNorm over a block's hidden
     units) costs only its results' sum over ``model`` (a row's mean and variance), and keeps the seed.
-    A weight with one such use keeps all its uses whole, unless that use is the group's row partner
-    (`_rowed`)."""
+    A weight with one such use keeps all its uses whole, unless that use is served another way
+    (`_spared`)."""
     bad = {s: facts.blocked[s] for s in seeds if s in facts.blocked}
     if has_rows:  # a group where some seed feeds the residual stream, or several layers' outputs are added
         # (the stream itself, split), is the stream's: its norms need it whole too
@@ -75,20 +75,22 @@ def _bad_seeds(facts: Facts, seeds: list[int], has_rows: bool) -> dict[int, str]
         bad.update({s: f"its output {facts.needs_whole.get(s, facts.reduced[s])} before any layer contracts it (a "
                        "norm of the residual stream, or the stream)" for s in seeds
                     if s not in bad and (s in facts.needs_whole or stream and s in facts.reduced)})
-    leaves = {facts.uses[facts.seed_use[s]].leaf for s in bad if not _rowed(facts, s) and s not in facts.data_seeds}
+    leaves = {facts.uses[facts.seed_use[s]].leaf for s in bad if not _spared(facts, s)}
     for s in seeds:
         if s not in bad and facts.uses[facts.seed_use[s]].leaf in leaves:
             bad[s] = "another use of the same weight cannot be split"
     return bad
 
 
-def _rowed(facts: Facts, seed: int) -> bool:
-    """Whether ``seed``'s product contracts an activation its own group splits, on the weight's dim
-    that group splits it on: that product is row parallel there, its output whole, so its own
-    output's split is not needed (a tied autoencoder's decoder ``h @ W.T``, where ``h`` comes from
-    the encoder ``x @ W`` split on the same dim of ``W``). Its weight's other uses may still split."""
+def _spared(facts: Facts, seed: int) -> bool:
+    """Whether ``seed``'s own output split is not needed, its product being served another way, so
+    that its weight's other uses may still split: it contracts an activation its own group splits
+    (row parallel there: a tied autoencoder's decoder ``h @ W.T``, ``h`` from the encoder ``x @ W``
+    split on the same dim of ``W``), or a one-hot of data (a lookup, `lookups`: ``one_hot(t) @ emb``
+    beside a tied head). A split on another dim is caught as two dims of one weight (`_groups`)."""
     found = facts.row_seeds.get(seed)
-    return found is not None and facts.find(found[0]) == facts.find(seed)
+    return found is not None and facts.find(found[0]) == facts.find(seed) or \
+        facts.seed_use[seed] in facts.one_hot_uses
 
 
 def _follows(facts: Facts, leaf: int) -> bool:
@@ -118,9 +120,9 @@ def _groups(facts: Facts) -> list[Group]:
         entries = [(facts.uses[facts.seed_use[s]].leaf, facts.seed_dim.get(s), "column", s) for s in good]
         entries += [(leaf, dim, "follows", s) for leaf, dim, s in follows.get(root, []) if s not in bad]
         entries += [(leaf, dim, "row", s) for leaf, dim, s in rows.get(root, []) if s not in bad]
-        # a product with data alone, whose seed is left out: its weight may split on the dim it contracts
-        entries += [(facts.uses[facts.seed_use[s]].leaf, facts.data_seeds[s], "follows", s) for s in bad
-                    if s in facts.data_seeds]
+        # a product with a one-hot, its seed left out: its weight may split on the dim it contracts
+        entries += [(facts.uses[facts.seed_use[s]].leaf, facts.one_hot_uses[facts.seed_use[s]], "follows", s)
+                    for s in bad if facts.seed_use[s] in facts.one_hot_uses]
         for leaf, dim, text, seed in entries:
             if dim is None:
                 continue
@@ -135,8 +137,7 @@ def _groups(facts: Facts) -> list[Group]:
             why_not = next((f"its output {facts.reduced[s]}, and reaches no layer that contracts it"
                             for s in good if s in facts.reduced), "its output reaches no layer that contracts it")
         kind = "block" if has_rows else "head"
-        whole = {facts.uses[facts.seed_use[s]].leaf: why for s, why in bad.items()
-                 if not _rowed(facts, s) and s not in facts.data_seeds}
+        whole = {facts.uses[facts.seed_use[s]].leaf: why for s, why in bad.items() if not _spared(facts, s)}
         out.append(Group(good or seeds, members, reached, why_not, kind, sum(facts.size(leaf) for leaf in members),
                          whole))
     out.sort(key=lambda g: (-g.size, g.seeds[0]))
@@ -377,11 +378,12 @@ def lookups(facts: Facts, n: int, decided: dict[int, Role], pricing: Pricing | N
     tables = []
     for leaf, found in facts.lookups.items():
         dim, positional = found[0]
-        if leaf not in facts.gathered:  # no table: split where the estimate says so, else as `read` says
-            # (not where it also contracts an activation on that dim, `l(l(x))`: the partitioner sums
-            # each use's gradient apart, 1.6x the bytes of the weight whole; nor in a loop that reads it
-            # every trip, a recurrent cell's input weights: a collective a token)
-            alone = all(i in facts.data_uses for i, u in enumerate(facts.uses) if u.leaf == leaf and dim in u.contracted)
+        if leaf not in facts.gathered:  # one-hot products alone: split where the estimate says so, else `read`
+            # (not where it also contracts an activation on that dim: the partitioner sums each use's
+            # gradient apart, `l(l(x))` moved 1.6x the bytes of its weight whole; nor in a loop that reads
+            # it every trip, a recurrent LM's one-hot input: a collective a token)
+            alone = all(i in facts.one_hot_uses for i, u in enumerate(facts.uses)
+                        if u.leaf == leaf and dim in u.contracted)
             if leaf not in decided and alone and leaf not in facts.looped and not positional and \
                     facts.shapes[leaf][dim] % n == 0:
                 decided[leaf] = Role(dim, f"program: embedding, looked up by a product with a one-hot of data on dim "
