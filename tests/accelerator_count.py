@@ -237,3 +237,22 @@ def compiled_train_step(model, loss, data, n: int, optimizer, *, devices=None, *
 
     run.partitioned = text  # the program after SPMD partitioning, for tests that read more than its bytes
     return moved, specs, state, run
+
+
+def trained_against_one_device(model, loss, batch, devices):
+    """Two SGD steps at 2 shards and on one device (Adam's updates would hide a gradient scaled by
+    the model axis): each step's gradient norm and the weights after, equal. Returns the split
+    step's collective bytes and specs."""
+    runs = {}
+    for n, devs in ((2, None), (1, devices[:1])):
+        moved, specs, state, run = compiled_train_step(model, loss, batch, n, optax.sgd(0.1), devices=devs,
+                                                       loss_fn=loss, batch=batch)
+        norms = []
+        for _ in range(2):
+            state, metrics = run(state, batch)
+            norms.append(float(metrics["grad_norm"]))
+        runs[n] = (moved, specs, state, norms)
+    np.testing.assert_allclose(runs[2][3], runs[1][3], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(runs[2][2].model), jax.tree.leaves(runs[1][2].model)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    return runs[2][:2]

@@ -21,7 +21,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import redeqx
-from accelerator_count import compiled_train_step
+from accelerator_count import compiled_train_step, trained_against_one_device
 
 
 class TiedAE(eqx.Module):
@@ -151,29 +151,10 @@ def test_two_uses_that_need_two_splits_stay_whole_and_say_so():
     assert specs.up.weight == P() and "jnp.flip reverses its output features" in _row(table, "up.weight"), table
 
 
-def _trained_against_one_device(model, loss, batch, devices):
-    """Two SGD steps at 2 shards and on one device (Adam's updates would hide a gradient scaled by
-    the model axis): each step's gradient norm and the weights after, equal. Returns the split
-    step's collective bytes and specs."""
-    runs = {}
-    for n, devs in ((2, None), (1, devices[:1])):
-        moved, specs, state, run = compiled_train_step(model, loss, batch, n, optax.sgd(0.1), devices=devs,
-                                                       loss_fn=loss, batch=batch)
-        norms = []
-        for _ in range(2):
-            state, metrics = run(state, batch)
-            norms.append(float(metrics["grad_norm"]))
-        runs[n] = (moved, specs, state, norms)
-    np.testing.assert_allclose(runs[2][3], runs[1][3], rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(runs[2][2].model), jax.tree.leaves(runs[1][2].model)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-    return runs[2][:2]
-
-
 def test_a_tied_autoencoder_trains_as_one_device_at_the_hand_plans_bytes(devices):
     """Against one device; the bytes against the same model with ``W`` whole (the plan before)."""
     model = TiedAE(jax.random.key(0))
-    moved, _ = _trained_against_one_device(model, mse, VECTORS, devices)
+    moved, _ = trained_against_one_device(model, mse, VECTORS, devices)
     whole, *_ = compiled_train_step(model, mse, VECTORS, 2, optax.sgd(0.1), overrides=[(".", P())])
     assert moved < 0.55 * whole, (moved, whole)
 
@@ -277,6 +258,6 @@ class OneHotLM(OneHotTiedLM):
 
 
 def test_a_one_hot_embedding_trains_as_one_device(devices):
-    _, specs = _trained_against_one_device(OneHotTiedLM(jax.random.key(0), 128, 32), lm_loss, {"t": TOKENS["t"]},
+    _, specs = trained_against_one_device(OneHotTiedLM(jax.random.key(0), 128, 32), lm_loss, {"t": TOKENS["t"]},
                                            devices)
     assert specs.emb == P("model", None), specs
