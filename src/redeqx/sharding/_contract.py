@@ -101,6 +101,7 @@ def contract(r, eqn, dn=None, groups=(), operands=None) -> None:
             r.facts.moves(leaf, eqn, r.trips * nbytes(activation) * r.is_learned(activation), r.trips * nbytes(out),
                          activation, r.trips * flops, r.trips)
             outs = [d for d in produced if dims[d] is not None]
+            _transposed_splits(r.facts, leaf, dims, outs, pos, tags)
             if seed is not None and outs:
                 r.facts.several_outputs |= len(outs) > 1
                 out_dim = outs[-1] if r.facts.seed_last else outs[0]  # `read_program`'s second reading
@@ -147,6 +148,16 @@ def _one_hot_product(r, leaf, contracted, batch, activation) -> None:
     if len(contracted) == 1 and not batch and not r.is_static(activation) and activation in r.one_hot:
         r.facts.lookup(leaf, contracted[0], positional=False, product=True)
         r.facts.one_hot_uses[len(r.facts.uses) - 1] = contracted[0]
+
+
+def _transposed_splits(facts, leaf, dims, outs, pos, tags) -> None:
+    """A product that transposes an earlier one of the same weight (`Facts.transposes`) seeds no split:
+    its output is split where the earlier product's input was, by the seeds whose split that product
+    contracted (its row partners'), on the dims it produces."""
+    if len(facts.uses) - 1 in facts.transposed:
+        for d in outs:
+            for seed in facts.row_splits(leaf, dims[d]):
+                tags[seed] = pos[d]
 
 
 def _row_seed(facts, seed, leaf, contracted, rowed) -> None:
@@ -212,6 +223,8 @@ def convolve(r, eqn) -> None:
             contracted = tuple(x for x in (dims[k_in],) if x is not None) + spatial
             seed = r.facts.use(leaf, contracted, tuple(x for x in (dims[k_out],) if x is not None), (), "conv")
             _row_seed(r.facts, seed, leaf, contracted, rowed)
+            _transposed_splits(r.facts, leaf, dims, [k_out] if dims[k_out] is not None else [],
+                               {k_out: out_feature}, tags)
             if seed is not None and dims[k_out] is not None:
                 tags[seed] = out_feature
                 r.facts.seed_dim[seed] = dims[k_out]

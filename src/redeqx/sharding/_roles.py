@@ -85,9 +85,10 @@ def _bad_seeds(facts: Facts, seeds: list[int], has_rows: bool) -> dict[int, str]
 def _spared(facts: Facts, seed: int) -> bool:
     """Whether ``seed``'s own output split is not needed, its product being served another way, so
     that its weight's other uses may still split: it contracts an activation its own group splits
-    (row parallel there: a tied autoencoder's decoder ``h @ W.T``, ``h`` from the encoder ``x @ W``
-    split on the same dim of ``W``), or a one-hot of data (a lookup, `lookups`: ``one_hot(t) @ emb``
-    beside a tied head). A split on another dim is caught as two dims of one weight (`_groups`)."""
+    (row parallel there: a layer applied to its own output, ``l(l(x))``, which then asks for its
+    weight split on two dims, and says so, `_groups`), or a one-hot of data (a lookup, `lookups`:
+    ``one_hot(t) @ emb`` beside a tied head). A tied decoder's ``h @ W.T`` seeds nothing to spare: it
+    transposes the encoder's ``x @ W`` (`Facts.transposes`), row parallel where ``h`` is split."""
     found = facts.row_seeds.get(seed)
     return found is not None and facts.find(found[0]) == facts.find(seed) or \
         facts.seed_use[seed] in facts.one_hot_uses
@@ -128,7 +129,7 @@ def _groups(facts: Facts) -> list[Group]:
                 continue
             if leaf in members and members[leaf][0] != dim:
                 why_not = why_not or f"{facts.paths[leaf]} would be split on dims {members[leaf][0]} and {dim}"
-            elif members.get(leaf) == (dim, "column") and text == "row":  # a tied autoencoder's `x @ W`, `h @ W.T`
+            elif members.get(leaf) == (dim, "column") and text == "row":  # `x @ W`, then `h @ W.T` (`Facts.transposes`)
                 members[leaf] = (dim, "column and row")
             members.setdefault(leaf, (dim, text))
             reached.setdefault(leaf, set()).add(seed)
@@ -192,8 +193,9 @@ def _describe(facts: Facts, group: Group, leaf: int, dim: int, text: str) -> Rol
     partners = sorted({facts.paths[m] for m, (_, t) in group.members.items() if t == "row"})
     sources = sorted({facts.paths[facts.uses[facts.seed_use[s]].leaf] for s in group.reached.get(leaf, ())})
     if text == "column and row":
-        return Role(dim, f"program: column parallel on dim {dim}, and row parallel on it where it contracts that "
-                         f"split output (one weight, two uses){extra}", short=f"column and row parallel, dim {dim}")
+        return Role(dim, f"program: column parallel on dim {dim}, and row parallel on it where its transposed "
+                         f"product contracts that split output (one weight, two uses: a tied decoder, or the "
+                         f"model's gradient taken in its loss){extra}", short=f"column and row parallel, dim {dim}")
     if text == "column":
         return Role(dim, f"program: column parallel on dim {dim}; feeds {_listed(partners, 3)}{extra}",
                     short=f"column parallel, dim {dim}")

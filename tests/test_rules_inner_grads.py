@@ -1,0 +1,180 @@
+"""A model differentiated inside its own loss: a critic's gradient penalty (WGAN-GP), a
+discriminator's R1 penalty, a physics-informed net's derivatives, forces as an energy's gradient.
+
+Such a loss runs each weight's transposed product, ``W.T @ g``, beside its ``W @ x``. The transposed
+product of a column layer contracts the split its row partner's transposed product makes, as the
+outer backward pass does: it is row parallel there, and its output is split where its forward
+product's input was. Read as products of their own, each seeded a split on its weight's other dim,
+unified with its forward product's (one weight, one split), and every block of the model asked for
+its weights split on two dims: all of them stayed whole, 2x / 4x the FLOPs and 1.6x-3.6x a hand
+Megatron plan's collective bytes at 2 / 4 shards (critic, physics-informed net, energy under a scan),
+1.7x / 2.4x the peak memory of the conv discriminator's. Now each takes its hand plan, to the byte."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import redeqx
+from accelerator_count import compiled_train_step, trained_against_one_device
+
+RNG = np.random.default_rng(0)
+VECTORS = {"x": RNG.normal(size=(16, 32)).astype(np.float32)}
+IMAGES = {"x": RNG.normal(size=(16, 3, 16, 16)).astype(np.float32)}
+POINTS = {"x": RNG.uniform(-1, 1, 16).astype(np.float32), "t": RNG.uniform(0, 1, 16).astype(np.float32)}
+MOLECULES = {"pos": RNG.normal(size=(8, 6, 3)).astype(np.float32), "e": RNG.normal(size=8).astype(np.float32),
+             "f": RNG.normal(size=(8, 6, 3)).astype(np.float32) * 0.1}
+
+
+class Critic(eqx.Module):
+    fc1: eqx.nn.Linear
+    fc2: eqx.nn.Linear
+    out: eqx.nn.Linear
+
+    def __init__(self, key, d=32, hidden=256):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.fc1, self.fc2 = eqx.nn.Linear(d, hidden, key=k1), eqx.nn.Linear(hidden, d, key=k2)
+        self.out = eqx.nn.Linear(d, "scalar", key=k3)
+
+    def __call__(self, x):
+        return self.out(jnp.tanh(self.fc2(jax.nn.gelu(self.fc1(x)))))
+
+
+def gradient_penalty(critic, batch, key):
+    """WGAN-GP: the critic's gradient at points between real and fake samples, pushed to norm 1."""
+    real = batch["x"]
+    fake = real[::-1] * 0.5
+    eps = jax.random.uniform(jax.random.key(3), (real.shape[0], 1))
+    grads = jax.vmap(jax.grad(critic))(eps * real + (1 - eps) * fake)
+    penalty = jnp.mean((jnp.sqrt(jnp.sum(grads**2, -1) + 1e-12) - 1) ** 2)
+    return jnp.mean(jax.vmap(critic)(fake)) - jnp.mean(jax.vmap(critic)(real)) + 10 * penalty
+
+
+class PINN(eqx.Module):
+    layers: list
+
+    def __init__(self, key, sizes=(2, 128, 128, 128, 1)):
+        keys = jax.random.split(key, len(sizes) - 1)
+        self.layers = [eqx.nn.Linear(a, b, key=k) for a, b, k in zip(sizes[:-1], sizes[1:], keys)]
+
+    def __call__(self, x, t):
+        h = jnp.stack([x, t])
+        for layer in self.layers[:-1]:
+            h = jnp.tanh(layer(h))
+        return self.layers[-1](h)[0]
+
+
+def burgers(model, batch, key):
+    """Burgers' equation's residual, with a second derivative in space."""
+    def residual(x, t):
+        u_x, u_t = jax.grad(model, (0, 1))(x, t)
+        return u_t + model(x, t) * u_x - 0.01 * jax.grad(jax.grad(model, 0), 0)(x, t)
+
+    return jnp.mean(jax.vmap(residual)(batch["x"], batch["t"]) ** 2)
+
+
+class ConvCritic(eqx.Module):
+    c1: eqx.nn.Conv2d
+    c2: eqx.nn.Conv2d
+    c3: eqx.nn.Conv2d
+    out: eqx.nn.Linear
+
+    def __init__(self, key):
+        k = jax.random.split(key, 4)
+        self.c1 = eqx.nn.Conv2d(3, 64, 3, padding=1, key=k[0])
+        self.c2 = eqx.nn.Conv2d(64, 256, 3, padding=1, key=k[1])
+        self.c3 = eqx.nn.Conv2d(256, 64, 3, padding=1, key=k[2])
+        self.out = eqx.nn.Linear(64, "scalar", key=k[3])
+
+    def __call__(self, x):
+        h = jax.nn.leaky_relu(self.c1(x), 0.2)
+        h = h + self.c3(jax.nn.leaky_relu(self.c2(h), 0.2))
+        return self.out(h.mean((1, 2)))
+
+
+def r1(critic, batch, key):
+    """A non-saturating GAN loss with the R1 penalty: the squared gradient at real images."""
+    real, grads = jax.vmap(jax.value_and_grad(critic))(batch["x"])
+    fake = jax.vmap(critic)(batch["x"][::-1] * 0.5)
+    penalty = jnp.mean(jnp.sum(grads**2, (1, 2, 3)))
+    return jnp.mean(jax.nn.softplus(-real)) + jnp.mean(jax.nn.softplus(fake)) + 5 * penalty
+
+
+class Interaction(eqx.Module):
+    fc1: eqx.nn.Linear
+    fc2: eqx.nn.Linear
+
+    def __init__(self, key, d=32, hidden=128):
+        k1, k2 = jax.random.split(key)
+        self.fc1, self.fc2 = eqx.nn.Linear(d, hidden, key=k1), eqx.nn.Linear(hidden, d, key=k2)
+
+    def __call__(self, h):
+        return h + 0.1 * self.fc2(jax.nn.silu(self.fc1(h)))
+
+
+class Energy(eqx.Module):
+    """Atoms' pairwise distances in radial features, a scan over stacked layers, an energy summed."""
+
+    embed: eqx.nn.Linear
+    layers: Interaction
+    out: eqx.nn.Linear
+
+    def __init__(self, key, d=32, n_layers=2):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.embed, self.out = eqx.nn.Linear(8, d, key=k1), eqx.nn.Linear(d, "scalar", key=k3)
+        self.layers = eqx.filter_vmap(Interaction)(jax.random.split(k2, n_layers))
+
+    def __call__(self, pos):
+        dist = jnp.sqrt(jnp.sum((pos[:, None] - pos[None]) ** 2, -1) + 1e-6)
+        radial = jnp.exp(-((dist[..., None] - jnp.linspace(0, 4, 8)[None, None]) ** 2))
+        h = 0.1 * jax.vmap(jax.vmap(self.embed))(radial).sum(1)
+        params, static = eqx.partition(self.layers, eqx.is_array)
+        h, _ = jax.lax.scan(lambda h, p: (jax.vmap(eqx.combine(p, static))(h), None), h, params)
+        return jax.vmap(self.out)(h).sum()
+
+
+def forces(model, batch, key):
+    energy, grads = jax.vmap(jax.value_and_grad(model))(batch["pos"])
+    return jnp.mean((energy - batch["e"]) ** 2) + jnp.mean((grads + batch["f"]) ** 2)
+
+
+MEGATRON = {  # each model's hand plan: its wide layers column parallel, the layers that contract them row
+    "critic": [(r"fc1\.weight", P("model", None)), (r"fc1\.bias", P("model")), (r"fc2\.weight", P(None, "model"))],
+    "energy": [(r"fc1\.weight", P(None, "model", None)), (r"fc1\.bias", P(None, "model")),
+               (r"fc2\.weight", P(None, None, "model"))],
+}
+REST_WHOLE = [(".", P())]
+CASES = {"critic": (Critic, gradient_penalty, VECTORS), "energy": (Energy, forces, MOLECULES)}
+
+
+def _specs(model, loss, batch):
+    mesh = redeqx.make_mesh(2)
+    specs = redeqx.sharding_rules(model, mesh, loss_fn=loss, batch=batch)
+    return specs, redeqx.explain(model, specs, mesh, loss_fn=loss, batch=batch)
+
+
+def test_each_model_differentiated_in_its_loss_takes_megatrons_plan():
+    specs, table = _specs(Critic(jax.random.key(0)), gradient_penalty, VECTORS)
+    assert (specs.fc1.weight, specs.fc2.weight, specs.out.weight) == (P("model", None), P(None, "model"), P()), table
+    assert "column and row parallel, dim 0" in table, table  # fc1's transposed product contracts its split
+    specs, table = _specs(PINN(jax.random.key(0)), burgers, POINTS)
+    assert [layer.weight for layer in specs.layers] == [P("model", None), P(None, "model"), P("model", None),
+                                                        P(None, "model")], table
+    specs, table = _specs(ConvCritic(jax.random.key(0)), r1, IMAGES)
+    assert (specs.c1.weight, specs.c2.weight, specs.c3.weight) == (P(), P("model", None, None, None),
+                                                                   P(None, "model", None, None)), table
+    specs, table = _specs(Energy(jax.random.key(0)), forces, MOLECULES)
+    assert (specs.embed.weight, specs.layers.fc1.weight, specs.layers.fc2.weight) == (
+        P(), P(None, "model", None), P(None, None, "model")), table
+
+
+@pytest.mark.parametrize("name", ["critic", "energy"])
+def test_it_trains_as_one_device_at_the_hand_plans_bytes(devices, name):
+    make, loss, batch = CASES[name]
+    model = make(jax.random.key(0))
+    moved, _ = trained_against_one_device(model, loss, batch, devices)
+    by_hand, *_ = compiled_train_step(model, loss, batch, 2, optax.sgd(0.1), overrides=MEGATRON[name] + REST_WHOLE)
+    assert moved == by_hand, (moved, by_hand)
