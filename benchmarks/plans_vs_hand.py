@@ -135,6 +135,36 @@ def cases():
     yield ("one-hot embedding tied to the head (one_hot(t) @ emb, x @ emb.T; 1,024 x 256, MLP 1,024), 16 x 32 tokens",
            two.OneHotTiedLM(key), two.lm_loss, {"t": np.zeros((16, 33), np.int32)},
            lambda n: [(r"^emb$|up\.", P("model")), (r"down\.weight", P(None, "model")), (r"down\.bias", P())])
+    yield from _inner_gradients(key, P)
+
+
+def _inner_gradients(key, P):
+    """Models differentiated inside their loss (tests/test_rules_inner_grads.py), at wider widths."""
+    import numpy as np
+
+    import test_rules_inner_grads as inner
+
+    rng = np.random.default_rng(0)
+    megatron = lambda fc1, fc2: [(fc1 + r"\.weight", P("model", None)), (fc1 + r"\.bias", P("model")),  # noqa: E731
+                                 (fc2 + r"\.weight", P(None, "model")), (r".", P())]
+    yield ("WGAN-GP critic (64 -> 1024 -> 64 -> 1), its gradient penalty's jax.grad in the loss, 64 vectors",
+           inner.Critic(key, 64, 1024), inner.gradient_penalty, {"x": rng.normal(size=(64, 64)).astype(np.float32)},
+           lambda n: megatron("fc1", "fc2"))
+    yield ("physics-informed net (2 -> 512 x 3 -> 1, tanh) on Burgers' residual (second derivative), 256 points",
+           inner.PINN(key, (2, 512, 512, 512, 1)), inner.burgers,
+           {"x": rng.uniform(-1, 1, 256).astype(np.float32), "t": rng.uniform(0, 1, 256).astype(np.float32)},
+           lambda n: megatron(r"layers\.1", r"layers\.2"))
+    yield ("GAN discriminator with the R1 penalty (Conv 3 -> 64 -> 256 -> 64, residual), 16 images of 16 x 16",
+           inner.ConvCritic(key), inner.r1, {"x": rng.normal(size=(16, 3, 16, 16)).astype(np.float32)},
+           lambda n: [(r"c2\.weight", P("model", None, None, None)), (r"c2\.bias", P("model", None, None)),
+                      (r"c3\.weight", P(None, "model", None, None)), (r".", P())])
+    yield ("energy whose gradient gives forces (128 wide, 4 stacked layers of 1024 under a scan), 32 molecules of "
+           "12 atoms",
+           inner.Energy(key, 128, 1024, 4), inner.forces,
+           {"pos": rng.normal(size=(32, 12, 3)).astype(np.float32) * 2, "e": np.zeros(32, np.float32),
+            "f": np.zeros((32, 12, 3), np.float32)},
+           lambda n: [(r"fc1\.weight", P(None, "model", None)), (r"fc1\.bias", P(None, "model")),
+                      (r"fc2\.weight", P(None, None, "model")), (r".", P())])
 
 
 def figures(model, loss, data, n: int, devices, state=None, optimizer=None, **rules) -> dict:

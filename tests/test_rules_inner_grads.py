@@ -122,10 +122,10 @@ class Energy(eqx.Module):
     layers: Interaction
     out: eqx.nn.Linear
 
-    def __init__(self, key, d=32, n_layers=2):
+    def __init__(self, key, d=32, hidden=128, n_layers=2):
         k1, k2, k3 = jax.random.split(key, 3)
         self.embed, self.out = eqx.nn.Linear(8, d, key=k1), eqx.nn.Linear(d, "scalar", key=k3)
-        self.layers = eqx.filter_vmap(Interaction)(jax.random.split(k2, n_layers))
+        self.layers = eqx.filter_vmap(lambda k: Interaction(k, d, hidden))(jax.random.split(k2, n_layers))
 
     def __call__(self, pos):
         dist = jnp.sqrt(jnp.sum((pos[:, None] - pos[None]) ** 2, -1) + 1e-6)
