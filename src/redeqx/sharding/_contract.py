@@ -74,6 +74,10 @@ def contract(r, eqn, dn=None, groups=(), operands=None) -> None:
         # normalisation's `u @ W @ v`) is not
         if not _contracted_whole(*((lhs, lc, lb) if lv.normalized else (rhs, rc, rb))):
             lv, rv = (None, rv) if lv.normalized else (lv, None)
+    updated = None
+    if lv is None and rv is None and (r.updated(lhs) is None) != (r.updated(rhs) is None):
+        updated = lhs if r.updated(lhs) is not None else rhs  # a weight updated in the loss (`_ops._perturbed`)
+        lv, rv = r.updated(lhs), r.updated(rhs)
     out = eqn.outvars[0]
     if _weights_only(r, lhs, lv, lc, lb) and _weights_only(r, rhs, rv, rc, rb) and (lv or rv):
         # weights times weights (a merged adapter), or a weight times what is made of weights alone or a
@@ -84,7 +88,7 @@ def contract(r, eqn, dn=None, groups=(), operands=None) -> None:
         r.views[out] = View(tuple(parts))
         return
     sides = [(lhs, lv, lc, lb, lpos, rc, rb), (rhs, rv, rc, rb, rpos, lc, lb)]
-    tags, rowed = _split_operands(r, sides, lhs, lv, rv)
+    tags, rowed = _split_operands(r, sides, lhs, lv, rv, updated)
     for var, vw, contracting, batch, pos, _, _ in sides:
         if vw is None:
             continue
@@ -110,16 +114,17 @@ def contract(r, eqn, dn=None, groups=(), operands=None) -> None:
     r.set_tags(out, tags, "dot_general")
 
 
-def _split_operands(r, sides, lhs, lv, rv) -> tuple[dict[int, int], dict[tuple[int, int], int]]:
+def _split_operands(r, sides, lhs, lv, rv, updated=None) -> tuple[dict[int, int], dict[tuple[int, int], int]]:
     """What a product does with its operands' splits: a split dim it contracts against a weight
     makes that weight a row partner, one it keeps goes on in the output (``tags``), a batch dim
     beside a weight makes the weight follow. Returns ``tags`` and ``rowed``: (leaf, dim) -> the seed
-    whose split the product contracts there."""
+    whose split the product contracts there. An ``updated`` weight's own splits (its update's, the
+    gradient's: the weight's own where its block splits) are the weight's, not an activation's."""
     tags: dict[int, int] = {}
     rowed: dict[tuple[int, int], int] = {}
     for var, vw, contracting, batch, pos, other_c, other_b in sides:
         other_view = rv if var is lhs else lv
-        for seed, d in r.tag(var).items():
+        for seed, d in (r.tag(var) if var is not updated else {}).items():
             if d in contracting:
                 partner = other_c[contracting.index(d)]
                 if other_view is None:

@@ -63,9 +63,28 @@ def elementwise(r: Reader, eqn) -> None:
                 r.facts.reduce(seed, f"{'added to' if eqn.primitive.name != 'sub' else 'subtracted from or by'} an "
                                "activation that is not split (a residual stream, a target)", alone=False)
     r.set_tags(out, tags, where)
+    if eqn.primitive.name in SUMS:
+        _perturbed(r, eqn, out)
     within = {s: d for v in eqn.invars if len(_shape(v)) == nd for s, d in r.inner(v).items()}
     if within:
         r.within[out] = within
+
+
+def _perturbed(r: Reader, eqn, out) -> None:
+    """A matrix (every dim of a weight of two or more, over any leading dims it is broadcast to) plus or
+    minus an activation of the output's shape: a weight updated inside the loss (MAML's adapted
+    weights after its inner ``jax.grad``, ``W - lr * dW``, once or a few times), which the product
+    that meets it with an activation reads as that weight (`Reader.perturbed`). Read as an
+    activation alone, the query's product summed the split hidden units against it and kept every
+    weight of such a model whole. A learned position table added to the tokens (``x + pos``) is one
+    too, but a weight contracts that sum, which then stays the activation it is."""
+    found = [r.view(v) or r.updated(v) for v in eqn.invars]
+    weights = [w for w in found if w is not None]
+    others = [v for v, w in zip(eqn.invars, found) if w is None]
+    if len(weights) == 1 and len(others) == 1 and _shape(others[0]) == _shape(out) and all(
+            len(r.facts.shapes[leaf]) > 1 and set(range(len(r.facts.shapes[leaf]))) <= set(dims)
+            for leaf, dims in weights[0].parts):
+        r.perturbed[out] = weights[0]
 
 
 def _broadcast(vw: View, shape, out_shape) -> tuple:

@@ -231,9 +231,7 @@ def unplaced_warning(leaves: list[str], who: str) -> str:
             f"redeqx.sharding_rules{who}: reading the program, the rules split none of the weights it contracts: "
             f"{leaves[0][len('<program> '):]}. Every device holds and computes them whole. To split the ones "
             "that cost most, pass overrides=[(regex, spec)] (redeqx.explain(..., reasons='full') says why each "
-            "stays whole); a loss that differentiates inside (an inner gradient step, as in MAML) shows each "
-            "weight in two roles the reader cannot untangle: there, drop loss_fn= and batch= to use the name rules."
-            + "".join(leaves[1:])
+            "stays whole), or drop loss_fn= and batch= to use the name rules." + "".join(leaves[1:])
         )
     return (
         f"redeqx.sharding_rules{who}: {len(leaves)} weight(s) of rank >= 2 whose names say nothing of their "
