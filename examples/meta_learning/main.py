@@ -123,13 +123,14 @@ def main():
     test = sample_tasks(args.n_test_tasks, args.k_shots, seed=10**6 + args.seed)  # held out: another seed
     mesh = redeqx.make_mesh(args.n_model_shards)
     model = eqx.nn.MLP(1, 1, 40, depth=2, activation=jax.nn.relu, key=model_key)  # the paper's 2 x 40 ReLU MLP
-    # name rules only: read through the inner jax.grad in loss_fn, the program leaves every weight replicated
-    specs = redeqx.sharding_rules(model, mesh)
+    train_loss = functools.partial(loss_fn, inner_lr=args.inner_lr, inner_steps=args.inner_steps)
+    # read through the inner jax.grad too: each adapted weight is its weight (the hidden layer column, then row)
+    batch = collate_fn(test[:args.per_device_batch_size * mesh.shape["data"]])  # a global batch: shapes only
+    specs = redeqx.sharding_rules(model, mesh, loss_fn=train_loss, batch=batch)
     log(f"{len(jax.devices())} devices, mesh {dict(mesh.shape)}; {args.tasks_per_epoch} new tasks per epoch, "
         f"{args.n_test_tasks} test tasks, K={args.k_shots}")
 
     optimizer = optax.adam(args.learning_rate)
-    train_loss = functools.partial(loss_fn, inner_lr=args.inner_lr, inner_steps=args.inner_steps)
     state = redeqx.init_state(model, optimizer, mesh, specs, key=state_key)
     train_step = redeqx.make_train_step(train_loss, optimizer, mesh, specs)
     eval_steps = {n: redeqx.make_eval_step(functools.partial(loss_fn, inner_lr=args.inner_lr, inner_steps=n),
