@@ -6,10 +6,11 @@ iteration in the model state). The program reader follows the weight through its
 the product that uses it, so each block is split as Megatron's plan splits it, and the power
 iteration's products are no use of the weight. DoRA's adapted weight, normalised per row, splits
 as LoRA's does; a cosine-softmax head's normalised class vectors are split on the classes, as a
-vocabulary-parallel head. Before, the statistics read as an activation: the layers fell back to
+vocabulary-parallel head. A Bayesian layer's sampled weight, ``mu + softplus(rho) * eps``, splits
+``mu`` and ``rho`` alike. Before, the statistics read as an activation: the layers fell back to
 their names (each WeightNorm's layer column parallel: 4.2x / 5.1x a hand plan's bytes for the
 vocoder at 2 / 4 shards), or the power iteration read as a second use of each weight (the
-discriminator: 2.2x / 3.8x), or nothing was split (nGPT, the cosine head). Figures:
+discriminator: 2.2x / 3.8x), or nothing was split (nGPT, the cosine head, the Bayesian layers). Figures:
 benchmarks/plans_vs_hand.py."""
 
 import equinox as eqx
@@ -21,6 +22,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import redeqx
+from accelerator_count import compiled_train_step, trained_against_one_device
 
 C = 16
 
@@ -372,3 +374,51 @@ def test_values_made_of_weights_alone_with_rows_of_their_own_are_an_activation()
     projections = (specs.attn.query_proj.weight, specs.attn.key_proj.weight, specs.attn.value_proj.weight)
     assert projections == (P("model", None),) * 3
     assert specs.attn.output_proj.weight == P(None, "model")
+
+
+class BayesLinear(eqx.Module):
+    """Bayes by backprop: a weight sampled from ``N(mu, softplus(rho)^2)`` at every call."""
+
+    mu: jax.Array
+    rho: jax.Array
+    b: jax.Array
+
+    def __init__(self, n_in, n_out, key):
+        self.mu = jax.random.normal(key, (n_out, n_in)) / np.sqrt(n_in)
+        self.rho, self.b = jnp.full((n_out, n_in), -5.0), jnp.zeros(n_out)
+
+    def __call__(self, x, key):
+        return (self.mu + jax.nn.softplus(self.rho) * jax.random.normal(key, self.mu.shape)) @ x + self.b
+
+
+class BayesMLP(eqx.Module):
+    fc1: BayesLinear
+    fc2: BayesLinear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.fc1, self.fc2 = BayesLinear(16, 128, k1), BayesLinear(128, 4, k2)
+
+    def __call__(self, x, key):
+        k1, k2 = jax.random.split(key)
+        return self.fc2(jax.nn.relu(self.fc1(x, k1)), k2)
+
+
+def elbo(model, batch, key):
+    """One weight sample per step for the whole batch, and a Gaussian prior's penalty."""
+    logits = jax.vmap(lambda x: model(x, key))(batch["x"])
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    return nll + 1e-4 * sum(jnp.sum(jax.nn.softplus(l.rho) ** 2 + l.mu**2) for l in (model.fc1, model.fc2))
+
+
+def test_a_sampled_weight_splits_its_mean_and_scale_alike_and_trains_as_one_device(devices):
+    """``rho`` went through softplus, read as no view of it: kept whole beside a split ``mu`` (once a
+    sampled weight read as ``mu``), 2.9x / 4.7x the hand plan's bytes, more than all whole."""
+    model, batch = BayesMLP(jax.random.key(0)), {"x": _rows(16, 16), "y": np.arange(16) % 4}
+    megatron = {"fc1.mu": COL, "fc1.rho": COL, "fc1.b": COL, "fc2.mu": ROW, "fc2.rho": ROW}
+    moved, specs = trained_against_one_device(model, elbo, batch, devices)
+    _check_megatron(model, specs, megatron)
+    hand = [(r"fc1\.(mu|rho)", P("model", None)), (r"fc1\.b", P("model")), (r"fc2\.(mu|rho)", P(None, "model")),
+            (".", P())]
+    by_hand, *_ = compiled_train_step(model, elbo, batch, 2, optax.sgd(0.1), overrides=hand)
+    assert moved == by_hand, (moved, by_hand)

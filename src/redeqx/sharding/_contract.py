@@ -118,13 +118,16 @@ def _split_operands(r, sides, lhs, lv, rv, updated=None) -> tuple[dict[int, int]
     """What a product does with its operands' splits: a split dim it contracts against a weight
     makes that weight a row partner, one it keeps goes on in the output (``tags``), a batch dim
     beside a weight makes the weight follow. Returns ``tags`` and ``rowed``: (leaf, dim) -> the seed
-    whose split the product contracts there. An ``updated`` weight's own splits (its update's, the
-    gradient's: the weight's own where its block splits) are the weight's, not an activation's."""
+    whose split the product contracts there. An ``updated`` weight's split on a dim the product
+    contracts (its update's, the gradient's: the weight's own where its block splits) is the weight's,
+    not an activation's summed against another."""
     tags: dict[int, int] = {}
     rowed: dict[tuple[int, int], int] = {}
     for var, vw, contracting, batch, pos, other_c, other_b in sides:
         other_view = rv if var is lhs else lv
-        for seed, d in (r.tag(var) if var is not updated else {}).items():
+        for seed, d in r.tag(var).items():
+            if d in contracting and var is updated:
+                continue
             if d in contracting:
                 partner = other_c[contracting.index(d)]
                 if other_view is None:

@@ -36,9 +36,12 @@ def elementwise(r: Reader, eqn) -> None:
     acts = [v for v, vw in views if vw is None and not r.is_static(v) and len(_shape(v)) == nd and nd]
     weights = [vw for _, vw in views if vw is not None and len(_shape(_var(eqn, vw, views))) == nd]
     derived = any(r.is_derived(v) for v in eqn.invars)
+    # (scalars only: learned queries added to zeros of their shape are rows of their own, `_contract`)
+    only_constants = all(r.is_static(v) and not _shape(v) for v, vw in views if vw is None)
     if weights and all(r.is_derived(v) for v in acts) and (
-            eqn.primitive.name in SCALING or len(weights) > 1 or len(views) == 1 or derived):
-        # still the weights: W * s, W + delta, g * v / |v| (weight normalisation), (W - mean W) / std W
+            eqn.primitive.name in SCALING or len(weights) > 1 or only_constants or derived):
+        # still the weights: W * s, W + delta, g * v / |v| (weight normalisation), (W - mean W) / std W,
+        # any function of them alone (softplus(rho): a Bayesian layer's scale, a positive weight)
         r.views[out] = View(tuple(p for w in weights for p in _broadcast(w, _shape(_var(eqn, w, views)), _shape(out))),
                             derived or any(w.normalized for w in weights))
         return
@@ -63,28 +66,32 @@ def elementwise(r: Reader, eqn) -> None:
                 r.facts.reduce(seed, f"{'added to' if eqn.primitive.name != 'sub' else 'subtracted from or by'} an "
                                "activation that is not split (a residual stream, a target)", alone=False)
     r.set_tags(out, tags, where)
-    if eqn.primitive.name in SUMS:
-        _perturbed(r, eqn, out)
+    _perturbed(r, eqn, out)
     within = {s: d for v in eqn.invars if len(_shape(v)) == nd for s, d in r.inner(v).items()}
     if within:
         r.within[out] = within
 
 
 def _perturbed(r: Reader, eqn, out) -> None:
-    """A matrix (every dim of a weight of two or more, over any leading dims it is broadcast to) plus or
-    minus an activation of the output's shape: a weight updated inside the loss (MAML's adapted
-    weights after its inner ``jax.grad``, ``W - lr * dW``, once or a few times), which the product
-    that meets it with an activation reads as that weight (`Reader.perturbed`). Read as an
-    activation alone, the query's product summed the split hidden units against it and kept every
-    weight of such a model whole. A learned position table added to the tokens (``x + pos``) is one
-    too, but a weight contracts that sum, which then stays the activation it is."""
+    """Matrices (every dim of weights of two or more, over any leading dims they are broadcast to) added
+    to, subtracted from or multiplied by activations of the output's shape: weights updated or sampled
+    inside the loss (MAML's adapted weights after its inner ``jax.grad``, ``W - lr * dW``; a Bayesian
+    layer's ``mu + softplus(rho) * eps``; DropConnect's ``W * mask``), which a product that meets them
+    with an activation reads as those weights (`Reader.perturbed`, `_contract.contract`). Read as
+    activations alone, the product summed the split hidden units against them and kept every weight of
+    such a model whole; with ``mu`` read and ``rho`` not, ``rho`` stayed whole beside a split ``mu``
+    (2.9x / 4.7x the hand plan's bytes, more than all whole). A learned table added to the tokens
+    (``x + pos``) is one too, but a weight contracts that sum, which then stays the activation it is."""
+    if eqn.primitive.name not in SUMS and eqn.primitive.name != "mul":
+        return
     found = [r.view(v) or r.updated(v) for v in eqn.invars]
     weights = [w for w in found if w is not None]
     others = [v for v, w in zip(eqn.invars, found) if w is None]
-    if len(weights) == 1 and len(others) == 1 and _shape(others[0]) == _shape(out) and all(
+    if weights and (others or any(r.updated(v) is not None for v in eqn.invars)) and all(
+            _shape(v) == _shape(out) and not r.is_static(v) for v in others) and all(
             len(r.facts.shapes[leaf]) > 1 and set(range(len(r.facts.shapes[leaf]))) <= set(dims)
-            for leaf, dims in weights[0].parts):
-        r.perturbed[out] = weights[0]
+            for w in weights for leaf, dims in w.parts):
+        r.perturbed[out] = View(tuple(p for w in weights for p in w.parts))
 
 
 def _broadcast(vw: View, shape, out_shape) -> tuple:
