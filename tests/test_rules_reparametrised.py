@@ -404,11 +404,39 @@ class BayesMLP(eqx.Module):
         return self.fc2(jax.nn.relu(self.fc1(x, k1)), k2)
 
 
-def elbo(model, batch, key):
-    """One weight sample per step for the whole batch, and a Gaussian prior's penalty."""
+def sampled_xent(model, batch, key):
+    """One weight sample (or mask) per step for the whole batch."""
     logits = jax.vmap(lambda x: model(x, key))(batch["x"])
-    nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-    return nll + 1e-4 * sum(jnp.sum(jax.nn.softplus(l.rho) ** 2 + l.mu**2) for l in (model.fc1, model.fc2))
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def elbo(model, batch, key):
+    """With a Gaussian prior's penalty."""
+    prior = sum(jnp.sum(jax.nn.softplus(l.rho) ** 2 + l.mu**2) for l in (model.fc1, model.fc2))
+    return sampled_xent(model, batch, key) + 1e-4 * prior
+
+
+class DropConnect(eqx.Module):
+    """Raw matrices masked at every call, one with ``*``, one with ``jnp.where`` (a jitted call)."""
+
+    a: jax.Array
+    b: jax.Array
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.a, self.b = jax.random.normal(k1, (128, 16)) / 4, jax.random.normal(k2, (4, 128)) / 11
+
+    def __call__(self, x, key):
+        k1, k2 = jax.random.split(key)
+        a = self.a * jax.random.bernoulli(k1, 0.9, self.a.shape) / 0.9
+        b = jnp.where(jax.random.bernoulli(k2, 0.9, self.b.shape), self.b, 0.0) / 0.9
+        return b @ jax.nn.relu(a @ x)
+
+
+def test_a_masked_weight_is_its_weight():
+    model, batch = DropConnect(jax.random.key(0)), {"x": _rows(16, 16), "y": np.arange(16) % 4}
+    specs = redeqx.sharding_rules(model, redeqx.make_mesh(2), loss_fn=sampled_xent, batch=batch)
+    assert (specs.a, specs.b) == (P("model", None), P(None, "model")), specs
 
 
 def test_a_sampled_weight_splits_its_mean_and_scale_alike_and_trains_as_one_device(devices):

@@ -19,10 +19,22 @@ def call(r: Reader, eqn) -> None:
     # rule runs in a shard_map, each device its own experts): its author lays out what it reads
     manual = eqn.primitive.name in ("shard_map", "custom_vmap_call")
     r.manual += manual
+    for inner, arg in zip(jaxpr.invars, args):  # a weight updated in the loss, passed to `jnp.where`'s jit
+        _carry_updated(r, inner, arg)
     r.bind(eqn.outvars, *r.run(jaxpr, *r.inputs(args)))
     r.manual -= manual
     # a one-hot made in the body (`jax.nn.one_hot` is jitted) is one outside it too
     r.one_hot.update(out for out, inner in zip(eqn.outvars, jaxpr.outvars) if inner in r.one_hot)
+    for out, inner in zip(eqn.outvars, jaxpr.outvars):
+        _carry_updated(r, out, inner)
+
+
+def _carry_updated(r: Reader, to, frm) -> None:
+    """``to`` is the weight update ``frm`` is (`Reader.perturbed`), or none (a body read before)."""
+    if r.updated(frm) is not None:
+        r.perturbed[to] = r.updated(frm)
+    else:
+        r.perturbed.pop(to, None)
 
 
 def scan(r: Reader, eqn) -> None:

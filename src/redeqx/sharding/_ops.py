@@ -73,22 +73,22 @@ def elementwise(r: Reader, eqn) -> None:
 
 
 def _perturbed(r: Reader, eqn, out) -> None:
-    """Matrices (every dim of weights of two or more, over any leading dims they are broadcast to) added
-    to, subtracted from or multiplied by activations of the output's shape: weights updated or sampled
-    inside the loss (MAML's adapted weights after its inner ``jax.grad``, ``W - lr * dW``; a Bayesian
-    layer's ``mu + softplus(rho) * eps``; DropConnect's ``W * mask``), which a product that meets them
-    with an activation reads as those weights (`Reader.perturbed`, `_contract.contract`). Read as
-    activations alone, the product summed the split hidden units against them and kept every weight of
-    such a model whole; with ``mu`` read and ``rho`` not, ``rho`` stayed whole beside a split ``mu``
-    (2.9x / 4.7x the hand plan's bytes, more than all whole). A learned table added to the tokens
-    (``x + pos``) is one too, but a weight contracts that sum, which then stays the activation it is."""
-    if eqn.primitive.name not in SUMS and eqn.primitive.name != "mul":
+    """Matrices (every dim of weights of 2+ dims, maybe broadcast over leading dims) added to,
+    subtracted from, multiplied or masked by activations of the output's shape, then maybe scaled or
+    cast: weights updated or sampled inside the loss (MAML's ``W - lr * dW``, a Bayesian layer's
+    ``mu + softplus(rho) * eps``, DropConnect's ``where(mask, W, 0)``). A product that meets them with
+    an activation reads them as those weights (`Reader.perturbed`, `_contract.contract`); read as
+    activations, it summed the split hidden units against them and kept every weight whole. ``x +
+    pos`` is one too, but a weight contracts that sum, which stays the activation it is."""
+    r.perturbed.pop(out, None)  # (a body read before)
+    if eqn.primitive.name not in SUMS | SCALING | {"select_n"}:
         return
     found = [r.view(v) or r.updated(v) for v in eqn.invars]
     weights = [w for w in found if w is not None]
     others = [v for v, w in zip(eqn.invars, found) if w is None]
-    if weights and (others or any(r.updated(v) is not None for v in eqn.invars)) and all(
-            _shape(v) == _shape(out) and not r.is_static(v) for v in others) and all(
+    sampled = [v for v in others if not r.is_static(v)]  # (a scalar scales it, `where` fills with zeros)
+    if weights and (sampled or any(r.updated(v) is not None for v in eqn.invars)) and all(
+            _shape(v) in (_shape(out), ()) for v in others) and all(
             len(r.facts.shapes[leaf]) > 1 and set(range(len(r.facts.shapes[leaf]))) <= set(dims)
             for w in weights for leaf, dims in w.parts):
         r.perturbed[out] = View(tuple(p for w in weights for p in w.parts))
