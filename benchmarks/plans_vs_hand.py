@@ -139,7 +139,8 @@ def cases():
 
 
 def _inner_gradients(key, P):
-    """Models differentiated inside their loss (tests/test_rules_inner_grads.py), at wider widths."""
+    """Models differentiated inside their loss (tests/test_rules_inner_grads.py) and one whose weights
+    are sampled at every step (tests/test_rules_reparametrised.py), at wider widths."""
     import numpy as np
 
     import test_rules_inner_grads as inner
@@ -165,6 +166,16 @@ def _inner_gradients(key, P):
             "f": np.zeros((32, 12, 3), np.float32)},
            lambda n: [(r"fc1\.weight", P(None, "model", None)), (r"fc1\.bias", P(None, "model")),
                       (r"fc2\.weight", P(None, None, "model")), (r".", P())])
+    yield ("MAML on sinusoids (examples/meta_learning's loss, a 1 -> 1024 -> 1024 -> 1 MLP, one inner step), "
+           "32 tasks of 10 + 10 points", inner.sine_mlp(key, 1024), inner.maml,
+           {k: rng.normal(size=(32, 10, 1)).astype(np.float32) for k in ("xs", "ys", "xq", "yq")},
+           lambda n: megatron(r"layers\.0", r"layers\.1"))
+    import test_rules_reparametrised as rep
+    yield ("Bayes by backprop (mu + softplus(rho) * eps; 64 -> 1024 -> 10), 64 vectors",
+           rep.BayesMLP(key, 64, 1024, 10), rep.elbo,
+           {"x": rng.normal(size=(64, 64)).astype(np.float32), "y": np.arange(64) % 10},
+           lambda n: [(r"fc1\.(mu|rho)", P("model", None)), (r"fc1\.b", P("model")),
+                      (r"fc2\.(mu|rho)", P(None, "model")), (r".", P())])
 
 
 def figures(model, loss, data, n: int, devices, state=None, optimizer=None, **rules) -> dict:

@@ -395,9 +395,9 @@ class BayesMLP(eqx.Module):
     fc1: BayesLinear
     fc2: BayesLinear
 
-    def __init__(self, key):
+    def __init__(self, key, n_in=16, hidden=128, n_out=4):
         k1, k2 = jax.random.split(key)
-        self.fc1, self.fc2 = BayesLinear(16, 128, k1), BayesLinear(128, 4, k2)
+        self.fc1, self.fc2 = BayesLinear(n_in, hidden, k1), BayesLinear(hidden, n_out, k2)
 
     def __call__(self, x, key):
         k1, k2 = jax.random.split(key)
