@@ -50,8 +50,8 @@ class Reader:
         self.learned: set = set()  # values that depend on the model's weights (not on data alone)
         self.derived: set = set()  # values computed from weights and constants alone that are no view of one
         self.one_hot: set = set()  # floats converted from booleans made of data alone (`one_hot(ids)`)
-        # a matrix plus or minus an activation of its own shape: an update taken inside the loss (MAML's
-        # adapted weights, `W - lr * dW`), that matrix where a product meets it with an activation
+        # a matrix updated, sampled or masked by an activation of its own shape inside the loss (MAML's
+        # `W - lr * dW`, `mu + softplus(rho) * eps`): that matrix where a product meets it with an activation
         self.perturbed: dict[Any, View] = {}
         self.trips = 1  # how many times the body being read runs in one step (scans' lengths multiplied)
         self.manual = 0  # how many bodies deep the reader is that lay out their own operands (shard_map)
