@@ -205,6 +205,43 @@ def test_each_model_differentiated_in_its_loss_takes_megatrons_plan():
         P(), P(None, "model", None), P(None, None, "model")), table
 
 
+class Classifier(eqx.Module):
+    fc1: eqx.nn.Linear
+    fc2: eqx.nn.Linear
+    head: eqx.nn.Linear
+
+    def __init__(self, key, d=64, hidden=1024, classes=10):
+        k = jax.random.split(key, 3)
+        self.fc1, self.fc2 = eqx.nn.Linear(d, hidden, key=k[0]), eqx.nn.Linear(hidden, d, key=k[1])
+        self.head = eqx.nn.Linear(d, classes, key=k[2])
+
+    def __call__(self, x):
+        return self.head(x + self.fc2(jax.nn.gelu(self.fc1(x))))
+
+
+def energy_and_classes(model, batch, key):
+    """JEM: the classifier's logits define an energy, ``-logsumexp``; samples come from a few
+    Langevin steps on it (the energy's gradient in the loss), and the labels' cross-entropy is kept."""
+    energy = jax.vmap(lambda x: -jax.nn.logsumexp(model(x)))
+
+    def langevin(i, x):
+        return x - 0.1 * jax.grad(lambda x: energy(x).sum())(x)
+
+    samples = jax.lax.stop_gradient(jax.lax.fori_loop(0, 3, langevin, jnp.zeros_like(batch["x"])))
+    logits = jax.vmap(model)(batch["x"])
+    xent = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    return energy(batch["x"]).mean() - energy(samples).mean() + xent
+
+
+def test_a_head_whose_gradient_is_taken_is_still_priced_as_a_head():
+    """The head's transposed product (the energy's gradient through its logits) contracts the split
+    logits: read as a row partner, it made the head a block, always split: 10 classes split 2 ways,
+    1.11x the hand plan's bytes (64 -> 1024, 64 vectors). It is weighed against whole, as a head."""
+    batch = {"x": RNG.normal(size=(16, 64)).astype(np.float32), "y": np.arange(16) % 10}
+    specs, table = _specs(Classifier(jax.random.key(0)), energy_and_classes, batch)
+    assert (specs.fc1.weight, specs.fc2.weight, specs.head.weight) == (P("model", None), P(None, "model"), P()), table
+
+
 @pytest.mark.parametrize("inner_steps", [1, 3])
 def test_maml_reads_each_adapted_weight_as_its_weight(inner_steps):
     specs, table = _specs(sine_mlp(jax.random.key(0)), functools.partial(maml, inner_steps=inner_steps), TASKS)

@@ -77,7 +77,7 @@ def priced(facts: Facts, fit, pricing: Pricing) -> bool:
     (and a model that pins its logits over ``model``, as the zoo did, computes them split anyway,
     then gathers the head's update, weights and moments: the 116 M LLaMA of `benchmarks.collectives`
     at 8 x 1 moved 375 MiB a step more)."""
-    if fit.kept.kind == "head":
+    if fit.kept.kind == "head" or fit.kept.mirrored:  # (a head whose transposed product sums its split)
         return pricing.n_batch > 1
     columns = {k for k, (_, t) in fit.kept.members.items() if "column" in t}
     return all(u.kind == "conv" and math.prod(facts.shapes[k][d] for d in u.contracted) > _in_features(facts, u)

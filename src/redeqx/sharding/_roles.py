@@ -57,6 +57,10 @@ class Group:
     kind: str  # "block" or "head"
     size: int
     left_whole: dict[int, str] = dataclasses.field(default_factory=dict)  # leaf -> why its seed was dropped
+    # a head (its output reduced over the split alone) whose only row partners are its own transposed
+    # products (an energy's gradient through its logits): weighed against whole as a head is
+    # (`_pricing.priced`), not always split as a block (a tied autoencoder's, whose output is no head's)
+    mirrored: bool = False
 
 
 def _bad_seeds(facts: Facts, seeds: list[int], has_rows: bool) -> dict[int, str]:
@@ -139,8 +143,11 @@ def _groups(facts: Facts) -> list[Group]:
                             for s in good if s in facts.reduced), "its output reaches no layer that contracts it")
         kind = "block" if has_rows else "head"
         whole = {facts.uses[facts.seed_use[s]].leaf: why for s, why in bad.items() if not _spared(facts, s)}
+        transposed = {facts.uses[i].leaf for i in facts.transposed}
+        mirrored = has_rows and any(s in facts.normalized for s in good) and all(
+            t == "column and row" and leaf in transposed for leaf, (_, t) in members.items() if "row" in t)
         out.append(Group(good or seeds, members, reached, why_not, kind, sum(facts.size(leaf) for leaf in members),
-                         whole))
+                         whole, mirrored))
     out.sort(key=lambda g: (-g.size, g.seeds[0]))
     return out
 
@@ -172,7 +179,8 @@ def _without(group: Group, dropped: set[int]) -> Group:
     devices stay whole (each device keeps every kv head) while Q and the output split."""
     keep = {leaf for leaf, seeds in group.reached.items() if seeds - dropped}
     return Group([s for s in group.seeds if s not in dropped], {k: v for k, v in group.members.items() if k in keep},
-                 {k: v for k, v in group.reached.items() if k in keep}, group.why_not, group.kind, group.size)
+                 {k: v for k, v in group.reached.items() if k in keep}, group.why_not, group.kind, group.size,
+                 mirrored=group.mirrored)
 
 
 def _listed(paths: list[str], most: int) -> str:
