@@ -79,6 +79,7 @@ class Facts:
         self.gathered: set[int] = set()  # tables looked up by a gather (not only by one-hot products)
         self.one_hot_uses: dict[int, int] = {}  # use index -> the weight's dim it contracts with a one-hot of data
         self.transposed: set[int] = set()  # uses that transpose an earlier one (`transposes`)
+        self._uses_of: dict[int, list[int]] = {}  # leaf -> its uses' indices
         self.follows: list[tuple[int, int, int, str]] = []
         self.wholes: dict[int, list[Whole]] = {}
         self.group_counts: dict[int, int] = {}
@@ -100,6 +101,7 @@ class Facts:
         produces a dim of the weight and transposes none of its earlier products (`transposes`)."""
         if self.transposes(leaf, contracted, produced, batch):
             self.transposed.add(len(self.uses))
+        self._uses_of.setdefault(leaf, []).append(len(self.uses))
         self.uses.append(Use(leaf, contracted, produced, batch, kind))
         self.use_out.append(out_bytes)
         if not produced or len(self.uses) - 1 in self.transposed:
@@ -126,8 +128,8 @@ class Facts:
         plan's bytes at 2 / 4 shards. A product with a one-hot (a lookup, `one_hot_uses`) is no
         forward product: a head tied to it seeds its vocabulary split."""
         return bool(produced) and any(
-            u.leaf == leaf and u.batch == tuple(batch) and set(produced) <= set(u.contracted)
-            and set(u.produced) <= set(contracted) and i not in self.one_hot_uses for i, u in enumerate(self.uses))
+            (u := self.uses[i]).batch == tuple(batch) and set(produced) <= set(u.contracted)
+            and set(u.produced) <= set(contracted) and i not in self.one_hot_uses for i in self._uses_of.get(leaf, ()))
 
     def row_splits(self, leaf: int, dim: int) -> list[int]:
         """The seeds whose split activation a product contracts with ``leaf``'s ``dim`` (its row

@@ -115,6 +115,7 @@ def _groups(facts: Facts) -> list[Group]:
     for seed, leaf, dim, why in facts.follows:
         if _follows(facts, leaf):
             follows.setdefault(facts.find(seed), []).append((leaf, dim, seed))
+    transposed = {facts.uses[i].leaf for i in facts.transposed}  # weights with a transposed product
     out = []
     for root, seeds in by_root.items():
         bad = _bad_seeds(facts, seeds, root in rows)
@@ -143,7 +144,6 @@ def _groups(facts: Facts) -> list[Group]:
                             for s in good if s in facts.reduced), "its output reaches no layer that contracts it")
         kind = "block" if has_rows else "head"
         whole = {facts.uses[facts.seed_use[s]].leaf: why for s, why in bad.items() if not _spared(facts, s)}
-        transposed = {facts.uses[i].leaf for i in facts.transposed}
         mirrored = has_rows and any(s in facts.normalized for s in good) and all(
             t == "column and row" and leaf in transposed for leaf, (_, t) in members.items() if "row" in t)
         out.append(Group(good or seeds, members, reached, why_not, kind, sum(facts.size(leaf) for leaf in members),
