@@ -99,7 +99,7 @@ class Reader:
         # depend on no input, as a literal or an iota does
         self.static.update(jaxpr.constvars)
         self.bind(jaxpr.invars, views, tags, static)
-        for eqn in jaxpr.eqns:
+        for eqn in _live(jaxpr):
             self.step(eqn)
         return self.inputs(jaxpr.outvars)
 
@@ -156,6 +156,20 @@ class Reader:
                 self.tags[var] = tg
             if st:
                 self.static.add(var)
+
+
+def _live(jaxpr) -> list:
+    """``jaxpr``'s equations that its outputs depend on (or with effects). ``jax.grad`` inside a
+    loss leaves the value it differentiates in the program, unused: a test-time-training layer's
+    inner loss, ``sum((W @ k - v) ** 2)``, read as a reduction of ``k``'s features, kept the key
+    projection whole."""
+    used = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
+    live = []
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.effects or any(v in used for v in eqn.outvars):
+            live.append(eqn)
+            used.update(v for v in eqn.invars if not isinstance(v, jcore.Literal))
+    return live[::-1]
 
 
 def _body_inputs(eqn):
