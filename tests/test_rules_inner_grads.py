@@ -13,7 +13,11 @@ Megatron plan's collective bytes at 2 / 4 shards (critic, physics-informed net, 
 MAML's loss adapts the weights first (``W - lr * dW``, inside ``jax.vmap`` over tasks) and then
 multiplies by them: read as an activation, an adapted weight summed the split hidden units against
 another activation, and every weight stayed whole (1.8x / 2.8x the hand plan's bytes, 2x / 4x its
-FLOPs). An adapted weight is now its weight where a product meets it with an activation."""
+FLOPs). An adapted weight is now its weight where a product meets it with an activation.
+
+Fast weights carried through a scan over tokens from a learned start (a test-time-training layer,
+linear attention with a learned initial state) are that start, updated each token, and are split by
+heads with the projections that update them."""
 
 import functools
 
@@ -172,16 +176,57 @@ def sine_mlp(key, width=64):
     return eqx.nn.MLP(1, 1, width, depth=2, activation=jax.nn.relu, key=key)
 
 
+class FastWeights(eqx.Module):
+    """Per-head fast weights carried through a scan over tokens, starting from learned ``W0``:
+    test-time training's (TTT-Linear: a gradient step on ``|W k - v|^2`` each token) or linear
+    attention's with a learned initial state (``0.9 W + k v^T``); each token's output is ``W q``."""
+
+    qkv: tuple[eqx.nn.Linear, eqx.nn.Linear, eqx.nn.Linear]
+    out: eqx.nn.Linear
+    head: eqx.nn.Linear
+    W0: jax.Array
+    rule: str = eqx.field(static=True)
+
+    def __init__(self, key, rule="ttt", d=32, heads=4, head_dim=8):
+        k = jax.random.split(key, 5)
+        self.qkv = tuple(eqx.nn.Linear(d, heads * head_dim, use_bias=False, key=k[i]) for i in range(3))
+        self.out, self.head = eqx.nn.Linear(heads * head_dim, d, use_bias=False, key=k[3]), eqx.nn.Linear(d, 8, key=k[4])
+        self.W0, self.rule = 0.5 * jnp.broadcast_to(jnp.eye(head_dim), (heads, head_dim, head_dim)), rule
+
+    def __call__(self, x):
+        q, k, v = (jax.vmap(lin)(x).reshape(x.shape[0], *self.W0.shape[:2]) for lin in self.qkv)
+
+        def token(W, qkv):
+            q, k, v = qkv
+            if self.rule == "ttt":
+                W = W - 0.1 * jax.grad(lambda W: jnp.sum((jnp.einsum("hij,hj->hi", W, k) - v) ** 2))(W)
+            else:
+                W = 0.9 * W + jnp.einsum("hi,hj->hij", v, k)
+            return W, jnp.einsum("hij,hj->hi", W, q)
+
+        _, z = jax.lax.scan(token, self.W0, (q, k, v))
+        return jax.vmap(self.head)(x + jax.vmap(self.out)(z.reshape(x.shape[0], -1)))
+
+
+def token_classes(model, batch, key):
+    logits = jax.vmap(model)(batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+SEQUENCES = {"x": RNG.normal(size=(8, 6, 32)).astype(np.float32), "y": RNG.integers(0, 8, (8, 6)).astype(np.int32)}
+
+
 MEGATRON = {  # each model's hand plan: its wide layers column parallel, the layers that contract them row
     "critic": [(r"fc1\.weight", P("model", None)), (r"fc1\.bias", P("model")), (r"fc2\.weight", P(None, "model"))],
     "energy": [(r"fc1\.weight", P(None, "model", None)), (r"fc1\.bias", P(None, "model")),
                (r"fc2\.weight", P(None, None, "model"))],
     "maml": [(r"layers\.0\.weight", P("model", None)), (r"layers\.0\.bias", P("model")),
              (r"layers\.1\.weight", P(None, "model"))],
+    "ttt": [(r"qkv\.\d\.weight", P("model", None)), (r"out\.weight", P(None, "model")), (r"W0", P("model"))],
 }
 REST_WHOLE = [(".", P())]
 CASES = {"critic": (Critic, gradient_penalty, VECTORS), "energy": (Energy, forces, MOLECULES),
-         "maml": (sine_mlp, maml, TASKS)}
+         "maml": (sine_mlp, maml, TASKS), "ttt": (FastWeights, token_classes, SEQUENCES)}
 
 
 def _specs(model, loss, batch):
@@ -249,10 +294,24 @@ def test_maml_reads_each_adapted_weight_as_its_weight(inner_steps):
     assert "column parallel, dim 0" in table and "row parallel, dim 1" in table, table
 
 
-@pytest.mark.parametrize("name", ["critic", "energy", "maml"])
+@pytest.mark.parametrize("name", ["critic", "energy", "maml", "ttt"])
 def test_it_trains_as_one_device_at_the_hand_plans_bytes(devices, name):
     make, loss, batch = CASES[name]
     model = make(jax.random.key(0))
     moved, _ = trained_against_one_device(model, loss, batch, devices)
     by_hand, *_ = compiled_train_step(model, loss, batch, 2, optax.sgd(0.1), overrides=MEGATRON[name] + REST_WHOLE)
     assert moved == by_hand, (moved, by_hand)
+
+
+@pytest.mark.parametrize("rule", ["ttt", "linear"])
+def test_fast_weights_that_start_as_a_weight_are_split_by_heads_with_their_projections(rule):
+    """A scan's carry that starts as the learned ``W0`` is that weight, updated each token: read as
+    an activation, its first trip added the split update to it whole and kept the key and value
+    projections whole (1.21x / 1.12x the hand plan's bytes, linear attention's, at 2 / 4 shards);
+    and the value TTT's inner ``jax.grad`` leaves unused, its loss's sum, read as a reduction of the
+    keys' features, kept them whole too."""
+    specs, table = _specs(FastWeights(jax.random.key(0), rule), token_classes, SEQUENCES)
+    assert [lin.weight for lin in specs.qkv] == [P("model", None)] * 3, table
+    assert (specs.out.weight, specs.W0) == (P(None, "model"), P("model", None, None)), table
+    rows = [line for line in table.splitlines() if line.startswith("qkv.")]  # (not rescued as an expert's feed)
+    assert len(rows) == 3 and all(row.endswith("column parallel, dim 0") for row in rows), table

@@ -49,7 +49,8 @@ def scan(r: Reader, eqn) -> None:
             views[i] = views[i].mapped(lambda dims: dims[1:])
         if tags[i]:
             tags[i] = _shift_tags(r, tags[i], -1, "a lax.scan loops over its output features")
-    for i in range(nc, nc + ncarry):
+    for i in range(nc, nc + ncarry):  # a weight as a carry's start is updated each trip (`_updated_carry`)
+        _updated_carry(r, jaxpr.invars[i], eqn.invars[i], views[i])
         views[i] = None
     _looped(r, views[:nc])
     outer, r.trips = r.trips, r.trips * eqn.params["length"]
@@ -59,10 +60,23 @@ def scan(r: Reader, eqn) -> None:
         r.trips = outer
     for i in range(ncarry):
         out_views[i] = None
+        _carry_updated(r, eqn.outvars[i], jaxpr.outvars[i])
     for i in range(ncarry, len(out_tags)):  # ys: stacked on a new axis 0
         out_tags[i] = {s: d + 1 for s, d in out_tags[i].items()}
         out_views[i] = None
     r.bind(eqn.outvars, out_views, out_tags, out_static)
+
+
+def _updated_carry(r: Reader, inner, arg, view) -> None:
+    """A scan's carry that starts as a whole matrix of weights (`Reader.whole_matrices`; a
+    test-time-training layer's inner weights, `W0` broadcast over the batch, a learned initial
+    state) or as an update of one, and that the body updates by activations: that weight
+    (`Reader.perturbed`). Read as an activation, its first trip added a split update to it whole and
+    kept the layers that make the update whole."""
+    if view is not None and r.whole_matrices(view):
+        r.perturbed[inner] = view
+    else:
+        _carry_updated(r, inner, arg)
 
 
 def _carry_fixed_point(r: Reader, jaxpr, views, tags, static, nc: int, ncarry: int, rounds: int = 3):

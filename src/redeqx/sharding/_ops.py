@@ -33,7 +33,8 @@ def elementwise(r: Reader, eqn) -> None:
     out = eqn.outvars[0]
     nd = len(_shape(out))
     views = [(v, r.view(v)) for v in eqn.invars]
-    acts = [v for v, vw in views if vw is None and not r.is_static(v) and len(_shape(v)) == nd and nd]
+    acts = [v for v, vw in views if vw is None and not r.is_static(v) and len(_shape(v)) == nd and nd
+            and r.updated(v) is None]  # (an update of a weight is that weight where a split meets it)
     weights = [vw for _, vw in views if vw is not None and len(_shape(_var(eqn, vw, views))) == nd]
     derived = any(r.is_derived(v) for v in eqn.invars)
     # (scalars only: learned queries added to zeros of their shape are rows of their own, `_contract`)
@@ -52,8 +53,9 @@ def elementwise(r: Reader, eqn) -> None:
             if tags.get(seed, dim) != dim:
                 r.facts.block(seed, f"{where} would need its output split on two dims at once")
             tags[seed] = dim
+    updates = [(v, r.updated(v)) for v in eqn.invars if r.updated(v) is not None]
     for seed, dim in tags.items():  # a weight applied elementwise to a split activation follows the split
-        for w in weights:
+        for w in weights + [u for v, u in updates if len(_shape(v)) == nd]:
             for leaf, dims in w.parts:
                 if dims[dim] is not None:
                     r.facts.follow(seed, leaf, dims[dim], f"{eqn.primitive.name} with the split activation")
@@ -88,9 +90,7 @@ def _perturbed(r: Reader, eqn, out) -> None:
     others = [v for v, w in zip(eqn.invars, found) if w is None]
     sampled = [v for v in others if not r.is_static(v)]  # (a scalar scales it, `where` fills with zeros)
     if weights and (sampled or any(r.updated(v) is not None for v in eqn.invars)) and all(
-            _shape(v) in (_shape(out), ()) for v in others) and all(
-            len(r.facts.shapes[leaf]) > 1 and set(range(len(r.facts.shapes[leaf]))) <= set(dims)
-            for w in weights for leaf, dims in w.parts):
+            _shape(v) in (_shape(out), ()) for v in others) and all(r.whole_matrices(w) for w in weights):
         r.perturbed[out] = View(tuple(p for w in weights for p in w.parts))
 
 

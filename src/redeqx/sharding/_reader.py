@@ -64,6 +64,12 @@ class Reader:
         """The weight ``v`` is an update of (`perturbed`), or None."""
         return None if isinstance(v, jcore.Literal) else self.perturbed.get(v)
 
+    def whole_matrices(self, vw: View) -> bool:
+        """Whether ``vw`` is every dim of weights of 2+ dims longer than 1 (maybe broadcast over more
+        dims): not a conv's bias, ``(channels, 1, 1)``."""
+        wide = [{d for d, size in enumerate(self.facts.shapes[leaf]) if size > 1} for leaf, _ in vw.parts]
+        return all(len(w) > 1 and w <= set(dims) for w, (_, dims) in zip(wide, vw.parts))
+
     def tag(self, v) -> dict[int, int]:
         return {} if isinstance(v, jcore.Literal) else self.tags.get(v, {})
 
