@@ -170,6 +170,13 @@ def _inner_gradients(key, P):
            "32 tasks of 10 + 10 points", inner.sine_mlp(key, 1024), inner.maml,
            {k: rng.normal(size=(32, 10, 1)).astype(np.float32) for k in ("xs", "ys", "xq", "yq")},
            lambda n: megatron(r"layers\.0", r"layers\.1"))
+    heads = [(r"qkv\.\d\.weight", P("model", None)), (r"out\.weight", P(None, "model")), (r"W0", P("model")), (r".", P())]
+    sequences = {"x": rng.normal(size=(16, 32, 256)).astype(np.float32), "y": rng.integers(0, 8, (16, 32))}
+    yield ("test-time-training layer (TTT-Linear: a gradient step on per-head fast weights from a learned W0 each "
+           "token; 256 wide, 8 heads of 32), 16 sequences of 32", inner.FastWeights(key, "ttt", 256, 8, 32),
+           inner.token_classes, sequences, lambda n: heads)
+    yield ("linear attention with a learned initial state (256 wide, 8 heads of 32), 16 sequences of 32",
+           inner.FastWeights(key, "linear", 256, 8, 32), inner.token_classes, sequences, lambda n: heads)
     import test_rules_reparametrised as rep
     yield ("Bayes by backprop (mu + softplus(rho) * eps; 64 -> 1024 -> 10), 64 vectors",
            rep.BayesMLP(key, 64, 1024, 10), rep.elbo,
