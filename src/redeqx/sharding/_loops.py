@@ -20,21 +20,13 @@ def call(r: Reader, eqn) -> None:
     manual = eqn.primitive.name in ("shard_map", "custom_vmap_call")
     r.manual += manual
     for inner, arg in zip(jaxpr.invars, args):  # a weight updated in the loss, passed to `jnp.where`'s jit
-        _carry_updated(r, inner, arg)
+        r.moved_update(inner, arg)
     r.bind(eqn.outvars, *r.run(jaxpr, *r.inputs(args)))
     r.manual -= manual
     # a one-hot made in the body (`jax.nn.one_hot` is jitted) is one outside it too
     r.one_hot.update(out for out, inner in zip(eqn.outvars, jaxpr.outvars) if inner in r.one_hot)
     for out, inner in zip(eqn.outvars, jaxpr.outvars):
-        _carry_updated(r, out, inner)
-
-
-def _carry_updated(r: Reader, to, frm) -> None:
-    """``to`` is the weight update ``frm`` is (`Reader.perturbed`), or none (a body read before)."""
-    if r.updated(frm) is not None:
-        r.perturbed[to] = r.updated(frm)
-    else:
-        r.perturbed.pop(to, None)
+        r.moved_update(out, inner)
 
 
 def scan(r: Reader, eqn) -> None:
@@ -42,11 +34,13 @@ def scan(r: Reader, eqn) -> None:
     nc, ncarry = _scan_counts(eqn.params)
     views, tags, static = r.inputs(eqn.invars)
     for i in range(nc + ncarry, len(eqn.invars)):  # xs: sliced on axis 0, one layer per iteration
-        if views[i] is not None:
-            for leaf, dims in views[i].parts:
+        for vw in (views[i], r.updated(eqn.invars[i])):  # (stacked weights, or MAML's adapted stack)
+            for leaf, dims in (vw.parts if vw is not None else ()):
                 if dims[0] is not None:
                     r.facts.layer_dim(leaf, dims[0], f"scan axis (L={_shape(eqn.invars[i])[0]})")
+        if views[i] is not None:
             views[i] = views[i].mapped(lambda dims: dims[1:])
+        r.moved_update(jaxpr.invars[i], eqn.invars[i], lambda dims: dims[1:])
         if tags[i]:
             tags[i] = _shift_tags(r, tags[i], -1, "a lax.scan loops over its output features")
     for i in range(nc, nc + ncarry):  # a weight as a carry's start is updated each trip (`_updated_carry`)
@@ -60,7 +54,7 @@ def scan(r: Reader, eqn) -> None:
         r.trips = outer
     for i in range(ncarry):
         out_views[i] = None
-        _carry_updated(r, eqn.outvars[i], jaxpr.outvars[i])
+        r.moved_update(eqn.outvars[i], jaxpr.outvars[i])
     for i in range(ncarry, len(out_tags)):  # ys: stacked on a new axis 0
         out_tags[i] = {s: d + 1 for s, d in out_tags[i].items()}
         out_views[i] = None
@@ -76,7 +70,7 @@ def _updated_carry(r: Reader, inner, arg, view) -> None:
     if view is not None and r.whole_matrices(view):
         r.perturbed[inner] = view
     else:
-        _carry_updated(r, inner, arg)
+        r.moved_update(inner, arg)
 
 
 def _carry_fixed_point(r: Reader, jaxpr, views, tags, static, nc: int, ncarry: int, rounds: int = 3):

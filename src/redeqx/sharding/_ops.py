@@ -116,6 +116,7 @@ def transpose(r: Reader, eqn) -> None:
     (src,), out = eqn.invars, eqn.outvars[0]
     if (vw := r.view(src)) is not None:
         r.views[out] = vw.mapped(lambda dims: tuple(dims[p] for p in perm))
+    r.moved_update(out, src, lambda dims: tuple(dims[p] for p in perm))  # (adapted stacked weights, vmapped)
     r.set_tags(out, {s: perm.index(d) for s, d in r.tag(src).items()}, "transpose")
     if src in r.within:
         r.within[out] = {s: frozenset(perm.index(d) for d in ds) for s, ds in r.within[src].items()}

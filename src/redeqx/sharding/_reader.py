@@ -64,6 +64,14 @@ class Reader:
         """The weight ``v`` is an update of (`perturbed`), or None."""
         return None if isinstance(v, jcore.Literal) else self.perturbed.get(v)
 
+    def moved_update(self, out, src, fn=lambda dims: dims) -> None:
+        """``out`` is the weight update ``src`` is (`perturbed`), its dims moved by ``fn`` (a
+        transpose, a scan's slice), or none (a body read before)."""
+        if (update := self.updated(src)) is None:
+            self.perturbed.pop(out, None)
+        else:
+            self.perturbed[out] = update.mapped(fn)
+
     def whole_matrices(self, vw: View) -> bool:
         """Whether ``vw`` is every dim of weights of 2+ dims longer than 1 (maybe broadcast over more
         dims): not a conv's bias, ``(channels, 1, 1)``."""
