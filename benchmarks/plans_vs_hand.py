@@ -170,6 +170,11 @@ def _inner_gradients(key, P):
            "32 tasks of 10 + 10 points", inner.sine_mlp(key, 1024), inner.maml,
            {k: rng.normal(size=(32, 10, 1)).astype(np.float32) for k in ("xs", "ys", "xq", "yq")},
            lambda n: megatron(r"layers\.0", r"layers\.1"))
+    yield ("MAML on sinusoids through residual blocks stacked under a scan (1 -> 64, 3 blocks of 64 -> 512), 16 tasks "
+           "of 10 + 10 points", inner.StackedMLP(key, 3, 64, 512), inner.maml,
+           {k: rng.normal(size=(16, 10, 1)).astype(np.float32) for k in ("xs", "ys", "xq", "yq")},
+           lambda n: [(r"blocks\.fc1\.weight", P(None, "model", None)), (r"blocks\.fc1\.bias", P(None, "model")),
+                      (r"blocks\.fc2\.weight", P(None, None, "model")), (r".", P())])
     heads = [(r"qkv\.\d\.weight", P("model", None)), (r"out\.weight", P(None, "model")), (r"W0", P("model")), (r".", P())]
     sequences = {"x": rng.normal(size=(16, 32, 256)).astype(np.float32), "y": rng.integers(0, 8, (16, 32))}
     yield ("test-time-training layer (TTT-Linear: a gradient step on per-head fast weights from a learned W0 each "

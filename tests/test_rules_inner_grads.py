@@ -196,10 +196,10 @@ class StackedMLP(eqx.Module):
     blocks: Residual
     out: eqx.nn.Linear
 
-    def __init__(self, key, layers=3):
+    def __init__(self, key, layers=3, d=16, hidden=64):
         k = jax.random.split(key, 3)
-        self.inp, self.out = eqx.nn.Linear(1, 16, key=k[0]), eqx.nn.Linear(16, 1, key=k[1])
-        self.blocks = eqx.filter_vmap(Residual)(jax.random.split(k[2], layers))
+        self.inp, self.out = eqx.nn.Linear(1, d, key=k[0]), eqx.nn.Linear(d, 1, key=k[1])
+        self.blocks = eqx.filter_vmap(lambda k: Residual(k, d, hidden))(jax.random.split(k[2], layers))
 
     def __call__(self, x):
         arrays, static = eqx.partition(self.blocks, eqx.is_array)
