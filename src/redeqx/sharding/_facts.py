@@ -77,6 +77,7 @@ class Facts:
         # use that is also a row partner (``l(l(x))``'s second product)
         self.row_seeds: dict[int, tuple[int, int]] = {}
         self.gathered: set[int] = set()  # tables looked up by a gather (not only by one-hot products)
+        self.gathers: dict[int, int] = {}  # seed -> bytes of its split output gathered whole a step (`_topk`)
         self.one_hot_uses: dict[int, int] = {}  # use index -> the weight's dim it contracts with a one-hot of data
         self.transposed: set[int] = set()  # uses that transpose an earlier one (`transposes`)
         self._uses_of: dict[int, list[int]] = {}  # leaf -> its uses' indices

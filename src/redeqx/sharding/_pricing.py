@@ -77,6 +77,8 @@ def priced(facts: Facts, fit, pricing: Pricing) -> bool:
     (and a model that pins its logits over ``model``, as the zoo did, computes them split anyway,
     then gathers the head's update, weights and moments: the 116 M LLaMA of `benchmarks.collectives`
     at 8 x 1 moved 375 MiB a step more)."""
+    if any(s in facts.gathers for s in fit.kept.seeds):  # (an activation gathered whole: `_topk`)
+        return True
     if fit.kept.kind == "head" or fit.kept.mirrored:  # (a head whose transposed product sums its split)
         return pricing.n_batch > 1
     columns = {k for k, (_, t) in fit.kept.members.items() if "column" in t}
@@ -190,7 +192,8 @@ def acts(facts: Facts, fit) -> float:
     members = fit.kept.members
     cols = {k for k, (_, t) in members.items() if "column" in t}  # one weight both (tied): its outputs all
     rows = {k for k, (_, t) in members.items() if "row" in t}  # summed, as its row use's is
-    return facts.inputs_read(cols) + sum(facts.activation_bytes(k)[1] for k in rows)
+    gathered = sum(facts.gathers.get(s, 0) for s in fit.kept.seeds)  # (top_k along the split: `_topk`)
+    return facts.inputs_read(cols) + sum(facts.activation_bytes(k)[1] for k in rows) + gathered
 
 
 COLLECTIVE_BYTES = 1 << 20

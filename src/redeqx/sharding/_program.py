@@ -30,6 +30,7 @@ import jax
 from .._trees import is_array_like
 from . import _loops
 from . import _ops
+from . import _topk
 from ._contract import contract, convolve, grouped_contract
 from ._facts import Facts
 from ._reader import Reader, View
@@ -49,6 +50,8 @@ HANDLERS.update({
     "dot_general": contract, "ragged_dot_general": grouped_contract, "conv_general_dilated": convolve, "scan": _loops.scan, "while": _loops.while_loop,
     "cond": _loops.cond, "<call>": _loops.call, "<unknown>": _ops.unknown,
 })
+HANDLERS.update({"top_k": _topk.top_k, "scatter": _topk.scatter})
+HANDLERS.update({name: _topk.carrying_indices(HANDLERS[name]) for name in _topk.CARRIES_INDICES})
 
 
 def read_program(model, loss_fn, batch, paths: list[str], model_state=None) -> Facts:

@@ -53,6 +53,7 @@ class Reader:
         # a matrix updated, sampled or masked by an activation of its own shape inside the loss (MAML's
         # `W - lr * dW`, `mu + softplus(rho) * eps`): that matrix where a product meets it with an activation
         self.perturbed: dict[Any, View] = {}
+        self.positions: dict[Any, tuple] = {}  # indices into a split dim (`_topk`): (seeds, dim, shape)
         self.trips = 1  # how many times the body being read runs in one step (scans' lengths multiplied)
         self.manual = 0  # how many bodies deep the reader is that lay out their own operands (shard_map)
 
