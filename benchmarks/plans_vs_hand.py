@@ -182,6 +182,10 @@ def _inner_gradients(key, P):
            inner.token_classes, sequences, lambda n: heads)
     yield ("linear attention with a learned initial state (256 wide, 8 heads of 32), 16 sequences of 32",
            inner.FastWeights(key, "linear", 256, 8, 32), inner.token_classes, sequences, lambda n: heads)
+    import test_rules_topk as topk
+    yield ("TopK sparse autoencoder (128 -> 2048 latents, top 32, written back with zeros.at[rows, idx].set), 256 "
+           "rows", topk.SAE(key, 128, 2048), topk.reconstruction(topk.WRITES["rows"], 32),
+           {"x": rng.normal(size=(256, 128)).astype(np.float32)}, lambda n: topk.HAND)
     import test_rules_reparametrised as rep
     yield ("Bayes by backprop (mu + softplus(rho) * eps; 64 -> 1024 -> 10), 64 vectors",
            rep.BayesMLP(key, 64, 1024, 10), rep.elbo,
