@@ -33,8 +33,9 @@ def elementwise(r: Reader, eqn) -> None:
     out = eqn.outvars[0]
     nd = len(_shape(out))
     views = [(v, r.view(v)) for v in eqn.invars]
+    updates = {v: u for v in eqn.invars if (u := r.updated(v)) is not None}  # (that weight where a split meets it)
     acts = [v for v, vw in views if vw is None and not r.is_static(v) and len(_shape(v)) == nd and nd
-            and r.updated(v) is None]  # (an update of a weight is that weight where a split meets it)
+            and v not in updates]
     weights = [vw for _, vw in views if vw is not None and len(_shape(_var(eqn, vw, views))) == nd]
     derived = any(r.is_derived(v) for v in eqn.invars)
     # (scalars only: learned queries added to zeros of their shape are rows of their own, `_contract`)
@@ -53,9 +54,8 @@ def elementwise(r: Reader, eqn) -> None:
             if tags.get(seed, dim) != dim:
                 r.facts.block(seed, f"{where} would need its output split on two dims at once")
             tags[seed] = dim
-    updates = [(v, r.updated(v)) for v in eqn.invars if r.updated(v) is not None]
     for seed, dim in tags.items():  # a weight applied elementwise to a split activation follows the split
-        for w in weights + [u for v, u in updates if len(_shape(v)) == nd]:
+        for w in weights + [u for v, u in updates.items() if len(_shape(v)) == nd]:
             for leaf, dims in w.parts:
                 if dims[dim] is not None:
                     r.facts.follow(seed, leaf, dims[dim], f"{eqn.primitive.name} with the split activation")

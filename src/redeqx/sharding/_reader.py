@@ -65,6 +65,10 @@ class Reader:
         """The weight ``v`` is an update of (`perturbed`), or None."""
         return None if isinstance(v, jcore.Literal) else self.perturbed.get(v)
 
+    def position(self, v) -> tuple | None:
+        """The split dim ``v`` indexes into (`positions`: seeds, dim, shape), or None."""
+        return None if isinstance(v, jcore.Literal) else self.positions.get(v)
+
     def moved_update(self, out, src, fn=lambda dims: dims) -> None:
         """``out`` is the weight update ``src`` is (`perturbed`), its dims moved by ``fn`` (a
         transpose, a scan's slice), or none (a body read before)."""

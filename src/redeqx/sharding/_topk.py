@@ -8,8 +8,6 @@ the operand's split was, and the layer that contracts them is its row partner.""
 
 from __future__ import annotations
 
-from jax.extend.core import Literal
-
 from . import _ops
 from ._reader import Reader, _shape, nbytes
 
@@ -37,7 +35,7 @@ def carrying_indices(handler):
     """``handler``, and its outputs hold the positions along a split dim that an input holds."""
     def run(r: Reader, eqn) -> None:
         handler(r, eqn)
-        found = next((r.positions[v] for v in eqn.invars if not isinstance(v, Literal) and v in r.positions), None)
+        found = next((p for v in eqn.invars if (p := r.position(v)) is not None), None)
         for out in eqn.outvars:
             if found is None:
                 r.positions.pop(out, None)  # (a body read before)
@@ -51,9 +49,9 @@ def scatter(r: Reader, eqn) -> None:
     a split dim of an activation of the operand's shape: its output is split there too."""
     _ops.scatter(r, eqn)
     operand, indices = eqn.invars[:2]
-    if isinstance(indices, Literal) or indices not in r.positions or not r.is_static(operand):
+    if r.position(indices) is None or not r.is_static(operand):
         return
-    seeds, axis, shape = r.positions[indices]
+    seeds, axis, shape = r.position(indices)
     if _shape(operand) == shape and axis in eqn.params["dimension_numbers"].scatter_dims_to_operand_dims:
         tags = dict(r.tag(eqn.outvars[0]))
         for seed in seeds:
