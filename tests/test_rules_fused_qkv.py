@@ -281,6 +281,54 @@ def test_a_glu_cut_by_chunk_is_said_with_the_layout_that_splits():
             assert len(caught) == 1 and "(..., hidden, 2) for a GLU" in caught[0], caught
 
 
+class RawStackedGLU(eqx.Module):
+    """Raw arrays in one module, the layers stacked and run by a scan, each a GLU whose value and gate
+    come from one matrix by ``jnp.split`` (or, interleaved, an inner dim of 2); a vocabulary head
+    the rules split: the block of the root's whole weights is said though the head beside it is
+    split (before, a block partly split was never said)."""
+
+    emb: jax.Array
+    up: jax.Array  # (layers, width, 2 * hidden)
+    down: jax.Array  # (layers, hidden, width)
+    head: jax.Array
+    interleaved: bool = eqx.field(static=True)
+
+    def __call__(self, tokens):
+        def layer(x, weights):
+            up, down = weights
+            h = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) @ up
+            if self.interleaved:
+                value, gate = jnp.moveaxis(h.reshape(*x.shape[:-1], -1, 2), -1, 0)
+            else:
+                value, gate = jnp.split(h, 2, axis=-1)
+            return x + (value * jax.nn.silu(gate)) @ down, None
+
+        return jax.lax.scan(layer, self.emb[tokens], (self.up, self.down))[0] @ self.head
+
+
+def test_raw_arrays_cut_by_jnp_split_beside_a_split_head_are_said():
+    width, hidden, vocab = 256, 1024, 16384
+    batch = {"tokens": jax.ShapeDtypeStruct((8, 2049), jnp.int32)}
+
+    def loss(model, batch, key):
+        logits = jax.vmap(model)(batch["tokens"][:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean()
+
+    for interleaved in (False, True):
+        model = RawStackedGLU(jax.ShapeDtypeStruct((vocab, width), jnp.float32),
+                              jax.ShapeDtypeStruct((2, width, 2 * hidden), jnp.float32),
+                              jax.ShapeDtypeStruct((2, hidden, width), jnp.float32),
+                              jax.ShapeDtypeStruct((width, vocab), jnp.float32), interleaved)
+        specs, caught = rules(model, 2, loss_fn=loss, batch=batch)
+        assert specs.head == P(None, "model")
+        if interleaved:
+            assert (specs.up, specs.down) == (P(None, None, "model"), P(None, "model", None)) and not caught
+        else:
+            assert specs.up == specs.down == P()
+            assert len(caught) == 1 and "wholly replicated at n_model_shards=2: up+down" in caught[0], caught
+            assert "(..., hidden, 2) for a GLU" in caught[0] and "overrides" not in caught[0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["chunk", "interleaved"])
 def test_vit_pytorch_trains_as_on_one_device_in_either_layout(layout, devices):

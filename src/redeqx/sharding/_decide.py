@@ -390,7 +390,9 @@ def replicated_blocks(d: _Decider) -> str | None:
     layout splits into (`_block_costs`): alone, each of a ViT-B's attention weights costs more split
     than whole at 32 images a step, while the pair per head costs 0.87x whole (estimated; compiled,
     whole moves 0.86x the bytes for 1.33x the FLOPs and 1.25x the peak memory at 2 shards:
-    `benchmarks/fused_layouts.py`)."""
+    `benchmarks/fused_layouts.py`). A block partly split counts its whole weights where one is cut
+    by index: DiT's block as written (its fused QKV whole beside a split MLP; per head, 0.84x / 0.64x
+    the bytes at 2 / 4 shards) or raw arrays at the root beside a split head."""
     if d.facts is None or d.n_model == 1 or d.unread is not None:
         return None
     by_block = _blocks(d, [use.leaf for use in d.facts.uses if use.kind == "matmul"])
@@ -398,23 +400,28 @@ def replicated_blocks(d: _Decider) -> str | None:
     total = sum(sizes.values())
     whole = {}
     for block, leaves in by_block.items():
-        roles = [d.roles.get(k) for k in leaves]
-        if len(leaves) >= 2 and not any(_splits(d, k) or _overridden(d, k) for k in leaves) and all(
-                r is not None and r.dim is None and r.refused is None for r in roles):
+        left = [k for k in leaves if not (_splits(d, k) or _overridden(d, k))]
+        if len(left) < len(leaves) and not any(CUTS_FEATURES in d.roles[k].reason for k in left if k in d.roles):
+            continue  # partly split (raw arrays at the root with a split head): said where a piece is cut
+        leaves, roles = left, [d.roles.get(k) for k in left]
+        if len(leaves) >= 2 and all(r is not None and r.dim is None and r.refused is None for r in roles):
             costs, lost, cut = _block_costs(d, leaves)
             held = sum(sizes[k] for k in leaves)
             if held > REPLICATED_SHARE * total and lost > 0:
                 dearest = max(leaves, key=lambda k: costs[k][1] - costs[k][0])
-                whole[block] = (held, lost, f"{d.facts.paths[dearest]}: {roles[leaves.index(dearest)].short}", cut)
+                name = block if block != "<root>" else "+".join(d.facts.paths[k] for k in leaves)
+                whole[name] = (held, lost, f"{d.facts.paths[dearest]}: {roles[leaves.index(dearest)].short}", cut)
     if not whole:
         return None
     names = sorted(whole)
     held, lost = sum(w[0] for w in whole.values()), sum(w[1] for w in whole.values())
+    cut = [w[3] for w in whole.values()]
     return (f"the program's plan leaves {len(names)} block(s) with matmuls wholly replicated at n_model_shards="
             f"{d.n_model}: {_listed(names)} ({human_bytes(held)} of {human_bytes(total)} of weights; split, they "
             f"would cost about {human_bytes(lost)} less a step (estimated); {whole[names[0]][2]}). Every device "
-            "holds and computes them whole; to split them, pass overrides=[(regex, spec)] (redeqx.explain(..., "
-            "reasons='full') gives each weight's reason)." + (FUSED if any(w[3] for w in whole.values()) else ""))
+            "holds and computes them whole" + ("" if all(cut) else "; to split them, pass overrides=[(regex, spec)] "
+                                               "(redeqx.explain(..., reasons='full') gives each weight's reason)")
+            + "." + (FUSED if any(cut) else ""))
 
 
 def _blocks(d: _Decider, leaves) -> dict[str, list[int]]:
@@ -447,8 +454,8 @@ def _block_costs(d: _Decider, leaves) -> tuple[dict[int, tuple[float, float]], f
 
 FUSED = (
     " A projection cut by index into pieces (q, k and v by timm's reshape or a chunk(3); a GLU's value "
-    "and gate by a chunk(2)) stores all of one piece's rows, then the next's, so no PartitionSpec gives "
-    "a device matching parts of every piece: reshape its output so the pieces are an inner dim, "
+    "and gate by a chunk(2) or jnp.split) stores all of one piece's rows, then the next's, so no "
+    "PartitionSpec gives a device matching parts of every piece: reshape its output so the pieces are an inner dim, "
     "(..., heads, 3, head_dim) for attention, (..., hidden, 2) for a GLU, and index it, or give each "
     "piece a layer of its own, and the rules split it Megatron's way (the layouts train alike from "
     "scratch; a checkpoint's rows need reordering).")
