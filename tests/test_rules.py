@@ -192,6 +192,32 @@ def test_explain_table(getkey):
     assert f"given (rules: {P()}, replicated)" in redeqx.explain(lm, edited, mesh, reasons="full")
 
 
+class FixedNoise(eqx.Module):
+    """A model that keeps a PRNG key among its arrays (fixed random features drawn from it)."""
+
+    layer: eqx.nn.Linear
+    key: jax.Array
+
+    def __call__(self, x):
+        return self.layer(x) + jax.random.normal(self.key, (4,))
+
+
+def test_a_model_holding_a_prng_key_is_explained_and_planned(getkey):
+    """``explain`` read each leaf's dtype through NumPy, which cannot read a key's: it raised. The
+    table gives the key its 8 bytes (two words), and `plan` counts them so too."""
+    model = FixedNoise(eqx.nn.Linear(8, 4, key=getkey()), jax.random.key(0))
+    mesh = redeqx.make_mesh(2)
+    table = redeqx.explain(model, redeqx.sharding_rules(model, mesh), mesh)
+    assert re.search(r"^key +\(\) +key<fry> +P\(\) +8 B ", table, re.M), table
+
+    def loss(model, batch, key):
+        return jnp.mean(jax.vmap(model)(batch["x"]) ** 2)
+
+    batch = {"x": jax.ShapeDtypeStruct((8, 8), jnp.float32)}
+    with_key, without = (redeqx.plan(m, loss, optax.sgd(0.1), batch, mesh).parameters for m in (model, model.layer))
+    assert with_key == without + 8
+
+
 class GPT2Embeddings(eqx.Module):
     wte: jax.Array  # (vocab, dim)
     wpe: jax.Array  # (positions, dim)

@@ -21,7 +21,6 @@ from typing import Any
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -200,8 +199,7 @@ def _leaf_bytes(tree) -> int:
         if isinstance(x, jax.ShapeDtypeStruct):
             sh = x.sharding
             shape = per_device_shape(x.shape, sh.spec, sh.mesh) if isinstance(sh, NamedSharding) else x.shape
-            itemsize = 4 if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else np.dtype(x.dtype).itemsize
-            total += math.prod(shape) * itemsize
+            total += math.prod(shape) * x.dtype.itemsize  # (a threefry key's: 8, its two words)
     return total
 
 

@@ -7,7 +7,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import jax
-import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from ..mesh import DATA, MODEL, check_mesh
@@ -240,12 +239,12 @@ def explain(model, specs, mesh: Mesh, *, loss_fn: Callable | None = None, batch:
         if why is None:
             why = "given" if not found else (f"given (rules: {found[0].spec}, {found[0].reason})" if full
                                              else f"given (rules: {found[0].spec})")
-        itemsize = np.dtype(leaf.dtype).itemsize
+        itemsize = leaf.dtype.itemsize  # (a PRNG key's dtype has one too; NumPy cannot read it)
         dev = math.prod(per_device_shape(leaf.shape, spec, mesh)) * itemsize
         total += math.prod(leaf.shape) * itemsize
         per_dev += dev
         n_arrays += 1
-        rows.append((path, str(tuple(leaf.shape)), str(np.dtype(leaf.dtype)), str(spec), human_bytes(dev), why))
+        rows.append((path, str(tuple(leaf.shape)), str(leaf.dtype), str(spec), human_bytes(dev), why))
     return _table(rows, total, per_dev, n_arrays, mesh)
 
 
