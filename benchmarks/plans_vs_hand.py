@@ -72,6 +72,13 @@ def cases():
             "y": np.zeros((16,), np.int32)},
            lambda n: [(r"expand\.weight|dw\.weight", P("model", None, None, None)),
                       (r"project\.weight", P(None, "model", None, None))])
+    yield ("EfficientNet-style MBConv blocks with squeeze-excite, 4 of 64 (256) channels, 16 x 16 pixels",
+           choice.EfficientNetStack(key), choice.loss_fn,
+           {"x": np.random.default_rng(0).normal(size=(16, 3, 16, 16)).astype(np.float32),
+            "y": np.zeros((16,), np.int32)},
+           lambda n: [(r"expand\.weight|dw\.weight|se2\.weight", P("model", None, None, None)),
+                      (r"expand\.bias|dw\.bias|se2\.bias", P("model", None, None)),
+                      (r"proj\.weight|se1\.weight", P(None, "model", None, None)), (r"stem|head|\.bias", P())])
     import test_rules_alone as alone
     yield ("DiT at DiT-XL's width (1152, 2 blocks, 16 patches of 8 images): Megatron's pairs, each adaLN modulation row-parallel alone, the rest whole",
            alone.DiT(1152, key=key), alone.noise_loss, alone.noisy_patches(abstract=False),

@@ -181,3 +181,59 @@ def test_a_deep_chain_of_convs_is_split_megatron_not_on_its_stream(depth, many, 
             assert block.expand.weight == block.dw.weight == P("model", None, None, None), (depth, n)
             assert block.project.weight == P(None, "model", None, None), (depth, n)
         assert specs.stem.weight == P(), (depth, n)
+
+
+class MBConv(eqx.Module):
+    """EfficientNet's block: a 1x1 expansion, a depthwise conv, squeeze-excite (two 1x1 convs on the
+    pooled channels, gating them), a 1x1 projection, residual."""
+
+    expand: eqx.nn.Conv2d
+    dw: eqx.nn.Conv2d
+    se1: eqx.nn.Conv2d
+    se2: eqx.nn.Conv2d
+    proj: eqx.nn.Conv2d
+
+    def __init__(self, key, c=64, e=256, r=16):
+        k = jax.random.split(key, 5)
+        self.expand, self.dw = eqx.nn.Conv2d(c, e, 1, key=k[0]), eqx.nn.Conv2d(e, e, 3, padding=1, groups=e, key=k[1])
+        self.se1, self.se2 = eqx.nn.Conv2d(e, r, 1, key=k[2]), eqx.nn.Conv2d(r, e, 1, key=k[3])
+        self.proj = eqx.nn.Conv2d(e, c, 1, key=k[4])
+
+    def __call__(self, x):
+        h = jax.nn.silu(self.dw(jax.nn.silu(self.expand(x))))
+        h = h * jax.nn.sigmoid(self.se2(jax.nn.silu(self.se1(jnp.mean(h, (1, 2), keepdims=True)))))
+        return x + self.proj(h)
+
+
+class EfficientNetStack(eqx.Module):
+    stem: eqx.nn.Conv2d
+    blocks: list
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k = jax.random.split(key, 6)
+        self.stem, self.head = eqx.nn.Conv2d(3, 64, 3, padding=1, key=k[0]), eqx.nn.Linear(64, 10, key=k[5])
+        self.blocks = [MBConv(kk) for kk in k[1:5]]
+
+    def __call__(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(jnp.mean(x, (1, 2)))
+
+
+def test_blocks_of_one_kind_take_one_of_their_competing_splits():
+    """Each MBConv's expansion/projection pair competes with its squeeze-excite pair. Weighed set by
+    set, the plan at 4 shards split the squeeze-excite pairs of the first three blocks and the
+    expansion/projection pair of the last alone (splitting all four squeeze-excite pairs would take
+    the stream split besides): now every block takes the same one."""
+    model = eqx.filter_eval_shape(EfficientNetStack, jax.random.key(0))
+    batch = {"x": jax.ShapeDtypeStruct((16, 3, 16, 16), jnp.float32), "y": jax.ShapeDtypeStruct((16,), jnp.int32)}
+    for n in (2, 4):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            specs = redeqx.sharding_rules(model, redeqx.make_mesh(n), loss_fn=loss_fn, batch=batch)
+        layouts = {tuple(jax.tree.leaves(b, is_leaf=lambda x: isinstance(x, P))) for b in specs.blocks}
+        assert len(layouts) == 1, (n, layouts)
+    assert specs.blocks[0].expand.weight == P("model", None, None, None)  # at 4: Megatron's pairs
+    assert specs.blocks[0].proj.weight == P(None, "model", None, None)

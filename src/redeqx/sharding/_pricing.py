@@ -139,7 +139,15 @@ class Cost(NamedTuple):
         """The set in ``sets`` that costs least, where what it costs apart from what it shares with
         ``heaviest`` (the same groups, the same leaves split or whole) is under `CLEARLY_CHEAPER` of
         what ``heaviest`` costs apart from that, and its weights left whole beyond ``heaviest``'s fit
-        the memory budget (`Pricing.affords`); else ``heaviest``."""
+        the memory budget (`Pricing.affords`); else ``heaviest``. Blocks of one kind are one choice
+        here too: where some sets split every block of a kind or none of them, only those are
+        weighed. Weighed one by one, an EfficientNet-style stack of MBConv blocks, each choosing
+        between its expansion/projection pair and its squeeze-excite pair, split the pair in its last
+        block alone (the stream split is the only other way to split all four squeeze-excite pairs)."""
+        kinds: dict[tuple, set[int]] = {}
+        for j in component:
+            kinds.setdefault(_kind_of(self.facts, fits[j].kept.members), set()).add(j)
+        sets = [pick for pick in sets if all(g <= set(pick) or not g & set(pick) for g in kinds.values())] or sets
         nb = self.pricing.n_batch
         summed = {}  # each group `price` would not keep whole -> the activations it sums
         for j in component:
