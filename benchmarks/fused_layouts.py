@@ -39,6 +39,12 @@ def cases():
                                  eqx.nn.Linear(4096, 1024, use_bias=False, key=k2), interleaved)
             for name, interleaved in (("chunk", False), ("interleaved", True))},
            glu_loss, {"x": np.zeros((16, 64, 1024), np.float32)})
+    import test_rules_alone as alone
+
+    yield ("DiT at DiT-XL's width (1152, 2 blocks, 16 patches of 8 images): its fused QKV cut by timm's reshape, "
+           "beside an MLP the rules split", {layout: alone.DiT(1152, key=jax.random.key(0), interleaved=interleaved)
+                                             for layout, interleaved in (("chunk", False), ("interleaved", True))},
+           alone.noise_loss, alone.noisy_patches(abstract=False))
 
 
 def measure(tpu: bool) -> dict:

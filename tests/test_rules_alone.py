@@ -35,19 +35,26 @@ class DiTBlock(eqx.Module):
     fc2: eqx.nn.Linear
     modulation: eqx.nn.Linear
     heads: int = eqx.field(static=True)
+    interleaved: bool = eqx.field(static=True)  # q, k, v an inner dim, (heads, 3, head_dim): the layout that splits
 
-    def __init__(self, d, key, heads=4):
+    def __init__(self, d, key, heads=4, interleaved=False):
         k = jax.random.split(key, 5)
         self.qkv, self.proj = eqx.nn.Linear(d, 3 * d, key=k[0]), eqx.nn.Linear(d, d, key=k[1])
         self.fc1, self.fc2 = eqx.nn.Linear(d, 4 * d, key=k[2]), eqx.nn.Linear(4 * d, d, key=k[3])
-        self.modulation, self.heads = eqx.nn.Linear(d, 6 * d, key=k[4]), heads
+        self.modulation, self.heads, self.interleaved = eqx.nn.Linear(d, 6 * d, key=k[4]), heads, interleaved
 
     def __call__(self, x, c):  # (T, D), (D,)
         shift1, scale1, gate1, shift2, scale2, gate2 = jnp.split(self.modulation(jax.nn.silu(c)), 6)
         t, d = x.shape
-        qkv = jax.vmap(self.qkv)(_modulated(x, shift1, scale1)).reshape(t, 3, self.heads, d // self.heads)
-        scores = jnp.einsum("thd,shd->hts", qkv[:, 0], qkv[:, 1]) / math.sqrt(d // self.heads)
-        attended = jnp.einsum("hts,shd->thd", jax.nn.softmax(scores), qkv[:, 2]).reshape(t, d)
+        qkv = jax.vmap(self.qkv)(_modulated(x, shift1, scale1))
+        if self.interleaved:
+            qkv = qkv.reshape(t, self.heads, 3, d // self.heads)
+            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        else:
+            qkv = qkv.reshape(t, 3, self.heads, d // self.heads)
+            q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+        scores = jnp.einsum("thd,shd->hts", q, k) / math.sqrt(d // self.heads)
+        attended = jnp.einsum("hts,shd->thd", jax.nn.softmax(scores), v).reshape(t, d)
         x = x + gate1[None] * jax.vmap(self.proj)(attended)
         h = jax.vmap(self.fc1)(_modulated(x, shift2, scale2))
         return x + gate2[None] * jax.vmap(self.fc2)(jax.nn.gelu(h))
@@ -66,13 +73,14 @@ class DiT(eqx.Module):
     head: eqx.nn.Linear
     stacked: bool = eqx.field(static=True)
 
-    def __init__(self, d, *, key, depth=2, features=16, stacked=False):
+    def __init__(self, d, *, key, depth=2, features=16, stacked=False, interleaved=False):
         k = jax.random.split(key, 7)
         self.classes = eqx.nn.Embedding(10, d, key=k[6])
         self.stem, self.head = eqx.nn.Linear(features, d, key=k[0]), eqx.nn.Linear(d, features, key=k[1])
         self.time1, self.time2 = eqx.nn.Linear(32, d, key=k[2]), eqx.nn.Linear(d, d, key=k[3])
         keys = jax.random.split(k[4], depth)
-        self.blocks = eqx.filter_vmap(lambda kk: DiTBlock(d, kk))(keys) if stacked else [DiTBlock(d, kk) for kk in keys]
+        block = lambda kk: DiTBlock(d, kk, interleaved=interleaved)  # noqa: E731
+        self.blocks = eqx.filter_vmap(block)(keys) if stacked else [block(kk) for kk in keys]
         self.final_modulation, self.stacked = eqx.nn.Linear(d, 2 * d, key=k[5]), stacked
 
     def __call__(self, x, t, label):  # (T, F), (), () -> (T, F)
@@ -119,7 +127,7 @@ def test_a_dit_splits_its_modulation_alone_on_its_input(stacked):
     memory of this plan at 2 / 4 shards). The fused QKV, cut by index over every token, stays
     whole, and the MLP is Megatron's pair. The warning says the QKV's layout that splits: laid out
     (heads, 3, head_dim), the rules split the attention per head, 0.84x / 0.64x the bytes, 0.76x /
-    0.51x the FLOPs and 0.74x / 0.53x the peak memory at 2 / 4 shards (compiled on 8 CPU devices;
+    0.51x the FLOPs and 0.74x / 0.53x the peak memory at 2 / 4 shards (`benchmarks/fused_layouts.py`;
     before, a block partly split was never said)."""
     model = eqx.filter_eval_shape(lambda: DiT(1152, key=jax.random.key(0), stacked=stacked))
     layer = (None,) if stacked else ()
