@@ -401,7 +401,7 @@ def replicated_blocks(d: _Decider) -> str | None:
     whole = {}
     for block, leaves in by_block.items():
         left = [k for k in leaves if not (_splits(d, k) or _overridden(d, k))]
-        if len(left) < len(leaves) and not any(CUTS_FEATURES in d.roles[k].reason for k in left if k in d.roles):
+        if len(left) < len(leaves) and not any(_cut(d, k) for k in left):
             continue  # partly split (raw arrays at the root with a split head): said where a piece is cut
         leaves, roles = left, [d.roles.get(k) for k in left]
         if len(leaves) >= 2 and all(r is not None and r.dim is None and r.refused is None for r in roles):
@@ -445,7 +445,7 @@ def _block_costs(d: _Decider, leaves) -> tuple[dict[int, tuple[float, float]], f
     them would save, and whether the block is a fused projection cut by index (its features cut
     into pieces): priced as the column/row pair its other layout splits into (the block one choice),
     else each weight split alone (each its own choice, those that would save counted)."""
-    cut = any(CUTS_FEATURES in d.roles[k].reason for k in leaves)
+    cut = any(_cut(d, k) for k in leaves)
     costs = {k: d._estimate(k, paired=cut)[:2] for k in leaves}
     lost = (sum(whole - split for split, whole in costs.values()) if cut else
             sum(max(0.0, whole - split) for split, whole in costs.values()))
@@ -459,6 +459,11 @@ FUSED = (
     "(..., heads, 3, head_dim) for attention, (..., hidden, 2) for a GLU, and index it, or give each "
     "piece a layer of its own, and the rules split it Megatron's way (the layouts train alike from "
     "scratch; a checkpoint's rows need reordering).")
+
+
+def _cut(d: _Decider, k: int) -> bool:
+    """Whether the program read weight ``k``'s output features cut by index (a fused projection)."""
+    return k in d.roles and CUTS_FEATURES in d.roles[k].reason
 
 
 def _overridden(d: _Decider, k: int) -> bool:
